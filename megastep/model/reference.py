@@ -1,0 +1,323 @@
+"""Reference decode of DeepSeek-V4 in plain PyTorch: the oracle every fast path is checked against.
+
+It follows the official `inference/model.py` (MODEL_SPEC §3-4) one token at a time. Processing
+tokens singly makes the state semantics trivially exact: a prefill of P tokens in any chunking,
+followed by N decode steps, gives bit-identical logits to one pass over P+N tokens.
+
+Numerics (explicit choices, pinned by tests):
+- `dtype` is the activation dtype: bf16 as in the official code (default) or fp32 (used for the
+  parity tests against transformers, which then runs in fp32 too).
+- Every matmul accumulates in fp32 and rounds its output to `dtype`; the compressor, router gate,
+  mHC mixes and lm head keep fp32 outputs, as in the official code.
+- Quantized weights are dequantized once at load (exact: e4m3/e2m1 times a power of two fits in
+  bf16 and fp32). With `quant_sim` on (default), activations entering an FP8/FP4 linear are
+  fp8-quantized per `act_block` channels, the window and compressed KV nope dims per 64, and the
+  indexer's queries and keys are Hadamard-rotated and fp4-quantized per 32, as the official code
+  does (MODEL_SPEC §3). `wo_a` is dequantized to a plain weight with no activation quantization,
+  as in the official code.
+- Index scores are computed in fp32 (the official code uses bf16 einsums; fp32 is the more
+  accurate choice and the one the fast kernels take). Selected entries are sorted ascending.
+- Routed experts are summed in ascending expert id (the official order), then the shared expert.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megastep.checkpoint import formats
+from megastep.config import CSA_RATIO, ModelConfig
+from megastep.errors import UserError
+from megastep.model.state import CompressorState, SequenceState
+
+KV_SIM_BLOCK = 64  # fp8 simulation block on the KV nope dims
+INDEX_SIM_BLOCK = 32  # fp4 simulation block in the indexer
+
+
+def rope_inv_freq(cfg: ModelConfig, compressed: bool) -> torch.Tensor:
+    """Inverse frequencies [rope_dim/2], fp32, computed as the official `precompute_freqs_cis`:
+    theta 10000 without YaRN on sliding layers, compress_rope_theta with YaRN on compressed ones."""
+    dim = cfg.qk_rope_head_dim
+    base = cfg.compress_rope_theta if compressed else cfg.rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    rs = cfg.rope_scaling
+    if compressed and rs is not None:
+        def corr(rot: float) -> float:
+            return dim * math.log(rs.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr(rs.beta_fast)), 0)
+        high = min(math.ceil(corr(rs.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        freqs = freqs / rs.factor * ramp + freqs * (1 - ramp)
+    return freqs
+
+
+def apply_rope(x: torch.Tensor, inv_freq: torch.Tensor, pos: int, inverse: bool = False) -> torch.Tensor:
+    """GPT-J interleaved RoPE on the trailing 2*len(inv_freq) dims of x (fp32 math)."""
+    rd = 2 * inv_freq.numel()
+    ang = torch.tensor(float(pos), dtype=torch.float32) * inv_freq
+    cos, sin = ang.cos().to(x.device), ang.sin().to(x.device)
+    if inverse:
+        sin = -sin
+    r = x[..., -rd:].float().unflatten(-1, (-1, 2))
+    a, b = r[..., 0], r[..., 1]
+    rot = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rd], rot.to(x.dtype)], dim=-1)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (y if w is None else w * y).to(x.dtype)
+
+
+def sinkhorn_mixes(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
+    """Split the 24 (for hc=4) mHC mixes into pre [hc], post [hc], comb [hc, hc] (MODEL_SPEC §3)."""
+    pre = torch.sigmoid(mixes[:hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = mixes[2 * hc :].view(hc, hc) * scale[2] + base[2 * hc :].view(hc, hc)
+    comb = torch.softmax(comb, dim=-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [H, d], kv [N, d] (K = V, one shared head), sink [H] -> [H, d]; fp32 math."""
+    s = (q.float() @ kv.float().T) * scale  # [H, N]
+    m = s.amax(-1, keepdim=True)
+    e = torch.exp(s - m)
+    denom = e.sum(-1, keepdim=True) + torch.exp(sink.float()[:, None] - m)
+    return ((e / denom) @ kv.float()).to(q.dtype)
+
+
+class ReferenceModel:
+    """Stateful single-sequence decode: `forward(state, ids)` -> fp32 logits [T, vocab]."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        quant_sim: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ):
+        self.cfg = cfg
+        self.quant_sim = quant_sim
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else next(iter(weights.values())).device
+        self.act_block = cfg.act_block
+        self.w: dict[str, torch.Tensor] = {}
+        self.quantized: set[str] = set()  # weights whose linears take quantized activations
+        for name, t in weights.items():
+            if name.endswith(".scale") or name.startswith("mtp."):
+                continue
+            t = t.to(self.device)
+            if t.dtype == torch.float8_e4m3fn:
+                t = formats.dequantize_fp8_weight(t, weights[name[: -len(".weight")] + ".scale"].to(self.device), cfg.fp8_block)
+                self.quantized.add(name)
+            elif t.dtype == torch.int8:
+                t = formats.dequantize_mxfp4_weight(t, weights[name[: -len(".weight")] + ".scale"].to(self.device))
+                self.quantized.add(name)
+            if t.is_floating_point():
+                # fp32 parameters stay fp32 (mHC, sinks, ape, gate bias); matmul weights are
+                # stored in the activation dtype (exact for dequantized FP8/FP4 values).
+                t = t.float() if t.dtype == torch.float32 or dtype == torch.float32 else t.to(torch.bfloat16)
+            self.w[name] = t
+        self.inv_freq = {c: rope_inv_freq(cfg, c).to(self.device) for c in (False, True)}
+
+    # ---- building blocks --------------------------------------------------------------
+    def new_state(self) -> SequenceState:
+        return SequenceState.create(self.cfg, self.dtype, self.device)
+
+    def linear(self, x: torch.Tensor, name: str, out_fp32: bool = False) -> torch.Tensor:
+        """y = x W^T with fp32 accumulation; FP8/FP4 weights first quantize x (when simulating)."""
+        w = self.w[name]
+        if self.quant_sim and name in self.quantized:
+            x = formats.fp8_act_sim(x, self.act_block)
+        y = x.float() @ w.float().T
+        return y if out_fp32 else y.to(x.dtype)
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return rms_norm(x, self.w[name].float(), self.cfg.rms_norm_eps)
+
+    def hc_pre(self, h: torch.Tensor, prefix: str):
+        """mHC pre: h [hc, D] -> (collapsed [D], post [hc], comb [hc, hc])."""
+        cfg = self.cfg
+        xf = h.flatten().float()
+        mixes = (self.w[prefix + "_fn"] @ xf) * torch.rsqrt(xf.square().mean() + cfg.rms_norm_eps)
+        pre, post, comb = sinkhorn_mixes(
+            mixes, self.w[prefix + "_scale"], self.w[prefix + "_base"], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
+        )
+        return (pre[:, None] * h.float()).sum(0).to(h.dtype), post, comb
+
+    @staticmethod
+    def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """Output stream k = post[k] * y + sum_j comb[j, k] * h[j]."""
+        out = post[:, None] * y.float()[None, :] + (comb[:, :, None] * h.float()[:, None, :]).sum(0)
+        return out.to(h.dtype)
+
+    # ---- compressor ---------------------------------------------------------------------
+    def compress(self, x: torch.Tensor, st: CompressorState, prefix: str, ratio: int, dim: int, pos: int, rotate: bool):
+        """Feed one token into a compressor; when its window closes, append one entry.
+
+        Overlapping (ratio 4) compressors project to 2*dim channels [Ca | Cb]; an entry pools
+        the previous window's Ca rows with the current window's Cb rows (8 rows per channel)."""
+        xf = x.float()
+        kv = xf @ self.w[prefix + ".wkv.weight"].float().T
+        score = xf @ self.w[prefix + ".wgate.weight"].float().T + self.w[prefix + ".ape"][pos % ratio]
+        overlap = ratio == CSA_RATIO
+        row = (ratio if overlap else 0) + pos % ratio
+        st.kv[row], st.score[row] = kv, score
+        if (pos + 1) % ratio:
+            return
+        if overlap:
+            kvs = torch.cat([st.kv[:ratio, :dim], st.kv[ratio:, dim:]], 0)
+            scs = torch.cat([st.score[:ratio, :dim], st.score[ratio:, dim:]], 0)
+            st.kv[:ratio], st.score[:ratio] = st.kv[ratio:].clone(), st.score[ratio:].clone()
+        else:
+            kvs, scs = st.kv, st.score
+        e = (kvs * torch.softmax(scs, dim=0)).sum(0)
+        e = self.norm(e.to(self.dtype), prefix + ".norm.weight")
+        e = apply_rope(e, self.inv_freq[True], pos + 1 - ratio)
+        if self.quant_sim:
+            if rotate:
+                e = formats.fp4_act_sim(formats.hadamard_rotate(e), INDEX_SIM_BLOCK)
+            else:
+                e = self._kv_sim(e)
+        st.entries.append(e)
+
+    def _kv_sim(self, kv: torch.Tensor) -> torch.Tensor:
+        """fp8-simulate the nope dims of a KV row; the RoPE dims stay in full precision."""
+        nope = self.cfg.nope_head_dim
+        return torch.cat([formats.fp8_act_sim(kv[..., :nope], KV_SIM_BLOCK), kv[..., nope:]], -1)
+
+    # ---- attention ----------------------------------------------------------------------
+    def indexer_topk(self, x: torch.Tensor, qr: torch.Tensor, st: CompressorState, L: int, pos: int) -> torch.Tensor:
+        cfg = self.cfg
+        p = f"layers.{L}.attn.indexer"
+        self.compress(x, st, p + ".compressor", CSA_RATIO, cfg.index_head_dim, pos, rotate=True)
+        visible = (pos + 1) // CSA_RATIO
+        if visible == 0:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        q = self.linear(qr, p + ".wq_b.weight").view(cfg.index_n_heads, cfg.index_head_dim)
+        q = apply_rope(q, self.inv_freq[True], pos)
+        if self.quant_sim:
+            q = formats.fp4_act_sim(formats.hadamard_rotate(q), INDEX_SIM_BLOCK)
+        w = self.linear(x, p + ".weights_proj.weight").float() * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        keys = st.entries.rows[:visible]
+        scores = (torch.relu(q.float() @ keys.float().T) * w[:, None]).sum(0)  # [visible]
+        k = min(cfg.index_topk, visible)
+        return scores.topk(k).indices.sort().values
+
+    def attention(self, x: torch.Tensor, L: int, pos: int, ls) -> torch.Tensor:
+        cfg = self.cfg
+        p = f"layers.{L}.attn"
+        ratio = cfg.ratio(L)
+        inv_freq = self.inv_freq[ratio > 0]
+        H, hd = cfg.num_attention_heads, cfg.head_dim
+
+        qr = self.norm(self.linear(x, p + ".wq_a.weight"), p + ".q_norm.weight")
+        q = self.linear(qr, p + ".wq_b.weight").view(H, hd)
+        q = rms_norm(q, None, cfg.rms_norm_eps)
+        q = apply_rope(q, inv_freq, pos)
+
+        kv = self.norm(self.linear(x, p + ".wkv.weight"), p + ".kv_norm.weight")
+        kv = apply_rope(kv, inv_freq, pos)
+        if self.quant_sim:
+            kv = self._kv_sim(kv)
+        W = cfg.sliding_window
+        ls.window[pos % W] = kv
+        parts = [ls.window[: min(pos + 1, W)]]
+
+        if ratio:
+            selected = None
+            if ratio == CSA_RATIO:
+                selected = self.indexer_topk(x, qr, ls.indexer, L, pos)
+            self.compress(x, ls.compressor, p + ".compressor", ratio, hd, pos, rotate=False)
+            entries = ls.compressor.entries.rows[: (pos + 1) // ratio]
+            parts.append(entries if selected is None else entries[selected])
+
+        o = sparse_attention(q, torch.cat(parts, 0), self.w[p + ".attn_sink"], hd**-0.5)
+        o = apply_rope(o, inv_freq, pos, inverse=True)
+
+        G = cfg.o_groups
+        wo_a = self.w[p + ".wo_a.weight"].float().view(G, cfg.o_lora_rank, -1)
+        u = torch.einsum("gd,grd->gr", o.float().view(G, -1), wo_a).to(x.dtype)
+        return self.linear(u.flatten(), p + ".wo_b.weight")
+
+    # ---- MoE ----------------------------------------------------------------------------
+    def expert(self, x: torch.Tensor, prefix: str, weight: torch.Tensor | None = None) -> torch.Tensor:
+        lim = self.cfg.swiglu_limit
+        g = self.linear(x, prefix + ".w1.weight").float()
+        u = self.linear(x, prefix + ".w3.weight").float()
+        if lim > 0:
+            g, u = g.clamp(max=lim), u.clamp(-lim, lim)
+        a = F.silu(g) * u
+        if weight is not None:
+            a = weight * a  # official order: routing weight before w2
+        return self.linear(a.to(x.dtype), prefix + ".w2.weight")
+
+    def route(self, x: torch.Tensor, L: int, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        p = f"layers.{L}.ffn.gate"
+        scores = torch.sqrt(F.softplus(self.linear(x, p + ".weight", out_fp32=True)))
+        if cfg.is_hash_layer(L):
+            idx = self.w[p + ".tid2eid"][token].long()
+        else:
+            idx = (scores + self.w[p + ".bias"]).topk(cfg.num_experts_per_tok).indices
+        w = scores[idx]
+        w = w / w.sum() * cfg.routed_scaling_factor
+        return idx, w
+
+    def moe(self, x: torch.Tensor, L: int, token: int) -> torch.Tensor:
+        p = f"layers.{L}.ffn"
+        idx, w = self.route(x, L, token)
+        y = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device)
+        for slot in torch.argsort(idx).tolist():  # ascending expert id, as the official loop
+            y += self.expert(x, f"{p}.experts.{int(idx[slot])}", w[slot]).float()
+        y += self.expert(x, p + ".shared_experts").float()
+        return y.to(x.dtype)
+
+    # ---- whole step ---------------------------------------------------------------------
+    def step(self, state: SequenceState, token: int) -> torch.Tensor:
+        """Decode one token at position state.pos; returns fp32 logits [vocab]."""
+        cfg = self.cfg
+        pos = state.pos
+        h = self.w["embed.weight"][token].to(self.dtype).expand(cfg.hc_mult, -1)
+        for L in range(cfg.num_hidden_layers):
+            pre = f"layers.{L}."
+            x, post, comb = self.hc_pre(h, pre + "hc_attn")
+            h = self.hc_post(self.attention(self.norm(x, pre + "attn_norm.weight"), L, pos, state.layers[L]), h, post, comb)
+            x, post, comb = self.hc_pre(h, pre + "hc_ffn")
+            h = self.hc_post(self.moe(self.norm(x, pre + "ffn_norm.weight"), L, token), h, post, comb)
+        xf = h.flatten().float()
+        mixes = (self.w["hc_head_fn"] @ xf) * torch.rsqrt(xf.square().mean() + cfg.rms_norm_eps)
+        pre = torch.sigmoid(mixes * self.w["hc_head_scale"] + self.w["hc_head_base"]) + cfg.hc_eps
+        z = self.norm((pre[:, None] * h.float()).sum(0).to(self.dtype), "norm.weight")
+        state.pos += 1
+        return z.float() @ self.w["head.weight"].float().T
+
+    @torch.inference_mode()
+    def forward(self, state: SequenceState, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Consume tokens at positions state.pos.. and return their fp32 logits [T, vocab]."""
+        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        if not ids:
+            raise UserError("empty prompt: give at least one token")
+        if state.pos + len(ids) > self.cfg.max_position_embeddings:
+            raise UserError(
+                f"sequence of {state.pos + len(ids)} tokens exceeds the model's limit of "
+                f"{self.cfg.max_position_embeddings} (max_position_embeddings)"
+            )
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        return torch.stack([self.step(state, t) for t in ids])
