@@ -127,3 +127,84 @@ def test_paths_are_live(checkpoint):
         m = ReferenceModel(cfg, w2, quant_sim=False, dtype=torch.float32)
         moved = (m.forward(m.new_state(), ids) - base).abs().max()
         assert moved > 1e-3, f"{key} has no effect on the logits"
+
+
+QUANTIZED_FP8 = (".wq_a.weight", ".wq_b.weight", ".wkv.weight", ".wo_a.weight", ".wo_b.weight", "shared_experts.w1.weight",
+                 "shared_experts.w2.weight", "shared_experts.w3.weight")
+
+
+def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(tmp_path):
+    """MODEL_SPEC §9.1 tier 5: the tiny model stored in the official formats (FP8 block-scaled,
+    MXFP4 experts) decodes like transformers running the dequantized weights (sims off)."""
+    from megastep.checkpoint import formats
+    from megastep.config import QuantConfig
+
+    ratios = LAYOUTS["mixed"]
+    block = 32
+    cfg = ModelConfig(num_hidden_layers=len(ratios), compress_ratios=ratios, **TINY).replace(
+        quantization_config=QuantConfig(weight_block_size=(block, block)), expert_dtype="fp4"
+    )
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV4ForCausalLM(hf_config(cfg)).float().eval()
+    healthy_init(hf, seed=11)
+    official = export_official(hf)
+    stored: dict[str, torch.Tensor] = {}
+    for name, t in official.items():
+        if ".experts." in name and ".shared_experts." not in name:
+            q, s = formats.quantize_mxfp4_weight(t)
+            # the values transformers gets are computed without megastep's unpacking, so a
+            # wrong nibble order or scale layout in the loader path would show
+            sc = formats.e8m0_to_float(s).repeat_interleave(32, 1)
+            deq = formats.round_e2m1(t / sc) * sc
+        elif name.endswith(QUANTIZED_FP8) or name.endswith("indexer.wq_b.weight"):
+            q, s = formats.quantize_fp8_weight(t, block)
+            sc = formats.e8m0_to_float(s).repeat_interleave(block, 0).repeat_interleave(block, 1)[: t.shape[0], : t.shape[1]]
+            deq = formats.round_e4m3(t / sc) * sc
+        else:
+            stored[name] = t.to(torch.bfloat16) if t.dtype == torch.float32 and _is_bf16_in_official(name) else t
+            continue
+        stored[name], stored[name[: -len(".weight")] + ".scale"] = q, s
+        official[name] = deq
+    # transformers gets exactly the values the checkpoint holds
+    hf_values = {k: (v.float() if v.is_floating_point() else v) for k, v in stored.items() if not k.endswith(".scale")}
+    hf_values.update({k: official[k] for k in hf_values if stored[k].dtype in (torch.float8_e4m3fn, torch.int8)})
+    _load_official_into_hf(hf, hf_values)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    save_file(stored, str(tmp_path / "model.safetensors"))
+
+    cfg2, weights = load_checkpoint(tmp_path, progress=False)
+    assert cfg2 == cfg and weights["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    ref = ReferenceModel(cfg, weights, quant_sim=False, dtype=torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (1, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = hf(ids).logits[0]
+    got = ref.forward(ref.new_state(), ids[0])
+    assert want.abs().max() > 1.0
+    assert (got - want).abs().max() <= TOL * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def _is_bf16_in_official(name: str) -> bool:
+    """BF16 in the official checkpoint (MODEL_SPEC §2.1); fp32 tensors stay fp32."""
+    return not name.endswith(("attn_sink", ".ape", "gate.bias", "_fn", "_base", "_scale"))
+
+
+def _load_official_into_hf(hf, values: dict[str, torch.Tensor]) -> None:
+    from hf_compat import official_name
+
+    by_official = {}
+    for key, p in list(hf.named_parameters()) + list(hf.named_buffers()):
+        by_official[official_name(key)] = (key, p)
+    with torch.no_grad():
+        for key, p in hf.named_parameters():
+            if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                L = key.split(".")[2]
+                for e in range(p.shape[0]):
+                    base = f"layers.{L}.ffn.experts.{e}"
+                    if key.endswith("gate_up_proj"):
+                        p[e].copy_(torch.cat([values[f"{base}.w1.weight"], values[f"{base}.w3.weight"]]))
+                    else:
+                        p[e].copy_(values[f"{base}.w2.weight"])
+        for name, v in values.items():
+            if name in by_official:
+                by_official[name][1].copy_(v)
