@@ -1,0 +1,1 @@
+"""Runtime: the engine the scheduler drives (engine.py) and the scheduler itself (scheduler.py)."""

@@ -1,0 +1,182 @@
+"""The model as the scheduler sees it: sequences that take tokens and give back next-token logits.
+
+The scheduler (and through it the server) only ever talks to an `Engine`:
+
+    seq = engine.new_sequence()                  # takes per-sequence state
+    logits = engine.forward_batch([(seq, ids)])   # one [vocab] fp32 row per entry: logits after ids[-1]
+    engine.free(seq)                              # gives the state back
+
+`forward_batch` gets every row of one scheduler step at once (decode rows of one token first, then at
+most one prefill chunk), so a GPU engine can run them as one batched step; the CPU reference engine
+runs them one after the other. Row results must not depend on which other rows share the step: that
+is what makes a request's output the same alone and under load.
+
+Two engines live here:
+  * `ReferenceEngine` wraps the plain-PyTorch reference decode (`megastep.model.reference`).
+  * `FakeEngine` is a tiny deterministic stand-in (logits are a hash of the sequence so far) that
+    costs microseconds per token; scheduler unit tests and the leak test run on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Sequence as Seq
+
+import torch
+
+
+@dataclass
+class SequenceState:
+    """An engine's handle for one sequence: `pos` tokens consumed so far, `data` engine-private."""
+
+    sid: int
+    pos: int = 0
+    data: Any = None
+    freed: bool = False
+
+
+class Engine(Protocol):
+    """What the scheduler needs from a model. See the module docstring."""
+
+    name: str
+    vocab_size: int
+    max_seq_len: int                 # longest sequence (prompt + generated) one state can hold
+    eos_token_ids: tuple[int, ...]
+    state_bytes_per_token: float     # state that grows with context, per token
+    state_bytes_fixed: int           # state that does not grow (window rings, compressor buffers)
+
+    def new_sequence(self) -> SequenceState: ...
+
+    def forward_batch(self, rows: Seq[tuple[SequenceState, list[int]]]) -> list[torch.Tensor]: ...
+
+    def free(self, seq: SequenceState) -> None: ...
+
+    def default_capacity(self, max_seqs: int) -> int: ...
+
+    @property
+    def live_sequences(self) -> int: ...
+
+
+class _EngineBase:
+    """Sequence bookkeeping shared by the engines: ids, the live count, double-free detection."""
+
+    def __init__(self) -> None:
+        self._next_sid = 0
+        self._live: dict[int, SequenceState] = {}
+        self._lock = threading.Lock()
+
+    def _register(self, data: Any) -> SequenceState:
+        with self._lock:
+            seq = SequenceState(sid=self._next_sid, data=data)
+            self._next_sid += 1
+            self._live[seq.sid] = seq
+        return seq
+
+    def free(self, seq: SequenceState) -> None:
+        with self._lock:
+            if seq.freed or seq.sid not in self._live:
+                raise RuntimeError(f"sequence {seq.sid} freed twice")
+            seq.freed = True
+            seq.data = None
+            del self._live[seq.sid]
+
+    @property
+    def live_sequences(self) -> int:
+        return len(self._live)
+
+    def default_capacity(self, max_seqs: int) -> int:
+        # CPU: no device memory to size from; give every slot up to 4096 tokens.
+        return max_seqs * min(self.max_seq_len, 4096)  # type: ignore[attr-defined]
+
+
+class ReferenceEngine(_EngineBase):
+    """The plain-PyTorch reference decode behind the `Engine` protocol (CPU, one row at a time)."""
+
+    def __init__(self, model_dir: str | Path, *, device: str = "cpu", quant_sim: bool = True) -> None:
+        super().__init__()
+        from megastep.checkpoint.loader import load_checkpoint
+        from megastep.model.reference import ReferenceModel
+
+        cfg, weights = load_checkpoint(model_dir, device=device)
+        self.cfg = cfg
+        self.model = ReferenceModel(cfg, weights, quant_sim=quant_sim)
+        self.name = Path(model_dir).name
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_seq_len = int(cfg.max_position_embeddings)
+        self.eos_token_ids = (int(cfg.eos_token_id),)
+        self.state_bytes_per_token = float(cfg.state_bytes_per_token())
+        self.state_bytes_fixed = int(cfg.state_bytes_fixed())
+
+    def new_sequence(self) -> SequenceState:
+        return self._register(self.model.new_state())
+
+    @torch.inference_mode()
+    def forward_batch(self, rows: Seq[tuple[SequenceState, list[int]]]) -> list[torch.Tensor]:
+        out = []
+        for seq, ids in rows:
+            logits = self.model.forward(seq.data, list(ids))
+            seq.pos += len(ids)
+            out.append(logits[-1].float())
+        return out
+
+
+class FakeEngine(_EngineBase):
+    """Deterministic toy model: the logits after a sequence are a pure function of its tokens.
+
+    The next-token distribution is a seeded random vector keyed by a rolling hash of every token
+    consumed so far, so chunked and unchunked prefill agree exactly, rows are independent of each
+    other, and greedy output is reproducible. `eos_every` makes EOS the argmax whenever the hash
+    says so (about one in `eos_every` positions), to exercise early stops; `step_delay_s` makes a
+    step slow enough to observe queueing.
+    """
+
+    def __init__(self, vocab_size: int = 512, max_seq_len: int = 4096, *, eos_id: int = 1,
+                 eos_every: int = 0, step_delay_s: float = 0.0, name: str = "fake") -> None:
+        super().__init__()
+        self.name = name
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.eos_token_ids = (eos_id,)
+        self.eos_every = eos_every
+        self.step_delay_s = step_delay_s
+        self.state_bytes_per_token = 64.0
+        self.state_bytes_fixed = 1024
+        self.steps = 0
+        self.rows_seen: list[list[int]] = []   # per step: how many tokens each row carried
+
+    def new_sequence(self) -> SequenceState:
+        return self._register(b"")
+
+    def _logits(self, key: bytes) -> torch.Tensor:
+        digest = hashlib.blake2b(key, digest_size=8).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 62) - 1))
+        logits = torch.randn(self.vocab_size, generator=g) * 3.0
+        eos = self.eos_token_ids[0]
+        if self.eos_every and digest[0] % self.eos_every == 0:
+            logits[eos] = logits.max() + 1.0
+        else:
+            logits[eos] = logits.min() - 1.0
+        return logits
+
+    def forward_batch(self, rows: Seq[tuple[SequenceState, list[int]]]) -> list[torch.Tensor]:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        self.steps += 1
+        self.rows_seen.append([len(ids) for _, ids in rows])
+        out = []
+        for seq, ids in rows:
+            if seq.freed:
+                raise RuntimeError(f"forward on freed sequence {seq.sid}")
+            if seq.pos + len(ids) > self.max_seq_len:
+                raise RuntimeError(f"sequence {seq.sid} past max_seq_len")
+            key = seq.data
+            for t in ids:
+                key = hashlib.blake2b(key + int(t).to_bytes(4, "little"), digest_size=16).digest()
+            seq.data = key
+            seq.pos += len(ids)
+            out.append(self._logits(key))
+        return out

@@ -1,0 +1,97 @@
+"""OpenAI-compatible HTTP server: `megastep serve` (see `add_serve_arguments` / `serve_main`).
+
+The CLI wires `megastep serve` to these two functions; `python -m megastep.server` runs the same.
+FastAPI and uvicorn are imported only when the server starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory (config.json, safetensors, tokenizer.json); "
+                             "default: the built-in tiny model")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name clients must send (default: the directory name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-seqs", type=int, default=8, help="sequences decoded at once (state-pool slots)")
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="state-pool size in tokens, shared by all sequences (default: sized by the engine)")
+    parser.add_argument("--chunk", type=int, default=256, help="most prompt tokens prefilled per step")
+    parser.add_argument("--queue-limit", type=int, default=256,
+                        help="most requests waiting for admission; more get HTTP 429")
+    parser.add_argument("--default-max-tokens", type=int, default=1024,
+                        help="max_tokens of a chat request that gives none (capped by the room left)")
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def build_server(args: argparse.Namespace):
+    """Load the model and build (scheduler, FastAPI app). Raises UserError on a bad setup."""
+    from pathlib import Path
+
+    from megastep.errors import UserError
+    from megastep.runtime.engine import ReferenceEngine
+    from megastep.runtime.scheduler import Scheduler
+    from megastep.server.app import ServerContext, create_app
+    from megastep.server.chat import ChatRenderer
+    from megastep.tokenizer import load_tokenizer
+
+    log = logging.getLogger("megastep.server")
+    if args.model is None:
+        from megastep.builtin import builtin_model_dir
+        model_dir = Path(builtin_model_dir())
+        default_name = "megastep-builtin"
+    else:
+        model_dir = Path(args.model)
+        if not model_dir.is_dir():
+            raise UserError(f"--model {model_dir}: no such directory")
+        default_name = model_dir.resolve().name
+    for flag, v, lo in (("--max-seqs", args.max_seqs, 1), ("--chunk", args.chunk, 1),
+                        ("--queue-limit", args.queue_limit, 1), ("--default-max-tokens", args.default_max_tokens, 1)):
+        if v < lo:
+            raise UserError(f"{flag} must be >= {lo}, got {v}")
+    if args.capacity is not None and args.capacity < 16:
+        raise UserError(f"--capacity must be >= 16 tokens, got {args.capacity}")
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(model_dir)
+    engine = ReferenceEngine(model_dir)
+    log.info("loaded %s in %.1f s (reference engine, CPU)", model_dir, time.perf_counter() - t0)
+    scheduler = Scheduler(engine, max_seqs=args.max_seqs, capacity=args.capacity, chunk=args.chunk,
+                          queue_limit=args.queue_limit)
+    log.info(scheduler.describe_pool())
+    renderer = ChatRenderer(model_dir)
+    log.info("chat: %s", renderer.kind)
+    ctx = ServerContext(scheduler=scheduler, tokenizer=tokenizer, renderer=renderer,
+                        model_name=args.served_model_name or default_name,
+                        chat_default_max_tokens=args.default_max_tokens, created=int(time.time()))
+    return scheduler, create_app(ctx), ctx
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Run the server until interrupted. Returns a process exit code."""
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from megastep.errors import UserError
+
+    try:
+        scheduler, app, ctx = build_server(args)
+    except UserError as e:
+        print(f"megastep serve: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    scheduler.start()
+    logging.getLogger("megastep.server").info("serving %r on http://%s:%d/v1", ctx.model_name, args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    access_log=args.access_log, timeout_graceful_shutdown=5)
+    finally:
+        scheduler.shutdown()
+    return 0
