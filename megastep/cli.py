@@ -1,0 +1,171 @@
+"""`megastep generate | inspect | make-checkpoint | serve`.
+
+A `UserError` (bad checkpoint, bad prompt, bad flag value) ends the command with one line on
+stderr and exit status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from megastep.errors import UserError
+
+
+def _model_dir(arg: str | None) -> Path:
+    if arg is not None:
+        return Path(arg)
+    from megastep.builtin import builtin_model_dir
+
+    return builtin_model_dir()
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise UserError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    return ids
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from megastep.checkpoint.loader import load_checkpoint
+    from megastep.model.reference import ReferenceModel
+    from megastep.runtime.scheduler import SamplingParams, sample_token
+    from megastep.server.text import IncrementalDetokenizer
+    from megastep.tokenizer import load_tokenizer
+
+    if args.max_new_tokens < 0:
+        raise UserError("--max-new-tokens must be >= 0")
+    if args.temperature < 0:
+        raise UserError("--temperature must be >= 0")
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise UserError("give either a PROMPT or --prompt-ids (not both)")
+    model_dir = _model_dir(args.model)
+    device = _device(args.device)
+    cfg, weights = load_checkpoint(model_dir, device=device, progress=not args.print_ids)
+    tok = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() or args.prompt is not None else None
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise UserError("empty prompt: give some text")
+        ids = tok.encode(args.prompt)
+        if tok.bos_id is not None:
+            ids = [tok.bos_id] + ids  # a document starts with BOS, as in the V4 chat format
+    else:
+        ids = _parse_ids(args.prompt_ids)
+        if not ids:
+            raise UserError("empty prompt: --prompt-ids holds no token id")
+    if len(ids) + args.max_new_tokens > cfg.max_position_embeddings:
+        raise UserError(
+            f"prompt of {len(ids)} tokens plus {args.max_new_tokens} new tokens exceeds the model's limit of "
+            f"{cfg.max_position_embeddings} tokens"
+        )
+
+    model = ReferenceModel(cfg, weights, quant_sim=not args.no_quant_sim)
+    state = model.new_state()
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    detok = IncrementalDetokenizer(tok.decode) if tok is not None else None
+    logits = model.forward(state, ids)[-1]
+    out: list[int] = []
+    for i in range(args.max_new_tokens):
+        t = sample_token(logits, params, gen)
+        out.append(t)
+        if detok is not None and not args.print_ids:
+            sys.stdout.write(detok.push(t))
+            sys.stdout.flush()
+        if t == cfg.eos_token_id:
+            break
+        if i + 1 < args.max_new_tokens:
+            logits = model.forward(state, [t])[-1]
+    if detok is not None and not args.print_ids:
+        sys.stdout.write(detok.flush() + "\n")
+    if args.print_ids:
+        if tok is not None:
+            print(tok.decode(out))
+        print(",".join(str(t) for t in out))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from megastep.checkpoint.loader import describe_plan
+
+    print(describe_plan(Path(args.model_dir)))
+    return 0
+
+
+def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    from megastep.checkpoint.synthetic import PRESETS, preset, write_checkpoint
+
+    if args.preset not in PRESETS:
+        raise UserError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    if args.layers is not None and args.layers < 1:
+        raise UserError("--layers must be >= 1")
+    cfg = preset(args.preset, layers=args.layers)
+    write_checkpoint(cfg, Path(args.out), seed=args.seed, unquantized=args.unquantized)
+    print(f"wrote {args.preset} checkpoint ({cfg.num_hidden_layers} layers, seed {args.seed}) to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megastep", description="Decode runtime for DeepSeek-V4-family MoE models")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with the reference decode")
+    g.add_argument("prompt", nargs="?", help="prompt text")
+    g.add_argument("--model", help="checkpoint directory (default: the built-in tiny synthetic model)")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prompt-ids", help="comma-separated token ids instead of PROMPT")
+    g.add_argument("--print-ids", action="store_true", help="print the generated ids on the last line")
+    g.add_argument("--no-quant-sim", action="store_true", help="switch off the activation-quantization simulations")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("inspect", help="print the model plan of a checkpoint")
+    i.add_argument("model_dir")
+    i.set_defaults(func=cmd_inspect)
+
+    m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the official format")
+    m.add_argument("--preset", required=True)
+    m.add_argument("--layers", type=int)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--unquantized", action="store_true", help="bf16 weights, no quantization_config")
+    m.add_argument("--out", required=True)
+    m.set_defaults(func=cmd_make_checkpoint)
+
+    from megastep.server import add_serve_arguments, serve_main
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_arguments(s)
+    s.set_defaults(func=serve_main)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"megastep: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
