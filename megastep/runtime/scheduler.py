@@ -351,7 +351,7 @@ class Scheduler:
                 self.metrics.prompt_tokens += len(ids)
                 if req.fed < len(req.prompt_ids):
                     continue          # mid-prompt chunk: its logits are not needed
-            if torch.isnan(res).any():
+            if bool(torch.isnan(res.max())):   # max propagates NaN: one cheap reduction
                 self._finish(req, "error", "model produced NaN logits")
                 continue
             try:

@@ -28,6 +28,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most requests waiting for admission; more get HTTP 429")
     parser.add_argument("--default-max-tokens", type=int, default=1024,
                         help="max_tokens of a chat request that gives none (capped by the room left)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads for the model (default: cores - 1, leaving one for HTTP)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -59,10 +61,20 @@ def build_server(args: argparse.Namespace):
             raise UserError(f"{flag} must be >= {lo}, got {v}")
     if args.capacity is not None and args.capacity < 16:
         raise UserError(f"--capacity must be >= 16 tokens, got {args.capacity}")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    import os
+
+    import torch
+
+    # The event loop needs a core of its own: an OpenMP pool spread over every core stalls each
+    # step whenever the HTTP side (or anything else) holds one of them.
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(model_dir)
     engine = ReferenceEngine(model_dir)
-    log.info("loaded %s in %.1f s (reference engine, CPU)", model_dir, time.perf_counter() - t0)
+    log.info("loaded %s in %.1f s (reference engine, CPU, %d torch threads)", model_dir,
+             time.perf_counter() - t0, torch.get_num_threads())
     scheduler = Scheduler(engine, max_seqs=args.max_seqs, capacity=args.capacity, chunk=args.chunk,
                           queue_limit=args.queue_limit)
     log.info(scheduler.describe_pool())

@@ -235,8 +235,11 @@ class ChatRenderer:
         if self._template is None:
             thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False)))
             effort = kwargs.get("reasoning_effort")
-            return encode_dsv4(messages, thinking=thinking, tools=tools,
-                               reasoning_effort=effort if effort in ("max", "high") else None)
+            try:
+                return encode_dsv4(messages, thinking=thinking, tools=tools,
+                                   reasoning_effort=effort if effort in ("max", "high") else None)
+            except (AttributeError, TypeError, KeyError) as e:   # odd shapes inside tools / tool_calls
+                raise ChatTemplateError(f"cannot render these messages: {type(e).__name__}: {e}") from None
         from jinja2.exceptions import TemplateError
         try:
             return self._template.render(messages=messages, tools=tools, add_generation_prompt=True,

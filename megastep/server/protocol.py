@@ -60,6 +60,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad("request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object", code="invalid_json")
     return body
