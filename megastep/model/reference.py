@@ -127,11 +127,9 @@ class ReferenceModel:
             elif t.dtype == torch.int8:
                 t = formats.dequantize_mxfp4_weight(t, weights[name[: -len(".weight")] + ".scale"].to(self.device))
                 self.quantized.add(name)
-            if t.is_floating_point():
-                # fp32 parameters stay fp32 (mHC, sinks, ape, gate bias); matmul weights are
-                # stored in the activation dtype (exact for dequantized FP8/FP4 values).
-                t = t.float() if t.dtype == torch.float32 or dtype == torch.float32 else t.to(torch.bfloat16)
-            self.w[name] = t
+            # Everything floating is kept in fp32: exact for bf16 and dequantized FP8/FP4 values,
+            # and every matmul runs in fp32 without converting its weight on each call.
+            self.w[name] = t.float() if t.is_floating_point() else t
         self.inv_freq = {c: rope_inv_freq(cfg, c).to(self.device) for c in (False, True)}
 
     # ---- building blocks --------------------------------------------------------------
@@ -140,14 +138,13 @@ class ReferenceModel:
 
     def linear(self, x: torch.Tensor, name: str, out_fp32: bool = False) -> torch.Tensor:
         """y = x W^T with fp32 accumulation; FP8/FP4 weights first quantize x (when simulating)."""
-        w = self.w[name]
         if self.quant_sim and name in self.quantized:
             x = formats.fp8_act_sim(x, self.act_block)
-        y = x.float() @ w.float().T
+        y = x.float() @ self.w[name].T
         return y if out_fp32 else y.to(x.dtype)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return rms_norm(x, self.w[name].float(), self.cfg.rms_norm_eps)
+        return rms_norm(x, self.w[name], self.cfg.rms_norm_eps)
 
     def hc_pre(self, h: torch.Tensor, prefix: str):
         """mHC pre: h [hc, D] -> (collapsed [D], post [hc], comb [hc, hc])."""
@@ -172,8 +169,8 @@ class ReferenceModel:
         Overlapping (ratio 4) compressors project to 2*dim channels [Ca | Cb]; an entry pools
         the previous window's Ca rows with the current window's Cb rows (8 rows per channel)."""
         xf = x.float()
-        kv = xf @ self.w[prefix + ".wkv.weight"].float().T
-        score = xf @ self.w[prefix + ".wgate.weight"].float().T + self.w[prefix + ".ape"][pos % ratio]
+        kv = xf @ self.w[prefix + ".wkv.weight"].T
+        score = xf @ self.w[prefix + ".wgate.weight"].T + self.w[prefix + ".ape"][pos % ratio]
         overlap = ratio == CSA_RATIO
         row = (ratio if overlap else 0) + pos % ratio
         st.kv[row], st.score[row] = kv, score
@@ -250,7 +247,7 @@ class ReferenceModel:
         o = apply_rope(o, inv_freq, pos, inverse=True)
 
         G = cfg.o_groups
-        wo_a = self.w[p + ".wo_a.weight"].float().view(G, cfg.o_lora_rank, -1)
+        wo_a = self.w[p + ".wo_a.weight"].view(G, cfg.o_lora_rank, -1)
         u = torch.einsum("gd,grd->gr", o.float().view(G, -1), wo_a).to(x.dtype)
         return self.linear(u.flatten(), p + ".wo_b.weight")
 
@@ -304,7 +301,7 @@ class ReferenceModel:
         pre = torch.sigmoid(mixes * self.w["hc_head_scale"] + self.w["hc_head_base"]) + cfg.hc_eps
         z = self.norm((pre[:, None] * h.float()).sum(0).to(self.dtype), "norm.weight")
         state.pos += 1
-        return z.float() @ self.w["head.weight"].float().T
+        return z.float() @ self.w["head.weight"].T
 
     @torch.inference_mode()
     def forward(self, state: SequenceState, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
