@@ -1,0 +1,144 @@
+"""Pieces shared by the fused kernels: in-kernel activation quantization (the exact twin of
+`formats.fp8_act_sim`), MXFP4 decoding in registers, and the split-reduction workspace.
+
+Numerics that every kernel relies on (and the tests pin):
+- The activation scale 2^ceil(log2(max(amax, 1e-4) / 448)) is computed from the bits of amax,
+  without a division: amax = 1.f * 2^e and 448 = 1.75 * 2^8, so the scale is 2^(e-8) when
+  1.f <= 1.75 and 2^(e-7) otherwise. This equals `formats.pow2_scale`, which rounds amax/448 to
+  fp32 first: the quotient is at least 18 ulps away from a power of two unless amax is exactly
+  448 * 2^k, so the rounding never moves it across one.
+- x / s and q * s are exact (powers of two), so a kernel may fold activation and weight scales
+  into either operand before a product: e4m3 * 2^a * e4m3 * 2^b and e2m1 * 2^a * e4m3 * 2^b are
+  exact in fp32 (and their factors exact in bf16); only the order of the fp32 sums differs from
+  the `*_ref` functions.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_ACT_BLOCK = 128  # channels per activation-quantization block along K (V4)
+
+
+def on_interpreter(t: torch.Tensor) -> bool:
+    """Kernels launched on CPU tensors run under the Triton interpreter (TRITON_INTERPRET=1).
+
+    The interpreter computes a bf16 `tl.dot` wrongly, so kernels that feed tensor cores with bf16
+    operands take fp32 operands there (same values: every operand is exact in bf16)."""
+    return t.device.type != "cuda"
+
+
+@triton.jit
+def fp8_pow2_scale(amax):
+    """amax (fp32, any shape) -> (s, 1/s) with s = 2^ceil(log2(max(amax, 1e-4) / 448))."""
+    amax = tl.maximum(amax, 1e-4)
+    bits = amax.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    se = e - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # biased exponent of s
+    s = (se << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - se) << 23).to(tl.float32, bitcast=True)
+    return s, inv
+
+
+@triton.jit
+def fp8_block_scales(ax, offs, SUB: tl.constexpr, NSUB: tl.constexpr):
+    """Per-element activation scales for a tile of |x| [R, C] whose columns fall into NSUB
+    quantization blocks: column c belongs to block offs[c] // SUB (offs relative to the first
+    block). Returns (s, 1/s) broadcast to [R, C]."""
+    if NSUB == 1:
+        s, inv = fp8_pow2_scale(tl.max(ax, axis=1))
+        s_el = tl.broadcast_to(s[:, None], ax.shape)
+        inv_el = tl.broadcast_to(inv[:, None], ax.shape)
+    else:
+        blk = offs // SUB
+        s_el = tl.zeros(ax.shape, dtype=tl.float32)
+        inv_el = tl.zeros(ax.shape, dtype=tl.float32)
+        for b in tl.static_range(NSUB):
+            inb = (blk == b)[None, :]
+            s, inv = fp8_pow2_scale(tl.max(tl.where(inb, ax, 0.0), axis=1))
+            s_el = tl.where(inb, s[:, None], s_el)
+            inv_el = tl.where(inb, inv[:, None], inv_el)
+    return s_el, inv_el
+
+
+@triton.jit
+def fp8_round(x, inv, INTERPRET: tl.constexpr):
+    """x * inv rounded to e4m3 (round to nearest even; |x * inv| <= 448 by construction).
+
+    On the GPU a cast (cvt.rn.satfinite). The Triton interpreter's fp32 -> e4m3 cast mishandles
+    a rounding carry into the next binade (31.65 -> 16), so there the value is first rounded to
+    the e4m3 grid in fp32 arithmetic (the cast of an exact value is then right)."""
+    v = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
+    if INTERPRET:
+        bits = v.to(tl.int32, bitcast=True)
+        # normal e4m3: keep 3 of 23 mantissa bits, ties to even, carry into the exponent
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF
+        normal = bits.to(tl.float32, bitcast=True)
+        # subnormal e4m3 (|v| < 2^-6): multiples of 2^-9, ties to even, by adding 1.5 * 2^14
+        # (whose fp32 ulp is 2^-9 on both sides)
+        sub = (v + 24576.0) - 24576.0
+        v = tl.where(tl.abs(v) < 0.015625, sub, normal)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def round_bf16(x, INTERPRET: tl.constexpr):
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32.
+
+    The interpreter's fp32 -> bf16 cast truncates, so there the rounding is done on the bits."""
+    if INTERPRET:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & ~0xFFFF
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def e8m0_to_f32(b):
+    """E8M0 bytes (uint8 tensor) -> fp32 2^(b-127); byte 0 gives the subnormal 2^-127 as torch."""
+    bi = b.to(tl.int32)
+    return tl.where(bi == 0, 2.0**-127, (bi << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def mxfp4_decode(b, sc):
+    """Packed MXFP4 bytes b (uint8) and their E8M0 scale bytes sc (uint8, same shape) ->
+    (even, odd) fp32 values. The low nibble is the even element.
+
+    Each nibble s.e.e.m is moved into an fp16 bit pattern as sign bit 15, exponent/mantissa
+    bits 11..9: that fp16 is exactly e2m1 * 2^-14 (code 1 lands on the fp16 subnormal 2^-15),
+    so one multiply by 2^(scale - 127 + 14) gives the exact MXFP4 value."""
+    bi = b.to(tl.int32)
+    lo = ((bi << 12) & 0x8000) | ((bi << 9) & 0x0E00)
+    hi = ((bi << 8) & 0x8000) | ((bi << 5) & 0x0E00)
+    lo = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    f = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    return lo * f, hi * f
+
+
+# ---- split-reduction workspace ----------------------------------------------------------
+# Kernels that split a reduction over several programs write fp32 partials and count arrivals
+# in int32 counters; the last program to arrive sums the partials in a fixed order and resets
+# its counter to 0, so the counters stay zero between launches (and across CUDA-graph replays).
+# One workspace per device: kernels on one stream use it one after the other. Callers that run
+# kernels on several streams at once must pass their own buffers (not needed yet).
+_WORKSPACES: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def workspace(device: torch.device, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A cached buffer of at least `numel` elements; "counters" buffers start zeroed."""
+    key = (str(device), kind)
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        n = max(numel, 1024)
+        buf = torch.zeros(n, dtype=dtype, device=device) if kind.startswith("counters") else torch.empty(n, dtype=dtype, device=device)
+        _WORKSPACES[key] = buf
+    return buf
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

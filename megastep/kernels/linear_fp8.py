@@ -1,0 +1,248 @@
+"""FP8 block-scaled linear for decode (small M): y = fp8q(x, 128) @ dequant(w)^T.
+
+Semantics (`linear_fp8_ref`): the activation is fp8-quantized per block of 128 channels along K
+with power-of-two scales (`formats.fp8_act_sim`; a ragged last block is quantized on its own
+amax), multiplied exactly against the e4m3 weight with its E8M0 128x128 block scales, summed in
+fp32 and rounded once to `out_dtype`. This is the official `Linear` on FP8 weights.
+
+The kernel streams the weight once. Each program owns BLOCK_N output channels x BLOCK_M rows
+and a contiguous slice of K (split-K); it quantizes its slice of x itself (per-128 amax, pow2
+scale from exponent bits, e4m3 round by a cast), so no separate quantization pass exists.
+Split-K partials go to an fp32 workspace; the last program of a tile (an arrival counter, no
+atomics on data) sums them in split order 0..S-1 and writes the output, so results do not
+depend on scheduling: same input, same bits.
+
+Modes (pinned per shape by `pick_config`, never autotuned at run time):
+- "fma":   CUDA-core GEMV, for M <= 4: weight tile dequantized to fp32 once, reused by each row.
+- "dot8":  tensor cores on the e4m3 bytes as they are (fp8 x fp8 -> fp32 per 128-block of K,
+           scaled and accumulated in fp32), BLOCK_K = 128.
+- "dot16": tensor cores on bf16 operands with the scales folded into the activation (exact),
+           one dot per BLOCK_K; fp32 operands under the interpreter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from megastep.checkpoint import formats
+from megastep.kernels.common import (
+    e8m0_to_f32,
+    fp8_block_scales,
+    fp8_pow2_scale,
+    fp8_round,
+    next_pow2,
+    on_interpreter,
+    round_bf16,
+    workspace,
+)
+
+BLOCK = 128
+_MODES = {"fma": 0, "dot8": 1, "dot16": 2}
+
+
+@dataclass(frozen=True)
+class LinearFp8Config:
+    mode: str  # "fma" | "dot8" | "dot16"
+    block_n: int  # output channels per program; divides 128
+    block_m: int  # rows per program (fma: 1, 2, 4; dots: 16, 32, 64)
+    block_k: int  # K per loop step, a multiple of 128 (dot8: exactly 128)
+    split_k: int  # programs along K, reduced in fixed order
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def check(self) -> None:
+        assert self.mode in _MODES, self.mode
+        assert self.block_n in (16, 32, 64, 128), self.block_n
+        assert self.block_k % BLOCK == 0 and self.block_k <= 512, self.block_k
+        assert self.split_k >= 1
+        if self.mode == "fma":
+            assert self.block_m in (1, 2, 4), self.block_m
+        else:
+            assert self.block_m in (16, 32, 64), self.block_m
+        if self.mode == "dot8":
+            assert self.block_k == BLOCK
+
+
+# Pinned configurations for the V4-Flash decode shapes, keyed by (N, K, M bucket); measured on
+# one H200 (benchmarks/kernels/bench_kernels.py). Other shapes use the rule in `pick_config`.
+_PINNED: dict[tuple[int, int, int], LinearFp8Config] = {}
+
+
+def _m_bucket(M: int) -> int:
+    return next_pow2(M) if M <= 4 else max(16, next_pow2(M))
+
+
+def pick_config(M: int, N: int, K: int) -> LinearFp8Config:
+    """The one configuration the wrapper uses for this shape (deterministic, no autotuning)."""
+    mb = _m_bucket(M)
+    if mb > 64:
+        raise ValueError(f"linear_fp8 is a decode kernel for M <= 64, got M={M}")
+    cfg = _PINNED.get((N, K, mb))
+    if cfg is not None:
+        return cfg
+    if mb <= 4:
+        mode, block_m, block_n, block_k = "fma", mb, 64, 256
+    else:
+        mode, block_m, block_n, block_k = "dot16", mb, 64, 128
+    kb = -(-K // BLOCK)
+    tiles = -(-N // block_n) * -(-M // block_m)
+    # enough programs to cover the 132 SMs about twice, but at least one BLOCK_K step each
+    split = 1
+    while tiles * split * 2 <= 264 and (kb // (split * 2)) * BLOCK >= block_k:
+        split *= 2
+    return LinearFp8Config(mode, block_n, block_m, block_k, split, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _linear_fp8_kernel(
+    x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, K_PER_SPLIT,
+    stride_xm, stride_wn, stride_wsn, stride_om,
+    MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_kk = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    # BLOCK_N divides 128: the whole tile shares one row of weight scales
+    ws_row = ws_ptr + ((pid_n * BLOCK_N) // 128) * stride_wsn
+    w_rows = w_ptr + offs_n[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + offs_kk
+        k_mask = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if MODE == 1:  # dot8: raw e4m3 operands, scales applied to the fp32 block result
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                         mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            s, inv = fp8_pow2_scale(tl.max(tl.abs(xt), axis=1))  # [BLOCK_M]
+            xq = fp8_round(xt, inv[:, None], INTERPRET)
+            sw = e8m0_to_f32(tl.load(ws_row + k0 // 128))
+            if INTERPRET:
+                d = tl.dot(w.to(tl.float32), tl.trans(xq.to(tl.float32)))
+            else:
+                d = tl.dot(w, tl.trans(xq))
+            acc += d * (s * sw)[None, :]
+        else:
+            sw = e8m0_to_f32(tl.load(ws_row + offs_k // 128, mask=k_mask, other=127))  # [BLOCK_K]
+            if MODE == 0:  # fma: one row at a time against the fp32 weight tile
+                wf = w.to(tl.float32)
+                for r in tl.static_range(BLOCK_M):
+                    # the row index as a [1, BLOCK_K] tensor: the interpreter mishandles a
+                    # scalar boolean broadcast into a mask
+                    row = tl.zeros([1, BLOCK_K], dtype=tl.int32) + (pid_m * BLOCK_M + r)
+                    xr = tl.load(x_ptr + row * stride_xm + offs_k[None, :],
+                                 mask=k_mask[None, :] & (row < M), other=0.0).to(tl.float32)
+                    s, inv = fp8_block_scales(tl.abs(xr), offs_kk, 128, BLOCK_K // 128)
+                    xe = fp8_round(xr, inv, INTERPRET).to(tl.float32) * s * sw[None, :]  # exact
+                    part = tl.sum(wf * xe, axis=1)  # [BLOCK_N]
+                    acc = tl.where(tl.arange(0, BLOCK_M)[None, :] == r, acc + part[:, None], acc)
+            else:  # dot16: scales folded into the (exact) bf16 activation operand
+                xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                             mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+                s, inv = fp8_block_scales(tl.abs(xt), offs_kk, 128, BLOCK_K // 128)
+                xe = fp8_round(xt, inv, INTERPRET).to(tl.float32) * s * sw[None, :]
+                if INTERPRET:
+                    acc += tl.dot(w.to(tl.float32), tl.trans(xe))
+                else:
+                    acc += tl.dot(w.to(tl.bfloat16), tl.trans(xe.to(tl.bfloat16)))
+
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        if OUT_BF16:
+            acc = round_bf16(acc, INTERPRET)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tile = pid_m * n_tiles + pid_n
+        tile_elems = BLOCK_N * BLOCK_M
+        split_stride = tl.num_programs(0) * tl.num_programs(2) * tile_elems
+        p_off = tile * tile_elems + tl.arange(0, BLOCK_M)[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        tl.store(part_ptr + pid_k * split_stride + p_off, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is issued before the release below
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # last program of this tile: fixed-order sum
+            tl.debug_barrier()
+            tot = tl.load(part_ptr + p_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for sk in tl.static_range(1, SPLIT_K):
+                tot += tl.load(part_ptr + sk * split_stride + p_off, mask=out_mask, other=0.0,
+                               cache_modifier=".cg")
+            if OUT_BF16:
+                tot = round_bf16(tot, INTERPRET)
+            tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(cnt_ptr + tile, 0)
+
+
+def linear_fp8(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: int = BLOCK,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: LinearFp8Config | None = None,
+) -> torch.Tensor:
+    """x [M, K] bf16/fp32, w e4m3 [N, K], w_scale e8m0 [ceil(N/128), ceil(K/128)] -> [M, N]."""
+    assert block == BLOCK, "V4 FP8 weights use 128x128 blocks"
+    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (x.shape, w.shape)
+    assert x.dtype in (torch.bfloat16, torch.float32), x.dtype
+    assert w.dtype == torch.float8_e4m3fn, w.dtype
+    assert out_dtype in (torch.bfloat16, torch.float32), out_dtype
+    M, K = x.shape
+    N = w.shape[0]
+    assert w_scale.shape == (-(-N // BLOCK), -(-K // BLOCK)), (w_scale.shape, N, K)
+    assert w_scale.dtype in (torch.float8_e8m0fnu, torch.uint8), w_scale.dtype
+    assert x.stride(1) == 1 and w.stride(1) == 1 and w_scale.stride(1) == 1
+    assert x.device == w.device == w_scale.device
+    cfg = config or pick_config(M, N, K)
+    cfg.check()
+    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    kb = -(-K // BLOCK)
+    split = min(cfg.split_k, kb)
+    k_per_split = -(-kb // split) * BLOCK
+    k_per_split = -(-k_per_split // cfg.block_k) * cfg.block_k
+    split = -(-K // k_per_split)
+    grid = (-(-N // cfg.block_n), split, -(-M // cfg.block_m))
+    tiles = grid[0] * grid[2]
+    if split > 1:
+        part = workspace(x.device, "partials", split * tiles * cfg.block_n * cfg.block_m, torch.float32)
+        cnt = workspace(x.device, "counters", tiles, torch.int32)
+    else:
+        part = cnt = out  # unused
+    _linear_fp8_kernel[grid](
+        x, w, w_scale.view(torch.uint8), out, part, cnt,
+        M, N, K, k_per_split,
+        x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+        MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+        SPLIT_K=split, OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=on_interpreter(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def linear_fp8_ref(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: int = BLOCK,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: LinearFp8Config | None = None,
+) -> torch.Tensor:
+    """The exact semantics: fp32 dequantized weight times fp32 quantized activation."""
+    del config
+    xq = formats.fp8_act_sim(x.float(), block)
+    wd = formats.dequantize_fp8_weight(w, w_scale, block)
+    return (xq @ wd.T).to(out_dtype)
