@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from megastep.runtime.scheduler import (STEP_BUCKETS_S, QueueFull, Request, RequestTooLarge,
                                         SamplingParams, Scheduler)
-from megastep.server.chat import ChatRenderer, ChatTemplateError
+from megastep.server.chat import THINK_START, ChatRenderer, ChatTemplateError
 from megastep.server.protocol import APIError, GenerationRequest, bad, parse_chat, parse_completion, parse_json
-from megastep.server.text import IncrementalDetokenizer, StopMatcher
+from megastep.server.text import IncrementalDetokenizer, ReasoningSplitter, StopMatcher
 
 log = logging.getLogger("megastep.server")
 
@@ -46,13 +46,15 @@ class ServerContext:
 
 
 class _TextSink:
-    """Runs on the scheduler thread: tokens -> UTF-8-safe text -> stop strings -> asyncio queue."""
+    """Runs on the scheduler thread: tokens -> UTF-8-safe text -> stop strings -> (in thinking
+    mode) reasoning / answer split -> the request's asyncio queue."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, decode, stops: list[str]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, decode, stops: list[str], thinking: bool = False) -> None:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.detok = IncrementalDetokenizer(decode)
         self.stop = StopMatcher(stops)
+        self.split = ReasoningSplitter() if thinking else None
 
     def _post(self, item: tuple) -> None:
         try:
@@ -60,19 +62,31 @@ class _TextSink:
         except RuntimeError:      # the event loop is gone (shutdown): nobody is listening
             pass
 
+    def _emit(self, text: str, final: bool = False) -> None:
+        reasoning, content = ("", text)
+        if self.split is not None:
+            reasoning, content = self.split.push(text)
+            if final:
+                r2, c2 = self.split.flush()
+                reasoning, content = reasoning + r2, content + c2
+        if reasoning:
+            self._post(("reasoning", reasoning))
+        if content:
+            self._post(("text", content))
+
     def on_token(self, req: Request, token_id: int) -> bool:
         out = self.stop.push(self.detok.push(token_id))
-        if out:
-            self._post(("text", out))
+        self._emit(out)
         return self.stop.stopped
 
     def on_finish(self, req: Request, reason: str, error: str | None) -> None:
-        if reason in ("stop", "length") and not self.stop.stopped:
-            out = self.stop.push(self.detok.flush())
+        if reason in ("stop", "length"):
+            out = ""
             if not self.stop.stopped:
-                out += self.stop.flush()
-            if out:
-                self._post(("text", out))
+                out = self.stop.push(self.detok.flush())
+                if not self.stop.stopped:
+                    out += self.stop.flush()
+            self._emit(out, final=True)
         self._post(("finish", reason, error))
 
 
@@ -117,13 +131,15 @@ def create_app(ctx: ServerContext) -> FastAPI:
         return PlainTextResponse(render_metrics(sched), media_type="text/plain; version=0.0.4")
 
     # ---- shared request path ---------------------------------------------------------------
-    def _tokenize(g: GenerationRequest) -> list[int]:
+    def _tokenize(g: GenerationRequest) -> tuple[list[int], bool]:
+        """-> (prompt ids, thinking): a chat prompt that ends in <think> makes the answer start
+        with reasoning, which goes to `reasoning_content`."""
         if g.prompt_ids is not None:
             bad_ids = [t for t in g.prompt_ids if not 0 <= t < sched.engine.vocab_size]
             if bad_ids:
                 raise bad(f"prompt token id {bad_ids[0]} is outside the vocabulary [0, {sched.engine.vocab_size})",
                           param="prompt", code="invalid_value")
-            return g.prompt_ids
+            return g.prompt_ids, False
         if g.messages is not None:
             try:
                 text = ctx.renderer.render(g.messages, tools=g.tools, kwargs=g.template_kwargs)
@@ -134,10 +150,10 @@ def create_app(ctx: ServerContext) -> FastAPI:
         ids = list(tok.encode(text))
         if not ids:
             raise bad("the prompt tokenizes to nothing", param="prompt", code="invalid_value")
-        return ids
+        return ids, g.messages is not None and text.rstrip().endswith(THINK_START)
 
     def _submit(g: GenerationRequest, default_max: int, loop) -> tuple[Request, _TextSink]:
-        ids = _tokenize(g)
+        ids, thinking = _tokenize(g)
         room = sched.max_request_tokens - len(ids)
         if room < 1:
             raise bad(f"the prompt is {len(ids)} tokens; this server holds at most {sched.max_request_tokens} "
@@ -146,7 +162,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
         max_tokens = g.max_tokens if g.max_tokens is not None else min(default_max, room)
         params = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                 max_tokens=max_tokens, seed=g.seed, ignore_eos=g.ignore_eos)
-        sink = _TextSink(loop, tok.decode, g.stop)
+        sink = _TextSink(loop, tok.decode, g.stop, thinking)
         req = Request(prompt_ids=ids, params=params, sink=sink)
         try:
             sched.submit(req)
@@ -176,12 +192,15 @@ def create_app(ctx: ServerContext) -> FastAPI:
         p, c = len(req.prompt_ids), len(req.output_ids)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    def _chunk(rid: str, created: int, chat: bool, text: str | None, finish: str | None, first: bool) -> dict:
+    def _chunk(rid: str, created: int, chat: bool, text: str | None, finish: str | None, first: bool,
+               reasoning: str = "") -> dict:
         if chat:
             delta: dict = {}
             if first:
                 delta["role"] = "assistant"
-            if text is not None:
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text is not None and (text or not reasoning):
                 delta["content"] = text
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
@@ -200,18 +219,20 @@ def create_app(ctx: ServerContext) -> FastAPI:
                 first = False
             while True:
                 item = await sink.queue.get()
-                text, fin = "", None
+                text, reasoning, fin = "", "", None
                 while True:   # coalesce whatever else is already queued into one chunk
                     if item[0] == "text":
                         text += item[1]
+                    elif item[0] == "reasoning":
+                        reasoning += item[1]
                     else:
                         fin = item
                         break
                     if sink.queue.empty():
                         break
                     item = sink.queue.get_nowait()
-                if text:
-                    yield _sse(_chunk(rid, created, chat, text, None, first))
+                if text or reasoning:
+                    yield _sse(_chunk(rid, created, chat, text, None, first, reasoning))
                     first = False
                 if fin is not None:
                     finished = True
@@ -243,11 +264,15 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
         watcher = asyncio.create_task(watch_disconnect())
         parts: list[str] = []
+        reasoning: list[str] = []
         try:
             while True:
                 item = await sink.queue.get()
                 if item[0] == "text":
                     parts.append(item[1])
+                    continue
+                if item[0] == "reasoning":
+                    reasoning.append(item[1])
                     continue
                 _, reason, error = item
                 break
@@ -261,8 +286,10 @@ def create_app(ctx: ServerContext) -> FastAPI:
             return _error_response(APIError(503, error or "request cancelled", type="server_error"))
         text = "".join(parts)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
+            message = {"role": "assistant", "content": text}
+            if sink.split is not None:
+                message["reasoning_content"] = "".join(reasoning)
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}

@@ -89,3 +89,34 @@ class StopMatcher:
                     best = n
                     break
         return best
+
+
+class ReasoningSplitter:
+    """Thinking-mode chat output: text before `</think>` is reasoning, the rest is the answer.
+    A possible partial `</think>` at the end of the reasoning is held back until it resolves."""
+
+    def __init__(self, end: str = "</think>") -> None:
+        self.end = end
+        self.in_reasoning = True
+        self._buf = ""
+
+    def push(self, text: str) -> tuple[str, str]:
+        """-> (reasoning delta, content delta)."""
+        if not self.in_reasoning:
+            return "", text
+        self._buf += text
+        i = self._buf.find(self.end)
+        if i >= 0:
+            reasoning, content = self._buf[:i], self._buf[i + len(self.end):]
+            self.in_reasoning = False
+            self._buf = ""
+            return reasoning, content
+        hold = next((n for n in range(min(len(self.end) - 1, len(self._buf)), 0, -1)
+                     if self._buf.endswith(self.end[:n])), 0)
+        cut = len(self._buf) - hold
+        reasoning, self._buf = self._buf[:cut], self._buf[cut:]
+        return reasoning, ""
+
+    def flush(self) -> tuple[str, str]:
+        out, self._buf = self._buf, ""
+        return (out, "") if self.in_reasoning else ("", out)

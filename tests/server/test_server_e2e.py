@@ -218,3 +218,25 @@ def test_waits_for_room_and_429_over_the_queue_limit(small_server):
     assert r2.status_code == 200 and r2.json()["usage"]["completion_tokens"] == 100
     m = s.wait_idle()
     assert m["megastep_state_pool_tokens_used"] == 0 and m["megastep_engine_live_sequences"] == 0
+
+
+def test_thinking_chat_splits_reasoning(server):
+    from megastep.server.chat import encode_dsv4
+
+    msgs = [{"role": "user", "content": "Think about 2+2"}]
+    c = client(server)
+    r = c.chat.completions.create(model=server.model, messages=msgs, max_tokens=10, temperature=0,
+                                  extra_body={"chat_template_kwargs": {"thinking": True}})
+    m = r.choices[0].message.model_dump()
+    # the same prompt through /v1/completions gives the unsplit text
+    raw = c.completions.create(model=server.model, prompt=encode_dsv4(msgs, thinking=True), max_tokens=10,
+                               temperature=0).choices[0].text
+    if "</think>" in raw:
+        assert raw == m["reasoning_content"] + "</think>" + m["content"]
+    else:
+        assert m["reasoning_content"] == raw and m["content"] == ""
+    stream = c.chat.completions.create(model=server.model, messages=msgs, max_tokens=10, temperature=0, stream=True,
+                                       extra_body={"chat_template_kwargs": {"thinking": True}})
+    deltas = [ch.choices[0].delta.model_dump() for ch in stream if ch.choices]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == m["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == m["content"]

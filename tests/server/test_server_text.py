@@ -105,3 +105,13 @@ def test_checkpoint_template_is_used_when_present(tmp_path):
     with pytest.raises(ChatTemplateError):
         ChatRenderer(tmp_path).render([{"role": "user", "content": "hi"}])
     assert ChatRenderer(None).kind == "built-in DeepSeek-V4 format"
+
+
+def test_reasoning_splitter():
+    from megastep.server.text import ReasoningSplitter
+
+    s = ReasoningSplitter()
+    outs = [s.push(x) for x in ["I think", " so</th", "ink>Ans", "wer"]]
+    assert outs == [("I think", ""), (" so", ""), ("", "Ans"), ("", "wer")]
+    s2 = ReasoningSplitter()
+    assert s2.push("abc</") == ("abc", "") and s2.flush() == ("</", "")
