@@ -9,6 +9,7 @@ module tree (`layers.L.attn.wq_a.weight`, ...), not the transformers renames (§
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -97,7 +98,7 @@ class _Table:
 
     def add(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], role: str,
             also: tuple[torch.dtype, ...] = ()) -> None:
-        self.specs[name] = TensorSpec(dtype, tuple(int(s) for s in shape), role, also)
+        self.specs[name] = TensorSpec(dtype, tuple(map(int, shape)), role, also)
 
     def bf16(self, name: str, shape: tuple[int, ...], role: str) -> None:
         self.add(name, BF16, shape, role, self.wide)
@@ -185,7 +186,12 @@ def mtp_ratio(cfg: ModelConfig, i: int) -> int:
 
 def expected_tensors(cfg: ModelConfig, include_mtp: bool = True) -> dict[str, TensorSpec]:
     """Every tensor of the official checkpoint for `cfg`, in checkpoint order (embed, layers,
-    final norm/head/hc_head, then MTP)."""
+    final norm/head/hc_head, then MTP). A fresh dict per call; the table itself is cached."""
+    return dict(_expected_tensors(cfg, include_mtp))
+
+
+@functools.lru_cache(maxsize=8)  # V4-Flash has 69k tensors: building the table takes ~0.3 s
+def _expected_tensors(cfg: ModelConfig, include_mtp: bool) -> dict[str, TensorSpec]:
     t = _Table(cfg)
     D = cfg.hidden_size
     t.bf16("embed.weight", (cfg.vocab_size, D), "embed")
