@@ -22,16 +22,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path | None:
-    """The built-in tiny model's directory (None: the server's own default, which is the same)."""
-    try:
-        from megastep.builtin import builtin_model_dir
-    except ImportError:   # the built-in model module has not landed yet: the same preset, written here
-        from megastep.checkpoint.synthetic import preset, write_checkpoint
+def tiny_model_dir() -> Path:
+    """The built-in tiny model (written into the cache on first use)."""
+    from megastep.builtin import builtin_model_dir
 
-        d = tmp_path_factory.mktemp("tiny")
-        write_checkpoint(preset("tiny"), d, seed=0, overwrite=True)
-        return d
     return Path(builtin_model_dir())
 
 
@@ -97,7 +91,8 @@ class Server:
 
 @pytest.fixture(scope="session")
 def server(tiny_model_dir):
-    s = Server(tiny_model_dir, "--max-seqs", "32", "--capacity", "16384", "--chunk", "16", "--queue-limit", "64")
+    # no --model: the server's default, the built-in tiny model
+    s = Server(None, "--max-seqs", "32", "--capacity", "16384", "--chunk", "16", "--queue-limit", "64")
     yield s
     s.stop()
 
