@@ -7,7 +7,8 @@ import torch
 from megastep.checkpoint import formats
 from megastep.checkpoint.synthetic import preset, synthesize_weights
 from megastep.errors import UserError
-from megastep.model.reference import KV_SIM_BLOCK, ReferenceModel
+from megastep.model.ops import KV_SIM_BLOCK
+from megastep.model.reference import ReferenceModel
 
 
 @pytest.fixture(scope="module")

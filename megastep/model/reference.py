@@ -22,7 +22,6 @@ Numerics (explicit choices, pinned by tests):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -31,72 +30,9 @@ import torch.nn.functional as F
 from megastep.checkpoint import formats
 from megastep.config import CSA_RATIO, ModelConfig
 from megastep.errors import UserError
+from megastep.model import ops
+from megastep.model.ops import apply_rope, rms_norm
 from megastep.model.state import CompressorState, SequenceState
-
-KV_SIM_BLOCK = 64  # fp8 simulation block on the KV nope dims
-INDEX_SIM_BLOCK = 32  # fp4 simulation block in the indexer
-
-
-def rope_inv_freq(cfg: ModelConfig, compressed: bool) -> torch.Tensor:
-    """Inverse frequencies [rope_dim/2], fp32, computed as the official `precompute_freqs_cis`:
-    theta 10000 without YaRN on sliding layers, compress_rope_theta with YaRN on compressed ones."""
-    dim = cfg.qk_rope_head_dim
-    base = cfg.compress_rope_theta if compressed else cfg.rope_theta
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    rs = cfg.rope_scaling
-    if compressed and rs is not None:
-        def corr(rot: float) -> float:
-            return dim * math.log(rs.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(base))
-
-        low = max(math.floor(corr(rs.beta_fast)), 0)
-        high = min(math.ceil(corr(rs.beta_slow)), dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        freqs = freqs / rs.factor * ramp + freqs * (1 - ramp)
-    return freqs
-
-
-def apply_rope(x: torch.Tensor, inv_freq: torch.Tensor, pos: int, inverse: bool = False) -> torch.Tensor:
-    """GPT-J interleaved RoPE on the trailing 2*len(inv_freq) dims of x (fp32 math)."""
-    rd = 2 * inv_freq.numel()
-    ang = torch.tensor(float(pos), dtype=torch.float32) * inv_freq
-    cos, sin = ang.cos().to(x.device), ang.sin().to(x.device)
-    if inverse:
-        sin = -sin
-    r = x[..., -rd:].float().unflatten(-1, (-1, 2))
-    a, b = r[..., 0], r[..., 1]
-    rot = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
-    return torch.cat([x[..., :-rd], rot.to(x.dtype)], dim=-1)
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (y if w is None else w * y).to(x.dtype)
-
-
-def sinkhorn_mixes(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
-    """Split the 24 (for hc=4) mHC mixes into pre [hc], post [hc], comb [hc, hc] (MODEL_SPEC §3)."""
-    pre = torch.sigmoid(mixes[:hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(mixes[hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-    comb = mixes[2 * hc :].view(hc, hc) * scale[2] + base[2 * hc :].view(hc, hc)
-    comb = torch.softmax(comb, dim=-1) + eps
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    return pre, post, comb
-
-
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [H, d], kv [N, d] (K = V, one shared head), sink [H] -> [H, d]; fp32 math."""
-    s = (q.float() @ kv.float().T) * scale  # [H, N]
-    m = s.amax(-1, keepdim=True)
-    e = torch.exp(s - m)
-    denom = e.sum(-1, keepdim=True) + torch.exp(sink.float()[:, None] - m)
-    return ((e / denom) @ kv.float()).to(q.dtype)
-
 
 class ReferenceModel:
     """Stateful single-sequence decode: `forward(state, ids)` -> fp32 logits [T, vocab]."""
@@ -130,7 +66,7 @@ class ReferenceModel:
             # Everything floating is kept in fp32: exact for bf16 and dequantized FP8/FP4 values,
             # and every matmul runs in fp32 without converting its weight on each call.
             self.w[name] = t.float() if t.is_floating_point() else t
-        self.inv_freq = {c: rope_inv_freq(cfg, c).to(self.device) for c in (False, True)}
+        self.inv_freq = {c: ops.rope_inv_freq(cfg, c).to(self.device) for c in (False, True)}
 
     # ---- building blocks --------------------------------------------------------------
     def new_state(self) -> SequenceState:
@@ -148,19 +84,7 @@ class ReferenceModel:
 
     def hc_pre(self, h: torch.Tensor, prefix: str):
         """mHC pre: h [hc, D] -> (collapsed [D], post [hc], comb [hc, hc])."""
-        cfg = self.cfg
-        xf = h.flatten().float()
-        mixes = (self.w[prefix + "_fn"] @ xf) * torch.rsqrt(xf.square().mean() + cfg.rms_norm_eps)
-        pre, post, comb = sinkhorn_mixes(
-            mixes, self.w[prefix + "_scale"], self.w[prefix + "_base"], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
-        )
-        return (pre[:, None] * h.float()).sum(0).to(h.dtype), post, comb
-
-    @staticmethod
-    def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """Output stream k = post[k] * y + sum_j comb[j, k] * h[j]."""
-        out = post[:, None] * y.float()[None, :] + (comb[:, :, None] * h.float()[:, None, :]).sum(0)
-        return out.to(h.dtype)
+        return ops.hc_pre(h, self.w[prefix + "_fn"], self.w[prefix + "_scale"], self.w[prefix + "_base"], self.cfg)
 
     # ---- compressor ---------------------------------------------------------------------
     def compress(self, x: torch.Tensor, st: CompressorState, prefix: str, ratio: int, dim: int, pos: int, rotate: bool):
@@ -186,16 +110,8 @@ class ReferenceModel:
         e = self.norm(e.to(self.dtype), prefix + ".norm.weight")
         e = apply_rope(e, self.inv_freq[True], pos + 1 - ratio)
         if self.quant_sim:
-            if rotate:
-                e = formats.fp4_act_sim(formats.hadamard_rotate(e), INDEX_SIM_BLOCK)
-            else:
-                e = self._kv_sim(e)
+            e = ops.index_sim(e) if rotate else ops.kv_sim(e, self.cfg.nope_head_dim)
         st.entries.append(e)
-
-    def _kv_sim(self, kv: torch.Tensor) -> torch.Tensor:
-        """fp8-simulate the nope dims of a KV row; the RoPE dims stay in full precision."""
-        nope = self.cfg.nope_head_dim
-        return torch.cat([formats.fp8_act_sim(kv[..., :nope], KV_SIM_BLOCK), kv[..., nope:]], -1)
 
     # ---- attention ----------------------------------------------------------------------
     def indexer_topk(self, x: torch.Tensor, qr: torch.Tensor, st: CompressorState, L: int, pos: int) -> torch.Tensor:
@@ -208,7 +124,7 @@ class ReferenceModel:
         q = self.linear(qr, p + ".wq_b.weight").view(cfg.index_n_heads, cfg.index_head_dim)
         q = apply_rope(q, self.inv_freq[True], pos)
         if self.quant_sim:
-            q = formats.fp4_act_sim(formats.hadamard_rotate(q), INDEX_SIM_BLOCK)
+            q = ops.index_sim(q)
         w = self.linear(x, p + ".weights_proj.weight").float() * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
         keys = st.entries.rows[:visible]
         scores = (torch.relu(q.float() @ keys.float().T) * w[:, None]).sum(0)  # [visible]
@@ -230,7 +146,7 @@ class ReferenceModel:
         kv = self.norm(self.linear(x, p + ".wkv.weight"), p + ".kv_norm.weight")
         kv = apply_rope(kv, inv_freq, pos)
         if self.quant_sim:
-            kv = self._kv_sim(kv)
+            kv = ops.kv_sim(kv, cfg.nope_head_dim)
         W = cfg.sliding_window
         ls.window[pos % W] = kv
         parts = [ls.window[: min(pos + 1, W)]]
@@ -243,7 +159,7 @@ class ReferenceModel:
             entries = ls.compressor.entries.rows[: (pos + 1) // ratio]
             parts.append(entries if selected is None else entries[selected])
 
-        o = sparse_attention(q, torch.cat(parts, 0), self.w[p + ".attn_sink"], hd**-0.5)
+        o = ops.sparse_attention(q, torch.cat(parts, 0), self.w[p + ".attn_sink"], hd**-0.5)
         o = apply_rope(o, inv_freq, pos, inverse=True)
 
         G = cfg.o_groups
@@ -254,11 +170,7 @@ class ReferenceModel:
     # ---- MoE ----------------------------------------------------------------------------
     def expert(self, x: torch.Tensor, prefix: str, weight: torch.Tensor | None = None) -> torch.Tensor:
         lim = self.cfg.swiglu_limit
-        g = self.linear(x, prefix + ".w1.weight").float()
-        u = self.linear(x, prefix + ".w3.weight").float()
-        if lim > 0:
-            g, u = g.clamp(max=lim), u.clamp(-lim, lim)
-        a = F.silu(g) * u
+        a = ops.swiglu(self.linear(x, prefix + ".w1.weight"), self.linear(x, prefix + ".w3.weight"), lim)
         if weight is not None:
             a = weight * a  # official order: routing weight before w2
         return self.linear(a.to(x.dtype), prefix + ".w2.weight")
@@ -271,9 +183,7 @@ class ReferenceModel:
             idx = self.w[p + ".tid2eid"][token].long()
         else:
             idx = (scores + self.w[p + ".bias"]).topk(cfg.num_experts_per_tok).indices
-        w = scores[idx]
-        w = w / w.sum() * cfg.routed_scaling_factor
-        return idx, w
+        return idx, ops.route_weights(scores, idx, cfg.routed_scaling_factor)
 
     def moe(self, x: torch.Tensor, L: int, token: int) -> torch.Tensor:
         p = f"layers.{L}.ffn"
@@ -293,13 +203,10 @@ class ReferenceModel:
         for L in range(cfg.num_hidden_layers):
             pre = f"layers.{L}."
             x, post, comb = self.hc_pre(h, pre + "hc_attn")
-            h = self.hc_post(self.attention(self.norm(x, pre + "attn_norm.weight"), L, pos, state.layers[L]), h, post, comb)
+            h = ops.hc_post(self.attention(self.norm(x, pre + "attn_norm.weight"), L, pos, state.layers[L]), h, post, comb)
             x, post, comb = self.hc_pre(h, pre + "hc_ffn")
-            h = self.hc_post(self.moe(self.norm(x, pre + "ffn_norm.weight"), L, token), h, post, comb)
-        xf = h.flatten().float()
-        mixes = (self.w["hc_head_fn"] @ xf) * torch.rsqrt(xf.square().mean() + cfg.rms_norm_eps)
-        pre = torch.sigmoid(mixes * self.w["hc_head_scale"] + self.w["hc_head_base"]) + cfg.hc_eps
-        z = self.norm((pre[:, None] * h.float()).sum(0).to(self.dtype), "norm.weight")
+            h = ops.hc_post(self.moe(self.norm(x, pre + "ffn_norm.weight"), L, token), h, post, comb)
+        z = self.norm(ops.hc_head(h, self.w["hc_head_fn"], self.w["hc_head_scale"], self.w["hc_head_base"], cfg), "norm.weight")
         state.pos += 1
         return z.float() @ self.w["head.weight"].T
 
