@@ -42,6 +42,7 @@ def builtin_model_dir() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{BUILTIN_NAME}-", dir=final.parent))
     try:
         write_checkpoint(preset(BUILTIN_PRESET), tmp, BUILTIN_SEED, overwrite=True)
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the final directory is ordinary cache
         try:
             os.rename(tmp, final)
         except OSError:

@@ -174,3 +174,27 @@ def test_written_unquantized_checkpoint(tmp_path):
     assert out.tokenizer is None and "no tokenizer" in out.notes[0]
     with safe_open(str(out.path / out.shards[0]), "pt") as f:
         assert not [k for k in f.keys() if k.endswith(".scale")]
+
+
+def test_forward_pass_is_healthy_at_full_depth():
+    """43 layers in the official CSA/HCA pattern (narrow, so it runs on a CPU): logits finite,
+    of std ~1, varied, and a layer near the top still moves them."""
+    from megastep.config import QuantConfig
+    from megastep.model.reference import ReferenceModel
+
+    cfg = ModelConfig().replace(
+        vocab_size=1024, hidden_size=128, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16,
+        q_lora_rank=64, o_groups=2, o_lora_rank=32, n_routed_experts=8, moe_intermediate_size=64,
+        index_n_heads=8, index_head_dim=32, index_topk=4, sliding_window=8, num_nextn_predict_layers=0,
+        compress_ratios=(0, 0) + (4, 8) * 20 + (4, 0), quantization_config=QuantConfig(weight_block_size=(32, 32)))
+    w = synthesize_weights(cfg, 0)
+    ids = torch.randint(0, cfg.vocab_size, (10,), generator=torch.Generator().manual_seed(0)).tolist()
+    model = ReferenceModel(cfg, w)
+    logits = model.forward(model.new_state(), ids)
+    assert torch.isfinite(logits).all()
+    assert 0.5 < logits.std(-1).mean().item() < 2.0
+    assert len(set(logits.argmax(-1).tolist())) >= 8
+    w["layers.40.attn.wo_b.weight"] = torch.zeros_like(w["layers.40.attn.wo_b.weight"])
+    model = ReferenceModel(cfg, w)
+    changed = model.forward(model.new_state(), ids)
+    assert (changed - logits).abs().mean() > 0.03 * logits.abs().mean()  # 7% today; 0.7% with 1/sqrt(2L)
