@@ -101,9 +101,11 @@ class ReferenceEngine(_EngineBase):
         from megastep.checkpoint.loader import load_checkpoint
         from megastep.model.reference import ReferenceModel
 
-        cfg, weights = load_checkpoint(model_dir, device=device)
+        self.device = torch.device(device)
+        cfg, weights = load_checkpoint(model_dir, device=self.device)
         self.cfg = cfg
         self.model = ReferenceModel(cfg, weights, quant_sim=quant_sim)
+        del weights
         self.name = Path(model_dir).name
         self.vocab_size = int(cfg.vocab_size)
         self.max_seq_len = int(cfg.max_position_embeddings)
@@ -114,13 +116,23 @@ class ReferenceEngine(_EngineBase):
     def new_sequence(self) -> SequenceState:
         return self._register(self.model.new_state())
 
+    def default_capacity(self, max_seqs: int) -> int:
+        """On a GPU: the free device memory after weights (90% of it, less every slot's fixed
+        state), in tokens of growing state. On the CPU: up to 4096 tokens per slot."""
+        if self.device.type != "cuda":
+            return super().default_capacity(max_seqs)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = 0.9 * free - max_seqs * self.state_bytes_fixed
+        tokens = int(budget / max(self.state_bytes_per_token, 1.0))
+        return max(0, min(tokens, max_seqs * self.max_seq_len))
+
     @torch.inference_mode()
     def forward_batch(self, rows: Seq[tuple[SequenceState, list[int]]]) -> list[torch.Tensor]:
         out = []
         for seq, ids in rows:
             logits = self.model.forward(seq.data, list(ids))
             seq.pos += len(ids)
-            out.append(logits[-1].float())
+            out.append(logits[-1].float().cpu())   # the sampler runs on the host
         return out
 
 

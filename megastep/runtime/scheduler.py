@@ -225,6 +225,8 @@ class Scheduler:
         self.queue_limit = queue_limit
         if capacity is None:
             capacity = engine.default_capacity(max_seqs)
+        if capacity < 16:
+            raise ValueError(f"the state pool would hold only {capacity} tokens: not enough memory")
         self.pool = StatePool(max_seqs, capacity)
         self.max_request_tokens = min(engine.max_seq_len, self.pool.capacity_tokens)
         self.metrics = Metrics()

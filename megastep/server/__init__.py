@@ -28,6 +28,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most requests waiting for admission; more get HTTP 429")
     parser.add_argument("--default-max-tokens", type=int, default=1024,
                         help="max_tokens of a chat request that gives none (capped by the room left)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the reference engine runs: cpu (default) or cuda[:N]; on a GPU the "
+                             "state pool is sized from free memory after weights unless --capacity is given")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads for the model (default: cores - 1, leaving one for HTTP)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -72,12 +75,22 @@ def build_server(args: argparse.Namespace):
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(model_dir)
-    engine = ReferenceEngine(model_dir)
-    log.info("loaded %s in %.1f s (reference engine, CPU, %d torch threads)", model_dir,
-             time.perf_counter() - t0, torch.get_num_threads())
-    scheduler = Scheduler(engine, max_seqs=args.max_seqs, capacity=args.capacity, chunk=args.chunk,
-                          queue_limit=args.queue_limit)
-    log.info(scheduler.describe_pool())
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {args.device}: no CUDA device is available")
+    if not (args.device == "cpu" or args.device.startswith("cuda")):
+        raise UserError(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    engine = ReferenceEngine(model_dir, device=args.device)
+    log.info("loaded %s in %.1f s (reference engine on %s, %d torch threads)", model_dir,
+             time.perf_counter() - t0, args.device, torch.get_num_threads())
+    try:
+        scheduler = Scheduler(engine, max_seqs=args.max_seqs, capacity=args.capacity, chunk=args.chunk,
+                              queue_limit=args.queue_limit)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    source = ("--capacity" if args.capacity is not None else
+              "free device memory after weights, capped at max-seqs x the model's max length"
+              if args.device.startswith("cuda") else "CPU default: up to 4096 tokens per slot")
+    log.info("%s [sized from %s]", scheduler.describe_pool(), source)
     renderer = ChatRenderer(model_dir)
     log.info("chat: %s", renderer.kind)
     ctx = ServerContext(scheduler=scheduler, tokenizer=tokenizer, renderer=renderer,
