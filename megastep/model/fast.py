@@ -1,0 +1,292 @@
+"""Batched, static-shape decode step of DeepSeek-V4: the fast path.
+
+One step advances B rows, each a sequence at its own position, addressed by a slot id in fixed
+state pools. Every shape is static and nothing reads device values on the host, so a step can be
+captured in a CUDA graph per batch bucket (runtime/step.py). Data-dependent control flow of the
+reference becomes masking: window slots and compressed entries past a row's position are masked
+out, a compressor computes its candidate entry every step and writes it to a discard row when its
+window has not closed, the indexer takes a fixed top-k and masks what is not visible.
+
+Weights stay in their checkpoint formats in device memory: FP8 e4m3 + E8M0 block scales, MXFP4
+experts stacked per layer (`kernels.moe.stack_experts`), BF16/F32 for the rest. The heavy
+linears run in Triton kernels on CUDA (`kernels/`), and in their torch `*_ref` twins elsewhere,
+so this file's logic is tested on CPU against the reference decode.
+
+Numerics follow the reference decode (model/reference.py) rounding point by rounding point, with
+the quantization simulations on: the two differ by fp32 summation order only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megastep.checkpoint import formats
+from megastep.config import CSA_RATIO, ModelConfig
+from megastep.kernels import linear_fp8 as _lin
+from megastep.kernels import moe as _moe
+from megastep.model import ops
+
+
+@dataclass
+class Linear:
+    """A linear layer in its checkpoint format: FP8 (weight e4m3 + scale) or plain (bf16/f32)."""
+
+    w: torch.Tensor
+    scale: torch.Tensor | None
+    block: int
+    act_quant: bool  # fp8-quantize the activation first (every FP8 linear but wo_a)
+
+    def __call__(self, x: torch.Tensor, triton: bool, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out_dtype = out_dtype or x.dtype
+        if self.scale is None:  # unquantized checkpoint: plain fp32-accumulated matmul
+            return (x.float() @ self.w.float().T).to(out_dtype)
+        if self.act_quant:
+            fn = _lin.linear_fp8 if triton else _lin.linear_fp8_ref
+            return fn(x.contiguous(), self.w, self.scale, block=self.block, out_dtype=out_dtype)
+        raise ValueError("a linear without activation quantization is grouped (wo_a): call grouped()")
+
+    def grouped(self, x: torch.Tensor, groups: int, rank: int) -> torch.Tensor:
+        """wo_a: x [B, G, d] -> [B, G*rank], group g through weight rows [g*rank, (g+1)*rank).
+        The official code dequantizes wo_a to a plain weight: no activation quantization."""
+        w = self.w.float() if self.scale is None else formats.dequantize_fp8_weight(self.w, self.scale, self.block)
+        return torch.einsum("bgd,grd->bgr", x.float(), w.view(groups, rank, -1)).to(x.dtype).flatten(1)
+
+
+class StatePools:
+    """Per-sequence state of every layer in fixed pools indexed by slot; the last slot is the
+    dummy that padding rows write to. Compressed-entry pools have one extra discard row."""
+
+    def __init__(self, cfg: ModelConfig, max_seqs: int, max_ctx: int, dtype: torch.dtype, device):
+        self.cfg, self.max_ctx = cfg, max_ctx
+        S = max_seqs + 1
+        self.dummy_slot = max_seqs
+        self.win, self.ckv, self.csc, self.cent, self.ikv, self.isc, self.ikeys = ([] for _ in range(7))
+        for L in range(cfg.num_hidden_layers):
+            r = cfg.ratio(L)
+            self.win.append(torch.zeros(S, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device))
+            ckv = csc = cent = ikv = isc = ikeys = None
+            if r:
+                coff = 2 if r == CSA_RATIO else 1
+                ckv = torch.zeros(S, coff * r, coff * cfg.head_dim, dtype=torch.float32, device=device)
+                csc = torch.full_like(ckv, float("-inf"))
+                cent = torch.zeros(S, max_ctx // r + 1, cfg.head_dim, dtype=dtype, device=device)
+                if r == CSA_RATIO:
+                    ikv = torch.zeros(S, 2 * r, 2 * cfg.index_head_dim, dtype=torch.float32, device=device)
+                    isc = torch.full_like(ikv, float("-inf"))
+                    ikeys = torch.zeros(S, max_ctx // r + 1, cfg.index_head_dim, dtype=dtype, device=device)
+            for lst, t in zip((self.ckv, self.csc, self.cent, self.ikv, self.isc, self.ikeys), (ckv, csc, cent, ikv, isc, ikeys)):
+                lst.append(t)
+
+    def reset(self, slot: int) -> None:
+        """Make a slot a fresh sequence: compressor scores -inf (no rows stored), values zero."""
+        for lst in (self.win, self.ckv, self.cent, self.ikv, self.ikeys):
+            for t in lst:
+                if t is not None:
+                    t[slot].zero_()
+        for lst in (self.csc, self.isc):
+            for t in lst:
+                if t is not None:
+                    t[slot].fill_(float("-inf"))
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for lst in (self.win, self.ckv, self.csc, self.cent, self.ikv, self.isc, self.ikeys)
+                   for t in lst if t is not None)
+
+
+class FastDecoder:
+    """`step(tokens, pos, slots) -> fp32 logits [B, vocab]`; advances each row's slot state."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, max_seqs: int, max_ctx: int,
+                 device: torch.device | str, dtype: torch.dtype = torch.bfloat16, triton: bool | None = None):
+        self.cfg, self.dtype = cfg, dtype
+        self.device = torch.device(device)
+        self.triton = self.device.type == "cuda" if triton is None else triton
+        if max_ctx > cfg.max_position_embeddings:
+            raise ValueError("max_ctx exceeds the model's max_position_embeddings")
+        self.max_ctx = max_ctx
+        dev = self.device
+
+        def t(name: str) -> torch.Tensor:
+            return weights[name].to(dev)
+
+        def lin(name: str, act_quant: bool = True) -> Linear:
+            base = name[: -len(".weight")]
+            sc = weights.get(base + ".scale")
+            return Linear(t(name), sc.to(dev) if sc is not None else None,
+                          cfg.fp8_block if cfg.quantization_config else 0, act_quant)
+
+        def f32(name: str) -> torch.Tensor:
+            return weights[name].to(dev, torch.float32)
+
+        self.embed = t("embed.weight")
+        self.head = t("head.weight")
+        self.norm_w = f32("norm.weight")
+        self.hc_head = (f32("hc_head_fn"), f32("hc_head_scale"), f32("hc_head_base"))
+        self.layers: list[dict] = []
+        for L in range(cfg.num_hidden_layers):
+            p = f"layers.{L}."
+            r = cfg.ratio(L)
+            lw: dict = {
+                "hc_attn": (f32(p + "hc_attn_fn"), f32(p + "hc_attn_scale"), f32(p + "hc_attn_base")),
+                "hc_ffn": (f32(p + "hc_ffn_fn"), f32(p + "hc_ffn_scale"), f32(p + "hc_ffn_base")),
+                "attn_norm": f32(p + "attn_norm.weight"), "ffn_norm": f32(p + "ffn_norm.weight"),
+                "wq_a": lin(p + "attn.wq_a.weight"), "q_norm": f32(p + "attn.q_norm.weight"),
+                "wq_b": lin(p + "attn.wq_b.weight"), "wkv": lin(p + "attn.wkv.weight"),
+                "kv_norm": f32(p + "attn.kv_norm.weight"), "sink": f32(p + "attn.attn_sink"),
+                "wo_a": lin(p + "attn.wo_a.weight", act_quant=False), "wo_b": lin(p + "attn.wo_b.weight"),
+                "gate": f32(p + "ffn.gate.weight"),
+                "shared": [lin(p + f"ffn.shared_experts.w{i}.weight") for i in (1, 3, 2)],
+            }
+            if cfg.is_hash_layer(L):
+                lw["tid2eid"] = t(p + "ffn.gate.tid2eid").long()
+            else:
+                lw["gate_bias"] = f32(p + "ffn.gate.bias")
+            if r:
+                c = p + "attn.compressor."
+                lw["comp"] = (f32(c + "wkv.weight"), f32(c + "wgate.weight"), f32(c + "ape"), f32(c + "norm.weight"))
+            if r == CSA_RATIO:
+                c = p + "attn.indexer."
+                lw["idx_comp"] = (f32(c + "compressor.wkv.weight"), f32(c + "compressor.wgate.weight"),
+                                  f32(c + "compressor.ape"), f32(c + "compressor.norm.weight"))
+                lw["idx_wq_b"] = lin(c + "wq_b.weight")
+                lw["idx_wproj"] = f32(c + "weights_proj.weight")
+            if cfg.fp4_experts:
+                lw["experts"] = {k: v.to(dev) for k, v in _moe.stack_experts(weights, f"layers.{L}", cfg.n_routed_experts).items()}
+            else:
+                lw["experts_plain"] = [[lin(p + f"ffn.experts.{e}.w{i}.weight") for i in (1, 3, 2)] for e in range(cfg.n_routed_experts)]
+            self.layers.append(lw)
+        self.inv_freq = {c: ops.rope_inv_freq(cfg, c).to(dev) for c in (False, True)}
+        self.pools = StatePools(cfg, max_seqs, max_ctx, dtype, dev)
+
+    # ---- pieces ---------------------------------------------------------------------------
+    def _dense(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A BF16 weight in fp32 math (compressor, gate, weights_proj, head): fp32 out."""
+        return x.float() @ w.T
+
+    def _compress(self, x, pos, slots, L, which: str):
+        """Feed each row's token into a compressor and emit entries where windows close."""
+        cfg, P = self.cfg, self.pools
+        lw = self.layers[L]
+        if which == "comp":
+            wkv, wgate, ape, norm_w = lw["comp"]
+            kvp, scp, ent, dim, r = P.ckv[L], P.csc[L], P.cent[L], cfg.head_dim, cfg.ratio(L)
+        else:
+            wkv, wgate, ape, norm_w = lw["idx_comp"]
+            kvp, scp, ent, dim, r = P.ikv[L], P.isc[L], P.ikeys[L], cfg.index_head_dim, CSA_RATIO
+        overlap = r == CSA_RATIO
+        kv = self._dense(x, wkv)
+        sc = self._dense(x, wgate) + ape[pos % r]
+        row = (r if overlap else 0) + pos % r
+        kvp[slots, row] = kv
+        scp[slots, row] = sc
+        st_kv, st_sc = kvp[slots], scp[slots]  # [B, rows, width]
+        if overlap:
+            kvs = torch.cat([st_kv[:, :r, :dim], st_kv[:, r:, dim:]], 1)
+            scs = torch.cat([st_sc[:, :r, :dim], st_sc[:, r:, dim:]], 1)
+        else:
+            kvs, scs = st_kv, st_sc
+        emit = (pos + 1) % r == 0
+        e = (kvs * torch.softmax(scs, dim=1)).sum(1)
+        e = torch.where(emit[:, None], e, 0.0)  # rows whose window is open may hold -inf scores
+        e = ops.rms_norm(e.to(self.dtype), norm_w, cfg.rms_norm_eps)
+        e = ops.apply_rope(e, self.inv_freq[True], pos + 1 - r)
+        e = ops.index_sim(e) if which == "idx" else ops.kv_sim(e, cfg.nope_head_dim)
+        discard = ent.shape[1] - 1
+        ent[slots, torch.where(emit, (pos + 1) // r - 1, discard)] = e
+        if overlap:  # the closed window becomes the previous one
+            keep = emit[:, None, None]
+            kvp[slots, :r] = torch.where(keep, st_kv[:, r:], st_kv[:, :r])
+            scp[slots, :r] = torch.where(keep, st_sc[:, r:], st_sc[:, :r])
+
+    def _indexer(self, x, qr, pos, slots, L):
+        cfg = self.cfg
+        lw = self.layers[L]
+        B = x.shape[0]
+        self._compress(x, pos, slots, L, "idx")
+        q = lw["idx_wq_b"](qr, self.triton).view(B, cfg.index_n_heads, cfg.index_head_dim)
+        q = ops.index_sim(ops.apply_rope(q, self.inv_freq[True], pos))
+        w = (x.float() @ lw["idx_wproj"].T).to(self.dtype).float() * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        n = self.pools.ikeys[L].shape[1] - 1
+        keys = self.pools.ikeys[L][slots, :n]  # [B, n, di]
+        scores = (torch.relu(q.float() @ keys.float().transpose(1, 2)) * w[..., None]).sum(1)  # [B, n]
+        visible = (pos + 1) // CSA_RATIO
+        scores = scores.masked_fill(torch.arange(n, device=x.device)[None] >= visible[:, None], float("-inf"))
+        # ascending, as the reference: valid entries (< visible) come first, in the same order
+        idx = scores.topk(min(cfg.index_topk, n), dim=-1).indices.sort(-1).values
+        return idx, idx < visible[:, None]
+
+    def _attention(self, x, pos, slots, L):
+        cfg, P = self.cfg, self.pools
+        lw = self.layers[L]
+        B, H, hd, W = x.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        r = cfg.ratio(L)
+        inv_freq = self.inv_freq[r > 0]
+        tr = self.triton
+        qr = ops.rms_norm(lw["wq_a"](x, tr), lw["q_norm"], cfg.rms_norm_eps)
+        q = lw["wq_b"](qr, tr).view(B, H, hd)
+        q = ops.apply_rope(ops.rms_norm(q, None, cfg.rms_norm_eps), inv_freq, pos)
+        kv = ops.rms_norm(lw["wkv"](x, tr), lw["kv_norm"], cfg.rms_norm_eps)
+        kv = ops.kv_sim(ops.apply_rope(kv, inv_freq, pos), cfg.nope_head_dim)
+        P.win[L][slots, pos % W] = kv
+        kvs = [P.win[L][slots]]
+        valid = [torch.arange(W, device=x.device)[None] <= pos[:, None]]
+        if r:
+            if r == CSA_RATIO:
+                idx, ok = self._indexer(x, qr, pos, slots, L)
+            self._compress(x, pos, slots, L, "comp")
+            n = P.cent[L].shape[1] - 1
+            ent = P.cent[L][slots, :n]
+            if r == CSA_RATIO:
+                kvs.append(ent.gather(1, idx[..., None].expand(-1, -1, hd)))
+                valid.append(ok)
+            else:
+                kvs.append(ent)
+                valid.append(torch.arange(n, device=x.device)[None] < ((pos + 1) // r)[:, None])
+        o = ops.sparse_attention(q, torch.cat(kvs, 1), lw["sink"], hd**-0.5, torch.cat(valid, 1))
+        o = ops.apply_rope(o, inv_freq, pos, inverse=True)
+        G, R = cfg.o_groups, cfg.o_lora_rank
+        u = lw["wo_a"].grouped(o.reshape(B, G, -1), G, R)
+        return lw["wo_b"](u, tr)
+
+    def _moe(self, x, tokens, L):
+        cfg = self.cfg
+        lw = self.layers[L]
+        scores = torch.sqrt(F.softplus(self._dense(x, lw["gate"])))
+        if "tid2eid" in lw:
+            idx = lw["tid2eid"][tokens]
+        else:
+            idx = (scores + lw["gate_bias"]).topk(cfg.num_experts_per_tok, dim=-1).indices
+        idx = idx.sort(-1).values  # ascending expert id: the reference's summation order
+        w = ops.route_weights(scores, idx, cfg.routed_scaling_factor)
+        if "experts" in lw:
+            fn = _moe.moe_experts_mxfp4 if self.triton else _moe.moe_experts_mxfp4_ref
+            ex = lw["experts"]
+            y = fn(x.contiguous(), idx.to(torch.int32), w.float(), ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
+                   swiglu_limit=cfg.swiglu_limit)
+        else:
+            y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            for j in range(idx.shape[1]):  # plain experts (unquantized checkpoints): a slow loop
+                for b in range(x.shape[0]):
+                    w1, w3, w2 = lw["experts_plain"][int(idx[b, j])]
+                    a = (w[b, j] * ops.swiglu(w1(x[b:b + 1], False), w3(x[b:b + 1], False), cfg.swiglu_limit)).to(x.dtype)
+                    y[b] += w2(a, False)[0].float()
+        w1, w3, w2 = lw["shared"]
+        a = ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
+        return (y + w2(a, self.triton).float()).to(x.dtype)
+
+    # ---- the step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """tokens, pos, slots: int64 [B] on the device. Returns fp32 logits [B, vocab]."""
+        cfg = self.cfg
+        h = self.embed[tokens].to(self.dtype)[:, None, :].expand(-1, cfg.hc_mult, -1)
+        for L, lw in enumerate(self.layers):
+            x, post, comb = ops.hc_pre(h, *lw["hc_attn"], cfg)
+            h = ops.hc_post(self._attention(ops.rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps), pos, slots, L), h, post, comb)
+            x, post, comb = ops.hc_pre(h, *lw["hc_ffn"], cfg)
+            h = ops.hc_post(self._moe(ops.rms_norm(x, lw["ffn_norm"], cfg.rms_norm_eps), tokens, L), h, post, comb)
+        z = ops.rms_norm(ops.hc_head(h, *self.hc_head, cfg), self.norm_w, cfg.rms_norm_eps)
+        return z.float() @ self.head.float().T
