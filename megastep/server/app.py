@@ -29,6 +29,23 @@ from megastep.server.text import IncrementalDetokenizer, ReasoningSplitter, Stop
 log = logging.getLogger("megastep.server")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # the OpenAI default for /v1/completions
+MAX_BODY_BYTES = 64 << 20            # a request body larger than this is refused (413)
+
+
+class _CancellingStream(StreamingResponse):
+    """A streaming response that cancels its request however the response ends: finished,
+    client gone before the first byte, or the task cancelled (where a never-started generator
+    would not run its own cleanup)."""
+
+    def __init__(self, content, on_close, **kw) -> None:
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 @dataclass
@@ -173,18 +190,33 @@ def create_app(ctx: ServerContext) -> FastAPI:
                            code="queue_full", headers={"Retry-After": str(_retry_after(sched))}) from None
         return req, sink
 
+    async def _read_body(request: HTTPRequest) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise APIError(413, f"request body over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _handle(request: HTTPRequest, chat: bool) -> Response:
         try:
-            body = parse_json(await request.body())
+            body = parse_json(await _read_body(request))
             g = parse_chat(body, ctx.served_names) if chat else parse_completion(body, ctx.served_names)
-            req, sink = _submit(g, ctx.chat_default_max_tokens if chat else COMPLETION_DEFAULT_MAX_TOKENS,
-                                asyncio.get_running_loop())
+            # rendering and tokenizing a long prompt takes a while: keep it off the event loop
+            req, sink = await asyncio.to_thread(
+                _submit, g, ctx.chat_default_max_tokens if chat else COMPLETION_DEFAULT_MAX_TOKENS,
+                asyncio.get_running_loop())
         except APIError as e:
             return _error_response(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if g.stream:
-            return StreamingResponse(_stream(req, sink, g, rid, created, chat), media_type="text/event-stream",
+            return _CancellingStream(_stream(req, sink, g, rid, created, chat), lambda: sched.cancel(req),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _whole(request, req, sink, g, rid, created, chat)
 
