@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True)
     m.set_defaults(func=cmd_make_checkpoint)
 
+    from megastep.bench import add_bench_arguments, bench_main
+
+    b = sub.add_parser("bench", help="decode-step latency of the fast path (CUDA) vs the roofline and transformers")
+    add_bench_arguments(b)
+    b.set_defaults(func=bench_main)
+
     from megastep.server import add_serve_arguments, serve_main
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

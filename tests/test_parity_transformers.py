@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hf_compat import export_official, hf_config, randomize_hidden_params
+from hf_compat import export_official, hf_config, load_official_into_hf, randomize_hidden_params
 from megastep.checkpoint.loader import load_checkpoint
 from megastep.config import ModelConfig
 from megastep.model.reference import ReferenceModel
@@ -168,7 +168,7 @@ def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(tmp_pa
     # transformers gets exactly the values the checkpoint holds
     hf_values = {k: (v.float() if v.is_floating_point() else v) for k, v in stored.items() if not k.endswith(".scale")}
     hf_values.update({k: official[k] for k in hf_values if stored[k].dtype in (torch.float8_e4m3fn, torch.int8)})
-    _load_official_into_hf(hf, hf_values)
+    load_official_into_hf(hf, hf_values)
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
     save_file(stored, str(tmp_path / "model.safetensors"))
 
@@ -187,24 +187,3 @@ def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(tmp_pa
 def _is_bf16_in_official(name: str) -> bool:
     """BF16 in the official checkpoint (MODEL_SPEC §2.1); fp32 tensors stay fp32."""
     return not name.endswith(("attn_sink", ".ape", "gate.bias", "_fn", "_base", "_scale"))
-
-
-def _load_official_into_hf(hf, values: dict[str, torch.Tensor]) -> None:
-    from hf_compat import official_name
-
-    by_official = {}
-    for key, p in list(hf.named_parameters()) + list(hf.named_buffers()):
-        by_official[official_name(key)] = (key, p)
-    with torch.no_grad():
-        for key, p in hf.named_parameters():
-            if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                L = key.split(".")[2]
-                for e in range(p.shape[0]):
-                    base = f"layers.{L}.ffn.experts.{e}"
-                    if key.endswith("gate_up_proj"):
-                        p[e].copy_(torch.cat([values[f"{base}.w1.weight"], values[f"{base}.w3.weight"]]))
-                    else:
-                        p[e].copy_(values[f"{base}.w2.weight"])
-        for name, v in values.items():
-            if name in by_official:
-                by_official[name][1].copy_(v)

@@ -90,12 +90,12 @@ def tensor_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}/{name}".encode())
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
-    return torch.Generator(device="cpu").manual_seed(tensor_seed(seed, name))
+def _generator(seed: int, name: str, device: str | torch.device = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
 
 
 def _randn(shape, g: torch.Generator, std: float) -> torch.Tensor:
-    return torch.randn(shape, generator=g, dtype=torch.float32).mul_(std)
+    return torch.randn(shape, generator=g, dtype=torch.float32, device=g.device).mul_(std)
 
 
 def _value(cfg: ModelConfig, name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
@@ -113,13 +113,13 @@ def _value(cfg: ModelConfig, name: str, shape: tuple[int, ...], g: torch.Generat
         if leaf.endswith("_base"):
             return _randn(shape, g, 0.5)
         if leaf.endswith("_scale"):
-            return 0.5 + torch.rand(shape, generator=g)  # positive, around 1
+            return 0.5 + torch.rand(shape, generator=g, device=g.device)  # positive, around 1
     if leaf == "bias":  # ffn.gate.bias: selection only, small against scores of O(1)
         return _randn(shape, g, 0.1)
     if leaf == "tid2eid":
         # Each token goes to top-k distinct experts: the k largest of E uniform draws.
         vocab, k = shape
-        return torch.rand(vocab, cfg.n_routed_experts, generator=g).topk(k, dim=-1).indices
+        return torch.rand(vocab, cfg.n_routed_experts, generator=g, device=g.device).topk(k, dim=-1).indices
     if len(shape) == 1 and name.endswith("norm.weight"):
         return 1.0 + _randn(shape, g, 0.05)
     if name == "embed.weight":
@@ -143,17 +143,18 @@ def _mxfp4_weight(shape_packed: tuple[int, int], g: torch.Generator, std: float)
     which matters for the 33k expert matrices of V4-Flash): each nibble uniform over the 16 e2m1
     codes; per-block power-of-two scales jittered by 2^{-1,0,1} around the one giving `std`."""
     n, half = shape_packed
-    packed = torch.randint(0, 256, (n, half), generator=g, dtype=torch.uint8).view(torch.int8)
+    packed = torch.randint(0, 256, (n, half), generator=g, dtype=torch.uint8, device=g.device).view(torch.int8)
     jitter_var = (0.25 + 1 + 4) / 3
     base = round(math.log2(std / math.sqrt(_E2M1_MEAN_SQUARE * jitter_var)))
-    exps = base + torch.randint(-1, 2, (n, 2 * half // MX_BLOCK), generator=g)
-    return packed, float_to_e8m0(torch.ldexp(torch.ones(exps.shape), exps))
+    exps = base + torch.randint(-1, 2, (n, 2 * half // MX_BLOCK), generator=g, device=g.device)
+    return packed, float_to_e8m0(torch.ldexp(torch.ones(exps.shape, device=g.device), exps))
 
 
-def _official_group(cfg: ModelConfig, table: dict[str, TensorSpec], name: str, seed: int) -> dict[str, torch.Tensor]:
+def _official_group(cfg: ModelConfig, table: dict[str, TensorSpec], name: str, seed: int,
+                    device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The tensor `name` in its official dtype, plus its `.scale` companion when quantized."""
     spec = table[name]
-    g = _generator(seed, name)
+    g = _generator(seed, name, device)
     prefix = name.removesuffix(".weight")
     scale_name = f"{prefix}.scale"
     if name.endswith(".weight") and scale_name in table:
@@ -207,6 +208,19 @@ def synthesize_weights(cfg: ModelConfig, seed: int, device: str | torch.device =
     one tensor at a time, then moved: bytes are identical on every device)."""
     return {n: t.to(device) for n, t in synthesize_tensors(cfg, seed, include_mtp=include_mtp,
                                                             dtype_policy=dtype_policy)}
+
+
+def synthesize_on_device(cfg: ModelConfig, seed: int, device: str | torch.device,
+                         include_mtp: bool = False) -> dict[str, torch.Tensor]:
+    """The official-format weights generated directly in `device` memory, for full-geometry
+    benchmarks larger than the disk (and than a CPU could draw in reasonable time). Same value
+    rules and formats as `synthesize_weights`; the values differ from it because each device's
+    random generator is its own, but they are reproducible from the seed on a given device."""
+    table = expected_tensors(cfg, include_mtp=include_mtp)
+    out: dict[str, torch.Tensor] = {}
+    for name in _groups(table):
+        out.update(_official_group(cfg, table, name, seed, device))
+    return out
 
 
 # ---- writing a checkpoint directory -------------------------------------------------------------

@@ -28,6 +28,7 @@ from megastep.config import CSA_RATIO, ModelConfig
 from megastep.kernels import linear_fp8 as _lin
 from megastep.kernels import moe as _moe
 from megastep.model import ops
+from megastep.runtime.trace import StepTrace, stage
 
 
 @dataclass
@@ -100,7 +101,10 @@ class FastDecoder:
     """`step(tokens, pos, slots) -> fp32 logits [B, vocab]`; advances each row's slot state."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, max_seqs: int, max_ctx: int,
-                 device: torch.device | str, dtype: torch.dtype = torch.bfloat16, triton: bool | None = None):
+                 device: torch.device | str, dtype: torch.dtype = torch.bfloat16, triton: bool | None = None,
+                 consume: bool = False):
+        """consume=True deletes the per-expert tensors from `weights` as each layer's experts are
+        stacked, so a model filling the device is never held twice."""
         self.cfg, self.dtype = cfg, dtype
         self.device = torch.device(device)
         self.triton = self.device.type == "cuda" if triton is None else triton
@@ -137,7 +141,7 @@ class FastDecoder:
                 "wq_b": lin(p + "attn.wq_b.weight"), "wkv": lin(p + "attn.wkv.weight"),
                 "kv_norm": f32(p + "attn.kv_norm.weight"), "sink": f32(p + "attn.attn_sink"),
                 "wo_a": lin(p + "attn.wo_a.weight", act_quant=False), "wo_b": lin(p + "attn.wo_b.weight"),
-                "gate": f32(p + "ffn.gate.weight"),
+                "gate": t(p + "ffn.gate.weight"),
                 "shared": [lin(p + f"ffn.shared_experts.w{i}.weight") for i in (1, 3, 2)],
             }
             if cfg.is_hash_layer(L):
@@ -146,25 +150,29 @@ class FastDecoder:
                 lw["gate_bias"] = f32(p + "ffn.gate.bias")
             if r:
                 c = p + "attn.compressor."
-                lw["comp"] = (f32(c + "wkv.weight"), f32(c + "wgate.weight"), f32(c + "ape"), f32(c + "norm.weight"))
+                lw["comp"] = (t(c + "wkv.weight"), t(c + "wgate.weight"), f32(c + "ape"), f32(c + "norm.weight"))
             if r == CSA_RATIO:
                 c = p + "attn.indexer."
-                lw["idx_comp"] = (f32(c + "compressor.wkv.weight"), f32(c + "compressor.wgate.weight"),
+                lw["idx_comp"] = (t(c + "compressor.wkv.weight"), t(c + "compressor.wgate.weight"),
                                   f32(c + "compressor.ape"), f32(c + "compressor.norm.weight"))
                 lw["idx_wq_b"] = lin(c + "wq_b.weight")
-                lw["idx_wproj"] = f32(c + "weights_proj.weight")
+                lw["idx_wproj"] = t(c + "weights_proj.weight")
             if cfg.fp4_experts:
                 lw["experts"] = {k: v.to(dev) for k, v in _moe.stack_experts(weights, f"layers.{L}", cfg.n_routed_experts).items()}
+                if consume:
+                    for k in [k for k in weights if k.startswith(p + "ffn.experts.")]:
+                        del weights[k]
             else:
                 lw["experts_plain"] = [[lin(p + f"ffn.experts.{e}.w{i}.weight") for i in (1, 3, 2)] for e in range(cfg.n_routed_experts)]
             self.layers.append(lw)
         self.inv_freq = {c: ops.rope_inv_freq(cfg, c).to(dev) for c in (False, True)}
         self.pools = StatePools(cfg, max_seqs, max_ctx, dtype, dev)
+        self.trace: StepTrace | None = None  # attach one to time stages (eager steps only)
 
     # ---- pieces ---------------------------------------------------------------------------
     def _dense(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A BF16 weight in fp32 math (compressor, gate, weights_proj, head): fp32 out."""
-        return x.float() @ w.T
+        return x.float() @ w.float().T
 
     def _compress(self, x, pos, slots, L, which: str):
         """Feed each row's token into a compressor and emit entries where windows close."""
@@ -208,7 +216,7 @@ class FastDecoder:
         self._compress(x, pos, slots, L, "idx")
         q = lw["idx_wq_b"](qr, self.triton).view(B, cfg.index_n_heads, cfg.index_head_dim)
         q = ops.index_sim(ops.apply_rope(q, self.inv_freq[True], pos))
-        w = (x.float() @ lw["idx_wproj"].T).to(self.dtype).float() * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        w = self._dense(x, lw["idx_wproj"]).to(self.dtype).float() * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
         n = self.pools.ikeys[L].shape[1] - 1
         keys = self.pools.ikeys[L][slots, :n]  # [B, n, di]
         scores = (torch.relu(q.float() @ keys.float().transpose(1, 2)) * w[..., None]).sum(1)  # [B, n]
@@ -224,19 +232,22 @@ class FastDecoder:
         B, H, hd, W = x.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
         r = cfg.ratio(L)
         inv_freq = self.inv_freq[r > 0]
-        tr = self.triton
-        qr = ops.rms_norm(lw["wq_a"](x, tr), lw["q_norm"], cfg.rms_norm_eps)
-        q = lw["wq_b"](qr, tr).view(B, H, hd)
-        q = ops.apply_rope(ops.rms_norm(q, None, cfg.rms_norm_eps), inv_freq, pos)
-        kv = ops.rms_norm(lw["wkv"](x, tr), lw["kv_norm"], cfg.rms_norm_eps)
-        kv = ops.kv_sim(ops.apply_rope(kv, inv_freq, pos), cfg.nope_head_dim)
-        P.win[L][slots, pos % W] = kv
+        tr, T = self.triton, self.trace
+        with stage(T, "attn_proj", L):
+            qr = ops.rms_norm(lw["wq_a"](x, tr), lw["q_norm"], cfg.rms_norm_eps)
+            q = lw["wq_b"](qr, tr).view(B, H, hd)
+            q = ops.apply_rope(ops.rms_norm(q, None, cfg.rms_norm_eps), inv_freq, pos)
+            kv = ops.rms_norm(lw["wkv"](x, tr), lw["kv_norm"], cfg.rms_norm_eps)
+            kv = ops.kv_sim(ops.apply_rope(kv, inv_freq, pos), cfg.nope_head_dim)
+            P.win[L][slots, pos % W] = kv
         kvs = [P.win[L][slots]]
         valid = [torch.arange(W, device=x.device)[None] <= pos[:, None]]
         if r:
             if r == CSA_RATIO:
-                idx, ok = self._indexer(x, qr, pos, slots, L)
-            self._compress(x, pos, slots, L, "comp")
+                with stage(T, "indexer", L):
+                    idx, ok = self._indexer(x, qr, pos, slots, L)
+            with stage(T, "compressor", L):
+                self._compress(x, pos, slots, L, "comp")
             n = P.cent[L].shape[1] - 1
             ent = P.cent[L][slots, :n]
             if r == CSA_RATIO:
@@ -245,22 +256,35 @@ class FastDecoder:
             else:
                 kvs.append(ent)
                 valid.append(torch.arange(n, device=x.device)[None] < ((pos + 1) // r)[:, None])
-        o = ops.sparse_attention(q, torch.cat(kvs, 1), lw["sink"], hd**-0.5, torch.cat(valid, 1))
-        o = ops.apply_rope(o, inv_freq, pos, inverse=True)
-        G, R = cfg.o_groups, cfg.o_lora_rank
-        u = lw["wo_a"].grouped(o.reshape(B, G, -1), G, R)
-        return lw["wo_b"](u, tr)
+        with stage(T, "attention", L):
+            o = ops.sparse_attention(q, torch.cat(kvs, 1), lw["sink"], hd**-0.5, torch.cat(valid, 1))
+            o = ops.apply_rope(o, inv_freq, pos, inverse=True)
+        with stage(T, "out_proj", L):
+            G, R = cfg.o_groups, cfg.o_lora_rank
+            u = lw["wo_a"].grouped(o.reshape(B, G, -1), G, R)
+            return lw["wo_b"](u, tr)
 
     def _moe(self, x, tokens, L):
         cfg = self.cfg
         lw = self.layers[L]
-        scores = torch.sqrt(F.softplus(self._dense(x, lw["gate"])))
-        if "tid2eid" in lw:
-            idx = lw["tid2eid"][tokens]
-        else:
-            idx = (scores + lw["gate_bias"]).topk(cfg.num_experts_per_tok, dim=-1).indices
-        idx = idx.sort(-1).values  # ascending expert id: the reference's summation order
-        w = ops.route_weights(scores, idx, cfg.routed_scaling_factor)
+        T = self.trace
+        with stage(T, "router", L):
+            scores = torch.sqrt(F.softplus(self._dense(x, lw["gate"])))
+            if "tid2eid" in lw:
+                idx = lw["tid2eid"][tokens]
+            else:
+                idx = (scores + lw["gate_bias"]).topk(cfg.num_experts_per_tok, dim=-1).indices
+            idx = idx.sort(-1).values  # ascending expert id: the reference's summation order
+            w = ops.route_weights(scores, idx, cfg.routed_scaling_factor)
+        with stage(T, "routed_experts", L):
+            y = self._routed(x, idx, w, lw)
+        with stage(T, "shared_expert", L):
+            w1, w3, w2 = lw["shared"]
+            a = ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
+            return (y + w2(a, self.triton).float()).to(x.dtype)
+
+    def _routed(self, x, idx, w, lw):
+        cfg = self.cfg
         if "experts" in lw:
             fn = _moe.moe_experts_mxfp4 if self.triton else _moe.moe_experts_mxfp4_ref
             ex = lw["experts"]
@@ -273,20 +297,32 @@ class FastDecoder:
                     w1, w3, w2 = lw["experts_plain"][int(idx[b, j])]
                     a = (w[b, j] * ops.swiglu(w1(x[b:b + 1], False), w3(x[b:b + 1], False), cfg.swiglu_limit)).to(x.dtype)
                     y[b] += w2(a, False)[0].float()
-        w1, w3, w2 = lw["shared"]
-        a = ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
-        return (y + w2(a, self.triton).float()).to(x.dtype)
+        return y
 
     # ---- the step -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """tokens, pos, slots: int64 [B] on the device. Returns fp32 logits [B, vocab]."""
-        cfg = self.cfg
-        h = self.embed[tokens].to(self.dtype)[:, None, :].expand(-1, cfg.hc_mult, -1)
+        cfg, T, eps = self.cfg, self.trace, self.cfg.rms_norm_eps
+        with stage(T, "embed"):
+            h = self.embed[tokens].to(self.dtype)[:, None, :].expand(-1, cfg.hc_mult, -1)
         for L, lw in enumerate(self.layers):
-            x, post, comb = ops.hc_pre(h, *lw["hc_attn"], cfg)
-            h = ops.hc_post(self._attention(ops.rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps), pos, slots, L), h, post, comb)
-            x, post, comb = ops.hc_pre(h, *lw["hc_ffn"], cfg)
-            h = ops.hc_post(self._moe(ops.rms_norm(x, lw["ffn_norm"], cfg.rms_norm_eps), tokens, L), h, post, comb)
-        z = ops.rms_norm(ops.hc_head(h, *self.hc_head, cfg), self.norm_w, cfg.rms_norm_eps)
+            with stage(T, "mhc_pre", L):
+                x, post, comb = ops.hc_pre(h, *lw["hc_attn"], cfg)
+                x = ops.rms_norm(x, lw["attn_norm"], eps)
+            y = self._attention(x, pos, slots, L)
+            with stage(T, "mhc_post", L):
+                h = ops.hc_post(y, h, post, comb)
+            with stage(T, "mhc_pre", L):
+                x, post, comb = ops.hc_pre(h, *lw["hc_ffn"], cfg)
+                x = ops.rms_norm(x, lw["ffn_norm"], eps)
+            y = self._moe(x, tokens, L)
+            with stage(T, "mhc_post", L):
+                h = ops.hc_post(y, h, post, comb)
+        with stage(T, "head"):
+            z = ops.rms_norm(ops.hc_head(h, *self.hc_head, cfg), self.norm_w, eps)
+            return self._head(z)
+
+    def _head(self, z: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from the bf16 head with fp32 accumulation."""
         return z.float() @ self.head.float().T

@@ -1,0 +1,278 @@
+"""`megastep bench`: decode-step latency of the fast path against the memory roofline and a peer.
+
+Method (docs/PERFORMANCE.md quotes it):
+- Weights: a synthetic checkpoint in the official formats, generated in device memory.
+- Context: every row's state (window ring, compressed KV, index keys, compressor buffers) is
+  filled with random values and every row sits at position `context`, so each step reads what
+  a real step at that context reads (attention cost depends on shapes, not values).
+- Step time: one CUDA graph per batch size, replayed `iters` times after warm-up, each replay
+  timed with CUDA events; p50/p90/p99 over replays.
+- Roofline: bytes a step must read (all dense weights of the layers, the routed experts the rows
+  touch (expected distinct experts under uniform routing), the head, the state read by
+  attention) over the streaming read bandwidth measured in the same run.
+- Peer: transformers' DeepseekV4ForCausalLM at the same width with a few layers, bf16, on the
+  same synthetic weights (dequantized), cached decode at the same context, per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from megastep.checkpoint.synthetic import preset, synthesize_on_device
+from megastep.config import CSA_RATIO, ModelConfig
+from megastep.errors import UserError
+
+
+def stream_read_bandwidth(device: torch.device, gib: float = 4.0, iters: int = 10) -> float:
+    """Streaming read bandwidth in GB/s: a full sum over a buffer much larger than L2."""
+    n = int(gib * 2**30) // 4
+    x = torch.ones(n, dtype=torch.float32, device=device)
+    x.sum()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        x.sum()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del x
+    return n * 4 / min(times) / 1e9
+
+
+def step_bytes(cfg: ModelConfig, weights_bytes: dict[str, int], rows: int, context: int) -> dict[str, float]:
+    """Bytes one step must read, by part. weights_bytes: bytes per tensor name."""
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    distinct = E * (1 - (1 - k / E) ** rows)  # expected distinct experts per layer, uniform routing
+    per_expert = {}
+    dense = 0
+    head = 0
+    for name, nb in weights_bytes.items():
+        if ".ffn.experts." in name:
+            L = int(name.split(".")[1])
+            per_expert[L] = per_expert.get(L, 0) + nb
+        elif name in ("head.weight",):
+            head += nb
+        elif name == "embed.weight":
+            dense += rows * cfg.hidden_size * 2
+        else:
+            dense += nb
+    experts = sum(v / E * distinct for v in per_expert.values())
+    state = 0.0
+    for L in range(cfg.num_hidden_layers):
+        r = cfg.ratio(L)
+        state += rows * cfg.sliding_window * cfg.head_dim * 2
+        if r == CSA_RATIO:
+            n = context // r
+            state += rows * (min(cfg.index_topk, n) * cfg.head_dim * 2 + n * cfg.index_head_dim * 2)
+        elif r:
+            state += rows * (context // r) * cfg.head_dim * 2
+    return {"dense": dense, "routed_experts": experts, "head": head, "state": state,
+            "total": dense + experts + head + state}
+
+
+def fill_state(dec, context: int, seed: int = 0) -> None:
+    """Random finite state for every slot, as if `context` tokens had been decoded."""
+    g = torch.Generator(device=dec.device).manual_seed(seed)
+    P = dec.pools
+    for lst in (P.win, P.cent, P.ikeys, P.ckv, P.csc, P.ikv, P.isc):
+        for t in lst:
+            if t is not None:
+                t.copy_(torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32).to(t.dtype))
+
+
+def time_graph(runner, rows: int, context: int, iters: int, warmup: int = 5) -> list[float]:
+    dev = runner.device
+    tokens = torch.randint(0, 1000, (rows,), device=dev)
+    pos = torch.full((rows,), context, device=dev, dtype=torch.long)
+    slots = torch.arange(rows, device=dev)
+    b = runner.load(tokens, pos, slots)
+    for _ in range(warmup):
+        runner.replay(b)
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        runner.replay(b)
+        e1.record()
+        torch.cuda.synchronize()
+        out.append(e0.elapsed_time(e1))
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def trace_step(dec, rows: int, context: int, repeats: int = 3) -> tuple[dict[str, float], dict[int, float], float]:
+    """Eager step with per-stage events (µs, averaged over repeats) and its own wall time (ms)."""
+    from megastep.runtime.trace import StepTrace
+
+    dev = dec.device
+    tokens = torch.randint(0, 1000, (rows,), device=dev)
+    pos = torch.full((rows,), context, device=dev, dtype=torch.long)
+    slots = torch.arange(rows, device=dev)
+    dec.step(tokens, pos, slots)  # warm
+    tr = StepTrace(dev)
+    dec.trace = tr
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        dec.step(tokens, pos, slots)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / repeats * 1e3
+    dec.trace = None
+    by_stage, by_layer = tr.summary()
+    return ({k: v / repeats for k, v in by_stage.items()}, {k: v / repeats for k, v in by_layer.items()}, wall)
+
+
+def peer_transformers(cfg: ModelConfig, weights: dict[str, torch.Tensor], layers: int, context: int, iters: int,
+                      impls=("batched_mm", "grouped_mm", "eager")) -> dict:
+    """transformers' DeepseekV4ForCausalLM (bf16) on the first `layers` layers of the same
+    synthetic weights, cached greedy decode at `context`; ms per step and per layer, best impl."""
+    from megastep.checkpoint import formats
+    from megastep.model.hf_names import hf_config, load_official_into_hf
+    import transformers
+
+    sub = cfg.replace(num_hidden_layers=layers, compress_ratios=cfg.compress_ratios[:layers] + (0,))
+    hcfg = hf_config(sub)
+    with torch.device(weights["embed.weight"].device):
+        model = transformers.DeepseekV4ForCausalLM(hcfg).to(torch.bfloat16).eval()
+    vals = {}
+    for name, t in weights.items():
+        if name.endswith(".scale") or (name.startswith("layers.") and int(name.split(".")[1]) >= layers):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            t = formats.dequantize_fp8_weight(t, weights[name[:-7] + ".scale"], cfg.fp8_block)
+        elif t.dtype == torch.int8:
+            t = formats.dequantize_mxfp4_weight(t, weights[name[:-7] + ".scale"])
+        vals[name] = t
+    load_official_into_hf(model, vals)
+    del vals
+    res = {}
+    ids = torch.randint(0, 1000, (1, context), device=weights["embed.weight"].device)
+    for impl in impls:
+        try:
+            model.config._experts_implementation = impl
+            with torch.no_grad():
+                out = model(ids, use_cache=True)
+                cache = out.past_key_values
+                tok = out.logits[:, -1:].argmax(-1)
+                ts = []
+                for i in range(iters + 3):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    out = model(tok, cache=cache, use_cache=True)
+                    tok = out.logits[:, -1:].argmax(-1)
+                    torch.cuda.synchronize()
+                    if i >= 3:
+                        ts.append((time.perf_counter() - t0) * 1e3)
+            res[impl] = statistics.median(ts)
+        except Exception as e:  # an implementation this transformers build lacks
+            res[impl] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+    del model
+    torch.cuda.empty_cache()
+    ok = {k: v for k, v in res.items() if isinstance(v, float)}
+    best = min(ok, key=ok.get) if ok else None
+    return {"layers": layers, "ms_per_step": res, "best_impl": best,
+            "ms_per_layer": ok[best] / layers if best else None}
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    from megastep.model.fast import FastDecoder
+    from megastep.runtime.step import StepRunner
+
+    if not torch.cuda.is_available():
+        raise UserError("megastep bench needs a CUDA device")
+    dev = torch.device("cuda")
+    batches = sorted({int(b) for b in args.batch.split(",")})
+    cfg = preset(args.preset, layers=args.layers)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    weights = synthesize_on_device(cfg, args.seed, dev)
+    wbytes = {n: t.numel() * t.element_size() for n, t in weights.items()}
+    gen_s = time.perf_counter() - t0
+    peer = None
+    if args.peer_layers:
+        peer = peer_transformers(cfg, weights, args.peer_layers, args.context, iters=10)
+    dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True)
+    del weights
+    fill_state(dec, args.context)
+    bw = stream_read_bandwidth(dev)
+    runner = StepRunner(dec.step, dev, dec.pools.dummy_slot, buckets=batches)
+    results = []
+    for B in batches:
+        ms = time_graph(runner, B, args.context, args.iters)
+        p50 = pct(ms, 50)
+        nb = step_bytes(cfg, wbytes, B, args.context)
+        roof_ms = nb["total"] / (bw * 1e9) * 1e3
+        results.append({
+            "batch": B, "ms_p50": p50, "ms_p90": pct(ms, 90), "ms_p99": pct(ms, 99),
+            "tokens_per_s": B / p50 * 1e3, "bytes": nb, "roofline_ms": roof_ms,
+            "pct_of_roofline": 100 * roof_ms / p50, "achieved_GBps": nb["total"] / (p50 / 1e3) / 1e9,
+        })
+    out = {
+        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers,
+        "context": args.context, "stream_read_GBps": bw, "weights_generated_s": gen_s,
+        "state_pool_bytes": dec.pools.bytes(), "results": results, "peer": peer,
+    }
+    if args.trace:
+        traces = {}
+        for B in batches:
+            by_stage, by_layer, wall = trace_step(dec, B, args.context)
+            traces[B] = {"by_stage_us": by_stage, "by_layer_us": {str(k): v for k, v in by_layer.items()},
+                         "eager_wall_ms": wall}
+        out["trace"] = traces
+    return out
+
+
+def print_report(out: dict) -> None:
+    L = out["layers"]
+    print(f"\n{out['device']}  preset {out['preset']}  layers {L}  context {out['context']}  "
+          f"stream read {out['stream_read_GBps']:.0f} GB/s")
+    print(f"{'batch':>5} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'tok/s':>9} {'GB/step':>8} {'roof ms':>8} {'%roof':>6} "
+          f"{'ms/layer':>8} {'x43 ms':>8}")
+    for r in out["results"]:
+        per_layer = r["ms_p50"] / L
+        print(f"{r['batch']:>5} {r['ms_p50']:>8.3f} {r['ms_p90']:>8.3f} {r['ms_p99']:>8.3f} {r['tokens_per_s']:>9.1f} "
+              f"{r['bytes']['total'] / 1e9:>8.3f} {r['roofline_ms']:>8.3f} {r['pct_of_roofline']:>6.1f} "
+              f"{per_layer:>8.3f} {per_layer * 43:>8.2f}")
+    if out.get("peer"):
+        p = out["peer"]
+        print(f"peer transformers ({p['best_impl']}, {p['layers']} layers, batch 1): {p['ms_per_step']}  "
+              f"-> {p['ms_per_layer']} ms/layer")
+    for B, tr in (out.get("trace") or {}).items():
+        tot = sum(tr["by_stage_us"].values())
+        print(f"\ntrace batch {B}: eager wall {tr['eager_wall_ms']:.2f} ms, sum of stages {tot / 1e3:.2f} ms")
+        for name, us in sorted(tr["by_stage_us"].items(), key=lambda kv: -kv[1]):
+            print(f"  {name:<16} {us / 1e3:8.3f} ms  {100 * us / tot:5.1f}%  ({us / L:7.1f} us/layer)")
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    out = run_bench(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    print_report(out)
+    return 0
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="v4-flash")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--batch", default="1,4,16,64")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", action="store_true", help="also print the eager per-stage trace")
+    p.add_argument("--peer-layers", type=int, default=0, help="layers for the transformers peer line (0: skip)")
+    p.add_argument("--json", help="write the full results here")
