@@ -357,7 +357,20 @@ def short(c):
     return f"{k['mode']} i{k['block_i']} d{k['block_d']} p{k['block_p']} k{k['block_k']} g{k['groups_up']}/{k['groups_down']} w{k['num_warps']}"
 
 
-def smoke_setup():
+def log_compiled():
+    """Registers, spills and shared memory of every compiled variant (best effort)."""
+    for fn in (LIN._linear_fp8_kernel, MOE._moe_gate_up_kernel, MOE._moe_down_kernel, MOE._moe_route_kernel):
+        try:
+            for caches in fn.device_caches.values():
+                for key, k in caches[0].items():
+                    k._init_handles()
+                    consts = {n: v for n, v in getattr(k.src, "constants", {}).items() if isinstance(v, (int, bool))}
+                    log(f"compiled {fn.__name__} regs={k.n_regs} spills={k.n_spills} shared={k.metadata.shared} "
+                        f"warps={k.metadata.num_warps} stages={k.metadata.num_stages} {str(consts)[:300] or str(key)[:300]}")
+        except Exception as e:  # noqa: BLE001
+            log(f"compiled-kernel info unavailable for {getattr(fn, '__name__', fn)}: {e!r}"[:300])
+
+
     global DEV, LINEAR_SHAPES, MS, MOE_SHAPE, L2_FLUSH_BYTES
     if os.environ.get("TRITON_INTERPRET") != "1":  # the kernels must be decorated in interpreter mode
         os.environ["TRITON_INTERPRET"] = "1"
@@ -404,6 +417,7 @@ def main():
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(dict(device=name, bandwidth=bw, results=results), f, indent=1)
 
+    log_compiled()
     read_bw = bw["read"]
     log("")
     log(f"roofline: streaming read {read_bw:.0f} GB/s (copy {bw['copy_rw']:.0f} GB/s r+w)")
