@@ -134,56 +134,78 @@ def trace_step(dec, rows: int, context: int, repeats: int = 3) -> tuple[dict[str
     return ({k: v / repeats for k, v in by_stage.items()}, {k: v / repeats for k, v in by_layer.items()}, wall)
 
 
-def peer_transformers(cfg: ModelConfig, weights: dict[str, torch.Tensor], layers: int, context: int, iters: int,
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class _Dequantized(dict):
+    """name -> floating value of an official-format weight dict, dequantized on access."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], block: int):
+        super().__init__({n: None for n in weights if not n.endswith(".scale")})
+        self._w, self._block = weights, block
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from megastep.checkpoint import formats
+
+        t = self._w[name]
+        if t.dtype == torch.float8_e4m3fn:
+            return formats.dequantize_fp8_weight(t, self._w[name[:-7] + ".scale"], self._block)
+        if t.dtype == torch.int8:
+            return formats.dequantize_mxfp4_weight(t, self._w[name[:-7] + ".scale"])
+        return t
+
+
+def peer_transformers(cfg: ModelConfig, seed: int, device: torch.device, context: int, iters: int,
                       impls=("batched_mm", "grouped_mm", "eager")) -> dict:
-    """transformers' DeepseekV4ForCausalLM (bf16) on the first `layers` layers of the same
-    synthetic weights, cached greedy decode at `context`; ms per step and per layer, best impl."""
-    from megastep.checkpoint import formats
-    from megastep.model.hf_names import hf_config, load_official_into_hf
+    """transformers' DeepseekV4ForCausalLM (bf16) on the same synthetic weights as the fast path
+    (first cfg.num_hidden_layers layers, same seed and device), cached greedy decode at
+    `context`; ms per step and per layer for each experts implementation."""
     import transformers
 
-    sub = cfg.replace(num_hidden_layers=layers, compress_ratios=cfg.compress_ratios[:layers] + (0,))
-    hcfg = hf_config(sub)
-    with torch.device(weights["embed.weight"].device):
-        model = transformers.DeepseekV4ForCausalLM(hcfg).to(torch.bfloat16).eval()
-    vals = {}
-    for name, t in weights.items():
-        if name.endswith(".scale") or (name.startswith("layers.") and int(name.split(".")[1]) >= layers):
-            continue
-        if t.dtype == torch.float8_e4m3fn:
-            t = formats.dequantize_fp8_weight(t, weights[name[:-7] + ".scale"], cfg.fp8_block)
-        elif t.dtype == torch.int8:
-            t = formats.dequantize_mxfp4_weight(t, weights[name[:-7] + ".scale"])
-        vals[name] = t
-    load_official_into_hf(model, vals)
-    del vals
-    res = {}
-    ids = torch.randint(0, 1000, (1, context), device=weights["embed.weight"].device)
+    from megastep.model.hf_names import hf_config, load_official_into_hf
+
+    weights = synthesize_on_device(cfg, seed, device)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # modules that pin fp32 (mHC, norms, sinks) keep it
+    try:
+        with torch.device(device):
+            model = transformers.DeepseekV4ForCausalLM(hf_config(cfg)).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    load_official_into_hf(model, _Dequantized(weights, cfg.fp8_block))
+    del weights
+    res: dict[str, object] = {}
+    ids = torch.randint(0, 1000, (1, context), device=device)
     for impl in impls:
         try:
-            model.config._experts_implementation = impl
             with torch.no_grad():
+                # prefill with the per-expert loop: batched_mm gathers a weight copy per token
+                model.config._experts_implementation = "eager"
                 out = model(ids, use_cache=True)
                 cache = out.past_key_values
                 tok = out.logits[:, -1:].argmax(-1)
+                model.config._experts_implementation = impl
                 ts = []
                 for i in range(iters + 3):
-                    torch.cuda.synchronize()
+                    _sync(device)
                     t0 = time.perf_counter()
                     out = model(tok, cache=cache, use_cache=True)
                     tok = out.logits[:, -1:].argmax(-1)
-                    torch.cuda.synchronize()
+                    _sync(device)
                     if i >= 3:
                         ts.append((time.perf_counter() - t0) * 1e3)
             res[impl] = statistics.median(ts)
         except Exception as e:  # an implementation this transformers build lacks
-            res[impl] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+            res[impl] = f"failed: {type(e).__name__}: {str(e)[:160]}"
     del model
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     ok = {k: v for k, v in res.items() if isinstance(v, float)}
     best = min(ok, key=ok.get) if ok else None
-    return {"layers": layers, "ms_per_step": res, "best_impl": best,
-            "ms_per_layer": ok[best] / layers if best else None}
+    return {"layers": cfg.num_hidden_layers, "ms_per_step": res, "best_impl": best,
+            "ms_per_layer": ok[best] / cfg.num_hidden_layers if best else None}
 
 
 def run_bench(args: argparse.Namespace) -> dict:
@@ -195,14 +217,14 @@ def run_bench(args: argparse.Namespace) -> dict:
     dev = torch.device("cuda")
     batches = sorted({int(b) for b in args.batch.split(",")})
     cfg = preset(args.preset, layers=args.layers)
+    peer = None
+    if args.peer_layers:  # first, while the device is empty: it needs bf16 copies of its layers
+        peer = peer_transformers(preset(args.preset, layers=args.peer_layers), args.seed, dev, args.context, iters=10)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     weights = synthesize_on_device(cfg, args.seed, dev)
     wbytes = {n: t.numel() * t.element_size() for n, t in weights.items()}
     gen_s = time.perf_counter() - t0
-    peer = None
-    if args.peer_layers:
-        peer = peer_transformers(cfg, weights, args.peer_layers, args.context, iters=10)
     dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True)
     del weights
     fill_state(dec, args.context)

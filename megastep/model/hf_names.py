@@ -142,9 +142,10 @@ def export_official(model, dtype: torch.dtype | None = None) -> dict[str, torch.
     return out
 
 
-def load_official_into_hf(hf, values: dict[str, torch.Tensor]) -> None:
+def load_official_into_hf(hf, values) -> None:
     """Copy tensors named officially (plain floating values: dequantize first) into an HF model;
-    routed experts are stacked into its gate_up_proj / down_proj."""
+    routed experts are stacked into its gate_up_proj / down_proj. `values` is any mapping (it is
+    read one tensor at a time, so a lazily dequantizing mapping keeps memory flat)."""
     by_official = {official_name(k): p for k, p in list(hf.named_parameters()) + list(hf.named_buffers())}
     with torch.no_grad():
         for key, p in hf.named_parameters():
@@ -153,9 +154,11 @@ def load_official_into_hf(hf, values: dict[str, torch.Tensor]) -> None:
                 for e in range(p.shape[0]):
                     base = f"layers.{L}.ffn.experts.{e}"
                     if key.endswith("gate_up_proj"):
-                        p[e].copy_(torch.cat([values[f"{base}.w1.weight"], values[f"{base}.w3.weight"]]))
+                        inter = p.shape[1] // 2
+                        p[e, :inter].copy_(values[f"{base}.w1.weight"])
+                        p[e, inter:].copy_(values[f"{base}.w3.weight"])
                     else:
                         p[e].copy_(values[f"{base}.w2.weight"])
-        for name, v in values.items():
-            if name in by_official:
-                by_official[name].copy_(v)
+        for name in values:
+            if name in by_official and ".ffn.experts." not in name:
+                by_official[name].copy_(values[name])
