@@ -70,9 +70,15 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     return code | (sign.to(torch.uint8) << 3)
 
 
+_E2M1_LUT: dict[str, torch.Tensor] = {}
+
+
 def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    return lut[codes.long()]
+    # the table is built once per device: a host-to-device copy cannot happen in a CUDA graph
+    key = str(codes.device)
+    if key not in _E2M1_LUT:
+        _E2M1_LUT[key] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    return _E2M1_LUT[key][codes.long()]
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
