@@ -1,0 +1,37 @@
+"""Plot a `megastep bench --json` result: ms/step against batch, next to the roofline.
+
+python benchmarks/plot_bench.py RESULT.json OUT.png
+"""
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(src: str, dst: str) -> None:
+    d = json.load(open(src))
+    rs = d["results"]
+    b = [r["batch"] for r in rs]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(b, [r["ms_p50"] for r in rs], "o-", label="megastep fast path (CUDA graph, p50)")
+    ax.plot(b, [r["roofline_ms"] for r in rs], "s--", label=f"roofline: bytes / {d['stream_read_GBps']:.0f} GB/s")
+    if d.get("peer") and d["peer"].get("ms_per_layer"):
+        ax.plot([1], [d["peer"]["ms_per_layer"] * d["layers"]], "x", ms=10,
+                label=f"transformers ({d['peer']['best_impl']}), scaled to {d['layers']} layers")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("rows per step (batch)")
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"{d['preset']} {d['layers']} layers, context {d['context']}, {d['device']} ({d['date']})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(dst, dpi=120)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
