@@ -120,6 +120,18 @@ def mxfp4_decode(b, sc):
     return lo * f, hi * f
 
 
+@triton.jit
+def mxfp4_decode_unscaled(b):
+    """Packed MXFP4 bytes (uint8) -> (even, odd) fp32 e2m1 values times 2^-14 (see mxfp4_decode);
+    the caller multiplies a sum over a 32-group by that group's 2^(scale - 127 + 14)."""
+    bi = b.to(tl.int32)
+    lo = ((bi << 12) & 0x8000) | ((bi << 9) & 0x0E00)
+    hi = ((bi << 8) & 0x8000) | ((bi << 5) & 0x0E00)
+    lo = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
 # ---- split-reduction workspace ----------------------------------------------------------
 # Kernels that split a reduction over several programs write fp32 partials and count arrivals
 # in int32 counters; the last program to arrive sums the partials in a fixed order and resets

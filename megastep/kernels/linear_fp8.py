@@ -13,11 +13,15 @@ atomics on data) sums them in split order 0..S-1 and writes the output, so resul
 depend on scheduling: same input, same bits.
 
 Modes (pinned per shape by `pick_config`, never autotuned at run time):
-- "fma":   CUDA-core GEMV, for M <= 4: weight tile dequantized to fp32 once, reused by each row.
-- "dot8":  tensor cores on the e4m3 bytes as they are (fp8 x fp8 -> fp32 per 128-block of K,
-           scaled and accumulated in fp32), BLOCK_K = 128.
-- "dot16": tensor cores on bf16 operands with the scales folded into the activation (exact),
-           one dot per BLOCK_K; fp32 operands under the interpreter.
+- "dot16": tensor cores on bf16 operands (e4m3 weights and quantized activations are exact in
+           bf16), the activation and weight scales folded into the activation operand (exact),
+           one dot per BLOCK_K with fp32 accumulation; fp32 operands under the interpreter.
+- "fma":   CUDA-core GEMV for M <= 4: the weight tile dequantized to fp32 once, reused per row.
+(fp8 x fp8 tensor-core dots were measured too: the H200's fp8 MMA accumulates with fewer bits
+than fp32 and missed the ref by several bf16 steps, so they are not used.)
+
+For M <= 16 the picker gives every program exactly one K step (split-K = K / BLOCK_K): no
+loop-carried latency, all loads of a program in flight at once, many programs per SM.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ from megastep.checkpoint import formats
 from megastep.kernels.common import (
     e8m0_to_f32,
     fp8_block_scales,
-    fp8_pow2_scale,
     fp8_round,
     next_pow2,
     on_interpreter,
@@ -41,12 +44,12 @@ from megastep.kernels.common import (
 )
 
 BLOCK = 128
-_MODES = {"fma": 0, "dot8": 1, "dot16": 2}
+_MODES = {"fma": 0, "dot16": 2}
 
 
 @dataclass(frozen=True)
 class LinearFp8Config:
-    mode: str  # "fma" | "dot8" | "dot16"
+    mode: str  # "dot16" | "fma"
     block_n: int  # output channels per program; divides 128
     block_m: int  # rows per program (fma: 1, 2, 4; dots: 16, 32, 64)
     block_k: int  # K per loop step, a multiple of 128 (dot8: exactly 128)
@@ -63,8 +66,6 @@ class LinearFp8Config:
             assert self.block_m in (1, 2, 4), self.block_m
         else:
             assert self.block_m in (16, 32, 64), self.block_m
-        if self.mode == "dot8":
-            assert self.block_k == BLOCK
 
 
 # Pinned configurations for the V4-Flash decode shapes, keyed by (N, K, M bucket); measured on
@@ -73,7 +74,7 @@ _PINNED: dict[tuple[int, int, int], LinearFp8Config] = {}
 
 
 def _m_bucket(M: int) -> int:
-    return next_pow2(M) if M <= 4 else max(16, next_pow2(M))
+    return 16 if M <= 16 else next_pow2(M)
 
 
 def pick_config(M: int, N: int, K: int) -> LinearFp8Config:
@@ -84,17 +85,21 @@ def pick_config(M: int, N: int, K: int) -> LinearFp8Config:
     cfg = _PINNED.get((N, K, mb))
     if cfg is not None:
         return cfg
-    if mb <= 4:
-        mode, block_m, block_n, block_k = "fma", mb, 64, 256
-    else:
-        mode, block_m, block_n, block_k = "dot16", mb, 64, 128
+    if M <= 16:
+        # one K step per program: the largest step that still gives about two waves of programs
+        bn = 64
+        for bk in (512, 256, 128):
+            if -(-N // bn) * -(-K // bk) >= 264:
+                break
+        return LinearFp8Config("dot16", bn, 16, bk, -(-K // bk), num_warps=4, num_stages=3)
+    # M up to 64: the partials of a full split would outweigh the weight; loop over K instead
+    bn, bk, bm = 64, 128, mb
     kb = -(-K // BLOCK)
-    tiles = -(-N // block_n) * -(-M // block_m)
-    # enough programs to cover the 132 SMs about twice, but at least one BLOCK_K step each
+    tiles = -(-N // bn)
     split = 1
-    while tiles * split * 2 <= 264 and (kb // (split * 2)) * BLOCK >= block_k:
+    while tiles * split * 2 <= 264 and (kb // (split * 2)) * BLOCK >= bk:
         split *= 2
-    return LinearFp8Config(mode, block_n, block_m, block_k, split, num_warps=4, num_stages=3)
+    return LinearFp8Config("dot16", bn, bm, bk, split, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -124,40 +129,28 @@ def _linear_fp8_kernel(
         offs_k = k0 + offs_kk
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if MODE == 1:  # dot8: raw e4m3 operands, scales applied to the fp32 block result
+        sw = e8m0_to_f32(tl.load(ws_row + offs_k // 128, mask=k_mask, other=127))  # [BLOCK_K]
+        if MODE == 0:  # fma: one row at a time against the fp32 weight tile
+            wf = w.to(tl.float32)
+            for r in tl.static_range(BLOCK_M):
+                # the row index as a [1, BLOCK_K] tensor: the interpreter mishandles a
+                # scalar boolean broadcast into a mask
+                row = tl.zeros([1, BLOCK_K], dtype=tl.int32) + (pid_m * BLOCK_M + r)
+                xr = tl.load(x_ptr + row * stride_xm + offs_k[None, :],
+                             mask=k_mask[None, :] & (row < M), other=0.0).to(tl.float32)
+                s, inv = fp8_block_scales(tl.abs(xr), offs_kk, 128, BLOCK_K // 128)
+                xe = fp8_round(xr, inv, INTERPRET).to(tl.float32) * s * sw[None, :]  # exact
+                part = tl.sum(wf * xe, axis=1)  # [BLOCK_N]
+                acc = tl.where(tl.arange(0, BLOCK_M)[None, :] == r, acc + part[:, None], acc)
+        else:  # dot16: scales folded into the (exact) bf16 activation operand
             xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                          mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            s, inv = fp8_pow2_scale(tl.max(tl.abs(xt), axis=1))  # [BLOCK_M]
-            xq = fp8_round(xt, inv[:, None], INTERPRET)
-            sw = e8m0_to_f32(tl.load(ws_row + k0 // 128))
+            s, inv = fp8_block_scales(tl.abs(xt), offs_kk, 128, BLOCK_K // 128)
+            xe = fp8_round(xt, inv, INTERPRET).to(tl.float32) * s * sw[None, :]
             if INTERPRET:
-                d = tl.dot(w.to(tl.float32), tl.trans(xq.to(tl.float32)))
+                acc += tl.dot(w.to(tl.float32), tl.trans(xe))
             else:
-                d = tl.dot(w, tl.trans(xq))
-            acc += d * (s * sw)[None, :]
-        else:
-            sw = e8m0_to_f32(tl.load(ws_row + offs_k // 128, mask=k_mask, other=127))  # [BLOCK_K]
-            if MODE == 0:  # fma: one row at a time against the fp32 weight tile
-                wf = w.to(tl.float32)
-                for r in tl.static_range(BLOCK_M):
-                    # the row index as a [1, BLOCK_K] tensor: the interpreter mishandles a
-                    # scalar boolean broadcast into a mask
-                    row = tl.zeros([1, BLOCK_K], dtype=tl.int32) + (pid_m * BLOCK_M + r)
-                    xr = tl.load(x_ptr + row * stride_xm + offs_k[None, :],
-                                 mask=k_mask[None, :] & (row < M), other=0.0).to(tl.float32)
-                    s, inv = fp8_block_scales(tl.abs(xr), offs_kk, 128, BLOCK_K // 128)
-                    xe = fp8_round(xr, inv, INTERPRET).to(tl.float32) * s * sw[None, :]  # exact
-                    part = tl.sum(wf * xe, axis=1)  # [BLOCK_N]
-                    acc = tl.where(tl.arange(0, BLOCK_M)[None, :] == r, acc + part[:, None], acc)
-            else:  # dot16: scales folded into the (exact) bf16 activation operand
-                xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                             mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-                s, inv = fp8_block_scales(tl.abs(xt), offs_kk, 128, BLOCK_K // 128)
-                xe = fp8_round(xt, inv, INTERPRET).to(tl.float32) * s * sw[None, :]
-                if INTERPRET:
-                    acc += tl.dot(w.to(tl.float32), tl.trans(xe))
-                else:
-                    acc += tl.dot(w.to(tl.bfloat16), tl.trans(xe.to(tl.bfloat16)))
+                acc += tl.dot(w.to(tl.bfloat16), tl.trans(xe.to(tl.bfloat16)))
 
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     out_mask = n_mask[:, None] & m_mask[None, :]

@@ -17,15 +17,19 @@ Layout: experts stacked once at load (`stack_experts`): w13 int8 [E, 2I, D/2] (r
 I..2I-1 = w3), w13_scale e8m0 [E, 2I, D/32], w2 int8 [E, D, I/2], w2_scale e8m0 [E, D, I/32];
 low nibble = even element, one E8M0 scale per 32 along K.
 
-Three launches, all with static grids (CUDA-graph friendly, no host sync):
-1. `_moe_route_kernel` (one program): groups the M*k (row, slot) pairs by expert: pairs sorted by
-   expert then pair index, one "slot" per distinct expert (id, first pair, count), and the count.
-2. `_moe_gate_up_kernel`: programs (I tile, slot group) loop over their distinct experts; each
-   reads its expert's w1/w3 rows once for all pairs routed to it, dequantizes MXFP4 in registers
-   (never to memory), fuses the fp8 activation quantization, SwiGLU, clamp, routing weight.
-3. `_moe_down_kernel`: same for w2 with the activation quantized per 128 along I; writes per-pair
-   outputs, and the last program to finish a (row, D tile) (arrival counter; no atomics on data)
-   sums the row's k slots in slot order into `out`.
+Four launches, all with static grids (CUDA-graph friendly, no host sync):
+1. `_moe_prep_kernel`: groups the M*k (row, slot) pairs by expert (pairs sorted by expert then
+   pair index; one "slot" per distinct expert: id, first pair, count) and, in other programs of
+   the same launch, quantizes x (fp8_act_sim per 128) once for all experts.
+2. `_moe_gate_up_kernel`: programs (I tile, slot group) loop over their distinct experts and read
+   each expert's w1/w3 rows once per pair block, dequantizing MXFP4 in registers (never to
+   memory): per 32-group sums of e2m1 * x, times the group's E8M0 scale; then clamp, SwiGLU and
+   the routing weight.
+3. `_moe_act_quant_kernel`: fp8_act_sim(a, 128) per pair (a 128-block spans several I tiles).
+4. `_moe_down_kernel`: the same for w2; writes per-pair outputs, and the last program to finish
+   a (row, D tile) (arrival counter; no atomics on data) sums the row's k slots in slot order.
+The quantized activations are stored as bf16 (exact), each 32-group permuted to (16 even, 16 odd)
+elements, the order in which the packed bytes deliver their low and high nibbles.
 """
 
 from __future__ import annotations
@@ -34,14 +38,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
+import triton  # noqa: F401
 import triton.language as tl
 
 from megastep.checkpoint import formats
 from megastep.kernels.common import (
-    fp8_block_scales,
+    fp8_pow2_scale,
     fp8_round,
-    mxfp4_decode,
+    mxfp4_decode_unscaled,
     next_pow2,
     on_interpreter,
     round_bf16,
@@ -49,83 +53,111 @@ from megastep.kernels.common import (
 )
 
 ACT_BLOCK = 128
-_MODES = {"fma": 0, "dot16": 2}
 
 
 @dataclass(frozen=True)
 class MoeConfig:
-    mode: str  # "fma" (CUDA cores, a few pairs per expert) | "dot16" (tensor cores, bf16 operands)
-    block_i: int  # w1/w3 rows (each) per gate-up program
+    block_i: int  # w1 rows (and as many w3 rows) per gate-up program
     block_d: int  # w2 rows per down program
-    block_p: int  # pairs of one expert handled together (fma: 1, 2, 4; dot16: 16, 32, 64)
-    block_k: int  # K elements per loop step, a multiple of 128
+    block_p: int  # pairs of one expert handled together (1, 2, 4; more pairs loop)
+    block_k: int  # K elements per loop step (128, 256 or 512)
     groups_up: int  # slot groups in the gate-up grid (programs per I tile)
     groups_down: int  # slot groups in the down grid
     num_warps: int = 4
     num_stages: int = 3
 
     def check(self) -> None:
-        assert self.mode in _MODES, self.mode
         assert self.block_k in (128, 256, 512), self.block_k
-        if self.mode == "fma":
-            assert self.block_p in (1, 2, 4), self.block_p
-        else:
-            assert self.block_p in (16, 32, 64), self.block_p
+        assert self.block_p in (1, 2, 4), self.block_p
         for b in (self.block_i, self.block_d):
             assert b in (16, 32, 64, 128), b
         assert self.groups_up >= 1 and self.groups_down >= 1
 
 
 def pick_config(M: int, topk: int, E: int, D: int, I: int) -> MoeConfig:
-    """The one configuration the wrapper uses for this shape (deterministic, no autotuning)."""
+    """The one configuration the wrapper uses for this shape (deterministic, no autotuning).
+    With random routing an expert gets about M*k/E pairs, so each program handles one pair at a
+    time (more pairs of one expert loop, re-reading the expert's tile from L2)."""
     slots = min(M * topk, E)
-    # with random routing an expert gets ~M*k/E pairs: tensor cores only pay when that is large
-    mode, bp = ("fma", 1) if M * topk <= 2 * E else ("dot16", 16)
     bi, bd = 32, 64
     target = 4 * 132  # programs per launch
     g_up = max(1, min(slots, target // max(1, -(-I // bi))))
     g_down = max(1, min(slots, target // max(1, -(-D // bd))))
-    return MoeConfig(mode, bi, bd, bp, 256, g_up, g_down, num_warps=4, num_stages=3)
+    return MoeConfig(bi, bd, 1, 128, g_up, g_down, num_warps=4, num_stages=3)
 
 
-# ---- 1. routing: group pairs by expert ------------------------------------------------------
+# ---- activation quantization into the layout the expert kernels read ------------------------
 @triton.jit
-def _moe_route_kernel(
-    ids_ptr, P, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
-    BLOCK_P: tl.constexpr, CHUNK: tl.constexpr,
+def _quant_row_perm(src_ptr, dst_ptr, K, NB: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp8_act_sim(row, 128) of one row of K values -> dst (bf16: the values are e4m3 * 2^k,
+    exact), permuted so that each 32-group holds its 16 even elements, then its 16 odd ones:
+    the order in which the MXFP4 bytes deliver their low and high nibbles."""
+    k = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    m = k < K
+    v = tl.load(src_ptr + k, mask=m, other=0.0).to(tl.float32)
+    s, inv = fp8_pow2_scale(tl.max(tl.abs(v), axis=1))
+    q = fp8_round(v, inv[:, None], INTERPRET).to(tl.float32) * s[:, None]
+    kp = (k // 32) * 32 + (k % 2) * 16 + (k % 32) // 2
+    tl.store(dst_ptr + kp, q.to(tl.bfloat16), mask=m)
+
+
+@triton.jit
+def _moe_act_quant_kernel(src_ptr, dst_ptr, K, stride_s, stride_d, NB: tl.constexpr, INTERPRET: tl.constexpr):
+    r = tl.program_id(0)
+    _quant_row_perm(src_ptr + r * stride_s, dst_ptr + r * stride_d, K, NB, INTERPRET)
+
+
+# ---- 1. routing (group pairs by expert) + quantization of x ---------------------------------
+@triton.jit
+def _moe_prep_kernel(
+    ids_ptr, P, x_ptr, xq_ptr, D, stride_xm, stride_qm,
+    pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
+    N_ROUTE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, E_PAD: tl.constexpr,
+    NB: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    offs_p = tl.arange(0, BLOCK_P)
-    p_mask = offs_p < P
-    BIG: tl.constexpr = 1 << 30
-    idp = tl.load(ids_ptr + offs_p, mask=p_mask, other=BIG)
-    rank = tl.zeros([BLOCK_P], dtype=tl.int32)  # position in (expert, pair) order
-    dup_before = tl.zeros([BLOCK_P], dtype=tl.int32)  # earlier pairs with the same expert
-    count = tl.zeros([BLOCK_P], dtype=tl.int32)  # pairs with the same expert
-    slot = tl.zeros([BLOCK_P], dtype=tl.int32)  # distinct experts with a smaller id
-    for q0 in tl.static_range(0, BLOCK_P, CHUNK):
-        offs_q = q0 + tl.arange(0, CHUNK)
-        q_mask = offs_q < P
-        idq = tl.load(ids_ptr + offs_q, mask=q_mask, other=BIG)
-        eq = (idp[:, None] == idq[None, :]) & q_mask[None, :]
-        lt = (idq[None, :] < idp[:, None]) & q_mask[None, :]
-        q_before_p = offs_q[None, :] < offs_p[:, None]
-        rank += tl.sum((lt | (eq & q_before_p)).to(tl.int32), axis=1)
-        dup_before += tl.sum((eq & q_before_p).to(tl.int32), axis=1)
-        count += tl.sum(eq.to(tl.int32), axis=1)
-        # q is the first pair of its expert when no valid p < q has the same id
-        q_first = tl.sum((eq & (offs_p[:, None] < offs_q[None, :]) & p_mask[:, None]).to(tl.int32), axis=0) == 0
-        slot += tl.sum((lt & q_first[None, :]).to(tl.int32), axis=1)
-    first = (dup_before == 0) & p_mask
-    tl.store(pair_ptr + rank, offs_p, mask=p_mask)
-    tl.store(slot_e_ptr + slot, idp, mask=first)
-    tl.store(slot_start_ptr + slot, rank, mask=first)
-    tl.store(slot_cnt_ptr + slot, count, mask=first)
-    tl.store(nslot_ptr, tl.sum(first.to(tl.int32), axis=0))
+    pid = tl.program_id(0)
+    if pid >= N_ROUTE:  # one program per row of x
+        m = pid - N_ROUTE
+        _quant_row_perm(x_ptr + m * stride_xm, xq_ptr + m * stride_qm, D, NB, INTERPRET)
+    else:  # BLOCK_R pairs per program, each compared with all P pairs
+        BIG: tl.constexpr = 1 << 30
+        offs_r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < P
+        idr = tl.load(ids_ptr + offs_r, mask=r_mask, other=BIG)
+        ar_e = tl.arange(0, E_PAD)
+        present = tl.zeros([E_PAD], dtype=tl.int32)  # experts with at least one pair
+        rank = tl.zeros([BLOCK_R], dtype=tl.int32)  # position in (expert, pair) order
+        dup_before = tl.zeros([BLOCK_R], dtype=tl.int32)  # earlier pairs with the same expert
+        count = tl.zeros([BLOCK_R], dtype=tl.int32)  # pairs with the same expert
+        for q0 in range(0, P, BLOCK_Q):
+            offs_q = q0 + tl.arange(0, BLOCK_Q)
+            q_mask = offs_q < P
+            idq = tl.load(ids_ptr + offs_q, mask=q_mask, other=BIG)
+            present = tl.maximum(present, tl.max((ar_e[:, None] == idq[None, :]).to(tl.int32), axis=1))
+            eq = (idr[:, None] == idq[None, :]) & q_mask[None, :]
+            lt = (idq[None, :] < idr[:, None]) & q_mask[None, :]
+            before = offs_q[None, :] < offs_r[:, None]
+            rank += tl.sum((lt | (eq & before)).to(tl.int32), axis=1)
+            dup_before += tl.sum((eq & before).to(tl.int32), axis=1)
+            count += tl.sum(eq.to(tl.int32), axis=1)
+        slot = tl.sum(((ar_e[None, :] < idr[:, None]) & (present[None, :] > 0)).to(tl.int32), axis=1)
+        first = (dup_before == 0) & r_mask
+        tl.store(pair_ptr + rank, offs_r, mask=r_mask)
+        tl.store(slot_e_ptr + slot, idr, mask=first)
+        tl.store(slot_start_ptr + slot, rank, mask=first)
+        tl.store(slot_cnt_ptr + slot, count, mask=first)
+        if pid == 0:
+            tl.store(nslot_ptr, tl.sum(present, axis=0))
 
 
-def moe_route(topk_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, ...]:
-    """topk_ids [M, k] -> (pairs [P], slot_expert [S], slot_start [S], slot_count [S], nslots [1])
-    with P = M*k, S = min(P, E); only the first nslots slots are meaningful."""
+_ROUTE_BLOCK = 32
+
+
+def moe_route(topk_ids: torch.Tensor, E: int, x: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """topk_ids [M, k] -> (pairs [P], slot_expert [S], slot_start [S], slot_count [S], nslots [1],
+    xq) with P = M*k, S = min(P, E): pairs sorted by (expert, pair index) and one slot per
+    distinct expert (only the first nslots slots are meaningful). When x [M, D] is given, the same
+    launch writes xq [M, D] = fp8_act_sim(x, 128) in bf16, permuted per 32-group (even, odd)."""
     ids = topk_ids.reshape(-1)
     if ids.dtype != torch.int32:
         ids = ids.to(torch.int32)
@@ -137,103 +169,91 @@ def moe_route(topk_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, ...]:
     slot_start = torch.empty(S, dtype=torch.int32, device=dev)
     slot_cnt = torch.empty(S, dtype=torch.int32, device=dev)
     nslots = torch.empty(1, dtype=torch.int32, device=dev)
-    bp = next_pow2(max(P, 2))
-    chunk = max(1, min(bp, 8192 // bp))
-    _moe_route_kernel[(1,)](ids, P, pairs, slot_e, slot_start, slot_cnt, nslots, BLOCK_P=bp, CHUNK=chunk, num_warps=8)
-    return pairs, slot_e, slot_start, slot_cnt, nslots
-
-
-# ---- shared pieces of the two expert kernels --------------------------------------------------
-@triton.jit
-def _quant_even_odd(ve, vo, offs_h, NSUB: tl.constexpr, INTERPRET: tl.constexpr):
-    """Even/odd halves [R, BLOCK_K/2] of activation rows -> their fp8_act_sim values (fp32);
-    byte column h holds elements 2h and 2h+1, 64 columns per 128-element block."""
-    s, inv = fp8_block_scales(tl.maximum(tl.abs(ve), tl.abs(vo)), offs_h, 64, NSUB)
-    qe = fp8_round(ve, inv, INTERPRET).to(tl.float32) * s
-    qo = fp8_round(vo, inv, INTERPRET).to(tl.float32) * s
-    return qe, qo
-
-
-@triton.jit
-def _dot_pair(we, wo, qe, qo, INTERPRET: tl.constexpr):
-    """[N, H] x [R, H] (even and odd halves) -> [N, R] with fp32 accumulation; every operand
-    value is exact in bf16 (e2m1 * 2^k and e4m3 * 2^k)."""
-    if INTERPRET:
-        return tl.dot(we, tl.trans(qe)) + tl.dot(wo, tl.trans(qo))
+    n_route = -(-P // _ROUTE_BLOCK)
+    if x is not None:
+        M, D = x.shape
+        xq = torch.empty(M, D, dtype=torch.bfloat16, device=dev)
+        args = (x, xq, D, x.stride(0), xq.stride(0))
     else:
-        d = tl.dot(we.to(tl.bfloat16), tl.trans(qe.to(tl.bfloat16)))
-        return tl.dot(wo.to(tl.bfloat16), tl.trans(qo.to(tl.bfloat16)), d)
+        M, D, xq = 0, 128, None
+        args = (ids, ids, 0, 0, 0)
+    e_pad = next_pow2(max(E, 2))
+    _moe_prep_kernel[(n_route + M,)](
+        ids, P, *args, pairs, slot_e, slot_start, slot_cnt, nslots,
+        N_ROUTE=n_route, BLOCK_R=_ROUTE_BLOCK, BLOCK_Q=max(2, min(64, 8192 // e_pad)), E_PAD=e_pad,
+        NB=next_pow2(-(-D // ACT_BLOCK)), INTERPRET=on_interpreter(ids), num_warps=4,
+    )
+    return pairs, slot_e, slot_start, slot_cnt, nslots, xq
 
 
+# ---- shared piece of the two expert kernels ---------------------------------------------------
 @triton.jit
-def _pick(v, offs, r):
-    """v[r] of a small 1-D tensor, as a scalar."""
-    return tl.sum(tl.where(offs == r, v, 0), axis=0)
+def _expert_tile_step(w_rows, s_rows, row_mask, q_ptr, k0, K, stride_q, pair_ptr, c0, cnt, TOPK_DIV, acc,
+                      NG: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One BLOCK_K step of acc[n, group, pair] += sum over the group's 32 elements of
+    MXFP4 weight (rows w_rows) times the quantized activation (rows of q_ptr, permuted layout)."""
+    grp = k0 // 32 + tl.arange(0, NG)
+    g_mask = grp * 32 < K
+    ar_j = tl.arange(0, 16)
+    wm = row_mask[:, None, None] & g_mask[None, :, None]
+    b = tl.load(w_rows + grp[None, :, None] * 16 + ar_j[None, None, :], mask=wm, other=0)
+    sc = tl.load(s_rows + grp[None, :], mask=row_mask[:, None] & g_mask[None, :], other=0)
+    we, wo = mxfp4_decode_unscaled(b)
+    f = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(scale - 127) * 2^14
+    ar_p = tl.arange(0, BLOCK_P)
+    for r in tl.static_range(BLOCK_P):
+        ok = (c0 + r) < cnt
+        pr = tl.load(pair_ptr + c0 + r, mask=ok, other=0) // TOPK_DIV
+        qp = q_ptr + pr * stride_q + grp[:, None] * 32 + ar_j[None, :]
+        qe = tl.load(qp, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        qo = tl.load(qp + 16, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        part = tl.sum(we * qe[None, :, :] + wo * qo[None, :, :], axis=2) * f  # [N, NG]
+        sel = ar_p[None, None, :] == tl.where(ok, r, -1)
+        acc = tl.where(sel, acc + part[:, :, None], acc)
+    return acc
 
 
 # ---- 2. gate-up: w1, w3, SwiGLU, routing weight ---------------------------------------------
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, ws_ptr, rw_ptr, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr, act_ptr,
-    D, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am, limit, G,
-    TOPK: tl.constexpr, MODE: tl.constexpr, BLOCK_I: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    xq_ptr, w_ptr, ws_ptr, rw_ptr, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr, act_ptr,
+    D, I, stride_qm, stride_we, stride_wn, stride_se, stride_sn, stride_am, limit, G,
+    TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    NG: tl.constexpr = BLOCK_K // 32
     pid_i = tl.program_id(0)
     grp = tl.program_id(1)
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
     i_mask = offs_i < I
-    offs_h = tl.arange(0, BLOCK_K // 2)
-    offs_p = tl.arange(0, BLOCK_P)
+    ar_p = tl.arange(0, BLOCK_P)
     n_slots = tl.load(nslot_ptr)
     for s in range(grp, n_slots, G):
         e = tl.load(slot_e_ptr + s).to(tl.int64)
         start = tl.load(slot_start_ptr + s)
         cnt = tl.load(slot_cnt_ptr + s)
-        w1_rows = w_ptr + e * stride_we + offs_i[:, None] * stride_wn
+        w1_rows = w_ptr + e * stride_we + offs_i[:, None, None] * stride_wn
         w3_rows = w1_rows + I * stride_wn
         s1_rows = ws_ptr + e * stride_se + offs_i[:, None] * stride_sn
         s3_rows = s1_rows + I * stride_sn
         for c0 in range(0, cnt, BLOCK_P):
-            p_mask = c0 + offs_p < cnt
-            pairs = tl.load(pair_ptr + start + c0 + offs_p, mask=p_mask, other=0)
-            rows = pairs // TOPK
-            acc_g = tl.zeros([BLOCK_I, BLOCK_P], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_I, BLOCK_P], dtype=tl.float32)
+            acc_g = tl.zeros([BLOCK_I, NG, BLOCK_P], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_I, NG, BLOCK_P], dtype=tl.float32)
             for k0 in range(0, D, BLOCK_K):
-                offs_b = k0 // 2 + offs_h  # byte column: elements 2b, 2b+1
-                b_mask = offs_b * 2 < D
-                wm = i_mask[:, None] & b_mask[None, :]
-                w1e, w1o = mxfp4_decode(tl.load(w1_rows + offs_b[None, :], mask=wm, other=0),
-                                        tl.load(s1_rows + offs_b[None, :] // 16, mask=wm, other=0))
-                w3e, w3o = mxfp4_decode(tl.load(w3_rows + offs_b[None, :], mask=wm, other=0),
-                                        tl.load(s3_rows + offs_b[None, :] // 16, mask=wm, other=0))
-                if MODE == 0:
-                    for r in tl.static_range(BLOCK_P):
-                        row = tl.zeros([1, BLOCK_K // 2], dtype=tl.int32) + _pick(rows, offs_p, r)
-                        ok = (tl.zeros([1, BLOCK_K // 2], dtype=tl.int32) + (c0 + r)) < cnt
-                        xp = x_ptr + row * stride_xm + 2 * offs_b[None, :]
-                        xm = b_mask[None, :] & ok
-                        qe, qo = _quant_even_odd(tl.load(xp, mask=xm, other=0.0).to(tl.float32),
-                                                 tl.load(xp + 1, mask=xm, other=0.0).to(tl.float32),
-                                                 offs_h, BLOCK_K // 128, INTERPRET)
-                        col = tl.arange(0, BLOCK_P)[None, :] == r
-                        acc_g = tl.where(col, acc_g + tl.sum(w1e * qe + w1o * qo, axis=1)[:, None], acc_g)
-                        acc_u = tl.where(col, acc_u + tl.sum(w3e * qe + w3o * qo, axis=1)[:, None], acc_u)
-                else:
-                    xp = x_ptr + rows[:, None] * stride_xm + 2 * offs_b[None, :]
-                    xm = p_mask[:, None] & b_mask[None, :]
-                    qe, qo = _quant_even_odd(tl.load(xp, mask=xm, other=0.0).to(tl.float32),
-                                             tl.load(xp + 1, mask=xm, other=0.0).to(tl.float32),
-                                             offs_h, BLOCK_K // 128, INTERPRET)
-                    acc_g += _dot_pair(w1e, w1o, qe, qo, INTERPRET)
-                    acc_u += _dot_pair(w3e, w3o, qe, qo, INTERPRET)
+                acc_g = _expert_tile_step(w1_rows, s1_rows, i_mask, xq_ptr, k0, D, stride_qm, pair_ptr + start, c0, cnt,
+                                          TOPK, acc_g, NG, BLOCK_P)
+                acc_u = _expert_tile_step(w3_rows, s3_rows, i_mask, xq_ptr, k0, D, stride_qm, pair_ptr + start, c0, cnt,
+                                          TOPK, acc_u, NG, BLOCK_P)
+            g = tl.sum(acc_g, axis=1)  # [BLOCK_I, BLOCK_P]
+            u = tl.sum(acc_u, axis=1)
             if ROUND_BF16:  # the official w1/w3 Linear outputs are bf16
-                acc_g = round_bf16(acc_g, INTERPRET)
-                acc_u = round_bf16(acc_u, INTERPRET)
-            g = tl.minimum(acc_g, limit)
-            u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+                g = round_bf16(g, INTERPRET)
+                u = round_bf16(u, INTERPRET)
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
             a = g / (1.0 + tl.exp(-g)) * u
+            p_mask = c0 + ar_p < cnt
+            pairs = tl.load(pair_ptr + start + c0 + ar_p, mask=p_mask, other=0)
             a = a * tl.load(rw_ptr + pairs, mask=p_mask, other=0.0)[None, :]
             if ROUND_BF16:
                 a = round_bf16(a, INTERPRET)
@@ -244,58 +264,38 @@ def _moe_gate_up_kernel(
 # ---- 3. down: w2, then the fixed-order sum over slots ---------------------------------------
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, w_ptr, ws_ptr, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
+    aq_ptr, w_ptr, ws_ptr, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
     y_ptr, out_ptr, cnt_ptr,
     D, I, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym, stride_om, G,
-    TOPK: tl.constexpr, MODE: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    NG: tl.constexpr = BLOCK_K // 32
     pid_d = tl.program_id(0)
     grp = tl.program_id(1)
     n_d_tiles = tl.num_programs(0)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
-    offs_h = tl.arange(0, BLOCK_K // 2)
-    offs_p = tl.arange(0, BLOCK_P)
+    ar_p = tl.arange(0, BLOCK_P)
     n_slots = tl.load(nslot_ptr)
     for s in range(grp, n_slots, G):
         e = tl.load(slot_e_ptr + s).to(tl.int64)
         start = tl.load(slot_start_ptr + s)
         cnt = tl.load(slot_cnt_ptr + s)
-        w_rows = w_ptr + e * stride_we + offs_d[:, None] * stride_wn
+        w_rows = w_ptr + e * stride_we + offs_d[:, None, None] * stride_wn
         s_rows = ws_ptr + e * stride_se + offs_d[:, None] * stride_sn
         for c0 in range(0, cnt, BLOCK_P):
-            p_mask = c0 + offs_p < cnt
-            pairs = tl.load(pair_ptr + start + c0 + offs_p, mask=p_mask, other=0)
-            acc = tl.zeros([BLOCK_D, BLOCK_P], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                offs_b = k0 // 2 + offs_h
-                b_mask = offs_b * 2 < I
-                wm = d_mask[:, None] & b_mask[None, :]
-                we, wo = mxfp4_decode(tl.load(w_rows + offs_b[None, :], mask=wm, other=0),
-                                      tl.load(s_rows + offs_b[None, :] // 16, mask=wm, other=0))
-                if MODE == 0:
-                    for r in tl.static_range(BLOCK_P):
-                        pr = tl.zeros([1, BLOCK_K // 2], dtype=tl.int32) + _pick(pairs, offs_p, r)
-                        ok = (tl.zeros([1, BLOCK_K // 2], dtype=tl.int32) + (c0 + r)) < cnt
-                        ap = act_ptr + pr * stride_am + 2 * offs_b[None, :]
-                        am = b_mask[None, :] & ok
-                        qe, qo = _quant_even_odd(tl.load(ap, mask=am, other=0.0).to(tl.float32),
-                                                 tl.load(ap + 1, mask=am, other=0.0).to(tl.float32),
-                                                 offs_h, BLOCK_K // 128, INTERPRET)
-                        col = tl.arange(0, BLOCK_P)[None, :] == r
-                        acc = tl.where(col, acc + tl.sum(we * qe + wo * qo, axis=1)[:, None], acc)
-                else:
-                    ap = act_ptr + pairs[:, None] * stride_am + 2 * offs_b[None, :]
-                    am = p_mask[:, None] & b_mask[None, :]
-                    qe, qo = _quant_even_odd(tl.load(ap, mask=am, other=0.0).to(tl.float32),
-                                             tl.load(ap + 1, mask=am, other=0.0).to(tl.float32),
-                                             offs_h, BLOCK_K // 128, INTERPRET)
-                    acc += _dot_pair(we, wo, qe, qo, INTERPRET)
+            acc = tl.zeros([BLOCK_D, NG, BLOCK_P], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):  # activation rows are indexed by pair (divisor 1)
+                acc = _expert_tile_step(w_rows, s_rows, d_mask, aq_ptr, k0, I, stride_am, pair_ptr + start, c0, cnt,
+                                        1, acc, NG, BLOCK_P)
+            y = tl.sum(acc, axis=1)  # [BLOCK_D, BLOCK_P]
             if ROUND_BF16:  # the official w2 Linear output is bf16
-                acc = round_bf16(acc, INTERPRET)
-            ymask = d_mask[:, None] & p_mask[None, :]
-            tl.store(y_ptr + pairs[None, :] * stride_ym + offs_d[:, None], acc.to(y_ptr.dtype.element_ty), mask=ymask)
+                y = round_bf16(y, INTERPRET)
+            p_mask = c0 + ar_p < cnt
+            pairs = tl.load(pair_ptr + start + c0 + ar_p, mask=p_mask, other=0)
+            tl.store(y_ptr + pairs[None, :] * stride_ym + offs_d[:, None], y.to(y_ptr.dtype.element_ty),
+                     mask=d_mask[:, None] & p_mask[None, :])
             # the last of a row's TOPK pairs to finish this D tile sums the row in slot order
             rows = pairs // TOPK
             tl.debug_barrier()  # every thread's y is issued before the release below
@@ -345,26 +345,29 @@ def moe_experts_mxfp4(
         return out
     P = M * k
     interp = on_interpreter(x)
-    round_bf16_ = x.dtype == torch.bfloat16
-    pairs, slot_e, slot_start, slot_cnt, nslots = moe_route(topk_ids, E)
+    rnd = x.dtype == torch.bfloat16
+    pairs, slot_e, slot_start, slot_cnt, nslots, xq = moe_route(topk_ids, E, x)
     rw = topk_weights.reshape(-1).contiguous()
     act = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    aq = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(P, D, dtype=x.dtype, device=x.device)
     S = min(P, E)
     g_up, g_down = min(cfg.groups_up, S), min(cfg.groups_down, S)
     w13u, s13u, w2u, s2u = (t.view(torch.uint8) for t in (w13, w13_scale, w2, w2_scale))
-    common = dict(TOPK=k, MODE=_MODES[cfg.mode], BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k,
-                  ROUND_BF16=round_bf16_, INTERPRET=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = dict(TOPK=k, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, ROUND_BF16=rnd, INTERPRET=interp,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _moe_gate_up_kernel[(-(-I // cfg.block_i), g_up)](
-        x, w13u, s13u, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act,
-        D, I, x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
+        xq, w13u, s13u, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act,
+        D, I, xq.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
         float(swiglu_limit), g_up, BLOCK_I=cfg.block_i, **common,
     )
+    _moe_act_quant_kernel[(P,)](act, aq, I, act.stride(0), aq.stride(0), NB=next_pow2(-(-I // ACT_BLOCK)),
+                                INTERPRET=interp, num_warps=4)
     n_d_tiles = -(-D // cfg.block_d)
     cnt = workspace(x.device, "counters_moe", M * n_d_tiles, torch.int32)
     _moe_down_kernel[(n_d_tiles, g_down)](
-        act, w2u, s2u, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, cnt,
-        D, I, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0), out.stride(0),
+        aq, w2u, s2u, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, cnt,
+        D, I, aq.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0), out.stride(0),
         g_down, BLOCK_D=cfg.block_d, **common,
     )
     return out

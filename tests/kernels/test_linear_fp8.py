@@ -4,8 +4,8 @@ the wrapper can pick, split-K with its ordered reduction.
 Tolerance: the kernel and the ref multiply the same exact values (e4m3 * 2^k products are exact
 in fp32) and differ only in the order of the fp32 sums (~1e-6 relative to the sum of |terms|).
 A bf16 output therefore equals the ref's or is one bf16 step away where the fp32 sum sat next
-to a rounding boundary: |y - ref| <= 2^-8 |ref| + 1e-5 * max|ref| (the second term covers
-cancellation). fp32 outputs must agree to 1e-5 * max|ref|.
+to a rounding boundary; one step is at most 2^-7 |ref|: |y - ref| <= 2^-7 |ref| + 1e-5 max|ref|
+(the second term covers cancellation). fp32 outputs must agree to 1e-5 * max|ref|.
 """
 
 import pytest
@@ -31,11 +31,11 @@ def make(M, N, K, seed, x_dtype=torch.bfloat16, dev=DEV):
 
 def check(y, ref):
     assert y.shape == ref.shape and y.dtype == ref.dtype
+    bf16 = y.dtype == torch.bfloat16
     y, ref = y.float().cpu(), ref.float().cpu()
     assert torch.isfinite(y).all()
     atol = 1e-5 * ref.abs().max().item()
-    rtol = 2.0**-8 if ref.dtype == torch.float32 and y.dtype == torch.float32 else 0
-    tol = (2.0**-8 if rtol else 0) * ref.abs() + atol
+    tol = (2.0**-7 if bf16 else 0.0) * ref.abs() + atol
     bad = (y - ref).abs() > tol
     assert not bad.any(), f"{bad.sum().item()} elements off; worst {(y - ref).abs().max().item()} (max|ref| {ref.abs().max().item()})"
 
@@ -53,9 +53,9 @@ def picked_configs():
 EXTRA = [
     LinearFp8Config("fma", 16, 1, 128, 3),
     LinearFp8Config("fma", 128, 2, 512, 1),
-    LinearFp8Config("dot8", 32, 16, 128, 3),
-    LinearFp8Config("dot8", 64, 32, 128, 1),
-    LinearFp8Config("dot8", 128, 64, 128, 2),
+    LinearFp8Config("fma", 32, 4, 256, 2),
+    LinearFp8Config("dot16", 32, 16, 128, 3),
+    LinearFp8Config("dot16", 64, 64, 128, 2, num_warps=8),
     LinearFp8Config("dot16", 16, 16, 512, 2),
     LinearFp8Config("dot16", 128, 32, 256, 1),
 ]

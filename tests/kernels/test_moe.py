@@ -68,9 +68,9 @@ def check(y, ref, bf16=True):
 
 def test_route_groups_pairs_by_expert():
     g = torch.Generator().manual_seed(3)
-    for M, k, E in [(1, 6, 256), (5, 3, 8), (16, 6, 32), (64, 6, 256)]:
+    for M, k, E in [(1, 6, 256), (5, 3, 8), (16, 6, 32), (64, 6, 256), (12, 6, 384)]:
         ids = torch.randint(0, E, (M, k), generator=g, dtype=torch.int32)
-        pairs, se, ss, sc, ns = (t.cpu() for t in moe_route(ids.to(DEV), E))
+        pairs, se, ss, sc, ns, _ = (t.cpu() if t is not None else None for t in moe_route(ids.to(DEV), E))
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         assert torch.equal(pairs, order.int())
@@ -84,11 +84,11 @@ def test_route_groups_pairs_by_expert():
 
 def configs():
     return [
-        MoeConfig("fma", 32, 64, 1, 256, 3, 2),
-        MoeConfig("fma", 16, 32, 2, 128, 1, 4, num_warps=8),
-        MoeConfig("fma", 64, 16, 4, 512, 2, 1),
-        MoeConfig("dot16", 32, 64, 16, 256, 2, 3),
-        MoeConfig("dot16", 16, 128, 32, 128, 4, 1),
+        MoeConfig(32, 64, 1, 128, 6, 6),  # what pick_config returns
+        MoeConfig(32, 64, 1, 256, 3, 2),
+        MoeConfig(16, 32, 2, 128, 1, 4, num_warps=8),
+        MoeConfig(64, 16, 4, 512, 2, 1),
+        MoeConfig(128, 128, 1, 128, 4, 1),
     ]
 
 
@@ -112,19 +112,20 @@ def test_picked_config_matches_ref(M, experts):
     check(moe_experts_mxfp4(x, ids, wts, **experts), moe_experts_mxfp4_ref(x, ids, wts, **experts))
 
 
-def test_picker_modes_are_tested():
-    """Every mode / pair block pick_config can return is in configs() above."""
-    tested = {(c.mode, c.block_p) for c in configs()}
+def test_picked_configs_are_tested():
+    """Every tile shape pick_config returns is among configs() above (the slot groups only
+    change which program handles which expert, not any value)."""
+    tested = {(c.block_i, c.block_d, c.block_p, c.block_k, c.num_warps) for c in configs()}
     for M in range(1, 65):
         for e in (8, 256):
             c = pick_config(M, 6, e, 4096, 2048)
-            assert (c.mode, c.block_p) in tested
+            assert (c.block_i, c.block_d, c.block_p, c.block_k, c.num_warps) in tested, c
 
 
 def test_repeated_expert_in_a_row_and_more_pairs_than_block(experts):
     x, ids, wts = make_inputs(6, D, E, 4, seed=9, distinct=False)
     ids[0] = torch.tensor([2, 2, 5, 2], dtype=torch.int32)
-    cfg = MoeConfig("fma", 32, 64, 2, 256, 2, 2)  # expert 2 has > 2 pairs: several pair chunks
+    cfg = MoeConfig(32, 64, 2, 256, 2, 2)  # expert 2 has > 2 pairs: several pair chunks
     check(moe_experts_mxfp4(x, ids, wts, **experts, config=cfg), moe_experts_mxfp4_ref(x, ids, wts, **experts))
 
 
@@ -138,7 +139,7 @@ def test_fp32_activations_and_limit(experts):
 
 
 def test_counters_reset_between_calls(experts):
-    cfg = MoeConfig("fma", 32, 32, 1, 128, 2, 3)
+    cfg = MoeConfig(32, 32, 1, 128, 2, 3)
     a = make_inputs(2, D, E, K, seed=1)
     b = make_inputs(4, D, E, K, seed=2)
     ra, rb = (moe_experts_mxfp4_ref(*t, **experts) for t in (a, b))
