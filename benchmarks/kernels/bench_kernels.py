@@ -184,11 +184,9 @@ def linear_candidates(M, N, K, sweep):
         split = triton.cdiv(K, 256) if M <= 16 else auto_split(triton.cdiv(N, 64), K, 256, 264)
         alt = C("dot16", 64, bm, 256, split, 4, 3)
         return picked, [picked] + ([alt] if alt != picked else [])
-    if M <= 16:  # one K step per program
-        for mode, bn, bk, nw in [("dot16", 64, 512, 4), ("dot16", 64, 256, 4), ("dot16", 32, 512, 4), ("dot16", 128, 256, 8)]:
-            out.append(C(mode, bn, 16, bk, triton.cdiv(K, bk), nw, 3))
-        if M == 1:
-            out.append(C("fma", 32, 1, 512, triton.cdiv(K, 512), 4, 3))
+    if M <= 16:
+        for bn, bk, nw, ns, target in [(64, 256, 4, 3, 264), (64, 128, 4, 3, 264), (128, 128, 8, 4, 264), (64, 256, 4, 4, 528)]:
+            out.append(C("dot16", bn, 16, bk, auto_split(triton.cdiv(N, bn), K, bk, target), nw, ns))
     else:
         bm = next_pow2(M)
         for bn, bk, nw, ns, target in [(64, 256, 4, 3, 264), (128, 128, 8, 4, 264), (64, 128, 4, 4, 528)]:
@@ -248,7 +246,7 @@ def moe_candidates(M, sweep):
         return max(1, min(S, per_sm * 132 // triton.cdiv(I, bi))), max(1, min(S, per_sm * 132 // triton.cdiv(D, bd)))
 
     out = [picked]
-    for bi, bd, bk, nw, per_sm in [(32, 64, 256, 8, 4), (16, 32, 128, 4, 8), (64, 128, 128, 8, 2)]:
+    for bi, bd, bk, nw, per_sm in [(32, 64, 128, 4, 4), (16, 32, 128, 4, 16), (16, 32, 256, 8, 8)]:
         out.append(C(bi, bd, 1, bk, *grp(bi, bd, per_sm), num_warps=nw))
     seen, uniq = set(), []
     for c in out:

@@ -13,15 +13,13 @@ atomics on data) sums them in split order 0..S-1 and writes the output, so resul
 depend on scheduling: same input, same bits.
 
 Modes (pinned per shape by `pick_config`, never autotuned at run time):
-- "dot16": tensor cores on bf16 operands (e4m3 weights and quantized activations are exact in
-           bf16), the activation and weight scales folded into the activation operand (exact),
-           one dot per BLOCK_K with fp32 accumulation; fp32 operands under the interpreter.
-- "fma":   CUDA-core GEMV for M <= 4: the weight tile dequantized to fp32 once, reused per row.
-(fp8 x fp8 tensor-core dots were measured too: the H200's fp8 MMA accumulates with fewer bits
-than fp32 and missed the ref by several bf16 steps, so they are not used.)
-
-For M <= 16 the picker gives every program exactly one K step (split-K = K / BLOCK_K): no
-loop-carried latency, all loads of a program in flight at once, many programs per SM.
+- "dot16" (the only mode): tensor cores on bf16 operands (e4m3 weights and quantized
+  activations are exact in bf16), activation and weight scales folded into the activation
+  operand (exact), one dot per BLOCK_K with fp32 accumulation; fp32 operands under the
+  interpreter. M is padded to a 16-row tile: the MMA work is free next to the weight bytes.
+Measured on one H200 and dropped: an fp8 x fp8 dot (Hopper's fp8 MMA accumulates with fewer
+bits than fp32: several bf16 steps off the ref), a CUDA-core fp32 GEMV for M <= 4 (never faster
+than dot16), one K step per program with many programs (slower than a pipelined K loop).
 """
 
 from __future__ import annotations
@@ -44,15 +42,15 @@ from megastep.kernels.common import (
 )
 
 BLOCK = 128
-_MODES = {"fma": 0, "dot16": 2}
+_MODES = {"dot16": 2}
 
 
 @dataclass(frozen=True)
 class LinearFp8Config:
-    mode: str  # "dot16" | "fma"
+    mode: str  # "dot16"
     block_n: int  # output channels per program; divides 128
-    block_m: int  # rows per program (fma: 1, 2, 4; dots: 16, 32, 64)
-    block_k: int  # K per loop step, a multiple of 128 (dot8: exactly 128)
+    block_m: int  # rows per program (16, 32, 64; M is padded)
+    block_k: int  # K per loop step: 128, 256 or 512
     split_k: int  # programs along K, reduced in fixed order
     num_warps: int = 4
     num_stages: int = 3
@@ -62,19 +60,32 @@ class LinearFp8Config:
         assert self.block_n in (16, 32, 64, 128), self.block_n
         assert self.block_k in (128, 256, 512), self.block_k
         assert self.split_k >= 1
-        if self.mode == "fma":
-            assert self.block_m in (1, 2, 4), self.block_m
-        else:
-            assert self.block_m in (16, 32, 64), self.block_m
+        assert self.block_m in (16, 32, 64), self.block_m
 
 
-# Pinned configurations for the V4-Flash decode shapes, keyed by (N, K, M bucket); measured on
-# one H200 (benchmarks/kernels/bench_kernels.py). Other shapes use the rule in `pick_config`.
-_PINNED: dict[tuple[int, int, int], LinearFp8Config] = {}
+# Pinned configurations for the V4-Flash decode shapes where the rule below is not the best
+# measured one, keyed by (N, K, M bucket). Measured on one H200 (benchmarks/kernels/bench_kernels.py
+# --sweep, CUDA-graph replay, weights rotated past L2), µs per call at M = 1 / 16 / 64:
+#   wq_a  1024x4096   6.4 / 7.3 / 14.8     wq_b 32768x1024  ~19-26 / 18.7 / 42.9
+#   wkv    512x4096   5.1 / 6.0 / 14.3     wo_b  4096x8192   22.3 / 22.7 / 46.0
+#   w1    2048x4096   8.8 / 9.4 / 18.5     w2    4096x2048    8.7 / 9.0 / 16.7
+_PINNED: dict[tuple[int, int, int], LinearFp8Config] = {
+    (512, 4096, 64): LinearFp8Config("dot16", 64, 64, 256, 16),
+}
 
 
 def _m_bucket(M: int) -> int:
     return 16 if M <= 16 else next_pow2(M)
+
+
+def _auto_split(tiles: int, K: int, block_k: int, target: int = 264) -> int:
+    """Largest power-of-two split-K with tiles * split <= target programs (two waves of the
+    132 SMs) and at least one BLOCK_K step per split."""
+    kb = -(-K // BLOCK)
+    split = 1
+    while tiles * split * 2 <= target and (kb // (split * 2)) * BLOCK >= block_k:
+        split *= 2
+    return split
 
 
 def pick_config(M: int, N: int, K: int) -> LinearFp8Config:
@@ -85,21 +96,17 @@ def pick_config(M: int, N: int, K: int) -> LinearFp8Config:
     cfg = _PINNED.get((N, K, mb))
     if cfg is not None:
         return cfg
-    if M <= 16:
-        # one K step per program: the largest step that still gives about two waves of programs
-        bn = 64
-        for bk in (512, 256, 128):
-            if -(-N // bn) * -(-K // bk) >= 264:
-                break
-        return LinearFp8Config("dot16", bn, 16, bk, -(-K // bk), num_warps=4, num_stages=3)
-    # M up to 64: the partials of a full split would outweigh the weight; loop over K instead
-    bn, bk, bm = 64, 128, mb
-    kb = -(-K // BLOCK)
+    bn = 64
     tiles = -(-N // bn)
-    split = 1
-    while tiles * split * 2 <= 264 and (kb // (split * 2)) * BLOCK >= bk:
-        split *= 2
-    return LinearFp8Config("dot16", bn, bm, bk, split, num_warps=4, num_stages=3)
+    if mb == 16:
+        # a split-K K loop of 256-wide steps; when the N tiles alone fill the GPU (no split),
+        # 128-wide steps pipeline better (wq_b: 18.7 µs against 28)
+        split = _auto_split(tiles, K, 256)
+        bk = 256 if split > 1 else 128
+    else:  # 32 or 64 rows: 128-wide steps
+        bk = 128
+        split = _auto_split(tiles, K, bk)
+    return LinearFp8Config("dot16", bn, mb, bk, split, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -130,27 +137,15 @@ def _linear_fp8_kernel(
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         sw = e8m0_to_f32(tl.load(ws_row + offs_k // 128, mask=k_mask, other=127))  # [BLOCK_K]
-        if MODE == 0:  # fma: one row at a time against the fp32 weight tile
-            wf = w.to(tl.float32)
-            for r in tl.static_range(BLOCK_M):
-                # the row index as a [1, BLOCK_K] tensor: the interpreter mishandles a
-                # scalar boolean broadcast into a mask
-                row = tl.zeros([1, BLOCK_K], dtype=tl.int32) + (pid_m * BLOCK_M + r)
-                xr = tl.load(x_ptr + row * stride_xm + offs_k[None, :],
-                             mask=k_mask[None, :] & (row < M), other=0.0).to(tl.float32)
-                s, inv = fp8_block_scales(tl.abs(xr), offs_kk, 128, BLOCK_K // 128)
-                xe = fp8_round(xr, inv, INTERPRET).to(tl.float32) * s * sw[None, :]  # exact
-                part = tl.sum(wf * xe, axis=1)  # [BLOCK_N]
-                acc = tl.where(tl.arange(0, BLOCK_M)[None, :] == r, acc + part[:, None], acc)
-        else:  # dot16: scales folded into the (exact) bf16 activation operand
-            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                         mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            s, inv = fp8_block_scales(tl.abs(xt), offs_kk, 128, BLOCK_K // 128)
-            xe = fp8_round(xt, inv, INTERPRET).to(tl.float32) * s * sw[None, :]
-            if INTERPRET:
-                acc += tl.dot(w.to(tl.float32), tl.trans(xe))
-            else:
-                acc += tl.dot(w.to(tl.bfloat16), tl.trans(xe.to(tl.bfloat16)))
+        # scales folded into the (exact) bf16 activation operand
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                     mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        s, inv = fp8_block_scales(tl.abs(xt), offs_kk, 128, BLOCK_K // 128)
+        xe = fp8_round(xt, inv, INTERPRET).to(tl.float32) * s * sw[None, :]
+        if INTERPRET:
+            acc += tl.dot(w.to(tl.float32), tl.trans(xe))
+        else:
+            acc += tl.dot(w.to(tl.bfloat16), tl.trans(xe.to(tl.bfloat16)))
 
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     out_mask = n_mask[:, None] & m_mask[None, :]

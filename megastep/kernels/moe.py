@@ -76,11 +76,14 @@ class MoeConfig:
 
 def pick_config(M: int, topk: int, E: int, D: int, I: int) -> MoeConfig:
     """The one configuration the wrapper uses for this shape (deterministic, no autotuning).
+
     With random routing an expert gets about M*k/E pairs, so each program handles one pair at a
-    time (more pairs of one expert loop, re-reading the expert's tile from L2)."""
+    time (more pairs of one expert loop, re-reading the expert's tile from L2). Small tiles and
+    many programs (8 per SM) won on one H200 at V4-Flash shapes: 83 µs at M=1 against 109 µs for
+    32x64 tiles and 4 per SM (benchmarks/kernels/bench_kernels.py --lite)."""
     slots = min(M * topk, E)
-    bi, bd = 32, 64
-    target = 4 * 132  # programs per launch
+    bi, bd = 16, 32
+    target = 8 * 132  # programs per launch
     g_up = max(1, min(slots, target // max(1, -(-I // bi))))
     g_down = max(1, min(slots, target // max(1, -(-D // bd))))
     return MoeConfig(bi, bd, 1, 128, g_up, g_down, num_warps=4, num_stages=3)

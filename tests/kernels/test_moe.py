@@ -84,7 +84,7 @@ def test_route_groups_pairs_by_expert():
 
 def configs():
     return [
-        MoeConfig(32, 64, 1, 128, 6, 6),  # what pick_config returns
+        MoeConfig(16, 32, 1, 128, 6, 8),  # what pick_config returns
         MoeConfig(32, 64, 1, 256, 3, 2),
         MoeConfig(16, 32, 2, 128, 1, 4, num_warps=8),
         MoeConfig(64, 16, 4, 512, 2, 1),

@@ -1,0 +1,291 @@
+"""mHC (manifold hyper-connections) for decode: the stream mixes, Sinkhorn, collapse + RMSNorm,
+and the stream update, as three small kernels instead of ~150 torch ops per call.
+
+Semantics (`*_ref`, built from `model/ops.py`, MODEL_SPEC §3):
+- `mhc_pre`:  (x, post, comb) = ops.hc_pre(h, fn, scale, base); x = ops.rms_norm(x, norm_w).
+- `mhc_head`: z = ops.rms_norm(ops.hc_head(h, fn, scale, base), norm_w) (no Sinkhorn).
+- `mhc_post`: ops.hc_post(y, h, post, comb).
+
+Kernels:
+1. `_hc_mix_partial_kernel`, grid (S, cdiv(B, BLOCK_M)): program s takes the flat slice
+   [s*KC, (s+1)*KC) of flat(h) (hc*D long), reads that slice of fn once and applies it to
+   BLOCK_M rows, writing per row the partial mixes and the partial sum of squares to an fp32
+   buffer [S, B, MIXP]. The 1.5 MB fp32 fn of V4-Flash is thus streamed once by S = 64 programs
+   (one program per row would make one SM read all of it: ~10 us at B = 1).
+2. `_hc_finish_kernel`, one program per row: sums the S partials (a fixed tree, independent of
+   B), Sinkhorn on the hc x hc tile in registers, collapse over streams, bf16 round, RMSNorm.
+3. `_hc_post_kernel`, grid (B, cdiv(D, BLOCK_D)): elementwise over D.
+
+Rounding points follow ops exactly: every product is rounded before it is summed (the kernels
+are compiled with enable_fp_fusion=False, so no FMA contraction), sums over streams run
+j = 0..hc-1 in order like torch's reduction over a non-inner dim (and the 4-long row and column
+sums of Sinkhorn too), the collapsed x is rounded to bf16 before the norm and the norm output
+again. What differs from torch: the fp32 summation order of the hc*D-long mixes dot products and
+sums of squares, and the exp/sigmoid/sqrt implementations (a few fp32 ulps).
+
+Batch invariance: a row's result never depends on B (fixed S, fixed BLOCK_M with independent
+rows, one program per row in the finish); no atomics, no host syncs, outputs from torch.empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from megastep.config import ModelConfig
+from megastep.kernels.common import next_pow2, on_interpreter, round_bf16
+from megastep.model import ops
+
+
+@dataclass(frozen=True)
+class MhcConfig:
+    kc: int = 256  # flat(h) elements per mixes program (power of two)
+    block_m: int = 8  # rows per mixes program
+    block_d: int = 2048  # D chunk of the finish (collapse + norm) program
+    post_block_d: int = 512  # D chunk of an hc_post program
+    num_warps: int = 4
+
+    def check(self) -> None:
+        for v in (self.kc, self.block_m, self.block_d, self.post_block_d):
+            assert v >= 1 and v & (v - 1) == 0, self
+        assert self.kc >= 16 and self.block_d >= 16 and self.post_block_d >= 16, self
+
+
+# Pinned per (hc, D); other shapes use the same rule. Not measured on the device yet.
+_PINNED: dict[tuple[int, int], MhcConfig] = {(4, 4096): MhcConfig(256, 8, 2048, 512, 4)}
+
+
+def pick_config(hc: int, D: int) -> MhcConfig:
+    """The one configuration the wrappers use for this shape (never depends on B)."""
+    cfg = _PINNED.get((hc, D))
+    if cfg is not None:
+        return cfg
+    return MhcConfig(256, 8, min(2048, max(16, next_pow2(D))), min(512, max(16, next_pow2(D))), 4)
+
+
+@triton.jit
+def _hc_mix_partial_kernel(
+    h_ptr, fn_ptr, part_ptr,
+    B, D, K, stride_hb, stride_hj, stride_fn,
+    MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    s = tl.program_id(0)
+    mt = tl.program_id(1)
+    offs_k = s * KC + tl.arange(0, KC)  # index into flat(h) = h[j, d] at j * D + d
+    k_mask = offs_k < K
+    j = offs_k // D
+    h_off = j * stride_hj + (offs_k - j * D)
+    cols = tl.arange(0, MIXP)
+    fn = tl.load(fn_ptr + cols[:, None] * stride_fn + offs_k[None, :],
+                 mask=(cols < MIX)[:, None] & k_mask[None, :], other=0.0)
+    for r in tl.static_range(BLOCK_M):
+        # row index as a tensor: the interpreter mishandles a scalar boolean in a mask
+        row = tl.zeros([KC], dtype=tl.int32) + (mt * BLOCK_M + r)
+        x = tl.load(h_ptr + row.to(tl.int64) * stride_hb + h_off, mask=k_mask & (row < B), other=0.0).to(tl.float32)
+        part = tl.sum(fn * x[None, :], axis=1)  # [MIXP], zero past MIX
+        part = tl.where(cols == MIX, tl.sum(x * x, axis=0), part)
+        prow = tl.zeros([MIXP], dtype=tl.int32) + (mt * BLOCK_M + r)
+        tl.store(part_ptr + (s * B + prow).to(tl.int64) * MIXP + cols, part, mask=prow < B)
+
+
+@triton.jit
+def _pick(v, idx, i, AXIS: tl.constexpr):
+    """The slice of v where idx == i along AXIS (idx: v's index along AXIS), exactly: the other
+    terms of the sum are zeros."""
+    return tl.sum(tl.where(idx == i, v, 0.0), axis=AXIS)
+
+
+@triton.jit
+def _hc_finish_kernel(
+    part_ptr, h_ptr, scale_ptr, base_ptr, w_ptr, x_ptr, post_ptr, comb_ptr,
+    B, D, K, S, iters, hc_eps, norm_eps,
+    stride_hb, stride_hj, stride_xb,
+    HC: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, SP: tl.constexpr,
+    BLOCK_D: tl.constexpr, SINKHORN: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    b = tl.program_id(0)
+    b64 = b.to(tl.int64)
+    sidx = tl.arange(0, SP)
+    s_ok = sidx < S
+    jj = tl.arange(0, HC)
+    prow = part_ptr + (sidx.to(tl.int64) * B + b) * MIXP  # [SP] row starts of this row's partials
+    sq = tl.sum(tl.load(prow + MIX, mask=s_ok, other=0.0), axis=0)
+    rs = tl.div_rn(1.0, tl.sqrt_rn(sq / K + norm_eps))  # rsqrt(mean(flat(h)^2) + eps)
+    pre_mix = tl.sum(tl.load(prow[:, None] + jj[None, :], mask=s_ok[:, None], other=0.0), axis=0) * rs
+    pre = tl.sigmoid(pre_mix * tl.load(scale_ptr) + tl.load(base_ptr + jj)) + hc_eps  # [HC]
+    if SINKHORN:
+        post_mix = tl.sum(tl.load(prow[:, None] + HC + jj[None, :], mask=s_ok[:, None], other=0.0), axis=0) * rs
+        post = 2.0 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + jj))
+        tl.store(post_ptr + b64 * HC + jj, post)
+        ci = jj[:, None] * HC + jj[None, :]  # [HC, HC] index of comb[j, k]
+        c_mix = tl.sum(tl.load(prow[:, None, None] + 2 * HC + ci[None, :, :], mask=s_ok[:, None, None], other=0.0),
+                       axis=0) * rs
+        c = c_mix * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + ci)
+        rows = tl.broadcast_to(jj[:, None], (HC, HC))
+        colsi = tl.broadcast_to(jj[None, :], (HC, HC))
+        # softmax over k, then column normalization; sums sequential in index order like torch
+        e = tl.exp(c - tl.max(c, axis=1)[:, None])
+        rsum = _pick(e, colsi, 0, 1)
+        for i in tl.static_range(1, HC):
+            rsum = rsum + _pick(e, colsi, i, 1)
+        c = e / rsum[:, None] + hc_eps
+        csum = _pick(c, rows, 0, 0)
+        for i in tl.static_range(1, HC):
+            csum = csum + _pick(c, rows, i, 0)
+        c = c / (csum[None, :] + hc_eps)
+        for _ in range(iters - 1):
+            rsum = _pick(c, colsi, 0, 1)
+            for i in tl.static_range(1, HC):
+                rsum = rsum + _pick(c, colsi, i, 1)
+            c = c / (rsum[:, None] + hc_eps)
+            csum = _pick(c, rows, 0, 0)
+            for i in tl.static_range(1, HC):
+                csum = csum + _pick(c, rows, i, 0)
+            c = c / (csum[None, :] + hc_eps)
+        tl.store(comb_ptr + b64 * HC * HC + ci, c)
+
+    # collapse x = sum_j pre_j h_j (in order), bf16 round, then RMSNorm over D in two passes
+    h_row = h_ptr + b64 * stride_hb
+    x_row = x_ptr + b64 * stride_xb
+    ssq = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs = d0 + tl.arange(0, BLOCK_D)
+        m = offs < D
+        acc = _pick(pre, jj, 0, 0) * tl.load(h_row + offs, mask=m, other=0.0).to(tl.float32)
+        for j in tl.static_range(1, HC):
+            acc = acc + _pick(pre, jj, j, 0) * tl.load(h_row + j * stride_hj + offs, mask=m, other=0.0).to(tl.float32)
+        xr = round_bf16(acc, INTERPRET)
+        ssq += xr * xr
+        tl.store(x_row + offs, xr.to(x_ptr.dtype.element_ty), mask=m)
+    rn = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(ssq, axis=0) / D + norm_eps))
+    tl.debug_barrier()  # the unnormalized row is re-read below by other threads of this program
+    for d0 in range(0, D, BLOCK_D):
+        offs = d0 + tl.arange(0, BLOCK_D)
+        m = offs < D
+        xr = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
+        y = tl.load(w_ptr + offs, mask=m, other=0.0) * (xr * rn)
+        tl.store(x_row + offs, round_bf16(y, INTERPRET).to(x_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _hc_post_kernel(
+    y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr,
+    D, stride_yb, stride_hb, stride_hj, stride_ob, stride_oj,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = offs < D
+    y = tl.load(y_ptr + b * stride_yb + offs, mask=m, other=0.0).to(tl.float32)
+    cb = comb_ptr + b * HC * HC
+    for k in tl.static_range(HC):
+        acc = tl.load(cb + k) * tl.load(h_ptr + b * stride_hb + offs, mask=m, other=0.0).to(tl.float32)
+        for j in tl.static_range(1, HC):
+            hj = tl.load(h_ptr + b * stride_hb + j * stride_hj + offs, mask=m, other=0.0).to(tl.float32)
+            acc = acc + tl.load(cb + j * HC + k) * hj
+        o = tl.load(post_ptr + b * HC + k) * y + acc
+        tl.store(out_ptr + b * stride_ob + k * stride_oj + offs, round_bf16(o, INTERPRET).to(out_ptr.dtype.element_ty),
+                 mask=m)
+
+
+def _check_h(h: torch.Tensor, hc: int) -> tuple[int, int]:
+    assert h.dim() == 3 and h.shape[1] == hc, (h.shape, hc)
+    assert h.dtype == torch.bfloat16, h.dtype
+    assert h.stride(2) == 1, "channels of h must be contiguous"
+    return h.shape[0], h.shape[2]
+
+
+def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn, config):
+    B, D = _check_h(h, hc)
+    mix = (2 + hc) * hc if sinkhorn else hc
+    K = hc * D
+    assert fn.shape == (mix, K) and fn.dtype == torch.float32 and fn.stride(1) == 1, (fn.shape, fn.dtype)
+    assert base.shape == (mix,) and base.dtype == torch.float32 and base.is_contiguous()
+    assert scale.dtype == torch.float32 and scale.numel() == (3 if sinkhorn else 1) and scale.is_contiguous()
+    assert norm_w.shape == (D,) and norm_w.dtype == torch.float32 and norm_w.is_contiguous()
+    assert iters >= 1
+    assert h.device == fn.device == base.device == scale.device == norm_w.device
+    cfg = config or pick_config(hc, D)
+    cfg.check()
+    dev = h.device
+    x = torch.empty(B, D, dtype=h.dtype, device=dev)
+    post = torch.empty(B, hc, dtype=torch.float32, device=dev)
+    comb = torch.empty(B, hc, hc, dtype=torch.float32, device=dev)
+    if B == 0:
+        return x, post, comb
+    S = -(-K // cfg.kc)
+    mixp = next_pow2(mix + 1)
+    part = torch.empty(S, B, mixp, dtype=torch.float32, device=dev)
+    interp = on_interpreter(h)
+    _hc_mix_partial_kernel[(S, -(-B // cfg.block_m))](
+        h, fn, part, B, D, K, h.stride(0), h.stride(1), fn.stride(0),
+        MIX=mix, MIXP=mixp, KC=cfg.kc, BLOCK_M=cfg.block_m, num_warps=cfg.num_warps,
+    )
+    _hc_finish_kernel[(B,)](
+        part, h, scale, base, norm_w, x, post, comb,
+        B, D, K, S, iters, hc_eps, norm_eps,
+        h.stride(0), h.stride(1), x.stride(0),
+        HC=hc, MIX=mix, MIXP=mixp, SP=next_pow2(S), BLOCK_D=min(cfg.block_d, max(16, next_pow2(D))),
+        SINKHORN=sinkhorn, INTERPRET=interp, num_warps=cfg.num_warps, enable_fp_fusion=False,
+    )
+    return x, post, comb
+
+
+def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor,
+            hc: int, iters: int, hc_eps: float, norm_eps: float, config: MhcConfig | None = None):
+    """h [B, hc, D] bf16, fn [(2+hc)*hc, hc*D] f32, scale [3], base [(2+hc)*hc], norm_w [D] f32
+    -> (x [B, D] bf16 (collapsed and normed), post [B, hc] f32, comb [B, hc, hc] f32)."""
+    return _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, True, config)
+
+
+def mhc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor,
+             hc_eps: float, norm_eps: float, config: MhcConfig | None = None) -> torch.Tensor:
+    """h [B, hc, D] bf16, fn [hc, hc*D] f32, scale [1], base [hc] -> z [B, D] bf16 (collapsed, normed)."""
+    return _collapse(h, fn, scale, base, norm_w, h.shape[1], 1, hc_eps, norm_eps, False, config)[0]
+
+
+def mhc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             config: MhcConfig | None = None) -> torch.Tensor:
+    """y [B, D] bf16, h [B, hc, D] bf16, post [B, hc] f32, comb [B, hc, hc] f32 -> [B, hc, D] bf16."""
+    hc = h.shape[1]
+    B, D = _check_h(h, hc)
+    assert y.shape == (B, D) and y.stride(1) == 1, (y.shape, h.shape)
+    assert y.dtype in (torch.bfloat16, torch.float32), y.dtype
+    assert post.shape == (B, hc) and post.dtype == torch.float32 and post.is_contiguous()
+    assert comb.shape == (B, hc, hc) and comb.dtype == torch.float32 and comb.is_contiguous()
+    assert y.device == h.device == post.device == comb.device
+    cfg = config or pick_config(hc, D)
+    cfg.check()
+    out = torch.empty(B, hc, D, dtype=h.dtype, device=h.device)
+    if B == 0:
+        return out
+    bd = min(cfg.post_block_d, max(16, next_pow2(D)))
+    _hc_post_kernel[(B, -(-D // bd))](
+        y, h, post, comb, out, D, y.stride(0), h.stride(0), h.stride(1), out.stride(0), out.stride(1),
+        HC=hc, BLOCK_D=bd, INTERPRET=on_interpreter(h), num_warps=cfg.num_warps, enable_fp_fusion=False,
+    )
+    return out
+
+
+# ---- references (model/ops.py itself) -----------------------------------------------------
+def _cfg(hc: int, iters: int, hc_eps: float, norm_eps: float):
+    return ModelConfig().replace(hc_mult=hc, hc_sinkhorn_iters=iters, hc_eps=hc_eps, rms_norm_eps=norm_eps)
+
+
+def mhc_pre_ref(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, config=None):
+    del config
+    x, post, comb = ops.hc_pre(h, fn, scale, base, _cfg(hc, iters, hc_eps, norm_eps))
+    return ops.rms_norm(x, norm_w, norm_eps), post, comb
+
+
+def mhc_head_ref(h, fn, scale, base, norm_w, hc_eps, norm_eps, config=None):
+    del config
+    return ops.rms_norm(ops.hc_head(h, fn, scale, base, _cfg(h.shape[1], 1, hc_eps, norm_eps)), norm_w, norm_eps)
+
+
+def mhc_post_ref(y, h, post, comb, config=None):
+    del config
+    return ops.hc_post(y, h, post, comb)
