@@ -1,0 +1,176 @@
+"""mhc_pre / mhc_head / mhc_post against their refs (model/ops.py itself): random inputs, ragged
+and edge shapes, every configuration the wrappers pick plus small ones that force several mixes
+programs and D chunks, batch invariance and determinism.
+
+Tolerances: the kernels round at the same points as ops and differ only in the fp32 order of the
+hc*D-long mixes sums (and exp/sigmoid/sqrt ulps). So fp32 outputs (post, comb) must be as close
+to the exact (float64) result as the fp32 ref is, within a small factor; bf16 outputs must be at
+most one bf16 step from the ref (or within 1e-5 max|ref| where a sum cancels), and bit-equal in
+at least 99% of the elements. hc_post has no long sum: bit-equal on CPU.
+"""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1" and "megastep.kernels.mhc" in sys.modules:
+    importlib.reload(sys.modules["megastep.kernels.mhc"])  # imported before the interpreter was set
+
+from megastep.kernels import mhc  # noqa: E402
+from megastep.kernels.mhc import MhcConfig, mhc_head, mhc_head_ref, mhc_post, mhc_post_ref, mhc_pre, mhc_pre_ref  # noqa: E402
+from megastep.model import ops  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+HC, ITERS, HC_EPS, EPS = 4, 20, 1e-6, 1e-6
+
+
+def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps (ulps) between two bf16 tensors."""
+    ia, ib = (t.contiguous().view(torch.int16).int() for t in (a, b))
+    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)
+    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
+    return (ia - ib).abs()
+
+
+def check_bf16(y: torch.Tensor, ref: torch.Tensor, min_equal: float = 0.99) -> None:
+    assert y.shape == ref.shape and y.dtype == ref.dtype == torch.bfloat16
+    y, ref = y.cpu(), ref.cpu()
+    assert torch.isfinite(y.float()).all()
+    steps = bf16_steps(y, ref)
+    close = (steps <= 1) | ((y.float() - ref.float()).abs() <= 1e-5 * ref.float().abs().max())
+    assert close.all(), f"{(~close).sum().item()} elements more than one bf16 step off (max {steps.max().item()})"
+    unequal = (steps > 0).sum().item()
+    assert unequal <= max(2, (1 - min_equal) * y.numel()), f"{unequal} of {y.numel()} elements not bit-equal"
+
+
+def check_f32(y: torch.Tensor, ref32: torch.Tensor, ref64: torch.Tensor) -> None:
+    """The kernel is as close to the exact result as the fp32 ref, within a factor 4."""
+    y, ref32, ref64 = y.cpu().double(), ref32.cpu().double(), ref64.cpu().double()
+    assert y.shape == ref64.shape
+    err, ref_err = (y - ref64).abs().max().item(), (ref32 - ref64).abs().max().item()
+    assert err <= 4 * ref_err + 1e-7, f"kernel error {err} vs ref error {ref_err}"
+
+
+def make(B, D, seed, head=False, dev=DEV):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mix = HC if head else (2 + HC) * HC
+    # streams of different magnitudes, channels of different magnitudes
+    h = torch.randn(B, HC, D, generator=g) * torch.exp2(torch.randint(-2, 3, (B, HC, 1), generator=g).float())
+    fn = torch.randn(mix, HC * D, generator=g) * (2.0 / (HC * D) ** 0.5)
+    scale = torch.rand(1 if head else 3, generator=g) + 0.5
+    base = torch.randn(mix, generator=g) * 0.5
+    w = torch.rand(D, generator=g) + 0.5
+    return [t.to(dev) for t in (h.bfloat16(), fn, scale, base, w)]
+
+
+def pre_f64(h, fn, scale, base):
+    """post and comb from exact (float64) mixes."""
+    xf = h.flatten(-2).double()
+    mixes = (xf @ fn.double().T) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + EPS)
+    _, post, comb = ops.sinkhorn_mixes(mixes, scale.double(), base.double(), HC, ITERS, HC_EPS)
+    return post, comb
+
+
+def check_pre(args, cfg=None):
+    h, fn, scale, base, w = args
+    x, post, comb = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg)
+    xr, pr, cr = mhc_pre_ref(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
+    p64, c64 = pre_f64(h, fn, scale, base)
+    check_f32(post, pr, p64)
+    check_f32(comb, cr, c64)
+    check_bf16(x, xr)
+    return x, post, comb
+
+
+SMALL = [MhcConfig(32, 2, 16, 16, 4), MhcConfig(64, 4, 32, 64, 2), MhcConfig(16, 1, 64, 16, 1)]
+
+
+def picked_configs():
+    return sorted({mhc.pick_config(HC, D) for D in (4096, 40, 300)} | set(mhc._PINNED.values()), key=str)
+
+
+@pytest.mark.parametrize("cfg", picked_configs() + SMALL, ids=str)
+@pytest.mark.parametrize("B,D", [(1, 40), (3, 100), (5, 64)])
+def test_pre_head_post_match_ref(cfg, B, D):
+    args = make(B, D, seed=B * 100 + D + cfg.kc)
+    x, post, comb = check_pre(args, cfg)
+    h = args[0]
+    y = (torch.randn(B, D, device=DEV) * 3).bfloat16()
+    out = mhc_post(y, h, post, comb, config=cfg)
+    assert torch.equal(out.float(), mhc_post_ref(y, h, post, comb).float())
+    hh, fn, scale, base, w = make(B, D, seed=B + D, head=True)
+    check_bf16(mhc_head(hh, fn, scale, base, w, HC_EPS, EPS, config=cfg), mhc_head_ref(hh, fn, scale, base, w, HC_EPS, EPS))
+
+
+def test_v4_width_on_cpu():
+    """D = 4096 with the pinned configuration (S = 64 mixes programs, two D chunks)."""
+    args = make(2, 4096, seed=7)
+    check_pre(args)
+    h = args[0]
+    post = torch.rand(2, HC, device=DEV) * 2
+    comb = torch.rand(2, HC, HC, device=DEV)
+    y = torch.randn(2, 4096, device=DEV).bfloat16()
+    assert torch.equal(mhc_post(y, h, post, comb).float(), mhc_post_ref(y, h, post, comb).float())
+
+
+def test_expanded_streams_and_fp32_y():
+    """The embedding step passes h as one row expanded over the streams (stride 0)."""
+    h, fn, scale, base, w = make(3, 96, seed=3)
+    he = h[:, :1].expand(-1, HC, -1)
+    check_pre([he, fn, scale, base, w], MhcConfig(32, 2, 32, 32, 4))
+    post, comb = torch.rand(3, HC, device=DEV), torch.rand(3, HC, HC, device=DEV)
+    y = torch.randn(3, 96, device=DEV)
+    assert torch.equal(mhc_post(y, he, post, comb).float(), mhc_post_ref(y, he, post, comb).float())
+
+
+@pytest.mark.parametrize("cfg", [None, MhcConfig(32, 2, 16, 16, 4)], ids=str)
+def test_batch_invariant_and_deterministic(cfg):
+    h, fn, scale, base, w = make(6, 72, seed=11)
+    full = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg)
+    again = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg)
+    for a, b in zip(full, again):
+        assert torch.equal(a, b)
+    for rows in (slice(0, 1), slice(5, 6), slice(1, 6)):
+        part = mhc_pre(h[rows], fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg)
+        for a, b in zip(part, full):
+            assert torch.equal(a, b[rows])
+    y = torch.randn(6, 72, device=DEV).bfloat16()
+    o = mhc_post(y, h, full[1], full[2], config=cfg)
+    assert torch.equal(mhc_post(y[5:6], h[5:6], full[1][5:6], full[2][5:6], config=cfg), o[5:6])
+    hh, fn4, s4, b4, w4 = make(6, 72, seed=12, head=True)
+    z = mhc_head(hh, fn4, s4, b4, w4, HC_EPS, EPS, config=cfg)
+    assert torch.equal(z, mhc_head(hh, fn4, s4, b4, w4, HC_EPS, EPS, config=cfg))
+    assert torch.equal(mhc_head(hh[:1], fn4, s4, b4, w4, HC_EPS, EPS, config=cfg), z[:1])
+
+
+def test_ops_sums_over_streams_in_order():
+    """The kernels sum over streams j = 0..hc-1 sequentially: that is torch's order here."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(8, HC, 257, generator=g)
+    assert torch.equal(t.sum(-2), ((t[:, 0] + t[:, 1]) + t[:, 2]) + t[:, 3])
+    c = torch.randn(8, HC, HC, generator=g)
+    assert torch.equal(c.sum(-1), ((c[..., 0] + c[..., 1]) + c[..., 2]) + c[..., 3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("B", [1, 4, 64])
+def test_gpu_v4_shapes(B):
+    args = make(B, 4096, seed=B, dev="cuda")
+    x, post, comb = check_pre(args)
+    h, fn, scale, base, w = args
+    again = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
+    one = mhc_pre(h[:1], fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
+    for a, b, c in zip((x, post, comb), again, one):
+        assert torch.equal(a, b) and torch.equal(a[:1], c)
+    y = torch.randn(B, 4096, device="cuda").bfloat16()
+    o = mhc_post(y, h, post, comb)
+    check_bf16(o, mhc_post_ref(y, h, post, comb), min_equal=0.999)
+    assert torch.equal(o, mhc_post(y, h, post, comb))
+    hh, fn4, s4, b4, w4 = make(B, 4096, seed=B + 1, head=True, dev="cuda")
+    z = mhc_head(hh, fn4, s4, b4, w4, HC_EPS, EPS)
+    check_bf16(z, mhc_head_ref(hh, fn4, s4, b4, w4, HC_EPS, EPS))
+    assert torch.equal(z[:1], mhc_head(hh[:1], fn4, s4, b4, w4, HC_EPS, EPS))
