@@ -11,6 +11,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    for name in ("megastep.kernels.common", "megastep.kernels.linear_fp8", "megastep.kernels.moe"):
-        if name in sys.modules:
-            importlib.reload(sys.modules[name])
+    loaded = [n for n in sys.modules if n.startswith("megastep.kernels.")]
+    for name in sorted(loaded, key=lambda n: n != "megastep.kernels.common"):  # shared helpers first
+        importlib.reload(sys.modules[name])
