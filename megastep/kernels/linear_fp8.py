@@ -115,7 +115,7 @@ def _linear_fp8_kernel(
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_wsn, stride_om,
     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, QUANT_ACT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -140,8 +140,11 @@ def _linear_fp8_kernel(
         # scales folded into the (exact) bf16 activation operand
         xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                      mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        s, inv = fp8_block_scales(tl.abs(xt), offs_kk, 128, BLOCK_K // 128)
-        xe = fp8_round(xt, inv, INTERPRET).to(tl.float32) * s * sw[None, :]
+        if QUANT_ACT:
+            s, inv = fp8_block_scales(tl.abs(xt), offs_kk, 128, BLOCK_K // 128)
+            xe = fp8_round(xt, inv, INTERPRET).to(tl.float32) * s * sw[None, :]
+        else:  # wo_a: a bf16 activation against the dequantized weight (power-of-two scale: exact)
+            xe = xt * sw[None, :]
         if INTERPRET:
             acc += tl.dot(w.to(tl.float32), tl.trans(xe))
         else:
@@ -180,8 +183,10 @@ def linear_fp8(
     block: int = BLOCK,
     out_dtype: torch.dtype = torch.bfloat16,
     config: LinearFp8Config | None = None,
+    quantize_act: bool = True,
 ) -> torch.Tensor:
-    """x [M, K] bf16/fp32, w e4m3 [N, K], w_scale e8m0 [ceil(N/128), ceil(K/128)] -> [M, N]."""
+    """x [M, K] bf16/fp32, w e4m3 [N, K], w_scale e8m0 [ceil(N/128), ceil(K/128)] -> [M, N].
+    quantize_act=False skips the activation quantization (the official wo_a: a plain weight)."""
     assert block == BLOCK, "V4 FP8 weights use 128x128 blocks"
     assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (x.shape, w.shape)
     assert x.dtype in (torch.bfloat16, torch.float32), x.dtype
@@ -215,7 +220,7 @@ def linear_fp8(
         M, N, K, k_per_split,
         x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
         MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
-        SPLIT_K=split, OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=on_interpreter(x),
+        SPLIT_K=split, OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -228,9 +233,10 @@ def linear_fp8_ref(
     block: int = BLOCK,
     out_dtype: torch.dtype = torch.bfloat16,
     config: LinearFp8Config | None = None,
+    quantize_act: bool = True,
 ) -> torch.Tensor:
     """The exact semantics: fp32 dequantized weight times fp32 quantized activation."""
     del config
-    xq = formats.fp8_act_sim(x.float(), block)
+    xq = formats.fp8_act_sim(x.float(), block) if quantize_act else x.float()
     wd = formats.dequantize_fp8_weight(w, w_scale, block)
     return (xq @ wd.T).to(out_dtype)

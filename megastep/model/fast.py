@@ -25,7 +25,10 @@ import torch.nn.functional as F
 
 from megastep.checkpoint import formats
 from megastep.config import CSA_RATIO, ModelConfig
+from megastep.kernels import attention as _attn
+from megastep.kernels import dense as _dense
 from megastep.kernels import linear_fp8 as _lin
+from megastep.kernels import mhc as _mhc
 from megastep.kernels import moe as _moe
 from megastep.model import ops
 from megastep.runtime.trace import StepTrace, stage
@@ -49,9 +52,14 @@ class Linear:
             return fn(x.contiguous(), self.w, self.scale, block=self.block, out_dtype=out_dtype)
         raise ValueError("a linear without activation quantization is grouped (wo_a): call grouped()")
 
-    def grouped(self, x: torch.Tensor, groups: int, rank: int) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, groups: int, rank: int, triton: bool) -> torch.Tensor:
         """wo_a: x [B, G, d] -> [B, G*rank], group g through weight rows [g*rank, (g+1)*rank).
         The official code dequantizes wo_a to a plain weight: no activation quantization."""
+        if triton and self.scale is not None and rank % self.block == 0:
+            sb = rank // self.block  # scale rows per group
+            return torch.cat([_lin.linear_fp8(x[:, g].contiguous(), self.w[g * rank:(g + 1) * rank],
+                                              self.scale[g * sb:(g + 1) * sb], block=self.block, quantize_act=False)
+                              for g in range(groups)], -1)
         w = self.w.float() if self.scale is None else formats.dequantize_fp8_weight(self.w, self.scale, self.block)
         return torch.einsum("bgd,grd->bgr", x.float(), w.view(groups, rank, -1)).to(x.dtype).flatten(1)
 
@@ -170,8 +178,14 @@ class FastDecoder:
         self.trace: StepTrace | None = None  # attach one to time stages (eager steps only)
 
     # ---- pieces ---------------------------------------------------------------------------
+    def _kernel(self, module, name: str):
+        """The Triton kernel on CUDA, its torch `*_ref` twin elsewhere."""
+        return getattr(module, name if self.triton else name + "_ref")
+
     def _dense(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A BF16 weight in fp32 math (compressor, gate, weights_proj, head): fp32 out."""
+        if self.triton and w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
+            return _dense.linear_bf16(x.contiguous(), w, torch.float32)
         return x.float() @ w.float().T
 
     def _compress(self, x, pos, slots, L, which: str):
@@ -257,11 +271,14 @@ class FastDecoder:
                 kvs.append(ent)
                 valid.append(torch.arange(n, device=x.device)[None] < ((pos + 1) // r)[:, None])
         with stage(T, "attention", L):
-            o = ops.sparse_attention(q, torch.cat(kvs, 1), lw["sink"], hd**-0.5, torch.cat(valid, 1))
+            attn = self._kernel(_attn, "sparse_attention_decode") if q.dtype == torch.bfloat16 else None
+            kv_all, ok_all = torch.cat(kvs, 1), torch.cat(valid, 1)
+            o = (attn(q.contiguous(), kv_all, ok_all, lw["sink"], hd**-0.5) if attn is not None
+                 else ops.sparse_attention(q, kv_all, lw["sink"], hd**-0.5, ok_all))
             o = ops.apply_rope(o, inv_freq, pos, inverse=True)
         with stage(T, "out_proj", L):
             G, R = cfg.o_groups, cfg.o_lora_rank
-            u = lw["wo_a"].grouped(o.reshape(B, G, -1), G, R)
+            u = lw["wo_a"].grouped(o.reshape(B, G, -1), G, R, tr)
             return lw["wo_b"](u, tr)
 
     def _moe(self, x, tokens, L):
@@ -304,25 +321,21 @@ class FastDecoder:
     def step(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """tokens, pos, slots: int64 [B] on the device. Returns fp32 logits [B, vocab]."""
         cfg, T, eps = self.cfg, self.trace, self.cfg.rms_norm_eps
+        mhc_pre, mhc_post = self._kernel(_mhc, "mhc_pre"), self._kernel(_mhc, "mhc_post")
+        hc, iters, hc_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
         with stage(T, "embed"):
-            h = self.embed[tokens].to(self.dtype)[:, None, :].expand(-1, cfg.hc_mult, -1)
+            h = self.embed[tokens].to(self.dtype)[:, None, :].expand(-1, hc, -1).contiguous()
         for L, lw in enumerate(self.layers):
             with stage(T, "mhc_pre", L):
-                x, post, comb = ops.hc_pre(h, *lw["hc_attn"], cfg)
-                x = ops.rms_norm(x, lw["attn_norm"], eps)
+                x, post, comb = mhc_pre(h, *lw["hc_attn"], lw["attn_norm"], hc, iters, hc_eps, eps)
             y = self._attention(x, pos, slots, L)
             with stage(T, "mhc_post", L):
-                h = ops.hc_post(y, h, post, comb)
+                h = mhc_post(y.contiguous(), h, post, comb)
             with stage(T, "mhc_pre", L):
-                x, post, comb = ops.hc_pre(h, *lw["hc_ffn"], cfg)
-                x = ops.rms_norm(x, lw["ffn_norm"], eps)
+                x, post, comb = mhc_pre(h, *lw["hc_ffn"], lw["ffn_norm"], hc, iters, hc_eps, eps)
             y = self._moe(x, tokens, L)
             with stage(T, "mhc_post", L):
-                h = ops.hc_post(y, h, post, comb)
+                h = mhc_post(y.contiguous(), h, post, comb)
         with stage(T, "head"):
-            z = ops.rms_norm(ops.hc_head(h, *self.hc_head, cfg), self.norm_w, eps)
-            return self._head(z)
-
-    def _head(self, z: torch.Tensor) -> torch.Tensor:
-        """fp32 logits from the bf16 head with fp32 accumulation."""
-        return z.float() @ self.head.float().T
+            z = self._kernel(_mhc, "mhc_head")(h, *self.hc_head, self.norm_w, hc_eps, eps)
+            return self._dense(z, self.head)

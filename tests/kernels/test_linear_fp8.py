@@ -78,6 +78,16 @@ def test_edge_shapes_with_picked_config(M, N, K):
     check(linear_fp8(x, w, s), linear_fp8_ref(x, w, s))
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 64, 256), (3, 200, 300), (5, 1024, 512)])
+def test_without_activation_quantization(M, N, K):
+    """quantize_act=False (wo_a): the bf16 activation meets the dequantized weight as it is."""
+    x, w, s = make(M, N, K, seed=7 * M + N)
+    ref = linear_fp8_ref(x, w, s, quantize_act=False)
+    assert torch.allclose(ref, (x.float() @ F.dequantize_fp8_weight(w, s, 128).T).to(torch.bfloat16))
+    assert not torch.equal(ref, linear_fp8_ref(x, w, s))  # the quantization would have changed it
+    check(linear_fp8(x, w, s, quantize_act=False), ref)
+
+
 def test_fp32_input_and_strided_rows():
     x, w, s = make(3, 80, 256, seed=5, x_dtype=torch.float32)
     xs = torch.cat([x, x], 1)[:, :256]  # row stride 512
