@@ -72,6 +72,7 @@ def _sparse_attn_kernel(
     stride_qb, stride_qh, stride_kb, stride_kn, stride_vb, stride_ob, stride_oh,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PIECES: tl.constexpr, INTERPRET: tl.constexpr,
+    DC: tl.constexpr, GROUP: tl.constexpr,
 ):
     hb = tl.program_id(0)  # fastest: the head blocks of one KV chunk run side by side
     s = tl.program_id(1)
@@ -133,22 +134,29 @@ def _sparse_attn_kernel(
         if arrived == SPLIT - 1:  # last chunk program of (b, hb): combine in chunk order
             tl.debug_barrier()
             ss = tl.arange(0, SPLIT_P2)
-            m_all = tl.load(pml_row + ss[:, None] * 2 * H + offs_h[None, :],
-                            mask=(ss < SPLIT)[:, None] & h_mask[None, :], other=float("-inf"), cache_modifier=".cg")
+            ml_mask = (ss < SPLIT)[:, None] & h_mask[None, :]
+            m_all = tl.load(pml_row + ss[:, None] * 2 * H + offs_h[None, :], mask=ml_mask, other=float("-inf"),
+                            cache_modifier=".cg")
+            l_all = tl.load(pml_row + ss[:, None] * 2 * H + H + offs_h[None, :], mask=ml_mask, other=0.0,
+                            cache_modifier=".cg")
             m = tl.max(m_all, axis=0)
             m_use = tl.where(m == float("-inf"), 0.0, m)
-            l_t = tl.zeros([BLOCK_H], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-            for sp in range(SPLIT):
-                m_s = tl.load(pml_row + sp * 2 * H + offs_h, mask=h_mask, other=float("-inf"), cache_modifier=".cg")
-                l_s = tl.load(pml_row + sp * 2 * H + H + offs_h, mask=h_mask, other=0.0, cache_modifier=".cg")
-                a = tl.exp(m_s - m_use)
-                l_t = l_t + l_s * a
-                acc_s = tl.load(pa_row + (sp * H + offs_h)[:, None] * D + offs_d[None, :], mask=h_mask[:, None],
-                                other=0.0, cache_modifier=".cg")
-                acc = acc + acc_s * a[:, None]
-            o = acc / (l_t + tl.exp(sink - m_use))[:, None]
-            tl.store(out_ptrs, round_bf16(o, INTERPRET).to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+            a_all = tl.exp(m_all - m_use[None, :])  # [SPLIT_P2, BLOCK_H] chunk weights, 0 past SPLIT
+            den = tl.sum(l_all * a_all, axis=0) + tl.exp(sink - m_use)
+            # the weighted sum over chunks in order, by DC-wide column slabs, GROUP chunks in flight
+            for d0 in range(0, D, DC):
+                offs_c = d0 + tl.arange(0, DC)
+                acc_c = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
+                for g in range(0, SPLIT, GROUP):
+                    for i in tl.static_range(GROUP):
+                        a_s = tl.sum(tl.where(ss[:, None] == g + i, a_all, 0.0), axis=0)
+                        rows = tl.zeros([BLOCK_H], dtype=tl.int32) + (g + i)
+                        v = tl.load(pa_row + ((g + i) * H + offs_h)[:, None] * D + offs_c[None, :],
+                                    mask=(h_mask & (rows < SPLIT))[:, None], other=0.0, cache_modifier=".cg")
+                        acc_c = acc_c + v * a_s[:, None]
+                o = acc_c / den[:, None]
+                tl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_c[None, :],
+                         round_bf16(o, INTERPRET).to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
             tl.store(cnt_ptr + tile, 0)
 
 
@@ -183,7 +191,7 @@ def sparse_attention_decode(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tens
         H, N, float(scale),
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), valid.stride(0), out.stride(0), out.stride(1),
         D=d, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, SPLIT_P2=next_pow2(split),
-        PIECES=cfg.pv_pieces, INTERPRET=on_interpreter(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PIECES=cfg.pv_pieces, INTERPRET=on_interpreter(q), DC=min(d, 128), GROUP=min(4, split), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -47,25 +47,28 @@ class DenseConfig:
         assert self.split_k >= 1, self
 
 
-# Pinned per (N, K) for the V4-Flash shapes; not measured on the device yet (the rule's values).
+# Pinned per (N, K) for the V4-Flash shapes. Not measured on the device yet: the values follow
+# what linear_fp8 measured for the same bytes per step (an fp8 K step of 256 = a bf16 step of 128;
+# with no split-K, 128 fp8 = 64 bf16 pipelined better).
 _PINNED: dict[tuple[int, int], DenseConfig] = {
-    (129280, 4096): DenseConfig(64, 128, 1, num_warps=4, num_stages=4),  # lm head
+    (129280, 4096): DenseConfig(64, 64, 1, num_warps=4, num_stages=4),  # lm head: 2020 N tiles
 }
 
 
 def pick_config(N: int, K: int) -> DenseConfig:
-    """The one configuration for this weight shape; it never depends on M."""
+    """The one configuration for this weight shape; it never depends on M. Split-K: the largest
+    power of two that keeps N tiles x splits <= two programs per SM and one K step per split."""
     cfg = _PINNED.get((N, K))
     if cfg is not None:
         return cfg
-    bn = 64 if N >= 1024 else 32 if N >= 32 else 16
+    bn = 64 if N >= 512 else 32 if N >= 32 else 16
     bk = 128
     tiles = -(-N // bn)
     steps = -(-K // bk)
     split = 1
-    while tiles * split < _TARGET_PROGRAMS and split * 2 <= steps:
+    while tiles * split * 2 <= _TARGET_PROGRAMS and split * 2 <= steps:
         split *= 2
-    return DenseConfig(bn, bk, split, num_warps=4, num_stages=3)
+    return DenseConfig(bn, bk if split > 1 else 64, split, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -74,7 +77,7 @@ def _linear_bf16_kernel(
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, GROUP: tl.constexpr = 4,
 ):
     pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run side by side
     pid_n = tl.program_id(1)
@@ -115,9 +118,12 @@ def _linear_bf16_kernel(
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:  # last program of this tile: fixed-order sum
             tl.debug_barrier()
+            # splits in order 0..S-1, loaded GROUP at a time (all in flight, few registers)
             tot = tl.load(part_ptr + p_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-            for sk in tl.static_range(1, SPLIT_K):
-                tot += tl.load(part_ptr + sk * split_stride + p_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for g in range(1, SPLIT_K, GROUP):
+                for i in tl.static_range(GROUP):
+                    ok = out_mask & ((p_off * 0 + (g + i)) < SPLIT_K)
+                    tot += tl.load(part_ptr + (g + i) * split_stride + p_off, mask=ok, other=0.0, cache_modifier=".cg")
             if OUT_BF16:
                 tot = round_bf16(tot, INTERPRET)
             tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=out_mask)
