@@ -57,8 +57,9 @@ class AttnConfig:
 
 def pick_config(H: int, N: int, d: int) -> AttnConfig:
     """The one configuration for (heads, entries, head dim); it never depends on B. Chunks are
-    sized so that the fp32 partials (H x d x 4 bytes per chunk) stay below the KV bytes they
-    summarize (chunk x d x 2) once N is large, while B = 1 still gets several programs."""
+    sized so that the fp32 partials (H x d x 4 bytes per chunk) are no larger than the KV bytes
+    they summarize (chunk x d x 2) from 128 entries on, while B = 1 still gets several programs.
+    Not measured on the device yet."""
     del d
     bh = 16 if H <= 16 else 32
     chunk = 64 if N <= 256 else 128 if N <= 1024 else 256
