@@ -139,6 +139,8 @@ def mxfp4_decode_unscaled(b):
 # One workspace per device: kernels on one stream use it one after the other. Callers that run
 # kernels on several streams at once must pass their own buffers (not needed yet).
 _WORKSPACES: dict[tuple[str, str], torch.Tensor] = {}
+# Buffers replaced by larger ones stay alive: a CUDA graph captured earlier still points at them.
+_RETIRED: list[torch.Tensor] = []
 
 
 def workspace(device: torch.device, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -146,6 +148,8 @@ def workspace(device: torch.device, kind: str, numel: int, dtype: torch.dtype) -
     key = (str(device), kind)
     buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        if buf is not None:
+            _RETIRED.append(buf)
         n = max(numel, 1024)
         buf = torch.zeros(n, dtype=dtype, device=device) if kind.startswith("counters") else torch.empty(n, dtype=dtype, device=device)
         _WORKSPACES[key] = buf
