@@ -1,0 +1,399 @@
+"""Expert parallelism (EP) over torch.distributed: one process per device, output bit-identical to 1 rank.
+
+Layout. Rank r of W owns the routed experts [r*E/W, (r+1)*E/W) of every layer and loads only those
+(`synthesize_rank_weights`, `load_rank_checkpoint`); attention, routers, the shared expert, the
+embedding and the head are replicated. Every rank runs the same rows in the same order, so the
+replicated parts give the same bits everywhere (same code, same weights, same kernels) and only the
+routed experts are split.
+
+Fixed-order combine. A MoE call selects k (row, expert) pairs. Each rank writes the outputs of the
+pairs whose expert it owns into a zeroed buffer [..., k, D] (in the activation dtype, exactly the
+tensor the 1-rank reference computes for that pair), and the buffer is all-reduced as integers: its
+bytes viewed as int32 words (uint8 when a row is not a whole number of words), never mixing two pairs
+in one word. Every word then has at most one non-zero addend and integer addition is exact and
+associative, so each rank receives the owners' bits exactly, whatever order, tree or chunking the
+backend (gloo, NCCL ring/tree) uses and whatever its float modes (flush-to-zero, -0.0, NaN payloads).
+Every rank then sums the k pair outputs in fp32 in ascending expert id, exactly as
+`ReferenceModel.moe` does, and adds the shared expert (computed while the all-reduce is in flight)
+last. Same tensors, same operations, same order: same bits as 1 rank, run to run.
+
+Bytes: a ring all-reduce moves about 2*k*D values per row and rank. An all-gather of only the owned
+pairs (variable counts per rank) would halve that, and for large batches a dispatch/combine
+all-to-all avoids replicated rows altogether; each keeps the argument above as long as the pair
+outputs land in a fixed [row, slot] layout before the ordered sum.
+
+Launching. `launch(fn, W)` spawns W local processes (spawn start method), hosts the rendezvous store
+in the parent on a free 127.0.0.1 port (no port race), pins gloo/NCCL sockets to the loopback interface,
+bounds the whole run by a deadline, forwards each rank's exception, and never leaves a process behind.
+With backend "nccl", rank r runs on cuda:gpus[r]; NVLink multicast is forced off (NCCL_NVLS_ENABLE=0),
+as the lent machines require.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megastep.checkpoint.tensors import expected_tensors
+from megastep.config import ModelConfig
+from megastep.errors import CheckpointError, UserError
+from megastep.model.reference import ReferenceModel
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_TIMEOUT_S = 300.0
+_EXPERT_RE = re.compile(r"(?:^|\.)ffn\.experts\.(\d+)\.")
+
+
+# ---- sharding ------------------------------------------------------------------------------------
+def check_world_size(n_experts: int, world_size: int) -> None:
+    """Raise a UserError unless `world_size` ranks can split `n_experts` routed experts evenly."""
+    if world_size < 1:
+        raise UserError(f"expert parallelism needs at least 1 rank, got {world_size}")
+    if n_experts % world_size:
+        divisors = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
+        raise UserError(
+            f"cannot split {n_experts} routed experts evenly over {world_size} ranks (GPUs); "
+            f"use a world size that divides {n_experts}: {', '.join(map(str, divisors))}"
+        )
+
+
+def experts_of(rank: int, world_size: int, n_experts: int) -> range:
+    """The routed expert ids rank `rank` owns: [rank*E/W, (rank+1)*E/W)."""
+    check_world_size(n_experts, world_size)
+    if not 0 <= rank < world_size:
+        raise UserError(f"rank {rank} is outside [0, {world_size})")
+    per = n_experts // world_size
+    return range(rank * per, (rank + 1) * per)
+
+
+def expert_id(name: str) -> int | None:
+    """Routed expert id of a tensor name (`layers.L.ffn.experts.E.w1.weight` -> E), else None."""
+    m = _EXPERT_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def is_rank_tensor(name: str, owned: range) -> bool:
+    """Whether a rank holding the experts `owned` keeps tensor `name` (replicated, or an owned expert's)."""
+    e = expert_id(name)
+    return e is None or e in owned
+
+
+def rank_weights(weights: dict[str, torch.Tensor], rank: int, world_size: int, n_experts: int) -> dict[str, torch.Tensor]:
+    """The subset of a full weight dict that rank `rank` keeps (no copies)."""
+    owned = experts_of(rank, world_size, n_experts)
+    return {n: t for n, t in weights.items() if is_rank_tensor(n, owned)}
+
+
+def synthesize_rank_weights(cfg: ModelConfig, seed: int, rank: int, world_size: int, *,
+                            device: str | torch.device = "cpu", include_mtp: bool = False,
+                            dtype_policy: str = "official", **synth_kw: Any) -> dict[str, torch.Tensor]:
+    """Only rank `rank`'s tensors of `synthesize_weights(cfg, seed, ...)`, generated without the others
+    (every tensor has its own seed, so the values are those of the full checkpoint). Further keywords
+    go to `synthetic.synthesize_tensors`."""
+    from megastep.checkpoint.synthetic import synthesize_tensors
+
+    owned = experts_of(rank, world_size, cfg.n_routed_experts)
+    table = expected_tensors(cfg, include_mtp=include_mtp)
+    # Generation groups start at every tensor except a weight's `.scale` (generated with the weight).
+    groups = [n for n in table if is_rank_tensor(n, owned)
+              and not (n.endswith(".scale") and n.removesuffix(".scale") + ".weight" in table)]
+    return {n: t.to(device) for n, t in synthesize_tensors(cfg, seed, include_mtp=include_mtp,
+                                                            dtype_policy=dtype_policy, names=groups,
+                                                            **synth_kw)}
+
+
+def load_rank_checkpoint(model_dir: str | Path, rank: int, world_size: int, device: str | torch.device = "cpu",
+                         include_mtp: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """`loader.load_checkpoint` for one rank: the whole checkpoint is validated from its headers,
+    then only the replicated tensors and this rank's experts are read (shard by shard, through mmap)."""
+    from safetensors import SafetensorError, safe_open
+
+    from megastep.checkpoint.loader import scan_checkpoint
+
+    scan = scan_checkpoint(model_dir)
+    scan.raise_if_invalid(require_mtp=include_mtp)
+    cfg = scan.cfg
+    assert cfg is not None
+    owned = experts_of(rank, world_size, cfg.n_routed_experts)
+    order = [n for n in expected_tensors(cfg, include_mtp=include_mtp)
+             if n in scan.location and is_rank_tensor(n, owned)]
+    by_file: dict[str, list[str]] = {}
+    for n in order:
+        by_file.setdefault(scan.location[n], []).append(n)
+    loaded: dict[str, torch.Tensor] = {}
+    device = torch.device(device)
+    for fname, names in by_file.items():
+        try:
+            with safe_open(str(scan.model_dir / fname), framework="pt", device="cpu") as f:
+                for n in names:
+                    loaded[n] = f.get_tensor(n).to(device)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {scan.model_dir / fname}: {e}") from None
+    return cfg, {n: loaded[n] for n in order}
+
+
+# ---- process group -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rank:
+    """What a rank's function receives from `launch`."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _loopback_ifname() -> str | None:
+    try:
+        return next((n for _, n in socket.if_nameindex() if n.startswith("lo")), None)
+    except OSError:
+        return None
+
+
+def init(world_size: int, rank: int, backend: str | None = None, *, addr: str = LOOPBACK,
+         port: int | None = None, gpu: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
+    """Join the default process group and return this rank's device.
+
+    With `port`, rendezvous through a TCP store at addr:port (hosted by `launch`'s parent); without,
+    through torchrun's environment (`env://`). Backend "nccl" runs on cuda:`gpu` (default: `rank`),
+    "gloo" on the CPU. A collective that waits longer than `timeout_s` fails instead of hanging."""
+    backend = backend or default_backend()
+    if backend not in ("gloo", "nccl"):
+        raise UserError(f"unknown torch.distributed backend {backend!r}; use gloo (CPU) or nccl (GPUs)")
+    if not 0 <= rank < world_size:
+        raise UserError(f"rank {rank} is outside [0, {world_size})")
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off: required on the lent machines
+        device = torch.device("cuda", rank if gpu is None else gpu)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if port is not None and addr == LOOPBACK and (lo := _loopback_ifname()):
+        # Keep both backends' data sockets on the loopback interface (they pick one by hostname otherwise).
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+    kw: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size, "timeout": timeout}
+    if port is not None:
+        kw["store"] = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    else:
+        kw["init_method"] = "env://"
+    if backend == "nccl":
+        kw["device_id"] = device  # binds the communicator to its GPU eagerly
+    dist.init_process_group(**kw)
+    return device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---- the MoE combine -----------------------------------------------------------------------------
+def _bit_view(pairs: torch.Tensor) -> torch.Tensor:
+    """The buffer's bytes as integers, never mixing two pairs (rows) in one integer: int32 when a row is
+    a whole number of 4-byte words (bf16 with even D, fp32), else uint8. Both sum on gloo and NCCL."""
+    if not pairs.is_contiguous():
+        raise ValueError("ordered_combine needs a contiguous buffer")
+    row_bytes = pairs.shape[-1] * pairs.element_size()
+    flat = pairs.reshape(-1).view(torch.uint8)
+    return flat.view(torch.int32) if row_bytes % 4 == 0 else flat
+
+
+def ordered_combine(pairs: torch.Tensor, group: dist.ProcessGroup | None = None, *, async_op: bool = False):
+    """Give every rank the per-pair expert outputs, bit for bit, from a buffer [..., D] in which each
+    row (pair) was written by exactly one rank and is zero on all others.
+
+    The buffer's bytes are all-reduced as integers (SUM): each integer has one non-zero addend at
+    most, and integer addition is exact and associative, so the result is the owner's bits whatever
+    order, tree or chunking the backend uses, and whatever its float modes (flush-to-zero, NaN
+    payloads, the sign of zero never enter). In place; returns the work handle with async_op."""
+    return dist.all_reduce(_bit_view(pairs), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+class ExpertParallelReference(ReferenceModel):
+    """The reference decode with routed experts sharded over ranks; logits bit-identical to
+    `ReferenceModel` on the full weights, on every rank.
+
+    `weights` may be the full dict or only this rank's tensors (see `synthesize_rank_weights`,
+    `load_rank_checkpoint`); only this rank's experts are kept. With world_size > 1 the default
+    process group (or `group`) must be initialized with matching rank and size, and every rank
+    must make the same forward calls in the same order (each MoE call is one collective)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, rank: int = 0,
+                 world_size: int = 1, group: dist.ProcessGroup | None = None, **kw: Any):
+        self.experts = experts_of(rank, world_size, cfg.n_routed_experts)
+        self.rank, self.world_size, self.group = rank, world_size, group
+        if world_size > 1:
+            if not dist.is_initialized():
+                raise RuntimeError(f"world size {world_size} needs torch.distributed initialized (runtime.distributed.init)")
+            got = (dist.get_rank(group), dist.get_world_size(group))
+            if got != (rank, world_size):
+                raise RuntimeError(f"process group is rank {got[0]} of {got[1]}, model built for rank {rank} of {world_size}")
+        mine = rank_weights(weights, rank, world_size, cfg.n_routed_experts)
+        missing = [f"layers.{L}.ffn.experts.{e}.w1.weight" for L in range(cfg.num_hidden_layers) for e in self.experts]
+        missing = [n for n in missing if n not in mine]
+        if missing:
+            raise CheckpointError(f"rank {rank} of {world_size} lacks {len(missing)} of its expert tensors, e.g. {missing[0]}")
+        super().__init__(cfg, mine, **kw)
+
+    def moe(self, x: torch.Tensor, L: int, token: int) -> torch.Tensor:
+        p = f"layers.{L}.ffn"
+        idx, w = self.route(x, L, token)  # replicated router: the same pairs on every rank
+        ids = idx.tolist()
+        pairs = torch.zeros(len(ids), x.shape[-1], dtype=x.dtype, device=x.device)
+        for slot, e in enumerate(ids):
+            if e in self.experts:
+                pairs[slot] = self.expert(x, f"{p}.experts.{e}", w[slot])
+        work = ordered_combine(pairs, self.group, async_op=True) if self.world_size > 1 else None
+        shared = self.expert(x, p + ".shared_experts")  # overlaps the collective
+        if work is not None:
+            work.wait()
+        y = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device)
+        for slot in torch.argsort(idx).tolist():  # ascending expert id, exactly as ReferenceModel.moe
+            y += pairs[slot].float()
+        y += shared.float()
+        return y.to(x.dtype)
+
+
+# ---- launching W local processes -----------------------------------------------------------------
+def parse_gpus(spec: str) -> list[int]:
+    """'0,1,2,3' -> [0, 1, 2, 3] (the future `--gpus` flag); distinct non-negative ids."""
+    try:
+        gpus = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise UserError(f"--gpus takes comma-separated GPU ids like 0,1,2,3, got {spec!r}") from None
+    if not gpus or min(gpus) < 0 or len(set(gpus)) != len(gpus):
+        raise UserError(f"--gpus takes distinct non-negative GPU ids like 0,1,2,3, got {spec!r}")
+    return gpus
+
+
+def _rank_main(fn, rank: int, world_size: int, backend: str, port: int, gpus, threads: int, args, results,
+               timeout_s: float) -> None:
+    torch.set_num_threads(threads)
+    code = 1
+    try:
+        device = init(world_size, rank, backend, port=port, gpu=None if gpus is None else gpus[rank], timeout_s=timeout_s)
+        out = fn(Rank(rank, world_size, device, backend), *args)
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
+        code = 0
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
+        tb = traceback.format_exc()
+        try:
+            payload = io.BytesIO()
+            torch.save(e, payload)
+            results.put((rank, False, (payload.getvalue(), tb)))
+        except Exception:  # noqa: BLE001 - an exception that does not pickle travels as text
+            results.put((rank, False, (None, tb)))
+    finally:
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001 - a torn-down peer must not block this process's exit
+            pass
+        # Deliver the result, then leave without the interpreter's teardown (~2 s with torch loaded,
+        # paid by every rank of every launch); nothing else of value lives in this process.
+        results.close()
+        results.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _stop(procs: Iterable) -> None:
+    """End the given processes (only those launch started), politely then firmly."""
+    procs = list(procs)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *, backend: str | None = None,
+           gpus: Sequence[int] | None = None, threads: int | None = None,
+           timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """Run `fn(Rank, *args)` in `world_size` fresh local processes joined in one process group and
+    return their results by rank. `fn` must be importable (module level); results travel by
+    torch.save. Each rank uses `threads` intra-op threads (default: the CPUs shared out evenly; CPU
+    results can depend on the thread count, so compare runs with equal counts). The first failing rank's exception is re-raised here (its traceback attached as a
+    note) and the other ranks are stopped; past `timeout_s` all are stopped and TimeoutError raised.
+    Every process has exited when this returns or raises."""
+    import queue as queue_mod
+
+    import torch.multiprocessing as mp
+
+    backend = backend or default_backend()
+    if world_size < 1:
+        raise UserError(f"need at least 1 rank, got {world_size}")
+    if backend == "nccl":
+        gpus = list(gpus) if gpus is not None else list(range(world_size))
+        if len(gpus) != world_size:
+            raise UserError(f"{world_size} ranks need {world_size} GPU ids, got {list(gpus)}")
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    # The parent hosts the rendezvous store on a port the OS picks: no free-port race with others.
+    store = dist.TCPStore(LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    procs = [ctx.Process(target=_rank_main, daemon=True, name=f"megastep-rank{r}",
+                         args=(fn, r, world_size, backend, store.port, gpus, threads, tuple(args), results, timeout_s))
+             for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    out: dict[int, Any] = {}
+    try:
+        for p in procs:
+            p.start()
+        while len(out) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{world_size}-rank run did not finish within {timeout_s:.0f} s "
+                                   f"(ranks done: {sorted(out)})")
+            try:
+                rank, ok, payload = results.get(timeout=min(left, 1.0))
+            except queue_mod.Empty:
+                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                if dead and results.empty():
+                    time.sleep(0.2)  # a result put just before exit may still be in flight
+                    if results.empty():
+                        raise RuntimeError(f"{dead[0].name} died with exit code {dead[0].exitcode} "
+                                           "without reporting") from None
+                continue
+            if ok:
+                out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                continue
+            exc_bytes, tb = payload
+            exc = torch.load(io.BytesIO(exc_bytes), weights_only=False) if exc_bytes else None
+            if isinstance(exc, Exception):
+                exc.add_note(f"raised on rank {rank} of {world_size}:\n{tb}")
+                raise exc
+            raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}")
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        return [out[r] for r in range(world_size)]
+    finally:
+        _stop(procs)
+        results.close()
+        del store

@@ -1,0 +1,190 @@
+"""Expert parallelism over gloo on the CPU (issue 6): W ranks give the 1-rank reference's logits bit for
+bit and the same greedy tokens; bad world sizes are refused clearly; launched processes always exit."""
+
+import time
+
+import pytest
+import torch
+
+from megastep.checkpoint.synthetic import preset, synthesize_weights
+from megastep.errors import UserError
+from megastep.model.reference import ReferenceModel
+from megastep.runtime import distributed as D
+
+SEED = 3
+PROMPT = [5, 77, 301, 12, 499, 0, 256, 42]
+STEPS = 20
+TIMEOUT_S = 45  # per launch; a healthy run takes a few seconds
+
+
+def _cfg(top_k: int = 2):
+    # tiny: 4 layers (SWA, CSA, HCA, CSA), layer 0 hash-routed, 8 experts top-2 (top-k as asked).
+    return preset("tiny").replace(vocab_size=512, num_experts_per_tok=top_k)
+
+
+def _greedy(model, prompt, steps):
+    """Prompt, then `steps` greedy tokens; returns (all logits [P+steps, V], generated tokens)."""
+    st = model.new_state()
+    rows = [model.forward(st, prompt)]
+    toks = []
+    for _ in range(steps):
+        toks.append(int(rows[-1][-1].argmax()))
+        rows.append(model.forward(st, [toks[-1]]))
+    return torch.cat(rows), toks
+
+
+def _ep_rank(r: D.Rank, seed, prompt, steps, cases):
+    runs, held = {}, None
+    for top_k, dtype in cases:
+        cfg = _cfg(top_k)
+        w = D.synthesize_rank_weights(cfg, seed, r.rank, r.world_size, device=r.device)
+        held = sorted({D.expert_id(n) for n in w} - {None})
+        model = D.ExpertParallelReference(cfg, w, rank=r.rank, world_size=r.world_size, dtype=dtype)
+        runs[top_k, dtype] = _greedy(model, prompt, steps)
+    # The combine on the backend itself: each row written by one rank arrives bit for bit, awkward
+    # values included, through the int32 path (even row bytes) and the uint8 path (D=3).
+    combined = []
+    for d in (6, 3):
+        buf = torch.zeros(r.world_size, d, dtype=torch.bfloat16)
+        buf[r.rank] = _special(r.rank)[:d]
+        D.ordered_combine(buf)
+        combined.append(buf)
+    return {"runs": runs, "held": held, "combine": combined}
+
+
+def _special(rank: int) -> torch.Tensor:
+    """-0.0, a subnormal, a NaN with a payload, inf, and rank-dependent normal values (bf16)."""
+    bits = torch.tensor([0x8000, 0x0001, 0x7FC5, 0x7F80, 0x3F81 + rank, 0xC2A0 - rank], dtype=torch.int32)
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+class SlotOrderReference(ReferenceModel):
+    """The reference with routed experts summed in routing-slot order instead of expert id: what a
+    combine that does not fix the order could produce."""
+
+    def moe(self, x, L, token):
+        p = f"layers.{L}.ffn"
+        idx, w = self.route(x, L, token)
+        y = torch.zeros(x.shape[-1], dtype=torch.float32)
+        for slot in range(len(idx)):
+            y += self.expert(x, f"{p}.experts.{int(idx[slot])}", w[slot]).float()
+        y += self.expert(x, p + ".shared_experts").float()
+        return y.to(x.dtype)
+
+
+_references = {}
+
+
+def _reference(top_k, dtype):
+    if (top_k, dtype) not in _references:
+        cfg = _cfg(top_k)
+        model = ReferenceModel(cfg, synthesize_weights(cfg, SEED, include_mtp=False), dtype=dtype)
+        _references[top_k, dtype] = _greedy(model, PROMPT, STEPS)
+    return _references[top_k, dtype]
+
+
+def test_the_parity_check_sees_summation_order():
+    """In bf16 a few bf16 expert outputs add exactly in fp32, so any order gives the same bits; with
+    fp32 activations and top-4 it does not: there the EP test below would catch a wrong order."""
+    cfg = _cfg(4)
+    w = synthesize_weights(cfg, SEED, include_mtp=False)
+    m = SlotOrderReference(cfg, w, dtype=torch.float32)
+    logits = m.forward(m.new_state(), PROMPT + _reference(4, torch.float32)[1])
+    assert not torch.equal(logits, _reference(4, torch.float32)[0])
+
+
+# (top_k, activation dtype): the tiny model as it is (bf16, top-2), and fp32 top-4, where the order
+# of the expert sum shows in the bits. One launch runs both (starting ranks costs more than decoding).
+CASES = [(2, torch.bfloat16), (4, torch.float32)]
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_expert_parallel_matches_one_rank(world):
+    t0 = time.monotonic()
+    outs = D.launch(_ep_rank, world, (SEED, PROMPT, STEPS, CASES), backend="gloo", threads=1, timeout_s=TIMEOUT_S)
+    assert time.monotonic() - t0 < TIMEOUT_S
+    per = 8 // world
+    for rank, o in enumerate(outs):
+        assert o["held"] == list(range(rank * per, (rank + 1) * per))  # only its own experts loaded
+        for case in CASES:
+            ref_logits, ref_tokens = _reference(*case)
+            logits, tokens = o["runs"][case]
+            assert torch.equal(logits, ref_logits), f"rank {rank} of {world}, {case}: logits differ from 1 rank"
+            assert tokens == ref_tokens
+            assert len(set(ref_tokens)) > 3  # the greedy run is not degenerate
+        for d, buf in zip((6, 3), o["combine"]):
+            want = torch.stack([_special(q)[:d] for q in range(world)])
+            assert torch.equal(buf.view(torch.int16), want.view(torch.int16))  # bits, not values
+
+
+def test_one_rank_without_process_group_is_the_reference():
+    cfg = _cfg()
+    w = synthesize_weights(cfg, SEED, include_mtp=False)
+    logits, toks = _greedy(D.ExpertParallelReference(cfg, w), PROMPT, 6)
+    assert torch.equal(logits, _reference(2, torch.bfloat16)[0][: len(PROMPT) + 6])
+
+
+def test_rank_weights_match_full_weights():
+    cfg = _cfg()
+    full = synthesize_weights(cfg, SEED, include_mtp=False)
+    mine = D.synthesize_rank_weights(cfg, SEED, 1, 4)
+    assert set(mine) == set(D.rank_weights(full, 1, 4, 8))
+    raw = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # fp8/e8m0 compare as bytes
+    assert all(torch.equal(raw(mine[n]), raw(full[n])) for n in mine)
+    assert {D.expert_id(n) for n in mine} == {None, 2, 3}
+    assert "layers.0.ffn.gate.tid2eid" in mine and "layers.3.ffn.shared_experts.w2.weight" in mine
+
+
+def test_load_rank_checkpoint_reads_only_its_experts(tmp_path):
+    from megastep.checkpoint.synthetic import write_checkpoint
+
+    cfg = _cfg()
+    write_checkpoint(cfg, tmp_path, SEED, include_mtp=False, tokenizer="none")
+    got_cfg, mine = D.load_rank_checkpoint(tmp_path, 3, 4)
+    want = D.synthesize_rank_weights(cfg, SEED, 3, 4)
+    assert got_cfg == cfg and list(mine) == list(want)
+    assert all(torch.equal(mine[n].view(torch.uint8), want[n].view(torch.uint8)) for n in mine)
+    with pytest.raises(UserError, match="over 3 ranks"):
+        D.load_rank_checkpoint(tmp_path, 0, 3)
+
+
+@pytest.mark.parametrize("world", [3, 5, 16, 0])
+def test_bad_world_size_is_a_clear_error(world):
+    cfg = _cfg()
+    with pytest.raises(UserError, match="routed experts|at least 1 rank"):
+        D.experts_of(0, world, cfg.n_routed_experts)
+    with pytest.raises(UserError):
+        D.ExpertParallelReference(cfg, {}, rank=0, world_size=world)
+    if world == 3:
+        with pytest.raises(UserError, match="cannot split 8 routed experts evenly over 3 ranks.*1, 2, 4, 8"):
+            D.synthesize_rank_weights(cfg, SEED, 0, world)
+
+
+def test_bad_gpus_spec():
+    assert D.parse_gpus("0,1,2,3") == [0, 1, 2, 3]
+    for bad in ("", "0,0", "a,b", "-1"):
+        with pytest.raises(UserError):
+            D.parse_gpus(bad)
+
+
+def _fails_on_rank1(r: D.Rank):
+    if r.rank == 1:
+        raise UserError("bad checkpoint on rank 1")
+    torch.distributed.barrier()  # would wait forever for rank 1: launch must stop it
+
+
+def _hangs(r: D.Rank):
+    time.sleep(600)
+
+
+def test_failures_and_hangs_end_every_process():
+    import multiprocessing
+
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match="bad checkpoint on rank 1") as e:
+        D.launch(_fails_on_rank1, 2, backend="gloo", threads=1, timeout_s=TIMEOUT_S)
+    assert any("raised on rank 1 of 2" in n for n in e.value.__notes__)
+    with pytest.raises(TimeoutError, match="did not finish within 4 s"):
+        D.launch(_hangs, 2, backend="gloo", threads=1, timeout_s=4)
+    assert time.monotonic() - t0 < TIMEOUT_S
+    assert multiprocessing.active_children() == []
