@@ -30,6 +30,7 @@ from megastep.kernels import dense as _dense
 from megastep.kernels import linear_fp8 as _lin
 from megastep.kernels import mhc as _mhc
 from megastep.kernels import moe as _moe
+from megastep.kernels import rope_norm as _rn
 from megastep.model import ops
 from megastep.runtime.trace import StepTrace, stage
 
@@ -229,7 +230,7 @@ class FastDecoder:
         B = x.shape[0]
         self._compress(x, pos, slots, L, "idx")
         q = lw["idx_wq_b"](qr, self.triton).view(B, cfg.index_n_heads, cfg.index_head_dim)
-        q = ops.index_sim(ops.apply_rope(q, self.inv_freq[True], pos))
+        q = self._kernel(_rn, "indexer_q")(q, self.inv_freq[True], pos)  # RoPE, Hadamard, fp4 simulation
         w = self._dense(x, lw["idx_wproj"]).to(self.dtype).float() * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
         n = self.pools.ikeys[L].shape[1] - 1
         keys = self.pools.ikeys[L][slots, :n]  # [B, n, di]
@@ -247,13 +248,13 @@ class FastDecoder:
         r = cfg.ratio(L)
         inv_freq = self.inv_freq[r > 0]
         tr, T = self.triton, self.trace
+        eps = cfg.rms_norm_eps
         with stage(T, "attn_proj", L):
-            qr = ops.rms_norm(lw["wq_a"](x, tr), lw["q_norm"], cfg.rms_norm_eps)
-            q = lw["wq_b"](qr, tr).view(B, H, hd)
-            q = ops.apply_rope(ops.rms_norm(q, None, cfg.rms_norm_eps), inv_freq, pos)
-            kv = ops.rms_norm(lw["wkv"](x, tr), lw["kv_norm"], cfg.rms_norm_eps)
-            kv = ops.kv_sim(ops.apply_rope(kv, inv_freq, pos), cfg.nope_head_dim)
-            P.win[L][slots, pos % W] = kv
+            qr = self._kernel(_rn, "rms_norm")(lw["wq_a"](x, tr), lw["q_norm"], eps)
+            q = self._kernel(_rn, "q_norm_rope")(lw["wq_b"](qr, tr).view(B, H, hd), inv_freq, pos, eps)
+            # kv norm, RoPE, fp8 simulation of the nope dims, and the write into the window ring
+            self._kernel(_rn, "kv_rope_sim_store")(lw["wkv"](x, tr), lw["kv_norm"], inv_freq, pos, P.win[L], slots,
+                                                   eps, cfg.nope_head_dim)
         kvs = [P.win[L][slots]]
         valid = [torch.arange(W, device=x.device)[None] <= pos[:, None]]
         if r:
