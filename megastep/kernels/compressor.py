@@ -82,7 +82,7 @@ def _emit_entry(e_row, w_ptr, rope_ptr, dst, epos, eps,
     p = tl.arange(0, HALF)[None, :]
     e = _rn.round_to(tl.load(e_row + 2 * p, cache_modifier=".cg"), OUT_BF16, INTERPRET)
     o = _rn.round_to(tl.load(e_row + 2 * p + 1, cache_modifier=".cg"), OUT_BF16, INTERPRET)
-    r = _rn.t_rsqrt(tl.sum(e * e + o * o, axis=1) / (2 * HALF) + eps, INTERPRET)[:, None]
+    r = _rn.t_rsqrt(tl.div_rn(tl.sum(e * e + o * o, axis=1), 2.0 * HALF) + eps, INTERPRET)[:, None]
     e = _rn.round_to(tl.load(w_ptr + 2 * p) * (e * r), OUT_BF16, INTERPRET)
     o = _rn.round_to(tl.load(w_ptr + 2 * p + 1) * (o * r), OUT_BF16, INTERPRET)
     e, o = _rn.rope_pairs(e, o, p, epos, rope_ptr, NOPE_P, ROPE_P, TABLE, INTERPRET)
@@ -146,7 +146,7 @@ def _compressor_kernel(
         sct = tl.where(new, sc_cur[None, :], sct)
         # torch.softmax over rows, then (values * weights).sum(rows)
         ex = _rn.t_exp(sct - tl.max(sct, axis=0)[None, :], INTERPRET)
-        wgt = ex / tl.sum(ex, axis=0)[None, :]
+        wgt = tl.div_rn(ex, tl.sum(ex, axis=0)[None, :])  # IEEE division, as torch (Triton's / is not)
         tl.store(ews_ptr + b * DIM + c, tl.sum(kvt * wgt, axis=0))
         if OVERLAP:  # the closed window becomes the previous one (all 2*DIM columns)
             r2 = tl.arange(0, R)[:, None]

@@ -15,7 +15,8 @@ and its cos/sin), or a table [P, rd] from `rope_table(inv_freq, P)`: cos in [:rd
 construction on any device (P positions x rd x 4 bytes; the caller picks).
 
 Rounding points are those of ops (every kernel is compiled with enable_fp_fusion=False, so each
-product is rounded before it is added, as in torch's eager ops): the norm in fp32, rounded to
+product is rounded before it is added, as in torch's eager ops; divisions are tl.div_rn, because
+Triton's `/` is div.full.f32 / div.approx on the GPU, not IEEE): the norm in fp32, rounded to
 the activation dtype (bf16 rounding only for bf16 tensors; fp32 tensors are accepted and never
 rounded); RoPE on the rounded values, in fp32, rounded again; the fp8 e4m3 simulation per 64
 nope channels and the fp4 e2m1 simulation per 32 channels after the Hadamard rotation with
@@ -221,7 +222,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_xb, stride_ob, eps,
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
     x = tl.load(x_ptr + b * stride_xb + offs, mask=m, other=0.0).to(tl.float32)
-    r = t_rsqrt(tl.sum(x * x, axis=0) / D + eps, INTERPRET)
+    r = t_rsqrt(tl.div_rn(tl.sum(x * x, axis=0), D.to(tl.float32)) + eps, INTERPRET)
     y = x * r
     if HAS_W:
         y = tl.load(w_ptr + offs, mask=m, other=0.0) * y
@@ -240,7 +241,7 @@ def _q_norm_rope_kernel(q_ptr, rope_ptr, pos_ptr, out_ptr, H, stride_qb, stride_
     src = q_ptr + b * stride_qb + h * stride_qh + 2 * p
     e = tl.load(src, mask=hm, other=0.0).to(tl.float32)
     o = tl.load(src + 1, mask=hm, other=0.0).to(tl.float32)
-    r = t_rsqrt(tl.sum(e * e + o * o, axis=1) / (2 * HALF) + eps, INTERPRET)[:, None]
+    r = t_rsqrt(tl.div_rn(tl.sum(e * e + o * o, axis=1), 2.0 * HALF) + eps, INTERPRET)[:, None]
     e = round_to(e * r, OUT_BF16, INTERPRET)
     o = round_to(o * r, OUT_BF16, INTERPRET)
     e, o = rope_pairs(e, o, p, tl.load(pos_ptr + b), rope_ptr, NOPE_P, ROPE_P, TABLE, INTERPRET)
@@ -259,7 +260,7 @@ def _kv_rope_sim_store_kernel(x_ptr, w_ptr, rope_ptr, pos_ptr, slot_ptr, out_ptr
     p = tl.arange(0, HALF)[None, :]
     e = tl.load(x_ptr + b * stride_xb + 2 * p).to(tl.float32)
     o = tl.load(x_ptr + b * stride_xb + 2 * p + 1).to(tl.float32)
-    r = t_rsqrt(tl.sum(e * e + o * o, axis=1) / (2 * HALF) + eps, INTERPRET)[:, None]
+    r = t_rsqrt(tl.div_rn(tl.sum(e * e + o * o, axis=1), 2.0 * HALF) + eps, INTERPRET)[:, None]
     e = round_to(tl.load(w_ptr + 2 * p) * (e * r), OUT_BF16, INTERPRET)
     o = round_to(tl.load(w_ptr + 2 * p + 1) * (o * r), OUT_BF16, INTERPRET)
     pos = tl.load(pos_ptr + b)
