@@ -11,8 +11,9 @@ most one prefill chunk), so a GPU engine can run them as one batched step; the C
 runs them one after the other. Row results must not depend on which other rows share the step: that
 is what makes a request's output the same alone and under load.
 
-Two engines live here:
+Three engines live here:
   * `ReferenceEngine` wraps the plain-PyTorch reference decode (`megastep.model.reference`).
+  * `FastEngine` runs the batched fast path (`megastep.model.fast`) through per-bucket CUDA graphs.
   * `FakeEngine` is a tiny deterministic stand-in (logits are a hash of the sequence so far) that
     costs microseconds per token; scheduler unit tests and the leak test run on it.
 """
@@ -134,6 +135,77 @@ class ReferenceEngine(_EngineBase):
             seq.pos += len(ids)
             out.append(logits[-1].float().cpu())   # the sampler runs on the host
         return out
+
+
+class FastEngine(_EngineBase):
+    """The fast decode step behind the `Engine` protocol: one state-pool slot per sequence, every
+    decode row of a scheduler step in one graph replay. A prefill chunk advances one token per
+    replay (the step does not take several tokens of one sequence yet).
+
+    Rows are not yet batch-invariant (docs/NUMERICS.md): a request's bits can depend on which
+    other rows share its steps."""
+
+    def __init__(self, model_dir: str | Path, *, device: str = "cuda", max_seqs: int = 8, max_ctx: int = 4096) -> None:
+        super().__init__()
+        from megastep.checkpoint.loader import load_checkpoint
+        from megastep.model.fast import FastDecoder
+        from megastep.runtime.step import DEFAULT_BUCKETS, StepRunner
+
+        self.device = torch.device(device)
+        cfg, weights = load_checkpoint(model_dir, device=self.device)
+        self.cfg = cfg
+        max_ctx = min(max_ctx, int(cfg.max_position_embeddings))
+        self.decoder = FastDecoder(cfg, weights, max_seqs=max_seqs, max_ctx=max_ctx, device=self.device, consume=True)
+        del weights
+        buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_seqs) + (max_seqs,)
+        self.runner = StepRunner(self.decoder.step, self.device, self.decoder.pools.dummy_slot, buckets=buckets)
+        self.name = Path(model_dir).name
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_seq_len = max_ctx
+        self.eos_token_ids = (int(cfg.eos_token_id),)
+        self.state_bytes_per_token = float(cfg.state_bytes_per_token())
+        self.state_bytes_fixed = int(cfg.state_bytes_fixed())
+        self._free_slots = list(range(max_seqs - 1, -1, -1))
+
+    def new_sequence(self) -> SequenceState:
+        if not self._free_slots:
+            raise RuntimeError("no free state slot (the scheduler admits at most max_seqs sequences)")
+        slot = self._free_slots.pop()
+        self.decoder.pools.reset(slot)
+        return self._register(slot)
+
+    def free(self, seq: SequenceState) -> None:
+        slot = seq.data
+        super().free(seq)
+        self._free_slots.append(slot)
+
+    def default_capacity(self, max_seqs: int) -> int:
+        return max_seqs * self.max_seq_len  # the pools are allocated up front for max_ctx each
+
+    def _run(self, rows: list[tuple[int, int, int]]) -> torch.Tensor:
+        dev = self.device
+        toks, pos, slots = (torch.tensor(c, dtype=torch.long, device=dev) for c in zip(*rows))
+        logits, _ = self.runner.run(toks, pos, slots)
+        return logits.float().cpu()
+
+    @torch.inference_mode()
+    def forward_batch(self, rows: Seq[tuple[SequenceState, list[int]]]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        # every row's tokens one position at a time; at each position all rows that still have a
+        # token share one replay
+        todo = [(i, seq, list(ids)) for i, (seq, ids) in enumerate(rows)]
+        while todo:
+            batch = [(seq.data, ids[0], seq.pos) for _, seq, ids in todo]
+            logits = self._run([(tok, p, slot) for slot, tok, p in batch])
+            nxt = []
+            for j, (i, seq, ids) in enumerate(todo):
+                seq.pos += 1
+                if len(ids) == 1:
+                    out[i] = logits[j]
+                else:
+                    nxt.append((i, seq, ids[1:]))
+            todo = nxt
+        return out  # type: ignore[return-value]
 
 
 class FakeEngine(_EngineBase):

@@ -31,6 +31,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="where the reference engine runs: cpu (default) or cuda[:N]; on a GPU the "
                              "state pool is sized from free memory after weights unless --capacity is given")
+    parser.add_argument("--engine", default="auto", choices=["auto", "reference", "fast"],
+                        help="reference: the plain-PyTorch decode (CPU or GPU); fast: the Triton/CUDA-graph "
+                             "step (CUDA only); auto: fast on cuda, reference on cpu")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads for the model (default: cores - 1, leaving one for HTTP)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -42,7 +45,7 @@ def build_server(args: argparse.Namespace):
     from pathlib import Path
 
     from megastep.errors import UserError
-    from megastep.runtime.engine import ReferenceEngine
+    from megastep.runtime.engine import FastEngine, ReferenceEngine
     from megastep.runtime.scheduler import Scheduler
     from megastep.server.app import ServerContext, create_app
     from megastep.server.chat import ChatRenderer
@@ -79,9 +82,15 @@ def build_server(args: argparse.Namespace):
         raise UserError(f"--device {args.device}: no CUDA device is available")
     if not (args.device == "cpu" or args.device.startswith("cuda")):
         raise UserError(f"--device must be cpu or cuda[:N], got {args.device!r}")
-    engine = ReferenceEngine(model_dir, device=args.device)
-    log.info("loaded %s in %.1f s (reference engine on %s, %d torch threads)", model_dir,
-             time.perf_counter() - t0, args.device, torch.get_num_threads())
+    kind = args.engine if args.engine != "auto" else ("fast" if args.device.startswith("cuda") else "reference")
+    if kind == "fast":
+        if not args.device.startswith("cuda"):
+            raise UserError("--engine fast needs --device cuda")
+        engine = FastEngine(model_dir, device=args.device, max_seqs=args.max_seqs)
+    else:
+        engine = ReferenceEngine(model_dir, device=args.device)
+    log.info("loaded %s in %.1f s (%s engine on %s, %d torch threads)", model_dir,
+             time.perf_counter() - t0, kind, args.device, torch.get_num_threads())
     try:
         scheduler = Scheduler(engine, max_seqs=args.max_seqs, capacity=args.capacity, chunk=args.chunk,
                               queue_limit=args.queue_limit)
