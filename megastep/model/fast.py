@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from megastep.checkpoint import formats
 from megastep.config import CSA_RATIO, ModelConfig
 from megastep.kernels import attention as _attn
+from megastep.kernels import compressor as _comp
 from megastep.kernels import dense as _dense
 from megastep.kernels import linear_fp8 as _lin
 from megastep.kernels import mhc as _mhc
@@ -195,34 +196,16 @@ class FastDecoder:
         lw = self.layers[L]
         if which == "comp":
             wkv, wgate, ape, norm_w = lw["comp"]
-            kvp, scp, ent, dim, r = P.ckv[L], P.csc[L], P.cent[L], cfg.head_dim, cfg.ratio(L)
+            kvp, scp, ent, r = P.ckv[L], P.csc[L], P.cent[L], cfg.ratio(L)
         else:
             wkv, wgate, ape, norm_w = lw["idx_comp"]
-            kvp, scp, ent, dim, r = P.ikv[L], P.isc[L], P.ikeys[L], cfg.index_head_dim, CSA_RATIO
-        overlap = r == CSA_RATIO
+            kvp, scp, ent, r = P.ikv[L], P.isc[L], P.ikeys[L], CSA_RATIO
         kv = self._dense(x, wkv)
         sc = self._dense(x, wgate) + ape[pos % r]
-        row = (r if overlap else 0) + pos % r
-        kvp[slots, row] = kv
-        scp[slots, row] = sc
-        st_kv, st_sc = kvp[slots], scp[slots]  # [B, rows, width]
-        if overlap:
-            kvs = torch.cat([st_kv[:, :r, :dim], st_kv[:, r:, dim:]], 1)
-            scs = torch.cat([st_sc[:, :r, :dim], st_sc[:, r:, dim:]], 1)
-        else:
-            kvs, scs = st_kv, st_sc
-        emit = (pos + 1) % r == 0
-        e = (kvs * torch.softmax(scs, dim=1)).sum(1)
-        e = torch.where(emit[:, None], e, 0.0)  # rows whose window is open may hold -inf scores
-        e = ops.rms_norm(e.to(self.dtype), norm_w, cfg.rms_norm_eps)
-        e = ops.apply_rope(e, self.inv_freq[True], pos + 1 - r)
-        e = ops.index_sim(e) if which == "idx" else ops.kv_sim(e, cfg.nope_head_dim)
-        discard = ent.shape[1] - 1
-        ent[slots, torch.where(emit, (pos + 1) // r - 1, discard)] = e
-        if overlap:  # the closed window becomes the previous one
-            keep = emit[:, None, None]
-            kvp[slots, :r] = torch.where(keep, st_kv[:, r:], st_kv[:, :r])
-            scp[slots, :r] = torch.where(keep, st_sc[:, r:], st_sc[:, :r])
+        # store the row; where the window closes: softmax pooling, norm, RoPE, simulation, entry
+        # write and (overlapping compressors) the shift of the closed window
+        self._kernel(_comp, "compressor_step")(kv, sc, kvp, scp, ent, slots, pos, norm_w, self.inv_freq[True], r,
+                                               r == CSA_RATIO, "index" if which == "idx" else "kv", cfg.rms_norm_eps)
 
     def _indexer(self, x, qr, pos, slots, L):
         cfg = self.cfg
