@@ -1,0 +1,120 @@
+"""MoE routing for decode in one launch (instead of softplus, sqrt, add, topk, sort, gather, sum,
+divide, multiply: ~10 torch ops).
+
+Semantics (`route_ref`: FastDecoder._moe's routing + ops.route_weights), per row:
+  scores = sqrt(softplus(logits))                (fp32; softplus as torch: x > 20 -> x, else log1p(exp(x)))
+  idx    = topk(scores + bias, k)                (bias only selects), or the given hash rows
+           (tid2eid[token]), then sorted ascending (the reference's summation order)
+  w      = scores[idx] / sum(scores[idx]) * scaling
+
+Kernel: one program per row (E = 256 scores in registers): k rounds of argmax over the not yet
+chosen experts, each taking the lowest index among equal maxima; the chosen set is read out in
+ascending order through a prefix count (no sort). Hash rows are sorted by counting ranks (ties
+kept in input order). The weight sum runs over the k chosen scores in ascending expert order.
+
+What differs from torch:
+- ties in top-k: the lowest expert id wins here; torch.topk's choice among equal values is
+  unspecified.
+- the order of the k-term weight sum (torch's reduction order is its own; one fp32 ulp at most).
+- exp/log1p are libdevice's on the GPU (__nv_expf, __nv_log1pf: what torch's CUDA softplus
+  calls, expected bit-identical; Triton links libdevice with flush-to-zero, so for logits below
+  ~-87, where expf is subnormal, the kernel's score is 0 against torch's ~1e-20); on the
+  interpreter float64 rounded to fp32 (torch-CPU's SLEEF functions are within an ulp).
+Logits must be finite. Deterministic and batch invariant (rows independent), static grid (B,).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megastep.kernels import rope_norm as _rn
+from megastep.kernels.common import next_pow2, on_interpreter
+from megastep.model import ops
+
+
+@triton.jit
+def _route_kernel(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, E, stride_lb, stride_rb, stride_ib, stride_wb,
+                  scaling, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  HASH: tl.constexpr, INTERPRET: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, EP)
+    em = e < E
+    x = tl.load(logit_ptr + b * stride_lb + e, mask=em, other=0.0)
+    s = tl.sqrt_rn(tl.where(x > 20.0, x, _rn.t_log1p(_rn.t_exp(x, INTERPRET), INTERPRET)))
+    s = tl.where(em, s, 0.0)
+    kk = tl.arange(0, KP)
+    idx = tl.zeros([KP], dtype=tl.int32)
+    if HASH:
+        v = tl.load(rows_ptr + b * stride_rb + kk, mask=kk < K, other=EP).to(tl.int32)  # padding sorts last
+        vi = v[:, None]
+        vj = v[None, :]
+        before = (vi < vj) | ((vi == vj) & (kk[:, None] < kk[None, :]))
+        rank = tl.sum(before.to(tl.int32), axis=0)  # ascending position of v[j]
+        for t in tl.static_range(K):
+            idx = tl.where(kk == t, tl.sum(tl.where(rank == t, v, 0), axis=0), idx)
+    else:
+        key = s
+        if HAS_BIAS:
+            key = s + tl.load(bias_ptr + e, mask=em, other=0.0)
+        key = tl.where(em, key, float("-inf"))
+        chosen = e < 0
+        for _ in tl.static_range(K):
+            m = tl.max(tl.where(chosen, float("-inf"), key), axis=0)
+            j = tl.min(tl.where(~chosen & (key == m), e, EP), axis=0)  # lowest index among the maxima
+            chosen = chosen | (e == j)
+        rank = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+        for t in tl.static_range(K):
+            idx = tl.where(kk == t, tl.sum(tl.where(chosen & (rank == t), e, 0), axis=0), idx)
+    wk = tl.zeros([KP], dtype=tl.float32)
+    total = 0.0
+    for t in tl.static_range(K):
+        it = tl.sum(tl.where(kk == t, idx, 0), axis=0)
+        wt = tl.sum(tl.where(e == it, s, 0.0), axis=0)  # exact: one nonzero term
+        wk = tl.where(kk == t, wt, wk)
+        if t == 0:
+            total = wt
+        else:
+            total = total + wt
+    w = tl.div_rn(wk, total) * scaling
+    km = kk < K
+    tl.store(idx_ptr + b * stride_ib + kk, idx, mask=km)
+    tl.store(w_ptr + b * stride_wb + kk, w, mask=km)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid_rows: torch.Tensor | None, k: int,
+          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, E] f32 (the gate GEMV), bias [E] f32 (top-k layers) or None, tid2eid_rows [B, k]
+    int (hash layers: tid2eid[tokens]) or None -> (idx [B, k] int32 ascending, weights [B, k] f32)."""
+    assert logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1, (logits.shape, logits.dtype)
+    B, E = logits.shape
+    assert 1 <= k <= E and E <= 4096, (k, E)
+    if bias is not None:
+        assert bias.shape == (E,) and bias.dtype == torch.float32 and bias.is_contiguous() and bias.device == logits.device
+    if tid2eid_rows is not None:
+        assert tid2eid_rows.shape == (B, k) and tid2eid_rows.stride(1) == 1, tid2eid_rows.shape
+        assert tid2eid_rows.dtype in (torch.int64, torch.int32) and tid2eid_rows.device == logits.device
+    idx = torch.empty(B, k, dtype=torch.int32, device=logits.device)
+    w = torch.empty(B, k, dtype=torch.float32, device=logits.device)
+    if B == 0:
+        return idx, w
+    rows = tid2eid_rows if tid2eid_rows is not None else idx
+    _route_kernel[(B,)](
+        logits, logits if bias is None else bias, rows, idx, w, E, logits.stride(0), rows.stride(0), idx.stride(0),
+        w.stride(0), float(scaling), EP=max(16, next_pow2(E)), K=k, KP=max(2, next_pow2(k)), HAS_BIAS=bias is not None,
+        HASH=tid2eid_rows is not None, INTERPRET=on_interpreter(logits), num_warps=4, enable_fp_fusion=False,
+    )
+    return idx, w
+
+
+def route_ref(logits, bias, tid2eid_rows, k, scaling):
+    """FastDecoder._moe's routing (its code) -> (idx int32 ascending, weights f32)."""
+    scores = torch.sqrt(torch.nn.functional.softplus(logits))
+    if tid2eid_rows is not None:
+        idx = tid2eid_rows.long()
+    else:
+        idx = (scores + bias if bias is not None else scores).topk(k, dim=-1).indices
+    idx = idx.sort(-1).values  # ascending expert id: the reference's summation order
+    w = ops.route_weights(scores, idx, scaling)
+    return idx.to(torch.int32), w

@@ -1,0 +1,96 @@
+"""route against route_ref (FastDecoder._moe's routing): top-k with and without bias and hash
+rows, both softplus branches, ties, batch invariance and determinism.
+
+Tolerances (why): the chosen experts must be identical (random logits have no near-ties at the
+fp32 ulp level that would let the ulp differences below flip a choice). Weights: the kernel sums
+the k chosen scores in ascending expert order, torch in its own reduction order, and exp/log1p
+are within an ulp of torch's (the interpreter's float64-rounded vs SLEEF): a few fp32 ulps.
+"""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    for _m in ("megastep.kernels.rope_norm", "megastep.kernels.router"):  # imported before the interpreter was set
+        if _m in sys.modules:
+            importlib.reload(sys.modules[_m])
+
+from megastep.kernels.router import route, route_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SCALING = 1.5
+
+
+def make(B, E, seed, dev=DEV):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, E, generator=g) * 4
+    logits[:, :3] = torch.tensor([25.0, -30.0, 20.0])  # softplus: x > 20 -> x; deep negative; the threshold itself
+    bias = torch.randn(E, generator=g) * 0.5
+    return logits.to(dev), bias.to(dev)
+
+
+def check(got, want):
+    (i, w), (ir, wr) = got, want
+    assert i.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(i.cpu(), ir.cpu())
+    assert torch.all(i[:, 1:] >= i[:, :-1])  # ascending
+    assert torch.allclose(w.cpu(), wr.cpu(), rtol=4e-7, atol=0), (w - wr).abs().max().item()
+
+
+@pytest.mark.parametrize("B,E,k", [(1, 32, 4), (3, 256, 6), (5, 20, 3)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_topk_routing(B, E, k, with_bias):
+    logits, bias = make(B, E, seed=B * E + k)
+    bias = bias if with_bias else None
+    out = route(logits, bias, None, k, SCALING)
+    check(out, route_ref(logits, bias, None, k, SCALING))
+    again = route(logits, bias, None, k, SCALING)
+    assert torch.equal(out[0], again[0]) and torch.equal(out[1], again[1])
+    one = route(logits[-1:], bias, None, k, SCALING)
+    assert torch.equal(one[0], out[0][-1:]) and torch.equal(one[1], out[1][-1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_hash_rows(dtype):
+    B, E, k = 4, 256, 6
+    logits, _ = make(B, E, seed=3)
+    g = torch.Generator().manual_seed(4)
+    rows = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(B)])
+    rows[3] = torch.tensor([7, 3, 7, 200, 0, 3])  # duplicates keep their multiplicity, as in torch
+    rows = rows.to(dtype).to(DEV)
+    check(route(logits, None, rows, k, SCALING), route_ref(logits, None, rows, k, SCALING))
+
+
+def test_ties_lowest_index_wins():
+    """Equal keys: the lowest expert ids are chosen (torch.topk leaves the choice unspecified)."""
+    E, k = 64, 6
+    logits = torch.randn(3, E, generator=torch.Generator().manual_seed(5))
+    logits[0, [5, 9, 40, 41, 60, 61, 62, 63]] = 9.0  # 8 equal maxima for 6 places
+    logits[1] = 1.0  # everything equal
+    logits[2, 10:20] = 7.0
+    logits = logits.to(DEV)
+    bias = torch.zeros(E, device=DEV)
+    idx, w = route(logits, bias, None, k, SCALING)
+    # lowest index among equal keys: a stable descending sort
+    want = torch.sort(torch.sqrt(torch.nn.functional.softplus(logits.cpu())), dim=-1, descending=True, stable=True).indices[:, :k]
+    want = want.sort(-1).values.int()
+    assert torch.equal(idx.cpu(), want)
+    assert torch.allclose(w[1].cpu(), torch.full((k,), SCALING / k), rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("B", [1, 7, 64])
+def test_gpu_v4_shapes(B):
+    logits, bias = make(B, 256, seed=B, dev="cuda")
+    for b in (bias, None):
+        out = route(logits, b, None, 6, SCALING)
+        check(out, route_ref(logits, b, None, 6, SCALING))
+        one = route(logits[:1], b, None, 6, SCALING)
+        assert torch.equal(one[0], out[0][:1]) and torch.equal(one[1], out[1][:1])
+    rows = torch.stack([torch.randperm(256, device="cuda")[:6] for _ in range(B)])
+    check(route(logits, None, rows, 6, SCALING), route_ref(logits, None, rows, 6, SCALING))
