@@ -6,7 +6,7 @@ overlap shift.
 Semantics (`compressor_step_ref`: FastDecoder._compress from its row store on), per batch row b
 at position p = pos[b] in slot s = slots[b], with r = ratio:
 - state row (r if overlap else 0) + p % r of kv_pool[s] / score_pool[s] <- kv_row[b] / score_row[b]
-  (score_row already holds wgate.x + ape[p % r]);
+  (score_row = wgate.x + ape[p % r]; the wrapper adds ape itself when given it);
 - when (p + 1) % r == 0, per channel c: softmax over the pooled rows of the scores, weighted sum
   of the values. Without overlap the rows are the r state rows; with overlap (rows = 2r, width
   2*dim) rows 0..r-1 at column c (the previous window's first half; -inf scores before the first
@@ -102,11 +102,11 @@ def _emit_entry(e_row, w_ptr, rope_ptr, dst, epos, eps,
 
 @triton.jit
 def _compressor_kernel(
-    kv_ptr, sc_ptr, kvp_ptr, scp_ptr, ent_ptr, slot_ptr, pos_ptr, w_ptr, rope_ptr, ews_ptr, cnt_ptr,
+    kv_ptr, sc_ptr, ape_ptr, kvp_ptr, scp_ptr, ent_ptr, slot_ptr, pos_ptr, w_ptr, rope_ptr, ews_ptr, cnt_ptr,
     stride_kb, stride_sb, stride_ps, stride_pr, stride_qs, stride_qr, stride_es, stride_en, eps,
     DIM: tl.constexpr, R: tl.constexpr, OVERLAP: tl.constexpr, ROWS: tl.constexpr, BC: tl.constexpr,
     NCB: tl.constexpr, HALF: tl.constexpr, LOG_HALF: tl.constexpr, NOPE_P: tl.constexpr, ROPE_P: tl.constexpr,
-    INDEX: tl.constexpr, TABLE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    INDEX: tl.constexpr, HAS_APE: tl.constexpr, TABLE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     cb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -119,13 +119,21 @@ def _compressor_kernel(
     c = cb * BC + tl.arange(0, BC)
     kv_st = kvp_ptr + slot * stride_ps
     sc_st = scp_ptr + slot * stride_qs
+    if OVERLAP:
+        ape_row = ape_ptr + (pos % R) * (2 * DIM)
+    else:
+        ape_row = ape_ptr + (pos % R) * DIM
     kv_a = tl.load(kv_ptr + b * stride_kb + c)
     sc_a = tl.load(sc_ptr + b * stride_sb + c)
+    if HAS_APE:
+        sc_a = sc_a + tl.load(ape_row + c)
     tl.store(kv_st + row * stride_pr + c, kv_a)
     tl.store(sc_st + row * stride_qr + c, sc_a)
     if OVERLAP:
         kv_b = tl.load(kv_ptr + b * stride_kb + DIM + c)
         sc_b = tl.load(sc_ptr + b * stride_sb + DIM + c)
+        if HAS_APE:
+            sc_b = sc_b + tl.load(ape_row + DIM + c)
         tl.store(kv_st + row * stride_pr + DIM + c, kv_b)
         tl.store(sc_st + row * stride_qr + DIM + c, sc_b)
         kv_cur = kv_b  # the new row's pooled columns
@@ -178,12 +186,14 @@ def _compressor_kernel(
 def compressor_step(kv_row: torch.Tensor, score_row: torch.Tensor, kv_pool: torch.Tensor, score_pool: torch.Tensor,
                     entries: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, norm_w: torch.Tensor,
                     rope: torch.Tensor, ratio: int, overlap: bool, kind: str, eps: float,
-                    config: CompressorConfig | None = None) -> None:
+                    ape: torch.Tensor | None = None, config: CompressorConfig | None = None) -> None:
     """kv_row, score_row [B, W2] f32 (score_row = wgate.x + ape[pos % ratio]); kv_pool, score_pool
     [S, rows, W2] f32 (rows = 2*ratio, W2 = 2*dim with overlap; ratio, dim without); entries
     [S, n+1, dim] bf16/f32; slots, pos [B] i64; norm_w [dim] f32; rope = inv_freq [rd/2] or a
     rope_norm.rope_table (the compressed layers' RoPE); kind 'kv' (fp8 simulation of the nope
-    dims) or 'index' (Hadamard + fp4). Updates the pools and entries in place."""
+    dims) or 'index' (Hadamard + fp4). ape [ratio, W2] f32, if given, is added here
+    (score_row = wgate.x then; the same fp32 add as the torch code). Updates the pools and entries
+    in place."""
     assert kind in ("kv", "index"), kind
     assert kv_row.dim() == 2 and kv_row.shape == score_row.shape, (kv_row.shape, score_row.shape)
     B, W2 = kv_row.shape
@@ -200,6 +210,9 @@ def compressor_step(kv_row: torch.Tensor, score_row: torch.Tensor, kv_pool: torc
     assert dim >= 4 and dim & (dim - 1) == 0, "dim must be a power of two"
     assert ratio >= 1 and rows & (rows - 1) == 0, "pooled rows must be a power of two"
     rp, table = _rn._rope_arg(rope, dim)
+    if ape is not None:
+        assert ape.shape == (ratio, W2) and ape.dtype == torch.float32 and ape.is_contiguous(), (ape.shape, ape.dtype)
+        assert ape.device == kv_row.device
     assert kv_row.device == kv_pool.device == entries.device == slots.device == pos.device == norm_w.device == rope.device
     cfg = config or pick_config(ratio, overlap, dim)
     bc = cfg.block_c
@@ -211,22 +224,24 @@ def compressor_step(kv_row: torch.Tensor, score_row: torch.Tensor, kv_pool: torc
     ews = torch.empty(B, dim, dtype=torch.float32, device=dev)
     cnt = workspace(dev, "counters_compressor", max(B, _COUNTERS), torch.int32) if ncb > 1 else ews
     _compressor_kernel[(ncb, B)](
-        kv_row, score_row, kv_pool, score_pool, entries, slots, pos, norm_w, rope, ews, cnt,
+        kv_row, score_row, score_row if ape is None else ape, kv_pool, score_pool, entries, slots, pos, norm_w,
+        rope, ews, cnt,
         kv_row.stride(0), score_row.stride(0), kv_pool.stride(0), kv_pool.stride(1), score_pool.stride(0),
         score_pool.stride(1), entries.stride(0), entries.stride(1), float(eps),
         DIM=dim, R=ratio, OVERLAP=overlap, ROWS=rows, BC=bc, NCB=ncb, HALF=dim // 2,
-        LOG_HALF=(dim // 2).bit_length() - 1, NOPE_P=dim // 2 - rp, ROPE_P=rp, INDEX=kind == "index", TABLE=table,
+        LOG_HALF=(dim // 2).bit_length() - 1, NOPE_P=dim // 2 - rp, ROPE_P=rp, INDEX=kind == "index",
+        HAS_APE=ape is not None, TABLE=table,
         OUT_BF16=entries.dtype == torch.bfloat16, INTERPRET=on_interpreter(kv_row), num_warps=cfg.num_warps,
         enable_fp_fusion=False,
     )
 
 
 def compressor_step_ref(kv_row, score_row, kv_pool, score_pool, entries, slots, pos, norm_w, rope, ratio, overlap,
-                        kind, eps, config=None) -> None:
+                        kind, eps, ape=None, config=None) -> None:
     """FastDecoder._compress from the row store on (its code, with the pools as arguments)."""
     del config
     kvp, scp, ent, r, dim = kv_pool, score_pool, entries, ratio, entries.shape[2]
-    kv, sc = kv_row, score_row
+    kv, sc = kv_row, (score_row if ape is None else score_row + ape[pos % r])
     row = (r if overlap else 0) + pos % r
     kvp[slots, row] = kv
     scp[slots, row] = sc

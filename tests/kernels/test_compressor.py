@@ -65,6 +65,7 @@ class Case:
         self.st = [t.to(dev) for t in (kvp, scp, ent)]
         self.st_ref = [t.clone() for t in self.st]
         self.w = (torch.rand(dim, generator=self.g) + 0.5).to(dev)
+        self.ape = (torch.randn(r, coff * dim, generator=self.g) * 0.5).to(dev)
         self.rope = inv_freq(rd, dev)
 
     def inputs(self, B):
@@ -73,11 +74,15 @@ class Case:
         sc = torch.randn(B, coff * self.dim, generator=self.g) * 3  # scores + ape
         return kv.to(DEV), sc.to(DEV)
 
-    def step(self, kv, sc, slots, pos, rope=None, cfg=None, ref=True):
+    def step(self, kv, sc, slots, pos, rope=None, cfg=None, ref=True, ape=False):
+        """sc: wgate.x + ape[pos % r], or wgate.x alone with ape=True (the kernel adds it)."""
         rope = self.rope if rope is None else rope
-        C.compressor_step(kv, sc, *self.st, slots, pos, self.w, rope, self.r, self.overlap, self.kind, EPS, config=cfg)
+        a = self.ape if ape else None
+        C.compressor_step(kv, sc, *self.st, slots, pos, self.w, rope, self.r, self.overlap, self.kind, EPS, ape=a,
+                          config=cfg)
         if ref:
-            C.compressor_step_ref(kv, sc, *self.st_ref, slots, pos, self.w, rope, self.r, self.overlap, self.kind, EPS)
+            C.compressor_step_ref(kv, sc, *self.st_ref, slots, pos, self.w, rope, self.r, self.overlap, self.kind, EPS,
+                                  ape=a)
 
     def compare(self, real_slots):
         n = self.st[2].shape[1] - 1
@@ -100,7 +105,7 @@ def test_consecutive_steps_match_ref(r, overlap, kind, B, bc):
     stale = case.st[2].clone()
     for t in range(steps):
         kv, sc = case.inputs(B)
-        case.step(kv, sc, slots, start + t, cfg=C.CompressorConfig(bc) if bc else None)
+        case.step(kv, sc, slots, start + t, cfg=C.CompressorConfig(bc) if bc else None, ape=bc is None)
         case.compare(slots[slots != dummy])
     assert not torch.equal(case.st[2][slots[0], 0], stale[slots[0], 0])  # an entry was emitted
 
@@ -139,22 +144,24 @@ def test_hca_ratio_128_from_filled_state(bc):
 
 
 def test_batch_invariant_and_deterministic():
-    """A row alone gives the bits it gives in a batch (its own slot's state and entries), and two
-    runs give the same bits, for one and several channel blocks."""
+    """A row alone gives the bits it gives in a batch (its own slot's state and entries), two runs
+    give the same bits, and so does adding ape outside, for one and several channel blocks."""
     for bc in (None, 16):
         cfg = C.CompressorConfig(bc) if bc else None
         full = Case(4, True, "kv", 64, 16, 5, n_entries=4, seed=21)
         alone = Case(4, True, "kv", 64, 16, 5, n_entries=4, seed=21)
         again = Case(4, True, "kv", 64, 16, 5, n_entries=4, seed=21)
+        added = Case(4, True, "kv", 64, 16, 5, n_entries=4, seed=21)
         slots = torch.tensor([3, 1, 0, 4], device=DEV)
         for t in range(6):
             kv, sc = full.inputs(4)
             pos = torch.tensor([t, t + 1, t + 3, 0], device=DEV)
-            full.step(kv, sc, slots, pos, cfg=cfg, ref=False)
-            again.step(kv, sc, slots, pos, cfg=cfg, ref=False)
-            alone.step(kv[2:3], sc[2:3], slots[2:3], pos[2:3], cfg=cfg, ref=False)
-        for a, b, c in zip(full.st, again.st, alone.st):
-            assert torch.equal(a, b)
+            full.step(kv, sc, slots, pos, cfg=cfg, ref=False, ape=True)
+            again.step(kv, sc, slots, pos, cfg=cfg, ref=False, ape=True)
+            alone.step(kv[2:3], sc[2:3], slots[2:3], pos[2:3], cfg=cfg, ref=False, ape=True)
+            added.step(kv, sc + added.ape[pos % 4], slots, pos, cfg=cfg, ref=False)  # ape added outside
+        for a, b, c, d in zip(full.st, again.st, alone.st, added.st):
+            assert torch.equal(a, b) and torch.equal(a, d)
             assert torch.equal(a[0], c[0])
 
 
