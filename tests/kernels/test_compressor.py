@@ -189,3 +189,16 @@ def test_gpu_v4_shapes(B, r, overlap, kind, dim):
     s0 = slots[0]
     for a, b, c in zip(*states):
         assert torch.equal(a, b) and torch.equal(a[s0], c[s0])
+
+
+@pytest.mark.parametrize("r,overlap,kind,dim", [(4, True, "kv", 512), (4, True, "index", 128), (128, False, "kv", 512)])
+def test_v4_widths_on_cpu(r, overlap, kind, dim):
+    """The V4-Flash widths with the pinned configurations (one [8, 512] / [8, 128] tile per row;
+    16 channel blocks of [128, 32] for HCA), from a filled state: one row closes its window, one
+    does not."""
+    case = Case(r, overlap, kind, dim, 64, 3, n_entries=4, seed=r + dim, filled=True)
+    slots = torch.tensor([1, 0], device=DEV)
+    pos = torch.tensor([2 * r - 1, r + 1], device=DEV)
+    kv, sc = case.inputs(2)
+    case.step(kv, sc, slots, pos, ape=True)
+    case.compare(slots)

@@ -277,6 +277,16 @@ def test_cos_sin_ulps():
         assert frac < (0.10 if on_interpreter(a) else 0.01)
 
 
+def test_v4_widths_on_cpu():
+    """The V4-Flash head shapes with the pinned configurations: q [64 x 512], indexer q [64 x 128]."""
+    rope = inv_freq(64, True).to(DEV)
+    pos = torch.tensor([5, 70001], device=DEV)
+    q = rand((2, 64, 512), seed=31)
+    check(rn.q_norm_rope(q, rope, pos, EPS), rn.q_norm_rope_ref(q, rope, pos, EPS), min_equal=0.999)
+    qi = rand((2, 64, 128), seed=32)
+    check(rn.indexer_q(qi, rope, pos), rn.indexer_q_ref(qi, rope, pos), grid_step=0.5, min_equal=0.999)
+
+
 # ---- GPU, real shapes -------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
