@@ -82,6 +82,7 @@ def unquantized_config(cfg: ModelConfig) -> ModelConfig:
 
 # ---- values -----------------------------------------------------------------------------------
 DTYPE_POLICIES = ("official", "unquantized")
+ROUTING_MODELS = ("default", "uniform", "skewed")  # megastep.routing documents them
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -182,44 +183,75 @@ def _groups(table: dict[str, TensorSpec]) -> list[str]:
     return [n for n in table if not (n.endswith(".scale") and n.removesuffix(".scale") + ".weight" in table)]
 
 
+def _routing_group(cfg: ModelConfig, table: dict[str, TensorSpec], name: str, seed: int, routing: str,
+                   group: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A gate's bias / tid2eid under another routing model (megastep.routing; 'default' keeps the
+    draw above). The skewed bias is fitted on the gate weight, regenerated here from its name."""
+    if routing == "default" or not (name.endswith(".ffn.gate.bias") or name.endswith(".ffn.gate.tid2eid")):
+        return group
+    from megastep import routing as rt
+
+    prefix = name.rsplit(".", 1)[0]
+    if name.endswith(".bias"):
+        if routing == "uniform":
+            return {name: torch.zeros_like(group[name])}
+        gate = _official_group(cfg, table, prefix + ".weight", seed)[prefix + ".weight"]
+        return {name: rt.fit_gate_bias(cfg, gate, prefix, seed=seed)[0].to(group[name].dtype)}
+    if routing == "skewed":
+        return {name: rt.fit_tid2eid(cfg, prefix, seed=seed, vocab=table[name].shape[0])[0]}
+    return group
+
+
 def synthesize_tensors(cfg: ModelConfig, seed: int, *, include_mtp: bool = True,
                        dtype_policy: str = "official", names: list[str] | None = None,
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
+                       routing: str = "default") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, CPU tensor) for every tensor of the checkpoint, one group at a time.
 
     dtype_policy 'official': the dtypes of expected_tensors(cfg). 'unquantized': the tensors of
     expected_tensors(unquantized_config(cfg)), holding the exact dequantization of the official
     tensors of the same seed (so both checkpoints are the same model). `names` restricts the
-    output to the groups whose first tensor is listed (the order of `names` is kept).
+    output to the groups whose first tensor is listed (the order of `names` is kept). `routing`
+    picks the routing model of the gates (megastep.routing.ROUTING_MODELS: 'default' is the
+    N(0, 0.1) bias drawn here, 'uniform' a zero bias, 'skewed' the calibrated benchmark model).
     """
     if dtype_policy not in DTYPE_POLICIES:
         raise ValueError(f"dtype_policy must be one of {DTYPE_POLICIES}, got {dtype_policy!r}")
+    if routing not in ROUTING_MODELS:
+        raise ValueError(f"routing must be one of {ROUTING_MODELS}, got {routing!r}")
     table = expected_tensors(cfg, include_mtp=include_mtp)
     for name in names if names is not None else _groups(table):
-        group = _official_group(cfg, table, name, seed)
+        group = _routing_group(cfg, table, name, seed, routing, _official_group(cfg, table, name, seed))
         if dtype_policy == "unquantized":
             group = _unquantize(cfg, group)
         yield from group.items()
 
 
 def synthesize_weights(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu",
-                       include_mtp: bool = True, dtype_policy: str = "official") -> dict[str, torch.Tensor]:
+                       include_mtp: bool = True, dtype_policy: str = "official",
+                       routing: str = "default") -> dict[str, torch.Tensor]:
     """Every tensor of a random checkpoint for `cfg`, in memory on `device` (generated on the CPU,
     one tensor at a time, then moved: bytes are identical on every device)."""
     return {n: t.to(device) for n, t in synthesize_tensors(cfg, seed, include_mtp=include_mtp,
-                                                            dtype_policy=dtype_policy)}
+                                                            dtype_policy=dtype_policy, routing=routing)}
 
 
 def synthesize_on_device(cfg: ModelConfig, seed: int, device: str | torch.device,
-                         include_mtp: bool = False) -> dict[str, torch.Tensor]:
+                         include_mtp: bool = False, routing: str = "default") -> dict[str, torch.Tensor]:
     """The official-format weights generated directly in `device` memory, for full-geometry
     benchmarks larger than the disk (and than a CPU could draw in reasonable time). Same value
     rules and formats as `synthesize_weights`; the values differ from it because each device's
-    random generator is its own, but they are reproducible from the seed on a given device."""
+    random generator is its own, but they are reproducible from the seed on a given device.
+    `routing` as in synthesize_tensors (the skewed fit runs on the CPU from the device's gates)."""
+    if routing not in ROUTING_MODELS:
+        raise ValueError(f"routing must be one of {ROUTING_MODELS}, got {routing!r}")
     table = expected_tensors(cfg, include_mtp=include_mtp)
     out: dict[str, torch.Tensor] = {}
     for name in _groups(table):
         out.update(_official_group(cfg, table, name, seed, device))
+    if routing != "default":
+        from megastep.routing import apply_routing
+
+        apply_routing(out, cfg, routing, seed=seed)
     return out
 
 
@@ -255,12 +287,13 @@ def plan_shards(group_bytes: list[tuple[str, int]], shard_bytes: int) -> list[li
 def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int, *,
                      shard_bytes: int = DEFAULT_SHARD_BYTES, unquantized: bool = False,
                      tokenizer: str = "auto", include_mtp: bool = True, overwrite: bool = False,
-                     progress: bool = False) -> WrittenCheckpoint:
+                     progress: bool = False, routing: str = "default") -> WrittenCheckpoint:
     """Write config.json, model-0000i-of-0000N.safetensors shards, model.safetensors.index.json
     and tokenizer files into out_dir, exactly as the official HF repository lays them out.
 
     Tensors are generated shard by shard, so at most one shard sits in memory. `unquantized`
-    writes the BF16 export of the same model (no quantization_config, no scales).
+    writes the BF16 export of the same model (no quantization_config, no scales). `routing`
+    picks the gates' routing model (see synthesize_tensors).
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -285,7 +318,8 @@ def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int, *,
         bar = tqdm(total=sum(s for _, s in sizes), unit="B", unit_scale=True, desc="writing")
     weight_map: dict[str, str] = {}
     for fname, shard in zip(files, shards):
-        tensors = dict(synthesize_tensors(cfg, seed, include_mtp=include_mtp, dtype_policy=policy, names=shard))
+        tensors = dict(synthesize_tensors(cfg, seed, include_mtp=include_mtp, dtype_policy=policy, names=shard,
+                                          routing=routing))
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         (out / fname).chmod(0o644)  # safetensors creates files owner-only; shards are shareable data
         weight_map.update(dict.fromkeys(tensors, fname))
