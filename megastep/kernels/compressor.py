@@ -232,7 +232,7 @@ def compressor_step(kv_row: torch.Tensor, score_row: torch.Tensor, kv_pool: torc
         LOG_HALF=(dim // 2).bit_length() - 1, NOPE_P=dim // 2 - rp, ROPE_P=rp, INDEX=kind == "index",
         HAS_APE=ape is not None, TABLE=table,
         OUT_BF16=entries.dtype == torch.bfloat16, INTERPRET=on_interpreter(kv_row), num_warps=cfg.num_warps,
-        enable_fp_fusion=False,
+        **_rn.TORCH_MATH,
     )
 
 

@@ -15,7 +15,8 @@ and its cos/sin), or a table [P, rd] from `rope_table(inv_freq, P)`: cos in [:rd
 construction on any device (P positions x rd x 4 bytes; the caller picks).
 
 Rounding points are those of ops (every kernel is compiled with enable_fp_fusion=False, so each
-product is rounded before it is added, as in torch's eager ops; divisions are tl.div_rn, because
+product is rounded before it is added, as in torch's eager ops, and with enable_reflect_ftz=False,
+so libdevice keeps subnormals as torch's CUDA build does; divisions are tl.div_rn, because
 Triton's `/` is div.full.f32 / div.approx on the GPU, not IEEE): the norm in fp32, rounded to
 the activation dtype (bf16 rounding only for bf16 tensors; fp32 tensors are accepted and never
 rounded); RoPE on the rounded values, in fp32, rounded again; the fp8 e4m3 simulation per 64
@@ -52,6 +53,11 @@ from triton.language.extra import libdevice
 from megastep.checkpoint import formats
 from megastep.kernels.common import fp8_pow2_scale, fp8_round, next_pow2, on_interpreter, round_bf16
 from megastep.model import ops
+
+# Compile options of every kernel here: no FMA contraction (torch's eager ops round each product),
+# and libdevice without flush-to-zero (torch's CUDA build keeps subnormals; Triton's default
+# flushes them, which turns e.g. expf of a very negative number into 0 instead of a subnormal).
+TORCH_MATH = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
 
 # simulation blocks in channel pairs (jit globals must be constexpr)
 KV_SIM_PAIRS = tl.constexpr(ops.KV_SIM_BLOCK // 2)  # fp8 per 64 channels
@@ -357,7 +363,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
     bd = max(16, next_pow2(D))
     _rms_norm_kernel[(B,)](x, x if w is None else w, out, D, x.stride(0), out.stride(0), float(eps),
                            BLOCK_D=bd, HAS_W=w is not None, OUT_BF16=x.dtype == torch.bfloat16,
-                           INTERPRET=on_interpreter(x), num_warps=4 if bd <= 2048 else 8, enable_fp_fusion=False)
+                           INTERPRET=on_interpreter(x), num_warps=4 if bd <= 2048 else 8, **TORCH_MATH)
     return out
 
 
@@ -377,7 +383,7 @@ def q_norm_rope(q: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor, eps: flo
         q, rope, pos, out, H, q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(eps),
         HALF=d // 2, NOPE_P=d // 2 - rp, ROPE_P=rp, BLOCK_H=cfg.block_h, TABLE=table,
         OUT_BF16=q.dtype == torch.bfloat16, INTERPRET=on_interpreter(q), num_warps=cfg.num_warps,
-        enable_fp_fusion=False)
+        **TORCH_MATH)
     return out
 
 
@@ -403,7 +409,7 @@ def kv_rope_sim_store(kv: torch.Tensor, norm_w: torch.Tensor, rope: torch.Tensor
         kv, norm_w, rope, pos, slots, out, window, window.shape[1], kv.stride(0), out.stride(0),
         window.stride(0), window.stride(1), float(eps),
         HALF=d // 2, NOPE_P=nope // 2, ROPE_P=rp, TABLE=table, OUT_BF16=kv.dtype == torch.bfloat16,
-        INTERPRET=on_interpreter(kv), num_warps=4, enable_fp_fusion=False)
+        INTERPRET=on_interpreter(kv), num_warps=4, **TORCH_MATH)
     return out
 
 
@@ -422,7 +428,7 @@ def indexer_q(q: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor, config: He
         q, rope, pos, out, H, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         HALF=d // 2, LOG_HALF=(d // 2).bit_length() - 1, NOPE_P=d // 2 - rp, ROPE_P=rp, BLOCK_H=cfg.block_h,
         TABLE=table, OUT_BF16=q.dtype == torch.bfloat16, INTERPRET=on_interpreter(q), num_warps=cfg.num_warps,
-        enable_fp_fusion=False)
+        **TORCH_MATH)
     return out
 
 

@@ -16,9 +16,8 @@ What differs from torch:
 - ties in top-k: the lowest expert id wins here; torch.topk's choice among equal values is
   unspecified.
 - the order of the k-term weight sum (torch's reduction order is its own; one fp32 ulp at most).
-- exp/log1p are libdevice's on the GPU (__nv_expf, __nv_log1pf: what torch's CUDA softplus
-  calls, expected bit-identical; Triton links libdevice with flush-to-zero, so for logits below
-  ~-87, where expf is subnormal, the kernel's score is 0 against torch's ~1e-20); on the
+- exp/log1p are libdevice's on the GPU (__nv_expf, __nv_log1pf, compiled without flush-to-zero:
+  what torch's CUDA softplus calls, expected bit-identical, subnormals included); on the
   interpreter float64 rounded to fp32 (torch-CPU's SLEEF functions are within an ulp).
 Logits must be finite. Deterministic and batch invariant (rows independent), static grid (B,).
 """
@@ -103,7 +102,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid_rows: torch.T
     _route_kernel[(B,)](
         logits, logits if bias is None else bias, rows, idx, w, E, logits.stride(0), rows.stride(0), idx.stride(0),
         w.stride(0), float(scaling), EP=max(16, next_pow2(E)), K=k, KP=max(2, next_pow2(k)), HAS_BIAS=bias is not None,
-        HASH=tid2eid_rows is not None, INTERPRET=on_interpreter(logits), num_warps=4, enable_fp_fusion=False,
+        HASH=tid2eid_rows is not None, INTERPRET=on_interpreter(logits), num_warps=4,
+        **_rn.TORCH_MATH,
     )
     return idx, w
 
