@@ -1,4 +1,4 @@
-"""`megastep generate | inspect | make-checkpoint | serve`.
+"""`megastep generate | inspect | make-checkpoint | profile-routing | bench | serve`.
 
 A `UserError` (bad checkpoint, bad prompt, bad flag value) ends the command with one line on
 stderr and exit status 2; anything else is a bug and keeps its traceback.
@@ -102,6 +102,40 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from megastep.checkpoint.loader import describe_plan
 
     print(describe_plan(Path(args.model_dir)))
+    if args.hbm_budget is not None:
+        from megastep.runtime.experts import describe_with_budget
+
+        if args.hbm_budget < 0:
+            raise UserError("--hbm-budget must be >= 0 (GB)")
+        print(describe_with_budget(Path(args.model_dir), args.hbm_budget, args.routing_profile))
+    elif args.routing_profile is not None:
+        raise UserError("--routing-profile needs --hbm-budget")
+    return 0
+
+
+def cmd_profile_routing(args: argparse.Namespace) -> int:
+    from megastep.routing import collect_routing_profile, profile_summary, save_profile
+    from megastep.tokenizer import load_tokenizer
+
+    model_dir = _model_dir(args.model)
+    prompts = [_parse_ids(p) for p in args.prompt_ids]
+    if args.prompts:
+        tok = load_tokenizer(model_dir)
+        for f in args.prompts:
+            try:
+                text = Path(f).read_text()
+            except OSError as e:
+                raise UserError(f"cannot read prompt file {f}: {e.strerror}") from None
+            ids = tok.encode(text)
+            prompts.append(([tok.bos_id] if tok.bos_id is not None else []) + ids)
+    prompts = [p for p in prompts if p]
+    if not prompts:
+        raise UserError("no prompt: give --prompts FILE... or --prompt-ids 1,2,3")
+    profile = collect_routing_profile(model_dir, prompts, max_new_tokens=args.max_new_tokens,
+                                      device=_device(args.device), quant_sim=not args.no_quant_sim)
+    save_profile(profile, args.out)
+    print(profile_summary(profile))
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -113,7 +147,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     if args.layers is not None and args.layers < 1:
         raise UserError("--layers must be >= 1")
     cfg = preset(args.preset, layers=args.layers)
-    write_checkpoint(cfg, Path(args.out), seed=args.seed, unquantized=args.unquantized)
+    write_checkpoint(cfg, Path(args.out), seed=args.seed, unquantized=args.unquantized, routing=args.routing)
     print(f"wrote {args.preset} checkpoint ({cfg.num_hidden_layers} layers, seed {args.seed}) to {args.out}")
     return 0
 
@@ -138,13 +172,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="print the model plan of a checkpoint")
     i.add_argument("model_dir")
+    i.add_argument("--hbm-budget", type=float, metavar="GB", help="also plan hot experts in HBM / cold in host memory")
+    i.add_argument("--routing-profile", metavar="JSON", help="routing profile for the plan (default: uniform)")
     i.set_defaults(func=cmd_inspect)
+
+    r = sub.add_parser("profile-routing", help="per-layer expert selection counts over prompts -> JSON")
+    r.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
+    r.add_argument("--prompts", nargs="+", default=[], metavar="FILE", help="text files, one prompt each")
+    r.add_argument("--prompt-ids", action="append", default=[], help="a prompt as comma-separated ids (repeatable)")
+    r.add_argument("--max-new-tokens", type=int, default=0, help="also decode greedily this many tokens per prompt")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--no-quant-sim", action="store_true")
+    r.add_argument("--out", required=True)
+    r.set_defaults(func=cmd_profile_routing)
 
     m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the official format")
     m.add_argument("--preset", required=True)
     m.add_argument("--layers", type=int)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--unquantized", action="store_true", help="bf16 weights, no quantization_config")
+    m.add_argument("--routing", choices=("default", "uniform", "skewed"), default="default",
+                   help="gate bias: as generated, uniform, or the skewed model of docs (top 25%% of experts ~2/3 of slots)")
     m.add_argument("--out", required=True)
     m.set_defaults(func=cmd_make_checkpoint)
 

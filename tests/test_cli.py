@@ -92,3 +92,19 @@ def test_prompt_longer_than_the_model_limit(tmp_path):
     write_checkpoint(cfg, tmp_path, seed=0)
     r = run("generate", "--model", str(tmp_path), "--prompt-ids", ",".join(["5"] * 9), "--max-new-tokens", "0")
     assert r.returncode == 2 and "exceeds the model's limit" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_profile_routing_then_inspect_with_budget(small_dir, tmp_path, capsys):
+    prof = tmp_path / "profile.json"
+    assert main(["profile-routing", "--model", str(small_dir), "--prompt-ids", "1,2,3,4", "--prompt-ids", "9,8",
+                 "--out", str(prof)]) == 0
+    assert prof.exists()
+    capsys.readouterr()
+    assert main(["inspect", str(small_dir), "--hbm-budget", "100", "--routing-profile", str(prof)]) == 0
+    out = capsys.readouterr().out
+    assert "expert placement" in out and "cold share" in out
+
+
+def test_inspect_budget_below_resident_weights_is_a_user_error(small_dir):
+    r = run("inspect", str(small_dir), "--hbm-budget", "0.01")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "HBM budget" in r.stderr
