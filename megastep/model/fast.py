@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from megastep.checkpoint import formats
 from megastep.config import CSA_RATIO, ModelConfig
@@ -32,6 +31,7 @@ from megastep.kernels import linear_fp8 as _lin
 from megastep.kernels import mhc as _mhc
 from megastep.kernels import moe as _moe
 from megastep.kernels import rope_norm as _rn
+from megastep.kernels import router as _router
 from megastep.model import ops
 from megastep.runtime.trace import StepTrace, stage
 
@@ -200,12 +200,11 @@ class FastDecoder:
         else:
             wkv, wgate, ape, norm_w = lw["idx_comp"]
             kvp, scp, ent, r = P.ikv[L], P.isc[L], P.ikeys[L], CSA_RATIO
-        kv = self._dense(x, wkv)
-        sc = self._dense(x, wgate) + ape[pos % r]
-        # store the row; where the window closes: softmax pooling, norm, RoPE, simulation, entry
-        # write and (overlapping compressors) the shift of the closed window
-        self._kernel(_comp, "compressor_step")(kv, sc, kvp, scp, ent, slots, pos, norm_w, self.inv_freq[True], r,
-                                               r == CSA_RATIO, "index" if which == "idx" else "kv", cfg.rms_norm_eps)
+        # add the position bias, store the row; where the window closes: softmax pooling, norm,
+        # RoPE, simulation, entry write and (overlapping compressors) the shift of the closed window
+        self._kernel(_comp, "compressor_step")(self._dense(x, wkv), self._dense(x, wgate), kvp, scp, ent, slots, pos,
+                                               norm_w, self.inv_freq[True], r, r == CSA_RATIO,
+                                               "index" if which == "idx" else "kv", cfg.rms_norm_eps, ape=ape)
 
     def _indexer(self, x, qr, pos, slots, L):
         cfg = self.cfg
@@ -270,13 +269,11 @@ class FastDecoder:
         lw = self.layers[L]
         T = self.trace
         with stage(T, "router", L):
-            scores = torch.sqrt(F.softplus(self._dense(x, lw["gate"])))
-            if "tid2eid" in lw:
-                idx = lw["tid2eid"][tokens]
-            else:
-                idx = (scores + lw["gate_bias"]).topk(cfg.num_experts_per_tok, dim=-1).indices
-            idx = idx.sort(-1).values  # ascending expert id: the reference's summation order
-            w = ops.route_weights(scores, idx, cfg.routed_scaling_factor)
+            # sqrtsoftplus scores, bias top-k (or the hash rows), ids ascending (the reference's
+            # summation order), normalized weights times the routed scaling
+            hash_rows = lw["tid2eid"][tokens] if "tid2eid" in lw else None
+            idx, w = self._kernel(_router, "route")(self._dense(x, lw["gate"]).contiguous(), lw.get("gate_bias"),
+                                                    hash_rows, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
         with stage(T, "routed_experts", L):
             y = self._routed(x, idx, w, lw)
         with stage(T, "shared_expert", L):
