@@ -15,7 +15,6 @@ import torch
 from megastep.checkpoint.synthetic import preset, synthesize_weights
 from megastep.kernels import linear_fp8 as lin
 from megastep.kernels import moe
-from megastep.model import fast as fast_mod
 from megastep.model.fast import FastDecoder
 from megastep.model.reference import ReferenceModel
 
@@ -41,31 +40,46 @@ def main() -> None:
         b, c = one(f_ref), one(f_tri)
         print(f"{t:4d}  {(a - b).abs().max().item():.3e}  {(a - c).abs().max().item():.3e}  {(b - c).abs().max().item():.3e}")
 
-    # each Triton call of one step vs its ref on the same inputs
+    # each Triton call of one step vs its ref on the same inputs (in-place outputs included)
+    from megastep.kernels import attention, compressor, dense, mhc, rope_norm, router
+
     worst: dict[str, float] = {}
-    orig_lin, orig_moe = lin.linear_fp8, moe.moe_experts_mxfp4
 
-    def lin_check(x, wq, sc, block=128, out_dtype=torch.bfloat16, config=None):
-        y = orig_lin(x, wq, sc, block=block, out_dtype=out_dtype)
-        r = lin.linear_fp8_ref(x, wq, sc, block=block, out_dtype=out_dtype)
-        key = f"linear_fp8 M={x.shape[0]} N={wq.shape[0]} K={wq.shape[1]}"
-        worst[key] = max(worst.get(key, 0.0), ((y.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-6)).item())
-        return y
+    def rel(a, b):
+        a, b = a.float(), b.float()
+        return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item() if a.numel() else 0.0
 
-    def moe_check(x, ids_, wts, *a, **k):
-        y = orig_moe(x, ids_, wts, *a, **k)
-        r = moe.moe_experts_mxfp4_ref(x, ids_, wts, *a, **k)
-        key = f"moe M={x.shape[0]}"
-        worst[key] = max(worst.get(key, 0.0), ((y - r).abs().max() / r.abs().max().clamp_min(1e-6)).item())
-        return y
+    def wrap(mod, name):
+        kern, ref_fn = getattr(mod, name), getattr(mod, name + "_ref")
 
-    fast_mod._lin.linear_fp8, fast_mod._moe.moe_experts_mxfp4 = lin_check, moe_check
-    for B in (1, 16):
-        f_tri.step(torch.randint(0, 1000, (B,), device=dev), torch.full((B,), 40, device=dev),
-                   torch.zeros(B, dtype=torch.long, device=dev))
-    print("\nTriton vs ref on real activations (max |diff| / max |ref|):")
-    for k, v in sorted(worst.items()):
-        print(f"  {k:<40} {v:.3e}")
+        def checked(*args, **kw):
+            clone = lambda v: v.clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+            r_args, r_kw = [clone(a) for a in args], {k: clone(v) for k, v in kw.items()}
+            out = kern(*args, **kw)
+            ref_out = ref_fn(*r_args, **r_kw)
+            outs = out if isinstance(out, tuple) else (out,)
+            refs = ref_out if isinstance(ref_out, tuple) else (ref_out,)
+            key = f"{name} {tuple(args[0].shape)}"
+            d = max([rel(o, r) for o, r in zip(outs, refs) if isinstance(o, torch.Tensor)] or [0.0])
+            for a, ra in zip(args, r_args):  # in-place effects (window ring, pools, entries)
+                if isinstance(a, torch.Tensor) and a.is_floating_point():
+                    d = max(d, rel(a, ra))
+            worst[key] = max(worst.get(key, 0.0), d)
+            return out
+
+        setattr(mod, name, checked)
+
+    for mod, name in [(lin, "linear_fp8"), (moe, "moe_experts_mxfp4"), (mhc, "mhc_pre"), (mhc, "mhc_post"),
+                      (mhc, "mhc_head"), (dense, "linear_bf16"), (attention, "sparse_attention_decode"),
+                      (rope_norm, "rms_norm"), (rope_norm, "q_norm_rope"), (rope_norm, "kv_rope_sim_store"),
+                      (rope_norm, "indexer_q"), (compressor, "compressor_step"), (router, "route")]:
+        wrap(mod, name)
+    for B, p in ((1, 40), (2, 43)):  # distinct slots: duplicate scatters would race
+        f_tri.step(torch.randint(0, 1000, (B,), device=dev), torch.full((B,), p, device=dev),
+                   torch.arange(B, device=dev))
+    print("\nTriton vs ref on real activations (max |diff| / max |ref|, outputs and in-place writes):")
+    for k, v in sorted(worst.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:<48} {v:.3e}")
 
 
 if __name__ == "__main__":
