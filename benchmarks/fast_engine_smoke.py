@@ -30,7 +30,7 @@ def greedy(engine, prompts, steps):
 
 def main():
     d = tempfile.mkdtemp()
-    write_checkpoint(preset("small", layers=2), d, seed=0)
+    write_checkpoint(preset("small", layers=2), d, seed=0, tokenizer="none")  # the engine needs no tokenizer
     eng = FastEngine(d, device="cuda", max_seqs=4, max_ctx=512)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 129280, (n,), generator=g).tolist() for n in (3, 9, 1, 17)]
