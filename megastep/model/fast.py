@@ -4,8 +4,9 @@ One step advances B rows, each a sequence at its own position, addressed by a sl
 state pools. Every shape is static and nothing reads device values on the host, so a step can be
 captured in a CUDA graph per batch bucket (runtime/step.py). Data-dependent control flow of the
 reference becomes masking: window slots and compressed entries past a row's position are masked
-out, a compressor computes its candidate entry every step and writes it to a discard row when its
-window has not closed, the indexer takes a fixed top-k and masks what is not visible.
+out, a compressor emits an entry only for the rows whose window closes (the others write nothing,
+or to a discard row in the torch twin), the indexer takes a fixed top-k and masks what is not
+visible.
 
 Weights stay in their checkpoint formats in device memory: FP8 e4m3 + E8M0 block scales, MXFP4
 experts stacked per layer (`kernels.moe.stack_experts`), BF16/F32 for the rest. The heavy
