@@ -9,7 +9,6 @@ file that the official code, transformers and megastep all read.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -275,27 +274,3 @@ class ModelConfig:
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def yarn_inv_freq(cfg: ModelConfig, compressed: bool):
-    """Inverse RoPE frequencies [rope_dim/2] (float64 list): plain for sliding layers, YaRN for
-    compressed layers (MODEL_SPEC §3; no mscale)."""
-    dim = cfg.qk_rope_head_dim
-    base = cfg.compress_rope_theta if compressed else cfg.rope_theta
-    freqs = [1.0 / (base ** (i / dim)) for i in range(0, dim, 2)]
-    rs = cfg.rope_scaling
-    if not compressed or rs is None:
-        return freqs
-
-    def corr(rot: float) -> float:
-        return dim * math.log(rs.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(corr(rs.beta_fast)), 0)
-    high = min(math.ceil(corr(rs.beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001
-    out = []
-    for i, f in enumerate(freqs):
-        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
-        out.append(f / rs.factor * ramp + f * (1 - ramp))
-    return out
