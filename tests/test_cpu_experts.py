@@ -1,0 +1,204 @@
+"""CPU sidecar experts (megastep.cpu, issue 4 Recipe B) against the torch per-expert math of
+`moe_experts_mxfp4_ref`, on every ISA path this CPU can run.
+
+Tolerance: the kernel and torch differ only in the order of the fp32 sums (products of e2m1 and
+e4m3 values times powers of two are exact in fp32; bf16 rounding happens at the same points). A
+different order can move a sum by a few fp32 ulps, which flips a bf16 rounding of g, u, a or y only
+when the value sits within those ulps of a bf16 midpoint: each output must be within one bf16 step
+of the reference (|y - ref| <= 2^(floor(log2|ref|) - 7)), and we count how many differ at all
+(expected: none or a handful; measured so far: 0 of every output on all paths).
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from megastep.checkpoint import formats
+from megastep.cpu import experts as ce
+
+ISAS = ce.available_isas() or ["torch-fallback"]
+
+
+def _stack(D: int, I: int, E: int, g: torch.Generator, scale: float = 0.05):
+    """Random MXFP4 experts (quantized from Gaussian weights with per-row magnitudes): stacked
+    w13 [E, 2I, D/2], w13_scale [E, 2I, D/32] (float8_e8m0fnu), w2 [E, D, I/2], w2_scale."""
+    out = {"w13": [], "w13_scale": [], "w2": [], "w2_scale": []}
+    for _ in range(E):
+        w13 = torch.randn(2 * I, D, generator=g) * scale * torch.exp(torch.randn(2 * I, 1, generator=g))
+        q, s = formats.quantize_mxfp4_weight(w13)
+        out["w13"].append(q)
+        out["w13_scale"].append(s.view(torch.uint8))
+        q, s = formats.quantize_mxfp4_weight(torch.randn(D, I, generator=g) * scale)
+        out["w2"].append(q)
+        out["w2_scale"].append(s.view(torch.uint8))
+    st = {k: torch.stack(v) for k, v in out.items()}
+    for k in ("w13_scale", "w2_scale"):
+        st[k] = st[k].view(torch.float8_e8m0fnu)
+    return st
+
+
+def _x(M: int, D: int, g: torch.Generator) -> torch.Tensor:
+    # per-channel magnitudes spread over ~2^6: the 128-blocks get different fp8 scales
+    return (torch.randn(M, D, generator=g) * torch.exp(1.5 * torch.randn(1, D, generator=g))).bfloat16()
+
+
+def _check_close(y: torch.Tensor, ref: torch.Tensor, max_frac_differ: float = 1e-3) -> int:
+    """Within one bf16 step everywhere; returns how many outputs differ at all."""
+    assert y.shape == ref.shape and y.dtype == ref.dtype == torch.bfloat16
+    yf, rf = y.float(), ref.float()
+    assert torch.isfinite(yf).all()
+    step = torch.where(rf == 0, torch.full_like(rf, 2.0**-133), torch.exp2(torch.floor(torch.log2(rf.abs())) - 7))
+    diff = (yf - rf).abs()
+    bad = int((diff > step).sum())
+    n_differ = int((diff > 0).sum())
+    assert bad == 0, f"{bad} outputs more than one bf16 step away (max {float((diff / step).max()):.2f} steps)"
+    assert n_differ <= max_frac_differ * y.numel(), f"{n_differ} of {y.numel()} outputs differ"
+    return n_differ
+
+
+def _isa(isa: str) -> str | None:
+    return None if isa == "torch-fallback" else isa
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("M", [1, 2, 3, 6, 8, 11])
+def test_expert_forward_matches_torch_small(isa, M):
+    g = torch.Generator().manual_seed(100 + M)
+    D, I = 256, 128
+    st = _stack(D, I, 1, g)
+    x = _x(M, D, g)
+    r = torch.rand(M, generator=g) + 0.05
+    args = (st["w13"][0], st["w13_scale"][0], st["w2"][0], st["w2_scale"][0])
+    y = ce.expert_forward(x, *args, r, 7.0, isa=_isa(isa), num_threads=1)
+    ref = ce.expert_forward_ref(x, *args, r, 7.0)
+    assert ref.float().abs().max() > 0.1  # not a vacuous comparison
+    _check_close(y, ref)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_experts_forward_slots_and_sum_match_moe_ref(isa):
+    """Per-slot outputs [M, k, D] (several experts, repeated and skipped ids); summed in slot order
+    they give `moe_experts_mxfp4_ref` (the GPU's fixed-order combine)."""
+    moe = pytest.importorskip("megastep.kernels.moe")
+    g = torch.Generator().manual_seed(7)
+    D, I, E, M, k = 256, 128, 5, 6, 3
+    st = _stack(D, I, E, g)
+    x = _x(M, D, g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32)
+    w = torch.rand(M, k, generator=g) + 0.05
+    y = ce.experts_forward(x, ids, w, **st, isa=_isa(isa), num_threads=2)
+    ref = ce.experts_forward_ref(x, ids, w, **st)
+    _check_close(y, ref)
+    summed = y[:, 0].float()
+    for j in range(1, k):
+        summed += y[:, j].float()
+    full = moe.moe_experts_mxfp4_ref(x, ids, w, **st)
+    assert (summed - full).abs().max() <= 2.0**-7 * full.abs().max()
+    if torch.equal(y, ref):
+        assert torch.equal(summed, full)  # same per-slot bits -> same fixed-order sum
+    # skipped slots (id < 0) stay zero; the others are unchanged
+    ids2 = ids.clone()
+    ids2[0, 1] = -1
+    ids2[3, 0] = -1
+    y2 = ce.experts_forward(x, ids2, w, **st, isa=_isa(isa), num_threads=2)
+    assert (y2[0, 1] == 0).all() and (y2[3, 0] == 0).all()
+    keep = (ids2 >= 0)[..., None].expand_as(y)
+    assert torch.equal(y2[keep], y[keep])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_v4_shape_one_row(isa):
+    """One V4-Flash expert (D 4096, I 2048: 12.6 MB of MXFP4 weights) for one row."""
+    g = torch.Generator().manual_seed(4)
+    D, I = 4096, 2048
+    w13 = torch.randint(-128, 128, (2 * I, D // 2), dtype=torch.int8, generator=g)
+    s13 = torch.randint(116, 124, (2 * I, D // 32), dtype=torch.uint8, generator=g)
+    w2 = torch.randint(-128, 128, (D, I // 2), dtype=torch.int8, generator=g)
+    s2 = torch.randint(118, 126, (D, I // 32), dtype=torch.uint8, generator=g)
+    x = _x(1, D, g)
+    r = torch.tensor([0.37])
+    y = ce.expert_forward(x, w13, s13, w2, s2, r, 10.0, isa=_isa(isa), num_threads=2)
+    ref = ce.expert_forward_ref(x, w13, s13, w2, s2, r, 10.0)
+    assert ref.float().abs().max() > 0.1
+    n = _check_close(y, ref)
+    print(f"{isa}: {n} of {y.numel()} outputs differ from torch")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_edge_shapes_and_scales(isa):
+    """D with a ragged last activation block and K % 64 != 0 (the bf16 path falls back to fp32
+    AVX-512), and weight scales outside the bf16 path's [40, 240] range in some rows."""
+    g = torch.Generator().manual_seed(11)
+    D, I = 160, 96
+    st = _stack(D, I, 1, g)
+    x = _x(3, D, g)
+    r = torch.rand(3, generator=g) + 0.05
+    args = [st["w13"][0], st["w13_scale"][0], st["w2"][0], st["w2_scale"][0]]
+    _check_close(ce.expert_forward(x, *args, r, isa=_isa(isa)), ce.expert_forward_ref(x, *args, r))
+    # tiny scales (below 2^-87) in some rows of both matrices
+    D, I = 256, 128
+    st = _stack(D, I, 1, g)
+    s13 = st["w13_scale"][0].view(torch.uint8).clone()
+    s13[5:40] -= 90  # ~2^-97
+    s2 = st["w2_scale"][0].view(torch.uint8).clone()
+    s2[100:140] -= 85
+    x = _x(2, D, g)
+    r = torch.rand(2, generator=g) + 0.05
+    args = [st["w13"][0], s13, st["w2"][0], s2]
+    _check_close(ce.expert_forward(x, *args, r, isa=_isa(isa)), ce.expert_forward_ref(x, *args, r))
+
+
+@pytest.mark.skipif(not ce.available_isas(), reason="compiled kernel unavailable")
+def test_same_bits_any_thread_count_and_batch():
+    g = torch.Generator().manual_seed(3)
+    D, I, E, M, k = 512, 256, 4, 5, 2
+    st = _stack(D, I, E, g)
+    x = _x(M, D, g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32)
+    w = torch.rand(M, k, generator=g) + 0.05
+    for isa in ce.available_isas():
+        y1 = ce.experts_forward(x, ids, w, **st, isa=isa, num_threads=1)
+        for nt in (2, 3):
+            assert torch.equal(ce.experts_forward(x, ids, w, **st, isa=isa, num_threads=nt), y1), (isa, nt)
+        # a row alone gives the bits it gets among the others
+        alone = ce.experts_forward(x[2:3], ids[2:3], w[2:3], **st, isa=isa, num_threads=2)
+        assert torch.equal(alone[0], y1[2]), isa
+
+
+def test_build_failure_falls_back_to_torch(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def broken(*a, **kw):
+        raise RuntimeError("Error building extension 'megastep_cpu_experts': simulated")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(ce, "_lib", None)
+    monkeypatch.setattr(ce, "_tried", False)
+    monkeypatch.setattr(ce, "_error", None)
+    g = torch.Generator().manual_seed(5)
+    st = _stack(64, 64, 2, g)
+    x = _x(2, 64, g)
+    ids = torch.tensor([[1, -1], [0, 1]], dtype=torch.int32)
+    w = torch.rand(2, 2, generator=g)
+    with pytest.warns(RuntimeWarning, match="unavailable.*simulated"):
+        y = ce.experts_forward(x, ids, w, **st)
+    assert "torch" in ce.backend() and "simulated" in ce.backend()
+    assert ce.available_isas() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, not on every call
+        assert torch.equal(ce.experts_forward(x, ids, w, **st), y)
+    assert torch.equal(y, ce.experts_forward_ref(x, ids, w, **st))
+
+
+def test_bad_arguments_are_clear():
+    g = torch.Generator().manual_seed(6)
+    st = _stack(64, 64, 2, g)
+    x = _x(1, 64, g)
+    with pytest.raises(ValueError, match="bfloat16"):
+        ce.experts_forward(x.float(), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1), **st)
+    if ce.available_isas():
+        with pytest.raises(ValueError, match="expert ids must be < E"):
+            ce.experts_forward(x, torch.tensor([[2]], dtype=torch.int32), torch.ones(1, 1), **st)
+        with pytest.raises(ValueError, match="isa must be one of"):
+            ce.experts_forward(x, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1), **st, isa="amx")
