@@ -1,1 +1,3 @@
-"""Runtime: the engine the scheduler drives (engine.py) and the scheduler itself (scheduler.py)."""
+"""Runtime: engines the scheduler drives (engine.py), the scheduler (scheduler.py), the per-bucket
+CUDA-graph step runner (step.py), the named step trace (trace.py), expert placement (experts.py)
+and expert parallelism across processes (distributed.py)."""
