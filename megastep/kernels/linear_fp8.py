@@ -116,6 +116,7 @@ def _linear_fp8_kernel(
     stride_xm, stride_wn, stride_wsn, stride_om,
     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, QUANT_ACT: tl.constexpr,
+    GROUP_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -138,7 +139,8 @@ def _linear_fp8_kernel(
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         sw = e8m0_to_f32(tl.load(ws_row + offs_k // 128, mask=k_mask, other=127))  # [BLOCK_K]
         # scales folded into the (exact) bf16 activation operand
-        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+        # grouped (wo_a): output rows [g*GROUP_N, (g+1)*GROUP_N) read input columns [g*K, (g+1)*K)
+        xt = tl.load(x_ptr + ((pid_n * BLOCK_N) // GROUP_N) * K + offs_m[:, None] * stride_xm + offs_k[None, :],
                      mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         if QUANT_ACT:
             s, inv = fp8_block_scales(tl.abs(xt), offs_kk, 128, BLOCK_K // 128)
@@ -184,16 +186,20 @@ def linear_fp8(
     out_dtype: torch.dtype = torch.bfloat16,
     config: LinearFp8Config | None = None,
     quantize_act: bool = True,
+    groups: int = 1,
 ) -> torch.Tensor:
     """x [M, K] bf16/fp32, w e4m3 [N, K], w_scale e8m0 [ceil(N/128), ceil(K/128)] -> [M, N].
-    quantize_act=False skips the activation quantization (the official wo_a: a plain weight)."""
+    quantize_act=False skips the activation quantization (the official wo_a: a plain weight).
+    groups=G (wo_a's grouped projection, one launch): x is [M, G*K] and output rows
+    [g*N/G, (g+1)*N/G) take input columns [g*K, (g+1)*K); N/G must be a multiple of 128."""
     assert block == BLOCK, "V4 FP8 weights use 128x128 blocks"
-    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (x.shape, w.shape)
+    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == groups * w.shape[1], (x.shape, w.shape, groups)
+    assert groups == 1 or (w.shape[0] % groups == 0 and (w.shape[0] // groups) % BLOCK == 0), (w.shape, groups)
     assert x.dtype in (torch.bfloat16, torch.float32), x.dtype
     assert w.dtype == torch.float8_e4m3fn, w.dtype
     assert out_dtype in (torch.bfloat16, torch.float32), out_dtype
-    M, K = x.shape
-    N = w.shape[0]
+    M = x.shape[0]
+    N, K = w.shape
     assert w_scale.shape == (-(-N // BLOCK), -(-K // BLOCK)), (w_scale.shape, N, K)
     assert w_scale.dtype in (torch.float8_e8m0fnu, torch.uint8), w_scale.dtype
     assert x.stride(1) == 1 and w.stride(1) == 1 and w_scale.stride(1) == 1
@@ -221,7 +227,7 @@ def linear_fp8(
         x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
         MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         SPLIT_K=split, OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_N=N // groups, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -234,9 +240,13 @@ def linear_fp8_ref(
     out_dtype: torch.dtype = torch.bfloat16,
     config: LinearFp8Config | None = None,
     quantize_act: bool = True,
+    groups: int = 1,
 ) -> torch.Tensor:
     """The exact semantics: fp32 dequantized weight times fp32 quantized activation."""
     del config
     xq = formats.fp8_act_sim(x.float(), block) if quantize_act else x.float()
     wd = formats.dequantize_fp8_weight(w, w_scale, block)
-    return (xq @ wd.T).to(out_dtype)
+    if groups == 1:
+        return (xq @ wd.T).to(out_dtype)
+    M, (N, K) = x.shape[0], w.shape
+    return torch.einsum("mgk,gnk->mgn", xq.view(M, groups, K), wd.view(groups, N // groups, K)).reshape(M, N).to(out_dtype)

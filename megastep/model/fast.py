@@ -58,11 +58,9 @@ class Linear:
     def grouped(self, x: torch.Tensor, groups: int, rank: int, triton: bool) -> torch.Tensor:
         """wo_a: x [B, G, d] -> [B, G*rank], group g through weight rows [g*rank, (g+1)*rank).
         The official code dequantizes wo_a to a plain weight: no activation quantization."""
-        if triton and self.scale is not None and rank % self.block == 0:
-            sb = rank // self.block  # scale rows per group
-            return torch.cat([_lin.linear_fp8(x[:, g].contiguous(), self.w[g * rank:(g + 1) * rank],
-                                              self.scale[g * sb:(g + 1) * sb], block=self.block, quantize_act=False)
-                              for g in range(groups)], -1)
+        if triton and self.scale is not None and rank % self.block == 0:  # one launch for all groups
+            return _lin.linear_fp8(x.reshape(x.shape[0], -1).contiguous(), self.w, self.scale, block=self.block,
+                                   quantize_act=False, groups=groups)
         w = self.w.float() if self.scale is None else formats.dequantize_fp8_weight(self.w, self.scale, self.block)
         return torch.einsum("bgd,grd->bgr", x.float(), w.view(groups, rank, -1)).to(x.dtype).flatten(1)
 

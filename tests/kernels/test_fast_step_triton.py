@@ -13,7 +13,9 @@ from megastep.model.fast import FastDecoder
 
 def test_triton_step_matches_torch_step():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = preset("tiny").replace(vocab_size=512, quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    # o_lora_rank 128: wo_a takes the grouped one-launch FP8 path (group rows a multiple of 128)
+    cfg = preset("tiny").replace(vocab_size=512, o_lora_rank=128,
+                                 quantization_config=QuantConfig(weight_block_size=(128, 128)))
     w = synthesize_weights(cfg, seed=2, device=dev, include_mtp=False)
     tri = FastDecoder(cfg, w, max_seqs=3, max_ctx=64, device=dev, triton=True)
     ref = FastDecoder(cfg, w, max_seqs=3, max_ctx=64, device=dev, triton=False)

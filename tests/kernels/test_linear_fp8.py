@@ -88,6 +88,18 @@ def test_without_activation_quantization(M, N, K):
     check(linear_fp8(x, w, s, quantize_act=False), ref)
 
 
+@pytest.mark.parametrize("M,G,R,K", [(1, 2, 128, 256), (3, 4, 128, 128), (2, 2, 256, 384)])
+def test_grouped_is_one_linear_per_group(M, G, R, K):
+    """groups=G (wo_a in one launch): output rows of group g see only input columns of group g."""
+    x, w, s = make(M, G * R, G * K, seed=M + 10 * G)  # x [M, G*K]; keep w's first K columns
+    w, s = F.quantize_fp8_weight(F.dequantize_fp8_weight(w, s, 128)[:, :K], 128)
+    ref = linear_fp8_ref(x, w, s, quantize_act=False, groups=G)
+    per_group = torch.cat([linear_fp8_ref(x[:, g * K:(g + 1) * K], w[g * R:(g + 1) * R], s[g * R // 128:(g + 1) * R // 128],
+                                          quantize_act=False) for g in range(G)], -1)
+    assert torch.equal(ref, per_group)
+    check(linear_fp8(x, w, s, quantize_act=False, groups=G), ref)
+
+
 def test_fp32_input_and_strided_rows():
     x, w, s = make(3, 80, 256, seed=5, x_dtype=torch.float32)
     xs = torch.cat([x, x], 1)[:, :256]  # row stride 512
