@@ -5,28 +5,14 @@ python benchmarks/kernels/wo_a_grouped.py
 """
 
 import torch
+from bench_kernels import graph_time  # same folder: the kernels' shared graph-replay timer
 
 from megastep.checkpoint import formats as F
 from megastep.kernels.linear_fp8 import linear_fp8, linear_fp8_ref
 
 
-def timed(fn, reps=50):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return sorted(ts)[len(ts) // 2]
+def timed(fn):
+    return graph_time([fn], reps=50)[0]  # median µs of event-timed graph replays
 
 
 def main():
