@@ -91,9 +91,10 @@ class StepRunner:
             b.tokens[n:].zero_(), b.pos[n:].zero_(), b.slots[n:].fill_(self.dummy_slot)
         if sampling is not None and not self.sampling:
             raise ValueError("this runner was built without sampling")
-        b.temperature.zero_(), b.top_k.zero_(), b.top_p.fill_(1.0), b.seed.zero_()
-        for name, v in (sampling or {}).items():
-            getattr(b, name)[:n].copy_(v, non_blocking=True)
+        if self.sampling:  # rows without parameters (and padding rows) decode greedily
+            b.temperature.zero_(), b.top_k.zero_(), b.top_p.fill_(1.0), b.seed.zero_()
+            for name, v in (sampling or {}).items():
+                getattr(b, name)[:n].copy_(v, non_blocking=True)
         return b
 
     def replay(self, b: _Bucket) -> None:
