@@ -1,18 +1,38 @@
 """Sparse attention for decode with one shared KV head (K = V) and attention sinks.
 
+Two entry points share one kernel body:
+- `sparse_attention_decode(q, kv, valid, sink, scale)`: KV rows given as one tensor [B, N, d] with a
+  mask [B, N] (benchmarks, tests).
+- `sparse_attention_pools(q, window, slots, pos, sink, scale, rope, comp=, idx=, idx_ok=, ratio=)`:
+  the decode step's attention, reading the per-sequence pools in place (no gathers, no cats) and
+  undoing the RoPE of the output in its final store. Its entries, per row b, in this order:
+    window[slots[b], j] for j in 0..W-1,                valid iff j <= pos[b] (the ring's filled slots);
+    ratio > 0, idx given (CSA): comp[slots[b], idx[b, t]] for t in 0..k-1, valid iff idx_ok[b, t];
+    ratio > 0, no idx (HCA):    comp[slots[b], j] for j in 0..n-1, valid iff j < (pos[b] + 1) // ratio;
+  (comp [S, n+1, d]: its last row is the compressors' discard row, never read). Then
+  o = ops.sparse_attention(q, entries, sink, scale, valid), rounded to bf16, and the inverse RoPE of
+  o's last rd dims at pos[b] (ops.apply_rope(o, inv_freq, pos, inverse=True): fp32 rotation of the
+  bf16 o, rounded to bf16 again). `sparse_attention_pools_ref` is that, written with torch's
+  gathers and cats as model/fast.py used to.
+
 Semantics (`sparse_attention_decode_ref` = `ops.sparse_attention`, MODEL_SPEC §3), per row b and
 head h, in fp32: s_j = (q_h . kv_j) * scale over the valid entries j; m = max_j s_j;
 o_h = sum_j e^(s_j - m) kv_j / (sum_j e^(s_j - m) + e^(sink_h - m)), rounded to bf16.
-Masked entries weigh exactly 0 whatever their (finite) kv rows hold.
+Masked entries weigh exactly 0 whatever their rows hold: finite data in `sparse_attention_decode`'s
+kv; anything, NaN included, in the pools, whose masked rows the kernel does not read (the pools'
+unused rows, the discard row, the rows behind invalid top-k ids; the refs need finite data there).
 
 Kernel (flash-decoding): grid (H / BLOCK_H, S, B). Program (hb, s, b) takes BLOCK_H heads of row
-b and the KV entries [s*CHUNK, (s+1)*CHUNK); it loads each BLOCK_N x d tile of KV once and uses
+b and the entries [s*CHUNK, (s+1)*CHUNK) of its list; it loads each BLOCK_N x d tile of KV once
+(each entry's row through its own pointer: window ring row, compressed row, or top-k row) and uses
 it for all its heads, both as K (scores) and as V (weighted sum), keeping a running max, sum and
 fp32 accumulator. The head-block programs of one KV chunk are neighbouring program ids, so the
 KV comes from HBM once and from L2 after that. With S > 1 the chunk results go to fp32 partials
 and the last program of (b, hb) to arrive (an int32 arrival counter, reset by that program; no
-atomics on data) combines them in chunk order 0..S-1. S depends on N only, never on B, so a
-row's result does not depend on the batch (batch invariant); the order is fixed (deterministic).
+atomics on data) combines them in chunk order 0..S-1. S depends on the number of entries N (W + n
+or W + k) only, never on B or the positions, so a row's result does not depend on the batch
+(batch invariant); the order is fixed (deterministic). HCA programs stop at the row's last visible
+entry (the chunks past it only publish an empty partial).
 
 Precision: scores are tensor-core dots of bf16 q and kv (exact products, fp32 accumulation). The
 weights p (fp32) are split into PV_PIECES bf16 pieces p = p1 + p2 (+ p3) + r, each piece exact in
@@ -23,6 +43,10 @@ operands (its bf16 dot is wrong), so the CPU tests check exactly the GPU's arith
 What differs from the reference: fp32 summation orders, the online-softmax rescaling across
 tiles and chunks, and dividing the weighted sum by the denominator instead of each weight.
 A row with no valid entry gives 0 (the reference gives NaN there).
+The inverse RoPE is ops'. The kernel is compiled without FMA contraction and with libdevice's
+subnormals (rope_norm.TORCH_MATH), so each product of the rotation is rounded as in torch; cos/sin
+come from libdevice on the GPU (the interpreter: float64 rounded to fp32, an ulp off torch-CPU in
+a few % of the angles) or, bit-exact anywhere, from a `rope_norm.rope_table`.
 """
 
 from __future__ import annotations
@@ -34,9 +58,13 @@ import triton
 import triton.language as tl
 
 from megastep.kernels.common import next_pow2, on_interpreter, round_bf16, workspace
+from megastep.kernels.rope_norm import TORCH_MATH, _rope_arg, rope_pairs
 from megastep.model import ops
 
 _COUNTERS = 1 << 14  # arrival counters kept per device (B x head blocks)
+
+# where a program's KV entries come from (the kernel's SRC)
+_DENSE, _SWA, _HCA, _CSA = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -67,13 +95,62 @@ def pick_config(H: int, N: int, d: int) -> AttnConfig:
 
 
 @triton.jit
+def _entry_tile(offs_n, n_in, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, W,
+                stride_wr, stride_cr, stride_ib, stride_kb, offs_d, SRC: tl.constexpr):
+    """The KV rows [BLOCK_N, D] of the entries offs_n and their validity [BLOCK_N]. From the pools,
+    masked rows are not read (0 instead); dense kv rows are loaded whatever the mask says (no
+    load waits for another there: the faster form when every row is finite anyway)."""
+    if SRC == 0:  # dense: row b of kv, validity from the mask; the rows load alongside the mask
+        ok = n_in & (tl.load(ok_ptr + b * stride_kb + offs_n, mask=n_in, other=0) != 0)
+        kv = tl.load(comp_row + offs_n.to(tl.int64)[:, None] * stride_cr + offs_d[None, :], mask=n_in[:, None],
+                     other=0.0)
+    else:
+        in_win = offs_n < W
+        ok = n_in & in_win & (offs_n <= pos)
+        rows = win_row + offs_n.to(tl.int64) * stride_wr
+        if SRC != 1:
+            t = offs_n - W
+            in_c = n_in & (t >= 0)
+            if SRC == 2:  # HCA: every visible entry
+                ok_c = in_c & (t < nvis)
+                e = t.to(tl.int64)
+            else:  # CSA: the top-k entries
+                ok_c = in_c & (tl.load(ok_ptr + b * stride_kb + t, mask=in_c, other=0) != 0)
+                e = tl.load(idx_ptr + b * stride_ib + t, mask=in_c, other=0).to(tl.int64)  # beside the mask
+            ok = ok | ok_c
+            rows = tl.where(in_win, rows, comp_row + e * stride_cr)
+        kv = tl.load(rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)  # masked rows: never read
+    return kv, ok
+
+
+@triton.jit
+def _store_out(out_row, offs_h, h_mask, o, c0, pos, rope_ptr, stride_oh, BLOCK_H: tl.constexpr, C: tl.constexpr,
+               NOPE_P: tl.constexpr, ROPE_P: tl.constexpr, TABLE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Store the fp32 output columns [c0, c0 + C) of BLOCK_H heads rounded to bf16; with ROPE_P > 0
+    first undo the RoPE of channel pairs NOPE_P.. at pos (ops.apply_rope(.., inverse=True): in fp32
+    from the bf16 values, rounded to bf16 again)."""
+    o = round_bf16(o, INTERPRET)
+    if ROPE_P > 0:
+        e, od = tl.split(tl.reshape(o, [BLOCK_H, C // 2, 2]))
+        p = c0 // 2 + tl.arange(0, C // 2)[None, :]  # channel pair index
+        e, od = rope_pairs(e, od, p, pos, rope_ptr, NOPE_P, ROPE_P, TABLE, INTERPRET, INVERSE=True)
+        # the pass-through pairs are bf16 already: rounding them again changes nothing
+        o = tl.reshape(tl.join(round_bf16(e, INTERPRET), round_bf16(od, INTERPRET)), [BLOCK_H, C])
+    offs_c = c0 + tl.arange(0, C)
+    tl.store(out_row + offs_h[:, None] * stride_oh + offs_c[None, :], o.to(out_row.dtype.element_ty),
+             mask=h_mask[:, None])
+
+
+@triton.jit
 def _sparse_attn_kernel(
-    q_ptr, kv_ptr, valid_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr,
-    H, N, scale,
-    stride_qb, stride_qh, stride_kb, stride_kn, stride_vb, stride_ob, stride_oh,
+    q_ptr, win_ptr, comp_ptr, idx_ptr, ok_ptr, slot_ptr, pos_ptr, rope_ptr, sink_ptr, out_ptr,
+    pacc_ptr, pml_ptr, cnt_ptr,
+    H, W, N, ratio, scale,
+    stride_qb, stride_qh, stride_ws, stride_wr, stride_cs, stride_cr, stride_ib, stride_kb, stride_ob, stride_oh,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PIECES: tl.constexpr, INTERPRET: tl.constexpr,
-    DC: tl.constexpr, GROUP: tl.constexpr,
+    DC: tl.constexpr, GROUP: tl.constexpr, SRC: tl.constexpr,
+    NOPE_P: tl.constexpr, ROPE_P: tl.constexpr, TABLE: tl.constexpr,
 ):
     hb = tl.program_id(0)  # fastest: the head blocks of one KV chunk run side by side
     s = tl.program_id(1)
@@ -82,19 +159,32 @@ def _sparse_attn_kernel(
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
     offs_d = tl.arange(0, D)
+    n_lo = s * CHUNK
+    n_hi = tl.minimum(n_lo + CHUNK, N)
+    if SRC == 0:
+        pos = b * 0
+        nvis = 0
+        comp_row = comp_ptr + b * stride_cs
+        win_row = comp_row
+    else:
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        win_row = win_ptr + slot * stride_ws
+        comp_row = comp_ptr + slot * stride_cs
+        nvis = 0
+        if SRC == 2:
+            nvis = (pos + 1) // ratio
+            n_hi = tl.minimum(n_hi, W + nvis)  # nothing visible past there
     q = tl.load(q_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :], mask=h_mask[:, None], other=0.0)
     if INTERPRET:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-    n_lo = s * CHUNK
-    n_hi = tl.minimum(n_lo + CHUNK, N)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_in = offs_n < n_hi
-        ok = tl.load(valid_ptr + b * stride_vb + offs_n, mask=n_in, other=0) != 0
-        kv = tl.load(kv_ptr + b * stride_kb + offs_n[:, None] * stride_kn + offs_d[None, :], mask=n_in[:, None], other=0.0)
+        kv, ok = _entry_tile(offs_n, offs_n < n_hi, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, W,
+                             stride_wr, stride_cr, stride_ib, stride_kb, offs_d, SRC)
         if INTERPRET:
             kv = kv.to(tl.float32)
         sc = tl.dot(q, tl.trans(kv)) * scale  # [BLOCK_H, BLOCK_N]
@@ -117,11 +207,12 @@ def _sparse_attn_kernel(
         m_i = m_new
 
     sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
-    out_ptrs = out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
+    out_row = out_ptr + b * stride_ob
     if SPLIT == 1:
         m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
         o = acc / (l_i + tl.exp(sink - m_use))[:, None]
-        tl.store(out_ptrs, round_bf16(o, INTERPRET).to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        _store_out(out_row, offs_h, h_mask, o, 0, pos, rope_ptr, stride_oh, BLOCK_H, D, NOPE_P, ROPE_P, TABLE,
+                   INTERPRET)
     else:
         # partials: acc [B, SPLIT, H, D], (m, l) [B, SPLIT, 2, H]
         pa_row = pacc_ptr + (b * SPLIT) * H * D
@@ -155,26 +246,15 @@ def _sparse_attn_kernel(
                         v = tl.load(pa_row + ((g + i) * H + offs_h)[:, None] * D + offs_c[None, :],
                                     mask=(h_mask & (rows < SPLIT))[:, None], other=0.0, cache_modifier=".cg")
                         acc_c = acc_c + v * a_s[:, None]
-                o = acc_c / den[:, None]
-                tl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_c[None, :],
-                         round_bf16(o, INTERPRET).to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+                _store_out(out_row, offs_h, h_mask, acc_c / den[:, None], d0, pos, rope_ptr, stride_oh, BLOCK_H, DC,
+                           NOPE_P, ROPE_P, TABLE, INTERPRET)
             tl.store(cnt_ptr + tile, 0)
 
 
-def sparse_attention_decode(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                            scale: float, config: AttnConfig | None = None) -> torch.Tensor:
-    """q [B, H, d] bf16, kv [B, N, d] bf16 (K = V), valid [B, N] bool, sink [H] f32 -> [B, H, d] bf16."""
-    assert q.dim() == 3 and kv.dim() == 3 and valid.dim() == 2, (q.shape, kv.shape, valid.shape)
-    B, H, d = q.shape
-    N = kv.shape[1]
-    assert kv.shape == (B, N, d) and valid.shape == (B, N), (q.shape, kv.shape, valid.shape)
-    assert q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16, (q.dtype, kv.dtype)
-    assert valid.dtype == torch.bool, valid.dtype
-    assert sink.shape == (H,) and sink.dtype == torch.float32 and sink.is_contiguous()
-    assert d >= 16 and d & (d - 1) == 0, "head_dim must be a power of two"
-    assert q.stride(2) == 1 and kv.stride(2) == 1 and valid.stride(1) == 1
-    assert q.device == kv.device == valid.device == sink.device
-    cfg = config or pick_config(H, N, d)
+def _launch(src: int, q, H: int, N: int, cfg: AttnConfig | None, sink, scale, *, win, comp, idx, ok, slots, pos,
+            rope, W: int, ratio: int, strides: tuple[int, ...], nope_p: int, rope_p: int, table: bool) -> torch.Tensor:
+    B, _, d = q.shape
+    cfg = cfg or pick_config(H, N, d)
     cfg.check()
     out = torch.empty(B, H, d, dtype=q.dtype, device=q.device)
     if B == 0 or H == 0:
@@ -188,17 +268,127 @@ def sparse_attention_decode(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tens
     else:
         pacc = pml = cnt = out  # unused
     _sparse_attn_kernel[(n_hb, split, B)](
-        q, kv, valid.view(torch.uint8), sink, out, pacc, pml, cnt,
-        H, N, float(scale),
-        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), valid.stride(0), out.stride(0), out.stride(1),
+        q, win, comp, idx, ok, slots, pos, rope, sink, out, pacc, pml, cnt,
+        H, W, N, ratio, float(scale),
+        q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1),
         D=d, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, SPLIT_P2=next_pow2(split),
-        PIECES=cfg.pv_pieces, INTERPRET=on_interpreter(q), DC=min(d, 128), GROUP=min(4, split), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PIECES=cfg.pv_pieces, INTERPRET=on_interpreter(q), DC=min(d, 128), GROUP=min(4, split), SRC=src,
+        NOPE_P=nope_p, ROPE_P=rope_p, TABLE=table, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **TORCH_MATH,
     )
     return out
 
 
+def _check_q(q: torch.Tensor, sink: torch.Tensor) -> None:
+    assert q.dim() == 3 and q.dtype == torch.bfloat16 and q.stride(2) == 1, (q.shape, q.dtype, q.stride())
+    H, d = q.shape[1:]
+    assert sink.shape == (H,) and sink.dtype == torch.float32 and sink.is_contiguous(), (sink.shape, sink.dtype)
+    assert d >= 16 and d & (d - 1) == 0, "head_dim must be a power of two"
+    assert q.device == sink.device
+
+
+def sparse_attention_decode(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                            scale: float, config: AttnConfig | None = None) -> torch.Tensor:
+    """q [B, H, d] bf16, kv [B, N, d] bf16 (K = V), valid [B, N] bool, sink [H] f32 -> [B, H, d] bf16."""
+    assert q.dim() == 3 and kv.dim() == 3 and valid.dim() == 2, (q.shape, kv.shape, valid.shape)
+    _check_q(q, sink)
+    B, H, d = q.shape
+    N = kv.shape[1]
+    assert kv.shape == (B, N, d) and valid.shape == (B, N), (q.shape, kv.shape, valid.shape)
+    assert kv.dtype == torch.bfloat16 and valid.dtype == torch.bool, (kv.dtype, valid.dtype)
+    assert kv.stride(2) == 1 and valid.stride(1) == 1
+    assert q.device == kv.device == valid.device
+    v8 = valid.view(torch.uint8)
+    return _launch(_DENSE, q, H, N, config, sink, scale, win=kv, comp=kv, idx=v8, ok=v8, slots=v8, pos=v8, rope=sink,
+                   W=0, ratio=1, strides=(0, 0, kv.stride(0), kv.stride(1), 0, valid.stride(0)),
+                   nope_p=0, rope_p=0, table=False)
+
+
+def sparse_attention_pools(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+                           sink: torch.Tensor, scale: float, rope: torch.Tensor, *, comp: torch.Tensor | None = None,
+                           idx: torch.Tensor | None = None, idx_ok: torch.Tensor | None = None, ratio: int = 0,
+                           config: AttnConfig | None = None) -> torch.Tensor:
+    """The decode step's attention over the pools, with the inverse RoPE of the output.
+
+    q [B, H, d] bf16 (RoPE'd), window [S, W, d] bf16 (the SWA ring pool), slots / pos [B] int64
+    (state slot, position), sink [H] f32, rope = inv_freq [rd/2] f32 or a table [P, rd] from
+    `rope_table` (P > max position). ratio 0: the window only (comp, idx, idx_ok None). ratio > 0:
+    also comp [S, n+1, d] bf16 (compressed entries; row n is the discard row, never read); with
+    idx [B, k] int64/int32 and idx_ok [B, k] bool (CSA: the top-k entry ids, in [0, n) where
+    idx_ok) the selected entries, without (HCA) the (pos+1)//ratio visible ones. -> [B, H, d] bf16.
+    Exactly `sparse_attention_pools_ref` up to fp32 summation order (module doc)."""
+    _check_q(q, sink)
+    B, H, d = q.shape
+    assert window.dim() == 3 and window.shape[2] == d and window.dtype == q.dtype and window.stride(2) == 1, (
+        window.shape, window.dtype)
+    W = window.shape[1]
+    assert slots.shape == (B,) and pos.shape == (B,) and slots.dtype == pos.dtype == torch.int64, (slots.shape, pos.shape)
+    assert slots.is_contiguous() and pos.is_contiguous()
+    rp, table = _rope_arg(rope, d)
+    dev = q.device
+    assert window.device == slots.device == pos.device == rope.device == dev
+    if ratio == 0:
+        assert comp is None and idx is None and idx_ok is None, "ratio 0 attends the window only"
+        src, M, comp, cs = _SWA, 0, window, (0, 0)
+    else:
+        assert ratio > 0 and comp is not None, ratio
+        assert comp.dim() == 3 and comp.shape[2] == d and comp.dtype == q.dtype and comp.stride(2) == 1, (
+            comp.shape, comp.dtype)
+        assert comp.shape[0] == window.shape[0] and comp.device == dev, (comp.shape, window.shape)
+        cs = (comp.stride(0), comp.stride(1))
+        if idx is None:
+            assert idx_ok is None
+            src, M = _HCA, comp.shape[1] - 1
+        else:
+            src, M = _CSA, idx.shape[1]
+            assert idx.shape == (B, M) and idx.dtype in (torch.int64, torch.int32) and idx.stride(1) == 1, (
+                idx.shape, idx.dtype)
+            assert idx_ok is not None and idx_ok.shape == (B, M) and idx_ok.dtype == torch.bool, idx_ok
+            assert idx_ok.stride(1) == 1 and idx.device == idx_ok.device == dev
+    if src != _CSA:
+        idx = idx_ok = slots  # unused
+    ok8 = idx_ok.view(torch.uint8) if idx_ok.dtype == torch.bool else idx_ok
+    return _launch(src, q, H, W + M, config, sink, scale, win=window, comp=comp, idx=idx, ok=ok8, slots=slots,
+                   pos=pos, rope=rope, W=W, ratio=max(ratio, 1),
+                   strides=(window.stride(0), window.stride(1), *cs, idx.stride(0), idx_ok.stride(0)),
+                   nope_p=d // 2 - rp, rope_p=rp, table=table)
+
+
+# ---- references ---------------------------------------------------------------------------------
 def sparse_attention_decode_ref(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
                                 scale: float, config: AttnConfig | None = None) -> torch.Tensor:
     """`ops.sparse_attention` itself."""
     del config
     return ops.sparse_attention(q, kv, sink, scale, valid)
+
+
+def inverse_rope_ref(x: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """ops.apply_rope(x, inv_freq, pos, inverse=True), cos/sin from the table when `rope` is one."""
+    if rope.dim() == 1:
+        return ops.apply_rope(x, rope, pos, inverse=True)
+    rd = rope.shape[1]
+    shape = (-1, *([1] * (x.dim() - 2)), rd // 2)
+    cos, sin = rope[pos, : rd // 2].view(shape), -rope[pos, rd // 2:].view(shape)
+    r = x[..., -rd:].float().unflatten(-1, (-1, 2))
+    a, b = r[..., 0], r[..., 1]
+    rot = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rd], rot.to(x.dtype)], dim=-1)
+
+
+def sparse_attention_pools_ref(q, window, slots, pos, sink, scale, rope, *, comp=None, idx=None, idx_ok=None,
+                               ratio=0, config=None):
+    """What model/fast.py computed with torch: gather the entries, cat, attend, undo the RoPE."""
+    del config
+    W, d = window.shape[1], window.shape[2]
+    kvs = [window[slots]]
+    valid = [torch.arange(W, device=q.device)[None] <= pos[:, None]]
+    if ratio:
+        n = comp.shape[1] - 1
+        ent = comp[slots, :n]
+        if idx is not None:
+            kvs.append(ent.gather(1, idx.long()[..., None].expand(-1, -1, d)))
+            valid.append(idx_ok)
+        else:
+            kvs.append(ent)
+            valid.append(torch.arange(n, device=q.device)[None] < ((pos + 1) // ratio)[:, None])
+    o = ops.sparse_attention(q, torch.cat(kvs, 1), sink, scale, torch.cat(valid, 1))
+    return inverse_rope_ref(o, rope, pos)

@@ -123,9 +123,10 @@ def round_to(x, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
 # ---- pieces on (even, odd) channel pairs [R, HALF] ---------------------------------------------
 @triton.jit
 def rope_pairs(e, o, p, pos, rope_ptr, NOPE_P: tl.constexpr, ROPE_P: tl.constexpr, TABLE: tl.constexpr,
-               INTERPRET: tl.constexpr):
+               INTERPRET: tl.constexpr, INVERSE: tl.constexpr = False):
     """ops.apply_rope on pairs p >= NOPE_P (pair NOPE_P + i turns with frequency i) at the
-    scalar position pos (int64); the other pairs pass through. No rounding here."""
+    scalar position pos (int64); the other pairs pass through. No rounding here. INVERSE: the
+    inverse rotation, computed as ops.apply_rope(.., inverse=True) does (sin negated)."""
     j = p - NOPE_P
     is_rope = j >= 0
     j = tl.where(is_rope, j, 0)
@@ -136,6 +137,8 @@ def rope_pairs(e, o, p, pos, rope_ptr, NOPE_P: tl.constexpr, ROPE_P: tl.constexp
         ang = pos.to(tl.float32) * tl.load(rope_ptr + j)
         c = t_cos(ang, INTERPRET)
         s = t_sin(ang, INTERPRET)
+    if INVERSE:
+        s = -s
     re = e * c - o * s
     ro = o * c + e * s
     return tl.where(is_rope, re, e), tl.where(is_rope, ro, o)

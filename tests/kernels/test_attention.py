@@ -1,6 +1,8 @@
 """sparse_attention_decode against ops.sparse_attention: random inputs, ragged N (masked tails,
 fully masked chunks), garbage in masked rows, every configuration the wrapper picks plus odd
-ones, batch invariance and determinism.
+ones, batch invariance and determinism. sparse_attention_pools against its ref (gathers, cats,
+ops.sparse_attention, inverse RoPE) for SWA, CSA and HCA layers: partially filled rings, rows
+without visible compressed entries, repeated slots, both RoPE forms, split and unsplit.
 
 Tolerance: scores are exact-product fp32 dots; the weighted sum uses the softmax weights split
 into bf16 pieces (error <= 2^-17 relative with two pieces) and the online-softmax rescaling, so
@@ -18,8 +20,9 @@ import torch
 if os.environ.get("TRITON_INTERPRET") == "1" and "megastep.kernels.attention" in sys.modules:
     importlib.reload(sys.modules["megastep.kernels.attention"])  # imported before the interpreter was set
 
-from megastep.kernels import attention  # noqa: E402
-from megastep.kernels.attention import AttnConfig, pick_config, sparse_attention_decode, sparse_attention_decode_ref  # noqa: E402
+from megastep.kernels.attention import (AttnConfig, pick_config, sparse_attention_decode,  # noqa: E402
+                                        sparse_attention_decode_ref, sparse_attention_pools, sparse_attention_pools_ref)
+from megastep.kernels.rope_norm import rope_table  # noqa: E402
 from bf16_check import check_bf16 as check  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,6 +127,152 @@ def test_strided_inputs_and_counters_reused():
         assert torch.equal(run(other, cfg), r2)
 
 
+# ---- sparse_attention_pools ---------------------------------------------------------------------
+# (ratio, n, k): SWA, CSA (ratio 4, top-k of n entries), HCA (every visible one of n entries)
+LAYERS = {"swa": (0, 0, 0), "csa": (4, 20, 6), "hca": (8, 12, 0)}
+# ring partly filled (W = 12) and full; no / some / all compressed entries visible, one emitted at
+# this step ((pos + 1) % ratio == 0) or one step before that
+POS = [0, 6, 7, 12, 39, 79]
+
+
+def make_pools(kind, seed, B=6, H=6, d=64, rd=16, W=12, S=4, table=False, pos=POS, dev=DEV):
+    """Pools with random (finite) data everywhere, including unused rows and the discard row."""
+    ratio, n, k = LAYERS[kind]
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rows(*shape):
+        return (torch.randn(*shape, d, generator=g) * torch.exp2(torch.randint(-2, 2, (*shape, 1), generator=g).float())).bfloat16()
+
+    q = (torch.randn(B, H, d, generator=g) * 2).bfloat16()
+    window = rows(S, W)
+    slots = torch.randint(0, S, (B,), generator=g)
+    if B > 1:
+        slots[1] = slots[0]  # repeated use of a slot
+    pos_t = torch.tensor(pos[:B], dtype=torch.int64)
+    sink = torch.randn(H, generator=g)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rd, 2).float() / rd))
+    rope = rope_table(inv_freq, int(pos_t.max()) + 1) if table else inv_freq
+    kw = dict(ratio=ratio)
+    if ratio:
+        comp = rows(S, n + 1)
+        comp[:, n] = 1e30  # the discard row
+        kw["comp"] = comp
+        if k:  # the indexer's top-k: every visible entry first (ascending), then invisible ones
+            vis = (pos_t + 1) // ratio
+            idx = torch.stack([torch.cat([torch.randperm(int(v), generator=g)[:k].sort().values,
+                                          int(v) + torch.randperm(n - int(v), generator=g)[:max(0, k - int(v))].sort().values])
+                               for v in vis])
+            kw["idx"], kw["idx_ok"] = idx, idx < vis[:, None]
+    args = (q, window, slots, pos_t, sink, d**-0.5, rope)
+    return tuple(t.to(dev) if isinstance(t, torch.Tensor) else t for t in args), {
+        key: t.to(dev) if isinstance(t, torch.Tensor) else t for key, t in kw.items()}
+
+
+def rows_of(args, kw, sel):
+    """The inputs of the batch rows `sel` alone."""
+    q, window, slots, pos, sink, scale, rope = args
+    kw = dict(kw)
+    for key in ("idx", "idx_ok"):
+        if key in kw:
+            kw[key] = kw[key][sel]
+    return (q[sel], window, slots[sel], pos[sel], sink, scale, rope), kw
+
+
+def check_out(y, ref, rd):
+    """check() on the nope dims; on the RoPE dims the inverse rotation of a bf16 o that is one step
+    off (the attention's tolerance) can be many steps off where the rotation cancels: there at most
+    2^-5 of the larger value of the pair off, and bit-equal in >= 99% (the rotation itself is
+    pinned bit-exactly by test_pools_rotation_exact)."""
+    check(y[..., :-rd], ref[..., :-rd])
+    y, ref = y[..., -rd:].float().cpu(), ref[..., -rd:].float().cpu()
+    mag = ref.unflatten(-1, (-1, 2)).abs().amax(-1, keepdim=True).expand(*ref.shape[:-1], rd // 2, 2).flatten(-2)
+    assert ((y - ref).abs() <= 2**-5 * mag).all(), (y - ref).abs().max()
+    assert (y != ref).sum().item() <= max(2, 0.01 * y.numel())
+
+
+SPLIT_CFG = AttnConfig(16, 16, 16)  # entries 0..15 per program: window and compressed rows share a tile
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+@pytest.mark.parametrize("table", [False, True], ids=["inv_freq", "table"])
+@pytest.mark.parametrize("cfg", [None, SPLIT_CFG], ids=["picked", "split"])
+def test_pools_match_ref(kind, table, cfg):
+    args, kw = make_pools(kind, seed=len(kind) + table, table=table)
+    o = sparse_attention_pools(*args, **kw, config=cfg)
+    check_out(o, sparse_attention_pools_ref(*args, **kw), 16)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_pools_wide_heads(kind):
+    """d = 256: the combine stores the output in two column slabs, RoPE in the second one only."""
+    args, kw = make_pools(kind, seed=7, H=4, d=256, rd=32)
+    check_out(sparse_attention_pools(*args, **kw, config=SPLIT_CFG), sparse_attention_pools_ref(*args, **kw), 32)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+@pytest.mark.parametrize("cfg", [None, SPLIT_CFG], ids=["picked", "split"])
+def test_pools_rotation_exact(kind, cfg):
+    """Where the attention is exact (q = 0 and every entry of a slot the same row v, no sink
+    weight: o = v), the output is exactly the torch inverse rotation of v at each row's position."""
+    args, kw = make_pools(kind, seed=9, table=True, pos=[0, 6, 7, 12, 39, 79])
+    q, window, slots, pos, sink, scale, rope = args
+    v = window[:, :1]
+    window = v.expand(window.shape).contiguous()
+    if "comp" in kw:
+        kw["comp"] = v.expand(kw["comp"].shape).contiguous()
+    q, sink = torch.zeros_like(q), torch.full_like(sink, float("-inf"))
+    o = sparse_attention_pools(q, window, slots, pos, sink, scale, rope, **kw, config=cfg)
+    expect = sparse_attention_pools_ref(q, window, slots, pos, sink, scale, rope, **kw)
+    assert torch.equal(expect[..., :-16], v[slots].expand(-1, q.shape[1], -1)[..., :-16])  # the premise
+    assert torch.equal(o, expect)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_pools_batch_invariant_and_deterministic(kind):
+    args, kw = make_pools(kind, seed=11)
+    full = sparse_attention_pools(*args, **kw, config=SPLIT_CFG)
+    assert torch.equal(full, sparse_attention_pools(*args, **kw, config=SPLIT_CFG))
+    for sel in (slice(0, 1), slice(3, 4), slice(5, 6), slice(1, 3)):
+        a, k = rows_of(args, kw, sel)
+        assert torch.equal(sparse_attention_pools(*a, **k, config=SPLIT_CFG), full[sel])
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_pools_masked_rows_are_not_read(kind):
+    """NaN in every pool row that no batch row may attend (ring slots past a position, invisible
+    or unselected compressed entries, the discard row, unused slots): the same bits."""
+    args, kw = make_pools(kind, seed=12)
+    q, window, slots, pos, sink, scale, rope = args
+    ratio, n, _ = LAYERS[kind]
+    keep_w = torch.zeros(window.shape[:2], dtype=torch.bool, device=window.device)
+    keep_c = torch.zeros(kw["comp"].shape[:2], dtype=torch.bool, device=window.device)
+    for b in range(q.shape[0]):
+        keep_w[slots[b], : int(pos[b]) + 1] = True
+        if "idx" in kw:
+            keep_c[slots[b], kw["idx"][b][kw["idx_ok"][b]]] = True
+        else:
+            keep_c[slots[b], : (int(pos[b]) + 1) // ratio] = True
+    nan = torch.tensor(float("nan"), dtype=window.dtype, device=window.device)
+    dirty_w = torch.where(keep_w[..., None], window, nan)
+    dirty = dict(kw, comp=torch.where(keep_c[..., None], kw["comp"], nan))
+    for cfg in (None, SPLIT_CFG):
+        o = sparse_attention_pools(q, dirty_w, slots, pos, sink, scale, rope, **dirty, config=cfg)
+        assert torch.equal(o, sparse_attention_pools(*args, **kw, config=cfg))
+
+
+def test_pools_strided_pools_and_int32_ids():
+    """Pools as views of larger buffers (strided slots and rows), int32 top-k ids."""
+    args, kw = make_pools("csa", seed=13)
+    q, window, slots, pos, sink, scale, rope = args
+    wb = torch.zeros(window.shape[0], window.shape[1] + 3, 96, dtype=window.dtype, device=window.device)
+    wb[:, 2:-1, :64] = window
+    cb = torch.zeros(kw["comp"].shape[0], kw["comp"].shape[1], 80, dtype=window.dtype, device=window.device)
+    cb[..., 16:] = kw["comp"]
+    o = sparse_attention_pools(q, wb[:, 2:-1, :64], slots, pos, sink, scale, rope,
+                               **dict(kw, comp=cb[..., 16:], idx=kw["idx"].int()))
+    assert torch.equal(o, sparse_attention_pools(*args, **kw))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("N", [128, 640, 128 + 2048])
@@ -134,3 +283,30 @@ def test_gpu_v4_shapes(B, N):
     assert torch.equal(o, run(args))
     assert torch.equal(o[:1], run([t[:1] if t.dim() > 1 else t for t in args]))
     check(o, ref(args))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_gpu_pools_v4_shapes(B, kind):
+    """V4-Flash: 64 heads of 512 (RoPE on the last 64), a ring of 128, CSA top-512 of 2048
+    entries, HCA 512 entries (ratio 128); positions across the whole range."""
+    g = torch.Generator().manual_seed(B)
+    LAYERS_V4 = {"swa": (0, 0, 0), "csa": (4, 2048, 512), "hca": (128, 512, 0)}
+    ratio, n, k = LAYERS_V4[kind]
+    pos = torch.randint(0, max(n * max(ratio, 1), 256), (B,), generator=g).tolist()
+    pos[0] = 3
+    old = LAYERS[kind]
+    LAYERS[kind] = LAYERS_V4[kind]
+    try:
+        for table in (False, True):
+            args, kw = make_pools(kind, seed=B, B=B, H=64, d=512, rd=64, W=128, S=max(B, 2), table=table, pos=pos,
+                                  dev="cuda")
+            o = sparse_attention_pools(*args, **kw)
+            assert torch.equal(o, sparse_attention_pools(*args, **kw))
+            a1, k1 = rows_of(args, kw, slice(0, 1))
+            assert torch.equal(o[:1], sparse_attention_pools(*a1, **k1))
+            check_out(o, sparse_attention_pools_ref(*args, **kw), 64)
+    finally:
+        LAYERS[kind] = old
