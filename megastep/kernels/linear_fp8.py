@@ -12,6 +12,17 @@ Split-K partials go to an fp32 workspace; the last program of a tile (an arrival
 atomics on data) sums them in split order 0..S-1 and writes the output, so results do not
 depend on scheduling: same input, same bits.
 
+Epilogues (constexpr flags of the one kernel body; the main loop and the split-K combine are shared):
+- plain (`linear_fp8`): acc rounded once to out_dtype.
+- gated (`linear_fp8_swiglu`, the shared expert's w1/w3): w13 = cat(w1, w3) rows [2I, K]; each
+  program owns the same BLOCK_N rows of w1 and of w3 (two accumulators over one quantized x), so
+  out = rnd(swiglu(rnd(x @ w1^T), rnd(x @ w3^T))) is formed after the (ordered) split-K combine,
+  exactly `ops.swiglu(linear_fp8(x, w1), linear_fp8(x, w3), limit).to(out_dtype)`.
+- residual (`linear_fp8(..., residual=y)`): out = rnd(y + rnd(acc)), exactly
+  `(y.float() + linear_fp8(x, w, s, out_dtype=out_dtype).float()).to(out_dtype)`.
+Here rnd rounds to out_dtype (nothing for fp32). On the GPU the swiglu uses libdevice expf and
+an IEEE division, the operations torch's fp32 silu compiles to.
+
 Modes (pinned per shape by `pick_config`, never autotuned at run time):
 - "dot16" (the only mode): tensor cores on bf16 operands (e4m3 weights and quantized
   activations are exact in bf16), activation and weight scales folded into the activation
@@ -29,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from megastep.checkpoint import formats
 from megastep.kernels.common import (
@@ -109,15 +121,69 @@ def pick_config(M: int, N: int, K: int) -> LinearFp8Config:
     return LinearFp8Config("dot16", bn, mb, bk, split, num_warps=4, num_stages=3)
 
 
+# Gated (w13 = cat(w1, w3)) configurations keyed by (I, K, M bucket). Rule: BLOCK_N 64 (a program
+# streams 2 x 64 weight rows), 128-wide K steps, 4 stages, split-K to ~two waves. Measured on one
+# H200 (benchmarks/kernels/shared_expert_check.py --sweep, CUDA-graph replay, weights rotated past
+# L2), V4-Flash shared expert I 2048, K 4096 (16 MB), µs per call:
+#   M=1:  bn64 bk128 s8 st4 16.4 (the rule) | s16 st3 17.5 | bn128 w8 s8 18.9 | bn64 bk256 s8 19.7 |
+#         bn32 bk256 s4 21.0 | bn64 bk256 s4 24.2   (plain w1 2048x4096 alone: 9.4)
+#   M=64: bn64 bk128 s4 st4 33.7 (pinned) | s8 st3 34.1 | s4 st3 34.6 | bn128 w8 s8 35.9 | bn32 s4 45.7
+# The 32-row bucket is not measured (the rule).
+_PINNED_SWIGLU: dict[tuple[int, int, int], LinearFp8Config] = {
+    (2048, 4096, 64): LinearFp8Config("dot16", 64, 64, 128, 4, num_warps=4, num_stages=4),
+}
+
+
+def pick_config_swiglu(M: int, I: int, K: int) -> LinearFp8Config:
+    """The configuration `linear_fp8_swiglu` uses for x [M, K] and w13 [2I, K] (shape only)."""
+    mb = _m_bucket(M)
+    cfg = _PINNED_SWIGLU.get((I, K, mb))
+    if cfg is not None:
+        return cfg
+    return LinearFp8Config("dot16", 64, mb, 128, _auto_split(-(-I // 64), K, 128), num_warps=4, num_stages=4)
+
+
+@triton.jit
+def _swiglu(g, u, limit, CLAMP: tl.constexpr, INTERPRET: tl.constexpr):
+    """ops.swiglu in fp32: silu(min(g, limit)) * clamp(u, -limit, limit), silu = g / (1 + exp(-g))
+    as torch computes it (libdevice expf and an IEEE division on the GPU: the same operations)."""
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    if INTERPRET:  # the interpreter has no libdevice: numpy's exp
+        e = tl.exp(-g)
+    else:
+        e = libdevice.exp(-g)
+    return tl.div_rn(g, 1.0 + e) * u
+
+
+@triton.jit
+def _epilogue(acc, acc3, res_ptrs, mask, limit, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+              GATED: tl.constexpr, CLAMP: tl.constexpr, HAS_RES: tl.constexpr):
+    """The fp32 sum(s) of a tile -> the output values (exact in the output dtype)."""
+    if OUT_BF16:  # the linear's own output rounding
+        acc = round_bf16(acc, INTERPRET)
+    if GATED:
+        if OUT_BF16:
+            acc3 = round_bf16(acc3, INTERPRET)
+        acc = _swiglu(acc, acc3, limit, CLAMP, INTERPRET)
+    if HAS_RES:
+        acc = tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32) + acc
+    if (GATED or HAS_RES) and OUT_BF16:
+        acc = round_bf16(acc, INTERPRET)
+    return acc
+
+
 @triton.jit
 def _linear_fp8_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr,
-    M, N, K, K_PER_SPLIT,
-    stride_xm, stride_wn, stride_wsn, stride_om,
+    x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr,
+    M, N, K, K_PER_SPLIT, limit,
+    stride_xm, stride_wn, stride_wsn, stride_om, stride_rm,
     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, QUANT_ACT: tl.constexpr,
-    GROUP_N: tl.constexpr,
+    GROUP_N: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, HAS_RES: tl.constexpr,
 ):
+    # GATED: N is I (output channels); w3's rows (and scale rows) start N rows below w1's
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -131,12 +197,18 @@ def _linear_fp8_kernel(
     ws_row = ws_ptr + ((pid_n * BLOCK_N) // 128) * stride_wsn
     w_rows = w_ptr + offs_n[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc3 = acc
+    if GATED:
+        ws3_row = ws_row + (N // 128) * stride_wsn
+        w3_rows = w_rows + N * stride_wn
+        acc3 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + offs_kk
         k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
         sw = e8m0_to_f32(tl.load(ws_row + offs_k // 128, mask=k_mask, other=127))  # [BLOCK_K]
         # scales folded into the (exact) bf16 activation operand
         # grouped (wo_a): output rows [g*GROUP_N, (g+1)*GROUP_N) read input columns [g*K, (g+1)*K)
@@ -144,19 +216,27 @@ def _linear_fp8_kernel(
                      mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         if QUANT_ACT:
             s, inv = fp8_block_scales(tl.abs(xt), offs_kk, 128, BLOCK_K // 128)
-            xe = fp8_round(xt, inv, INTERPRET).to(tl.float32) * s * sw[None, :]
+            xq = fp8_round(xt, inv, INTERPRET).to(tl.float32) * s
         else:  # wo_a: a bf16 activation against the dequantized weight (power-of-two scale: exact)
-            xe = xt * sw[None, :]
+            xq = xt
+        xe = xq * sw[None, :]
         if INTERPRET:
             acc += tl.dot(w.to(tl.float32), tl.trans(xe))
         else:
             acc += tl.dot(w.to(tl.bfloat16), tl.trans(xe.to(tl.bfloat16)))
+        if GATED:  # the same quantized x against w3's rows (their own weight scales)
+            w3 = tl.load(w3_rows + offs_k[None, :], mask=w_mask, other=0.0)
+            xe3 = xq * e8m0_to_f32(tl.load(ws3_row + offs_k // 128, mask=k_mask, other=127))[None, :]
+            if INTERPRET:
+                acc3 += tl.dot(w3.to(tl.float32), tl.trans(xe3))
+            else:
+                acc3 += tl.dot(w3.to(tl.bfloat16), tl.trans(xe3.to(tl.bfloat16)))
 
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    res_ptrs = res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None]
     out_mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K == 1:
-        if OUT_BF16:
-            acc = round_bf16(acc, INTERPRET)
+        acc = _epilogue(acc, acc3, res_ptrs, out_mask, limit, OUT_BF16, INTERPRET, GATED, CLAMP, HAS_RES)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         tile = pid_m * n_tiles + pid_n
@@ -164,6 +244,8 @@ def _linear_fp8_kernel(
         split_stride = tl.num_programs(0) * tl.num_programs(2) * tile_elems
         p_off = tile * tile_elems + tl.arange(0, BLOCK_M)[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
         tl.store(part_ptr + pid_k * split_stride + p_off, acc, mask=out_mask)
+        if GATED:  # w3's partials after all of w1's
+            tl.store(part_ptr + (SPLIT_K + pid_k) * split_stride + p_off, acc3, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is issued before the release below
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:  # last program of this tile: fixed-order sum
@@ -172,10 +254,58 @@ def _linear_fp8_kernel(
             for sk in tl.static_range(1, SPLIT_K):
                 tot += tl.load(part_ptr + sk * split_stride + p_off, mask=out_mask, other=0.0,
                                cache_modifier=".cg")
-            if OUT_BF16:
-                tot = round_bf16(tot, INTERPRET)
+            tot3 = tot
+            if GATED:
+                tot3 = tl.load(part_ptr + SPLIT_K * split_stride + p_off, mask=out_mask, other=0.0,
+                               cache_modifier=".cg")
+                for sk in tl.static_range(1, SPLIT_K):
+                    tot3 += tl.load(part_ptr + (SPLIT_K + sk) * split_stride + p_off, mask=out_mask, other=0.0,
+                                    cache_modifier=".cg")
+            tot = _epilogue(tot, tot3, res_ptrs, out_mask, limit, OUT_BF16, INTERPRET, GATED, CLAMP, HAS_RES)
             tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.store(cnt_ptr + tile, 0)
+
+
+def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residual):
+    """Grid, split and workspace for x [M, K] -> out [M, N] (N = I when gated)."""
+    M, N = out.shape
+    K = w.shape[1]
+    kb = -(-K // BLOCK)
+    split = min(cfg.split_k, kb)
+    k_per_split = -(-kb // split) * BLOCK
+    k_per_split = -(-k_per_split // cfg.block_k) * cfg.block_k
+    split = -(-K // k_per_split)
+    grid = (-(-N // cfg.block_n), split, -(-M // cfg.block_m))
+    tiles = grid[0] * grid[2]
+    if split > 1:
+        part = workspace(x.device, "partials", (2 if gated else 1) * split * tiles * cfg.block_n * cfg.block_m,
+                         torch.float32)
+        cnt = workspace(x.device, "counters", tiles, torch.int32)
+    else:
+        part = cnt = out  # unused
+    res = out if residual is None else residual  # unused without a residual
+    _linear_fp8_kernel[grid](
+        x, w, w_scale.view(torch.uint8), out, part, cnt, res,
+        M, N, K, k_per_split, float(limit),
+        x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), res.stride(0),
+        MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+        SPLIT_K=split, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
+        GROUP_N=N // groups, GATED=gated, CLAMP=limit > 0, HAS_RES=residual is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _check_operands(x, w, w_scale, out_dtype):
+    assert x.dim() == 2 and w.dim() == 2, (x.shape, w.shape)
+    assert x.dtype in (torch.bfloat16, torch.float32), x.dtype
+    assert w.dtype == torch.float8_e4m3fn, w.dtype
+    assert out_dtype in (torch.bfloat16, torch.float32), out_dtype
+    N, K = w.shape
+    assert w_scale.shape == (-(-N // BLOCK), -(-K // BLOCK)), (w_scale.shape, N, K)
+    assert w_scale.dtype in (torch.float8_e8m0fnu, torch.uint8), w_scale.dtype
+    assert x.stride(1) == 1 and w.stride(1) == 1 and w_scale.stride(1) == 1
+    assert x.device == w.device == w_scale.device
 
 
 def linear_fp8(
@@ -187,49 +317,56 @@ def linear_fp8(
     config: LinearFp8Config | None = None,
     quantize_act: bool = True,
     groups: int = 1,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] bf16/fp32, w e4m3 [N, K], w_scale e8m0 [ceil(N/128), ceil(K/128)] -> [M, N].
     quantize_act=False skips the activation quantization (the official wo_a: a plain weight).
     groups=G (wo_a's grouped projection, one launch): x is [M, G*K] and output rows
-    [g*N/G, (g+1)*N/G) take input columns [g*K, (g+1)*K); N/G must be a multiple of 128."""
+    [g*N/G, (g+1)*N/G) take input columns [g*K, (g+1)*K); N/G must be a multiple of 128.
+    residual y [M, N] fp32 (or bf16): returns rnd(y + rnd(x @ w^T)) with rnd the rounding to
+    out_dtype, i.e. exactly `(y.float() + linear_fp8(x, w, w_scale, out_dtype=out_dtype).float())
+    .to(out_dtype)` (the shared expert's w2 plus the routed sum), in the same launch."""
     assert block == BLOCK, "V4 FP8 weights use 128x128 blocks"
-    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == groups * w.shape[1], (x.shape, w.shape, groups)
+    _check_operands(x, w, w_scale, out_dtype)
+    assert x.shape[1] == groups * w.shape[1], (x.shape, w.shape, groups)
     assert groups == 1 or (w.shape[0] % groups == 0 and (w.shape[0] // groups) % BLOCK == 0), (w.shape, groups)
-    assert x.dtype in (torch.bfloat16, torch.float32), x.dtype
-    assert w.dtype == torch.float8_e4m3fn, w.dtype
-    assert out_dtype in (torch.bfloat16, torch.float32), out_dtype
     M = x.shape[0]
     N, K = w.shape
-    assert w_scale.shape == (-(-N // BLOCK), -(-K // BLOCK)), (w_scale.shape, N, K)
-    assert w_scale.dtype in (torch.float8_e8m0fnu, torch.uint8), w_scale.dtype
-    assert x.stride(1) == 1 and w.stride(1) == 1 and w_scale.stride(1) == 1
-    assert x.device == w.device == w_scale.device
+    if residual is not None:
+        assert residual.shape == (M, N) and residual.stride(1) == 1, (residual.shape, M, N)
+        assert residual.dtype in (torch.float32, torch.bfloat16) and residual.device == x.device, residual.dtype
     cfg = config or pick_config(M, N, K)
     cfg.check()
     out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    kb = -(-K // BLOCK)
-    split = min(cfg.split_k, kb)
-    k_per_split = -(-kb // split) * BLOCK
-    k_per_split = -(-k_per_split // cfg.block_k) * cfg.block_k
-    split = -(-K // k_per_split)
-    grid = (-(-N // cfg.block_n), split, -(-M // cfg.block_m))
-    tiles = grid[0] * grid[2]
-    if split > 1:
-        part = workspace(x.device, "partials", split * tiles * cfg.block_n * cfg.block_m, torch.float32)
-        cnt = workspace(x.device, "counters", tiles, torch.int32)
-    else:
-        part = cnt = out  # unused
-    _linear_fp8_kernel[grid](
-        x, w, w_scale.view(torch.uint8), out, part, cnt,
-        M, N, K, k_per_split,
-        x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
-        MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
-        SPLIT_K=split, OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
-        GROUP_N=N // groups, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return out
+    return _launch(x, w, w_scale, out, cfg, quantize_act, groups, False, 0.0, residual)
+
+
+def linear_fp8_swiglu(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    swiglu_limit: float,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: LinearFp8Config | None = None,
+) -> torch.Tensor:
+    """x [M, K] bf16/fp32, w13 e4m3 [2I, K] = cat(w1, w3) rows, w13_scale = cat of their e8m0
+    scales [2I/128, ceil(K/128)]; I a multiple of 128 -> [M, I]:
+    rnd(swiglu(rnd(x @ w1^T), rnd(x @ w3^T), swiglu_limit)) with rnd the rounding to out_dtype,
+    exactly `ops.swiglu(linear_fp8(x, w1, s1, out_dtype=od), linear_fp8(x, w3, s3, out_dtype=od),
+    limit).to(od)` (swiglu in fp32; limit <= 0: no clamp)."""
+    _check_operands(x, w13, w13_scale, out_dtype)
+    M, K = x.shape
+    two_i = w13.shape[0]
+    assert w13.shape[1] == K and two_i % (2 * BLOCK) == 0, (x.shape, w13.shape)
+    I = two_i // 2
+    cfg = config or pick_config_swiglu(M, I, K)
+    cfg.check()
+    out = torch.empty(M, I, dtype=out_dtype, device=x.device)
+    if M == 0:
+        return out
+    return _launch(x, w13, w13_scale, out, cfg, True, 1, True, float(swiglu_limit), None)
 
 
 def linear_fp8_ref(
@@ -241,12 +378,33 @@ def linear_fp8_ref(
     config: LinearFp8Config | None = None,
     quantize_act: bool = True,
     groups: int = 1,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The exact semantics: fp32 dequantized weight times fp32 quantized activation."""
     del config
     xq = formats.fp8_act_sim(x.float(), block) if quantize_act else x.float()
     wd = formats.dequantize_fp8_weight(w, w_scale, block)
     if groups == 1:
-        return (xq @ wd.T).to(out_dtype)
-    M, (N, K) = x.shape[0], w.shape
-    return torch.einsum("mgk,gnk->mgn", xq.view(M, groups, K), wd.view(groups, N // groups, K)).reshape(M, N).to(out_dtype)
+        y = (xq @ wd.T).to(out_dtype)
+    else:
+        M, (N, K) = x.shape[0], w.shape
+        y = torch.einsum("mgk,gnk->mgn", xq.view(M, groups, K), wd.view(groups, N // groups, K)).reshape(M, N).to(out_dtype)
+    return y if residual is None else (residual.float() + y.float()).to(out_dtype)
+
+
+def linear_fp8_swiglu_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    swiglu_limit: float,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: LinearFp8Config | None = None,
+) -> torch.Tensor:
+    """Two linears and `ops.swiglu` (the same torch operations, written here: kernels do not
+    import the model package)."""
+    I = w13.shape[0] // 2
+    g = linear_fp8_ref(x, w13[:I], w13_scale[:I // BLOCK], out_dtype=out_dtype).float()
+    u = linear_fp8_ref(x, w13[I:], w13_scale[I // BLOCK:], out_dtype=out_dtype).float()
+    if swiglu_limit > 0:
+        g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
+    return (torch.nn.functional.silu(g) * u).to(out_dtype)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megastep.checkpoint import formats as F
-from megastep.kernels.linear_fp8 import _PINNED, LinearFp8Config, linear_fp8, linear_fp8_ref, pick_config
+from megastep.kernels.linear_fp8 import _PINNED, _PINNED_SWIGLU, LinearFp8Config, linear_fp8, linear_fp8_ref, pick_config
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 V4_SHAPES = [(1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (2048, 4096), (4096, 2048), (8192, 1024)]
@@ -133,3 +133,153 @@ def test_gpu_v4_shapes_match_ref_and_are_deterministic(M, N, K):
     torch.cuda.synchronize()
     assert torch.equal(y1.view(torch.int16), y2.view(torch.int16))
     check(y1, linear_fp8_ref(x, w, s))
+
+
+# ---- gated (w13 -> swiglu) and residual epilogues ------------------------------------------------
+# linear_fp8_swiglu is checked three ways: its ref is the torch composition bit for bit; the kernel
+# equals (GPU: within one bf16 step of) two linear_fp8 calls with the same configuration followed by
+# ops.swiglu (same sums in the same order, so only silu's exp could differ); and it lies within the
+# bound that g and u each one bf16 step off the ref's (the linear tolerance above) allow:
+# |d(silu(g) u)| <= (|silu(g)| + 1.1 dg) du + |u| 1.1 dg  (|silu'| <= 1.1; clamps are 1-Lipschitz),
+# plus the output's own rounding. The residual epilogue is plain fp32 adds: the kernel equals
+# (y + linear_fp8(...).float()).to(dtype) with the same configuration exactly, and the ref within
+# the linear tolerance (one rounding of the sum on top of the linear's step).
+from megastep.kernels.linear_fp8 import linear_fp8_swiglu, linear_fp8_swiglu_ref, pick_config_swiglu  # noqa: E402
+from megastep.model import ops  # noqa: E402
+
+LIMIT = 10.0
+# silu(g) for g < -88.7: exp(-g) overflows to inf and g / inf = -0, as in torch; numpy warns
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def make_w13(M, I, K, seed, x_dtype=torch.bfloat16, dev=DEV):
+    """x and w13 = cat(w1, w3) with gate/up magnitudes that reach past the clamp limit."""
+    x, w, s = make(M, 2 * I, K, seed, x_dtype, dev)
+    w, s = F.quantize_fp8_weight(F.dequantize_fp8_weight(w, s, 128) * 4, 128)
+    return x, w, s
+
+
+def swiglu_parts(x, w, s, od, cfg=None, fn=linear_fp8):
+    I = w.shape[0] // 2
+    kw = {} if fn is linear_fp8_ref else {"config": cfg}
+    return fn(x, w[:I], s[:I // 128], out_dtype=od, **kw), fn(x, w[I:], s[I // 128:], out_dtype=od, **kw)
+
+
+def check_swiglu(y, x, w, s, limit, cfg):
+    od = y.dtype
+    comp = ops.swiglu(*swiglu_parts(x, w, s, od, cfg), limit).to(od)
+    check(y, comp)  # at most one step apart; bf16: bit-equal but for exp's last fp32 bit at a rounding tie
+    if od == torch.bfloat16:
+        assert (y != comp).float().mean().item() <= 0.01, f"{(y != comp).sum().item()} of {y.numel()} differ"
+    g, u = (t.float() for t in swiglu_parts(x, w, s, od, fn=linear_fp8_ref))
+    step = 2.0**-7 if od == torch.bfloat16 else 0.0
+    dg = step * g.abs() + 1e-5 * g.abs().max()
+    du = step * u.abs() + 1e-5 * u.abs().max()
+    if limit > 0:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    silu = torch.nn.functional.silu(g)
+    ref = (silu * u).to(od).float()
+    assert torch.equal(ref, linear_fp8_swiglu_ref(x, w, s, limit, od).float())
+    tol = 1.01 * ((silu.abs() + 1.1 * dg) * du + u.abs() * 1.1 * dg) + (step or 1e-6) * ref.abs() + 1e-6 * ref.abs().max()
+    bad = (y.float() - ref).abs() > tol
+    assert not bad.any(), f"{bad.sum().item()} elements off; worst {(y.float() - ref).abs().max().item()}"
+
+
+def picked_swiglu_configs():
+    cfgs = set(_PINNED_SWIGLU.values())
+    for M in range(1, 65):
+        for I, K in [(2048, 4096), (128, 256), (256, 384)]:
+            cfgs.add(pick_config_swiglu(M, I, K))
+    return sorted(cfgs, key=lambda c: (c.block_m, c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages))
+
+
+SWIGLU_EXTRA = [
+    LinearFp8Config("dot16", 16, 16, 512, 2),
+    LinearFp8Config("dot16", 128, 32, 256, 1),
+    LinearFp8Config("dot16", 64, 64, 128, 3, num_warps=8),
+]
+
+
+@pytest.mark.parametrize("cfg", picked_swiglu_configs() + SWIGLU_EXTRA, ids=str)
+def test_swiglu_every_config(cfg):
+    K = cfg.split_k * cfg.block_k + 96  # each split one or two K steps, a ragged last 128-block
+    M = 1 if cfg.block_m == 16 else min(cfg.block_m - 3, 19)
+    x, w, s = make_w13(M, 128, K, seed=K + cfg.block_n)
+    check_swiglu(linear_fp8_swiglu(x, w, s, LIMIT, config=cfg), x, w, s, LIMIT, cfg)
+
+
+@pytest.mark.parametrize("M,I,K,limit,od", [(3, 256, 384, LIMIT, torch.bfloat16), (5, 128, 300, 0.0, torch.bfloat16),
+                                            (17, 128, 256, LIMIT, torch.float32), (1, 256, 512, 2.5, torch.bfloat16)])
+def test_swiglu_picked_config_odd_rows_and_limits(M, I, K, limit, od):
+    x, w, s = make_w13(M, I, K, seed=M + I + K)
+    y = linear_fp8_swiglu(x, w, s, limit, out_dtype=od)
+    check_swiglu(y, x, w, s, limit, pick_config_swiglu(M, I, K))
+    if limit > 0:  # the clamp is exercised
+        g, u = swiglu_parts(x, w, s, od, fn=linear_fp8_ref)
+        assert (g.float() > limit).any() and (u.float().abs() > limit).any()
+
+
+def test_swiglu_ref_is_ops_swiglu_of_two_linears():
+    x, w, s = make_w13(3, 128, 256, seed=3)
+    for limit in (LIMIT, 0.0):
+        assert torch.equal(linear_fp8_swiglu_ref(x, w, s, limit),
+                           ops.swiglu(*swiglu_parts(x, w, s, torch.bfloat16, fn=linear_fp8_ref), limit).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("cfg", [None, LinearFp8Config("dot16", 32, 16, 128, 3), LinearFp8Config("dot16", 64, 16, 256, 1)],
+                         ids=str)
+@pytest.mark.parametrize("od", [torch.bfloat16, torch.float32], ids=str)
+def test_residual_epilogue(cfg, od):
+    M, N, K = 3, 192, 384
+    x, w, s = make(M, N, K, seed=11)
+    g = torch.Generator(device=DEV).manual_seed(12)
+    y = torch.randn(M, N, generator=g, device=DEV) * linear_fp8_ref(x, w, s).float().abs().mean()
+    out = linear_fp8(x, w, s, out_dtype=od, config=cfg, residual=y)
+    assert torch.equal(out, (y + linear_fp8(x, w, s, out_dtype=od, config=cfg).float()).to(od))
+    check(out, linear_fp8_ref(x, w, s, out_dtype=od, residual=y))
+    assert torch.equal(linear_fp8_ref(x, w, s, out_dtype=od, residual=y), (y + linear_fp8_ref(x, w, s, out_dtype=od).float()).to(od))
+    # a bf16 residual is widened exactly
+    yb = y.to(torch.bfloat16)
+    assert torch.equal(linear_fp8(x, w, s, out_dtype=od, config=cfg, residual=yb),
+                       linear_fp8(x, w, s, out_dtype=od, config=cfg, residual=yb.float()))
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_epilogues_bit_identical_and_batch_invariant(split):
+    """Same input, same bits (the split-K counters reset), and a row's output does not depend on
+    the other rows or on M (for a fixed configuration; the picked one is fixed per M bucket)."""
+    I, K = 128, 512
+    x, w, s = make_w13(40, I, K, seed=21)
+    w2, s2 = F.quantize_fp8_weight(F.dequantize_fp8_weight(w, s, 128).T.contiguous()[:, :I] * 0.25, 128)  # [K, I]
+    y = torch.randn(40, K, device=DEV)
+    cfg = LinearFp8Config("dot16", 32, 16, 128, split)
+    a = linear_fp8_swiglu(x, w, s, LIMIT, config=cfg)
+    assert torch.equal(a, linear_fp8_swiglu(x, w, s, LIMIT, config=cfg))
+    o = linear_fp8(a, w2, s2, residual=y, config=cfg)
+    assert torch.equal(o, linear_fp8(a, w2, s2, residual=y, config=cfg))
+    for rows in (slice(0, 1), slice(5, 21)):
+        assert torch.equal(a[rows], linear_fp8_swiglu(x[rows], w, s, LIMIT, config=cfg))
+        assert torch.equal(o[rows], linear_fp8(a[rows], w2, s2, residual=y[rows], config=cfg))
+    # picked configuration: rows 0..15 (one bucket) give the same bits at M = 1, 7 and 16
+    for M in (1, 7):
+        assert torch.equal(linear_fp8_swiglu(x[:M], w, s, LIMIT), linear_fp8_swiglu(x[:16], w, s, LIMIT)[:M])
+        assert torch.equal(linear_fp8(a[:M], w2, s2, residual=y[:M]), linear_fp8(a[:16], w2, s2, residual=y[:16])[:M])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 4, 16, 64])
+def test_gpu_shared_expert_shapes(M):
+    """V4-Flash shared expert: w13 [4096, 4096] gated, w2 [4096, 2048] with the routed sum added."""
+    x, w13, s13 = make_w13(M, 2048, 4096, seed=M, dev="cuda")
+    a1, a2 = linear_fp8_swiglu(x, w13, s13, LIMIT), linear_fp8_swiglu(x, w13, s13, LIMIT)
+    torch.cuda.synchronize()
+    assert torch.equal(a1, a2)
+    check_swiglu(a1, x, w13, s13, LIMIT, pick_config_swiglu(M, 2048, 4096))
+    _, w2, s2 = make(M, 4096, 2048, seed=M + 1, dev="cuda")
+    y = torch.randn(M, 4096, device="cuda")
+    o1, o2 = linear_fp8(a1, w2, s2, residual=y), linear_fp8(a1, w2, s2, residual=y)
+    torch.cuda.synchronize()
+    assert torch.equal(o1, o2)
+    assert torch.equal(o1, (y + linear_fp8(a1, w2, s2).float()).to(torch.bfloat16))
+    check(o1, linear_fp8_ref(a1, w2, s2, residual=y))
