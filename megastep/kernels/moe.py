@@ -13,23 +13,55 @@ and slot j with expert e = topk_ids[m, j] and routing weight r = topk_weights[m,
 (the reference decode sums the same bf16 y_j in ascending expert id; either fixed order is
 deterministic and they differ by fp32 rounding only.)
 
-Layout: experts stacked once at load (`stack_experts`): w13 int8 [E, 2I, D/2] (rows 0..I-1 = w1,
-I..2I-1 = w3), w13_scale e8m0 [E, 2I, D/32], w2 int8 [E, D, I/2], w2_scale e8m0 [E, D, I/32];
-low nibble = even element, one E8M0 scale per 32 along K.
+Layout: per expert w13 int8 [2I, D/2] (rows 0..I-1 = w1, I..2I-1 = w3), w13_scale e8m0 [2I, D/32],
+w2 int8 [D, I/2], w2_scale e8m0 [D, I/32]; low nibble = even element, one E8M0 scale per 32 along K.
+The kernels find each expert through an `ExpertTable`: an int64 [E, 4] tensor of the four base
+addresses of every expert, so the experts may live anywhere the GPU can address (stacked [E, ...]
+tensors at load, `stack_experts`; separate HBM slots; pinned host memory read "zero-copy" through
+its device-visible address). Row strides are common to all experts of a table.
+`moe_experts_mxfp4` takes the stacked tensors and builds (once, cached) their table.
 
 Four launches, all with static grids (CUDA-graph friendly, no host sync):
 1. `_moe_prep_kernel`: groups the M*k (row, slot) pairs by expert (pairs sorted by expert then
    pair index; one "slot" per distinct expert: id, first pair, count) and, in other programs of
    the same launch, quantizes x (fp8_act_sim per 128) once for all experts.
 2. `_moe_gate_up_kernel`: programs (I tile, slot group) loop over their distinct experts and read
-   each expert's w1/w3 rows once per pair block, dequantizing MXFP4 in registers (never to
-   memory): per 32-group sums of e2m1 * x, times the group's E8M0 scale; then clamp, SwiGLU and
-   the routing weight.
+   each expert's w1/w3 rows, dequantizing MXFP4 in registers (never to memory); then clamp,
+   SwiGLU and the routing weight.
 3. `_moe_act_quant_kernel`: fp8_act_sim(a, 128) per pair (a 128-block spans several I tiles).
 4. `_moe_down_kernel`: the same for w2; writes per-pair outputs, and the last program to finish
    a (row, D tile) (arrival counter; no atomics on data) sums the row's k slots in slot order.
-The quantized activations are stored as bf16 (exact), each 32-group permuted to (16 even, 16 odd)
-elements, the order in which the packed bytes deliver their low and high nibbles.
+The quantized activations are stored as bf16 (exact). Except for mode "dot_scaled" each 32-group
+is permuted to (16 even, 16 odd) elements, the order in which the packed bytes deliver their low
+and high nibbles; "dot_scaled" keeps the natural order that `tl.dot_scaled` unpacks to.
+
+Modes (`MoeConfig.mode`; `pick_config` returns DEFAULT_MODE):
+- "fma": CUDA-core GEMV. Per 32-group sums of e2m1 * q (fp16 bit trick, fp32 FMAs) times the
+  group's E8M0 scale, pairs of one expert handled BLOCK_P at a time (re-reading the weight tile).
+- "dot": tensor cores. Each weight tile [rows, BLOCK_K] is decoded once to bf16 with the group
+  scale folded in (exact: e2m1 * 2^(s-127) is a bf16 value), then multiplied against the
+  activations of up to 16 pairs of the expert at once (one weight read for all its pairs; M=1
+  wastes 15/16 of an MMA, which costs nothing next to the decode). Two dots per step: low
+  nibbles against the 16 "even" activation columns of each group, high nibbles against the odd.
+- "dot_asm": "dot" with the decode in inline PTX on packed registers: 4 bytes -> 8 bf16 in ~24
+  instructions (prmt/shift/lop3 place sign and exponent/mantissa bits, giving e2m1 * 2^-126 with
+  code 1 on the bf16 subnormal 2^-127; two bf16x2 multiplies by 2^126 and 2^(s-127) finish it);
+  the Triton decode is ~2x as many per-element ops. Under the interpreter it decodes as "dot".
+- "dot_scaled": Triton's `tl.dot_scaled` (e2m1 weights, bf16 activations; on sm_90 Triton
+  upcasts to bf16 itself). Under the interpreter (whose dot_scaled passes bf16 through fp16)
+  it decodes as "dot", with natural-order activations.
+Measured on one H200 (V4-Flash shapes, benchmarks/kernels/moe_variants.py, 2026-11-29), µs per call
+at M = 1 / 64: "fma" 80 / 3757; "dot_asm" 73 / 1853 (pick_config's tiles), 79 / 1844 with
+num_stages 1; "dot" 95 / 2322 and "dot_scaled" 174 / 5064 (num_stages 1). Cold experts read from
+pinned host memory through the table at M = 1 (output bit-identical to the all-device table):
+the dot modes add ~43-47 GB/s of cold bytes over the all-device time, "fma" ~23 GB/s.
+Numerics: every mode multiplies the same exact values (e2m1 * 2^a times e4m3 * 2^b) and sums in
+fp32; they differ from the ref and from each other in the order of fp32 sums only. Each row's
+order is fixed by (mode, block_k) and the weight shapes, never by M or the routing of other rows:
+a dot's columns (pairs) are independent and always 16 wide, an "fma" pair block keeps pairs apart.
+So results are deterministic and batch invariant as long as the caller pins the mode and block_k
+(pick_config does, for every M). Supported E8M0 scale bytes: 2..240 (2^-125..2^113) in every
+mode; bytes outside give wrong values and are not detected per call (`check_scales` at load).
 """
 
 from __future__ import annotations
@@ -42,9 +74,19 @@ import triton  # noqa: F401
 import triton.language as tl
 
 from megastep.checkpoint import formats
+from megastep.kernels.expert_table import (  # noqa: F401  (re-exported: the experts' API in one place)
+    SCALE_MAX,
+    SCALE_MIN,
+    ExpertTable,
+    _expert_ptr,
+    check_scales,
+    stack_experts,
+    stacked_table,
+)
 from megastep.kernels.common import (
     fp8_pow2_scale,
     fp8_round,
+    mxfp4_decode,
     mxfp4_decode_unscaled,
     next_pow2,
     on_interpreter,
@@ -53,61 +95,80 @@ from megastep.kernels.common import (
 )
 
 ACT_BLOCK = 128
+MODES = {"fma": 0, "dot": 1, "dot_asm": 2, "dot_scaled": 3}
+DEFAULT_MODE = "fma"  # the mode pick_config returns; switch after measuring (benchmarks/kernels/moe_variants.py)
 
 
 @dataclass(frozen=True)
 class MoeConfig:
     block_i: int  # w1 rows (and as many w3 rows) per gate-up program
     block_d: int  # w2 rows per down program
-    block_p: int  # pairs of one expert handled together (1, 2, 4; more pairs loop)
+    block_p: int  # pairs of one expert handled together ("fma": 1, 2, 4; dot modes: 16; more pairs loop)
     block_k: int  # K elements per loop step (128, 256 or 512)
     groups_up: int  # slot groups in the gate-up grid (programs per I tile)
     groups_down: int  # slot groups in the down grid
     num_warps: int = 4
     num_stages: int = 3
+    mode: str = "fma"  # see module doc
 
     def check(self) -> None:
+        assert self.mode in MODES, self.mode
         assert self.block_k in (128, 256, 512), self.block_k
-        assert self.block_p in (1, 2, 4), self.block_p
+        assert self.block_p in ((1, 2, 4) if self.mode == "fma" else (16,)), (self.mode, self.block_p)
         for b in (self.block_i, self.block_d):
             assert b in (16, 32, 64, 128), b
         assert self.groups_up >= 1 and self.groups_down >= 1
 
 
-def pick_config(M: int, topk: int, E: int, D: int, I: int) -> MoeConfig:
+def pick_config(M: int, topk: int, E: int, D: int, I: int, mode: str | None = None) -> MoeConfig:
     """The one configuration the wrapper uses for this shape (deterministic, no autotuning).
+    Only the slot groups depend on M (they choose which program handles which expert, never a
+    value), so a row's result does not depend on the batch.
 
-    With random routing an expert gets about M*k/E pairs, so each program handles one pair at a
-    time (more pairs of one expert loop, re-reading the expert's tile from L2). Small tiles and
-    many programs (8 per SM) won on one H200 at V4-Flash shapes: 83 µs at M=1 against 109 µs for
-    32x64 tiles and 4 per SM (benchmarks/kernels/bench_kernels.py --lite)."""
+    "fma": with random routing an expert gets about M*k/E pairs, so each program handles one pair
+    at a time (more pairs of one expert loop, re-reading the expert's tile from L2). Small tiles
+    and many programs (8 per SM) won on one H200 at V4-Flash shapes: 83 µs at M=1 against 109 µs
+    for 32x64 tiles and 4 per SM (benchmarks/kernels/bench_kernels.py --lite).
+    Dot modes: 64-row weight tiles (w1 32 + w3 32; w2 64), the smallest tile a Hopper warpgroup
+    MMA takes, 128 K per step, Triton's 3-stage pipelining. "dot_asm" on one H200 (Triton 3.6,
+    benchmarks/kernels/moe_variants.py, 2026-11-29): 72.7 / 1853 µs at M = 1 / 64 against 79.1 /
+    1844 without pipelining (num_stages 1), 96 / 2187 with 256 K per step, 95 / 2014 with 128-row
+    tiles and 8 warps; "fma" 80.0 / 3757."""
+    mode = mode or DEFAULT_MODE
     slots = min(M * topk, E)
-    bi, bd = 16, 32
-    target = 8 * 132  # programs per launch
+    if mode == "fma":
+        bi, bd, bp, bk, ns, per_sm = 16, 32, 1, 128, 3, 8
+    else:
+        bi, bd, bp, bk, ns, per_sm = 32, 64, 16, 128, 3, 4
+    target = per_sm * 132  # programs per launch
     g_up = max(1, min(slots, target // max(1, -(-I // bi))))
     g_down = max(1, min(slots, target // max(1, -(-D // bd))))
-    return MoeConfig(bi, bd, 1, 128, g_up, g_down, num_warps=4, num_stages=3)
+    return MoeConfig(bi, bd, bp, bk, g_up, g_down, num_warps=4, num_stages=ns, mode=mode)
 
 
 # ---- activation quantization into the layout the expert kernels read ------------------------
 @triton.jit
-def _quant_row_perm(src_ptr, dst_ptr, K, NB: tl.constexpr, INTERPRET: tl.constexpr):
+def _quant_row_perm(src_ptr, dst_ptr, K, NB: tl.constexpr, INTERPRET: tl.constexpr, PERM: tl.constexpr):
     """fp8_act_sim(row, 128) of one row of K values -> dst (bf16: the values are e4m3 * 2^k,
-    exact), permuted so that each 32-group holds its 16 even elements, then its 16 odd ones:
-    the order in which the MXFP4 bytes deliver their low and high nibbles."""
+    exact). With PERM each 32-group holds its 16 even elements, then its 16 odd ones: the order
+    in which the MXFP4 bytes deliver their low and high nibbles."""
     k = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
     m = k < K
     v = tl.load(src_ptr + k, mask=m, other=0.0).to(tl.float32)
     s, inv = fp8_pow2_scale(tl.max(tl.abs(v), axis=1))
     q = fp8_round(v, inv[:, None], INTERPRET).to(tl.float32) * s[:, None]
-    kp = (k // 32) * 32 + (k % 2) * 16 + (k % 32) // 2
+    if PERM:
+        kp = (k // 32) * 32 + (k % 2) * 16 + (k % 32) // 2
+    else:
+        kp = k
     tl.store(dst_ptr + kp, q.to(tl.bfloat16), mask=m)
 
 
 @triton.jit
-def _moe_act_quant_kernel(src_ptr, dst_ptr, K, stride_s, stride_d, NB: tl.constexpr, INTERPRET: tl.constexpr):
+def _moe_act_quant_kernel(src_ptr, dst_ptr, K, stride_s, stride_d, NB: tl.constexpr, INTERPRET: tl.constexpr,
+                          PERM: tl.constexpr):
     r = tl.program_id(0)
-    _quant_row_perm(src_ptr + r * stride_s, dst_ptr + r * stride_d, K, NB, INTERPRET)
+    _quant_row_perm(src_ptr + r * stride_s, dst_ptr + r * stride_d, K, NB, INTERPRET, PERM)
 
 
 # ---- 1. routing (group pairs by expert) + quantization of x ---------------------------------
@@ -116,12 +177,12 @@ def _moe_prep_kernel(
     ids_ptr, P, x_ptr, xq_ptr, D, stride_xm, stride_qm,
     pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
     N_ROUTE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, E_PAD: tl.constexpr,
-    NB: tl.constexpr, INTERPRET: tl.constexpr,
+    NB: tl.constexpr, INTERPRET: tl.constexpr, PERM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid >= N_ROUTE:  # one program per row of x
         m = pid - N_ROUTE
-        _quant_row_perm(x_ptr + m * stride_xm, xq_ptr + m * stride_qm, D, NB, INTERPRET)
+        _quant_row_perm(x_ptr + m * stride_xm, xq_ptr + m * stride_qm, D, NB, INTERPRET, PERM)
     else:  # BLOCK_R pairs per program, each compared with all P pairs
         BIG: tl.constexpr = 1 << 30
         offs_r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -156,11 +217,12 @@ def _moe_prep_kernel(
 _ROUTE_BLOCK = 32
 
 
-def moe_route(topk_ids: torch.Tensor, E: int, x: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def moe_route(topk_ids: torch.Tensor, E: int, x: torch.Tensor | None = None, permute: bool = True) -> tuple[torch.Tensor, ...]:
     """topk_ids [M, k] -> (pairs [P], slot_expert [S], slot_start [S], slot_count [S], nslots [1],
     xq) with P = M*k, S = min(P, E): pairs sorted by (expert, pair index) and one slot per
     distinct expert (only the first nslots slots are meaningful). When x [M, D] is given, the same
-    launch writes xq [M, D] = fp8_act_sim(x, 128) in bf16, permuted per 32-group (even, odd)."""
+    launch writes xq [M, D] = fp8_act_sim(x, 128) in bf16, permuted per 32-group (even, odd)
+    unless permute=False."""
     ids = topk_ids.reshape(-1)
     if ids.dtype != torch.int32:
         ids = ids.to(torch.int32)
@@ -184,12 +246,12 @@ def moe_route(topk_ids: torch.Tensor, E: int, x: torch.Tensor | None = None) -> 
     _moe_prep_kernel[(n_route + M,)](
         ids, P, *args, pairs, slot_e, slot_start, slot_cnt, nslots,
         N_ROUTE=n_route, BLOCK_R=_ROUTE_BLOCK, BLOCK_Q=max(2, min(64, 8192 // e_pad)), E_PAD=e_pad,
-        NB=next_pow2(-(-D // ACT_BLOCK)), INTERPRET=on_interpreter(ids), num_warps=4,
+        NB=next_pow2(-(-D // ACT_BLOCK)), INTERPRET=on_interpreter(ids), PERM=permute, num_warps=4,
     )
     return pairs, slot_e, slot_start, slot_cnt, nslots, xq
 
 
-# ---- shared piece of the two expert kernels ---------------------------------------------------
+# ---- "fma": CUDA-core group sums ----------------------------------------------------------------
 @triton.jit
 def _expert_tile_step(w_rows, s_rows, row_mask, q_ptr, k0, K, stride_q, pair_ptr, c0, cnt, TOPK_DIV, acc,
                       NG: tl.constexpr, BLOCK_P: tl.constexpr):
@@ -216,13 +278,138 @@ def _expert_tile_step(w_rows, s_rows, row_mask, q_ptr, k0, K, stride_q, pair_ptr
     return acc
 
 
+# ---- dot modes: decode a weight tile to bf16, multiply on tensor cores ---------------------------
+# Inline PTX for "dot_asm", 4 packed bytes at a time ($4; $5..$8 their scales as bf16x2 patterns
+# 2^(s-127) in both halves) -> low nibbles ($0: bytes 0,1; $1: bytes 2,3) and high nibbles ($2, $3)
+# as bf16x2. With byte b in the high byte of a 16-bit half (prmt), the low nibble's sign (bit 11)
+# moves to bit 15 (<< 4) and its exponent/mantissa bits (8..10) to bits 6..8 (>> 2); the other
+# source bits of the two shifted copies are zero where the mask keeps them, so one lop3
+# ((a | b) & m) assembles the half. The high nibble needs its low neighbour cleared first. The
+# pattern is bf16 e2m1 * 2^-126 (code 1 = the subnormal 2^-127, zero stays zero); x 2^126 and
+# x 2^(s-127) are exact (fma with -0 keeps the sign of zero).
+_DECODE_ASM = tl.constexpr("""
+{
+.reg .b32 u, t, v, f, m, c, z, zero;
+mov.b32 m, 0x81C081C0;
+mov.b32 c, 0x7E807E80;
+mov.b32 z, 0x80008000;
+mov.b32 zero, 0;
+prmt.b32 u, $4, zero, 0x1404;
+prmt.b32 f, $5, $6, 0x7610;
+shl.b32 t, u, 4;
+shr.b32 v, u, 2;
+lop3.b32 t, t, v, m, 0xA8;
+fma.rn.bf16x2 t, t, c, z;
+fma.rn.bf16x2 $0, t, f, z;
+and.b32 t, u, 0xF000F000;
+shr.b32 v, t, 6;
+lop3.b32 t, t, v, m, 0xA8;
+fma.rn.bf16x2 t, t, c, z;
+fma.rn.bf16x2 $2, t, f, z;
+prmt.b32 u, $4, zero, 0x3424;
+prmt.b32 f, $7, $8, 0x7610;
+shl.b32 t, u, 4;
+shr.b32 v, u, 2;
+lop3.b32 t, t, v, m, 0xA8;
+fma.rn.bf16x2 t, t, c, z;
+fma.rn.bf16x2 $1, t, f, z;
+and.b32 t, u, 0xF000F000;
+shr.b32 v, t, 6;
+lop3.b32 t, t, v, m, 0xA8;
+fma.rn.bf16x2 t, t, c, z;
+fma.rn.bf16x2 $3, t, f, z;
+}
+""")
+
+
+@triton.jit
+def _decode_bf16(b, sc, MODE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Packed bytes b [R, NG, 16] (uint8) and their group scales sc [R, NG] (uint8) -> (even,
+    odd) exact MXFP4 values [R, NG, 16]: bf16 on the GPU, fp32 under the interpreter."""
+    if MODE == 2 and not INTERPRET:
+        fb = (sc.to(tl.int32) << 7) * 0x10001  # bf16 bits of 2^(s-127), in both halves
+        ev, od = tl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r", [b, fb[:, :, None]],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        ev, od = mxfp4_decode(b, sc[:, :, None])  # fp32 e2m1 * 2^(s-127), exact for s <= 240
+        if not INTERPRET:
+            ev = ev.to(tl.bfloat16)
+            od = od.to(tl.bfloat16)
+    return ev, od
+
+
+@triton.jit
+def _dot_rows(w_rows, s_rows, row_mask, q_ptr, stride_q, prow, p_ok, K,
+              R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, MODE: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    """acc [R, BLOCK_P] fp32: weight rows (pointers w_rows [R, 1], scale rows s_rows [R, 1]) times
+    the quantized activation rows prow [BLOCK_P] of q_ptr (columns with p_ok False read zeros),
+    over K, one BLOCK_K step after the other, fp32 accumulation."""
+    NG: tl.constexpr = BLOCK_K // 32
+    KH: tl.constexpr = BLOCK_K // 2
+    ar_g = tl.arange(0, NG)
+    c = tl.arange(0, KH)  # byte of the step: group c // 16, byte c % 16
+    acc = tl.zeros([R, BLOCK_P], dtype=tl.float32)
+    # The scales are loaded one step ahead (the compiler's pipelining skips such narrow loads, and
+    # an un-prefetched load would expose a memory latency in every step). The weight bytes are
+    # not: a loop-carried uint8 tensor takes a register per byte and byte shuffles to repack.
+    sc_next = tl.load(s_rows + ar_g[None, :], mask=row_mask[:, None] & (ar_g * 32 < K)[None, :], other=0)
+    for k0 in range(0, K, BLOCK_K):
+        sc = sc_next  # [R, NG]
+        gn = k0 // 32 + NG + ar_g
+        sc_next = tl.load(s_rows + gn[None, :], mask=row_mask[:, None] & (gn * 32 < K)[None, :], other=0)
+        c_ok = (k0 // 32 + c // 16) * 32 < K  # per group (K % 32 == 0): constant over 16 bytes, keeps loads wide
+        b = tl.load(w_rows + (k0 // 2 + c)[None, :], mask=row_mask[:, None] & c_ok[None, :], other=0)  # [R, KH]
+        if MODE == 3 and not INTERPRET:  # tl.dot_scaled on natural-order activations
+            k = k0 + tl.arange(0, BLOCK_K)
+            xq = tl.load(q_ptr + prow[None, :] * stride_q + k[:, None], mask=p_ok[None, :] & (k < K)[:, None], other=0.0)
+            acc = tl.dot_scaled(b, sc, "e2m1", xq, None, "bf16", acc)
+        else:
+            ev, od = _decode_bf16(tl.reshape(b, [R, NG, 16]), sc, MODE, INTERPRET)  # [R, NG, 16]: a scale per group
+            ev = tl.reshape(ev, [R, KH])
+            od = tl.reshape(od, [R, KH])
+            if MODE == 3:  # interpreter: natural order (element 2c is even, 2c + 1 odd)
+                ke = k0 + (c // 16) * 32 + (c % 16) * 2
+                ko = ke + 1
+            else:  # permuted: a group's 16 even elements, then its 16 odd ones
+                ke = k0 + (c // 16) * 32 + c % 16
+                ko = ke + 16
+            qm = p_ok[None, :] & (ke < K)[:, None]
+            qe = tl.load(q_ptr + prow[None, :] * stride_q + ke[:, None], mask=qm, other=0.0)  # [KH, BLOCK_P]
+            qo = tl.load(q_ptr + prow[None, :] * stride_q + ko[:, None], mask=qm, other=0.0)
+            if INTERPRET:  # the interpreter's bf16 dot is wrong; fp32 operands hold the same values
+                acc = tl.dot(ev, qe.to(tl.float32), acc)
+                acc = tl.dot(od, qo.to(tl.float32), acc)
+            else:
+                acc = tl.dot(ev, qe, acc)
+                acc = tl.dot(od, qo, acc)
+    return acc
+
+
 # ---- 2. gate-up: w1, w3, SwiGLU, routing weight ---------------------------------------------
 @triton.jit
+def _swiglu_store(g, u, pairs, p_mask, rw_ptr, act_ptr, stride_am, offs_i, i_mask, limit,
+                  ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """g, u [BLOCK_I, BLOCK_P] fp32 sums -> act[pair, i] = rnd(r * silu(min(g, lim)) * clamp(u))."""
+    if ROUND_BF16:  # the official w1/w3 Linear outputs are bf16
+        g = round_bf16(g, INTERPRET)
+        u = round_bf16(u, INTERPRET)
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    a = g / (1.0 + tl.exp(-g)) * u
+    a = a * tl.load(rw_ptr + pairs, mask=p_mask, other=0.0)[None, :]
+    if ROUND_BF16:
+        a = round_bf16(a, INTERPRET)
+    tl.store(act_ptr + pairs[None, :] * stride_am + offs_i[:, None], a.to(act_ptr.dtype.element_ty),
+             mask=i_mask[:, None] & p_mask[None, :])
+
+
+@triton.jit
 def _moe_gate_up_kernel(
-    xq_ptr, w_ptr, ws_ptr, rw_ptr, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr, act_ptr,
-    D, I, stride_qm, stride_we, stride_wn, stride_se, stride_sn, stride_am, limit, G,
+    xq_ptr, tab_ptr, rw_ptr, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr, act_ptr,
+    D, I, stride_qm, stride_wn, stride_sn, stride_am, limit, G,
     TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, MODE: tl.constexpr, ALIGN: tl.constexpr,
 ):
     NG: tl.constexpr = BLOCK_K // 32
     pid_i = tl.program_id(0)
@@ -230,48 +417,50 @@ def _moe_gate_up_kernel(
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
     i_mask = offs_i < I
     ar_p = tl.arange(0, BLOCK_P)
+    # dot modes: one tile of 2 * BLOCK_I rows, w1 rows then the same w3 rows
+    ar_r = tl.arange(0, 2 * BLOCK_I)
+    rows = pid_i * BLOCK_I + ar_r % BLOCK_I + (ar_r // BLOCK_I) * I
+    r_mask = pid_i * BLOCK_I + ar_r % BLOCK_I < I
     n_slots = tl.load(nslot_ptr)
     for s in range(grp, n_slots, G):
-        e = tl.load(slot_e_ptr + s).to(tl.int64)
+        e = tl.load(slot_e_ptr + s)
         start = tl.load(slot_start_ptr + s)
         cnt = tl.load(slot_cnt_ptr + s)
-        w1_rows = w_ptr + e * stride_we + offs_i[:, None, None] * stride_wn
-        w3_rows = w1_rows + I * stride_wn
-        s1_rows = ws_ptr + e * stride_se + offs_i[:, None] * stride_sn
-        s3_rows = s1_rows + I * stride_sn
+        w_base = _expert_ptr(tab_ptr, e, 0, ALIGN)
+        s_base = _expert_ptr(tab_ptr, e, 1, ALIGN)
         for c0 in range(0, cnt, BLOCK_P):
-            acc_g = tl.zeros([BLOCK_I, NG, BLOCK_P], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_I, NG, BLOCK_P], dtype=tl.float32)
-            for k0 in range(0, D, BLOCK_K):
-                acc_g = _expert_tile_step(w1_rows, s1_rows, i_mask, xq_ptr, k0, D, stride_qm, pair_ptr + start, c0, cnt,
-                                          TOPK, acc_g, NG, BLOCK_P)
-                acc_u = _expert_tile_step(w3_rows, s3_rows, i_mask, xq_ptr, k0, D, stride_qm, pair_ptr + start, c0, cnt,
-                                          TOPK, acc_u, NG, BLOCK_P)
-            g = tl.sum(acc_g, axis=1)  # [BLOCK_I, BLOCK_P]
-            u = tl.sum(acc_u, axis=1)
-            if ROUND_BF16:  # the official w1/w3 Linear outputs are bf16
-                g = round_bf16(g, INTERPRET)
-                u = round_bf16(u, INTERPRET)
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-            a = g / (1.0 + tl.exp(-g)) * u
             p_mask = c0 + ar_p < cnt
             pairs = tl.load(pair_ptr + start + c0 + ar_p, mask=p_mask, other=0)
-            a = a * tl.load(rw_ptr + pairs, mask=p_mask, other=0.0)[None, :]
-            if ROUND_BF16:
-                a = round_bf16(a, INTERPRET)
-            tl.store(act_ptr + pairs[None, :] * stride_am + offs_i[:, None], a.to(act_ptr.dtype.element_ty),
-                     mask=i_mask[:, None] & p_mask[None, :])
+            if MODE == 0:
+                w1_rows = w_base + offs_i[:, None, None] * stride_wn
+                w3_rows = w1_rows + I * stride_wn
+                s1_rows = s_base + offs_i[:, None] * stride_sn
+                s3_rows = s1_rows + I * stride_sn
+                acc_g = tl.zeros([BLOCK_I, NG, BLOCK_P], dtype=tl.float32)
+                acc_u = tl.zeros([BLOCK_I, NG, BLOCK_P], dtype=tl.float32)
+                for k0 in range(0, D, BLOCK_K):
+                    acc_g = _expert_tile_step(w1_rows, s1_rows, i_mask, xq_ptr, k0, D, stride_qm, pair_ptr + start, c0,
+                                              cnt, TOPK, acc_g, NG, BLOCK_P)
+                    acc_u = _expert_tile_step(w3_rows, s3_rows, i_mask, xq_ptr, k0, D, stride_qm, pair_ptr + start, c0,
+                                              cnt, TOPK, acc_u, NG, BLOCK_P)
+                g = tl.sum(acc_g, axis=1)  # [BLOCK_I, BLOCK_P]
+                u = tl.sum(acc_u, axis=1)
+            else:
+                acc = _dot_rows(w_base + rows[:, None] * stride_wn, s_base + rows[:, None] * stride_sn, r_mask,
+                                xq_ptr, stride_qm, pairs // TOPK, p_mask, D, 2 * BLOCK_I, BLOCK_K, BLOCK_P, MODE,
+                                INTERPRET)
+                g, u = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_I, BLOCK_P]), [1, 2, 0]))
+            _swiglu_store(g, u, pairs, p_mask, rw_ptr, act_ptr, stride_am, offs_i, i_mask, limit, ROUND_BF16, INTERPRET)
 
 
 # ---- 3. down: w2, then the fixed-order sum over slots ---------------------------------------
 @triton.jit
 def _moe_down_kernel(
-    aq_ptr, w_ptr, ws_ptr, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
+    aq_ptr, tab_ptr, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
     y_ptr, out_ptr, cnt_ptr,
-    D, I, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym, stride_om, G,
+    D, I, stride_am, stride_wn, stride_sn, stride_ym, stride_om, G,
     TOPK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, MODE: tl.constexpr, ALIGN: tl.constexpr,
 ):
     NG: tl.constexpr = BLOCK_K // 32
     pid_d = tl.program_id(0)
@@ -282,21 +471,25 @@ def _moe_down_kernel(
     ar_p = tl.arange(0, BLOCK_P)
     n_slots = tl.load(nslot_ptr)
     for s in range(grp, n_slots, G):
-        e = tl.load(slot_e_ptr + s).to(tl.int64)
+        e = tl.load(slot_e_ptr + s)
         start = tl.load(slot_start_ptr + s)
         cnt = tl.load(slot_cnt_ptr + s)
-        w_rows = w_ptr + e * stride_we + offs_d[:, None, None] * stride_wn
-        s_rows = ws_ptr + e * stride_se + offs_d[:, None] * stride_sn
+        w_rows = _expert_ptr(tab_ptr, e, 2, ALIGN) + offs_d[:, None] * stride_wn
+        s_rows = _expert_ptr(tab_ptr, e, 3, ALIGN) + offs_d[:, None] * stride_sn
         for c0 in range(0, cnt, BLOCK_P):
-            acc = tl.zeros([BLOCK_D, NG, BLOCK_P], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):  # activation rows are indexed by pair (divisor 1)
-                acc = _expert_tile_step(w_rows, s_rows, d_mask, aq_ptr, k0, I, stride_am, pair_ptr + start, c0, cnt,
-                                        1, acc, NG, BLOCK_P)
-            y = tl.sum(acc, axis=1)  # [BLOCK_D, BLOCK_P]
-            if ROUND_BF16:  # the official w2 Linear output is bf16
-                y = round_bf16(y, INTERPRET)
             p_mask = c0 + ar_p < cnt
             pairs = tl.load(pair_ptr + start + c0 + ar_p, mask=p_mask, other=0)
+            if MODE == 0:
+                acc = tl.zeros([BLOCK_D, NG, BLOCK_P], dtype=tl.float32)
+                for k0 in range(0, I, BLOCK_K):  # activation rows are indexed by pair (divisor 1)
+                    acc = _expert_tile_step(w_rows[:, :, None], s_rows, d_mask, aq_ptr, k0, I, stride_am, pair_ptr + start,
+                                            c0, cnt, 1, acc, NG, BLOCK_P)
+                y = tl.sum(acc, axis=1)  # [BLOCK_D, BLOCK_P]
+            else:
+                y = _dot_rows(w_rows, s_rows, d_mask, aq_ptr, stride_am, pairs, p_mask, I, BLOCK_D, BLOCK_K, BLOCK_P,
+                              MODE, INTERPRET)
+            if ROUND_BF16:  # the official w2 Linear output is bf16
+                y = round_bf16(y, INTERPRET)
             tl.store(y_ptr + pairs[None, :] * stride_ym + offs_d[:, None], y.to(y_ptr.dtype.element_ty),
                      mask=d_mask[:, None] & p_mask[None, :])
             # the last of a row's TOPK pairs to finish this D tile sums the row in slot order
@@ -314,6 +507,57 @@ def _moe_down_kernel(
             tl.store(cnt_ptr + rows * n_d_tiles + pid_d, 0, mask=last)
 
 
+def moe_experts_table(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    table: ExpertTable,
+    swiglu_limit: float = 10.0,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """x [M, D] bf16 (or fp32), topk_ids [M, k] int32, topk_weights [M, k] fp32, the experts'
+    address table -> [M, D] fp32 sum of the routed experts (module doc)."""
+    assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1, (x.shape, x.dtype)
+    M, D = x.shape
+    E, I = table.E, table.I
+    k = topk_ids.shape[1]
+    assert D == table.D and table.device == x.device, (D, table.D, table.device, x.device)
+    assert topk_ids.shape == (M, k) and topk_weights.shape == (M, k), (topk_ids.shape, topk_weights.shape)
+    assert topk_ids.dtype in (torch.int32, torch.int64) and topk_weights.dtype == torch.float32
+    cfg = config or pick_config(M, k, E, D, I)
+    cfg.check()
+    out = torch.empty(M, D, dtype=torch.float32, device=x.device)
+    if M == 0:
+        return out
+    P = M * k
+    interp = on_interpreter(x)
+    rnd = x.dtype == torch.bfloat16
+    perm = cfg.mode != "dot_scaled"
+    pairs, slot_e, slot_start, slot_cnt, nslots, xq = moe_route(topk_ids, E, x, permute=perm)
+    rw = topk_weights.reshape(-1).contiguous()
+    act = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    aq = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(P, D, dtype=x.dtype, device=x.device)
+    S = min(P, E)
+    g_up, g_down = min(cfg.groups_up, S), min(cfg.groups_down, S)
+    sw13, ss13, sw2, ss2 = table.strides
+    common = dict(TOPK=k, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, ROUND_BF16=rnd, INTERPRET=interp,
+                  MODE=MODES[cfg.mode], ALIGN=table.align, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _moe_gate_up_kernel[(-(-I // cfg.block_i), g_up)](
+        xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act,
+        D, I, xq.stride(0), sw13, ss13, act.stride(0), float(swiglu_limit), g_up, BLOCK_I=cfg.block_i, **common,
+    )
+    _moe_act_quant_kernel[(P,)](act, aq, I, act.stride(0), aq.stride(0), NB=next_pow2(-(-I // ACT_BLOCK)),
+                                INTERPRET=interp, PERM=perm, num_warps=4)
+    n_d_tiles = -(-D // cfg.block_d)
+    cnt = workspace(x.device, "counters_moe", M * n_d_tiles, torch.int32)
+    _moe_down_kernel[(n_d_tiles, g_down)](
+        aq, table.addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, cnt,
+        D, I, aq.stride(0), sw2, ss2, y.stride(0), out.stride(0), g_down, BLOCK_D=cfg.block_d, **common,
+    )
+    return out
+
+
 def moe_experts_mxfp4(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -326,54 +570,13 @@ def moe_experts_mxfp4(
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
     """x [M, D] bf16 (or fp32), topk_ids [M, k] int32, topk_weights [M, k] fp32, stacked MXFP4
-    experts (see module doc) -> [M, D] fp32 sum of the routed experts."""
-    assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1, (x.shape, x.dtype)
-    M, D = x.shape
-    E, two_i, dh = w13.shape
-    I = two_i // 2
-    k = topk_ids.shape[1]
-    assert topk_ids.shape == (M, k) and topk_weights.shape == (M, k), (topk_ids.shape, topk_weights.shape)
-    assert topk_ids.dtype in (torch.int32, torch.int64) and topk_weights.dtype == torch.float32
-    assert w13.dtype == torch.int8 and w2.dtype == torch.int8, (w13.dtype, w2.dtype)
-    assert two_i == 2 * I and dh * 2 == D and D % 32 == 0 and I % 32 == 0, (w13.shape, D)
-    assert w13_scale.shape == (E, 2 * I, D // 32), w13_scale.shape
-    assert w2.shape == (E, D, I // 2) and w2_scale.shape == (E, D, I // 32), (w2.shape, w2_scale.shape)
-    assert w13_scale.dtype in (torch.float8_e8m0fnu, torch.uint8) and w2_scale.dtype == w13_scale.dtype
+    experts (see module doc) -> [M, D] fp32 sum of the routed experts. The experts' address
+    table is built once per (tensors, device) and cached (`stacked_table`)."""
+    assert w13.dim() == 3 and x.dim() == 2 and w13.shape[2] * 2 == x.shape[1], (w13.shape, x.shape)
     for t in (w13, w13_scale, w2, w2_scale):
-        assert t.stride(2) == 1 and t.device == x.device
-    cfg = config or pick_config(M, k, E, D, I)
-    cfg.check()
-    out = torch.empty(M, D, dtype=torch.float32, device=x.device)
-    if M == 0:
-        return out
-    P = M * k
-    interp = on_interpreter(x)
-    rnd = x.dtype == torch.bfloat16
-    pairs, slot_e, slot_start, slot_cnt, nslots, xq = moe_route(topk_ids, E, x)
-    rw = topk_weights.reshape(-1).contiguous()
-    act = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    aq = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
-    y = torch.empty(P, D, dtype=x.dtype, device=x.device)
-    S = min(P, E)
-    g_up, g_down = min(cfg.groups_up, S), min(cfg.groups_down, S)
-    w13u, s13u, w2u, s2u = (t.view(torch.uint8) for t in (w13, w13_scale, w2, w2_scale))
-    common = dict(TOPK=k, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, ROUND_BF16=rnd, INTERPRET=interp,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _moe_gate_up_kernel[(-(-I // cfg.block_i), g_up)](
-        xq, w13u, s13u, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act,
-        D, I, xq.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
-        float(swiglu_limit), g_up, BLOCK_I=cfg.block_i, **common,
-    )
-    _moe_act_quant_kernel[(P,)](act, aq, I, act.stride(0), aq.stride(0), NB=next_pow2(-(-I // ACT_BLOCK)),
-                                INTERPRET=interp, num_warps=4)
-    n_d_tiles = -(-D // cfg.block_d)
-    cnt = workspace(x.device, "counters_moe", M * n_d_tiles, torch.int32)
-    _moe_down_kernel[(n_d_tiles, g_down)](
-        aq, w2u, s2u, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, cnt,
-        D, I, aq.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0), out.stride(0),
-        g_down, BLOCK_D=cfg.block_d, **common,
-    )
-    return out
+        assert t.device == x.device, (t.device, x.device)
+    return moe_experts_table(x, topk_ids, topk_weights, stacked_table(w13, w13_scale, w2, w2_scale),
+                             swiglu_limit=swiglu_limit, config=config)
 
 
 def moe_experts_mxfp4_ref(
@@ -411,24 +614,3 @@ def moe_experts_mxfp4_ref(
     for j in range(1, k):
         out += y[:, j]
     return out
-
-
-def stack_experts(weights: dict[str, torch.Tensor], layer_prefix: str, E: int) -> dict[str, torch.Tensor]:
-    """Official per-expert tensors `{layer_prefix}.ffn.experts.{e}.w{1,2,3}.{weight,scale}` ->
-    {"w13", "w13_scale", "w2", "w2_scale"} stacked as `moe_experts_mxfp4` takes them (done once
-    at load). `layer_prefix` is e.g. "layers.3"."""
-    p = layer_prefix.rstrip(".") + ".ffn.experts."
-
-    def raw(e: int, name: str) -> torch.Tensor:  # E8M0 as its bytes: cat/stack need not know it
-        v = weights[f"{p}{e}.{name}"]
-        return v.view(torch.uint8) if v.dtype == torch.float8_e8m0fnu else v
-
-    def like(stacked: torch.Tensor, name: str) -> torch.Tensor:
-        return stacked.view(weights[f"{p}0.{name}"].dtype)
-
-    return {
-        "w13": torch.stack([torch.cat([raw(e, "w1.weight"), raw(e, "w3.weight")], 0) for e in range(E)]),
-        "w13_scale": like(torch.stack([torch.cat([raw(e, "w1.scale"), raw(e, "w3.scale")], 0) for e in range(E)]), "w1.scale"),
-        "w2": torch.stack([raw(e, "w2.weight") for e in range(E)]),
-        "w2_scale": like(torch.stack([raw(e, "w2.scale") for e in range(E)]), "w2.scale"),
-    }

@@ -1,6 +1,9 @@
-"""moe_experts_mxfp4 against moe_experts_mxfp4_ref: routing groups, every configuration mode and
-pair-block, ragged D and I (quantization blocks of 128 that end early), duplicate experts in a
-row, fp32 and bf16 activations, the stacking of official per-expert tensors.
+"""moe_experts_mxfp4 / moe_experts_table against moe_experts_mxfp4_ref: routing groups, every mode
+("fma", "dot", "dot_asm", "dot_scaled") and pair block, ragged D and I (quantization blocks of 128
+that end early), duplicate experts in a row, more pairs of one expert than a pair block, fp32 and
+bf16 activations, the stacking of official per-expert tensors; run-to-run bit identity, batch
+invariance (a row alone = the same row in a batch, bit for bit) and address tables built from
+separate allocations in random memory order (bit-identical to the stacked path).
 
 Tolerance: the kernel multiplies the same exact values as the ref (e2m1 * 2^k times e4m3 * 2^k
 is exact in fp32) and differs only in the order of fp32 sums. With bf16 activations the w1/w3
@@ -15,7 +18,17 @@ import pytest
 import torch
 
 from megastep.checkpoint import formats as F
-from megastep.kernels.moe import MoeConfig, moe_experts_mxfp4, moe_experts_mxfp4_ref, moe_route, pick_config, stack_experts
+from megastep.kernels import moe as MOE
+from megastep.kernels.moe import (
+    ExpertTable,
+    MoeConfig,
+    moe_experts_mxfp4,
+    moe_experts_mxfp4_ref,
+    moe_experts_table,
+    moe_route,
+    pick_config,
+    stack_experts,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -33,16 +46,17 @@ def make_experts(E, D, I, seed, dev=DEV):
     return per, {k: v.to(dev) for k, v in st.items()}
 
 
-def random_stacked_experts(E, D, I, seed, dev):
+def random_stacked_experts(E, D, I, seed, dev, scales=(118, 124)):
     """Stacked experts straight from random bytes (every byte is two valid e2m1 codes); scales
-    2^-9..2^-4 keep the SwiGLU inputs around the clamp limit at D = 4096."""
+    2^-9..2^-4 keep the SwiGLU inputs around the clamp limit at D = 4096 (a wider range makes the
+    fp32 sums round, so that a change of summation order would show)."""
     g = torch.Generator(device=dev).manual_seed(seed)
 
     def rb(*shape):
         return torch.randint(-128, 128, shape, generator=g, device=dev, dtype=torch.int8)
 
     def sc(*shape):
-        return torch.randint(118, 124, shape, generator=g, device=dev, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        return torch.randint(*scales, shape, generator=g, device=dev, dtype=torch.uint8).view(torch.float8_e8m0fnu)
 
     return {"w13": rb(E, 2 * I, D // 2), "w13_scale": sc(E, 2 * I, D // 32), "w2": rb(E, D, I // 2), "w2_scale": sc(E, D, I // 32)}
 
@@ -82,13 +96,24 @@ def test_route_groups_pairs_by_expert():
         assert torch.equal(ss[:n], (torch.cumsum(counts, 0) - counts).int())
 
 
+DOT_MODES = ("dot", "dot_asm", "dot_scaled")
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # interpreter: exp(-g) -> inf, silu -> -0
+
+
 def configs():
     return [
-        MoeConfig(16, 32, 1, 128, 6, 8),  # what pick_config returns
+        MoeConfig(16, 32, 1, 128, 6, 8),  # what pick_config returns for "fma"
         MoeConfig(32, 64, 1, 256, 3, 2),
         MoeConfig(16, 32, 2, 128, 1, 4, num_warps=8),
         MoeConfig(64, 16, 4, 512, 2, 1),
         MoeConfig(128, 128, 1, 128, 4, 1),
+    ] + [
+        MoeConfig(32, 64, 16, 128, 3, 2, mode=m) for m in DOT_MODES  # what pick_config returns
+    ] + [
+        MoeConfig(32, 64, 16, 128, 3, 2, num_stages=1, mode="dot_asm"),
+        MoeConfig(32, 64, 16, 256, 3, 2, mode="dot_asm"),
+        MoeConfig(64, 128, 16, 128, 1, 1, num_warps=8, mode="dot_asm"),
+        MoeConfig(16, 16, 16, 512, 2, 3, mode="dot"),
     ]
 
 
@@ -100,7 +125,11 @@ def experts():
     return make_experts(E, D, I, seed=11)[1]
 
 
-@pytest.mark.parametrize("cfg", configs(), ids=str)
+def cfg_id(c):
+    return f"{c.mode}-i{c.block_i}-d{c.block_d}-p{c.block_p}-k{c.block_k}-g{c.groups_up}.{c.groups_down}-w{c.num_warps}"
+
+
+@pytest.mark.parametrize("cfg", configs(), ids=cfg_id)
 def test_every_config_matches_ref(cfg, experts):
     x, ids, wts = make_inputs(5, D, E, K, seed=cfg.block_i)
     check(moe_experts_mxfp4(x, ids, wts, **experts, config=cfg), moe_experts_mxfp4_ref(x, ids, wts, **experts))
@@ -113,13 +142,130 @@ def test_picked_config_matches_ref(M, experts):
 
 
 def test_picked_configs_are_tested():
-    """Every tile shape pick_config returns is among configs() above (the slot groups only
-    change which program handles which expert, not any value)."""
-    tested = {(c.block_i, c.block_d, c.block_p, c.block_k, c.num_warps) for c in configs()}
-    for M in range(1, 65):
+    """Every tile shape pick_config returns, in every mode, is among configs() above (the slot
+    groups only change which program handles which expert, not any value), and none of the
+    fields that fix a row's summation order depends on M."""
+    tested = {(c.mode, c.block_i, c.block_d, c.block_p, c.block_k, c.num_warps) for c in configs()}
+    assert pick_config(1, 6, 256, 4096, 2048).mode == MOE.DEFAULT_MODE
+    for mode in MOE.MODES:
         for e in (8, 256):
-            c = pick_config(M, 6, e, 4096, 2048)
-            assert (c.block_i, c.block_d, c.block_p, c.block_k, c.num_warps) in tested, c
+            shapes = set()
+            for M in range(1, 65):
+                c = pick_config(M, 6, e, 4096, 2048, mode=mode)
+                key = (c.mode, c.block_i, c.block_d, c.block_p, c.block_k, c.num_warps)
+                assert key in tested, c
+                shapes.add((c.mode, c.block_k, c.block_p, c.num_warps, c.num_stages))
+            assert len(shapes) == 1, shapes
+
+
+# ---- the dot modes, the address table, determinism and batch invariance (D = I = 64: the
+# ---- interpreter is slow) --------------------------------------------------------------------
+E2, D2, I2 = 8, 64, 64
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """Random bytes with scales 2^-17..2^2: the fp32 sums round (a changed order would show)."""
+    return random_stacked_experts(E2, D2, I2, seed=21, dev=DEV, scales=(110, 130))
+
+
+def crowded_inputs(M, k, seed, dtype=torch.float32):
+    """Rows that repeat experts (within a row and across rows): expert 2 gets more pairs than one
+    16-pair block, expert 5 several. fp32 activations by default: no bf16 rounding of the
+    expert outputs hides a change in the order of the fp32 sums."""
+    x, ids, wts = make_inputs(M, D2, E2, k, seed=seed, dtype=dtype, distinct=False)
+    ids[: M - 1, 0] = 2
+    ids[: M - 2, 1] = 2
+    ids[1::2, 2] = 5
+    return x, ids, wts
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("mode", list(MOE.MODES))
+def test_modes_match_ref_bitwise_repeatable(mode, dtype, wide):
+    """Odd M, repeated experts, > 16 pairs of one expert: matches the ref, and a second run
+    gives the same bits."""
+    x, ids, wts = crowded_inputs(11, 3, seed=5, dtype=dtype)
+    assert int((ids == 2).sum()) > 16
+    cfg = pick_config(11, 3, E2, D2, I2, mode=mode)
+    y1 = moe_experts_mxfp4(x, ids, wts, **wide, config=cfg)
+    y2 = moe_experts_mxfp4(x, ids, wts, **wide, config=cfg)
+    assert torch.equal(y1, y2)
+    check(y1, moe_experts_mxfp4_ref(x, ids, wts, **wide), bf16=dtype == torch.bfloat16)
+
+
+def test_wide_fixture_sums_round(wide):
+    """The tests below would see a change of summation order: with these scales and fp32
+    activations the fp32 sums round, so "fma" (group sums) and "dot" (dot products) differ."""
+    x, ids, wts = crowded_inputs(5, 3, seed=8)
+    ys = [moe_experts_mxfp4(x, ids, wts, **wide, config=pick_config(5, 3, E2, D2, I2, mode=m)) for m in ("fma", "dot")]
+    assert not torch.equal(*ys)
+
+
+@pytest.mark.parametrize("mode", list(MOE.MODES))
+def test_batch_invariance(mode, wide):
+    """A row's result is the same bits alone (M = 1) and inside a batch (other rows share its
+    experts, pick_config's slot groups differ with M)."""
+    x, ids, wts = crowded_inputs(5, 3, seed=8)
+    batch = moe_experts_mxfp4(x, ids, wts, **wide, config=pick_config(5, 3, E2, D2, I2, mode=mode))
+    for m in (0, 3, 4):
+        alone = moe_experts_mxfp4(x[m:m + 1], ids[m:m + 1], wts[m:m + 1], **wide,
+                                  config=pick_config(1, 3, E2, D2, I2, mode=mode))
+        assert torch.equal(alone[0], batch[m]), (mode, m)
+
+
+def scattered_experts(st, seed, offset=0):
+    """Each expert's four tensors copied into its own allocation, allocated in random order
+    between spacer allocations (so the addresses are in no particular order); offset bytes into
+    each allocation lower the address alignment."""
+    g = torch.Generator().manual_seed(seed)
+    E_ = st["w13"].shape[0]
+    names = ("w13", "w13_scale", "w2", "w2_scale")
+    order = torch.randperm(E_ * 4, generator=g).tolist()
+    out = [[None] * 4 for _ in range(E_)]
+    keep = []
+    for i in order:
+        e, j = divmod(i, 4)
+        src = st[names[j]][e]
+        keep.append(torch.empty(int(torch.randint(1, 4000, (1,), generator=g)), dtype=torch.uint8, device=src.device))
+        buf = torch.empty(src.numel() + offset, dtype=torch.uint8, device=src.device)
+        t = buf[offset:].view(src.shape).view(src.dtype)
+        t.copy_(src)
+        out[e][j] = t
+    return [tuple(ex) for ex in out]
+
+
+@pytest.mark.parametrize("mode", list(MOE.MODES))
+def test_table_from_separate_allocations(mode, wide):
+    x, ids, wts = crowded_inputs(5, 3, seed=13)
+    cfg = pick_config(5, 3, E2, D2, I2, mode=mode)
+    want = moe_experts_mxfp4(x, ids, wts, **wide, config=cfg)
+    for offset, align in ((0, 16), (4, 4)):
+        tab = ExpertTable.from_experts(scattered_experts(wide, seed=offset, offset=offset))
+        assert tab.E == E2 and (tab.D, tab.I) == (D2, I2) and tab.align == align and tab.device == x.device
+        addr = tab.addr[:, 0].cpu()
+        assert not torch.equal(addr, addr.sort().values)  # not in expert order
+        assert torch.equal(moe_experts_table(x, ids, wts, tab, config=cfg), want)
+
+
+def test_table_shapes_checks_and_cache(wide):
+    tab = ExpertTable.from_stacked(**wide)
+    st = wide["w13"]
+    assert tab.addr.dtype == torch.int64 and tuple(tab.addr.shape) == (E2, 4)
+    assert int(tab.addr[3, 0]) == st.data_ptr() + 3 * st.stride(0) and tab.strides[0] == D2 // 2
+    tab.check_scales()
+    ExpertTable.from_experts(scattered_experts(wide, seed=1)).check_scales()
+    bad = dict(wide, w2_scale=wide["w2_scale"].clone())
+    bad["w2_scale"].view(torch.uint8)[1, 2, 0] = 250
+    with pytest.raises(ValueError, match="outside the supported"):
+        ExpertTable.from_stacked(**bad).check_scales()
+    # the wrapper's table is built once per tensors (a dict lookup afterwards), addresses only
+    assert MOE.stacked_table(**wide) is MOE.stacked_table(**wide)
+    assert MOE.stacked_table(**wide).tensors == ()
+    ex = scattered_experts(wide, seed=2)
+    ex[3] = (ex[3][0], ex[3][1], ex[3][2][:, :-2], ex[3][3])  # a wrong shape
+    with pytest.raises(AssertionError):
+        ExpertTable.from_experts(ex)
 
 
 def test_repeated_expert_in_a_row_and_more_pairs_than_block(experts):
@@ -162,13 +308,18 @@ def test_stack_experts_layout():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 4, 16, 64])
-def test_gpu_v4_shape_matches_ref_and_is_deterministic(M):
+@pytest.mark.parametrize("mode", list(MOE.MODES))
+def test_gpu_v4_shape_matches_ref_and_is_deterministic(M, mode):
     """V4-Flash expert shapes (D 4096, I 2048, k 6) with 32 experts (routing over 32 keeps the
-    test's memory and ref time small while giving several pairs per expert)."""
+    test's memory and ref time small while giving several pairs per expert); row 0 alone gives
+    the same bits as inside the batch."""
     ex = random_stacked_experts(32, 4096, 2048, seed=5, dev="cuda")
     x, ids, wts = make_inputs(M, 4096, 32, 6, seed=M, dev="cuda")
-    y1 = moe_experts_mxfp4(x, ids, wts, **ex)
-    y2 = moe_experts_mxfp4(x, ids, wts, **ex)
+    cfg = pick_config(M, 6, 32, 4096, 2048, mode=mode)
+    y1 = moe_experts_mxfp4(x, ids, wts, **ex, config=cfg)
+    y2 = moe_experts_mxfp4(x, ids, wts, **ex, config=cfg)
+    alone = moe_experts_mxfp4(x[:1], ids[:1], wts[:1], **ex, config=pick_config(1, 6, 32, 4096, 2048, mode=mode))
     torch.cuda.synchronize()
     assert torch.equal(y1, y2)
+    assert torch.equal(alone[0], y1[0])
     check(y1, moe_experts_mxfp4_ref(x, ids, wts, **ex))
