@@ -12,7 +12,7 @@ from megastep.checkpoint.formats import (
     quantize_mxfp4_weight, unpack_fp4,
 )
 from megastep.checkpoint.synthetic import (
-    PRESETS, preset, synthesize_tensors, synthesize_weights, unquantized_config, write_checkpoint,
+    PRESETS, LazyDeviceWeights, preset, synthesize_on_device, synthesize_tensors, synthesize_weights, unquantized_config, write_checkpoint,
 )
 from megastep.checkpoint.tensors import expected_tensors
 from megastep.config import ModelConfig
@@ -198,3 +198,18 @@ def test_forward_pass_is_healthy_at_full_depth():
     model = ReferenceModel(cfg, w)
     changed = model.forward(model.new_state(), ids)
     assert (changed - logits).abs().mean() > 0.03 * logits.abs().mean()  # 7% today; 0.7% with 1/sqrt(2L)
+
+
+@pytest.mark.parametrize("routing", ["default", "skewed"])
+def test_lazy_device_weights_equal_the_eager_ones(routing):
+    eager = synthesize_on_device(MICRO, 5, "cpu", routing=routing)
+    lazy = LazyDeviceWeights(MICRO, 5, "cpu", routing=routing)
+    assert list(lazy) == list(eager)
+    names = list(eager)[::-1]  # any access order: the group of a `.scale` is its weight's
+    for n in names:
+        assert same_bytes(lazy[n], eager[n]), n
+    assert lazy.nbytes() == {n: t.numel() * t.element_size() for n, t in eager.items()}
+    del lazy[names[0]]
+    assert names[0] not in lazy and len(lazy) == len(eager) - 1
+    with pytest.raises(KeyError):
+        lazy[names[0]]

@@ -19,6 +19,7 @@ import math
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import MutableMapping
 from typing import Iterator
 
 import torch
@@ -253,6 +254,61 @@ def synthesize_on_device(cfg: ModelConfig, seed: int, device: str | torch.device
 
         apply_routing(out, cfg, routing, seed=seed)
     return out
+
+
+class LazyDeviceWeights(MutableMapping):
+    """`synthesize_on_device` one group at a time, on first access: a mapping whose tensors are
+    generated in `device` memory when read, so a consumer that builds a layer and then deletes
+    that layer's names (FastDecoder with consume=True) never holds more than about one layer of
+    raw weights. This is how a full-geometry model larger than HBM (V4-Flash, with its cold
+    experts moved to host memory at build) is generated on one GPU. Values equal
+    `synthesize_on_device`'s for the same seed, device and routing; names are those of the
+    official tensor table (MTP excluded)."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, device: str | torch.device, routing: str = "default"):
+        if routing not in ROUTING_MODELS:
+            raise ValueError(f"routing must be one of {ROUTING_MODELS}, got {routing!r}")
+        self.cfg, self.seed, self.device, self.routing = cfg, seed, torch.device(device), routing
+        self.table = expected_tensors(cfg, include_mtp=False)
+        self._names = dict.fromkeys(self.table)  # ordered set of the names not yet deleted
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of every tensor (of the table: generated or not)."""
+        return {n: s.nbytes for n, s in self.table.items()}
+
+    def _group_name(self, name: str) -> str:
+        base = name.removesuffix(".scale")
+        return base + ".weight" if base != name and base + ".weight" in self.table else name
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        if name not in self._cache:
+            group = _official_group(self.cfg, self.table, self._group_name(name), self.seed, self.device)
+            if self.routing != "default" and (name.endswith(".ffn.gate.bias") or name.endswith(".ffn.gate.tid2eid")):
+                from megastep.routing import apply_routing
+
+                gate = name.rsplit(".", 1)[0] + ".weight"
+                group[gate] = self[gate]
+                apply_routing(group, self.cfg, self.routing, seed=self.seed)
+                del group[gate]
+            self._cache.update(group)
+        return self._cache[name]
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self._names[name] = None
+        self._cache[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._names[name]
+        self._cache.pop(name, None)
+
+    def __iter__(self):
+        return iter(list(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 # ---- writing a checkpoint directory -------------------------------------------------------------
