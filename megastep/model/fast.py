@@ -8,8 +8,10 @@ out, a compressor emits an entry only for the rows whose window closes (the othe
 or to a discard row in the torch twin), the indexer takes a fixed top-k and masks what is not
 visible.
 
-Weights stay in their checkpoint formats in device memory: FP8 e4m3 + E8M0 block scales, MXFP4
-experts stacked per layer (`kernels.moe.stack_experts`), BF16/F32 for the rest. The heavy
+Weights stay in their checkpoint formats: FP8 e4m3 + E8M0 block scales, MXFP4 experts stacked
+per layer and reached through a per-layer address table (`kernels.moe.ExpertTable`: in device
+memory, or for the experts a placement marks cold, in page-locked host memory), BF16/F32 for the
+rest. Projections that read the same input are concatenated at load and run as one launch. The heavy
 linears run in Triton kernels on CUDA (`kernels/`), and in their torch `*_ref` twins elsewhere,
 so this file's logic is tested on CPU against the reference decode.
 
@@ -28,6 +30,7 @@ from megastep.config import CSA_RATIO, ModelConfig
 from megastep.kernels import attention as _attn
 from megastep.kernels import compressor as _comp
 from megastep.kernels import dense as _dense
+from megastep.kernels import indexer as _idx
 from megastep.kernels import linear_fp8 as _lin
 from megastep.kernels import mhc as _mhc
 from megastep.kernels import moe as _moe
@@ -63,6 +66,31 @@ class Linear:
                                    quantize_act=False, groups=groups)
         w = self.w.float() if self.scale is None else formats.dequantize_fp8_weight(self.w, self.scale, self.block)
         return torch.einsum("bgd,grd->bgr", x.float(), w.view(groups, rank, -1)).to(x.dtype).flatten(1)
+
+
+class LinearGroup:
+    """Linears that read the same input, run as one launch over their rows concatenated at load:
+    one weight stream instead of several small ones, each of which pays a launch and a ramp-up.
+    Every output element is the same dot product either way, so only the split-K summation
+    order (chosen per weight shape) can differ. FP8 parts are fused when each part's rows are
+    whole 128-row scale blocks (always at V4 shapes); otherwise they run one by one."""
+
+    def __init__(self, parts: list[Linear]):
+        self.sizes = [p.w.shape[0] for p in parts]
+        first = parts[0]
+        same = all(p.act_quant == first.act_quant and p.block == first.block and (p.scale is None) == (first.scale is None)
+                   for p in parts)
+        whole = first.scale is None or all(n % first.block == 0 for n in self.sizes)
+        if len(parts) > 1 and same and whole:
+            sc = None if first.scale is None else torch.cat([p.scale for p in parts])
+            self.fused, self.parts = Linear(torch.cat([p.w for p in parts]), sc, first.block, first.act_quant), []
+        else:
+            self.fused, self.parts = None, parts
+
+    def __call__(self, x: torch.Tensor, triton: bool) -> list[torch.Tensor]:
+        if self.fused is None:
+            return [p(x, triton) for p in self.parts]
+        return list(self.fused(x, triton).split(self.sizes, dim=1))
 
 
 class StatePools:
@@ -111,11 +139,16 @@ class FastDecoder:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, max_seqs: int, max_ctx: int,
                  device: torch.device | str, dtype: torch.dtype = torch.bfloat16, triton: bool | None = None,
-                 consume: bool = False):
-        """consume=True deletes the per-expert tensors from `weights` as each layer's experts are
-        stacked, so a model filling the device is never held twice."""
+                 consume: bool = False, placement=None):
+        """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
+        stacked, projections concatenated), so a model filling the device is never held twice.
+        placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
+        host memory and the experts kernel reads them there through their device-visible
+        addresses (zero-copy, issue 4 recipe A); None keeps every expert in device memory."""
         self.cfg, self.dtype = cfg, dtype
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # the one tensors report
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.triton = self.device.type == "cuda" if triton is None else triton
         if max_ctx > cfg.max_position_embeddings:
             raise ValueError("max_ctx exceeds the model's max_position_embeddings")
@@ -142,41 +175,96 @@ class FastDecoder:
         for L in range(cfg.num_hidden_layers):
             p = f"layers.{L}."
             r = cfg.ratio(L)
+            wq_a, wkv, wq_b = lin(p + "attn.wq_a.weight"), lin(p + "attn.wkv.weight"), lin(p + "attn.wq_b.weight")
             lw: dict = {
                 "hc_attn": (f32(p + "hc_attn_fn"), f32(p + "hc_attn_scale"), f32(p + "hc_attn_base")),
                 "hc_ffn": (f32(p + "hc_ffn_fn"), f32(p + "hc_ffn_scale"), f32(p + "hc_ffn_base")),
                 "attn_norm": f32(p + "attn_norm.weight"), "ffn_norm": f32(p + "ffn_norm.weight"),
-                "wq_a": lin(p + "attn.wq_a.weight"), "q_norm": f32(p + "attn.q_norm.weight"),
-                "wq_b": lin(p + "attn.wq_b.weight"), "wkv": lin(p + "attn.wkv.weight"),
+                "q_norm": f32(p + "attn.q_norm.weight"),
                 "kv_norm": f32(p + "attn.kv_norm.weight"), "sink": f32(p + "attn.attn_sink"),
                 "wo_a": lin(p + "attn.wo_a.weight", act_quant=False), "wo_b": lin(p + "attn.wo_b.weight"),
                 "gate": t(p + "ffn.gate.weight"),
-                "shared": [lin(p + f"ffn.shared_experts.w{i}.weight") for i in (1, 3, 2)],
             }
+            # shared expert: w1 and w3 rows concatenated (w13) for one gated launch with the SwiGLU
+            # in its epilogue; w1 / w3 stay as views of it for the torch twin
+            w1, w3, w2 = (lin(p + f"ffn.shared_experts.w{i}.weight") for i in (1, 3, 2))
+            if w1.scale is not None and w1.w.shape[0] % w1.block == 0:
+                I = w1.w.shape[0]
+                w13, s13 = torch.cat([w1.w, w3.w]), torch.cat([w1.scale, w3.scale])
+                w1.w, w1.scale, w3.w, w3.scale = w13[:I], s13[:I // w1.block], w13[I:], s13[I // w1.block:]
+                lw["shared13"] = (w13, s13)
+            lw["shared"] = [w1, w3, w2]
+            # the projections of one input run as one launch each (LinearGroup): FP8 wq_a + wkv
+            # on x, FP8 wq_b (+ the indexer's wq_b) on qr, BF16 compressor / indexer weights on x
+            lw["x_fp8"] = LinearGroup([wq_a, wkv])
+            qr_parts, dense_parts = [wq_b], []
             if cfg.is_hash_layer(L):
                 lw["tid2eid"] = t(p + "ffn.gate.tid2eid").long()
             else:
                 lw["gate_bias"] = f32(p + "ffn.gate.bias")
             if r:
                 c = p + "attn.compressor."
-                lw["comp"] = (t(c + "wkv.weight"), t(c + "wgate.weight"), f32(c + "ape"), f32(c + "norm.weight"))
+                dense_parts += [t(c + "wkv.weight"), t(c + "wgate.weight")]
+                lw["comp"] = (f32(c + "ape"), f32(c + "norm.weight"))
             if r == CSA_RATIO:
                 c = p + "attn.indexer."
-                lw["idx_comp"] = (t(c + "compressor.wkv.weight"), t(c + "compressor.wgate.weight"),
-                                  f32(c + "compressor.ape"), f32(c + "compressor.norm.weight"))
-                lw["idx_wq_b"] = lin(c + "wq_b.weight")
-                lw["idx_wproj"] = t(c + "weights_proj.weight")
+                dense_parts += [t(c + "compressor.wkv.weight"), t(c + "compressor.wgate.weight"), t(c + "weights_proj.weight")]
+                lw["idx_comp"] = (f32(c + "compressor.ape"), f32(c + "compressor.norm.weight"))
+                qr_parts.append(lin(c + "wq_b.weight"))
+            lw["qr_fp8"] = LinearGroup(qr_parts)
+            if dense_parts:
+                lw["x_dense"] = (torch.cat(dense_parts), [w.shape[0] for w in dense_parts])
+                del dense_parts
             if cfg.fp4_experts:
-                lw["experts"] = {k: v.to(dev) for k, v in _moe.stack_experts(weights, f"layers.{L}", cfg.n_routed_experts).items()}
-                if consume:
-                    for k in [k for k in weights if k.startswith(p + "ffn.experts.")]:
-                        del weights[k]
+                st = _moe.stack_experts(weights, f"layers.{L}", cfg.n_routed_experts)
+                if self.triton:
+                    lw["experts"] = self._place_experts(st, placement.cold(L) if placement is not None else [])
+                else:  # the torch twin reads stacked tensors
+                    lw["experts_stacked"] = {k: v.to(dev) for k, v in st.items()}
+                del st
             else:
                 lw["experts_plain"] = [[lin(p + f"ffn.experts.{e}.w{i}.weight") for i in (1, 3, 2)] for e in range(cfg.n_routed_experts)]
+            if consume:  # the layer now holds what it needs (fused copies, stacked experts)
+                for k in [k for k in weights if k.startswith(p)]:
+                    del weights[k]
+            del wq_a, wkv, wq_b, qr_parts, w1, w3, w2
             self.layers.append(lw)
         self.inv_freq = {c: ops.rope_inv_freq(cfg, c).to(dev) for c in (False, True)}
+        # cos | sin tables for the attention output's inverse RoPE: computed by torch, so the
+        # kernel's rotation rounds exactly as the reference's
+        self.rope = {c: _rn.rope_table(f, max_ctx + 1) for c, f in self.inv_freq.items()}
         self.pools = StatePools(cfg, max_seqs, max_ctx, dtype, dev)
         self.trace: StepTrace | None = None  # attach one to time stages (eager steps only)
+
+    def _place_experts(self, st: dict[str, torch.Tensor], cold: list[int]) -> _moe.ExpertTable:
+        """One layer's stacked experts -> the experts kernel's address table: the hot experts
+        stacked in device memory, the cold ones stacked in page-locked host memory."""
+        keys = ("w13", "w13_scale", "w2", "w2_scale")
+        dev = self.device
+        if not cold:
+            return _moe.ExpertTable.from_stacked(*(st[k].to(dev) for k in keys))
+        E = st["w13"].shape[0]
+        cold_set = set(cold)
+        hot = [e for e in range(E) if e not in cold_set]
+
+        def take(t: torch.Tensor, ids: list[int], host: bool) -> torch.Tensor:
+            raw = t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t  # index ops on bytes
+            sel = raw.index_select(0, torch.tensor(ids, device=t.device))
+            if host:
+                dst = torch.empty(sel.shape, dtype=sel.dtype, pin_memory=dev.type == "cuda")
+                sel = dst.copy_(sel)
+            else:
+                sel = sel.to(dev)
+            return sel.view(t.dtype)
+
+        hot_st = [take(st[k], hot, False) for k in keys] if hot else []
+        cold_st = [take(st[k], cold, True) for k in keys]
+        experts: list = [None] * E
+        for i, e in enumerate(hot):
+            experts[e] = tuple(t[i] for t in hot_st)
+        for i, e in enumerate(cold):
+            experts[e] = tuple(t[i] for t in cold_st)
+        return _moe.ExpertTable.from_experts(experts, device=dev)
 
     # ---- pieces ---------------------------------------------------------------------------
     def _kernel(self, module, name: str):
@@ -189,35 +277,35 @@ class FastDecoder:
             return _dense.linear_bf16(x.contiguous(), w, torch.float32)
         return x.float() @ w.float().T
 
-    def _compress(self, x, pos, slots, L, which: str):
-        """Feed each row's token into a compressor and emit entries where windows close."""
+    def _compress(self, kv, score, pos, slots, L, which: str):
+        """Feed each row's compressor projections (kv, score: fp32 [B, W2]) into a compressor and
+        emit entries where windows close."""
         cfg, P = self.cfg, self.pools
-        lw = self.layers[L]
         if which == "comp":
-            wkv, wgate, ape, norm_w = lw["comp"]
+            ape, norm_w = self.layers[L]["comp"]
             kvp, scp, ent, r = P.ckv[L], P.csc[L], P.cent[L], cfg.ratio(L)
         else:
-            wkv, wgate, ape, norm_w = lw["idx_comp"]
+            ape, norm_w = self.layers[L]["idx_comp"]
             kvp, scp, ent, r = P.ikv[L], P.isc[L], P.ikeys[L], CSA_RATIO
         # add the position bias, store the row; where the window closes: softmax pooling, norm,
         # RoPE, simulation, entry write and (overlapping compressors) the shift of the closed window
-        self._kernel(_comp, "compressor_step")(self._dense(x, wkv), self._dense(x, wgate), kvp, scp, ent, slots, pos,
-                                               norm_w, self.inv_freq[True], r, r == CSA_RATIO,
-                                               "index" if which == "idx" else "kv", cfg.rms_norm_eps, ape=ape)
+        self._kernel(_comp, "compressor_step")(kv, score, kvp, scp, ent, slots, pos, norm_w, self.inv_freq[True], r,
+                                               r == CSA_RATIO, "index" if which == "idx" else "kv", cfg.rms_norm_eps,
+                                               ape=ape)
 
-    def _indexer(self, x, qr, pos, slots, L):
+    def _indexer(self, q, wl, pos, slots, L):
+        """q: the indexer's wq_b output [B, H*di]; wl: weights_proj output fp32 [B, H]."""
         cfg = self.cfg
-        lw = self.layers[L]
-        B = x.shape[0]
-        self._compress(x, pos, slots, L, "idx")
-        q = lw["idx_wq_b"](qr, self.triton).view(B, cfg.index_n_heads, cfg.index_head_dim)
-        q = self._kernel(_rn, "indexer_q")(q, self.inv_freq[True], pos)  # RoPE, Hadamard, fp4 simulation
-        w = self._dense(x, lw["idx_wproj"]).to(self.dtype).float() * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        B = q.shape[0]
+        q = self._kernel(_rn, "indexer_q")(q.view(B, cfg.index_n_heads, cfg.index_head_dim), self.inv_freq[True], pos)
+        if self.triton and q.dtype == torch.bfloat16:  # scores read the key pool in place; radix top-k
+            return _idx.indexer_topk(q, wl, self.pools.ikeys[L], slots, pos, cfg.index_topk, CSA_RATIO)
+        w = wl.to(self.dtype).float() * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
         n = self.pools.ikeys[L].shape[1] - 1
         keys = self.pools.ikeys[L][slots, :n]  # [B, n, di]
         scores = (torch.relu(q.float() @ keys.float().transpose(1, 2)) * w[..., None]).sum(1)  # [B, n]
         visible = (pos + 1) // CSA_RATIO
-        scores = scores.masked_fill(torch.arange(n, device=x.device)[None] >= visible[:, None], float("-inf"))
+        scores = scores.masked_fill(torch.arange(n, device=q.device)[None] >= visible[:, None], float("-inf"))
         # ascending, as the reference: valid entries (< visible) come first, in the same order
         idx = scores.topk(min(cfg.index_topk, n), dim=-1).indices.sort(-1).values
         return idx, idx < visible[:, None]
@@ -225,39 +313,37 @@ class FastDecoder:
     def _attention(self, x, pos, slots, L):
         cfg, P = self.cfg, self.pools
         lw = self.layers[L]
-        B, H, hd, W = x.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        B, H, hd = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         r = cfg.ratio(L)
         inv_freq = self.inv_freq[r > 0]
         tr, T = self.triton, self.trace
         eps = cfg.rms_norm_eps
-        with stage(T, "attn_proj", L):
-            qr = self._kernel(_rn, "rms_norm")(lw["wq_a"](x, tr), lw["q_norm"], eps)
-            q = self._kernel(_rn, "q_norm_rope")(lw["wq_b"](qr, tr).view(B, H, hd), inv_freq, pos, eps)
+        with stage(T, "attn_proj", L):  # every projection of x and of qr, the compressors' included
+            qa, kv = lw["x_fp8"](x, tr)
+            qr = self._kernel(_rn, "rms_norm")(qa, lw["q_norm"], eps)
+            qb = lw["qr_fp8"](qr, tr)
+            q = self._kernel(_rn, "q_norm_rope")(qb[0].view(B, H, hd), inv_freq, pos, eps)
             # kv norm, RoPE, fp8 simulation of the nope dims, and the write into the window ring
-            self._kernel(_rn, "kv_rope_sim_store")(lw["wkv"](x, tr), lw["kv_norm"], inv_freq, pos, P.win[L], slots,
+            self._kernel(_rn, "kv_rope_sim_store")(kv, lw["kv_norm"], inv_freq, pos, P.win[L], slots,
                                                    eps, cfg.nope_head_dim)
-        kvs = [P.win[L][slots]]
-        valid = [torch.arange(W, device=x.device)[None] <= pos[:, None]]
+            if r:
+                wd, sizes = lw["x_dense"]
+                xd = self._dense(x, wd).split(sizes, dim=1)
+        kw: dict = {"ratio": r}
         if r:
             if r == CSA_RATIO:
                 with stage(T, "indexer", L):
-                    idx, ok = self._indexer(x, qr, pos, slots, L)
+                    self._compress(xd[2], xd[3], pos, slots, L, "idx")
+                    kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)
             with stage(T, "compressor", L):
-                self._compress(x, pos, slots, L, "comp")
-            n = P.cent[L].shape[1] - 1
-            ent = P.cent[L][slots, :n]
-            if r == CSA_RATIO:
-                kvs.append(ent.gather(1, idx[..., None].expand(-1, -1, hd)))
-                valid.append(ok)
-            else:
-                kvs.append(ent)
-                valid.append(torch.arange(n, device=x.device)[None] < ((pos + 1) // r)[:, None])
+                self._compress(xd[0], xd[1], pos, slots, L, "comp")
+            kw["comp"] = P.cent[L]
         with stage(T, "attention", L):
-            attn = self._kernel(_attn, "sparse_attention_decode") if q.dtype == torch.bfloat16 else None
-            kv_all, ok_all = torch.cat(kvs, 1), torch.cat(valid, 1)
-            o = (attn(q.contiguous(), kv_all, ok_all, lw["sink"], hd**-0.5) if attn is not None
-                 else ops.sparse_attention(q, kv_all, lw["sink"], hd**-0.5, ok_all))
-            o = ops.apply_rope(o, inv_freq, pos, inverse=True)
+            # window ring + selected / visible compressed entries read in place from the pools,
+            # sinks, and the inverse RoPE of the output, in one kernel
+            attn = (self._kernel(_attn, "sparse_attention_pools") if q.dtype == torch.bfloat16
+                    else _attn.sparse_attention_pools_ref)  # the torch twin also takes fp32
+            o = attn(q, P.win[L], slots, pos, lw["sink"], hd**-0.5, self.rope[r > 0], **kw)
         with stage(T, "out_proj", L):
             G, R = cfg.o_groups, cfg.o_lora_rank
             u = lw["wo_a"].grouped(o.reshape(B, G, -1), G, R, tr)
@@ -277,16 +363,20 @@ class FastDecoder:
             y = self._routed(x, idx, w, lw)
         with stage(T, "shared_expert", L):
             w1, w3, w2 = lw["shared"]
+            if self.triton and "shared13" in lw:  # gated w1/w3 + SwiGLU, then w2 + the routed sum
+                a = _lin.linear_fp8_swiglu(x.contiguous(), *lw["shared13"], cfg.swiglu_limit, out_dtype=x.dtype)
+                return _lin.linear_fp8(a, w2.w, w2.scale, block=w2.block, out_dtype=x.dtype, residual=y)
             a = ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
             return (y + w2(a, self.triton).float()).to(x.dtype)
 
     def _routed(self, x, idx, w, lw):
         cfg = self.cfg
         if "experts" in lw:
-            fn = _moe.moe_experts_mxfp4 if self.triton else _moe.moe_experts_mxfp4_ref
-            ex = lw["experts"]
-            y = fn(x.contiguous(), idx.to(torch.int32), w.float(), ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
-                   swiglu_limit=cfg.swiglu_limit)
+            y = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit)
+        elif "experts_stacked" in lw:
+            ex = lw["experts_stacked"]
+            y = _moe.moe_experts_mxfp4_ref(x, idx, w, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
+                                           swiglu_limit=cfg.swiglu_limit)
         else:
             y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             for j in range(idx.shape[1]):  # plain experts (unquantized checkpoints): a slow loop

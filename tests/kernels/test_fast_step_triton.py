@@ -31,3 +31,31 @@ def test_triton_step_matches_torch_step():
             assert torch.allclose(a, b, atol=1e-5 * b.abs().max().item())
         else:
             assert torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1] > 0.9
+
+
+def test_cold_experts_in_host_memory_give_the_same_bits():
+    """Issue 4 recipe A: experts the placement marks cold sit in (page-locked, on a GPU) host
+    memory and the experts kernel reads them in place through the address table: the logits are
+    bit-identical to every expert in device memory."""
+    from megastep.runtime.experts import plan_placement, resident_bytes, routed_expert_bytes
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = preset("tiny").replace(vocab_size=512, num_hidden_layers=3,
+                                 quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    w = synthesize_weights(cfg, seed=4, device=dev, include_mtp=False)
+    half = cfg.num_hidden_layers * cfg.n_routed_experts // 2
+    plan = plan_placement(cfg, None, resident_bytes(cfg) + half * routed_expert_bytes(cfg))
+    assert plan.n_cold == half and all(plan.cold(L) for L in range(cfg.num_hidden_layers))
+    hot = FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=True)
+    split = FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=True, placement=plan)
+    if dev == "cuda":  # the cold experts really are in page-locked host memory
+        tab = split.layers[0]["experts"]
+        e = plan.cold(0)[0]
+        assert not tab.tensors[e][0].is_cuda and tab.tensors[e][0].is_pinned()
+    ids = torch.randint(0, 512, (2, 2), generator=torch.Generator().manual_seed(1)).to(dev)
+    slots = torch.tensor([0, 1], device=dev)
+    for d in (hot, split):
+        d.pools.reset(0), d.pools.reset(1)
+    for t in range(2):
+        pos = torch.tensor([t, t], device=dev)
+        assert torch.equal(hot.step(ids[t], pos, slots), split.step(ids[t], pos, slots))
