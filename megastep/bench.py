@@ -8,8 +8,13 @@ Method (docs/PERFORMANCE.md quotes it):
 - Step time: one CUDA graph per batch size, replayed `iters` times after warm-up, each replay
   timed with CUDA events; p50/p90/p99 over replays.
 - Roofline: bytes a step must read (all dense weights of the layers, the routed experts the rows
-  touch (expected distinct experts under uniform routing), the head, the state read by
-  attention) over the streaming read bandwidth measured in the same run.
+  touch, the head, the state read by attention) over the streaming read bandwidth measured in
+  the same run. Routed experts: the expected distinct experts per step under the routing of the
+  synthetic gates themselves (`routing.profile_from_random_activations`), split into HBM and
+  host experts by the placement; host bytes count at the host-read bandwidth measured in the
+  same run (a kernel reading page-locked memory through its device address), so with cold
+  experts the roofline is the modeled limit HBM bytes / HBM bandwidth + host bytes / host-link
+  bandwidth.
 - Peer: transformers' DeepseekV4ForCausalLM at the same width with a few layers, bf16, on the
   same synthetic weights (dequantized), cached decode at the same context, per layer.
 """
@@ -23,7 +28,10 @@ import time
 
 import torch
 
-from megastep.checkpoint.synthetic import preset, synthesize_on_device
+import triton
+import triton.language as tl
+
+from megastep.checkpoint.synthetic import LazyDeviceWeights, preset, synthesize_on_device
 from megastep.config import CSA_RATIO, ModelConfig
 from megastep.errors import UserError
 
@@ -46,24 +54,61 @@ def stream_read_bandwidth(device: torch.device, gib: float = 4.0, iters: int = 1
     return n * 4 / min(times) / 1e9
 
 
-def step_bytes(cfg: ModelConfig, weights_bytes: dict[str, int], rows: int, context: int) -> dict[str, float]:
-    """Bytes one step must read, by part. weights_bytes: bytes per tensor name."""
+@triton.jit
+def _host_read_kernel(addr, out_ptr, n_words, WORDS: tl.constexpr):
+    """Sum int32 words of a buffer given by its (device-visible) address: a pure read stream."""
+    base = addr.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([WORDS], dtype=tl.int32)
+    for w0 in range(tl.program_id(0) * WORDS, n_words, tl.num_programs(0) * WORDS):
+        offs = w0 + tl.arange(0, WORDS)
+        acc += tl.load(base + offs, mask=offs < n_words, other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+def host_read_bandwidth(device: torch.device, gib: float = 1.0, iters: int = 5, programs: int = 64) -> float:
+    """GB/s of a kernel reading page-locked host memory through its device-visible address (the
+    zero-copy path by which a MoE kernel reads cold experts)."""
+    n = int(gib * 2**30) // 4
+    buf = torch.ones(n, dtype=torch.int32, pin_memory=True)
+    out = torch.empty(programs, dtype=torch.int32, device=device)
+    _host_read_kernel[(programs,)](buf.data_ptr(), out, n, WORDS=2048)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        _host_read_kernel[(programs,)](buf.data_ptr(), out, n, WORDS=2048)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    if int(out.sum()) != n:  # every word read (and summed) exactly once
+        raise RuntimeError("host read kernel checksum mismatch")
+    return n * 4 / min(times) / 1e9
+
+
+def step_bytes(cfg: ModelConfig, weights_bytes: dict[str, int], rows: int, context: int,
+               placement=None) -> dict[str, float]:
+    """Bytes one step must read, by part. weights_bytes: bytes per tensor name. `placement`
+    (runtime.experts.Placement, with the routing shares of the run) gives the expected distinct
+    routed experts in HBM and in host memory; without it, uniform routing, all in HBM."""
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    distinct = E * (1 - (1 - k / E) ** rows)  # expected distinct experts per layer, uniform routing
-    per_expert = {}
     dense = 0
     head = 0
+    per_expert = 0
     for name, nb in weights_bytes.items():
         if ".ffn.experts." in name:
-            L = int(name.split(".")[1])
-            per_expert[L] = per_expert.get(L, 0) + nb
+            per_expert += nb
         elif name in ("head.weight",):
             head += nb
         elif name == "embed.weight":
             dense += rows * cfg.hidden_size * 2
         else:
             dense += nb
-    experts = sum(v / E * distinct for v in per_expert.values())
+    per_expert /= E * cfg.num_hidden_layers
+    if placement is None:
+        hot, cold = cfg.num_hidden_layers * E * (1 - (1 - k / E) ** rows), 0.0
+    else:
+        hot, cold = placement.expert_reads_per_step(rows)
     state = 0.0
     for L in range(cfg.num_hidden_layers):
         r = cfg.ratio(L)
@@ -73,8 +118,10 @@ def step_bytes(cfg: ModelConfig, weights_bytes: dict[str, int], rows: int, conte
             state += rows * (min(cfg.index_topk, n) * cfg.head_dim * 2 + n * cfg.index_head_dim * 2)
         elif r:
             state += rows * (context // r) * cfg.head_dim * 2
+    experts, host = hot * per_expert, cold * per_expert
     return {"dense": dense, "routed_experts": experts, "head": head, "state": state,
-            "total": dense + experts + head + state}
+            "total": dense + experts + head + state, "host_experts": host,
+            "hot_experts_per_step": hot, "cold_experts_per_step": cold}
 
 
 def fill_state(dec, context: int, seed: int = 0) -> None:
@@ -222,29 +269,37 @@ def run_bench(args: argparse.Namespace) -> dict:
         peer = peer_transformers(preset(args.preset, layers=args.peer_layers), args.seed, dev, args.context, iters=10)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    weights = synthesize_on_device(cfg, args.seed, dev)
-    wbytes = {n: t.numel() * t.element_size() for n, t in weights.items()}
-    gen_s = time.perf_counter() - t0
-    dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True)
+    weights = LazyDeviceWeights(cfg, args.seed, dev, routing=args.routing)
+    wbytes = weights.nbytes()
+    placement = _placement(cfg, weights, args.hbm_budget)
+    dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True,
+                      placement=placement if args.hbm_budget is not None else None)
     del weights
+    torch.cuda.synchronize()
+    gen_s = time.perf_counter() - t0
     fill_state(dec, args.context)
     bw = stream_read_bandwidth(dev)
+    host_bw = host_read_bandwidth(dev) if placement.n_cold else None
     runner = StepRunner(dec.step, dev, dec.pools.dummy_slot, buckets=batches)
     results = []
     for B in batches:
         ms = time_graph(runner, B, args.context, args.iters)
         p50 = pct(ms, 50)
-        nb = step_bytes(cfg, wbytes, B, args.context)
-        roof_ms = nb["total"] / (bw * 1e9) * 1e3
+        nb = step_bytes(cfg, wbytes, B, args.context, placement)
+        roof_ms = (nb["total"] / (bw * 1e9) + (nb["host_experts"] / (host_bw * 1e9) if host_bw else 0.0)) * 1e3
         results.append({
             "batch": B, "ms_p50": p50, "ms_p90": pct(ms, 90), "ms_p99": pct(ms, 99),
             "tokens_per_s": B / p50 * 1e3, "bytes": nb, "roofline_ms": roof_ms,
-            "pct_of_roofline": 100 * roof_ms / p50, "achieved_GBps": nb["total"] / (p50 / 1e3) / 1e9,
+            "pct_of_roofline": 100 * roof_ms / p50,
+            "achieved_GBps": (nb["total"] + nb["host_experts"]) / (p50 / 1e3) / 1e9,
         })
     out = {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers,
-        "context": args.context, "stream_read_GBps": bw, "weights_generated_s": gen_s,
+        "context": args.context, "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
+        "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
+                                               "n_hot": placement.n_hot, "n_cold": placement.n_cold,
+                                               "cold_slot_fraction": placement.cold_fraction},
         "state_pool_bytes": dec.pools.bytes(), "results": results, "peer": peer,
     }
     if args.trace:
@@ -257,10 +312,26 @@ def run_bench(args: argparse.Namespace) -> dict:
     return out
 
 
+def _placement(cfg: ModelConfig, weights, hbm_budget_gb: float | None):
+    """Expert placement for the run, from the routing of the synthetic gates themselves (random
+    unit-RMS activations through each gate): every expert in HBM without a budget."""
+    from megastep.routing import profile_from_random_activations
+    from megastep.runtime.experts import GB, plan_placement
+
+    profile = profile_from_random_activations(cfg, weights)
+    budget = float("inf") if hbm_budget_gb is None else hbm_budget_gb * GB
+    return plan_placement(cfg, profile, int(min(budget, 2**62)))
+
+
 def print_report(out: dict) -> None:
     L = out["layers"]
     print(f"\n{out['device']}  preset {out['preset']}  layers {L}  context {out['context']}  "
-          f"stream read {out['stream_read_GBps']:.0f} GB/s")
+          f"stream read {out['stream_read_GBps']:.0f} GB/s  routing {out['routing']}")
+    pl = out["placement"]
+    if pl["n_cold"]:
+        print(f"HBM budget {pl['hbm_budget_GB']} GB: {pl['n_hot']} experts in HBM, {pl['n_cold']} in host memory "
+              f"(cold share of routing slots {100 * pl['cold_slot_fraction']:.1f}%), host read "
+              f"{out['host_read_GBps']:.1f} GB/s; roofline = HBM bytes / HBM bw + host bytes / host bw")
     print(f"{'batch':>5} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'tok/s':>9} {'GB/step':>8} {'roof ms':>8} {'%roof':>6} "
           f"{'ms/layer':>8} {'x43 ms':>8}")
     for r in out["results"]:
@@ -298,3 +369,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="store_true", help="also print the eager per-stage trace")
     p.add_argument("--peer-layers", type=int, default=0, help="layers for the transformers peer line (0: skip)")
     p.add_argument("--json", help="write the full results here")
+    p.add_argument("--routing", default="default", choices=["default", "uniform", "skewed"],
+                   help="routing model of the synthetic gates (megastep.routing)")
+    p.add_argument("--hbm-budget", type=float, default=None,
+                   help="GB of HBM for weights: the coldest routed experts go to page-locked host memory")
