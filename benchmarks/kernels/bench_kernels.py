@@ -25,14 +25,13 @@ import sys
 import time
 import traceback
 import subprocess
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import torch
 import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from megastep.checkpoint import formats as F  # noqa: E402
 from megastep.kernels import linear_fp8 as LIN  # noqa: E402
 from megastep.kernels import moe as MOE  # noqa: E402
 from megastep.kernels.common import next_pow2  # noqa: E402
