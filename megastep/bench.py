@@ -22,6 +22,7 @@ Method (docs/PERFORMANCE.md quotes it):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -134,11 +135,14 @@ def fill_state(dec, context: int, seed: int = 0) -> None:
                 t.copy_(torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32).to(t.dtype))
 
 
-def time_graph(runner, rows: int, context: int, iters: int, warmup: int = 5) -> list[float]:
+def time_graph(runner, rows: int, context: int, iters: int, warmup: int = 5, block: int = 1) -> list[float]:
+    """Step times (ms) of `rows` rows: rows // block sequences, each a block of `block`
+    consecutive positions from `context` on (block 1: independent sequences)."""
     dev = runner.device
     tokens = torch.randint(0, 1000, (rows,), device=dev)
-    pos = torch.full((rows,), context, device=dev, dtype=torch.long)
-    slots = torch.arange(rows, device=dev)
+    r = torch.arange(rows, device=dev)
+    pos = context + r % block
+    slots = r // block
     b = runner.load(tokens, pos, slots)
     for _ in range(warmup):
         runner.replay(b)
@@ -259,10 +263,12 @@ def run_bench(args: argparse.Namespace) -> dict:
     from megastep.model.fast import FastDecoder
     from megastep.runtime.step import StepRunner
 
+    batches = sorted({int(b) for b in args.batch.split(",")})
+    if args.block < 1 or any(b % args.block for b in batches):
+        raise UserError(f"--block {args.block}: every batch must be a multiple of it (rows = sequences x block)")
     if not torch.cuda.is_available():
         raise UserError("megastep bench needs a CUDA device")
     dev = torch.device("cuda")
-    batches = sorted({int(b) for b in args.batch.split(",")})
     cfg = preset(args.preset, layers=args.layers)
     peer = None
     if args.peer_layers:  # first, while the device is empty: it needs bf16 copies of its layers
@@ -273,17 +279,18 @@ def run_bench(args: argparse.Namespace) -> dict:
     wbytes = weights.nbytes()
     placement = _placement(cfg, weights, args.hbm_budget)
     dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True,
-                      placement=placement if args.hbm_budget is not None else None)
+                      placement=placement if args.hbm_budget is not None else None, max_block=args.block)
     del weights
     torch.cuda.synchronize()
     gen_s = time.perf_counter() - t0
     fill_state(dec, args.context)
     bw = stream_read_bandwidth(dev)
     host_bw = host_read_bandwidth(dev) if placement.n_cold else None
-    runner = StepRunner(dec.step, dev, dec.pools.dummy_slot, buckets=batches)
+    step = dec.step if args.block == 1 else functools.partial(dec.step, block=args.block)
+    runner = StepRunner(step, dev, dec.pools.dummy_slot, buckets=batches)
     results = []
     for B in batches:
-        ms = time_graph(runner, B, args.context, args.iters)
+        ms = time_graph(runner, B, args.context, args.iters, block=args.block)
         p50 = pct(ms, 50)
         nb = step_bytes(cfg, wbytes, B, args.context, placement)
         roof_ms = (nb["total"] / (bw * 1e9) + (nb["host_experts"] / (host_bw * 1e9) if host_bw else 0.0)) * 1e3
@@ -296,7 +303,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     out = {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers,
-        "context": args.context, "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
+        "context": args.context, "block": args.block, "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
         "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
                                                "n_hot": placement.n_hot, "n_cold": placement.n_cold,
                                                "cold_slot_fraction": placement.cold_fraction},
@@ -369,6 +376,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="store_true", help="also print the eager per-stage trace")
     p.add_argument("--peer-layers", type=int, default=0, help="layers for the transformers peer line (0: skip)")
     p.add_argument("--json", help="write the full results here")
+    p.add_argument("--block", type=int, default=1,
+                   help="rows per sequence: each step advances batch/block sequences by a causal block of this many tokens")
     p.add_argument("--routing", default="default", choices=["default", "uniform", "skewed"],
                    help="routing model of the synthetic gates (megastep.routing)")
     p.add_argument("--hbm-budget", type=float, default=None,

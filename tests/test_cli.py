@@ -74,6 +74,7 @@ def test_no_quant_sim_flag_changes_numerics_not_interface(small_dir, capsys):
         (["generate", "--model", "{small}", "--temperature", "-1", "hi"], "temperature"),
         (["inspect", "/nonexistent/model"], "/nonexistent/model"),
         (["make-checkpoint", "--preset", "huge", "--out", "/tmp/x"], "unknown preset"),
+        (["bench", "--batch", "1,6", "--block", "4"], "multiple of it"),
     ],
 )
 def test_user_errors_are_one_clear_message(small_dir, argv, message):

@@ -41,12 +41,14 @@ def sims_off(monkeypatch):
     monkeypatch.setattr(ops, "index_sim", ident)
 
 
-def drive(cfg, weights, schedule, max_seqs=4, dtype=torch.bfloat16):
+def drive(cfg, weights, schedule, max_seqs=4, dtype=torch.bfloat16, block=1, shuffle=False):
     """Run both implementations over `schedule`: a list of steps, each a list of (seq, token).
-    A seq id seen for the first time starts a fresh sequence in the next free slot. Returns the
-    per-row max |logit diff| and the logit scale."""
+    A seq id seen for the first time starts a fresh sequence in the next free slot. A seq may
+    have several rows in a step (a multi-token block, up to `block`): they take its next
+    positions in order; shuffle=True then permutes the step's rows (a block's rows need not be
+    adjacent or in position order). Returns the per-row max |logit diff| and the logit scale."""
     ref = ReferenceModel(cfg, weights, dtype=dtype)  # simulations as patched (or not) by the test
-    fast = FastDecoder(cfg, weights, max_seqs=max_seqs, max_ctx=256, device="cpu", dtype=dtype)
+    fast = FastDecoder(cfg, weights, max_seqs=max_seqs, max_ctx=256, device="cpu", dtype=dtype, max_block=block)
     slot_of, state_of, pos_of, diffs, scale = {}, {}, {}, [], 0.0
     for step in schedule:
         for s, _ in step:
@@ -56,14 +58,20 @@ def drive(cfg, weights, schedule, max_seqs=4, dtype=torch.bfloat16):
                 fast.pools.reset(free)
         # one padding row pointing at the dummy slot, as a graph bucket would add
         tokens = torch.tensor([t for _, t in step] + [0])
-        pos = torch.tensor([pos_of[s] for s, _ in step] + [0])
+        row_pos = []
+        for s, _ in step:
+            row_pos.append(pos_of[s])
+            pos_of[s] += 1
+        pos = torch.tensor(row_pos + [0])
         slots = torch.tensor([slot_of[s] for s, _ in step] + [fast.pools.dummy_slot])
-        out = fast.step(tokens, pos, slots)
+        perm = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(len(diffs))) if shuffle \
+            else torch.arange(len(tokens))
+        out = torch.empty(len(tokens), cfg.vocab_size, dtype=torch.float32)
+        out[perm] = fast.step(tokens[perm], pos[perm], slots[perm], block=block)
         for j, (s, t) in enumerate(step):
             want = ref.forward(state_of[s], [t])[0]
             diffs.append((out[j] - want).abs().max().item())
             scale = max(scale, want.abs().max().item())
-            pos_of[s] += 1
     return diffs, scale
 
 
@@ -87,11 +95,46 @@ def schedule_three_sequences(n_steps=60, seed=0):
     return sched
 
 
+def schedule_blocks(n_steps=24, seed=3, block=4):
+    """Multi-token blocks: A advances by a block of 1..`block` tokens every step (rows in a
+    shuffled order), B one token per step, C joins at step 8 with a full block each step."""
+    g = torch.Generator().manual_seed(seed)
+    tok = lambda: int(torch.randint(0, VOCAB, (1,), generator=g))  # noqa: E731
+    sched = []
+    for t in range(n_steps):
+        k = 1 + t % block
+        rows = [("A", tok()) for _ in range(k)] + [("B", tok())]
+        if t >= 8:
+            rows += [("C", tok()) for _ in range(block)]
+        sched.append(rows)
+    return sched
+
+
 def test_matches_reference_with_simulations_off(tiny, sims_off):
     cfg, w = tiny
     diffs, scale = drive(cfg, w, schedule_three_sequences(), dtype=torch.float32)
     assert scale > 1.0
     assert max(diffs) <= 1e-4 * scale, f"max diff {max(diffs)} at row-step {diffs.index(max(diffs))}"
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in_order", "shuffled"])
+def test_multi_token_blocks_match_reference_with_simulations_off(tiny, sims_off, shuffle):
+    """Several rows of one sequence in a step (causal within the block) give what decoding the
+    tokens one by one gives: rings longer than the window keep the block's earlier keys, and
+    the compressors advance in block order."""
+    cfg, w = tiny
+    sched = schedule_blocks()
+    assert sum(len(s) for s in sched) > 2 * len(sched) and cfg.sliding_window < 24 * 2  # rings wrap
+    diffs, scale = drive(cfg, w, sched, dtype=torch.float32, block=4, shuffle=shuffle)
+    assert scale > 1.0
+    assert max(diffs) <= 1e-4 * scale, f"max diff {max(diffs)} at row {diffs.index(max(diffs))}"
+
+
+def test_block_larger_than_allowed_is_refused(tiny):
+    cfg, w = tiny
+    fast = FastDecoder(cfg, w, max_seqs=2, max_ctx=64, device="cpu", max_block=2)
+    with pytest.raises(ValueError, match="max_block"):
+        fast.step(torch.tensor([1]), torch.tensor([0]), torch.tensor([0]), block=3)
 
 
 def test_agrees_with_reference_with_simulations_on(tiny):

@@ -30,3 +30,24 @@ def test_fast_engine_rows_slots_and_first_logits(tmp_path):
     assert torch.allclose(out_c, out[0], atol=1e-5 * want.abs().max().item())
     fast.free(b), fast.free(c)
     assert fast.live_sequences == 0
+
+
+def test_prefill_in_blocks_equals_token_by_token(tmp_path):
+    """Prefill chunks go through the step as multi-token blocks (up to max_block tokens of a
+    sequence per replay): the last token's logits equal those of feeding the prompt one token per
+    step and the reference's, with another sequence decoding in the same steps."""
+    cfg = preset("tiny").replace(vocab_size=512, quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    write_checkpoint(cfg, tmp_path, seed=5)
+    prompt = torch.randint(0, 512, (11,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = ReferenceEngine(tmp_path)
+    want = ref.forward_batch([(ref.new_sequence(), prompt)])[0]
+    outs = {}
+    for block in (1, 4):
+        fast = FastEngine(tmp_path, device="cpu", max_seqs=2, max_ctx=64, max_block=block)
+        a, other = fast.new_sequence(), fast.new_sequence()
+        fast.forward_batch([(other, [3, 4])])
+        outs[block] = fast.forward_batch([(a, prompt), (other, [5])])[0]
+        assert a.pos == len(prompt) and other.pos == 3
+    scale = want.abs().max().item()
+    assert torch.allclose(outs[4], outs[1], atol=1e-5 * scale), (outs[4] - outs[1]).abs().max()
+    assert torch.allclose(outs[4], want, atol=1e-5 * scale), (outs[4] - want).abs().max()

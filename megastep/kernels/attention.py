@@ -95,7 +95,7 @@ def pick_config(H: int, N: int, d: int) -> AttnConfig:
 
 
 @triton.jit
-def _entry_tile(offs_n, n_in, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, W,
+def _entry_tile(offs_n, n_in, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, W, WA,
                 stride_wr, stride_cr, stride_ib, stride_kb, offs_d, SRC: tl.constexpr):
     """The KV rows [BLOCK_N, D] of the entries offs_n and their validity [BLOCK_N]. From the pools,
     masked rows are not read (0 instead); dense kv rows are loaded whatever the mask says (no
@@ -106,7 +106,10 @@ def _entry_tile(offs_n, n_in, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, 
                      other=0.0)
     else:
         in_win = offs_n < W
-        ok = n_in & in_win & (offs_n <= pos)
+        # ring slot j holds the latest position q = j (mod W) written so far; the row at pos sees q
+        # in [pos - WA + 1, pos]. With W = WA that is j <= pos; a ring longer than the window (a
+        # multi-token block wrote up to W - WA positions ahead) keeps the block's earlier rows' keys
+        ok = n_in & in_win & ((pos - offs_n + W) % W <= tl.minimum(pos, WA - 1))
         rows = win_row + offs_n.to(tl.int64) * stride_wr
         if SRC != 1:
             t = offs_n - W
@@ -145,7 +148,7 @@ def _store_out(out_row, offs_h, h_mask, o, c0, pos, rope_ptr, stride_oh, BLOCK_H
 def _sparse_attn_kernel(
     q_ptr, win_ptr, comp_ptr, idx_ptr, ok_ptr, slot_ptr, pos_ptr, rope_ptr, sink_ptr, out_ptr,
     pacc_ptr, pml_ptr, cnt_ptr,
-    H, W, N, ratio, scale,
+    H, W, WA, N, ratio, scale,
     stride_qb, stride_qh, stride_ws, stride_wr, stride_cs, stride_cr, stride_ib, stride_kb, stride_ob, stride_oh,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PIECES: tl.constexpr, INTERPRET: tl.constexpr,
@@ -183,7 +186,7 @@ def _sparse_attn_kernel(
     acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kv, ok = _entry_tile(offs_n, offs_n < n_hi, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, W,
+        kv, ok = _entry_tile(offs_n, offs_n < n_hi, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, W, WA,
                              stride_wr, stride_cr, stride_ib, stride_kb, offs_d, SRC)
         if INTERPRET:
             kv = kv.to(tl.float32)
@@ -252,7 +255,8 @@ def _sparse_attn_kernel(
 
 
 def _launch(src: int, q, H: int, N: int, cfg: AttnConfig | None, sink, scale, *, win, comp, idx, ok, slots, pos,
-            rope, W: int, ratio: int, strides: tuple[int, ...], nope_p: int, rope_p: int, table: bool) -> torch.Tensor:
+            rope, W: int, ratio: int, strides: tuple[int, ...], nope_p: int, rope_p: int, table: bool,
+            WA: int | None = None) -> torch.Tensor:
     B, _, d = q.shape
     cfg = cfg or pick_config(H, N, d)
     cfg.check()
@@ -269,7 +273,7 @@ def _launch(src: int, q, H: int, N: int, cfg: AttnConfig | None, sink, scale, *,
         pacc = pml = cnt = out  # unused
     _sparse_attn_kernel[(n_hb, split, B)](
         q, win, comp, idx, ok, slots, pos, rope, sink, out, pacc, pml, cnt,
-        H, W, N, ratio, float(scale),
+        H, W, W if WA is None else WA, N, ratio, float(scale),
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1),
         D=d, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, SPLIT_P2=next_pow2(split),
         PIECES=cfg.pv_pieces, INTERPRET=on_interpreter(q), DC=min(d, 128), GROUP=min(4, split), SRC=src,
@@ -306,7 +310,7 @@ def sparse_attention_decode(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tens
 def sparse_attention_pools(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
                            sink: torch.Tensor, scale: float, rope: torch.Tensor, *, comp: torch.Tensor | None = None,
                            idx: torch.Tensor | None = None, idx_ok: torch.Tensor | None = None, ratio: int = 0,
-                           config: AttnConfig | None = None) -> torch.Tensor:
+                           window_size: int | None = None, config: AttnConfig | None = None) -> torch.Tensor:
     """The decode step's attention over the pools, with the inverse RoPE of the output.
 
     q [B, H, d] bf16 (RoPE'd), window [S, W, d] bf16 (the SWA ring pool), slots / pos [B] int64
@@ -315,12 +319,17 @@ def sparse_attention_pools(q: torch.Tensor, window: torch.Tensor, slots: torch.T
     also comp [S, n+1, d] bf16 (compressed entries; row n is the discard row, never read); with
     idx [B, k] int64/int32 and idx_ok [B, k] bool (CSA: the top-k entry ids, in [0, n) where
     idx_ok) the selected entries, without (HCA) the (pos+1)//ratio visible ones. -> [B, H, d] bf16.
-    Exactly `sparse_attention_pools_ref` up to fp32 summation order (module doc)."""
+    window_size: the model's sliding window (default: the ring's length W); a ring longer than
+    the window serves multi-token blocks (ring slot j holds the latest position = j mod W, and
+    positions pos - window_size + 1 .. pos are seen). Exactly `sparse_attention_pools_ref` up to
+    fp32 summation order (module doc)."""
     _check_q(q, sink)
     B, H, d = q.shape
     assert window.dim() == 3 and window.shape[2] == d and window.dtype == q.dtype and window.stride(2) == 1, (
         window.shape, window.dtype)
     W = window.shape[1]
+    WA = W if window_size is None else int(window_size)
+    assert 1 <= WA <= W, (WA, W)
     assert slots.shape == (B,) and pos.shape == (B,) and slots.dtype == pos.dtype == torch.int64, (slots.shape, pos.shape)
     assert slots.is_contiguous() and pos.is_contiguous()
     rp, table = _rope_arg(rope, d)
@@ -350,7 +359,7 @@ def sparse_attention_pools(q: torch.Tensor, window: torch.Tensor, slots: torch.T
     return _launch(src, q, H, W + M, config, sink, scale, win=window, comp=comp, idx=idx, ok=ok8, slots=slots,
                    pos=pos, rope=rope, W=W, ratio=max(ratio, 1),
                    strides=(window.stride(0), window.stride(1), *cs, idx.stride(0), idx_ok.stride(0)),
-                   nope_p=d // 2 - rp, rope_p=rp, table=table)
+                   nope_p=d // 2 - rp, rope_p=rp, table=table, WA=WA)
 
 
 # ---- references ---------------------------------------------------------------------------------
@@ -375,12 +384,14 @@ def inverse_rope_ref(x: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor) -> 
 
 
 def sparse_attention_pools_ref(q, window, slots, pos, sink, scale, rope, *, comp=None, idx=None, idx_ok=None,
-                               ratio=0, config=None):
+                               ratio=0, window_size=None, config=None):
     """What model/fast.py computed with torch: gather the entries, cat, attend, undo the RoPE."""
     del config
     W, d = window.shape[1], window.shape[2]
+    WA = W if window_size is None else window_size
     kvs = [window[slots]]
-    valid = [torch.arange(W, device=q.device)[None] <= pos[:, None]]
+    age = (pos[:, None] - torch.arange(W, device=q.device)[None]) % W  # pos - (position in ring slot j)
+    valid = [age <= pos.clamp(max=WA - 1)[:, None]]
     if ratio:
         n = comp.shape[1] - 1
         ent = comp[slots, :n]

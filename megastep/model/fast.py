@@ -95,16 +95,19 @@ class LinearGroup:
 
 class StatePools:
     """Per-sequence state of every layer in fixed pools indexed by slot; the last slot is the
-    dummy that padding rows write to. Compressed-entry pools have one extra discard row."""
+    dummy that padding rows write to. Compressed-entry pools have one extra discard row. The
+    window ring holds sliding_window + max_block - 1 rows: a step that advances a sequence by a
+    block of up to max_block tokens writes them all before attending, and the block's first row
+    must still find its sliding_window - 1 predecessors."""
 
-    def __init__(self, cfg: ModelConfig, max_seqs: int, max_ctx: int, dtype: torch.dtype, device):
-        self.cfg, self.max_ctx = cfg, max_ctx
+    def __init__(self, cfg: ModelConfig, max_seqs: int, max_ctx: int, dtype: torch.dtype, device, max_block: int = 1):
+        self.cfg, self.max_ctx, self.max_block = cfg, max_ctx, max_block
         S = max_seqs + 1
         self.dummy_slot = max_seqs
         self.win, self.ckv, self.csc, self.cent, self.ikv, self.isc, self.ikeys = ([] for _ in range(7))
         for L in range(cfg.num_hidden_layers):
             r = cfg.ratio(L)
-            self.win.append(torch.zeros(S, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device))
+            self.win.append(torch.zeros(S, cfg.sliding_window + max_block - 1, cfg.head_dim, dtype=dtype, device=device))
             ckv = csc = cent = ikv = isc = ikeys = None
             if r:
                 coff = 2 if r == CSA_RATIO else 1
@@ -139,12 +142,14 @@ class FastDecoder:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, max_seqs: int, max_ctx: int,
                  device: torch.device | str, dtype: torch.dtype = torch.bfloat16, triton: bool | None = None,
-                 consume: bool = False, placement=None):
+                 consume: bool = False, placement=None, max_block: int = 1):
         """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
         stacked, projections concatenated), so a model filling the device is never held twice.
         placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
         host memory and the experts kernel reads them there through their device-visible
-        addresses (zero-copy, issue 4 recipe A); None keeps every expert in device memory."""
+        addresses (zero-copy, issue 4 recipe A); None keeps every expert in device memory.
+        max_block: the most rows one sequence may have in a step (a multi-token block, e.g. the
+        tokens a speculative round verifies, or a prefill chunk); sizes the window rings."""
         self.cfg, self.dtype = cfg, dtype
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # the one tensors report
@@ -233,7 +238,9 @@ class FastDecoder:
         # cos | sin tables for the attention output's inverse RoPE: computed by torch, so the
         # kernel's rotation rounds exactly as the reference's
         self.rope = {c: _rn.rope_table(f, max_ctx + 1) for c, f in self.inv_freq.items()}
-        self.pools = StatePools(cfg, max_seqs, max_ctx, dtype, dev)
+        if max_block < 1 or max_block > cfg.sliding_window:
+            raise ValueError(f"max_block must be in 1..{cfg.sliding_window}, got {max_block}")
+        self.pools = StatePools(cfg, max_seqs, max_ctx, dtype, dev, max_block=max_block)
         self.trace: StepTrace | None = None  # attach one to time stages (eager steps only)
 
     def _place_experts(self, st: dict[str, torch.Tensor], cold: list[int]) -> _moe.ExpertTable:
@@ -277,9 +284,9 @@ class FastDecoder:
             return _dense.linear_bf16(x.contiguous(), w, torch.float32)
         return x.float() @ w.float().T
 
-    def _compress(self, kv, score, pos, slots, L, which: str):
+    def _compress(self, kv, score, pos, passes, L, which: str):
         """Feed each row's compressor projections (kv, score: fp32 [B, W2]) into a compressor and
-        emit entries where windows close."""
+        emit entries where windows close. `passes`: one slots tensor per pass (see step)."""
         cfg, P = self.cfg, self.pools
         if which == "comp":
             ape, norm_w = self.layers[L]["comp"]
@@ -289,9 +296,10 @@ class FastDecoder:
             kvp, scp, ent, r = P.ikv[L], P.isc[L], P.ikeys[L], CSA_RATIO
         # add the position bias, store the row; where the window closes: softmax pooling, norm,
         # RoPE, simulation, entry write and (overlapping compressors) the shift of the closed window
-        self._kernel(_comp, "compressor_step")(kv, score, kvp, scp, ent, slots, pos, norm_w, self.inv_freq[True], r,
-                                               r == CSA_RATIO, "index" if which == "idx" else "kv", cfg.rms_norm_eps,
-                                               ape=ape)
+        for slots in passes:
+            self._kernel(_comp, "compressor_step")(kv, score, kvp, scp, ent, slots, pos, norm_w, self.inv_freq[True],
+                                                   r, r == CSA_RATIO, "index" if which == "idx" else "kv",
+                                                   cfg.rms_norm_eps, ape=ape)
 
     def _indexer(self, q, wl, pos, slots, L):
         """q: the indexer's wq_b output [B, H*di]; wl: weights_proj output fp32 [B, H]."""
@@ -310,7 +318,7 @@ class FastDecoder:
         idx = scores.topk(min(cfg.index_topk, n), dim=-1).indices.sort(-1).values
         return idx, idx < visible[:, None]
 
-    def _attention(self, x, pos, slots, L):
+    def _attention(self, x, pos, slots, passes, L):
         cfg, P = self.cfg, self.pools
         lw = self.layers[L]
         B, H, hd = x.shape[0], cfg.num_attention_heads, cfg.head_dim
@@ -333,17 +341,18 @@ class FastDecoder:
         if r:
             if r == CSA_RATIO:
                 with stage(T, "indexer", L):
-                    self._compress(xd[2], xd[3], pos, slots, L, "idx")
+                    self._compress(xd[2], xd[3], pos, passes, L, "idx")
                     kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)
             with stage(T, "compressor", L):
-                self._compress(xd[0], xd[1], pos, slots, L, "comp")
+                self._compress(xd[0], xd[1], pos, passes, L, "comp")
             kw["comp"] = P.cent[L]
         with stage(T, "attention", L):
             # window ring + selected / visible compressed entries read in place from the pools,
             # sinks, and the inverse RoPE of the output, in one kernel
             attn = (self._kernel(_attn, "sparse_attention_pools") if q.dtype == torch.bfloat16
                     else _attn.sparse_attention_pools_ref)  # the torch twin also takes fp32
-            o = attn(q, P.win[L], slots, pos, lw["sink"], hd**-0.5, self.rope[r > 0], **kw)
+            o = attn(q, P.win[L], slots, pos, lw["sink"], hd**-0.5, self.rope[r > 0], window_size=cfg.sliding_window,
+                     **kw)
         with stage(T, "out_proj", L):
             G, R = cfg.o_groups, cfg.o_lora_rank
             u = lw["wo_a"].grouped(o.reshape(B, G, -1), G, R, tr)
@@ -388,17 +397,34 @@ class FastDecoder:
 
     # ---- the step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """tokens, pos, slots: int64 [B] on the device. Returns fp32 logits [B, vocab]."""
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, block: int = 1) -> torch.Tensor:
+        """tokens, pos, slots: int64 [B] on the device. Returns fp32 logits [B, vocab].
+
+        Several rows may belong to one sequence (same slot) when they hold consecutive positions:
+        a multi-token block, causal within the block (each row sees the block's earlier rows, as
+        if the tokens were decoded one by one). `block` (static: one CUDA graph per value) bounds
+        the rows per sequence, at most the decoder's max_block. Every projection, the window ring
+        write and attention treat the block's rows together; only the compressors, whose state a
+        row advances, run `block` passes, pass t updating the rows that are their sequence's t-th
+        (the other rows aimed at the dummy slot). A caller that puts more than `block` rows of a
+        sequence in a step gets wrong state (nothing on the device checks it)."""
+        if not 1 <= block <= self.pools.max_block:
+            raise ValueError(f"block must be in 1..{self.pools.max_block} (the decoder's max_block), got {block}")
         cfg, T, eps = self.cfg, self.trace, self.cfg.rms_norm_eps
         mhc_pre, mhc_post = self._kernel(_mhc, "mhc_pre"), self._kernel(_mhc, "mhc_post")
         hc, iters, hc_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
+        if block == 1:
+            passes = [slots]
+        else:  # a row's rank within its sequence: the rows of its slot at earlier positions
+            rank = ((slots[None, :] == slots[:, None]) & (pos[None, :] < pos[:, None])).sum(1)
+            dummy = torch.full_like(slots, self.pools.dummy_slot)
+            passes = [torch.where(rank == t, slots, dummy) for t in range(block)]
         with stage(T, "embed"):
             h = self.embed[tokens].to(self.dtype)[:, None, :].expand(-1, hc, -1).contiguous()
         for L, lw in enumerate(self.layers):
             with stage(T, "mhc_pre", L):
                 x, post, comb = mhc_pre(h, *lw["hc_attn"], lw["attn_norm"], hc, iters, hc_eps, eps)
-            y = self._attention(x, pos, slots, L)
+            y = self._attention(x, pos, slots, passes, L)
             with stage(T, "mhc_post", L):
                 h = mhc_post(y.contiguous(), h, post, comb)
             with stage(T, "mhc_pre", L):

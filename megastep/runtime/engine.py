@@ -20,6 +20,8 @@ Three engines live here:
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import threading
 import time
@@ -139,13 +141,15 @@ class ReferenceEngine(_EngineBase):
 
 class FastEngine(_EngineBase):
     """The fast decode step behind the `Engine` protocol: one state-pool slot per sequence, every
-    decode row of a scheduler step in one graph replay. A prefill chunk advances one token per
-    replay (the step does not take several tokens of one sequence yet).
+    decode row of a scheduler step in one graph replay. Prefill chunks advance up to `max_block`
+    tokens of each sequence per replay (a multi-token block, causal within the block), through a
+    second set of graphs whose step runs the compressors once per block position.
 
     Every kernel's configuration depends on weight shapes only, so a row's bits do not depend on
     the other rows of its step (measured on an H200: `benchmarks/fast_engine_smoke.py`)."""
 
-    def __init__(self, model_dir: str | Path, *, device: str = "cuda", max_seqs: int = 8, max_ctx: int = 4096) -> None:
+    def __init__(self, model_dir: str | Path, *, device: str = "cuda", max_seqs: int = 8, max_ctx: int = 4096,
+                 max_block: int = 16) -> None:
         super().__init__()
         from megastep.checkpoint.loader import load_checkpoint
         from megastep.model.fast import FastDecoder
@@ -155,10 +159,19 @@ class FastEngine(_EngineBase):
         cfg, weights = load_checkpoint(model_dir, device=self.device)
         self.cfg = cfg
         max_ctx = min(max_ctx, int(cfg.max_position_embeddings))
-        self.decoder = FastDecoder(cfg, weights, max_seqs=max_seqs, max_ctx=max_ctx, device=self.device, consume=True)
+        self.block = max(1, min(int(max_block), int(cfg.sliding_window)))
+        self.decoder = FastDecoder(cfg, weights, max_seqs=max_seqs, max_ctx=max_ctx, device=self.device, consume=True,
+                                   max_block=self.block)
         del weights
+        dummy = self.decoder.pools.dummy_slot
         buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_seqs) + (max_seqs,)
-        self.runner = StepRunner(self.decoder.step, self.device, self.decoder.pools.dummy_slot, buckets=buckets)
+        self.runner = StepRunner(self.decoder.step, self.device, dummy, buckets=buckets)
+        self.block_runner = None
+        if self.block > 1:  # prefill: up to `block` rows per sequence, so up to max_seqs * block rows
+            most = max_seqs * self.block
+            sizes = tuple(1 << i for i in range(most.bit_length()) if (1 << i) < most) + (most,)
+            self.block_runner = StepRunner(functools.partial(self.decoder.step, block=self.block), self.device, dummy,
+                                           buckets=sizes)
         self.name = Path(model_dir).name
         self.vocab_size = int(cfg.vocab_size)
         self.max_seq_len = max_ctx
@@ -182,28 +195,35 @@ class FastEngine(_EngineBase):
     def default_capacity(self, max_seqs: int) -> int:
         return max_seqs * self.max_seq_len  # the pools are allocated up front for max_ctx each
 
-    def _run(self, rows: list[tuple[int, int, int]]) -> torch.Tensor:
+    def _run(self, rows: list[tuple[int, int, int]], runner) -> torch.Tensor:
         dev = self.device
         toks, pos, slots = (torch.tensor(c, dtype=torch.long, device=dev) for c in zip(*rows))
-        logits, _ = self.runner.run(toks, pos, slots)
+        logits, _ = runner.run(toks, pos, slots)
         return logits.float().cpu()
 
     @torch.inference_mode()
     def forward_batch(self, rows: Seq[tuple[SequenceState, list[int]]]) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(rows)
-        # every row's tokens one position at a time; at each position all rows that still have a
-        # token share one replay
+        # every sequence's next tokens share one replay: one each when every sequence has one
+        # left (decode), else up to `block` each (a prefill chunk advances as a block)
         todo = [(i, seq, list(ids)) for i, (seq, ids) in enumerate(rows)]
         while todo:
-            batch = [(seq.data, ids[0], seq.pos) for _, seq, ids in todo]
-            logits = self._run([(tok, p, slot) for slot, tok, p in batch])
+            multi = self.block_runner is not None and any(len(ids) > 1 for _, _, ids in todo)
+            k = self.block if multi else 1
+            batch, last = [], []
+            for _, seq, ids in todo:
+                n = min(k, len(ids))
+                batch += [(ids[j], seq.pos + j, seq.data) for j in range(n)]
+                last.append(len(batch) - 1)
+            logits = self._run(batch, self.block_runner if multi else self.runner)
             nxt = []
-            for j, (i, seq, ids) in enumerate(todo):
-                seq.pos += 1
-                if len(ids) == 1:
+            for (i, seq, ids), j in zip(todo, last):
+                n = min(k, len(ids))
+                seq.pos += n
+                if n == len(ids):
                     out[i] = logits[j]
                 else:
-                    nxt.append((i, seq, ids[1:]))
+                    nxt.append((i, seq, ids[n:]))
             todo = nxt
         return out  # type: ignore[return-value]
 

@@ -310,3 +310,36 @@ def test_gpu_pools_v4_shapes(B, kind):
             check_out(o, sparse_attention_pools_ref(*args, **kw), 64)
     finally:
         LAYERS[kind] = old
+
+
+@pytest.mark.parametrize("cfg", [None, SPLIT_CFG], ids=["picked", "split"])
+def test_pools_ring_longer_than_window(cfg):
+    """A multi-token block: the ring holds W + 3 slots, positions up to 3 past a row's own were
+    written, and each row must see exactly positions max(0, pos - WA + 1) .. pos. Checked against
+    ops.sparse_attention over those positions' keys listed directly (no ring arithmetic)."""
+    from megastep.model import ops
+
+    WA, extra, H, d, rd = 8, 3, 4, 32, 8
+    R = WA + extra
+    g = torch.Generator(device="cpu").manual_seed(7)
+    last = [2, 5, 9, 13, 30]  # the last position written per sequence (slot)
+    keys = [(torch.randn(p + 1, d, generator=g)).bfloat16() for p in last]  # kv of positions 0..p
+    window = torch.randn(len(last), R, d, generator=g).bfloat16()  # junk where nothing was written
+    for s, k in enumerate(keys):
+        for q_pos in range(k.shape[0]):
+            window[s, q_pos % R] = k[q_pos]
+    rows = [(s, p) for s, lp in enumerate(last) for p in range(max(0, lp - extra), lp + 1)]  # rows of a block
+    slots = torch.tensor([s for s, _ in rows])
+    pos = torch.tensor([p for _, p in rows])
+    q = (torch.randn(len(rows), H, d, generator=g) * 2).bfloat16()
+    sink = torch.randn(H, generator=g)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rd, 2).float() / rd))
+    args = tuple(t.to(DEV) for t in (q, window, slots, pos, sink)) + (d**-0.5, inv_freq.to(DEV))
+    y = sparse_attention_pools(*args, window_size=WA, config=cfg)
+    y_ref = sparse_attention_pools_ref(*args, window_size=WA)
+    for i, (s, p) in enumerate(rows):
+        kv = keys[s][max(0, p - WA + 1): p + 1][None]
+        o = ops.sparse_attention(q[i:i + 1], kv, sink, d**-0.5, torch.ones(1, kv.shape[1], dtype=torch.bool))
+        want = ops.apply_rope(o, inv_freq, torch.tensor([p]), inverse=True)
+        check_out(y_ref[i:i + 1].cpu(), want, rd)
+        check_out(y[i:i + 1].cpu(), want, rd)
