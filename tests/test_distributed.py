@@ -188,3 +188,54 @@ def test_failures_and_hangs_end_every_process():
         D.launch(_hangs, 2, backend="gloo", threads=1, timeout_s=4)
     assert time.monotonic() - t0 < TIMEOUT_S
     assert multiprocessing.active_children() == []
+
+
+# ---- the fast path (model/fast.py) with expert parallelism -------------------------------------
+def fast_greedy(dec, prompt, steps):
+    """One sequence in slot 0: prompt token by token, then greedy; (logits [P+steps, V], tokens)."""
+    dec.pools.reset(0)
+    rows, toks, pos = [], [], 0
+    for tok in prompt + [None] * steps:
+        t = tok if tok is not None else toks[-1]
+        lg = dec.step(torch.tensor([t]), torch.tensor([pos]), torch.tensor([0]))
+        rows.append(lg[0].clone())
+        pos += 1
+        if tok is None or pos == len(prompt):
+            toks.append(int(lg[0].argmax()))
+    return torch.stack(rows), toks[:steps]
+
+
+def fast_ep_rank(r: D.Rank, cfg, seed, prompt, steps, dtypes, triton):
+    """A rank's fast decoder on its share of the experts; greedy runs per activation dtype."""
+    from megastep.model.fast import FastDecoder
+
+    out = {}
+    for dtype in dtypes:
+        w = D.synthesize_rank_weights(cfg, seed, r.rank, r.world_size, device=r.device)
+        dec = FastDecoder(cfg, w, max_seqs=1, max_ctx=64, device=r.device, dtype=dtype, triton=triton,
+                          rank=r.rank, world_size=r.world_size)
+        out[dtype] = fast_greedy(dec, prompt, steps)
+    return out
+
+
+def check_fast_expert_parallel(cfg, world, dtypes, prompt, steps, triton):
+    """Every rank's logits equal the 1-rank fast decoder's bit for bit, and so do greedy tokens."""
+    from megastep.model.fast import FastDecoder
+
+    outs = D.launch(fast_ep_rank, world, (cfg, SEED, prompt, steps, dtypes, triton), backend="gloo", threads=1,
+                    timeout_s=TIMEOUT_S * 3)
+    torch.set_num_threads(1)  # the ranks' thread count: CPU matmul results can depend on it
+    for dtype in dtypes:
+        one = FastDecoder(cfg, synthesize_weights(cfg, SEED, include_mtp=False), max_seqs=1, max_ctx=64, device="cpu",
+                          dtype=dtype, triton=triton)
+        want_logits, want_tokens = fast_greedy(one, prompt, steps)
+        for rank, o in enumerate(outs):
+            logits, tokens = o[dtype]
+            assert torch.equal(logits, want_logits), f"rank {rank} of {world}, {dtype}: logits differ from 1 rank"
+            assert tokens == want_tokens
+
+
+def test_fast_path_expert_parallel_matches_one_rank():
+    """The fast decoder (torch twins of the kernels) with experts sharded over 4 ranks, top-4 with
+    fp32 activations (where the order of the expert sum shows in the bits) and bf16."""
+    check_fast_expert_parallel(_cfg(4), 4, [torch.float32, torch.bfloat16], PROMPT, 12, triton=False)

@@ -84,6 +84,7 @@ class ExpertTable:
     strides: tuple[int, int, int, int]  # row strides (bytes) of w13, w13_scale, w2, w2_scale
     align: int  # largest power of two <= 16 dividing every address (a load-vectorization hint)
     tensors: tuple = ()
+    sparse: bool = False  # some experts are absent (address 0: another rank holds them)
 
     @property
     def E(self) -> int:
@@ -112,31 +113,42 @@ class ExpertTable:
         return cls(addr, D, I, tuple(t.stride(1) for t in ts), align, ts if keep else ())
 
     @classmethod
-    def from_experts(cls, experts: Sequence[Sequence[torch.Tensor]], device: torch.device | str | None = None) -> ExpertTable:
+    def from_experts(cls, experts: Sequence[Sequence[torch.Tensor] | None],
+                     device: torch.device | str | None = None) -> ExpertTable:
         """experts[e] = (w13 [2I, D/2], w13_scale [2I, D/32], w2 [D, I/2], w2_scale [D, I/32]), each
         its own allocation anywhere the kernels' device can read (on a GPU: its memory or pinned
-        host memory). device defaults to the first CUDA tensor's device, else the CPU. Builds the
-        table on the host and copies it (not inside CUDA-graph capture)."""
-        assert len(experts) > 0
+        host memory), or None for an expert this process does not hold (expert parallelism: its
+        addresses are 0 and the kernels skip it, `sparse`). device defaults to the first CUDA
+        tensor's device, else the CPU. Builds the table on the host and copies it (not inside
+        CUDA-graph capture)."""
+        held = [ex for ex in experts if ex is not None]
+        assert len(held) > 0, "a table needs at least one expert"
         if device is None:
-            device = next((t.device for ex in experts for t in ex if t.is_cuda), torch.device("cpu"))
+            device = next((t.device for ex in held for t in ex if t.is_cuda), torch.device("cpu"))
         dev = _device(device)
-        shapes = _expert_shapes(*experts[0])
-        strides = tuple(t.stride(0) for t in experts[0])
+        shapes = _expert_shapes(*held[0])
+        strides = tuple(t.stride(0) for t in held[0])
         rows = []
         for ex in experts:
+            if ex is None:
+                rows.append([0, 0, 0, 0])
+                continue
             assert len(ex) == 4 and _expert_shapes(*ex) == shapes, [t.shape for t in ex]
             assert tuple(t.stride(0) for t in ex) == strides, "row strides must be common to all experts"
             for t in ex:
                 _reachable(t, dev)
             rows.append([t.data_ptr() for t in ex])
         addr = torch.tensor(rows, dtype=torch.int64).to(dev)
-        align = _align([a for r in rows for a in r])  # row strides are kernel arguments: specialized apart
-        return cls(addr, shapes[0], shapes[1], strides, align, tuple(tuple(ex) for ex in experts))
+        align = _align([a for r in rows for a in r if a])  # row strides are kernel arguments: specialized apart
+        return cls(addr, shapes[0], shapes[1], strides, align, tuple(tuple(ex) if ex is not None else None for ex in experts),
+                   sparse=len(held) < len(experts))
 
     def check_scales(self) -> None:
         """check_scales over every scale tensor this table keeps (load time)."""
-        groups = self.tensors if self.tensors and isinstance(self.tensors[0], tuple) else (self.tensors,)
+        if self.tensors and not isinstance(self.tensors[0], torch.Tensor):  # per expert (None: absent)
+            groups = tuple(ex for ex in self.tensors if ex is not None)
+        else:
+            groups = (self.tensors,)
         check_scales(*[ex[j] for ex in groups if ex for j in (1, 3)])
 
 
@@ -169,22 +181,25 @@ def _expert_ptr(tab_ptr, e, j: tl.constexpr, ALIGN: tl.constexpr):
 
 
 
-def stack_experts(weights: dict[str, torch.Tensor], layer_prefix: str, E: int) -> dict[str, torch.Tensor]:
+def stack_experts(weights: dict[str, torch.Tensor], layer_prefix: str, E: int,
+                  ids: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """Official per-expert tensors `{layer_prefix}.ffn.experts.{e}.w{1,2,3}.{weight,scale}` ->
     {"w13", "w13_scale", "w2", "w2_scale"} stacked as `moe_experts_mxfp4` takes them (done once
-    at load). `layer_prefix` is e.g. "layers.3"."""
+    at load). `layer_prefix` is e.g. "layers.3". ids: stack only these experts, in this order
+    (expert parallelism: a rank's own experts); default all E."""
     p = layer_prefix.rstrip(".") + ".ffn.experts."
+    ids = list(range(E)) if ids is None else list(ids)
 
     def raw(e: int, name: str) -> torch.Tensor:  # E8M0 as its bytes: cat/stack need not know it
         v = weights[f"{p}{e}.{name}"]
         return v.view(torch.uint8) if v.dtype == torch.float8_e8m0fnu else v
 
     def like(stacked: torch.Tensor, name: str) -> torch.Tensor:
-        return stacked.view(weights[f"{p}0.{name}"].dtype)
+        return stacked.view(weights[f"{p}{ids[0]}.{name}"].dtype)
 
     return {
-        "w13": torch.stack([torch.cat([raw(e, "w1.weight"), raw(e, "w3.weight")], 0) for e in range(E)]),
-        "w13_scale": like(torch.stack([torch.cat([raw(e, "w1.scale"), raw(e, "w3.scale")], 0) for e in range(E)]), "w1.scale"),
-        "w2": torch.stack([raw(e, "w2.weight") for e in range(E)]),
-        "w2_scale": like(torch.stack([raw(e, "w2.scale") for e in range(E)]), "w2.scale"),
+        "w13": torch.stack([torch.cat([raw(e, "w1.weight"), raw(e, "w3.weight")], 0) for e in ids]),
+        "w13_scale": like(torch.stack([torch.cat([raw(e, "w1.scale"), raw(e, "w3.scale")], 0) for e in ids]), "w1.scale"),
+        "w2": torch.stack([raw(e, "w2.weight") for e in ids]),
+        "w2_scale": like(torch.stack([raw(e, "w2.scale") for e in ids]), "w2.scale"),
     }

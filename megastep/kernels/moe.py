@@ -67,6 +67,7 @@ mode; bytes outside give wrong values and are not detected per call (`check_scal
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -410,6 +411,7 @@ def _moe_gate_up_kernel(
     D, I, stride_qm, stride_wn, stride_sn, stride_am, limit, G,
     TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, MODE: tl.constexpr, ALIGN: tl.constexpr,
+    SPARSE: tl.constexpr, COMBINE: tl.constexpr,  # (COMBINE: the down kernel's; unused here)
 ):
     NG: tl.constexpr = BLOCK_K // 32
     pid_i = tl.program_id(0)
@@ -428,6 +430,8 @@ def _moe_gate_up_kernel(
         cnt = tl.load(slot_cnt_ptr + s)
         w_base = _expert_ptr(tab_ptr, e, 0, ALIGN)
         s_base = _expert_ptr(tab_ptr, e, 1, ALIGN)
+        if SPARSE:  # an expert held by another rank (address 0): nothing to compute here
+            cnt = tl.where(tl.load(tab_ptr + e.to(tl.int64) * 4) == 0, 0, cnt)
         for c0 in range(0, cnt, BLOCK_P):
             p_mask = c0 + ar_p < cnt
             pairs = tl.load(pair_ptr + start + c0 + ar_p, mask=p_mask, other=0)
@@ -461,6 +465,7 @@ def _moe_down_kernel(
     D, I, stride_am, stride_wn, stride_sn, stride_ym, stride_om, G,
     TOPK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, MODE: tl.constexpr, ALIGN: tl.constexpr,
+    SPARSE: tl.constexpr, COMBINE: tl.constexpr,
 ):
     NG: tl.constexpr = BLOCK_K // 32
     pid_d = tl.program_id(0)
@@ -476,6 +481,8 @@ def _moe_down_kernel(
         cnt = tl.load(slot_cnt_ptr + s)
         w_rows = _expert_ptr(tab_ptr, e, 2, ALIGN) + offs_d[:, None] * stride_wn
         s_rows = _expert_ptr(tab_ptr, e, 3, ALIGN) + offs_d[:, None] * stride_sn
+        if SPARSE:  # absent expert: its pairs' y rows stay as the caller zeroed them
+            cnt = tl.where(tl.load(tab_ptr + e.to(tl.int64) * 4) == 0, 0, cnt)
         for c0 in range(0, cnt, BLOCK_P):
             p_mask = c0 + ar_p < cnt
             pairs = tl.load(pair_ptr + start + c0 + ar_p, mask=p_mask, other=0)
@@ -492,19 +499,19 @@ def _moe_down_kernel(
                 y = round_bf16(y, INTERPRET)
             tl.store(y_ptr + pairs[None, :] * stride_ym + offs_d[:, None], y.to(y_ptr.dtype.element_ty),
                      mask=d_mask[:, None] & p_mask[None, :])
-            # the last of a row's TOPK pairs to finish this D tile sums the row in slot order
-            rows = pairs // TOPK
-            tl.debug_barrier()  # every thread's y is issued before the release below
-            arrived = tl.atomic_add(cnt_ptr + rows * n_d_tiles + pid_d, 1, mask=p_mask, sem="acq_rel", scope="gpu")
-            last = p_mask & (arrived == TOPK - 1)
-            tl.debug_barrier()
-            lm = d_mask[:, None] & last[None, :]
-            yrow = y_ptr + (rows * TOPK)[None, :] * stride_ym + offs_d[:, None]
-            tot = tl.load(yrow, mask=lm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            for t in tl.static_range(1, TOPK):
-                tot += tl.load(yrow + t * stride_ym, mask=lm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            tl.store(out_ptr + rows[None, :] * stride_om + offs_d[:, None], tot, mask=lm)
-            tl.store(cnt_ptr + rows * n_d_tiles + pid_d, 0, mask=last)
+            if COMBINE:  # the last of a row's TOPK pairs to finish this D tile sums the row in slot order
+                rows = pairs // TOPK
+                tl.debug_barrier()  # every thread's y is issued before the release below
+                arrived = tl.atomic_add(cnt_ptr + rows * n_d_tiles + pid_d, 1, mask=p_mask, sem="acq_rel", scope="gpu")
+                last = p_mask & (arrived == TOPK - 1)
+                tl.debug_barrier()
+                lm = d_mask[:, None] & last[None, :]
+                yrow = y_ptr + (rows * TOPK)[None, :] * stride_ym + offs_d[:, None]
+                tot = tl.load(yrow, mask=lm, other=0.0, cache_modifier=".cg").to(tl.float32)
+                for t in tl.static_range(1, TOPK):
+                    tot += tl.load(yrow + t * stride_ym, mask=lm, other=0.0, cache_modifier=".cg").to(tl.float32)
+                tl.store(out_ptr + rows[None, :] * stride_om + offs_d[:, None], tot, mask=lm)
+                tl.store(cnt_ptr + rows * n_d_tiles + pid_d, 0, mask=last)
 
 
 def moe_experts_table(
@@ -514,9 +521,15 @@ def moe_experts_table(
     table: ExpertTable,
     swiglu_limit: float = 10.0,
     config: MoeConfig | None = None,
+    return_pairs: bool = False,
 ) -> torch.Tensor:
     """x [M, D] bf16 (or fp32), topk_ids [M, k] int32, topk_weights [M, k] fp32, the experts'
-    address table -> [M, D] fp32 sum of the routed experts (module doc)."""
+    address table -> [M, D] fp32 sum of the routed experts (module doc).
+
+    return_pairs=True returns instead the per-pair outputs y [M, k, D] in x's dtype (rnd(w2 . a)
+    of each (row, slot)), unsummed: zero for the pairs of experts absent from a sparse table
+    (expert parallelism: the ranks' pair outputs are combined bit-exactly, then summed in slot
+    order as the summing kernel does: `sum_pairs`). A sparse table needs return_pairs."""
     assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1, (x.shape, x.dtype)
     M, D = x.shape
     E, I = table.E, table.I
@@ -524,25 +537,30 @@ def moe_experts_table(
     assert D == table.D and table.device == x.device, (D, table.D, table.device, x.device)
     assert topk_ids.shape == (M, k) and topk_weights.shape == (M, k), (topk_ids.shape, topk_weights.shape)
     assert topk_ids.dtype in (torch.int32, torch.int64) and topk_weights.dtype == torch.float32
+    if table.sparse and not return_pairs:
+        raise ValueError("a table with absent experts (expert parallelism) needs return_pairs=True")
     cfg = config or pick_config(M, k, E, D, I)
     cfg.check()
     out = torch.empty(M, D, dtype=torch.float32, device=x.device)
     if M == 0:
-        return out
+        return torch.zeros(M, k, D, dtype=x.dtype, device=x.device) if return_pairs else out
     P = M * k
     interp = on_interpreter(x)
     rnd = x.dtype == torch.bfloat16
     perm = cfg.mode != "dot_scaled"
     pairs, slot_e, slot_start, slot_cnt, nslots, xq = moe_route(topk_ids, E, x, permute=perm)
     rw = topk_weights.reshape(-1).contiguous()
-    act = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    # with absent experts their pairs are never written: zeros (y: the combine's contract; act:
+    # its quantization reads them)
+    act = (torch.zeros if table.sparse else torch.empty)(P, I, dtype=x.dtype, device=x.device)
     aq = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
-    y = torch.empty(P, D, dtype=x.dtype, device=x.device)
+    y = (torch.zeros if return_pairs else torch.empty)(P, D, dtype=x.dtype, device=x.device)
     S = min(P, E)
     g_up, g_down = min(cfg.groups_up, S), min(cfg.groups_down, S)
     sw13, ss13, sw2, ss2 = table.strides
     common = dict(TOPK=k, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, ROUND_BF16=rnd, INTERPRET=interp,
-                  MODE=MODES[cfg.mode], ALIGN=table.align, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  MODE=MODES[cfg.mode], ALIGN=table.align, SPARSE=table.sparse, COMBINE=not return_pairs,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _moe_gate_up_kernel[(-(-I // cfg.block_i), g_up)](
         xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act,
         D, I, xq.stride(0), sw13, ss13, act.stride(0), float(swiglu_limit), g_up, BLOCK_I=cfg.block_i, **common,
@@ -555,6 +573,15 @@ def moe_experts_table(
         aq, table.addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, cnt,
         D, I, aq.stride(0), sw2, ss2, y.stride(0), out.stride(0), g_down, BLOCK_D=cfg.block_d, **common,
     )
+    return y.view(M, k, D) if return_pairs else out
+
+
+def sum_pairs(y: torch.Tensor) -> torch.Tensor:
+    """Per-pair outputs y [M, k, D] -> fp32 [M, D]: ((y_0 + y_1) + y_2) + ... in slot order, the
+    additions the summing kernel makes (so the same y give the same bits)."""
+    out = y[:, 0].float()
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j].float()
     return out
 
 
@@ -589,8 +616,13 @@ def moe_experts_mxfp4_ref(
     w2_scale: torch.Tensor,
     swiglu_limit: float = 10.0,
     config: MoeConfig | None = None,
+    return_pairs: bool = False,
+    expert_ids: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """The exact semantics in fp32 with formats.py dequantization (see module doc)."""
+    """The exact semantics in fp32 with formats.py dequantization (see module doc).
+    return_pairs / expert_ids: the twin of a sparse table (expert parallelism): the stacked
+    tensors hold the experts `expert_ids` in that order, the pairs of other experts give zero,
+    and the per-pair outputs [M, k, D] (x's dtype) come back unsummed (`sum_pairs` sums them)."""
     del config
     dt = x.dtype
     M, D = x.shape
@@ -600,17 +632,20 @@ def moe_experts_mxfp4_ref(
     q = formats.fp8_act_sim(x.float(), ACT_BLOCK)
     y = torch.zeros(M, k, D, dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
+    local = {e: e for e in range(w13.shape[0])} if expert_ids is None else {e: i for i, e in enumerate(expert_ids)}
     for e in torch.unique(ids).tolist():
+        if e not in local:
+            continue
         rows, slots = (ids == e).nonzero(as_tuple=True)
-        w13d = formats.dequantize_mxfp4_weight(w13[e], w13_scale[e])
-        w2d = formats.dequantize_mxfp4_weight(w2[e], w2_scale[e])
+        i = local[e]
+        w13d = formats.dequantize_mxfp4_weight(w13[i], w13_scale[i])
+        w2d = formats.dequantize_mxfp4_weight(w2[i], w2_scale[i])
         h = q[rows] @ w13d.T
         g = h[:, :I].to(dt).float().clamp(max=lim)
         u = h[:, I:].to(dt).float().clamp(-lim, lim)
         a = (topk_weights[rows, slots, None].float() * (F.silu(g) * u)).to(dt).float()
         a = formats.fp8_act_sim(a, ACT_BLOCK)
         y[rows, slots] = (a @ w2d.T).to(dt).float()
-    out = y[:, 0].clone()
-    for j in range(1, k):
-        out += y[:, j]
-    return out
+    if return_pairs:
+        return y.to(dt)
+    return sum_pairs(y)

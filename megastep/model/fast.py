@@ -142,15 +142,28 @@ class FastDecoder:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, max_seqs: int, max_ctx: int,
                  device: torch.device | str, dtype: torch.dtype = torch.bfloat16, triton: bool | None = None,
-                 consume: bool = False, placement=None, max_block: int = 1):
+                 consume: bool = False, placement=None, max_block: int = 1, rank: int = 0, world_size: int = 1,
+                 group=None):
         """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
         stacked, projections concatenated), so a model filling the device is never held twice.
         placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
         host memory and the experts kernel reads them there through their device-visible
         addresses (zero-copy, issue 4 recipe A); None keeps every expert in device memory.
         max_block: the most rows one sequence may have in a step (a multi-token block, e.g. the
-        tokens a speculative round verifies, or a prefill chunk); sizes the window rings."""
+        tokens a speculative round verifies, or a prefill chunk); sizes the window rings.
+        rank / world_size / group: expert parallelism (runtime/distributed.py): this process holds
+        the routed experts [rank*E/W, (rank+1)*E/W) of every layer (`weights` needs no others) and
+        everything else; each MoE call computes its experts' pair outputs, combines them with the
+        other ranks bit-exactly (an integer all-reduce) and sums them in slot order, so every rank
+        gets the 1-rank logits bit for bit. Every rank must make the same step calls."""
         self.cfg, self.dtype = cfg, dtype
+        self.world_size, self.group = world_size, group
+        if world_size > 1:
+            from megastep.runtime.distributed import experts_of
+
+            self.owned = experts_of(rank, world_size, cfg.n_routed_experts)
+        else:
+            self.owned = range(cfg.n_routed_experts)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # the one tensors report
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -221,10 +234,10 @@ class FastDecoder:
                 lw["x_dense"] = (torch.cat(dense_parts), [w.shape[0] for w in dense_parts])
                 del dense_parts
             if cfg.fp4_experts:
-                st = _moe.stack_experts(weights, f"layers.{L}", cfg.n_routed_experts)
+                st = _moe.stack_experts(weights, f"layers.{L}", cfg.n_routed_experts, ids=self.owned)
                 if self.triton:
                     lw["experts"] = self._place_experts(st, placement.cold(L) if placement is not None else [])
-                else:  # the torch twin reads stacked tensors
+                else:  # the torch twin reads stacked tensors (of the owned experts)
                     lw["experts_stacked"] = {k: v.to(dev) for k, v in st.items()}
                 del st
             else:
@@ -244,15 +257,17 @@ class FastDecoder:
         self.trace: StepTrace | None = None  # attach one to time stages (eager steps only)
 
     def _place_experts(self, st: dict[str, torch.Tensor], cold: list[int]) -> _moe.ExpertTable:
-        """One layer's stacked experts -> the experts kernel's address table: the hot experts
-        stacked in device memory, the cold ones stacked in page-locked host memory."""
+        """One layer's stacked (owned) experts -> the experts kernel's address table: the hot
+        experts stacked in device memory, the cold ones stacked in page-locked host memory, the
+        experts of other ranks absent."""
         keys = ("w13", "w13_scale", "w2", "w2_scale")
         dev = self.device
-        if not cold:
+        E = self.cfg.n_routed_experts
+        if not cold and len(self.owned) == E:
             return _moe.ExpertTable.from_stacked(*(st[k].to(dev) for k in keys))
-        E = st["w13"].shape[0]
         cold_set = set(cold)
-        hot = [e for e in range(E) if e not in cold_set]
+        hot = [i for i, e in enumerate(self.owned) if e not in cold_set]  # positions in st
+        cold = [i for i, e in enumerate(self.owned) if e in cold_set]
 
         def take(t: torch.Tensor, ids: list[int], host: bool) -> torch.Tensor:
             raw = t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t  # index ops on bytes
@@ -265,12 +280,12 @@ class FastDecoder:
             return sel.view(t.dtype)
 
         hot_st = [take(st[k], hot, False) for k in keys] if hot else []
-        cold_st = [take(st[k], cold, True) for k in keys]
+        cold_st = [take(st[k], cold, True) for k in keys] if cold else []
         experts: list = [None] * E
-        for i, e in enumerate(hot):
-            experts[e] = tuple(t[i] for t in hot_st)
-        for i, e in enumerate(cold):
-            experts[e] = tuple(t[i] for t in cold_st)
+        for j, i in enumerate(hot):
+            experts[self.owned[i]] = tuple(t[j] for t in hot_st)
+        for j, i in enumerate(cold):
+            experts[self.owned[i]] = tuple(t[j] for t in cold_st)
         return _moe.ExpertTable.from_experts(experts, device=dev)
 
     # ---- pieces ---------------------------------------------------------------------------
@@ -380,6 +395,19 @@ class FastDecoder:
 
     def _routed(self, x, idx, w, lw):
         cfg = self.cfg
+        if self.world_size > 1:  # this rank's pair outputs, everyone's bit for bit, the slot-order sum
+            from megastep.runtime.distributed import ordered_combine
+
+            if "experts" in lw:
+                pairs = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
+                                               return_pairs=True)
+            else:
+                ex = lw["experts_stacked"]
+                pairs = _moe.moe_experts_mxfp4_ref(x, idx, w, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
+                                                   swiglu_limit=cfg.swiglu_limit, return_pairs=True,
+                                                   expert_ids=self.owned)
+            ordered_combine(pairs, self.group)
+            return _moe.sum_pairs(pairs)
         if "experts" in lw:
             y = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit)
         elif "experts_stacked" in lw:

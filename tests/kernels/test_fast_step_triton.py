@@ -4,6 +4,7 @@ arguments the step really passes. The first step of fresh sequences takes identi
 both, so it must agree to fp32 rounding; later steps inherit rounding differences through the
 quantization simulations (see tests/test_fast_decoder.py), so they only have to stay close."""
 
+import pytest
 import torch
 
 from megastep.checkpoint.synthetic import preset, synthesize_weights
@@ -89,3 +90,15 @@ def test_triton_block_step_matches_torch_step():
             assert torch.allclose(a, b, atol=1e-5 * b.abs().max().item())
         else:
             assert torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1] > 0.9
+
+
+def test_expert_parallel_with_triton_kernels_matches_one_rank():
+    """Expert parallelism through the Triton kernels (sparse address tables, per-pair outputs,
+    integer all-reduce, slot-order sum): 2 ranks over gloo give the 1-rank logits bit for bit."""
+    if torch.cuda.is_available():
+        pytest.skip("gloo ranks on the CPU (the interpreter); the GPU path is NCCL")
+    from test_distributed import check_fast_expert_parallel
+
+    cfg = preset("tiny").replace(vocab_size=512, num_hidden_layers=3,
+                                 quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    check_fast_expert_parallel(cfg, 2, [torch.bfloat16], [5, 77, 301], 2, triton=True)

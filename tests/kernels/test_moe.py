@@ -28,6 +28,7 @@ from megastep.kernels.moe import (
     moe_route,
     pick_config,
     stack_experts,
+    sum_pairs,
 )
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -246,6 +247,34 @@ def test_table_from_separate_allocations(mode, wide):
         addr = tab.addr[:, 0].cpu()
         assert not torch.equal(addr, addr.sort().values)  # not in expert order
         assert torch.equal(moe_experts_table(x, ids, wts, tab, config=cfg), want)
+
+
+@pytest.mark.parametrize("mode", ["fma", "dot"])
+def test_expert_parallel_shards_recombine_bit_exactly(mode, wide):
+    """Expert parallelism: each "rank" holds a table with only its experts (the others absent,
+    address 0), returns per-pair outputs (zero for absent experts), the ranks' buffers are added as
+    integers (one non-zero addend per word, as runtime.distributed.ordered_combine does) and summed
+    in slot order: the bits of the one-table kernel, whatever the split."""
+    x, ids, wts = crowded_inputs(5, 3, seed=17)
+    cfg = pick_config(5, 3, E2, D2, I2, mode=mode)
+    want = moe_experts_mxfp4(x, ids, wts, **wide, config=cfg)
+    full = ExpertTable.from_stacked(*(wide[n] for n in ("w13", "w13_scale", "w2", "w2_scale")))
+    pairs_full = moe_experts_table(x, ids, wts, full, config=cfg, return_pairs=True)
+    assert pairs_full.shape == (5, 3, D2) and pairs_full.dtype == x.dtype
+    assert torch.equal(sum_pairs(pairs_full), want)
+    experts = [tuple(wide[n][e] for n in ("w13", "w13_scale", "w2", "w2_scale")) for e in range(E2)]
+    for owners in ([0, 0, 1, 1, 0, 1, 0, 1], [e % 3 for e in range(E2)]):
+        total = torch.zeros_like(pairs_full).view(torch.int32)
+        for r in sorted(set(owners)):
+            tab = ExpertTable.from_experts([ex if owners[e] == r else None for e, ex in enumerate(experts)])
+            assert tab.sparse
+            y = moe_experts_table(x, ids, wts, tab, config=cfg, return_pairs=True)
+            mine = torch.tensor([owners[e] == r for e in ids.flatten().tolist()], device=y.device).view(5, 3)
+            assert (y[~mine] == 0).all() and torch.equal(y[mine], pairs_full[mine])
+            total += y.view(torch.int32)
+        assert torch.equal(sum_pairs(total.view(x.dtype)), want)
+    with pytest.raises(ValueError, match="return_pairs"):
+        moe_experts_table(x, ids, wts, tab, config=cfg)
 
 
 def test_table_shapes_checks_and_cache(wide):
