@@ -279,7 +279,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     wbytes = weights.nbytes()
     placement = _placement(cfg, weights, args.hbm_budget)
     dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True,
-                      placement=placement if args.hbm_budget is not None else None, max_block=args.block)
+                      placement=placement if args.hbm_budget is not None else None, max_block=args.block,
+                      moe_mode=args.moe_mode)
     del weights
     torch.cuda.synchronize()
     gen_s = time.perf_counter() - t0
@@ -303,7 +304,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     out = {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers,
-        "context": args.context, "block": args.block, "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
+        "context": args.context, "block": args.block, "moe_mode": args.moe_mode or "default", "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
         "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
                                                "n_hot": placement.n_hot, "n_cold": placement.n_cold,
                                                "cold_slot_fraction": placement.cold_fraction},
@@ -378,6 +379,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the full results here")
     p.add_argument("--block", type=int, default=1,
                    help="rows per sequence: each step advances batch/block sequences by a causal block of this many tokens")
+    p.add_argument("--moe-mode", default=None, choices=["fma", "dot", "dot_asm", "dot_scaled"],
+                   help="routed-experts kernel mode (default: the kernel's own pick)")
     p.add_argument("--routing", default="default", choices=["default", "uniform", "skewed"],
                    help="routing model of the synthetic gates (megastep.routing)")
     p.add_argument("--hbm-budget", type=float, default=None,

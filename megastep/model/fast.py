@@ -143,7 +143,7 @@ class FastDecoder:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, max_seqs: int, max_ctx: int,
                  device: torch.device | str, dtype: torch.dtype = torch.bfloat16, triton: bool | None = None,
                  consume: bool = False, placement=None, max_block: int = 1, rank: int = 0, world_size: int = 1,
-                 group=None):
+                 group=None, moe_mode: str | None = None):
         """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
         stacked, projections concatenated), so a model filling the device is never held twice.
         placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
@@ -155,9 +155,13 @@ class FastDecoder:
         the routed experts [rank*E/W, (rank+1)*E/W) of every layer (`weights` needs no others) and
         everything else; each MoE call computes its experts' pair outputs, combines them with the
         other ranks bit-exactly (an integer all-reduce) and sums them in slot order, so every rank
-        gets the 1-rank logits bit for bit. Every rank must make the same step calls."""
+        gets the 1-rank logits bit for bit. Every rank must make the same step calls.
+        moe_mode: the routed-experts kernel mode (kernels.moe.MODES; None: its default)."""
         self.cfg, self.dtype = cfg, dtype
         self.world_size, self.group = world_size, group
+        if moe_mode is not None and moe_mode not in _moe.MODES:
+            raise ValueError(f"moe_mode must be one of {sorted(_moe.MODES)}, got {moe_mode!r}")
+        self.moe_mode = moe_mode
         if world_size > 1:
             from megastep.runtime.distributed import experts_of
 
@@ -393,6 +397,11 @@ class FastDecoder:
             a = ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
             return (y + w2(a, self.triton).float()).to(x.dtype)
 
+    def _moe_config(self, x, idx, table):
+        if self.moe_mode is None:
+            return None  # the kernel's pick
+        return _moe.pick_config(x.shape[0], idx.shape[1], table.E, table.D, table.I, mode=self.moe_mode)
+
     def _routed(self, x, idx, w, lw):
         cfg = self.cfg
         if self.world_size > 1:  # this rank's pair outputs, everyone's bit for bit, the slot-order sum
@@ -400,7 +409,7 @@ class FastDecoder:
 
             if "experts" in lw:
                 pairs = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
-                                               return_pairs=True)
+                                               config=self._moe_config(x, idx, lw["experts"]), return_pairs=True)
             else:
                 ex = lw["experts_stacked"]
                 pairs = _moe.moe_experts_mxfp4_ref(x, idx, w, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
@@ -409,7 +418,8 @@ class FastDecoder:
             ordered_combine(pairs, self.group)
             return _moe.sum_pairs(pairs)
         if "experts" in lw:
-            y = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit)
+            y = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
+                                       config=self._moe_config(x, idx, lw["experts"]))
         elif "experts_stacked" in lw:
             ex = lw["experts_stacked"]
             y = _moe.moe_experts_mxfp4_ref(x, idx, w, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],

@@ -102,3 +102,19 @@ def test_expert_parallel_with_triton_kernels_matches_one_rank():
     cfg = preset("tiny").replace(vocab_size=512, num_hidden_layers=3,
                                  quantization_config=QuantConfig(weight_block_size=(128, 128)))
     check_fast_expert_parallel(cfg, 2, [torch.bfloat16], [5, 77, 301], 2, triton=True)
+
+
+def test_moe_mode_knob():
+    """The experts kernel mode is a decoder option (the tensor-core "dot" mode here): the first
+    step of fresh sequences agrees with the torch twins; an unknown mode is refused."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = preset("tiny").replace(vocab_size=512, num_hidden_layers=2,
+                                 quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    w = synthesize_weights(cfg, seed=8, device=dev, include_mtp=False)
+    with pytest.raises(ValueError, match="moe_mode"):
+        FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device=dev, moe_mode="fast")
+    tri = FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=True, moe_mode="dot")
+    ref = FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=False)
+    ids, pos, slots = (torch.tensor(v, device=dev) for v in ([11, 400], [0, 0], [0, 1]))
+    a, b = tri.step(ids, pos, slots), ref.step(ids, pos, slots)
+    assert torch.allclose(a, b, atol=1e-5 * b.abs().max().item())
