@@ -87,6 +87,20 @@ def host_read_bandwidth(device: torch.device, gib: float = 1.0, iters: int = 5, 
     return n * 4 / min(times) / 1e9
 
 
+def cpu_read_bandwidth(gib: float = 2.0, iters: int = 3) -> float:
+    """GB/s of the host's cores reading host memory (torch's CPU sum with its full thread pool):
+    the ceiling of the CPU sidecar's expert reads."""
+    n = int(gib * 2**30) // 4
+    x = torch.ones(n, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return n * 4 / best / 1e9
+
+
 def step_bytes(cfg: ModelConfig, weights_bytes: dict[str, int], rows: int, context: int,
                placement=None) -> dict[str, float]:
     """Bytes one step must read, by part. weights_bytes: bytes per tensor name. `placement`
@@ -280,13 +294,16 @@ def run_bench(args: argparse.Namespace) -> dict:
     placement = _placement(cfg, weights, args.hbm_budget)
     dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True,
                       placement=placement if args.hbm_budget is not None else None, max_block=args.block,
-                      moe_mode=args.moe_mode)
+                      moe_mode=args.moe_mode, cold_path=args.cold_path, cpu_share=args.cpu_share)
     del weights
     torch.cuda.synchronize()
     gen_s = time.perf_counter() - t0
     fill_state(dec, args.context)
     bw = stream_read_bandwidth(dev)
     host_bw = host_read_bandwidth(dev) if placement.n_cold else None
+    cpu_bw = cpu_read_bandwidth() if placement.n_cold and args.cold_path != "gpu" else None
+    # the cold bytes' path: the GPU's host reads, the CPU's, or both at once (ideal split)
+    cold_bw = {"gpu": host_bw, "cpu": cpu_bw, "hybrid": (host_bw or 0) + (cpu_bw or 0)}[args.cold_path]
     step = dec.step if args.block == 1 else functools.partial(dec.step, block=args.block)
     runner = StepRunner(step, dev, dec.pools.dummy_slot, buckets=batches)
     results = []
@@ -294,7 +311,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         ms = time_graph(runner, B, args.context, args.iters, block=args.block)
         p50 = pct(ms, 50)
         nb = step_bytes(cfg, wbytes, B, args.context, placement)
-        roof_ms = (nb["total"] / (bw * 1e9) + (nb["host_experts"] / (host_bw * 1e9) if host_bw else 0.0)) * 1e3
+        roof_ms = (nb["total"] / (bw * 1e9) + (nb["host_experts"] / (cold_bw * 1e9) if cold_bw else 0.0)) * 1e3
         results.append({
             "batch": B, "ms_p50": p50, "ms_p90": pct(ms, 90), "ms_p99": pct(ms, 99),
             "tokens_per_s": B / p50 * 1e3, "bytes": nb, "roofline_ms": roof_ms,
@@ -304,7 +321,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     out = {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers,
-        "context": args.context, "block": args.block, "moe_mode": args.moe_mode or "default", "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
+        "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": args.cpu_share,
+        "cpu_read_GBps": cpu_bw, "moe_mode": args.moe_mode or "default", "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
         "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
                                                "n_hot": placement.n_hot, "n_cold": placement.n_cold,
                                                "cold_slot_fraction": placement.cold_fraction},
@@ -340,6 +358,9 @@ def print_report(out: dict) -> None:
         print(f"HBM budget {pl['hbm_budget_GB']} GB: {pl['n_hot']} experts in HBM, {pl['n_cold']} in host memory "
               f"(cold share of routing slots {100 * pl['cold_slot_fraction']:.1f}%), host read "
               f"{out['host_read_GBps']:.1f} GB/s; roofline = HBM bytes / HBM bw + host bytes / host bw")
+        if out["cpu_read_GBps"]:
+            print(f"cold experts: {out['cold_path']} (CPU share {out['cpu_share']}), CPU read {out['cpu_read_GBps']:.1f} "
+                  "GB/s; host bw of the roofline: " + {"cpu": "the CPU's", "hybrid": "GPU + CPU"}[out["cold_path"]])
     print(f"{'batch':>5} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'tok/s':>9} {'GB/step':>8} {'roof ms':>8} {'%roof':>6} "
           f"{'ms/layer':>8} {'x43 ms':>8}")
     for r in out["results"]:
@@ -381,6 +402,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="rows per sequence: each step advances batch/block sequences by a causal block of this many tokens")
     p.add_argument("--moe-mode", default=None, choices=["fma", "dot", "dot_asm", "dot_scaled"],
                    help="routed-experts kernel mode (default: the kernel's own pick)")
+    p.add_argument("--cold-path", default="gpu", choices=["gpu", "cpu", "hybrid"],
+                   help="with --hbm-budget: cold experts read by the GPU from host memory (recipe A), computed by "
+                        "the CPU (B), or split between the two (hybrid)")
+    p.add_argument("--cpu-share", type=float, default=0.5,
+                   help="hybrid: the CPU's share of the cold bytes (its share of the two paths' bandwidths)")
     p.add_argument("--routing", default="default", choices=["default", "uniform", "skewed"],
                    help="routing model of the synthetic gates (megastep.routing)")
     p.add_argument("--hbm-budget", type=float, default=None,

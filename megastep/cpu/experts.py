@@ -80,6 +80,7 @@ def _load() -> ctypes.CDLL | None:
             lib.ms_cpu_best_isa.argtypes, lib.ms_cpu_best_isa.restype = [], i32
             lib.ms_experts_forward.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, p, p, f32, p, i32, i32]
             lib.ms_experts_forward.restype = i32
+            lib.ms_sidecar_run.argtypes, lib.ms_sidecar_run.restype = [p], None
             _lib = lib
         except Exception as e:  # noqa: BLE001 - any build/load failure means: use torch
             _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
@@ -242,3 +243,58 @@ def experts_forward_ref(x, ids, weights, w13, w13_scale, w2, w2_scale, limit: fl
         y[rows, slots] = expert_forward_ref(x[rows], w13[e], w13_scale[e], w2[e], w2_scale[e],
                                             weights[rows, slots], limit)
     return y
+
+
+# ---- sidecar jobs: one layer's cold experts, run by the CUDA driver as a host function -----------
+class SidecarJob(ctypes.Structure):
+    """Mirror of `MsSidecarJob` in mxfp4_gemv.cpp: the arguments of one experts_forward call over
+    fixed buffers (page-locked on a GPU host). `ms_sidecar_run(&job)` zeroes y, then writes the
+    slots whose id >= 0."""
+
+    _fields_ = [
+        ("x", ctypes.c_void_p), ("M", ctypes.c_int64), ("D", ctypes.c_int64), ("I", ctypes.c_int64),
+        ("k", ctypes.c_int64), ("ids", ctypes.c_void_p), ("rw", ctypes.c_void_p), ("E", ctypes.c_int64),
+        ("w13", ctypes.c_void_p), ("w13s", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("w2s", ctypes.c_void_p),
+        ("limit", ctypes.c_float), ("y", ctypes.c_void_p), ("isa", ctypes.c_int), ("nthreads", ctypes.c_int),
+        ("status", ctypes.c_int),
+    ]
+
+
+def sidecar_job(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                w2: torch.Tensor, w2_scale: torch.Tensor, out: torch.Tensor, limit: float = 10.0,
+                num_threads: int | None = None) -> SidecarJob | None:
+    """A job over these (contiguous, CPU) buffers: x [M, D] bf16, ids [M, k] int32 (< 0: not this
+    job's slot), weights [M, k] fp32, stacked experts, out [M, k, D] bf16. The caller keeps every
+    tensor alive and unmoved while the job may run. None when the compiled kernel is unavailable."""
+    M, D, I, E, k = _check(x, ids, weights, w13, w13_scale, w2, w2_scale)
+    for name, t, dt in (("x", x, torch.bfloat16), ("ids", ids, torch.int32), ("weights", weights, torch.float32),
+                        ("out", out, torch.bfloat16)):
+        if t.dtype != dt or not t.is_contiguous():
+            raise ValueError(f"sidecar buffer {name} must be contiguous {dt}")
+    if tuple(out.shape) != (M, k, D):
+        raise ValueError(f"out must be [M, k, D] = {(M, k, D)}")
+    lib = _load()
+    if lib is None:
+        return None
+    t13, s13, t2, s2 = (_u8(t) for t in (w13, w13_scale, w2, w2_scale))
+    for t in (t13, s13, t2, s2):
+        if not t.is_contiguous():
+            raise ValueError("stacked experts must be contiguous")
+    nt = int(num_threads) if num_threads is not None else torch.get_num_threads()
+    return SidecarJob(x.data_ptr(), M, D, I, k, ids.data_ptr(), weights.data_ptr(), E, t13.data_ptr(), s13.data_ptr(),
+                      t2.data_ptr(), s2.data_ptr(), float(limit), out.data_ptr(), lib.ms_cpu_best_isa(), max(1, nt), 0)
+
+
+def sidecar_host_fn() -> int:
+    """Address of `ms_sidecar_run` (a CUhostFn), for cuLaunchHostFunc."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the compiled CPU expert kernel is unavailable: {_error}")
+    return ctypes.cast(lib.ms_sidecar_run, ctypes.c_void_p).value
+
+
+def run_sidecar_job(job: SidecarJob) -> None:
+    """Run a job now, on this thread (what the host function does)."""
+    _load().ms_sidecar_run(ctypes.byref(job))
+    if job.status != 0:
+        raise ValueError("sidecar job: bad arguments (expert id >= E?)")

@@ -502,4 +502,30 @@ int ms_experts_forward(const uint16_t* x, int64_t M, int64_t D, int64_t I, int64
   return 0;
 }
 
+// A CPU-sidecar job (issue 4, recipe B): the arguments of one ms_experts_forward call, fixed when a
+// decode step is built (page-locked staging buffers and one layer's cold experts). The CUDA driver
+// runs ms_sidecar_run as a host function when the stream reaches it (cuLaunchHostFunc, also inside
+// a CUDA graph): y is zeroed first (the slots of the experts the GPU computes must read 0 in the
+// combine), then the cold slots are written. status: the return code of the last run.
+struct MsSidecarJob {
+  const uint16_t* x;
+  int64_t M, D, I, k;
+  const int32_t* ids;
+  const float* rw;
+  int64_t E;
+  const uint8_t *w13, *w13s, *w2, *w2s;
+  float limit;
+  uint16_t* y;
+  int isa;
+  int nthreads;
+  int status;
+};
+
+void ms_sidecar_run(void* job) {
+  MsSidecarJob* j = static_cast<MsSidecarJob*>(job);
+  std::memset(j->y, 0, sizeof(uint16_t) * j->M * j->k * j->D);
+  j->status = ms_experts_forward(j->x, j->M, j->D, j->I, j->k, j->ids, j->rw, j->E, j->w13, j->w13s, j->w2, j->w2s,
+                                 j->limit, j->y, j->isa, j->nthreads);
+}
+
 }  // extern "C"

@@ -143,7 +143,7 @@ class FastDecoder:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, max_seqs: int, max_ctx: int,
                  device: torch.device | str, dtype: torch.dtype = torch.bfloat16, triton: bool | None = None,
                  consume: bool = False, placement=None, max_block: int = 1, rank: int = 0, world_size: int = 1,
-                 group=None, moe_mode: str | None = None):
+                 group=None, moe_mode: str | None = None, cold_path: str = "gpu", cpu_share: float = 0.5):
         """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
         stacked, projections concatenated), so a model filling the device is never held twice.
         placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
@@ -156,12 +156,22 @@ class FastDecoder:
         everything else; each MoE call computes its experts' pair outputs, combines them with the
         other ranks bit-exactly (an integer all-reduce) and sums them in slot order, so every rank
         gets the 1-rank logits bit for bit. Every rank must make the same step calls.
-        moe_mode: the routed-experts kernel mode (kernels.moe.MODES; None: its default)."""
+        moe_mode: the routed-experts kernel mode (kernels.moe.MODES; None: its default).
+        cold_path: how the placement's cold experts are computed: "gpu" (recipe A: the experts
+        kernel reads them in host memory), "cpu" (recipe B: the CPU computes them while the GPU
+        runs the hot ones, runtime/sidecar.py) or "hybrid" (each layer's cold experts split
+        between the two, the CPU taking about `cpu_share` of their expected bytes: set it to the
+        CPU path's share of the two paths' measured bandwidths)."""
         self.cfg, self.dtype = cfg, dtype
         self.world_size, self.group = world_size, group
         if moe_mode is not None and moe_mode not in _moe.MODES:
             raise ValueError(f"moe_mode must be one of {sorted(_moe.MODES)}, got {moe_mode!r}")
         self.moe_mode = moe_mode
+        if cold_path not in ("gpu", "cpu", "hybrid"):
+            raise ValueError(f"cold_path must be gpu, cpu or hybrid, got {cold_path!r}")
+        if not 0.0 <= cpu_share <= 1.0:
+            raise ValueError(f"cpu_share must be in [0, 1], got {cpu_share}")
+        self.sidecar = None
         if world_size > 1:
             from megastep.runtime.distributed import experts_of
 
@@ -172,6 +182,8 @@ class FastDecoder:
         if self.device.type == "cuda" and self.device.index is None:  # the one tensors report
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.triton = self.device.type == "cuda" if triton is None else triton
+        if cold_path != "gpu" and (world_size > 1 or not self.triton):
+            raise ValueError("cold_path cpu / hybrid needs the Triton experts kernel and one rank")
         if max_ctx > cfg.max_position_embeddings:
             raise ValueError("max_ctx exceeds the model's max_position_embeddings")
         self.max_ctx = max_ctx
@@ -240,7 +252,10 @@ class FastDecoder:
             if cfg.fp4_experts:
                 st = _moe.stack_experts(weights, f"layers.{L}", cfg.n_routed_experts, ids=self.owned)
                 if self.triton:
-                    lw["experts"] = self._place_experts(st, placement.cold(L) if placement is not None else [])
+                    cold = placement.cold(L) if placement is not None else []
+                    cpu = self._cpu_experts(L, cold, placement, cold_path, cpu_share)
+                    lw["experts"] = self._place_experts(L, st, cold, cpu)
+                    lw["cpu_experts"] = bool(cpu)
                 else:  # the torch twin reads stacked tensors (of the owned experts)
                     lw["experts_stacked"] = {k: v.to(dev) for k, v in st.items()}
                 del st
@@ -260,17 +275,36 @@ class FastDecoder:
         self.pools = StatePools(cfg, max_seqs, max_ctx, dtype, dev, max_block=max_block)
         self.trace: StepTrace | None = None  # attach one to time stages (eager steps only)
 
-    def _place_experts(self, st: dict[str, torch.Tensor], cold: list[int]) -> _moe.ExpertTable:
+    def _cpu_experts(self, L: int, cold: list[int], placement, cold_path: str, cpu_share: float) -> list[int]:
+        """The cold experts of layer L that the CPU computes: none (recipe A), all (B), or (hybrid)
+        a greedy split by expected routing share, hottest first, each to the path whose load over
+        its bandwidth share is lower."""
+        if cold_path == "gpu" or not cold:
+            return []
+        if cold_path == "cpu":
+            return list(cold)
+        shares = placement.shares[L]
+        load = {"cpu": 0.0, "gpu": 0.0}
+        cpu = []
+        for e in sorted(cold, key=lambda e: (-shares[e], e)):
+            side = "cpu" if load["cpu"] / max(cpu_share, 1e-9) <= load["gpu"] / max(1.0 - cpu_share, 1e-9) else "gpu"
+            load[side] += shares[e] or 1e-12
+            if side == "cpu":
+                cpu.append(e)
+        return sorted(cpu)
+
+    def _place_experts(self, L: int, st: dict[str, torch.Tensor], cold: list[int], cpu: list[int]) -> _moe.ExpertTable:
         """One layer's stacked (owned) experts -> the experts kernel's address table: the hot
         experts stacked in device memory, the cold ones stacked in page-locked host memory, the
-        experts of other ranks absent."""
+        experts of other ranks and those the CPU computes (`cpu`, handed to the sidecar) absent."""
         keys = ("w13", "w13_scale", "w2", "w2_scale")
         dev = self.device
         E = self.cfg.n_routed_experts
         if not cold and len(self.owned) == E:
             return _moe.ExpertTable.from_stacked(*(st[k].to(dev) for k in keys))
-        cold_set = set(cold)
-        hot = [i for i, e in enumerate(self.owned) if e not in cold_set]  # positions in st
+        cold_set, cpu_set = set(cold) - set(cpu), set(cpu)
+        hot = [i for i, e in enumerate(self.owned) if e not in cold_set and e not in cpu_set]  # positions in st
+        on_cpu = [i for i, e in enumerate(self.owned) if e in cpu_set]
         cold = [i for i, e in enumerate(self.owned) if e in cold_set]
 
         def take(t: torch.Tensor, ids: list[int], host: bool) -> torch.Tensor:
@@ -283,6 +317,12 @@ class FastDecoder:
                 sel = sel.to(dev)
             return sel.view(t.dtype)
 
+        if on_cpu:
+            if self.sidecar is None:
+                from megastep.runtime.sidecar import CpuSidecar
+
+                self.sidecar = CpuSidecar(dev, self.cfg.swiglu_limit)
+            self.sidecar.add_layer(L, {k: take(st[k], on_cpu, True) for k in keys}, [self.owned[i] for i in on_cpu], E)
         hot_st = [take(st[k], hot, False) for k in keys] if hot else []
         cold_st = [take(st[k], cold, True) for k in keys] if cold else []
         experts: list = [None] * E
@@ -388,7 +428,7 @@ class FastDecoder:
             idx, w = self._kernel(_router, "route")(self._dense(x, lw["gate"]).contiguous(), lw.get("gate_bias"),
                                                     hash_rows, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
         with stage(T, "routed_experts", L):
-            y = self._routed(x, idx, w, lw)
+            y = self._routed(x, idx, w, lw, L)
         with stage(T, "shared_expert", L):
             w1, w3, w2 = lw["shared"]
             if self.triton and "shared13" in lw:  # gated w1/w3 + SwiGLU, then w2 + the routed sum
@@ -402,8 +442,15 @@ class FastDecoder:
             return None  # the kernel's pick
         return _moe.pick_config(x.shape[0], idx.shape[1], table.E, table.D, table.I, mode=self.moe_mode)
 
-    def _routed(self, x, idx, w, lw):
+    def _routed(self, x, idx, w, lw, L):
         cfg = self.cfg
+        if lw.get("cpu_experts"):  # recipe B / hybrid: the CPU's slots beside the GPU's, added bit-exactly
+            from megastep.runtime.sidecar import add_pairs
+
+            job = self.sidecar.start(L, x, idx, w)
+            pairs = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
+                                           config=self._moe_config(x, idx, lw["experts"]), return_pairs=True)
+            return _moe.sum_pairs(add_pairs(pairs, self.sidecar.finish(job)))
         if self.world_size > 1:  # this rank's pair outputs, everyone's bit for bit, the slot-order sum
             from megastep.runtime.distributed import ordered_combine
 

@@ -118,3 +118,37 @@ def test_moe_mode_knob():
     ids, pos, slots = (torch.tensor(v, device=dev) for v in ([11, 400], [0, 0], [0, 1]))
     a, b = tri.step(ids, pos, slots), ref.step(ids, pos, slots)
     assert torch.allclose(a, b, atol=1e-5 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("cold_path", ["cpu", "hybrid"])
+def test_cold_experts_on_the_cpu(cold_path):
+    """Issue 4 recipes B and hybrid: the placement's cold experts (all, or a share) computed by the
+    CPU sidecar beside the GPU's experts kernel, the two sets of slot outputs added bit-exactly and
+    summed in slot order. The CPU kernel sums in another order than the GPU kernel, so the logits
+    agree to rounding (not bitwise) with every expert on the device; the same run twice gives the
+    same bits."""
+    from megastep.runtime.experts import plan_placement, resident_bytes, routed_expert_bytes
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = preset("tiny").replace(vocab_size=512, num_hidden_layers=3,
+                                 quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    w = synthesize_weights(cfg, seed=4, device=dev, include_mtp=False)
+    half = cfg.num_hidden_layers * cfg.n_routed_experts // 2
+    plan = plan_placement(cfg, None, resident_bytes(cfg) + half * routed_expert_bytes(cfg))
+    hot = FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=True)
+    runs = [FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=True, placement=plan, cold_path=cold_path)
+            for _ in range(2)]
+    n_cpu = [len(l) for l in (runs[0].sidecar.layers[L].stacked["w13"] for L in range(cfg.num_hidden_layers))]
+    n_cold = [len(plan.cold(L)) for L in range(cfg.num_hidden_layers)]
+    assert n_cpu == n_cold if cold_path == "cpu" else all(0 < a < b for a, b in zip(n_cpu, n_cold))
+    assert all(runs[0].layers[L]["experts"].sparse for L in range(cfg.num_hidden_layers))
+    ids = torch.randint(0, 512, (2, 2), generator=torch.Generator().manual_seed(1)).to(dev)
+    slots = torch.tensor([0, 1], device=dev)
+    for d in [hot] + runs:
+        d.pools.reset(0), d.pools.reset(1)
+    for t in range(2):
+        pos = torch.tensor([t, t], device=dev)
+        want = hot.step(ids[t], pos, slots)
+        a, b = (d.step(ids[t], pos, slots) for d in runs)
+        assert torch.equal(a, b)
+        assert torch.allclose(a, want, atol=2e-2 * want.abs().max().item()), (a - want).abs().max()
