@@ -273,19 +273,29 @@ def peer_transformers(cfg: ModelConfig, seed: int, device: torch.device, context
             "ms_per_layer": ok[best] / cfg.num_hidden_layers if best else None}
 
 
-def run_bench(args: argparse.Namespace) -> dict:
+def _check_args(args: argparse.Namespace, batches: list[int]) -> None:
+    if args.block < 1 or any(b % args.block for b in batches):
+        raise UserError(f"--block {args.block}: every batch must be a multiple of it (rows = sequences x block)")
+    if args.gpus and (args.hbm_budget is not None or args.peer_layers):
+        raise UserError("--gpus runs every expert in HBM across the GPUs: drop --hbm-budget / --peer-layers")
+    if not torch.cuda.is_available():
+        raise UserError("megastep bench needs a CUDA device")
+
+
+def run_bench(args: argparse.Namespace, rank=None) -> dict:
+    """The benchmark on one GPU, or (rank: a runtime.distributed.Rank) as one rank of an
+    expert-parallel run: the rank holds 1/W of the routed experts, every step all-reduces the
+    pair outputs (NCCL, inside the graphs), and bytes and roofline are per GPU."""
     from megastep.model.fast import FastDecoder
     from megastep.runtime.step import StepRunner
 
     batches = sorted({int(b) for b in args.batch.split(",")})
-    if args.block < 1 or any(b % args.block for b in batches):
-        raise UserError(f"--block {args.block}: every batch must be a multiple of it (rows = sequences x block)")
-    if not torch.cuda.is_available():
-        raise UserError("megastep bench needs a CUDA device")
-    dev = torch.device("cuda")
+    _check_args(args, batches)
+    dev = rank.device if rank is not None else torch.device("cuda")
+    W = rank.world_size if rank is not None else 1
     cfg = preset(args.preset, layers=args.layers)
     peer = None
-    if args.peer_layers:  # first, while the device is empty: it needs bf16 copies of its layers
+    if args.peer_layers and W == 1:  # first, while the device is empty: it needs bf16 copies of its layers
         peer = peer_transformers(preset(args.preset, layers=args.peer_layers), args.seed, dev, args.context, iters=10)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -294,7 +304,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     placement = _placement(cfg, weights, args.hbm_budget)
     dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True,
                       placement=placement if args.hbm_budget is not None else None, max_block=args.block,
-                      moe_mode=args.moe_mode, cold_path=args.cold_path, cpu_share=args.cpu_share)
+                      moe_mode=args.moe_mode, cold_path=args.cold_path, cpu_share=args.cpu_share,
+                      rank=rank.rank if rank is not None else 0, world_size=W)
     del weights
     torch.cuda.synchronize()
     gen_s = time.perf_counter() - t0
@@ -311,6 +322,9 @@ def run_bench(args: argparse.Namespace) -> dict:
         ms = time_graph(runner, B, args.context, args.iters, block=args.block)
         p50 = pct(ms, 50)
         nb = step_bytes(cfg, wbytes, B, args.context, placement)
+        if W > 1:  # per GPU: its share of the routed experts (uniformly spread expectation)
+            nb["routed_experts"] /= W
+            nb["total"] = nb["dense"] + nb["routed_experts"] + nb["head"] + nb["state"]
         roof_ms = (nb["total"] / (bw * 1e9) + (nb["host_experts"] / (cold_bw * 1e9) if cold_bw else 0.0)) * 1e3
         results.append({
             "batch": B, "ms_p50": p50, "ms_p90": pct(ms, 90), "ms_p99": pct(ms, 99),
@@ -320,7 +334,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         })
     out = {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev),
-        "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers,
+        "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers, "gpus": W,
         "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": args.cpu_share,
         "cpu_read_GBps": cpu_bw, "moe_mode": args.moe_mode or "default", "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
         "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
@@ -351,7 +365,7 @@ def _placement(cfg: ModelConfig, weights, hbm_budget_gb: float | None):
 
 def print_report(out: dict) -> None:
     L = out["layers"]
-    print(f"\n{out['device']}  preset {out['preset']}  layers {L}  context {out['context']}  "
+    print(f"\n{out['device']} x{out.get('gpus', 1)}  preset {out['preset']}  layers {L}  context {out['context']}  "
           f"stream read {out['stream_read_GBps']:.0f} GB/s  routing {out['routing']}")
     pl = out["placement"]
     if pl["n_cold"]:
@@ -379,8 +393,21 @@ def print_report(out: dict) -> None:
             print(f"  {name:<16} {us / 1e3:8.3f} ms  {100 * us / tot:5.1f}%  ({us / L:7.1f} us/layer)")
 
 
+def _bench_rank(rank, args: argparse.Namespace) -> dict | None:
+    out = run_bench(args, rank)
+    return out if rank.rank == 0 else None
+
+
 def bench_main(args: argparse.Namespace) -> int:
-    out = run_bench(args)
+    if args.gpus:
+        from megastep.runtime import distributed as D
+
+        gpus = D.parse_gpus(args.gpus)
+        D.check_world_size(preset(args.preset, layers=args.layers).n_routed_experts, len(gpus))
+        _check_args(args, sorted({int(b) for b in args.batch.split(",")}))
+        out = D.launch(_bench_rank, len(gpus), (args,), backend="nccl", gpus=gpus, timeout_s=3600)[0]
+    else:
+        out = run_bench(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
@@ -409,5 +436,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="hybrid: the CPU's share of the cold bytes (its share of the two paths' bandwidths)")
     p.add_argument("--routing", default="default", choices=["default", "uniform", "skewed"],
                    help="routing model of the synthetic gates (megastep.routing)")
+    p.add_argument("--gpus", default=None,
+                   help="e.g. 0,1,2,3: one process per GPU, routed experts sharded across them (NCCL)")
     p.add_argument("--hbm-budget", type=float, default=None,
                    help="GB of HBM for weights: the coldest routed experts go to page-locked host memory")
