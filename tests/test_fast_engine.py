@@ -2,6 +2,7 @@
 slots are taken and given back, rows of different lengths share steps, and a one-token prompt
 gives the reference's logits."""
 
+import pytest
 import torch
 
 from megastep.checkpoint.synthetic import preset, write_checkpoint
@@ -51,3 +52,24 @@ def test_prefill_in_blocks_equals_token_by_token(tmp_path):
     scale = want.abs().max().item()
     assert torch.allclose(outs[4], outs[1], atol=1e-5 * scale), (outs[4] - outs[1]).abs().max()
     assert torch.allclose(outs[4], want, atol=1e-5 * scale), (outs[4] - want).abs().max()
+
+
+def test_hbm_budget_loads_lazily_with_a_placement(tmp_path):
+    """--hbm-budget: the checkpoint is read tensor by tensor while the layers are built, the
+    placement covers every expert, and the engine gives the same logits as a plain load (on the
+    CPU the torch twins run, so the cold experts take the same path)."""
+    from megastep.errors import UserError
+    from megastep.runtime.experts import GB, resident_bytes, routed_expert_bytes
+
+    cfg = preset("tiny").replace(vocab_size=512, quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    write_checkpoint(cfg, tmp_path, seed=6)
+    budget = (resident_bytes(cfg) + 10 * routed_expert_bytes(cfg)) / GB
+    plain = FastEngine(tmp_path, device="cpu", max_seqs=1, max_ctx=32)
+    placed = FastEngine(tmp_path, device="cpu", max_seqs=1, max_ctx=32, hbm_budget_gb=budget)
+    assert placed.placement.n_hot == 10 and placed.placement.n_cold == cfg.num_hidden_layers * cfg.n_routed_experts - 10
+    outs = [e.forward_batch([(e.new_sequence(), [3, 1, 4, 1, 5])])[0] for e in (plain, placed)]
+    assert torch.equal(*outs)
+    with pytest.raises(UserError, match="Triton"):
+        FastEngine(tmp_path, device="cpu", max_seqs=1, max_ctx=32, hbm_budget_gb=budget, cold_path="cpu")
+    with pytest.raises(UserError, match="hbm-budget"):
+        FastEngine(tmp_path, device="cpu", max_seqs=1, max_ctx=32, routing_profile=tmp_path / "p.json")

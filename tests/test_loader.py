@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megastep.checkpoint.loader import (
-    CheckpointConfigError, describe_plan, load_checkpoint, read_shard_header, scan_checkpoint,
+    CheckpointConfigError, describe_plan, load_checkpoint, open_checkpoint, read_shard_header, scan_checkpoint,
 )
 from megastep.checkpoint.synthetic import preset, synthesize_weights, write_checkpoint
 from megastep.checkpoint.tensors import DTYPE_NAMES, expected_tensors
@@ -77,6 +77,26 @@ def test_round_trip(written):
     assert all(same(w[n], ref[n]) for n in w)
     _, with_mtp = load_checkpoint(written, include_mtp=True, progress=False)
     assert list(with_mtp) == list(ref) and all(same(with_mtp[n], ref[n]) for n in ref)
+
+
+def test_open_checkpoint_reads_lazily(written, ck):
+    """The lazy mapping: the same names and tensors as load_checkpoint, read on access; deleted
+    names are gone; a shard damaged after validation gives a CheckpointError on access."""
+    _, eager = load_checkpoint(written, progress=False)
+    cfg, lazy = open_checkpoint(written)
+    assert cfg == MICRO and list(lazy) == list(eager)
+    assert lazy.nbytes() == {n: t.numel() * t.element_size() for n, t in eager.items()}
+    assert all(same(lazy[n], eager[n]) for n in reversed(list(eager)))
+    first = next(iter(lazy))
+    del lazy[first]
+    assert first not in lazy and len(lazy) == len(eager) - 1
+    with pytest.raises(KeyError):
+        lazy[first]
+    _, damaged = open_checkpoint(ck)
+    name = "layers.1.attn.wq_b.weight"
+    shard_of(ck, name).write_bytes(b"")  # gone after the headers were checked
+    with pytest.raises(CheckpointError, match="cannot read"):
+        damaged[name]
 
 
 def test_single_file_checkpoint(tmp_path):

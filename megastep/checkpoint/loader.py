@@ -15,6 +15,7 @@ import math
 import re
 import struct
 import sys
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -247,6 +248,61 @@ def load_checkpoint(model_dir: str | Path, device: str | torch.device = "cpu", i
             raise CheckpointError(f"cannot read {scan.model_dir / fname}: {e}") from None
     bar.close()
     return cfg, {n: loaded[n] for n in order}
+
+
+class LazyCheckpoint(MutableMapping):
+    """A validated checkpoint's tensors, each read from its shard (mmap) and moved to `device` on
+    first access: with a consumer that builds a layer and then deletes that layer's names
+    (FastDecoder with consume=True), neither host nor device memory ever holds more than about
+    one layer of raw tensors. This is how a model larger than device memory loads when its
+    placement sends the cold experts to host memory."""
+
+    def __init__(self, scan: CheckpointScan, names: list[str], device: torch.device):
+        self.scan, self.device = scan, device
+        self._names = dict.fromkeys(names)
+        self._files: dict[str, object] = {}
+
+    def nbytes(self) -> dict[str, int]:
+        return {n: self.scan.headers[self.scan.location[n]][n].nbytes for n in self._names}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        if name not in self._names:
+            raise KeyError(name)
+        fname = self.scan.location[name]
+        try:
+            f = self._files.get(fname)
+            if f is None:
+                f = self._files[fname] = safe_open(str(self.scan.model_dir / fname), framework="pt", device="cpu")
+            return f.get_tensor(name).to(self.device)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {self.scan.model_dir / fname}: {e}") from None
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        raise TypeError("a checkpoint's tensors are read-only")
+
+    def __delitem__(self, name: str) -> None:
+        del self._names[name]
+
+    def __iter__(self):
+        return iter(list(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def open_checkpoint(model_dir: str | Path, device: str | torch.device = "cpu",
+                    include_mtp: bool = False) -> tuple[ModelConfig, LazyCheckpoint]:
+    """Validate the whole checkpoint from its headers (as load_checkpoint), then return a mapping
+    that reads each tensor when it is first accessed (each access reads it again: consumers take
+    a tensor once)."""
+    scan = scan_checkpoint(model_dir)
+    scan.raise_if_invalid(require_mtp=include_mtp)
+    cfg = scan.cfg
+    assert cfg is not None
+    names = [n for n in expected_tensors(cfg, include_mtp=include_mtp) if n in scan.location]
+    return cfg, LazyCheckpoint(scan, names, torch.device(device))
 
 
 # ---- inspect -------------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ from typing import Any, Protocol, Sequence as Seq
 
 import torch
 
+from megastep.errors import UserError
+
 
 @dataclass
 class SequenceState:
@@ -149,19 +151,41 @@ class FastEngine(_EngineBase):
     the other rows of its step (measured on an H200: `benchmarks/fast_engine_smoke.py`)."""
 
     def __init__(self, model_dir: str | Path, *, device: str = "cuda", max_seqs: int = 8, max_ctx: int = 4096,
-                 max_block: int = 16) -> None:
+                 max_block: int = 16, hbm_budget_gb: float | None = None, routing_profile: str | Path | None = None,
+                 cold_path: str = "gpu") -> None:
+        """hbm_budget_gb: keep only that many GB of weights in device memory; the routed experts
+        the placement (runtime/experts.py, from `routing_profile` or uniform routing) finds
+        coldest stay in page-locked host memory, handled by `cold_path` (FastDecoder). The
+        checkpoint is then read tensor by tensor as each layer is built, so a model larger than
+        the device loads."""
         super().__init__()
         from megastep.checkpoint.loader import load_checkpoint
         from megastep.model.fast import FastDecoder
         from megastep.runtime.step import DEFAULT_BUCKETS, StepRunner
 
         self.device = torch.device(device)
-        cfg, weights = load_checkpoint(model_dir, device=self.device)
+        placement = None
+        if hbm_budget_gb is None:
+            if routing_profile is not None:
+                raise UserError("a routing profile places experts for an HBM budget: give --hbm-budget too")
+            cfg, weights = load_checkpoint(model_dir, device=self.device)
+        else:
+            from megastep.checkpoint.loader import open_checkpoint
+            from megastep.routing import load_profile
+            from megastep.runtime.experts import GB, plan_placement
+
+            cfg, weights = open_checkpoint(model_dir, device=self.device)
+            profile = load_profile(routing_profile, cfg) if routing_profile is not None else None
+            placement = plan_placement(cfg, profile, int(hbm_budget_gb * GB))
         self.cfg = cfg
+        self.placement = placement
         max_ctx = min(max_ctx, int(cfg.max_position_embeddings))
         self.block = max(1, min(int(max_block), int(cfg.sliding_window)))
-        self.decoder = FastDecoder(cfg, weights, max_seqs=max_seqs, max_ctx=max_ctx, device=self.device, consume=True,
-                                   max_block=self.block)
+        try:
+            self.decoder = FastDecoder(cfg, weights, max_seqs=max_seqs, max_ctx=max_ctx, device=self.device,
+                                       consume=True, max_block=self.block, placement=placement, cold_path=cold_path)
+        except ValueError as e:  # a cold path this device cannot run, and the like
+            raise UserError(str(e)) from None
         del weights
         dummy = self.decoder.pools.dummy_slot
         buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_seqs) + (max_seqs,)

@@ -34,6 +34,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="auto", choices=["auto", "reference", "fast"],
                         help="reference: the plain-PyTorch decode (CPU or GPU); fast: the Triton/CUDA-graph "
                              "step (CUDA only); auto: fast on cuda, reference on cpu")
+    parser.add_argument("--hbm-budget", type=float, default=None,
+                        help="fast engine: GB of device memory for weights; the coldest routed experts (by "
+                             "--routing-profile, else uniform) stay in page-locked host memory")
+    parser.add_argument("--routing-profile", default=None, help="a `megastep profile-routing` JSON for --hbm-budget")
+    parser.add_argument("--cold-path", default="gpu", choices=["gpu", "cpu", "hybrid"],
+                        help="with --hbm-budget: the GPU reads cold experts in host memory, the CPU computes them, "
+                             "or both share them")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads for the model (default: cores - 1, leaving one for HTTP)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -86,8 +93,11 @@ def build_server(args: argparse.Namespace):
     if kind == "fast":
         if not args.device.startswith("cuda"):
             raise UserError("--engine fast needs --device cuda")
-        engine = FastEngine(model_dir, device=args.device, max_seqs=args.max_seqs)
+        engine = FastEngine(model_dir, device=args.device, max_seqs=args.max_seqs, hbm_budget_gb=args.hbm_budget,
+                            routing_profile=args.routing_profile, cold_path=args.cold_path)
     else:
+        if args.hbm_budget is not None or args.routing_profile is not None:
+            raise UserError("--hbm-budget / --routing-profile place experts for the fast engine (--engine fast)")
         engine = ReferenceEngine(model_dir, device=args.device)
     log.info("loaded %s in %.1f s (%s engine on %s, %d torch threads)", model_dir,
              time.perf_counter() - t0, kind, args.device, torch.get_num_threads())
