@@ -151,9 +151,11 @@ class FastEngine(_EngineBase):
     the other rows of its step (measured on an H200: `benchmarks/fast_engine_smoke.py`)."""
 
     def __init__(self, model_dir: str | Path, *, device: str = "cuda", max_seqs: int = 8, max_ctx: int = 4096,
-                 max_block: int = 16, hbm_budget_gb: float | None = None, routing_profile: str | Path | None = None,
+                 max_block: int = 1, hbm_budget_gb: float | None = None, routing_profile: str | Path | None = None,
                  cold_path: str = "gpu") -> None:
-        """hbm_budget_gb: keep only that many GB of weights in device memory; the routed experts
+        """max_block: prefill tokens of a sequence per replay (1: one by one; 16 cuts a prompt's
+        replays 16-fold; checked on the CPU, not yet run on a GPU, hence the default 1).
+        hbm_budget_gb: keep only that many GB of weights in device memory; the routed experts
         the placement (runtime/experts.py, from `routing_profile` or uniform routing) finds
         coldest stay in page-locked host memory, handled by `cold_path` (FastDecoder). The
         checkpoint is then read tensor by tensor as each layer is built, so a model larger than

@@ -34,6 +34,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="auto", choices=["auto", "reference", "fast"],
                         help="reference: the plain-PyTorch decode (CPU or GPU); fast: the Triton/CUDA-graph "
                              "step (CUDA only); auto: fast on cuda, reference on cpu")
+    parser.add_argument("--prefill-block", type=int, default=1,
+                        help="fast engine: prompt tokens of a sequence per step (a causal block; e.g. 16)")
     parser.add_argument("--hbm-budget", type=float, default=None,
                         help="fast engine: GB of device memory for weights; the coldest routed experts (by "
                              "--routing-profile, else uniform) stay in page-locked host memory")
@@ -93,7 +95,10 @@ def build_server(args: argparse.Namespace):
     if kind == "fast":
         if not args.device.startswith("cuda"):
             raise UserError("--engine fast needs --device cuda")
-        engine = FastEngine(model_dir, device=args.device, max_seqs=args.max_seqs, hbm_budget_gb=args.hbm_budget,
+        if args.prefill_block < 1:
+            raise UserError(f"--prefill-block must be >= 1, got {args.prefill_block}")
+        engine = FastEngine(model_dir, device=args.device, max_seqs=args.max_seqs, max_block=args.prefill_block,
+                            hbm_budget_gb=args.hbm_budget,
                             routing_profile=args.routing_profile, cold_path=args.cold_path)
     else:
         if args.hbm_budget is not None or args.routing_profile is not None:
