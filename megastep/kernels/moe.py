@@ -22,7 +22,7 @@ its device-visible address). Row strides are common to all experts of a table.
 `moe_experts_mxfp4` takes the stacked tensors and builds (once, cached) their table.
 
 Four launches, all with static grids (CUDA-graph friendly, no host sync):
-1. `_moe_prep_kernel`: groups the M*k (row, slot) pairs by expert (pairs sorted by expert then
+1. `_moe_prep_kernel` (kernels/moe_route.py): groups the M*k (row, slot) pairs by expert (pairs sorted by expert then
    pair index; one "slot" per distinct expert: id, first pair, count) and, in other programs of
    the same launch, quantizes x (fp8_act_sim per 128) once for all experts.
 2. `_moe_gate_up_kernel`: programs (I tile, slot group) loop over their distinct experts and read
@@ -84,9 +84,8 @@ from megastep.kernels.expert_table import (  # noqa: F401  (re-exported: the exp
     stack_experts,
     stacked_table,
 )
+from megastep.kernels.moe_route import ACT_BLOCK, _moe_act_quant_kernel, moe_route  # noqa: F401  (re-exported)
 from megastep.kernels.common import (
-    fp8_pow2_scale,
-    fp8_round,
     mxfp4_decode,
     mxfp4_decode_unscaled,
     next_pow2,
@@ -95,7 +94,6 @@ from megastep.kernels.common import (
     workspace,
 )
 
-ACT_BLOCK = 128
 MODES = {"fma": 0, "dot": 1, "dot_asm": 2, "dot_scaled": 3}
 DEFAULT_MODE = "fma"  # the mode pick_config returns; switch after measuring (benchmarks/kernels/moe_variants.py)
 
@@ -145,111 +143,6 @@ def pick_config(M: int, topk: int, E: int, D: int, I: int, mode: str | None = No
     g_up = max(1, min(slots, target // max(1, -(-I // bi))))
     g_down = max(1, min(slots, target // max(1, -(-D // bd))))
     return MoeConfig(bi, bd, bp, bk, g_up, g_down, num_warps=4, num_stages=ns, mode=mode)
-
-
-# ---- activation quantization into the layout the expert kernels read ------------------------
-@triton.jit
-def _quant_row_perm(src_ptr, dst_ptr, K, NB: tl.constexpr, INTERPRET: tl.constexpr, PERM: tl.constexpr):
-    """fp8_act_sim(row, 128) of one row of K values -> dst (bf16: the values are e4m3 * 2^k,
-    exact). With PERM each 32-group holds its 16 even elements, then its 16 odd ones: the order
-    in which the MXFP4 bytes deliver their low and high nibbles."""
-    k = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
-    m = k < K
-    v = tl.load(src_ptr + k, mask=m, other=0.0).to(tl.float32)
-    s, inv = fp8_pow2_scale(tl.max(tl.abs(v), axis=1))
-    q = fp8_round(v, inv[:, None], INTERPRET).to(tl.float32) * s[:, None]
-    if PERM:
-        kp = (k // 32) * 32 + (k % 2) * 16 + (k % 32) // 2
-    else:
-        kp = k
-    tl.store(dst_ptr + kp, q.to(tl.bfloat16), mask=m)
-
-
-@triton.jit
-def _moe_act_quant_kernel(src_ptr, dst_ptr, K, stride_s, stride_d, NB: tl.constexpr, INTERPRET: tl.constexpr,
-                          PERM: tl.constexpr):
-    r = tl.program_id(0)
-    _quant_row_perm(src_ptr + r * stride_s, dst_ptr + r * stride_d, K, NB, INTERPRET, PERM)
-
-
-# ---- 1. routing (group pairs by expert) + quantization of x ---------------------------------
-@triton.jit
-def _moe_prep_kernel(
-    ids_ptr, P, x_ptr, xq_ptr, D, stride_xm, stride_qm,
-    pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
-    N_ROUTE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, E_PAD: tl.constexpr,
-    NB: tl.constexpr, INTERPRET: tl.constexpr, PERM: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    if pid >= N_ROUTE:  # one program per row of x
-        m = pid - N_ROUTE
-        _quant_row_perm(x_ptr + m * stride_xm, xq_ptr + m * stride_qm, D, NB, INTERPRET, PERM)
-    else:  # BLOCK_R pairs per program, each compared with all P pairs
-        BIG: tl.constexpr = 1 << 30
-        offs_r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < P
-        idr = tl.load(ids_ptr + offs_r, mask=r_mask, other=BIG)
-        ar_e = tl.arange(0, E_PAD)
-        present = tl.zeros([E_PAD], dtype=tl.int32)  # experts with at least one pair
-        rank = tl.zeros([BLOCK_R], dtype=tl.int32)  # position in (expert, pair) order
-        dup_before = tl.zeros([BLOCK_R], dtype=tl.int32)  # earlier pairs with the same expert
-        count = tl.zeros([BLOCK_R], dtype=tl.int32)  # pairs with the same expert
-        for q0 in range(0, P, BLOCK_Q):
-            offs_q = q0 + tl.arange(0, BLOCK_Q)
-            q_mask = offs_q < P
-            idq = tl.load(ids_ptr + offs_q, mask=q_mask, other=BIG)
-            present = tl.maximum(present, tl.max((ar_e[:, None] == idq[None, :]).to(tl.int32), axis=1))
-            eq = (idr[:, None] == idq[None, :]) & q_mask[None, :]
-            lt = (idq[None, :] < idr[:, None]) & q_mask[None, :]
-            before = offs_q[None, :] < offs_r[:, None]
-            rank += tl.sum((lt | (eq & before)).to(tl.int32), axis=1)
-            dup_before += tl.sum((eq & before).to(tl.int32), axis=1)
-            count += tl.sum(eq.to(tl.int32), axis=1)
-        slot = tl.sum(((ar_e[None, :] < idr[:, None]) & (present[None, :] > 0)).to(tl.int32), axis=1)
-        first = (dup_before == 0) & r_mask
-        tl.store(pair_ptr + rank, offs_r, mask=r_mask)
-        tl.store(slot_e_ptr + slot, idr, mask=first)
-        tl.store(slot_start_ptr + slot, rank, mask=first)
-        tl.store(slot_cnt_ptr + slot, count, mask=first)
-        if pid == 0:
-            tl.store(nslot_ptr, tl.sum(present, axis=0))
-
-
-_ROUTE_BLOCK = 32
-
-
-def moe_route(topk_ids: torch.Tensor, E: int, x: torch.Tensor | None = None, permute: bool = True) -> tuple[torch.Tensor, ...]:
-    """topk_ids [M, k] -> (pairs [P], slot_expert [S], slot_start [S], slot_count [S], nslots [1],
-    xq) with P = M*k, S = min(P, E): pairs sorted by (expert, pair index) and one slot per
-    distinct expert (only the first nslots slots are meaningful). When x [M, D] is given, the same
-    launch writes xq [M, D] = fp8_act_sim(x, 128) in bf16, permuted per 32-group (even, odd)
-    unless permute=False."""
-    ids = topk_ids.reshape(-1)
-    if ids.dtype != torch.int32:
-        ids = ids.to(torch.int32)
-    P = ids.numel()
-    S = min(P, E)
-    dev = ids.device
-    pairs = torch.empty(P, dtype=torch.int32, device=dev)
-    slot_e = torch.empty(S, dtype=torch.int32, device=dev)
-    slot_start = torch.empty(S, dtype=torch.int32, device=dev)
-    slot_cnt = torch.empty(S, dtype=torch.int32, device=dev)
-    nslots = torch.empty(1, dtype=torch.int32, device=dev)
-    n_route = -(-P // _ROUTE_BLOCK)
-    if x is not None:
-        M, D = x.shape
-        xq = torch.empty(M, D, dtype=torch.bfloat16, device=dev)
-        args = (x, xq, D, x.stride(0), xq.stride(0))
-    else:
-        M, D, xq = 0, 128, None
-        args = (ids, ids, 0, 0, 0)
-    e_pad = next_pow2(max(E, 2))
-    _moe_prep_kernel[(n_route + M,)](
-        ids, P, *args, pairs, slot_e, slot_start, slot_cnt, nslots,
-        N_ROUTE=n_route, BLOCK_R=_ROUTE_BLOCK, BLOCK_Q=max(2, min(64, 8192 // e_pad)), E_PAD=e_pad,
-        NB=next_pow2(-(-D // ACT_BLOCK)), INTERPRET=on_interpreter(ids), PERM=permute, num_warps=4,
-    )
-    return pairs, slot_e, slot_start, slot_cnt, nslots, xq
 
 
 # ---- "fma": CUDA-core group sums ----------------------------------------------------------------

@@ -12,5 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     loaded = [n for n in sys.modules if n.startswith("megastep.kernels.")]
-    for name in sorted(loaded, key=lambda n: n != "megastep.kernels.common"):  # shared helpers first
+    # modules whose @triton.jit functions other kernel modules import come first
+    helpers = ["megastep.kernels.common", "megastep.kernels.rope_norm", "megastep.kernels.expert_table",
+               "megastep.kernels.moe_route"]
+    for name in sorted(loaded, key=lambda n: helpers.index(n) if n in helpers else len(helpers)):
         importlib.reload(sys.modules[name])
