@@ -186,6 +186,8 @@ class FastDecoder:
             raise ValueError("cold_path cpu / hybrid needs the Triton experts kernel and one rank")
         if max_ctx > cfg.max_position_embeddings:
             raise ValueError("max_ctx exceeds the model's max_position_embeddings")
+        if max_block < 1 or max_block > cfg.sliding_window:
+            raise ValueError(f"max_block must be in 1..{cfg.sliding_window}, got {max_block}")
         self.max_ctx = max_ctx
         dev = self.device
 
@@ -270,8 +272,6 @@ class FastDecoder:
         # cos | sin tables for the attention output's inverse RoPE: computed by torch, so the
         # kernel's rotation rounds exactly as the reference's
         self.rope = {c: _rn.rope_table(f, max_ctx + 1) for c, f in self.inv_freq.items()}
-        if max_block < 1 or max_block > cfg.sliding_window:
-            raise ValueError(f"max_block must be in 1..{cfg.sliding_window}, got {max_block}")
         self.pools = StatePools(cfg, max_seqs, max_ctx, dtype, dev, max_block=max_block)
         self.trace: StepTrace | None = None  # attach one to time stages (eager steps only)
 
