@@ -177,26 +177,46 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-def trace_step(dec, rows: int, context: int, repeats: int = 3) -> tuple[dict[str, float], dict[int, float], float]:
+def _trace_rows(dec, rows: int, context: int, block: int):
+    dev = dec.device
+    r = torch.arange(rows, device=dev)
+    return torch.randint(0, 1000, (rows,), device=dev), context + r % block, r // block
+
+
+def trace_step(dec, rows: int, context: int, repeats: int = 3,
+               block: int = 1) -> tuple[dict[str, float], dict[int, float], float]:
     """Eager step with per-stage events (µs, averaged over repeats) and its own wall time (ms)."""
     from megastep.runtime.trace import StepTrace
 
     dev = dec.device
-    tokens = torch.randint(0, 1000, (rows,), device=dev)
-    pos = torch.full((rows,), context, device=dev, dtype=torch.long)
-    slots = torch.arange(rows, device=dev)
-    dec.step(tokens, pos, slots)  # warm
+    tokens, pos, slots = _trace_rows(dec, rows, context, block)
+    dec.step(tokens, pos, slots, block=block)  # warm
     tr = StepTrace(dev)
     dec.trace = tr
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(repeats):
-        dec.step(tokens, pos, slots)
+        dec.step(tokens, pos, slots, block=block)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / repeats * 1e3
     dec.trace = None
     by_stage, by_layer = tr.summary()
     return ({k: v / repeats for k, v in by_stage.items()}, {k: v / repeats for k, v in by_layer.items()}, wall)
+
+
+def trace_kernels(dec, rows: int, context: int, block: int = 1) -> dict[str, dict[str, float]]:
+    """Per stage: the summed device time of its kernels (µs) and their count, one eager step
+    under the profiler (runtime.trace.kernel_summary)."""
+    from megastep.runtime.trace import StepTrace, kernel_summary
+
+    dev = dec.device
+    tokens, pos, slots = _trace_rows(dec, rows, context, block)
+    dec.step(tokens, pos, slots, block=block)  # warm
+    dec.trace = StepTrace(dev, ranges=True)
+    try:
+        return kernel_summary(lambda: dec.step(tokens, pos, slots, block=block), dev)
+    finally:
+        dec.trace = None
 
 
 def _sync(device: torch.device) -> None:
@@ -345,9 +365,9 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
     if args.trace:
         traces = {}
         for B in batches:
-            by_stage, by_layer, wall = trace_step(dec, B, args.context)
+            by_stage, by_layer, wall = trace_step(dec, B, args.context, block=args.block)
             traces[B] = {"by_stage_us": by_stage, "by_layer_us": {str(k): v for k, v in by_layer.items()},
-                         "eager_wall_ms": wall}
+                         "eager_wall_ms": wall, "kernels": trace_kernels(dec, B, args.context, args.block)}
         out["trace"] = traces
     return out
 
@@ -391,6 +411,15 @@ def print_report(out: dict) -> None:
         print(f"\ntrace batch {B}: eager wall {tr['eager_wall_ms']:.2f} ms, sum of stages {tot / 1e3:.2f} ms")
         for name, us in sorted(tr["by_stage_us"].items(), key=lambda kv: -kv[1]):
             print(f"  {name:<16} {us / 1e3:8.3f} ms  {100 * us / tot:5.1f}%  ({us / L:7.1f} us/layer)")
+        ks = tr.get("kernels") or {}
+        if ks:
+            dev_ms = sum(v["device_us"] for v in ks.values()) / 1e3
+            p50 = next(r["ms_p50"] for r in out["results"] if str(r["batch"]) == str(B))
+            print(f"kernels of the same step (device time, launches): {dev_ms:.2f} ms in "
+                  f"{sum(v['kernels'] for v in ks.values())} launches; graph replay {p50:.2f} ms "
+                  f"-> {p50 - dev_ms:.2f} ms between kernels")
+            for name, v in sorted(ks.items(), key=lambda kv: -kv[1]["device_us"]):
+                print(f"  {name:<16} {v['device_us'] / L:7.1f} us/layer  {v['kernels'] / L:5.1f} launches/layer")
 
 
 def _bench_rank(rank, args: argparse.Namespace) -> dict | None:
