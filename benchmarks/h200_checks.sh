@@ -35,7 +35,7 @@ for group in "$@"; do
     tests)
       step gpu_tests 300 python -m pytest -q -x tests/test_fast_gpu.py tests/kernels/test_fast_step_triton.py ;;
     resident)
-      bench resident_fma 120 --layers 30 --batch 1,4,16,64
+      bench resident_fma 150 --layers 30 --batch 1,4,16,64 --trace
       bench resident_dot_asm 120 --layers 30 --batch 1,4,16,64 --moe-mode dot_asm
       bench block6 90 --layers 30 --batch 6 --block 6 ;;
     offload)
