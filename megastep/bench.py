@@ -37,22 +37,32 @@ from megastep.config import CSA_RATIO, ModelConfig
 from megastep.errors import UserError
 
 
+def _best_seconds(fn, iters: int, cuda: bool) -> float:
+    """The fastest of `iters` runs of fn (after one warm-up): CUDA events on a GPU, else wall time."""
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(iters):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            best = min(best, a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def stream_read_bandwidth(device: torch.device, gib: float = 4.0, iters: int = 10) -> float:
     """Streaming read bandwidth in GB/s: a full sum over a buffer much larger than L2."""
     n = int(gib * 2**30) // 4
     x = torch.ones(n, dtype=torch.float32, device=device)
-    x.sum()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        x.sum()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del x
-    return n * 4 / min(times) / 1e9
+    return n * 4 / _best_seconds(x.sum, iters, cuda=True) / 1e9
 
 
 @triton.jit
@@ -72,19 +82,10 @@ def host_read_bandwidth(device: torch.device, gib: float = 1.0, iters: int = 5, 
     n = int(gib * 2**30) // 4
     buf = torch.ones(n, dtype=torch.int32, pin_memory=True)
     out = torch.empty(programs, dtype=torch.int32, device=device)
-    _host_read_kernel[(programs,)](buf.data_ptr(), out, n, WORDS=2048)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        _host_read_kernel[(programs,)](buf.data_ptr(), out, n, WORDS=2048)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+    secs = _best_seconds(lambda: _host_read_kernel[(programs,)](buf.data_ptr(), out, n, WORDS=2048), iters, cuda=True)
     if int(out.sum()) != n:  # every word read (and summed) exactly once
         raise RuntimeError("host read kernel checksum mismatch")
-    return n * 4 / min(times) / 1e9
+    return n * 4 / secs / 1e9
 
 
 def cpu_read_bandwidth(gib: float = 2.0, iters: int = 3) -> float:
@@ -92,13 +93,7 @@ def cpu_read_bandwidth(gib: float = 2.0, iters: int = 3) -> float:
     the ceiling of the CPU sidecar's expert reads."""
     n = int(gib * 2**30) // 4
     x = torch.ones(n, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return n * 4 / best / 1e9
+    return n * 4 / _best_seconds(x.sum, iters, cuda=False) / 1e9
 
 
 def step_bytes(cfg: ModelConfig, weights_bytes: dict[str, int], rows: int, context: int,

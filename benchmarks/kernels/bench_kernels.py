@@ -190,12 +190,7 @@ def linear_candidates(M, N, K, sweep):
         bm = next_pow2(M)
         for bn, bk, nw, ns, target in [(64, 256, 4, 3, 264), (128, 128, 8, 4, 264), (64, 128, 4, 4, 528)]:
             out.append(C("dot16", bn, bm, bk, auto_split(triton.cdiv(N, bn), K, bk, target), nw, ns))
-    seen, uniq = set(), []
-    for c in out:
-        if c not in seen:
-            seen.add(c)
-            uniq.append(c)
-    return picked, uniq
+    return picked, list(dict.fromkeys(out))  # distinct, in order
 
 
 def bench_linear(sweep, results):
@@ -247,12 +242,7 @@ def moe_candidates(M, sweep):
     out = [picked]
     for bi, bd, bk, nw, per_sm in [(32, 64, 128, 4, 4), (16, 32, 128, 4, 16), (16, 32, 256, 8, 8)]:
         out.append(C(bi, bd, 1, bk, *grp(bi, bd, per_sm), num_warps=nw))
-    seen, uniq = set(), []
-    for c in out:
-        if c not in seen:
-            seen.add(c)
-            uniq.append(c)
-    return picked, uniq
+    return picked, list(dict.fromkeys(out))  # distinct, in order
 
 
 def bench_moe(sweep, results):

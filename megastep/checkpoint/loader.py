@@ -15,14 +15,13 @@ import math
 import re
 import struct
 import sys
-from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from megastep.checkpoint.tensors import (
-    SAFETENSORS_DTYPES, TensorSpec, expected_tensors, find_problems, format_problems,
+    SAFETENSORS_DTYPES, LazyTensors, TensorSpec, expected_tensors, find_problems, format_problems,
 )
 from megastep.config import ModelConfig
 from megastep.errors import CheckpointError, ConfigError
@@ -250,7 +249,7 @@ def load_checkpoint(model_dir: str | Path, device: str | torch.device = "cpu", i
     return cfg, {n: loaded[n] for n in order}
 
 
-class LazyCheckpoint(MutableMapping):
+class LazyCheckpoint(LazyTensors):
     """A validated checkpoint's tensors, each read from its shard (mmap) and moved to `device` on
     first access: with a consumer that builds a layer and then deletes that layer's names
     (FastDecoder with consume=True), neither host nor device memory ever holds more than about
@@ -258,18 +257,16 @@ class LazyCheckpoint(MutableMapping):
     placement sends the cold experts to host memory."""
 
     def __init__(self, scan: CheckpointScan, names: list[str], device: torch.device):
+        super().__init__(names)
         self.scan, self.device = scan, device
-        self._names = dict.fromkeys(names)
         self._files: dict[str, object] = {}
 
     def nbytes(self) -> dict[str, int]:
-        return {n: self.scan.headers[self.scan.location[n]][n].nbytes for n in self._names}
+        return {n: self.scan.headers[self.scan.location[n]][n].nbytes for n in self}
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def _read(self, name: str) -> torch.Tensor:
         from safetensors import SafetensorError, safe_open
 
-        if name not in self._names:
-            raise KeyError(name)
         fname = self.scan.location[name]
         try:
             f = self._files.get(fname)
@@ -278,18 +275,6 @@ class LazyCheckpoint(MutableMapping):
             return f.get_tensor(name).to(self.device)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read {self.scan.model_dir / fname}: {e}") from None
-
-    def __setitem__(self, name: str, value: torch.Tensor) -> None:
-        raise TypeError("a checkpoint's tensors are read-only")
-
-    def __delitem__(self, name: str) -> None:
-        del self._names[name]
-
-    def __iter__(self):
-        return iter(list(self._names))
-
-    def __len__(self) -> int:
-        return len(self._names)
 
 
 def open_checkpoint(model_dir: str | Path, device: str | torch.device = "cpu",

@@ -19,7 +19,6 @@ import math
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import MutableMapping
 from typing import Iterator
 
 import torch
@@ -28,7 +27,7 @@ from safetensors.torch import save_file
 from megastep.checkpoint.formats import (
     MX_BLOCK, dequantize_fp8_weight, dequantize_mxfp4_weight, float_to_e8m0, quantize_fp8_weight,
 )
-from megastep.checkpoint.tensors import TensorSpec, expected_tensors
+from megastep.checkpoint.tensors import LazyTensors, TensorSpec, expected_tensors
 from megastep.config import ModelConfig, QuantConfig
 from megastep.errors import CheckpointError, ConfigError
 from megastep.tokenizer import MIN_BYTE_VOCAB, write_tokenizer
@@ -256,7 +255,7 @@ def synthesize_on_device(cfg: ModelConfig, seed: int, device: str | torch.device
     return out
 
 
-class LazyDeviceWeights(MutableMapping):
+class LazyDeviceWeights(LazyTensors):
     """`synthesize_on_device` one group at a time, on first access: a mapping whose tensors are
     generated in `device` memory when read, so a consumer that builds a layer and then deletes
     that layer's names (FastDecoder with consume=True) never holds more than about one layer of
@@ -270,8 +269,8 @@ class LazyDeviceWeights(MutableMapping):
             raise ValueError(f"routing must be one of {ROUTING_MODELS}, got {routing!r}")
         self.cfg, self.seed, self.device, self.routing = cfg, seed, torch.device(device), routing
         self.table = expected_tensors(cfg, include_mtp=False)
-        self._names = dict.fromkeys(self.table)  # ordered set of the names not yet deleted
-        self._cache: dict[str, torch.Tensor] = {}
+        super().__init__(self.table)
+        self._cache: dict[str, torch.Tensor] = {}  # a generated group's tensors, until deleted
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of every tensor (of the table: generated or not)."""
@@ -281,9 +280,7 @@ class LazyDeviceWeights(MutableMapping):
         base = name.removesuffix(".scale")
         return base + ".weight" if base != name and base + ".weight" in self.table else name
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._names:
-            raise KeyError(name)
+    def _read(self, name: str) -> torch.Tensor:
         if name not in self._cache:
             group = _official_group(self.cfg, self.table, self._group_name(name), self.seed, self.device)
             if self.routing != "default" and (name.endswith(".ffn.gate.bias") or name.endswith(".ffn.gate.tid2eid")):
@@ -296,19 +293,8 @@ class LazyDeviceWeights(MutableMapping):
             self._cache.update(group)
         return self._cache[name]
 
-    def __setitem__(self, name: str, value: torch.Tensor) -> None:
-        self._names[name] = None
-        self._cache[name] = value
-
-    def __delitem__(self, name: str) -> None:
-        del self._names[name]
+    def _forget(self, name: str) -> None:
         self._cache.pop(name, None)
-
-    def __iter__(self):
-        return iter(list(self._names))
-
-    def __len__(self) -> int:
-        return len(self._names)
 
 
 # ---- writing a checkpoint directory -------------------------------------------------------------

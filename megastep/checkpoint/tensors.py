@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from collections.abc import MutableMapping
 from typing import Iterable, Mapping
 
 import torch
@@ -316,3 +317,37 @@ def validate(cfg: ModelConfig, found: Found, shards_missing: Iterable[str] = (),
                              unreadable=unreadable)
     if problems:
         raise CheckpointError(format_problems(where, problems))
+
+
+class LazyTensors(MutableMapping):
+    """Named tensors produced on first access (`_read`, in the subclass): a checkpoint read shard by
+    shard, synthetic weights generated group by group. Deleting a name forgets it, so a consumer
+    that deletes each layer's names once the layer is built (FastDecoder with consume=True) holds
+    about one layer of raw tensors at a time. Read-only otherwise."""
+
+    def __init__(self, names: Iterable[str]):
+        self._names = dict.fromkeys(names)  # ordered set of the names not yet deleted
+
+    def _read(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _forget(self, name: str) -> None:
+        """Drop whatever the subclass keeps for `name`."""
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        raise TypeError(f"{type(self).__name__} is read-only")
+
+    def __delitem__(self, name: str) -> None:
+        del self._names[name]
+        self._forget(name)
+
+    def __iter__(self):
+        return iter(list(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)

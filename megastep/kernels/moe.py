@@ -304,7 +304,7 @@ def _moe_gate_up_kernel(
     D, I, stride_qm, stride_wn, stride_sn, stride_am, limit, G,
     TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, MODE: tl.constexpr, ALIGN: tl.constexpr,
-    SPARSE: tl.constexpr, COMBINE: tl.constexpr,  # (COMBINE: the down kernel's; unused here)
+    SPARSE: tl.constexpr,
 ):
     NG: tl.constexpr = BLOCK_K // 32
     pid_i = tl.program_id(0)
@@ -452,7 +452,7 @@ def moe_experts_table(
     g_up, g_down = min(cfg.groups_up, S), min(cfg.groups_down, S)
     sw13, ss13, sw2, ss2 = table.strides
     common = dict(TOPK=k, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, ROUND_BF16=rnd, INTERPRET=interp,
-                  MODE=MODES[cfg.mode], ALIGN=table.align, SPARSE=table.sparse, COMBINE=not return_pairs,
+                  MODE=MODES[cfg.mode], ALIGN=table.align, SPARSE=table.sparse,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _moe_gate_up_kernel[(-(-I // cfg.block_i), g_up)](
         xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act,
@@ -464,7 +464,8 @@ def moe_experts_table(
     cnt = workspace(x.device, "counters_moe", M * n_d_tiles, torch.int32)
     _moe_down_kernel[(n_d_tiles, g_down)](
         aq, table.addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, cnt,
-        D, I, aq.stride(0), sw2, ss2, y.stride(0), out.stride(0), g_down, BLOCK_D=cfg.block_d, **common,
+        D, I, aq.stride(0), sw2, ss2, y.stride(0), out.stride(0), g_down, BLOCK_D=cfg.block_d, COMBINE=not return_pairs,
+        **common,
     )
     return y.view(M, k, D) if return_pairs else out
 

@@ -37,6 +37,8 @@ from megastep.kernels import moe as _moe
 from megastep.kernels import rope_norm as _rn
 from megastep.kernels import router as _router
 from megastep.model import ops
+from megastep.runtime.distributed import experts_of, ordered_combine
+from megastep.runtime.sidecar import CpuSidecar, add_pairs
 from megastep.runtime.trace import StepTrace, stage
 
 
@@ -172,12 +174,7 @@ class FastDecoder:
         if not 0.0 <= cpu_share <= 1.0:
             raise ValueError(f"cpu_share must be in [0, 1], got {cpu_share}")
         self.sidecar = None
-        if world_size > 1:
-            from megastep.runtime.distributed import experts_of
-
-            self.owned = experts_of(rank, world_size, cfg.n_routed_experts)
-        else:
-            self.owned = range(cfg.n_routed_experts)
+        self.owned = experts_of(rank, world_size, cfg.n_routed_experts)  # all of them on one rank
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # the one tensors report
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -319,8 +316,6 @@ class FastDecoder:
 
         if on_cpu:
             if self.sidecar is None:
-                from megastep.runtime.sidecar import CpuSidecar
-
                 self.sidecar = CpuSidecar(dev, self.cfg.swiglu_limit)
             self.sidecar.add_layer(L, {k: take(st[k], on_cpu, True) for k in keys}, [self.owned[i] for i in on_cpu], E)
         hot_st = [take(st[k], hot, False) for k in keys] if hot else []
@@ -444,41 +439,33 @@ class FastDecoder:
 
     def _routed(self, x, idx, w, lw, L):
         cfg = self.cfg
-        if lw.get("cpu_experts"):  # recipe B / hybrid: the CPU's slots beside the GPU's, added bit-exactly
-            from megastep.runtime.sidecar import add_pairs
-
-            job = self.sidecar.start(L, x, idx, w)
-            pairs = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
-                                           config=self._moe_config(x, idx, lw["experts"]), return_pairs=True)
-            return _moe.sum_pairs(add_pairs(pairs, self.sidecar.finish(job)))
-        if self.world_size > 1:  # this rank's pair outputs, everyone's bit for bit, the slot-order sum
-            from megastep.runtime.distributed import ordered_combine
-
-            if "experts" in lw:
-                pairs = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
-                                               config=self._moe_config(x, idx, lw["experts"]), return_pairs=True)
-            else:
-                ex = lw["experts_stacked"]
-                pairs = _moe.moe_experts_mxfp4_ref(x, idx, w, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
-                                                   swiglu_limit=cfg.swiglu_limit, return_pairs=True,
-                                                   expert_ids=self.owned)
-            ordered_combine(pairs, self.group)
-            return _moe.sum_pairs(pairs)
-        if "experts" in lw:
-            y = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
-                                       config=self._moe_config(x, idx, lw["experts"]))
-        elif "experts_stacked" in lw:
-            ex = lw["experts_stacked"]
-            y = _moe.moe_experts_mxfp4_ref(x, idx, w, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
-                                           swiglu_limit=cfg.swiglu_limit)
-        else:
+        if "experts_plain" in lw:  # unquantized checkpoints: a slow loop
             y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            for j in range(idx.shape[1]):  # plain experts (unquantized checkpoints): a slow loop
+            for j in range(idx.shape[1]):
                 for b in range(x.shape[0]):
                     w1, w3, w2 = lw["experts_plain"][int(idx[b, j])]
                     a = (w[b, j] * ops.swiglu(w1(x[b:b + 1], False), w3(x[b:b + 1], False), cfg.swiglu_limit)).to(x.dtype)
                     y[b] += w2(a, False)[0].float()
-        return y
+            return y
+        # Experts computed in parts (the CPU's beside the GPU's, or other ranks'): this process's
+        # per-slot outputs, the other parts added bit-exactly, then the slot-order sum the
+        # one-part kernel makes.
+        split = self.world_size > 1 or lw.get("cpu_experts", False)
+        job = self.sidecar.start(L, x, idx, w) if lw.get("cpu_experts") else None  # runs beside the kernel below
+        if "experts" in lw:
+            out = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
+                                         config=self._moe_config(x, idx, lw["experts"]), return_pairs=split)
+        else:
+            ex = lw["experts_stacked"]
+            out = _moe.moe_experts_mxfp4_ref(x, idx, w, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
+                                             swiglu_limit=cfg.swiglu_limit, return_pairs=split, expert_ids=self.owned)
+        if not split:
+            return out
+        if job is not None:
+            out = add_pairs(out, self.sidecar.finish(job))
+        if self.world_size > 1:
+            ordered_combine(out, self.group)
+        return _moe.sum_pairs(out)
 
     # ---- the step -------------------------------------------------------------------------
     @torch.inference_mode()

@@ -207,11 +207,11 @@ def shutdown() -> None:
 
 
 # ---- the MoE combine -----------------------------------------------------------------------------
-def _bit_view(pairs: torch.Tensor) -> torch.Tensor:
+def bit_words(pairs: torch.Tensor) -> torch.Tensor:
     """The buffer's bytes as integers, never mixing two pairs (rows) in one integer: int32 when a row is
     a whole number of 4-byte words (bf16 with even D, fp32), else uint8. Both sum on gloo and NCCL."""
     if not pairs.is_contiguous():
-        raise ValueError("ordered_combine needs a contiguous buffer")
+        raise ValueError("the bit-exact combine needs a contiguous buffer")
     row_bytes = pairs.shape[-1] * pairs.element_size()
     flat = pairs.reshape(-1).view(torch.uint8)
     return flat.view(torch.int32) if row_bytes % 4 == 0 else flat
@@ -225,7 +225,7 @@ def ordered_combine(pairs: torch.Tensor, group: dist.ProcessGroup | None = None,
     most, and integer addition is exact and associative, so the result is the owner's bits whatever
     order, tree or chunking the backend uses, and whatever its float modes (flush-to-zero, NaN
     payloads, the sign of zero never enter). In place; returns the work handle with async_op."""
-    return dist.all_reduce(_bit_view(pairs), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return dist.all_reduce(bit_words(pairs), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 class ExpertParallelReference(ReferenceModel):

@@ -236,15 +236,14 @@ class FastEngine(_EngineBase):
         while todo:
             multi = self.block_runner is not None and any(len(ids) > 1 for _, _, ids in todo)
             k = self.block if multi else 1
-            batch, last = [], []
+            batch, taken = [], []  # taken: (tokens of the sequence in this step, its last row)
             for _, seq, ids in todo:
                 n = min(k, len(ids))
                 batch += [(ids[j], seq.pos + j, seq.data) for j in range(n)]
-                last.append(len(batch) - 1)
+                taken.append((n, len(batch) - 1))
             logits = self._run(batch, self.block_runner if multi else self.runner)
             nxt = []
-            for (i, seq, ids), j in zip(todo, last):
-                n = min(k, len(ids))
+            for (i, seq, ids), (n, j) in zip(todo, taken):
                 seq.pos += n
                 if n == len(ids):
                     out[i] = logits[j]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from megastep.cpu import experts as cpu_experts
+from megastep.runtime.distributed import bit_words
 
 _CUDA_SUCCESS = 0
 
@@ -115,10 +116,10 @@ class CpuSidecar:
             st.rw.copy_(w)
             if st.job is not None:
                 cpu_experts.run_sidecar_job(st.job)
-            else:  # no compiled kernel here: the torch twin (slow, same semantics)
-                lay = self.layers[L]
-                st.y.copy_(cpu_experts.experts_forward_ref(st.x, st.ids, st.rw, lay.stacked["w13"], lay.stacked["w13_scale"],
-                                                           lay.stacked["w2"], lay.stacked["w2_scale"], self.limit))
+            else:  # no compiled kernel here: experts_forward falls back to its torch twin
+                ex = self.layers[L].stacked
+                cpu_experts.experts_forward(st.x, st.ids, st.rw, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
+                                            self.limit, out=st.y.zero_())
             st.y_dev.copy_(st.y)
             return st
         main = torch.cuda.current_stream(self.device)
@@ -142,8 +143,8 @@ class CpuSidecar:
 
 def add_pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Two per-slot output buffers of which at most one is non-zero at every element, combined
-    bit-exactly: added as integers (int32 words when the rows allow, else int16)."""
-    assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous()
-    iv = torch.int32 if (a.shape[-1] * a.element_size()) % 4 == 0 else torch.int16
-    return (a.view(-1).view(torch.uint8).view(iv) + b.view(-1).view(torch.uint8).view(iv)).view(torch.uint8).view(
-        a.dtype).view(a.shape)
+    bit-exactly: their words added as integers (distributed.bit_words, as ordered_combine does)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    out = a.clone()
+    bit_words(out).add_(bit_words(b))
+    return out

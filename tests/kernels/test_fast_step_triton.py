@@ -12,11 +12,23 @@ from megastep.config import QuantConfig
 from megastep.model.fast import FastDecoder
 
 
+def tiny_cfg(**kw):
+    """The tiny preset with V4's 128-channel FP8 blocks (the Triton FP8 kernels take only those)."""
+    return preset("tiny").replace(vocab_size=512, quantization_config=QuantConfig(weight_block_size=(128, 128)), **kw)
+
+
+def half_cold_placement(cfg):
+    """A placement with half of the routed experts (spread over every layer) in host memory."""
+    from megastep.runtime.experts import plan_placement, resident_bytes, routed_expert_bytes
+
+    half = cfg.num_hidden_layers * cfg.n_routed_experts // 2
+    return plan_placement(cfg, None, resident_bytes(cfg) + half * routed_expert_bytes(cfg))
+
+
 def test_triton_step_matches_torch_step():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     # o_lora_rank 128: wo_a takes the grouped one-launch FP8 path (group rows a multiple of 128)
-    cfg = preset("tiny").replace(vocab_size=512, o_lora_rank=128,
-                                 quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    cfg = tiny_cfg(o_lora_rank=128)
     w = synthesize_weights(cfg, seed=2, device=dev, include_mtp=False)
     tri = FastDecoder(cfg, w, max_seqs=3, max_ctx=64, device=dev, triton=True)
     ref = FastDecoder(cfg, w, max_seqs=3, max_ctx=64, device=dev, triton=False)
@@ -38,15 +50,11 @@ def test_cold_experts_in_host_memory_give_the_same_bits():
     """Issue 4 recipe A: experts the placement marks cold sit in (page-locked, on a GPU) host
     memory and the experts kernel reads them in place through the address table: the logits are
     bit-identical to every expert in device memory."""
-    from megastep.runtime.experts import plan_placement, resident_bytes, routed_expert_bytes
-
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = preset("tiny").replace(vocab_size=512, num_hidden_layers=3,
-                                 quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    cfg = tiny_cfg(num_hidden_layers=3)
     w = synthesize_weights(cfg, seed=4, device=dev, include_mtp=False)
-    half = cfg.num_hidden_layers * cfg.n_routed_experts // 2
-    plan = plan_placement(cfg, None, resident_bytes(cfg) + half * routed_expert_bytes(cfg))
-    assert plan.n_cold == half and all(plan.cold(L) for L in range(cfg.num_hidden_layers))
+    plan = half_cold_placement(cfg)
+    assert plan.n_cold == cfg.num_hidden_layers * cfg.n_routed_experts // 2 and all(plan.cold(L) for L in range(cfg.num_hidden_layers))
     hot = FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=True)
     split = FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=True, placement=plan)
     if dev == "cuda":  # the cold experts really are in page-locked host memory
@@ -67,8 +75,7 @@ def test_triton_block_step_matches_torch_step():
     the Triton kernels against the torch twins: window rings longer than the window, compressor
     passes in block order."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = preset("tiny").replace(vocab_size=512, num_hidden_layers=3,
-                                 quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    cfg = tiny_cfg(num_hidden_layers=3)
     w = synthesize_weights(cfg, seed=6, device=dev, include_mtp=False)
     tri = FastDecoder(cfg, w, max_seqs=2, max_ctx=64, device=dev, triton=True, max_block=4)
     ref = FastDecoder(cfg, w, max_seqs=2, max_ctx=64, device=dev, triton=False, max_block=4)
@@ -99,8 +106,7 @@ def test_expert_parallel_with_triton_kernels_matches_one_rank():
         pytest.skip("gloo ranks on the CPU (the interpreter); the GPU path is NCCL")
     from test_distributed import check_fast_expert_parallel
 
-    cfg = preset("tiny").replace(vocab_size=512, num_hidden_layers=3,
-                                 quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    cfg = tiny_cfg(num_hidden_layers=3)
     check_fast_expert_parallel(cfg, 2, [torch.bfloat16], [5, 77, 301], 2, triton=True)
 
 
@@ -108,8 +114,7 @@ def test_moe_mode_knob():
     """The experts kernel mode is a decoder option (the tensor-core "dot" mode here): the first
     step of fresh sequences agrees with the torch twins; an unknown mode is refused."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = preset("tiny").replace(vocab_size=512, num_hidden_layers=2,
-                                 quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    cfg = tiny_cfg(num_hidden_layers=2)
     w = synthesize_weights(cfg, seed=8, device=dev, include_mtp=False)
     with pytest.raises(ValueError, match="moe_mode"):
         FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device=dev, moe_mode="fast")
@@ -127,14 +132,10 @@ def test_cold_experts_on_the_cpu(cold_path):
     summed in slot order. The CPU kernel sums in another order than the GPU kernel, so the logits
     agree to rounding (not bitwise) with every expert on the device; the same run twice gives the
     same bits."""
-    from megastep.runtime.experts import plan_placement, resident_bytes, routed_expert_bytes
-
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = preset("tiny").replace(vocab_size=512, num_hidden_layers=3,
-                                 quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    cfg = tiny_cfg(num_hidden_layers=3)
     w = synthesize_weights(cfg, seed=4, device=dev, include_mtp=False)
-    half = cfg.num_hidden_layers * cfg.n_routed_experts // 2
-    plan = plan_placement(cfg, None, resident_bytes(cfg) + half * routed_expert_bytes(cfg))
+    plan = half_cold_placement(cfg)
     hot = FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=True)
     runs = [FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=True, placement=plan, cold_path=cold_path)
             for _ in range(2)]
