@@ -5,13 +5,18 @@
 #
 #   bash benchmarks/h200_checks.sh tests      # the GPU tests (~3 min)
 #   bash benchmarks/h200_checks.sh resident   # 30-layer step: fma vs dot_asm experts, a 6-token block (~4 min)
+#   bash benchmarks/h200_checks.sh trace      # 30-layer step at 1-64 rows with the per-stage kernel table (~1 min)
+#   bash benchmarks/h200_checks.sh pdl        # the 30-layer step with programmatic dependent launch (~1 min)
+#   bash benchmarks/h200_checks.sh tune       # measure and pin attention / mHC configs, then their GPU tests (~5 min)
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget, recipes A / B / hybrid (~7 min)
+#   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
+#   bash benchmarks/h200_checks.sh ep         # all 43 layers in the HBM of 2 GPUs, experts split (~5 min, 2 GPUs)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
 set -u
 OUT=${OUT:-/tmp/h200_checks}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
-pip install -e . --no-deps --no-build-isolation -q >/dev/null 2>&1 || true
+python3 -m pip install -e . --no-deps --no-build-isolation -q >/dev/null 2>&1 || true
 summary=()
 
 step() {  # step NAME SECONDS command...
@@ -26,24 +31,41 @@ step() {  # step NAME SECONDS command...
 bench() {  # bench NAME SECONDS bench-args...
   local name=$1 limit=$2
   shift 2
-  step "$name" "$limit" python -m megastep.cli bench --preset v4-flash --context 4096 --iters 20 \
+  step "$name" "$limit" python3 -m megastep.cli bench --preset v4-flash --context 4096 --iters 20 \
     --json "$OUT/$name.json" "$@"
 }
 
 for group in "$@"; do
   case $group in
     tests)
-      step gpu_tests 300 python -m pytest -q -x tests/test_fast_gpu.py tests/kernels/test_fast_step_triton.py ;;
+      step gpu_tests 240 python3 -m pytest -q --timeout 120 tests/test_fast_gpu.py tests/kernels/test_fast_step_triton.py ;;
     resident)
-      bench resident_fma 150 --layers 30 --batch 1,4,16,64 --trace
-      bench resident_dot_asm 120 --layers 30 --batch 1,4,16,64 --moe-mode dot_asm
+      bench resident_dot_asm 150 --layers 30 --batch 1,4,16,64 --moe-mode dot_asm --trace
+      bench resident_fma 120 --layers 30 --batch 1,4,16,64
       bench block6 90 --layers 30 --batch 6 --block 6 ;;
+    trace)
+      bench trace 150 --layers 30 --batch 1,4,16,64 --trace ;;
+    tune)  # the rewritten kernel modules come back under $OUT/pinned/ to be committed
+      step tune 240 python3 benchmarks/kernels/tune.py --write --json "$OUT/tune.json"
+      mkdir -p "$OUT/pinned" && cp megastep/kernels/attention.py megastep/kernels/mhc.py "$OUT/pinned/"
+      step tuned_tests 200 python3 -m pytest -q --timeout 120 tests/kernels/test_mhc.py tests/kernels/test_attention.py \
+        tests/kernels/test_attention_tune.py tests/test_fast_gpu.py tests/kernels/test_fast_step_triton.py ;;
+    pdl)
+      bench resident_pdl 120 --layers 30 --batch 1,4,16,64 --pdl ;;
     offload)
-      for path in gpu cpu hybrid; do
+      for path in hybrid cpu gpu; do
         bench "offload_skewed_$path" 150 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path "$path"
       done ;;
+    offload_a)  # recipe A alone (the winner of the offload group)
+      bench offload_skewed_gpu 150 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;
+    ep)
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
+      n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      gpus=$(seq -s, 0 $((n - 1)))
+      bench "ep${n}_43L" 200 --gpus "$gpus" --batch 1,6
+      bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | offload)"
+      echo "unknown group $group (tests | resident | trace | tune | pdl | offload | offload_a | ep)"
       exit 2 ;;
   esac
 done

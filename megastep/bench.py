@@ -29,71 +29,10 @@ import time
 
 import torch
 
-import triton
-import triton.language as tl
-
 from megastep.checkpoint.synthetic import LazyDeviceWeights, preset, synthesize_on_device
 from megastep.config import CSA_RATIO, ModelConfig
 from megastep.errors import UserError
-
-
-def _best_seconds(fn, iters: int, cuda: bool) -> float:
-    """The fastest of `iters` runs of fn (after one warm-up): CUDA events on a GPU, else wall time."""
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(iters):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            best = min(best, a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def stream_read_bandwidth(device: torch.device, gib: float = 4.0, iters: int = 10) -> float:
-    """Streaming read bandwidth in GB/s: a full sum over a buffer much larger than L2."""
-    n = int(gib * 2**30) // 4
-    x = torch.ones(n, dtype=torch.float32, device=device)
-    return n * 4 / _best_seconds(x.sum, iters, cuda=True) / 1e9
-
-
-@triton.jit
-def _host_read_kernel(addr, out_ptr, n_words, WORDS: tl.constexpr):
-    """Sum int32 words of a buffer given by its (device-visible) address: a pure read stream."""
-    base = addr.to(tl.pointer_type(tl.int32))
-    acc = tl.zeros([WORDS], dtype=tl.int32)
-    for w0 in range(tl.program_id(0) * WORDS, n_words, tl.num_programs(0) * WORDS):
-        offs = w0 + tl.arange(0, WORDS)
-        acc += tl.load(base + offs, mask=offs < n_words, other=0)
-    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
-
-
-def host_read_bandwidth(device: torch.device, gib: float = 1.0, iters: int = 5, programs: int = 64) -> float:
-    """GB/s of a kernel reading page-locked host memory through its device-visible address (the
-    zero-copy path by which a MoE kernel reads cold experts)."""
-    n = int(gib * 2**30) // 4
-    buf = torch.ones(n, dtype=torch.int32, pin_memory=True)
-    out = torch.empty(programs, dtype=torch.int32, device=device)
-    secs = _best_seconds(lambda: _host_read_kernel[(programs,)](buf.data_ptr(), out, n, WORDS=2048), iters, cuda=True)
-    if int(out.sum()) != n:  # every word read (and summed) exactly once
-        raise RuntimeError("host read kernel checksum mismatch")
-    return n * 4 / secs / 1e9
-
-
-def cpu_read_bandwidth(gib: float = 2.0, iters: int = 3) -> float:
-    """GB/s of the host's cores reading host memory (torch's CPU sum with its full thread pool):
-    the ceiling of the CPU sidecar's expert reads."""
-    n = int(gib * 2**30) // 4
-    x = torch.ones(n, dtype=torch.float32)
-    return n * 4 / _best_seconds(x.sum, iters, cuda=False) / 1e9
+from megastep.runtime.bandwidth import cpu_read_bandwidth, host_read_bandwidth, stream_read_bandwidth
 
 
 def step_bytes(cfg: ModelConfig, weights_bytes: dict[str, int], rows: int, context: int,
@@ -317,17 +256,20 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
     weights = LazyDeviceWeights(cfg, args.seed, dev, routing=args.routing)
     wbytes = weights.nbytes()
     placement = _placement(cfg, weights, args.hbm_budget)
+    host_bw = host_read_bandwidth(dev) if placement.n_cold else None
+    cpu_bw = cpu_read_bandwidth() if placement.n_cold and args.cold_path != "gpu" else None
+    cpu_share = args.cpu_share
+    if cpu_share is None:  # hybrid: the two paths' measured bandwidths decide
+        cpu_share = cpu_bw / (cpu_bw + host_bw) if cpu_bw and host_bw else 0.5
     dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True,
                       placement=placement if args.hbm_budget is not None else None, max_block=args.block,
-                      moe_mode=args.moe_mode, cold_path=args.cold_path, cpu_share=args.cpu_share,
+                      moe_mode=args.moe_mode, cold_path=args.cold_path, cpu_share=cpu_share, pdl=args.pdl,
                       rank=rank.rank if rank is not None else 0, world_size=W)
     del weights
     torch.cuda.synchronize()
     gen_s = time.perf_counter() - t0
     fill_state(dec, args.context)
     bw = stream_read_bandwidth(dev)
-    host_bw = host_read_bandwidth(dev) if placement.n_cold else None
-    cpu_bw = cpu_read_bandwidth() if placement.n_cold and args.cold_path != "gpu" else None
     # the cold bytes' path: the GPU's host reads, the CPU's, or both at once (ideal split)
     cold_bw = {"gpu": host_bw, "cpu": cpu_bw, "hybrid": (host_bw or 0) + (cpu_bw or 0)}[args.cold_path]
     step = dec.step if args.block == 1 else functools.partial(dec.step, block=args.block)
@@ -350,8 +292,8 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
     out = {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers, "gpus": W,
-        "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": args.cpu_share,
-        "cpu_read_GBps": cpu_bw, "moe_mode": args.moe_mode or "default", "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
+        "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": cpu_share,
+        "cpu_read_GBps": cpu_bw, "moe_mode": args.moe_mode or "default", "pdl": args.pdl, "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
         "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
                                                "n_hot": placement.n_hot, "n_cold": placement.n_cold,
                                                "cold_slot_fraction": placement.cold_fraction},
@@ -388,7 +330,7 @@ def print_report(out: dict) -> None:
               f"(cold share of routing slots {100 * pl['cold_slot_fraction']:.1f}%), host read "
               f"{out['host_read_GBps']:.1f} GB/s; roofline = HBM bytes / HBM bw + host bytes / host bw")
         if out["cpu_read_GBps"]:
-            print(f"cold experts: {out['cold_path']} (CPU share {out['cpu_share']}), CPU read {out['cpu_read_GBps']:.1f} "
+            print(f"cold experts: {out['cold_path']} (CPU share {out['cpu_share']:.2f}), CPU read {out['cpu_read_GBps']:.1f} "
                   "GB/s; host bw of the roofline: " + {"cpu": "the CPU's", "hybrid": "GPU + CPU"}[out["cold_path"]])
     print(f"{'batch':>5} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'tok/s':>9} {'GB/step':>8} {'roof ms':>8} {'%roof':>6} "
           f"{'ms/layer':>8} {'x43 ms':>8}")
@@ -414,7 +356,9 @@ def print_report(out: dict) -> None:
                   f"{sum(v['kernels'] for v in ks.values())} launches; graph replay {p50:.2f} ms "
                   f"-> {p50 - dev_ms:.2f} ms between kernels")
             for name, v in sorted(ks.items(), key=lambda kv: -kv[1]["device_us"]):
-                print(f"  {name:<16} {v['device_us'] / L:7.1f} us/layer  {v['kernels'] / L:5.1f} launches/layer")
+                top = sorted(v.get("names", {}).items(), key=lambda kv: -kv[1][0])[:3]
+                print(f"  {name:<16} {v['device_us'] / L:7.1f} us/layer  {v['kernels'] / L:5.1f} launches/layer  "
+                      + ", ".join(f"{n[:40]} {us / L:.1f}" for n, (us, _) in top))
 
 
 def _bench_rank(rank, args: argparse.Namespace) -> dict | None:
@@ -453,11 +397,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="rows per sequence: each step advances batch/block sequences by a causal block of this many tokens")
     p.add_argument("--moe-mode", default=None, choices=["fma", "dot", "dot_asm", "dot_scaled"],
                    help="routed-experts kernel mode (default: the kernel's own pick)")
+    p.add_argument("--pdl", action="store_true",
+                   help="launch the step's kernels with programmatic dependent launch")
     p.add_argument("--cold-path", default="gpu", choices=["gpu", "cpu", "hybrid"],
                    help="with --hbm-budget: cold experts read by the GPU from host memory (recipe A), computed by "
                         "the CPU (B), or split between the two (hybrid)")
-    p.add_argument("--cpu-share", type=float, default=0.5,
-                   help="hybrid: the CPU's share of the cold bytes (its share of the two paths' bandwidths)")
+    p.add_argument("--cpu-share", type=float, default=None,
+                   help="hybrid: the CPU's share of the cold bytes (default: its share of the two paths' "
+                        "bandwidths, measured in the run)")
     p.add_argument("--routing", default="default", choices=["default", "uniform", "skewed"],
                    help="routing model of the synthetic gates (megastep.routing)")
     p.add_argument("--gpus", default=None,

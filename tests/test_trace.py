@@ -1,8 +1,6 @@
 """The named step trace: event timing per stage, and the profiler-based kernel summary (stage
 ranges, kernels attributed to the stage that launched them)."""
 
-from types import SimpleNamespace
-
 import torch
 
 from megastep.checkpoint.synthetic import preset, synthesize_weights
@@ -30,15 +28,48 @@ def test_event_trace_names_every_stage_of_every_layer():
     assert set(by_layer) == {-1} | set(range(dec.cfg.num_hidden_layers))
 
 
-def test_kernel_summary_ranges_and_attribution():
+def test_kernel_summary_ranges_on_the_profiler_timeline():
+    """Each stage of each layer is a named profiler range in the exported trace (the ranges the
+    kernels are attributed to); a CPU step launches no device kernels, so nothing is attributed."""
     dec = _decoder()
     dec.trace = T.StepTrace(dec.device, ranges=True)
-    ks = T.kernel_summary(lambda: _step(dec), dec.device)
-    assert {"mhc_pre", "attn_proj", "attention", "routed_experts", "shared_expert", "head"} <= set(ks)
-    assert all(v["kernels"] == 0 and v["device_us"] == 0 for v in ks.values())  # no device kernels on a CPU
-    # kernels below a range are found at any depth, each once
-    k = lambda us: SimpleNamespace(duration=us)  # noqa: E731
-    leaf = SimpleNamespace(kernels=[k(2.0)], cpu_children=[])
-    mid = SimpleNamespace(kernels=[k(3.0)], cpu_children=[leaf])
-    top = SimpleNamespace(kernels=[], cpu_children=[mid, SimpleNamespace(kernels=[k(5.0)], cpu_children=[])])
-    assert sorted(x.duration for x in T._kernels_under(top)) == [2.0, 3.0, 5.0]
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _step(dec)
+    names = {e["name"] for e in T._trace_events(prof) if e.get("cat") == "user_annotation"}
+    for L in range(dec.cfg.num_hidden_layers):
+        for st in ("mhc_pre", "attn_proj", "attention", "routed_experts", "shared_expert"):
+            assert f"{T.RANGE_PREFIX}{st}::{L}" in names
+    assert T.kernel_summary(lambda: _step(dec), dec.device) == {}
+
+
+def _ev(cat, name, ts, dur=0.0, tid=1, pid=1, **args):
+    return {"cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": pid, "args": args}
+
+
+def test_kernels_attributed_to_the_innermost_range_of_their_launch():
+    P = T.RANGE_PREFIX
+    events = [
+        _ev("user_annotation", f"{P}attention::0", 10, 20),
+        _ev("user_annotation", f"{P}indexer::0", 12, 5),  # nested inside attention
+        _ev("user_annotation", f"{P}attention::1", 40, 10),
+        _ev("user_annotation", "not ours", 0, 100),
+        _ev("cuda_driver", "cuLaunchKernelEx", 13, correlation=1),  # in indexer
+        _ev("cuda_runtime", "cudaLaunchKernel", 20, correlation=2),  # in attention 0
+        _ev("cuda_runtime", "cudaLaunchKernel", 45, correlation=3),  # in attention 1
+        _ev("cuda_runtime", "cudaLaunchKernel", 45, tid=2, correlation=4),  # another thread: no range
+        # device side: other clock, other pid/tid; matched only by correlation
+        _ev("kernel", "topk", 1000, 3.0, pid=0, tid=7, correlation=1),
+        _ev("kernel", "attn", 1004, 5.0, pid=0, tid=7, correlation=2),
+        _ev("gpu_memset", "fill", 1010, 1.0, pid=0, tid=7, correlation=3),
+        _ev("kernel", "attn", 1012, 4.0, pid=0, tid=7, correlation=3),
+        _ev("kernel", "stray", 1020, 2.0, pid=0, tid=7, correlation=4),
+        # no launch recorded: the range projected onto the device stream decides
+        _ev("gpu_user_annotation", f"{P}head::-1", 1030, 10, pid=0, tid=7),
+        _ev("kernel", "argmax", 1032, 1.5, pid=0, tid=7, correlation=99),
+    ]
+    ks = T.attribute_kernels(events)
+    assert {k: (v["device_us"], v["kernels"]) for k, v in ks.items()} == {
+        "indexer": (3.0, 1), "attention": (10.0, 3), "other": (2.0, 1), "head": (1.5, 1)}
+    assert ks["attention"]["names"] == {"attn": [9.0, 2], "fill": [1.0, 1]}

@@ -22,6 +22,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 import subprocess
@@ -144,6 +145,58 @@ def graph_time(calls, reps=20):
 
 
 # ---- correctness (the tolerances of tests/kernels) ---------------------------------------------
+def start_workers(script: str, payload: dict, n_jobs: int, shards: int, extra: tuple[str, ...] = ()):
+    """Compile workers for a tuning sweep: writes `payload` to a job file and starts `shards`
+    processes `script --warm FILE --shard i --shards n [extra]` that fill Triton's disk cache
+    while the parent builds its inputs. Returns the handle for finish_workers."""
+    fd, path = tempfile.mkstemp(prefix="tune_", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f)
+    shards = max(1, min(shards, n_jobs))
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(script), "--warm", path, "--shard", str(i),
+                               "--shards", str(shards), *extra],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(shards)]
+    return path, procs, n_jobs, time.time()
+
+
+def finish_workers(handle, log) -> None:
+    """Waits for the compile workers, logs their errors, removes the job file."""
+    path, procs, n, t0 = handle
+    for p in procs:
+        out, _ = p.communicate()
+        for line in out.splitlines():
+            if "error" in line.lower() or "Traceback" in line:
+                log("  " + line[:600])
+        if p.returncode:
+            log(f"  compile process exited with {p.returncode}: {out[-600:]}")
+    os.unlink(path)
+    log(f"compiled {n} configurations in {len(procs)} processes: {time.time() - t0:.1f} s")
+
+
+def tuner_device(smoke: bool) -> str:
+    """A tuner's device: "cpu" under the interpreter for --smoke (the process re-executes itself
+    with TRITON_INTERPRET=1 so the kernels are decorated in that mode), else "cuda" (printed)."""
+    if smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            os.environ["TRITON_INTERPRET"] = "1"
+            os.execv(sys.executable, [sys.executable] + sys.argv)
+        return "cpu"
+    p = torch.cuda.get_device_properties(0)
+    print(f"device {p.name} sms={p.multi_processor_count} torch {torch.__version__} triton {triton.__version__}",
+          flush=True)
+    return "cuda"
+
+
+def write_tune_json(path: str, smoke: bool, table: list, winners: dict) -> None:
+    """A tuner's table and winners as JSON."""
+    with open(path, "w") as f:
+        json.dump(dict(device="cpu (smoke)" if smoke else torch.cuda.get_device_name(0), torch=torch.__version__,
+                       rows=table, winners=[dict(key=list(k), cfg=asdict(c)) for k, c in winners.items()]),
+                  f, indent=1, default=str)
+    print(f"wrote {path}")
+
+
 def check_linear(y, ref):
     y, ref = y.float(), ref.float()
     tol = 2.0**-7 * ref.abs() + 1e-5 * ref.abs().max()  # one bf16 step (tests/kernels/test_linear_fp8.py)

@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megastep.kernels.common import next_pow2, on_interpreter, round_bf16, workspace
+from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16, workspace
 from megastep.kernels.rope_norm import TORCH_MATH, _rope_arg, rope_pairs
 from megastep.model import ops
 
@@ -83,11 +83,30 @@ class AttnConfig:
         assert self.pv_pieces in (2, 3), self  # one bf16 piece misses the ref by bf16 steps
 
 
+# Measured configurations by (H, N, d), consulted first by pick_config: winners of
+# benchmarks/kernels/tune_attention.py on one H200 (each candidate checked against
+# sparse_attention_pools_ref, timed at B = 1 and B = 64, scored by its share of the two decode
+# steps). Keys are exact: a shape not listed takes the rule below. Never keyed by B (batch
+# invariance). 2026-11-29, V4-Flash at context 4K, us per call at B = 1 / 64:
+#   CSA (N = 128 + 512):  h16 n32 c64 w8 32.9 / 263.7 (pinned) | rule (h32 c128) 56.3 / 263.8
+#   HCA (N = 128 + 33):   rule (h32 c64) 23.3 / 68.0 | h32 c64 w8 s3 23.0 / 66.4 (a tie: rule kept)
+#   window (N = 128):     rule 20.0 / 43.3 | h16 c32 w8 13.3 / 58.9 (the score's pick; not yet in an
+#                         end-to-end run, so not pinned: 2 of 43 layers)
+# (full table: docs/data/tune-2026-11-29.log.)
+_PINNED: dict[tuple[int, int, int], AttnConfig] = {
+    (64, 640, 512): AttnConfig(block_h=16, block_n=32, chunk=64, pv_pieces=2, num_warps=8, num_stages=2),
+}
+
+
 def pick_config(H: int, N: int, d: int) -> AttnConfig:
-    """The one configuration for (heads, entries, head dim); it never depends on B. Chunks are
-    sized so that the fp32 partials (H x d x 4 bytes per chunk) are no larger than the KV bytes
-    they summarize (chunk x d x 2) from 128 entries on, while B = 1 still gets several programs.
-    Not measured on the device yet."""
+    """The one configuration for (heads, entries, head dim); it never depends on B. A measured
+    entry of `_PINNED` when there is one; otherwise the rule: chunks are sized so that the fp32
+    partials (H x d x 4 bytes per chunk) are no larger than the KV bytes they summarize
+    (chunk x d x 2) from 128 entries on, while B = 1 still gets several programs (the rule is
+    not measured on the device)."""
+    pinned = _PINNED.get((H, N, d))
+    if pinned is not None:
+        return pinned
     del d
     bh = 16 if H <= 16 else 32
     chunk = 64 if N <= 256 else 128 if N <= 1024 else 256
@@ -153,8 +172,9 @@ def _sparse_attn_kernel(
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PIECES: tl.constexpr, INTERPRET: tl.constexpr,
     DC: tl.constexpr, GROUP: tl.constexpr, SRC: tl.constexpr,
-    NOPE_P: tl.constexpr, ROPE_P: tl.constexpr, TABLE: tl.constexpr,
+    NOPE_P: tl.constexpr, ROPE_P: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     hb = tl.program_id(0)  # fastest: the head blocks of one KV chunk run side by side
     s = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -278,6 +298,7 @@ def _launch(src: int, q, H: int, N: int, cfg: AttnConfig | None, sink, scale, *,
         D=d, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, SPLIT_P2=next_pow2(split),
         PIECES=cfg.pv_pieces, INTERPRET=on_interpreter(q), DC=min(d, 128), GROUP=min(4, split), SRC=src,
         NOPE_P=nope_p, ROPE_P=rope_p, TABLE=table, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **TORCH_MATH,
+        **launch_opts(q),
     )
     return out
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tlc
 
 FP8_ACT_BLOCK = 128  # channels per activation-quantization block along K (V4)
 
@@ -28,6 +29,50 @@ def on_interpreter(t: torch.Tensor) -> bool:
     The interpreter computes a bf16 `tl.dot` wrongly, so kernels that feed tensor cores with bf16
     operands take fp32 operands there (same values: every operand is exact in bf16)."""
     return t.device.type != "cuda"
+
+
+# ---- programmatic dependent launch (PDL) ------------------------------------------------
+# Hopper's griddepcontrol lets a kernel's CTAs be placed on SMs while the previous kernel on the
+# stream (or in the CUDA graph) still drains, hiding the launch gap between short decode kernels.
+# Every launched kernel takes `PDL: tl.constexpr`, calls `pdl_enter(PDL)` before touching global
+# memory, and its launch passes `**launch_opts(tensor)`. Off by default; the switch is read at
+# launch (and so at graph capture): a captured graph keeps the setting it was captured with.
+_PDL = False
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Turn PDL on or off for every later kernel launch in this process; returns the old value."""
+    global _PDL
+    old, _PDL = _PDL, bool(enabled)
+    return old
+
+
+def pdl_enabled() -> bool:
+    return _PDL
+
+
+def launch_opts(t: torch.Tensor) -> dict:
+    """Launch keywords for a kernel whose inputs live where `t` lives: the kernel's `PDL`
+    constexpr and Triton's `launch_pdl`. Always off under the interpreter, where the gdc_*
+    instructions raise."""
+    on = _PDL and not on_interpreter(t)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """First statement of every launched kernel.
+
+    With launch_pdl the kernel may start before its predecessor completes. gdc_launch_dependents
+    comes first so the next kernel's CTAs can be placed early (they too wait before any memory
+    access). gdc_wait then blocks until the predecessor grid has completed and its writes are
+    visible; it must precede every global load, store and atomic, since the predecessor may still
+    be writing what we read or reading what we overwrite. The guarantee is transitive: the
+    predecessor itself completed only after its own predecessor did. A predecessor that never
+    triggers (a torch op) lets this kernel start only once it completes, as without PDL."""
+    if PDL:
+        tlc.gdc_launch_dependents()
+        tlc.gdc_wait()
 
 
 @triton.jit

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from megastep.kernels import rope_norm as _rn
-from megastep.kernels.common import next_pow2, on_interpreter, workspace
+from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, workspace
 from megastep.model import ops
 
 _COUNTERS = 1 << 12  # arrival counters kept per device (one per batch row)
@@ -107,7 +107,9 @@ def _compressor_kernel(
     DIM: tl.constexpr, R: tl.constexpr, OVERLAP: tl.constexpr, ROWS: tl.constexpr, BC: tl.constexpr,
     NCB: tl.constexpr, HALF: tl.constexpr, LOG_HALF: tl.constexpr, NOPE_P: tl.constexpr, ROPE_P: tl.constexpr,
     INDEX: tl.constexpr, HAS_APE: tl.constexpr, TABLE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     cb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pos = tl.load(pos_ptr + b)
@@ -232,7 +234,7 @@ def compressor_step(kv_row: torch.Tensor, score_row: torch.Tensor, kv_pool: torc
         LOG_HALF=(dim // 2).bit_length() - 1, NOPE_P=dim // 2 - rp, ROPE_P=rp, INDEX=kind == "index",
         HAS_APE=ape is not None, TABLE=table,
         OUT_BF16=entries.dtype == torch.bfloat16, INTERPRET=on_interpreter(kv_row), num_warps=cfg.num_warps,
-        **_rn.TORCH_MATH,
+        **_rn.TORCH_MATH, **launch_opts(kv_row),
     )
 
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megastep.kernels.common import on_interpreter, round_bf16, workspace
+from megastep.kernels.common import launch_opts, on_interpreter, pdl_enter, round_bf16, workspace
 
 BLOCK_M = 16  # rows per program: fixed for every shape (batch invariance)
 _TARGET_PROGRAMS = 264  # two per SM on an H200
@@ -77,8 +77,9 @@ def _linear_bf16_kernel(
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, GROUP: tl.constexpr = 4,
+    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr = 4,
 ):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run side by side
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -164,7 +165,7 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch
         x.stride(0), w.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=BLOCK_M, BLOCK_K=cfg.block_k, SPLIT_K=split,
         OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=on_interpreter(x),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x),
     )
     return out
 

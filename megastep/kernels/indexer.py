@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megastep.kernels.common import next_pow2, on_interpreter, round_bf16
+from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
 
 CSA_RATIO = 4
 
@@ -90,8 +90,9 @@ def _score_kernel(
     n, H, scale,
     stride_qb, stride_qh, stride_wb, stride_ps, stride_pn, stride_ob,
     DI: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, PER: tl.constexpr, RATIO: tl.constexpr,
-    DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     vis = tl.minimum(tl.maximum((tl.load(pos_ptr + b) + 1) // RATIO, 0), n)  # pos >= -1: floor == trunc
@@ -183,7 +184,9 @@ def _compact(idx_row, ok_row, key, live, offs, vis, P, s, rem, taken, eq_seen):
 
 @triton.jit
 def _select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, n, K, stride_sb, stride_ib, stride_okb,
-                   RATIO: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, RADIX: tl.constexpr):
+                   RATIO: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, RADIX: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     vis = tl.minimum(tl.maximum((tl.load(pos_ptr + b) + 1) // RATIO, 0), n).to(tl.int32)
     m = tl.maximum(vis, K)  # candidates: entries < m (K <= n)
@@ -280,7 +283,7 @@ def indexer_scores(q: torch.Tensor, wl: torch.Tensor, keys_pool: torch.Tensor, s
         q.stride(0), q.stride(1), wl.stride(0), keys_pool.stride(0), keys_pool.stride(1), out.stride(0),
         DI=di, HP=max(16, next_pow2(H)), BLOCK_N=cfg.block_n, PER=cfg.blocks_per_prog, RATIO=ratio,
         DOT_F32=interp or q.dtype != torch.bfloat16 or keys_pool.dtype != torch.bfloat16, INTERPRET=interp,
-        num_warps=cfg.score_warps,
+        num_warps=cfg.score_warps, **launch_opts(q),
     )
     return out
 
@@ -301,7 +304,7 @@ def indexer_topk(q: torch.Tensor, wl: torch.Tensor, keys_pool: torch.Tensor, slo
     _select_kernel[(B,)](
         scores, pos.contiguous(), idx, ok.view(torch.uint8), n, k, scores.stride(0), idx.stride(0), ok.stride(0),
         RATIO=ratio, BLOCK=cfg.sel_block, ONE_BLOCK=cfg.sel_block >= n, RADIX=cfg.radix_bits,
-        num_warps=cfg.sel_warps,
+        num_warps=cfg.sel_warps, **launch_opts(scores),
     )
     return idx, ok
 

@@ -48,8 +48,10 @@ from megastep.kernels.common import (
     e8m0_to_f32,
     fp8_block_scales,
     fp8_round,
+    launch_opts,
     next_pow2,
     on_interpreter,
+    pdl_enter,
     round_bf16,
     workspace,
 )
@@ -182,8 +184,9 @@ def _linear_fp8_kernel(
     stride_xm, stride_wn, stride_wsn, stride_om, stride_rm,
     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, QUANT_ACT: tl.constexpr,
-    GROUP_N: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, HAS_RES: tl.constexpr,
+    GROUP_N: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     # GATED: N is I (output channels); w3's rows (and scale rows) start N rows below w1's
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -292,7 +295,7 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
         MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         SPLIT_K=split, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
         GROUP_N=N // groups, GATED=gated, CLAMP=limit > 0, HAS_RES=residual is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x),
     )
     return out
 

@@ -11,20 +11,41 @@ Kernels:
    [s*KC, (s+1)*KC) of flat(h) (hc*D long), reads that slice of fn once and applies it to
    BLOCK_M rows, writing per row the partial mixes and the partial sum of squares to an fp32
    buffer [S, B, MIXP]. The 1.5 MB fp32 fn of V4-Flash is thus streamed once by S = 64 programs
-   (one program per row would make one SM read all of it: ~10 us at B = 1).
-2. `_hc_finish_kernel`, one program per row: sums the S partials (a fixed tree, independent of
-   B), Sinkhorn on the hc x hc tile in registers, collapse over streams, bf16 round, RMSNorm.
+   (one program per row would make one SM read all of it: ~10 us at B = 1). Rows past B (the
+   last tile; all but one at B = 1) are skipped.
+2. `_hc_finish_kernel`, grid (B, 2) (mhc_pre with `sinkhorn_apart`; else (B, 1)): program (b, 0)
+   collapses row b over the streams, rounds to bf16 and applies the RMSNorm; program (b, 1)
+   computes post and runs the Sinkhorn on the hc x hc tile in registers. The two are independent
+   (each sums the S partials it needs), so at B = 1 the 20 Sinkhorn rounds no longer sit in
+   front of the collapse. With block_d >= D (the pinned V4 case) the collapse program keeps the
+   whole row in registers: h, the norm weight and the partials are all loaded first, so the
+   program makes one round trip to memory, and the bf16 row is never stored and re-read. With
+   block_d < D it walks the row in chunks and re-reads the stored unnormalized row (large D).
 3. `_hc_post_kernel`, grid (B, cdiv(D, BLOCK_D)): elementwise over D.
 
-Rounding points follow ops exactly: every product is rounded before it is summed (the kernels
-are compiled with enable_fp_fusion=False, so no FMA contraction), sums over streams run
-j = 0..hc-1 in order like torch's reduction over a non-inner dim (and the 4-long row and column
-sums of Sinkhorn too), the collapsed x is rounded to bf16 before the norm and the norm output
-again. What differs from torch: the fp32 summation order of the hc*D-long mixes dot products and
-sums of squares, and the exp/sigmoid/sqrt implementations (a few fp32 ulps).
+Rounding points follow ops exactly: every product is rounded before it is summed (the finish and
+post kernels are compiled with enable_fp_fusion=False, so no FMA contraction), sums over streams
+run j = 0..hc-1 in order like torch's reduction over a non-inner dim (and the 4-long row and
+column sums of Sinkhorn too), the collapsed x is rounded to bf16 before the norm and the norm
+output again. What differs from torch: the fp32 summation order of the hc*D-long mixes dot
+products (inside a mixes program the order, and any FMA contraction, follows Triton's layout for
+(KC, num_warps)) and of the sums of squares, and the exp/sigmoid/sqrt implementations (a few fp32
+ulps).
+
+Fixed trees in the finish: the S partials of a row (each column alike) and the RMSNorm's sum of
+squares over the row are summed by one pairwise tree (elements 2i and 2i+1 at every level,
+`_tree_rows` / `_tree_1d`), written as reshapes and sums over axes of two: a sum of two values
+does not depend on the order, so the result does not depend on how Triton lays the tile out over
+threads and warps (a plain tl.sum's order does). A block_d chunk is an aligned subtree of the
+row's tree, and zero padding adds exact zeros, so the chunked and the one-pass collapse give the
+same bits. Hence the outputs depend on (kc, num_warps) only (the mixes kernel's sums), never on
+block_m, block_d, finish_warps, sinkhorn_apart or post_block_d; tests/kernels/test_mhc.py and
+benchmarks/kernels/tune_mhc.py check this. (These two trees replaced tl.sum reductions on
+2026-11-29: the fp32 order of those two sums, and so the last bits of the outputs, changed once
+against the earlier kernel; every per-element operation is as before.)
 
 Batch invariance: a row's result never depends on B (fixed S, fixed BLOCK_M with independent
-rows, one program per row in the finish); no atomics, no host syncs, outputs from torch.empty.
+rows, the finish's programs per row); no atomics, no host syncs, outputs from torch.empty.
 """
 
 from __future__ import annotations
@@ -36,7 +57,7 @@ import triton
 import triton.language as tl
 
 from megastep.config import ModelConfig
-from megastep.kernels.common import next_pow2, on_interpreter, round_bf16
+from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
 from megastep.model import ops
 
 
@@ -44,18 +65,21 @@ from megastep.model import ops
 class MhcConfig:
     kc: int = 256  # flat(h) elements per mixes program (power of two)
     block_m: int = 8  # rows per mixes program
-    block_d: int = 2048  # D chunk of the finish (collapse + norm) program
+    block_d: int = 4096  # D chunk of the collapse program (>= D: the whole row in registers, one pass)
     post_block_d: int = 512  # D chunk of an hc_post program
-    num_warps: int = 4
+    num_warps: int = 4  # mixes and hc_post kernels
+    finish_warps: int = 4  # finish kernel
+    sinkhorn_apart: bool = True  # the finish's Sinkhorn in its own program, beside the collapse
 
     def check(self) -> None:
-        for v in (self.kc, self.block_m, self.block_d, self.post_block_d):
+        for v in (self.kc, self.block_m, self.block_d, self.post_block_d, self.num_warps, self.finish_warps):
             assert v >= 1 and v & (v - 1) == 0, self
         assert self.kc >= 16 and self.block_d >= 16 and self.post_block_d >= 16, self
 
 
-# Pinned per (hc, D); other shapes use the same rule. Not measured on the device yet.
-_PINNED: dict[tuple[int, int], MhcConfig] = {(4, 4096): MhcConfig(256, 8, 2048, 512, 4)}
+# Pinned per (hc, D); other shapes use the same rule. Not measured on the device yet
+# (benchmarks/kernels/tune_mhc.py sweeps these on a GPU).
+_PINNED: dict[tuple[int, int], MhcConfig] = {(4, 4096): MhcConfig(256, 8, 4096, 512, 4, 4, True)}
 
 
 def pick_config(hc: int, D: int) -> MhcConfig:
@@ -63,15 +87,16 @@ def pick_config(hc: int, D: int) -> MhcConfig:
     cfg = _PINNED.get((hc, D))
     if cfg is not None:
         return cfg
-    return MhcConfig(256, 8, min(2048, max(16, next_pow2(D))), min(512, max(16, next_pow2(D))), 4)
+    return MhcConfig(256, 8, min(4096, max(16, next_pow2(D))), min(512, max(16, next_pow2(D))), 4, 4, True)
 
 
 @triton.jit
 def _hc_mix_partial_kernel(
     h_ptr, fn_ptr, part_ptr,
     B, D, K, stride_hb, stride_hj, stride_fn,
-    MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr,
+    MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     s = tl.program_id(0)
     mt = tl.program_id(1)
     offs_k = s * KC + tl.arange(0, KC)  # index into flat(h) = h[j, d] at j * D + d
@@ -82,20 +107,166 @@ def _hc_mix_partial_kernel(
     fn = tl.load(fn_ptr + cols[:, None] * stride_fn + offs_k[None, :],
                  mask=(cols < MIX)[:, None] & k_mask[None, :], other=0.0)
     for r in tl.static_range(BLOCK_M):
-        # row index as a tensor: the interpreter mishandles a scalar boolean in a mask
-        row = tl.zeros([KC], dtype=tl.int32) + (mt * BLOCK_M + r)
-        x = tl.load(h_ptr + row.to(tl.int64) * stride_hb + h_off, mask=k_mask & (row < B), other=0.0).to(tl.float32)
-        part = tl.sum(fn * x[None, :], axis=1)  # [MIXP], zero past MIX
-        part = tl.where(cols == MIX, tl.sum(x * x, axis=0), part)
-        prow = tl.zeros([MIXP], dtype=tl.int32) + (mt * BLOCK_M + r)
-        tl.store(part_ptr + (s * B + prow).to(tl.int64) * MIXP + cols, part, mask=prow < B)
+        if mt * BLOCK_M + r < B:  # rows past B (a partial last tile, B = 1): skip their reductions
+            # row index as a tensor: the interpreter mishandles a scalar boolean in a mask
+            row = tl.zeros([KC], dtype=tl.int32) + (mt * BLOCK_M + r)
+            x = tl.load(h_ptr + row.to(tl.int64) * stride_hb + h_off, mask=k_mask & (row < B),
+                        other=0.0).to(tl.float32)
+            part = tl.sum(fn * x[None, :], axis=1)  # [MIXP], zero past MIX
+            part = tl.where(cols == MIX, tl.sum(x * x, axis=0), part)
+            prow = tl.zeros([MIXP], dtype=tl.int32) + (mt * BLOCK_M + r)
+            tl.store(part_ptr + (s * B + prow).to(tl.int64) * MIXP + cols, part, mask=prow < B)
 
 
 @triton.jit
-def _pick(v, idx, i, AXIS: tl.constexpr):
+def _take(v, idx, i, AXIS: tl.constexpr):
     """The slice of v where idx == i along AXIS (idx: v's index along AXIS), exactly: the other
-    terms of the sum are zeros."""
-    return tl.sum(tl.where(idx == i, v, 0.0), axis=AXIS)
+    terms of the sum are -0.0, which leaves every value as it is (-0.0 too) and which the compiler
+    folds away where idx is known per register (an axis held in registers). -0.0 comes from its
+    bits: Triton 3.6 turns a -0.0 literal into +0.0."""
+    neg0 = tl.full(v.shape, -2147483648, tl.int32).to(tl.float32, bitcast=True)
+    return tl.sum(tl.where(idx == i, v, neg0), axis=AXIS)
+
+
+@triton.jit
+def _tree_rows(x, N: tl.constexpr, M: tl.constexpr):
+    """x [N, M] (N a power of two) -> [M]: the sum over rows as a fixed pairwise tree, rows 2i and
+    2i+1 at every level. Each step adds exactly two values (a + b == b + a), so the result does
+    not depend on how x is laid out over threads and warps; a tl.sum over N does."""
+    for i in tl.static_range(24):
+        if (N >> i) > 2:
+            x = tl.sum(tl.reshape(x, (N >> (i + 1), 2, M)), axis=1)
+    return tl.sum(x, axis=0)  # the last two rows (or the only one)
+
+
+@triton.jit
+def _tree_1d(x, N: tl.constexpr):
+    """x [N] (N a power of two) -> scalar: `_tree_rows`' tree, elements 2i and 2i+1 at every level.
+    Aligned power-of-two blocks are subtrees, so a row can be summed block by block (then the
+    block sums by the same tree) with the same result, and zero padding changes nothing."""
+    for i in tl.static_range(24):
+        if (N >> i) > 2:
+            x = tl.sum(tl.reshape(x, (N >> (i + 1), 2)), axis=1)
+    return tl.sum(x, axis=0)
+
+
+@triton.jit
+def _load_partials(prow, s_ok, COL: tl.constexpr, M: tl.constexpr):
+    """The S partials of columns [COL, COL + M) of a row: [SP, M], zero rows past S."""
+    return tl.load(prow[:, None] + COL + tl.arange(0, M)[None, :], mask=s_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _load_mix_sq(prow, s_ok, COL: tl.constexpr, HC: tl.constexpr, MIX: tl.constexpr):
+    """The S partials of columns [COL, COL + HC) of a row and, HC times over, of its sum of
+    squares (column MIX): [SP, 2 HC], zero rows past S."""
+    t = tl.arange(0, 2 * HC)
+    col = tl.where(t < HC, COL + t, MIX)
+    return tl.load(prow[:, None] + col[None, :], mask=s_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _mix_rs(part, K, norm_eps, HC: tl.constexpr, SP: tl.constexpr):
+    """From `_load_mix_sq`'s tile: (the HC mixes [HC], rsqrt(mean(flat(h)^2) + eps) [HC], the
+    same value HC times: a vector keeps it where the mixes are, with no cross-warp reduction)."""
+    v = tl.reshape(_tree_rows(part, SP, 2 * HC), (2, HC))
+    r = tl.arange(0, 2)[:, None]
+    sq = _take(v, r, 1, 0)
+    return _take(v, r, 0, 0), tl.div_rn(1.0, tl.sqrt_rn(sq / K + norm_eps))
+
+
+@triton.jit
+def _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_row, comb_row, K, iters, hc_eps, norm_eps,
+                  HC: tl.constexpr, MIX: tl.constexpr, SP: tl.constexpr):
+    """post = 2 sigmoid(post mixes), comb = Sinkhorn(comb mixes) of one row, stored."""
+    jj = tl.arange(0, HC)
+    # every load first: nothing waits for another round trip
+    post_part = _load_mix_sq(prow, s_ok, HC, HC, MIX)
+    c_part = _load_partials(prow, s_ok, 2 * HC, HC * HC)
+    ci = jj[:, None] * HC + jj[None, :]  # [HC, HC] index of comb[j, k]
+    scale1 = tl.load(scale_ptr + 1)
+    scale2 = tl.load(scale_ptr + 2)
+    post_base = tl.load(base_ptr + HC + jj)
+    c_base = tl.load(base_ptr + 2 * HC + ci)
+    post_mix, rs = _mix_rs(post_part, K, norm_eps, HC, SP)
+    post_mix = post_mix * rs
+    post = 2.0 * tl.sigmoid(post_mix * scale1 + post_base)
+    tl.store(post_row + jj, post)
+    c_mix = tl.reshape(_tree_rows(c_part, SP, HC * HC), (HC, HC)) * rs[None, :]
+    c = c_mix * scale2 + c_base
+    rows = tl.broadcast_to(jj[:, None], (HC, HC))
+    colsi = tl.broadcast_to(jj[None, :], (HC, HC))
+    # softmax over k, then column normalization; sums sequential in index order like torch
+    e = tl.exp(c - tl.max(c, axis=1)[:, None])
+    rsum = _take(e, colsi, 0, 1)
+    for i in tl.static_range(1, HC):
+        rsum = rsum + _take(e, colsi, i, 1)
+    c = e / rsum[:, None] + hc_eps
+    csum = _take(c, rows, 0, 0)
+    for i in tl.static_range(1, HC):
+        csum = csum + _take(c, rows, i, 0)
+    c = c / (csum[None, :] + hc_eps)
+    for _ in range(iters - 1):
+        rsum = _take(c, colsi, 0, 1)
+        for i in tl.static_range(1, HC):
+            rsum = rsum + _take(c, colsi, i, 1)
+        c = c / (rsum[:, None] + hc_eps)
+        csum = _take(c, rows, 0, 0)
+        for i in tl.static_range(1, HC):
+            csum = csum + _take(c, rows, i, 0)
+        c = c / (csum[None, :] + hc_eps)
+    tl.store(comb_row + ci, c)
+
+
+@triton.jit
+def _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps, stride_hj,
+                  HC: tl.constexpr, MIX: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr,
+                  NCHP: tl.constexpr, INTERPRET: tl.constexpr):
+    """x = rms_norm(bf16(sum_j pre_j h_j)) of one row, stored. NCHP == 1 (BLOCK_D >= D): the whole
+    row in registers, its h and norm weight loaded before anything else (their latency hides
+    behind the partial sums); else BLOCK_D chunks, the unnormalized row stored and re-read."""
+    jj = tl.arange(0, HC)
+    pre_part = _load_mix_sq(prow, s_ok, 0, HC, MIX)
+    scale0 = tl.load(scale_ptr)
+    pre_base = tl.load(base_ptr + jj)
+    if NCHP == 1:
+        offs = tl.arange(0, BLOCK_D)
+        m = offs < D
+        hv = tl.load(h_row + jj[:, None] * stride_hj + offs[None, :], mask=m[None, :], other=0.0)  # [HC, BLOCK_D]
+        wv = tl.load(w_ptr + offs, mask=m, other=0.0)
+    pre_mix, rs = _mix_rs(pre_part, K, norm_eps, HC, SP)
+    pre_mix = pre_mix * rs
+    pre = tl.sigmoid(pre_mix * scale0 + pre_base) + hc_eps  # [HC]
+    # x = sum_j pre_j h_j (in order), bf16 round; the sum of squares by `_tree_1d` over the row
+    if NCHP == 1:
+        prod = pre[:, None] * hv.to(tl.float32)  # [HC, BLOCK_D]: pre_j h_j, the streams in registers
+        acc = _take(prod, jj[:, None], 0, 0)
+        for j in tl.static_range(1, HC):
+            acc = acc + _take(prod, jj[:, None], j, 0)
+        xr = round_bf16(acc, INTERPRET)
+        rn = tl.div_rn(1.0, tl.sqrt_rn(_tree_1d(xr * xr, BLOCK_D) / D + norm_eps))
+        y = wv * (xr * rn)
+        tl.store(x_row + offs, round_bf16(y, INTERPRET).to(x_row.dtype.element_ty), mask=m)
+    else:
+        cidx = tl.arange(0, NCHP)
+        csq = tl.zeros([NCHP], dtype=tl.float32)  # per-chunk sums of squares (subtrees of the row's tree)
+        for d0 in range(0, D, BLOCK_D):
+            offs = d0 + tl.arange(0, BLOCK_D)
+            m = offs < D
+            acc = _take(pre, jj, 0, 0) * tl.load(h_row + offs, mask=m, other=0.0).to(tl.float32)
+            for j in tl.static_range(1, HC):
+                acc = acc + _take(pre, jj, j, 0) * tl.load(h_row + j * stride_hj + offs, mask=m, other=0.0).to(tl.float32)
+            xr = round_bf16(acc, INTERPRET)
+            csq = tl.where(cidx == d0 // BLOCK_D, _tree_1d(xr * xr, BLOCK_D), csq)
+            tl.store(x_row + offs, xr.to(x_row.dtype.element_ty), mask=m)
+        rn = tl.div_rn(1.0, tl.sqrt_rn(_tree_1d(csq, NCHP) / D + norm_eps))
+        tl.debug_barrier()  # the unnormalized row is re-read below by other threads of this program
+        for d0 in range(0, D, BLOCK_D):
+            offs = d0 + tl.arange(0, BLOCK_D)
+            m = offs < D
+            xr = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
+            y = tl.load(w_ptr + offs, mask=m, other=0.0) * (xr * rn)
+            tl.store(x_row + offs, round_bf16(y, INTERPRET).to(x_row.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -104,78 +275,44 @@ def _hc_finish_kernel(
     B, D, K, S, iters, hc_eps, norm_eps,
     stride_hb, stride_hj, stride_xb,
     HC: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, SP: tl.constexpr,
-    BLOCK_D: tl.constexpr, SINKHORN: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_D: tl.constexpr, NCHP: tl.constexpr, SINKHORN: tl.constexpr, APART: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
+    # program (b, 0): collapse + RMSNorm of row b; with SINKHORN the post and comb mixes too, done
+    # by program (b, 1) when APART (the two run side by side), else before the collapse
+    pdl_enter(PDL)
     b = tl.program_id(0)
     b64 = b.to(tl.int64)
     sidx = tl.arange(0, SP)
     s_ok = sidx < S
-    jj = tl.arange(0, HC)
     prow = part_ptr + (sidx.to(tl.int64) * B + b) * MIXP  # [SP] row starts of this row's partials
-    sq = tl.sum(tl.load(prow + MIX, mask=s_ok, other=0.0), axis=0)
-    rs = tl.div_rn(1.0, tl.sqrt_rn(sq / K + norm_eps))  # rsqrt(mean(flat(h)^2) + eps)
-    pre_mix = tl.sum(tl.load(prow[:, None] + jj[None, :], mask=s_ok[:, None], other=0.0), axis=0) * rs
-    pre = tl.sigmoid(pre_mix * tl.load(scale_ptr) + tl.load(base_ptr + jj)) + hc_eps  # [HC]
-    if SINKHORN:
-        post_mix = tl.sum(tl.load(prow[:, None] + HC + jj[None, :], mask=s_ok[:, None], other=0.0), axis=0) * rs
-        post = 2.0 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + jj))
-        tl.store(post_ptr + b64 * HC + jj, post)
-        ci = jj[:, None] * HC + jj[None, :]  # [HC, HC] index of comb[j, k]
-        c_mix = tl.sum(tl.load(prow[:, None, None] + 2 * HC + ci[None, :, :], mask=s_ok[:, None, None], other=0.0),
-                       axis=0) * rs
-        c = c_mix * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + ci)
-        rows = tl.broadcast_to(jj[:, None], (HC, HC))
-        colsi = tl.broadcast_to(jj[None, :], (HC, HC))
-        # softmax over k, then column normalization; sums sequential in index order like torch
-        e = tl.exp(c - tl.max(c, axis=1)[:, None])
-        rsum = _pick(e, colsi, 0, 1)
-        for i in tl.static_range(1, HC):
-            rsum = rsum + _pick(e, colsi, i, 1)
-        c = e / rsum[:, None] + hc_eps
-        csum = _pick(c, rows, 0, 0)
-        for i in tl.static_range(1, HC):
-            csum = csum + _pick(c, rows, i, 0)
-        c = c / (csum[None, :] + hc_eps)
-        for _ in range(iters - 1):
-            rsum = _pick(c, colsi, 0, 1)
-            for i in tl.static_range(1, HC):
-                rsum = rsum + _pick(c, colsi, i, 1)
-            c = c / (rsum[:, None] + hc_eps)
-            csum = _pick(c, rows, 0, 0)
-            for i in tl.static_range(1, HC):
-                csum = csum + _pick(c, rows, i, 0)
-            c = c / (csum[None, :] + hc_eps)
-        tl.store(comb_ptr + b64 * HC * HC + ci, c)
-
-    # collapse x = sum_j pre_j h_j (in order), bf16 round, then RMSNorm over D in two passes
     h_row = h_ptr + b64 * stride_hb
     x_row = x_ptr + b64 * stride_xb
-    ssq = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs = d0 + tl.arange(0, BLOCK_D)
-        m = offs < D
-        acc = _pick(pre, jj, 0, 0) * tl.load(h_row + offs, mask=m, other=0.0).to(tl.float32)
-        for j in tl.static_range(1, HC):
-            acc = acc + _pick(pre, jj, j, 0) * tl.load(h_row + j * stride_hj + offs, mask=m, other=0.0).to(tl.float32)
-        xr = round_bf16(acc, INTERPRET)
-        ssq += xr * xr
-        tl.store(x_row + offs, xr.to(x_ptr.dtype.element_ty), mask=m)
-    rn = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(ssq, axis=0) / D + norm_eps))
-    tl.debug_barrier()  # the unnormalized row is re-read below by other threads of this program
-    for d0 in range(0, D, BLOCK_D):
-        offs = d0 + tl.arange(0, BLOCK_D)
-        m = offs < D
-        xr = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
-        y = tl.load(w_ptr + offs, mask=m, other=0.0) * (xr * rn)
-        tl.store(x_row + offs, round_bf16(y, INTERPRET).to(x_ptr.dtype.element_ty), mask=m)
+    if SINKHORN:
+        if APART:
+            if tl.program_id(1) == 0:
+                _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
+                              stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
+            else:
+                _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_ptr + b64 * HC, comb_ptr + b64 * HC * HC,
+                              K, iters, hc_eps, norm_eps, HC, MIX, SP)
+        else:
+            _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_ptr + b64 * HC, comb_ptr + b64 * HC * HC,
+                          K, iters, hc_eps, norm_eps, HC, MIX, SP)
+            _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
+                          stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
+    else:
+        _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
+                      stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
 
 
 @triton.jit
 def _hc_post_kernel(
     y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr,
     D, stride_yb, stride_hb, stride_hj, stride_ob, stride_oj,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = offs < D
@@ -222,14 +359,17 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
     interp = on_interpreter(h)
     _hc_mix_partial_kernel[(S, -(-B // cfg.block_m))](
         h, fn, part, B, D, K, h.stride(0), h.stride(1), fn.stride(0),
-        MIX=mix, MIXP=mixp, KC=cfg.kc, BLOCK_M=cfg.block_m, num_warps=cfg.num_warps,
+        MIX=mix, MIXP=mixp, KC=cfg.kc, BLOCK_M=cfg.block_m, num_warps=cfg.num_warps, **launch_opts(h),
     )
-    _hc_finish_kernel[(B,)](
+    block_d = min(cfg.block_d, max(16, next_pow2(D)))
+    apart = sinkhorn and cfg.sinkhorn_apart
+    _hc_finish_kernel[(B, 2 if apart else 1)](
         part, h, scale, base, norm_w, x, post, comb,
         B, D, K, S, iters, hc_eps, norm_eps,
         h.stride(0), h.stride(1), x.stride(0),
-        HC=hc, MIX=mix, MIXP=mixp, SP=next_pow2(S), BLOCK_D=min(cfg.block_d, max(16, next_pow2(D))),
-        SINKHORN=sinkhorn, INTERPRET=interp, num_warps=cfg.num_warps, enable_fp_fusion=False,
+        HC=hc, MIX=mix, MIXP=mixp, SP=next_pow2(S), BLOCK_D=block_d, NCHP=next_pow2(-(-D // block_d)),
+        SINKHORN=sinkhorn, APART=apart, INTERPRET=interp, num_warps=cfg.finish_warps, enable_fp_fusion=False,
+        **launch_opts(h),
     )
     return x, post, comb
 
@@ -266,6 +406,7 @@ def mhc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.T
     _hc_post_kernel[(B, -(-D // bd))](
         y, h, post, comb, out, D, y.stride(0), h.stride(0), h.stride(1), out.stride(0), out.stride(1),
         HC=hc, BLOCK_D=bd, INTERPRET=on_interpreter(h), num_warps=cfg.num_warps, enable_fp_fusion=False,
+        **launch_opts(h),
     )
     return out
 

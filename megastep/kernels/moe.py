@@ -55,6 +55,9 @@ at M = 1 / 64: "fma" 80 / 3757; "dot_asm" 73 / 1853 (pick_config's tiles), 79 / 
 num_stages 1; "dot" 95 / 2322 and "dot_scaled" 174 / 5064 (num_stages 1). Cold experts read from
 pinned host memory through the table at M = 1 (output bit-identical to the all-device table):
 the dot modes add ~43-47 GB/s of cold bytes over the all-device time, "fma" ~23 GB/s.
+End to end (30 V4-Flash layers, context 4K, graph replay, one H200, 2026-11-29): "dot_asm" 9.12 /
+14.47 / 29.22 / 63.38 ms per step at 1 / 4 / 16 / 64 rows against "fma" 9.16 / 15.27 / 36.92 /
+128.4, hence the default.
 Numerics: every mode multiplies the same exact values (e2m1 * 2^a times e4m3 * 2^b) and sums in
 fp32; they differ from the ref and from each other in the order of fp32 sums only. Each row's
 order is fixed by (mode, block_k) and the weight shapes, never by M or the routing of other rows:
@@ -86,16 +89,18 @@ from megastep.kernels.expert_table import (  # noqa: F401  (re-exported: the exp
 )
 from megastep.kernels.moe_route import ACT_BLOCK, _moe_act_quant_kernel, moe_route  # noqa: F401  (re-exported)
 from megastep.kernels.common import (
+    launch_opts,
     mxfp4_decode,
     mxfp4_decode_unscaled,
     next_pow2,
     on_interpreter,
+    pdl_enter,
     round_bf16,
     workspace,
 )
 
 MODES = {"fma": 0, "dot": 1, "dot_asm": 2, "dot_scaled": 3}
-DEFAULT_MODE = "fma"  # the mode pick_config returns; switch after measuring (benchmarks/kernels/moe_variants.py)
+DEFAULT_MODE = "dot_asm"  # the mode pick_config returns: measured end to end, see below
 
 
 @dataclass(frozen=True)
@@ -304,8 +309,9 @@ def _moe_gate_up_kernel(
     D, I, stride_qm, stride_wn, stride_sn, stride_am, limit, G,
     TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, MODE: tl.constexpr, ALIGN: tl.constexpr,
-    SPARSE: tl.constexpr,
+    SPARSE: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     NG: tl.constexpr = BLOCK_K // 32
     pid_i = tl.program_id(0)
     grp = tl.program_id(1)
@@ -358,8 +364,9 @@ def _moe_down_kernel(
     D, I, stride_am, stride_wn, stride_sn, stride_ym, stride_om, G,
     TOPK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, MODE: tl.constexpr, ALIGN: tl.constexpr,
-    SPARSE: tl.constexpr, COMBINE: tl.constexpr,
+    SPARSE: tl.constexpr, COMBINE: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     NG: tl.constexpr = BLOCK_K // 32
     pid_d = tl.program_id(0)
     grp = tl.program_id(1)
@@ -453,13 +460,13 @@ def moe_experts_table(
     sw13, ss13, sw2, ss2 = table.strides
     common = dict(TOPK=k, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, ROUND_BF16=rnd, INTERPRET=interp,
                   MODE=MODES[cfg.mode], ALIGN=table.align, SPARSE=table.sparse,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x))
     _moe_gate_up_kernel[(-(-I // cfg.block_i), g_up)](
         xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act,
         D, I, xq.stride(0), sw13, ss13, act.stride(0), float(swiglu_limit), g_up, BLOCK_I=cfg.block_i, **common,
     )
     _moe_act_quant_kernel[(P,)](act, aq, I, act.stride(0), aq.stride(0), NB=next_pow2(-(-I // ACT_BLOCK)),
-                                INTERPRET=interp, PERM=perm, num_warps=4)
+                                INTERPRET=interp, PERM=perm, num_warps=4, **launch_opts(act))
     n_d_tiles = -(-D // cfg.block_d)
     cnt = workspace(x.device, "counters_moe", M * n_d_tiles, torch.int32)
     _moe_down_kernel[(n_d_tiles, g_down)](

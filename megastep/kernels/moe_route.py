@@ -12,7 +12,7 @@ import triton  # noqa: F401
 import triton.language as tl
 
 from megastep.kernels.common import FP8_ACT_BLOCK as ACT_BLOCK
-from megastep.kernels.common import fp8_pow2_scale, fp8_round, next_pow2, on_interpreter
+from megastep.kernels.common import fp8_pow2_scale, fp8_round, launch_opts, next_pow2, on_interpreter, pdl_enter
 
 
 # ---- activation quantization into the layout the expert kernels read ------------------------
@@ -35,7 +35,8 @@ def _quant_row_perm(src_ptr, dst_ptr, K, NB: tl.constexpr, INTERPRET: tl.constex
 
 @triton.jit
 def _moe_act_quant_kernel(src_ptr, dst_ptr, K, stride_s, stride_d, NB: tl.constexpr, INTERPRET: tl.constexpr,
-                          PERM: tl.constexpr):
+                          PERM: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     r = tl.program_id(0)
     _quant_row_perm(src_ptr + r * stride_s, dst_ptr + r * stride_d, K, NB, INTERPRET, PERM)
 
@@ -46,8 +47,9 @@ def _moe_prep_kernel(
     ids_ptr, P, x_ptr, xq_ptr, D, stride_xm, stride_qm,
     pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
     N_ROUTE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, E_PAD: tl.constexpr,
-    NB: tl.constexpr, INTERPRET: tl.constexpr, PERM: tl.constexpr,
+    NB: tl.constexpr, INTERPRET: tl.constexpr, PERM: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid >= N_ROUTE:  # one program per row of x
         m = pid - N_ROUTE
@@ -115,6 +117,6 @@ def moe_route(topk_ids: torch.Tensor, E: int, x: torch.Tensor | None = None, per
     _moe_prep_kernel[(n_route + M,)](
         ids, P, *args, pairs, slot_e, slot_start, slot_cnt, nslots,
         N_ROUTE=n_route, BLOCK_R=_ROUTE_BLOCK, BLOCK_Q=max(2, min(64, 8192 // e_pad)), E_PAD=e_pad,
-        NB=next_pow2(-(-D // ACT_BLOCK)), INTERPRET=on_interpreter(ids), PERM=permute, num_warps=4,
+        NB=next_pow2(-(-D // ACT_BLOCK)), INTERPRET=on_interpreter(ids), PERM=permute, num_warps=4, **launch_opts(ids),
     )
     return pairs, slot_e, slot_start, slot_cnt, nslots, xq

@@ -54,7 +54,15 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from megastep.checkpoint import formats
-from megastep.kernels.common import fp8_pow2_scale, fp8_round, next_pow2, on_interpreter, round_bf16
+from megastep.kernels.common import (
+    fp8_pow2_scale,
+    fp8_round,
+    launch_opts,
+    next_pow2,
+    on_interpreter,
+    pdl_enter,
+    round_bf16,
+)
 from megastep.model import ops
 
 # Compile options of every kernel here: no FMA contraction (torch's eager ops round each product),
@@ -229,7 +237,9 @@ def hadamard_pairs(e, o, R: tl.constexpr, HALF: tl.constexpr, LOG_HALF: tl.const
 # ---- kernels -------------------------------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_xb, stride_ob, eps,
-                     BLOCK_D: tl.constexpr, HAS_W: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+                     BLOCK_D: tl.constexpr, HAS_W: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
@@ -244,7 +254,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_xb, stride_ob, eps,
 @triton.jit
 def _q_norm_rope_kernel(q_ptr, rope_ptr, pos_ptr, out_ptr, H, stride_qb, stride_qh, stride_ob, stride_oh, eps,
                         HALF: tl.constexpr, NOPE_P: tl.constexpr, ROPE_P: tl.constexpr, BLOCK_H: tl.constexpr,
-                        TABLE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+                        TABLE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     hb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
@@ -267,7 +278,8 @@ def _q_norm_rope_kernel(q_ptr, rope_ptr, pos_ptr, out_ptr, H, stride_qb, stride_
 def _kv_rope_sim_store_kernel(x_ptr, w_ptr, rope_ptr, pos_ptr, slot_ptr, out_ptr, win_ptr,
                               W, stride_xb, stride_ob, stride_ws, stride_wr, eps,
                               HALF: tl.constexpr, NOPE_P: tl.constexpr, ROPE_P: tl.constexpr,
-                              TABLE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+                              TABLE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, HALF)[None, :]
     e = tl.load(x_ptr + b * stride_xb + 2 * p).to(tl.float32)
@@ -291,7 +303,9 @@ def _kv_rope_sim_store_kernel(x_ptr, w_ptr, rope_ptr, pos_ptr, slot_ptr, out_ptr
 @triton.jit
 def _indexer_q_kernel(q_ptr, rope_ptr, pos_ptr, out_ptr, H, stride_qb, stride_qh, stride_ob, stride_oh,
                       HALF: tl.constexpr, LOG_HALF: tl.constexpr, NOPE_P: tl.constexpr, ROPE_P: tl.constexpr,
-                      BLOCK_H: tl.constexpr, TABLE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+                      BLOCK_H: tl.constexpr, TABLE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+                      PDL: tl.constexpr):
+    pdl_enter(PDL)
     hb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
@@ -369,7 +383,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
     bd = max(16, next_pow2(D))
     _rms_norm_kernel[(B,)](x, x if w is None else w, out, D, x.stride(0), out.stride(0), float(eps),
                            BLOCK_D=bd, HAS_W=w is not None, OUT_BF16=x.dtype == torch.bfloat16,
-                           INTERPRET=on_interpreter(x), num_warps=4 if bd <= 2048 else 8, **TORCH_MATH)
+                           INTERPRET=on_interpreter(x), num_warps=4 if bd <= 2048 else 8, **TORCH_MATH,
+                           **launch_opts(x))
     return out
 
 
@@ -389,7 +404,7 @@ def q_norm_rope(q: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor, eps: flo
         q, rope, pos, out, H, q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(eps),
         HALF=d // 2, NOPE_P=d // 2 - rp, ROPE_P=rp, BLOCK_H=cfg.block_h, TABLE=table,
         OUT_BF16=q.dtype == torch.bfloat16, INTERPRET=on_interpreter(q), num_warps=cfg.num_warps,
-        **TORCH_MATH)
+        **TORCH_MATH, **launch_opts(q))
     return out
 
 
@@ -415,7 +430,7 @@ def kv_rope_sim_store(kv: torch.Tensor, norm_w: torch.Tensor, rope: torch.Tensor
         kv, norm_w, rope, pos, slots, out, window, window.shape[1], kv.stride(0), out.stride(0),
         window.stride(0), window.stride(1), float(eps),
         HALF=d // 2, NOPE_P=nope // 2, ROPE_P=rp, TABLE=table, OUT_BF16=kv.dtype == torch.bfloat16,
-        INTERPRET=on_interpreter(kv), num_warps=4, **TORCH_MATH)
+        INTERPRET=on_interpreter(kv), num_warps=4, **TORCH_MATH, **launch_opts(kv))
     return out
 
 
@@ -434,7 +449,7 @@ def indexer_q(q: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor, config: He
         q, rope, pos, out, H, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         HALF=d // 2, LOG_HALF=(d // 2).bit_length() - 1, NOPE_P=d // 2 - rp, ROPE_P=rp, BLOCK_H=cfg.block_h,
         TABLE=table, OUT_BF16=q.dtype == torch.bfloat16, INTERPRET=on_interpreter(q), num_warps=cfg.num_warps,
-        **TORCH_MATH)
+        **TORCH_MATH, **launch_opts(q))
     return out
 
 

@@ -29,14 +29,15 @@ import triton
 import triton.language as tl
 
 from megastep.kernels import rope_norm as _rn
-from megastep.kernels.common import next_pow2, on_interpreter
+from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter
 from megastep.model import ops
 
 
 @triton.jit
 def _route_kernel(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, E, stride_lb, stride_rb, stride_ib, stride_wb,
                   scaling, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HASH: tl.constexpr, INTERPRET: tl.constexpr):
+                  HASH: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EP)
     em = e < E
@@ -103,7 +104,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid_rows: torch.T
         logits, logits if bias is None else bias, rows, idx, w, E, logits.stride(0), rows.stride(0), idx.stride(0),
         w.stride(0), float(scaling), EP=max(16, next_pow2(E)), K=k, KP=max(2, next_pow2(k)), HAS_BIAS=bias is not None,
         HASH=tid2eid_rows is not None, INTERPRET=on_interpreter(logits), num_warps=4,
-        **_rn.TORCH_MATH,
+        **_rn.TORCH_MATH, **launch_opts(logits),
     )
     return idx, w
 

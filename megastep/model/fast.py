@@ -21,6 +21,7 @@ the quantization simulations on: the two differ by fp32 summation order only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ import torch
 from megastep.checkpoint import formats
 from megastep.config import CSA_RATIO, ModelConfig
 from megastep.kernels import attention as _attn
+from megastep.kernels import common as _common
 from megastep.kernels import compressor as _comp
 from megastep.kernels import dense as _dense
 from megastep.kernels import indexer as _idx
@@ -145,7 +147,8 @@ class FastDecoder:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, max_seqs: int, max_ctx: int,
                  device: torch.device | str, dtype: torch.dtype = torch.bfloat16, triton: bool | None = None,
                  consume: bool = False, placement=None, max_block: int = 1, rank: int = 0, world_size: int = 1,
-                 group=None, moe_mode: str | None = None, cold_path: str = "gpu", cpu_share: float = 0.5):
+                 group=None, moe_mode: str | None = None, cold_path: str = "gpu", cpu_share: float | None = None,
+                 pdl: bool = False):
         """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
         stacked, projections concatenated), so a model filling the device is never held twice.
         placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
@@ -162,16 +165,19 @@ class FastDecoder:
         cold_path: how the placement's cold experts are computed: "gpu" (recipe A: the experts
         kernel reads them in host memory), "cpu" (recipe B: the CPU computes them while the GPU
         runs the hot ones, runtime/sidecar.py) or "hybrid" (each layer's cold experts split
-        between the two, the CPU taking about `cpu_share` of their expected bytes: set it to the
-        CPU path's share of the two paths' measured bandwidths)."""
+        between the two, the CPU taking about `cpu_share` of their expected bytes; None: the CPU
+        path's share of the two paths' bandwidths, measured here by runtime.bandwidth).
+        pdl: launch the Triton kernels of a step with programmatic dependent launch
+        (kernels.common.pdl_enter): each kernel's CTAs are placed while its predecessor drains."""
         self.cfg, self.dtype = cfg, dtype
         self.world_size, self.group = world_size, group
         if moe_mode is not None and moe_mode not in _moe.MODES:
             raise ValueError(f"moe_mode must be one of {sorted(_moe.MODES)}, got {moe_mode!r}")
         self.moe_mode = moe_mode
+        self.pdl = pdl
         if cold_path not in ("gpu", "cpu", "hybrid"):
             raise ValueError(f"cold_path must be gpu, cpu or hybrid, got {cold_path!r}")
-        if not 0.0 <= cpu_share <= 1.0:
+        if cpu_share is not None and not 0.0 <= cpu_share <= 1.0:
             raise ValueError(f"cpu_share must be in [0, 1], got {cpu_share}")
         self.sidecar = None
         self.owned = experts_of(rank, world_size, cfg.n_routed_experts)  # all of them on one rank
@@ -181,6 +187,11 @@ class FastDecoder:
         self.triton = self.device.type == "cuda" if triton is None else triton
         if cold_path != "gpu" and (world_size > 1 or not self.triton):
             raise ValueError("cold_path cpu / hybrid needs the Triton experts kernel and one rank")
+        if cold_path == "hybrid" and cpu_share is None and placement is not None and placement.n_cold:
+            from megastep.runtime.bandwidth import hybrid_cpu_share
+
+            cpu_share = hybrid_cpu_share(self.device)
+        self.cpu_share = cpu_share
         if max_ctx > cfg.max_position_embeddings:
             raise ValueError("max_ctx exceeds the model's max_position_embeddings")
         if max_block < 1 or max_block > cfg.sliding_window:
@@ -423,21 +434,25 @@ class FastDecoder:
             idx, w = self._kernel(_router, "route")(self._dense(x, lw["gate"]).contiguous(), lw.get("gate_bias"),
                                                     hash_rows, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
         with stage(T, "routed_experts", L):
-            y = self._routed(x, idx, w, lw, L)
+            routed = self._routed(x, idx, w, lw, L)
+        # the shared expert's first half runs while the routed parts of other ranks (all-reduce)
+        # or of the CPU (sidecar) are still in flight; the routed sum joins them before w2
         with stage(T, "shared_expert", L):
             w1, w3, w2 = lw["shared"]
             if self.triton and "shared13" in lw:  # gated w1/w3 + SwiGLU, then w2 + the routed sum
                 a = _lin.linear_fp8_swiglu(x.contiguous(), *lw["shared13"], cfg.swiglu_limit, out_dtype=x.dtype)
-                return _lin.linear_fp8(a, w2.w, w2.scale, block=w2.block, out_dtype=x.dtype, residual=y)
+                return _lin.linear_fp8(a, w2.w, w2.scale, block=w2.block, out_dtype=x.dtype, residual=routed())
             a = ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
-            return (y + w2(a, self.triton).float()).to(x.dtype)
+            return (routed() + w2(a, self.triton).float()).to(x.dtype)
 
     def _moe_config(self, x, idx, table):
         if self.moe_mode is None:
             return None  # the kernel's pick
         return _moe.pick_config(x.shape[0], idx.shape[1], table.E, table.D, table.I, mode=self.moe_mode)
 
-    def _routed(self, x, idx, w, lw, L):
+    def _routed(self, x, idx, w, lw, L) -> Callable[[], torch.Tensor]:
+        """Launch the routed experts; returns the function that gives their sum [B, D] once the
+        parts computed elsewhere (other ranks, the CPU) have arrived."""
         cfg = self.cfg
         if "experts_plain" in lw:  # unquantized checkpoints: a slow loop
             y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -446,7 +461,7 @@ class FastDecoder:
                     w1, w3, w2 = lw["experts_plain"][int(idx[b, j])]
                     a = (w[b, j] * ops.swiglu(w1(x[b:b + 1], False), w3(x[b:b + 1], False), cfg.swiglu_limit)).to(x.dtype)
                     y[b] += w2(a, False)[0].float()
-            return y
+            return lambda: y
         # Experts computed in parts (the CPU's beside the GPU's, or other ranks'): this process's
         # per-slot outputs, the other parts added bit-exactly, then the slot-order sum the
         # one-part kernel makes.
@@ -460,16 +475,29 @@ class FastDecoder:
             out = _moe.moe_experts_mxfp4_ref(x, idx, w, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
                                              swiglu_limit=cfg.swiglu_limit, return_pairs=split, expert_ids=self.owned)
         if not split:
-            return out
-        if job is not None:
-            out = add_pairs(out, self.sidecar.finish(job))
-        if self.world_size > 1:
-            ordered_combine(out, self.group)
-        return _moe.sum_pairs(out)
+            return lambda: out
+        work = ordered_combine(out, self.group, async_op=True) if self.world_size > 1 else None
+
+        def routed_sum() -> torch.Tensor:
+            pairs = out
+            if job is not None:  # one rank only: the sidecar and EP do not mix (checked at init)
+                pairs = add_pairs(pairs, self.sidecar.finish(job))
+            if work is not None:
+                work.wait()
+            return _moe.sum_pairs(pairs)
+        return routed_sum
 
     # ---- the step -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, block: int = 1) -> torch.Tensor:
+        """One decode step (see `_step`), its kernels launched with this decoder's PDL setting."""
+        old = _common.set_pdl(self.pdl)
+        try:
+            return self._step(tokens, pos, slots, block)
+        finally:
+            _common.set_pdl(old)
+
+    def _step(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, block: int = 1) -> torch.Tensor:
         """tokens, pos, slots: int64 [B] on the device. Returns fp32 logits [B, vocab].
 
         Several rows may belong to one sequence (same slot) when they hold consecutive positions:

@@ -71,17 +71,52 @@ class StepTrace:
         return dict(by_stage), dict(by_layer)
 
 
-def _kernels_under(ev) -> list:
-    """Device kernels launched by a profiler event and every op below it."""
-    out = list(getattr(ev, "kernels", []))
-    for child in getattr(ev, "cpu_children", []):
-        out += _kernels_under(child)
-    return out
+# Device activity categories in the profiler's trace (kernels and the copies/fills torch launches).
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # host-side launch calls, linked by correlation id
 
 
-def kernel_summary(step: Callable[[], object], device: torch.device) -> dict[str, dict[str, float]]:
+def attribute_kernels(events: list[dict]) -> dict[str, dict[str, float]]:
+    """Profiler trace events (chrome-trace dicts) -> {stage: {"device_us", "kernels", "names"}}
+    ("names": {kernel name: [µs, launches]}, to see which kernel of a stage costs what).
+
+    A device kernel carries the correlation id of the host call that launched it (cudaLaunchKernel,
+    or cuLaunchKernel(Ex) for Triton's launcher); that call lies, on the host thread's timeline,
+    inside the innermost stage range open at the time. A kernel whose launch call was not
+    recorded falls back to the profiler's projection of the ranges onto the device timeline
+    ("gpu_user_annotation", same stream). Kernels outside every range go to "other". Host and
+    device timestamps are never compared with each other."""
+    ranges: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
+    launches: dict[int, tuple] = {}
+    kernels: list[dict] = []
+    for e in events:
+        cat, name, args = e.get("cat", ""), e.get("name", ""), e.get("args") or {}
+        if cat in ("user_annotation", "gpu_user_annotation") and name.startswith(RANGE_PREFIX):
+            stage_name = name[len(RANGE_PREFIX):].split("::")[0]
+            ranges[(e.get("pid"), e.get("tid"))].append((e["ts"], e["ts"] + e.get("dur", 0), stage_name))
+        elif cat in _LAUNCH_CATS and "correlation" in args:
+            launches[args["correlation"]] = (e.get("pid"), e.get("tid"), e["ts"])
+        elif cat in _DEVICE_CATS:
+            kernels.append(e)
+    out: dict[str, dict] = defaultdict(lambda: {"device_us": 0.0, "kernels": 0, "names": {}})
+    for k in kernels:
+        launch = launches.get((k.get("args") or {}).get("correlation"))
+        pid, tid, ts = launch if launch is not None else (k.get("pid"), k.get("tid"), k["ts"])
+        inner = [r for r in ranges.get((pid, tid), ()) if r[0] <= ts <= r[1]]
+        where = min(inner, key=lambda r: r[1] - r[0])[2] if inner else "other"
+        us = float(k.get("dur", 0.0))
+        out[where]["device_us"] += us
+        out[where]["kernels"] += 1
+        by_name = out[where]["names"].setdefault(k.get("name", "?"), [0.0, 0])
+        by_name[0] += us
+        by_name[1] += 1
+    return dict(out)
+
+
+def kernel_summary(step: Callable[[], object], device: torch.device) -> dict[str, dict]:
     """Run `step()` (an eager step of a decoder whose `trace` is a StepTrace(ranges=True)) under the
-    profiler -> {stage: {"device_us": summed kernel time, "kernels": launches}} over all layers."""
+    profiler -> {stage: {"device_us": summed kernel time, "kernels": launches}} over all layers
+    (stages that launched nothing on the device are absent; "other": launched outside a stage)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -89,15 +124,19 @@ def kernel_summary(step: Callable[[], object], device: torch.device) -> dict[str
         step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    out: dict[str, dict[str, float]] = defaultdict(lambda: {"device_us": 0.0, "kernels": 0})
-    for ev in prof.events():
-        if not ev.name.startswith(RANGE_PREFIX):
-            continue
-        name = ev.name[len(RANGE_PREFIX):].split("::")[0]
-        ks = _kernels_under(ev)
-        out[name]["device_us"] += sum(k.duration for k in ks)
-        out[name]["kernels"] += len(ks)
-    return dict(out)
+    return attribute_kernels(_trace_events(prof))
+
+
+def _trace_events(prof) -> list[dict]:
+    """The profiler's chrome-trace events (its one export that keeps correlation ids and ranges)."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/trace.json"
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f).get("traceEvents", [])
 
 
 def stage(trace: StepTrace | None, name: str, layer: int = -1):

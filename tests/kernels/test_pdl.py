@@ -1,0 +1,99 @@
+"""The programmatic-dependent-launch switch (common.set_pdl / launch_opts / pdl_enter).
+
+PDL only changes when a kernel's CTAs may start, never what they compute: with the switch on,
+kernels must give the same bits as with it off. Under the interpreter the gdc_* instructions
+raise, so launch_opts must keep PDL off for CPU tensors whatever the switch says."""
+
+import ast
+import importlib
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+from megastep.kernels.common import launch_opts, pdl_enabled, set_pdl
+from megastep.kernels.dense import linear_bf16
+from megastep.kernels.rope_norm import q_norm_rope, rms_norm
+from megastep.kernels.router import route
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+KERNEL_MODULES = ["attention", "compressor", "dense", "expert_table", "indexer", "linear_fp8", "mhc", "moe",
+                  "moe_route", "rope_norm", "router"]
+
+
+@pytest.fixture
+def pdl_restore():
+    old = pdl_enabled()
+    try:
+        yield
+    finally:
+        set_pdl(old)
+
+
+def test_default_off():
+    assert pdl_enabled() is False
+    assert launch_opts(torch.zeros(1)) == {"PDL": False, "launch_pdl": False}
+
+
+def test_set_pdl_toggles_and_returns_old(pdl_restore):
+    assert set_pdl(True) is False
+    assert pdl_enabled() is True
+    assert set_pdl(False) is True
+    assert pdl_enabled() is False
+
+
+def test_launch_opts_off_on_interpreter(pdl_restore):
+    set_pdl(True)
+    assert launch_opts(torch.zeros(2, 3)) == {"PDL": False, "launch_pdl": False}
+    if torch.cuda.is_available():
+        assert launch_opts(torch.zeros(1, device="cuda")) == {"PDL": True, "launch_pdl": True}
+    set_pdl(False)
+    if torch.cuda.is_available():
+        assert launch_opts(torch.zeros(1, device="cuda")) == {"PDL": False, "launch_pdl": False}
+
+
+def _launched_kernels():
+    for name in KERNEL_MODULES:
+        mod = importlib.import_module(f"megastep.kernels.{name}")
+        for attr, obj in vars(mod).items():
+            fn = getattr(obj, "fn", None)
+            if attr.endswith("_kernel") and callable(fn) and fn.__module__ == mod.__name__:
+                yield f"{name}.{attr}", fn
+
+
+def test_every_kernel_enters_through_pdl_enter():
+    """gdc_wait must come before any global memory access: pdl_enter(PDL) is the first statement."""
+    seen = []
+    for name, fn in _launched_kernels():
+        seen.append(name)
+        assert "PDL" in inspect.signature(fn).parameters, name
+        body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body
+        first = body[0]
+        assert (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+                and ast.unparse(first.value) == "pdl_enter(PDL)"), (name, ast.unparse(first))
+    assert len(seen) >= 18, seen  # the kernels at the time of writing: none skipped by the lookup
+
+
+def _run_kernels():
+    g = torch.Generator(device="cpu").manual_seed(7)
+    x = (torch.randn(3, 96, generator=g) * 3).bfloat16().to(DEV)
+    w = (torch.rand(96, generator=g) + 0.5).to(DEV)
+    wl = (torch.randn(40, 96, generator=g) * 0.05).bfloat16().to(DEV)
+    q = torch.randn(3, 4, 64, generator=g).bfloat16().to(DEV)
+    inv_freq = (1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16))).to(DEV)
+    pos = torch.tensor([0, 5, 1000], dtype=torch.int64, device=DEV)
+    logits = torch.randn(3, 32, generator=g).to(DEV)
+    bias = (torch.randn(32, generator=g) * 0.1).to(DEV)
+    idx, rw = route(logits, bias, None, 6, 1.5)
+    return [rms_norm(x, w, 1e-6), linear_bf16(x, wl), q_norm_rope(q, inv_freq, pos, 1e-6), idx, rw]
+
+
+def test_results_bit_identical_with_pdl(pdl_restore):
+    set_pdl(False)
+    off = _run_kernels()
+    set_pdl(True)
+    on = _run_kernels()
+    for a, b in zip(off, on):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
