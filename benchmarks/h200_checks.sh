@@ -10,6 +10,7 @@
 #   bash benchmarks/h200_checks.sh tune       # measure and pin attention / mHC configs, then their GPU tests (~5 min)
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget, recipes A / B / hybrid (~7 min)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
+#   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
 #   bash benchmarks/h200_checks.sh ep         # all 43 layers in the HBM of 2 GPUs, experts split (~5 min, 2 GPUs)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
 set -u
@@ -58,6 +59,13 @@ for group in "$@"; do
       done ;;
     offload_a)  # recipe A alone (the winner of the offload group)
       bench offload_skewed_gpu 150 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;
+    ncu)  # why the weight-streaming kernels reach 1.1-1.5 TB/s and attention takes 20-30 us at batch 1:
+      # throughput, memory, occupancy, warp stalls of each kind's launches in a 4-layer eager step
+      step ncu 240 ncu --clock-control none --target-processes all --launch-skip 40 --launch-count 40 \
+        --kernel-name 'regex:_sparse_attn_kernel|_linear_fp8_kernel|_moe_gate_up_kernel|_moe_down_kernel|_hc_finish_kernel' \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats --csv --page details \
+        python3 -m megastep.cli bench --preset v4-flash --layers 4 --batch 1 --context 4096 --iters 2 ;;
     ep)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
       n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
@@ -65,7 +73,7 @@ for group in "$@"; do
       bench "ep${n}_43L" 200 --gpus "$gpus" --batch 1,6
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | tune | pdl | offload | offload_a | ep)"
+      echo "unknown group $group (tests | resident | trace | tune | pdl | offload | offload_a | ncu | ep)"
       exit 2 ;;
   esac
 done

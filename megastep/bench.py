@@ -330,7 +330,8 @@ def print_report(out: dict) -> None:
               f"(cold share of routing slots {100 * pl['cold_slot_fraction']:.1f}%), host read "
               f"{out['host_read_GBps']:.1f} GB/s; roofline = HBM bytes / HBM bw + host bytes / host bw")
         if out["cpu_read_GBps"]:
-            print(f"cold experts: {out['cold_path']} (CPU share {out['cpu_share']:.2f}), CPU read {out['cpu_read_GBps']:.1f} "
+            share = f" (CPU share {out['cpu_share']:.2f})" if out["cold_path"] == "hybrid" else ""
+            print(f"cold experts: {out['cold_path']}{share}, CPU read {out['cpu_read_GBps']:.1f} "
                   "GB/s; host bw of the roofline: " + {"cpu": "the CPU's", "hybrid": "GPU + CPU"}[out["cold_path"]])
     print(f"{'batch':>5} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'tok/s':>9} {'GB/step':>8} {'roof ms':>8} {'%roof':>6} "
           f"{'ms/layer':>8} {'x43 ms':>8}")

@@ -1,0 +1,37 @@
+"""`megastep bench`'s printed report from a results dict (what run_bench returns): the table, the
+cold-path line (the CPU share only where it is used) and the per-stage kernel table."""
+
+from megastep.bench import print_report
+
+
+def _out(cold_path):
+    nb = {"total": 8.0e9}
+    return {
+        "device": "GPU", "gpus": 1, "preset": "v4-flash", "layers": 2, "context": 4096, "stream_read_GBps": 4000.0,
+        "routing": "skewed", "cold_path": cold_path, "cpu_share": 0.73, "cpu_read_GBps": 140.0, "host_read_GBps": 51.0,
+        "placement": {"hbm_budget_GB": 125.0, "n_hot": 10, "n_cold": 2, "cold_slot_fraction": 0.016},
+        "results": [{"batch": 1, "ms_p50": 4.0, "ms_p90": 4.1, "ms_p99": 4.2, "tokens_per_s": 250.0, "bytes": nb,
+                     "roofline_ms": 2.0, "pct_of_roofline": 50.0}],
+        "peer": None,
+        "trace": {"1": {"by_stage_us": {"attention": 30.0, "mhc_pre": 10.0}, "eager_wall_ms": 9.0,
+                        "kernels": {"attention": {"device_us": 60.0, "kernels": 2, "names": {"_attn": [60.0, 2]}},
+                                    "mhc_pre": {"device_us": 20.0, "kernels": 4, "names": {}}}}},
+    }
+
+
+def test_report_lines(capsys):
+    print_report(_out("hybrid"))
+    text = capsys.readouterr().out
+    assert "cold experts: hybrid (CPU share 0.73), CPU read 140.0 GB/s" in text
+    row = next(line for line in text.splitlines() if line.split()[:2] == ["1", "4.000"])
+    assert row.split()[-2:] == ["2.000", "86.00"]  # ms per layer, x43
+    # kernels: 80 us of device time in 6 launches against a 4 ms replay
+    assert "0.08 ms in 6 launches; graph replay 4.00 ms -> 3.92 ms between kernels" in text
+    assert "attention           30.0 us/layer    1.0 launches/layer  _attn 30.0" in text
+
+
+def test_cpu_share_only_for_hybrid(capsys):
+    print_report(_out("cpu"))
+    text = capsys.readouterr().out
+    assert "cold experts: cpu, CPU read 140.0 GB/s; host bw of the roofline: the CPU's" in text
+    assert "CPU share" not in text
