@@ -19,13 +19,14 @@ Inputs as StatePools holds them: S = 65 slots, window [S, W, 512], comp [S, n + 
 the output's inverse RoPE from a rope_table (as FastDecoder), CSA ids = 512 random visible
 entries ascending (int64, all ok). pick_config is keyed by (H, N, d): never by B.
 
-Candidates (at most 24 per kind), in two phases, each compiled first in parallel processes that
+Candidates (at most 27 per kind), in two phases, each compiled first in parallel processes that
 fill Triton's disk cache (as bench_kernels.py / moe_variants.py):
   1. pick_config's rule, and block_h in (16, 32, 64) x chunk in (32, 64, 128, 256) with
      block_n 32, num_warps 4 (block_h 16) or 8, num_stages 2. Chunks past the first one >= N
      are dropped (the same single chunk).
-  2. around the 3 best of phase 1: block_n 64, num_stages 3, the other num_warps, block_n 64
-     with the other num_warps. Never block_h 64 with 4 warps (a 64 x 512 fp32 accumulator on
+  2. the best one's combine with more chunk partials or wider column slabs in flight (COMBINES;
+     same bits), then around the 3 best of phase 1: block_n 64, num_stages 3, the other
+     num_warps, block_n 64 with the other num_warps. Never block_h 64 with 4 warps (a 64 x 512 fp32 accumulator on
      128 threads) nor block_n 64 with 3 stages (3 x 64 KB of KV tiles in shared memory).
 pv_pieces stays 2 (the module's precision argument).
 Check (before timing; a candidate that fails or raises is reported and not timed): the B = 64
@@ -76,10 +77,11 @@ from megastep.model import ops  # noqa: E402
 BLOCK_HS = (16, 32, 64)
 CHUNKS = (32, 64, 128, 256)
 BLOCK_NS = (32, 64)
+COMBINES = ((8, 128), (32, 64), (4, 256))  # (chunk partials, columns) in flight in the combine
 BS = (1, 64)  # batch sizes timed: t1 at BS[0], t64 at BS[-1]
 STEP_US = {1: 8000.0, 64: 63000.0}  # the decode step at each size (30 layers, one H200, 2026-11-29)
 TOP = 3  # phase-1 configurations that phase 2 varies
-MAX_CANDS = 24  # per kind, both phases
+MAX_CANDS = 27  # per kind, both phases
 MIN_CALLS, MAX_CALLS = 20, 512  # calls per graph
 MAX_COPIES = 32  # pool copies per kind
 REPS = 10  # graph replays per timing
@@ -160,6 +162,8 @@ def short(c: AttnConfig, N: int | None = None, H: int | None = None) -> str:
     s = f"h{c.block_h} n{c.block_n} c{c.chunk} w{c.num_warps} s{c.num_stages}"
     if c.pv_pieces != 2:
         s += f" p{c.pv_pieces}"
+    if (c.combine_group, c.combine_cols) != (4, 128):
+        s += f" g{c.combine_group}x{c.combine_cols}"
     if N is not None and H is not None:
         split = max(1, -(-N // c.chunk))
         s += f" (S={split} progs/row={-(-H // c.block_h) * split})"
@@ -193,7 +197,9 @@ def variants(base: AttnConfig) -> list[AttnConfig]:
 
 
 def phase2(tried: list[AttnConfig], ranked: list[AttnConfig]) -> list[AttnConfig]:
-    out = []
+    # the best one's combine first (S > 1: more chunk partials or wider column slabs in flight,
+    # the same bits), then the variants of the TOP best
+    out = [replace(ranked[0], combine_group=g, combine_cols=c) for g, c in COMBINES] if ranked else []
     for base in ranked[:TOP]:
         out += [c for c in variants(base) if c not in tried and c not in out]
     return out[: max(0, MAX_CANDS - len(tried))]

@@ -75,12 +75,18 @@ class AttnConfig:
     pv_pieces: int = 2  # bf16 pieces of the softmax weights in the weighted sum
     num_warps: int = 8
     num_stages: int = 2
+    # the combine of S > 1 chunks (one program per (row, head block)): chunk partials loaded per
+    # step (up to S) and output columns per slab (up to d). Same sums in the same order whatever
+    # the values (chunk order, per column): they only set how many loads are in flight at once.
+    combine_group: int = 4
+    combine_cols: int = 128
 
     def check(self) -> None:
         assert self.block_h in (16, 32, 64), self
         assert self.block_n in (16, 32, 64), self
         assert self.chunk >= self.block_n and self.chunk % self.block_n == 0, self
         assert self.pv_pieces in (2, 3), self  # one bf16 piece misses the ref by bf16 steps
+        assert self.combine_group >= 1 and self.combine_cols in (32, 64, 128, 256, 512), self
 
 
 # Measured configurations by (H, N, d), consulted first by pick_config: winners of
@@ -296,7 +302,8 @@ def _launch(src: int, q, H: int, N: int, cfg: AttnConfig | None, sink, scale, *,
         H, W, W if WA is None else WA, N, ratio, float(scale),
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1),
         D=d, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, SPLIT_P2=next_pow2(split),
-        PIECES=cfg.pv_pieces, INTERPRET=on_interpreter(q), DC=min(d, 128), GROUP=min(4, split), SRC=src,
+        PIECES=cfg.pv_pieces, INTERPRET=on_interpreter(q), DC=min(d, cfg.combine_cols),
+        GROUP=min(cfg.combine_group, split), SRC=src,
         NOPE_P=nope_p, ROPE_P=rope_p, TABLE=table, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **TORCH_MATH,
         **launch_opts(q),
     )

@@ -14,6 +14,8 @@ import importlib
 import os
 import sys
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -225,6 +227,18 @@ def test_pools_rotation_exact(kind, cfg):
     expect = sparse_attention_pools_ref(q, window, slots, pos, sink, scale, rope, **kw)
     assert torch.equal(expect[..., :-16], v[slots].expand(-1, q.shape[1], -1)[..., :-16])  # the premise
     assert torch.equal(o, expect)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_combine_settings_change_no_bits(kind):
+    """How many chunk partials the combine loads at once and how wide its column slabs are only
+    change what is in flight: the same bits (several chunks, a group that does not divide them,
+    slabs narrower than the RoPE'd tail and the whole row)."""
+    args, kw = make_pools(kind, seed=13, H=4, d=256, rd=32)
+    base = sparse_attention_pools(*args, **kw, config=SPLIT_CFG)
+    for group, cols in ((1, 32), (3, 64), (16, 256), (64, 512)):
+        cfg = replace(SPLIT_CFG, combine_group=group, combine_cols=cols)
+        assert torch.equal(sparse_attention_pools(*args, **kw, config=cfg), base), (group, cols)
 
 
 @pytest.mark.parametrize("kind", sorted(LAYERS))
