@@ -32,7 +32,8 @@ import torch
 from megastep.checkpoint.synthetic import LazyDeviceWeights, preset, synthesize_on_device
 from megastep.config import CSA_RATIO, ModelConfig
 from megastep.errors import UserError
-from megastep.runtime.bandwidth import cpu_read_bandwidth, host_read_bandwidth, stream_read_bandwidth
+from megastep.runtime.bandwidth import (cpu_read_bandwidth, host_read_bandwidth, hybrid_cpu_share,
+                                        stream_read_bandwidth)
 
 
 def step_bytes(cfg: ModelConfig, weights_bytes: dict[str, int], rows: int, context: int,
@@ -259,8 +260,8 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
     host_bw = host_read_bandwidth(dev) if placement.n_cold else None
     cpu_bw = cpu_read_bandwidth() if placement.n_cold and args.cold_path != "gpu" else None
     cpu_share = args.cpu_share
-    if cpu_share is None:  # hybrid: the two paths' measured bandwidths decide
-        cpu_share = cpu_bw / (cpu_bw + host_bw) if cpu_bw and host_bw else 0.5
+    if cpu_share is None and args.cold_path == "hybrid" and placement.n_cold:  # the bandwidths just measured
+        cpu_share = hybrid_cpu_share(dev, cpu_bw, host_bw)
     dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True,
                       placement=placement if args.hbm_budget is not None else None, max_block=args.block,
                       moe_mode=args.moe_mode, cold_path=args.cold_path, cpu_share=cpu_share, pdl=args.pdl,

@@ -160,6 +160,13 @@ def start_workers(script: str, payload: dict, n_jobs: int, shards: int, extra: t
     return path, procs, n_jobs, time.time()
 
 
+def add_worker_arguments(ap: argparse.ArgumentParser) -> None:
+    """A tuner's compile-worker options (start_workers runs the script with them)."""
+    ap.add_argument("--shards", type=int, default=None, help="compile processes (default: CPUs - 1, at most 16)")
+    ap.add_argument("--warm", help=argparse.SUPPRESS)  # compile worker: job file
+    ap.add_argument("--shard", type=int, default=0, help=argparse.SUPPRESS)
+
+
 def finish_workers(handle, log) -> None:
     """Waits for the compile workers, logs their errors, removes the job file."""
     path, procs, n, t0 = handle

@@ -455,9 +455,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU through the Triton interpreter")
     ap.add_argument("--json", help="write the table (and the winners) to this file")
     ap.add_argument("--contexts", default="4096", help="comma-separated contexts (HCA's N depends on it)")
-    ap.add_argument("--shards", type=int, default=None, help="compile processes (default: CPUs - 1, at most 16)")  # workers: their count
-    ap.add_argument("--warm", help=argparse.SUPPRESS)  # compile worker: job file
-    ap.add_argument("--shard", type=int, default=0, help=argparse.SUPPRESS)
+    BK.add_worker_arguments(ap)
     args = ap.parse_args()
     if args.smoke or (args.warm and os.environ.get("TRITON_INTERPRET") == "1"):
         BK.tuner_device(smoke=True)

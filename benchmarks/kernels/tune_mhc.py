@@ -419,9 +419,7 @@ def main():
     ap.add_argument("--json", help="write the table (and the winners) to this file")
     ap.add_argument("--allow-bit-changes", action="store_true",
                     help="also try kc / num_warps (other fp32 sums in the mixes kernel; checked against the refs)")
-    ap.add_argument("--shards", type=int, default=None, help="compile processes (default: CPUs - 1, at most 16)")
-    ap.add_argument("--warm", help=argparse.SUPPRESS)  # compile worker: job file
-    ap.add_argument("--shard", type=int, default=0, help=argparse.SUPPRESS)
+    BK.add_worker_arguments(ap)
     args = ap.parse_args()
     if args.smoke:
         BK.tuner_device(smoke=True)

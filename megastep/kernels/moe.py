@@ -186,6 +186,24 @@ def _expert_tile_step(w_rows, s_rows, row_mask, q_ptr, k0, K, stride_q, pair_ptr
 # ((a | b) & m) assembles the half. The high nibble needs its low neighbour cleared first. The
 # pattern is bf16 e2m1 * 2^-126 (code 1 = the subnormal 2^-127, zero stays zero); x 2^126 and
 # x 2^(s-127) are exact (fma with -0 keeps the sign of zero).
+def _decode_half(prmt_sel: str, scales: str, lo: str, hi: str) -> str:
+    """One pair of bytes of $4 (prmt selector) with their scales' registers -> the low-nibble
+    (lo) and high-nibble (hi) bf16x2 outputs."""
+    return f"""prmt.b32 u, $4, zero, {prmt_sel};
+prmt.b32 f, {scales}, 0x7610;
+shl.b32 t, u, 4;
+shr.b32 v, u, 2;
+lop3.b32 t, t, v, m, 0xA8;
+fma.rn.bf16x2 t, t, c, z;
+fma.rn.bf16x2 {lo}, t, f, z;
+and.b32 t, u, 0xF000F000;
+shr.b32 v, t, 6;
+lop3.b32 t, t, v, m, 0xA8;
+fma.rn.bf16x2 t, t, c, z;
+fma.rn.bf16x2 {hi}, t, f, z;
+"""
+
+
 _DECODE_ASM = tl.constexpr("""
 {
 .reg .b32 u, t, v, f, m, c, z, zero;
@@ -193,31 +211,7 @@ mov.b32 m, 0x81C081C0;
 mov.b32 c, 0x7E807E80;
 mov.b32 z, 0x80008000;
 mov.b32 zero, 0;
-prmt.b32 u, $4, zero, 0x1404;
-prmt.b32 f, $5, $6, 0x7610;
-shl.b32 t, u, 4;
-shr.b32 v, u, 2;
-lop3.b32 t, t, v, m, 0xA8;
-fma.rn.bf16x2 t, t, c, z;
-fma.rn.bf16x2 $0, t, f, z;
-and.b32 t, u, 0xF000F000;
-shr.b32 v, t, 6;
-lop3.b32 t, t, v, m, 0xA8;
-fma.rn.bf16x2 t, t, c, z;
-fma.rn.bf16x2 $2, t, f, z;
-prmt.b32 u, $4, zero, 0x3424;
-prmt.b32 f, $7, $8, 0x7610;
-shl.b32 t, u, 4;
-shr.b32 v, u, 2;
-lop3.b32 t, t, v, m, 0xA8;
-fma.rn.bf16x2 t, t, c, z;
-fma.rn.bf16x2 $1, t, f, z;
-and.b32 t, u, 0xF000F000;
-shr.b32 v, t, 6;
-lop3.b32 t, t, v, m, 0xA8;
-fma.rn.bf16x2 t, t, c, z;
-fma.rn.bf16x2 $3, t, f, z;
-}
+""" + _decode_half("0x1404", "$5, $6", "$0", "$2") + _decode_half("0x3424", "$7, $8", "$1", "$3") + """}
 """)
 
 

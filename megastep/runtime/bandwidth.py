@@ -71,11 +71,12 @@ def cpu_read_bandwidth(gib: float = 2.0, iters: int = 3) -> float:
     return n * 4 / _best_seconds(x.sum, iters, cuda=False) / 1e9
 
 
-def hybrid_cpu_share(device: torch.device) -> float:
+def hybrid_cpu_share(device: torch.device, cpu_GBps: float | None = None, host_GBps: float | None = None) -> float:
     """The CPU's share of the cold bytes for the hybrid path: its read bandwidth over the sum of
-    the two paths' (host cores' reads, the device's reads of page-locked memory), measured now.
-    Without a GPU both paths are the host's cores: half each."""
+    the two paths' (host cores' reads, the device's reads of page-locked memory), each measured
+    now unless given. Without a GPU both paths are the host's cores: half each."""
     if device.type != "cuda":
         return 0.5
-    cpu, gpu = cpu_read_bandwidth(), host_read_bandwidth(device)
+    cpu = cpu_GBps or cpu_read_bandwidth()
+    gpu = host_GBps or host_read_bandwidth(device)
     return cpu / (cpu + gpu)
