@@ -6,6 +6,7 @@
 #   bash benchmarks/h200_checks.sh tests      # the GPU tests (~3 min)
 #   bash benchmarks/h200_checks.sh resident   # 30-layer step: fma vs dot_asm experts, a 6-token block (~4 min)
 #   bash benchmarks/h200_checks.sh trace      # 30-layer step at 1-64 rows with the per-stage kernel table (~1 min)
+#   bash benchmarks/h200_checks.sh overlap    # the 30-layer step with and without the second stream, and its GPU tests (~7 min)
 #   bash benchmarks/h200_checks.sh pdl        # the 30-layer step with programmatic dependent launch (~1 min)
 #   bash benchmarks/h200_checks.sh tune       # measure and pin attention / mHC configs, then their GPU tests (~5 min)
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget, recipes A / B / hybrid (~7 min)
@@ -51,6 +52,10 @@ for group in "$@"; do
       mkdir -p "$OUT/pinned" && cp megastep/kernels/attention.py megastep/kernels/mhc.py "$OUT/pinned/"
       step tuned_tests 200 python3 -m pytest -q --timeout 120 tests/kernels/test_mhc.py tests/kernels/test_attention.py \
         tests/kernels/test_attention_tune.py tests/test_fast_gpu.py tests/kernels/test_fast_step_triton.py ;;
+    overlap)
+      bench resident_overlap 150 --layers 30 --batch 1,4,16,64 --trace
+      bench resident_one_stream 100 --layers 30 --batch 1,64 --no-overlap
+      step overlap_tests 200 python3 -m pytest -q --timeout 120 -m gpu tests/test_fast_gpu.py tests/kernels/test_linear_fp8.py ;;
     pdl)
       bench resident_pdl 120 --layers 30 --batch 1,4,16,64 --pdl ;;
     offload)
@@ -73,7 +78,7 @@ for group in "$@"; do
       bench "ep${n}_43L" 200 --gpus "$gpus" --batch 1,6
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | tune | pdl | offload | offload_a | ncu | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | pdl | offload | offload_a | ncu | ep)"
       exit 2 ;;
   esac
 done

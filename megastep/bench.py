@@ -265,6 +265,7 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
     dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True,
                       placement=placement if args.hbm_budget is not None else None, max_block=args.block,
                       moe_mode=args.moe_mode, cold_path=args.cold_path, cpu_share=cpu_share, pdl=args.pdl,
+                      overlap=False if args.no_overlap else None,
                       rank=rank.rank if rank is not None else 0, world_size=W)
     del weights
     torch.cuda.synchronize()
@@ -294,7 +295,7 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers, "gpus": W,
         "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": cpu_share,
-        "cpu_read_GBps": cpu_bw, "moe_mode": args.moe_mode or "default", "pdl": args.pdl, "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
+        "cpu_read_GBps": cpu_bw, "moe_mode": args.moe_mode or "default", "pdl": args.pdl, "overlap": dec.side_stream is not None, "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
         "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
                                                "n_hot": placement.n_hot, "n_cold": placement.n_cold,
                                                "cold_slot_fraction": placement.cold_fraction},
@@ -401,6 +402,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="routed-experts kernel mode (default: the kernel's own pick)")
     p.add_argument("--pdl", action="store_true",
                    help="launch the step's kernels with programmatic dependent launch")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="run every kernel of a layer on one stream (default: the independent parts on a second one)")
     p.add_argument("--cold-path", default="gpu", choices=["gpu", "cpu", "hybrid"],
                    help="with --hbm-budget: cold experts read by the GPU from host memory (recipe A), computed by "
                         "the CPU (B), or split between the two (hybrid)")

@@ -137,6 +137,29 @@ def test_block_larger_than_allowed_is_refused(tiny):
         fast.step(torch.tensor([1]), torch.tensor([0]), torch.tensor([0]), block=3)
 
 
+def test_second_stream_only_on_cuda(tiny):
+    """overlap (the side stream) needs CUDA and the Triton kernels: on CPU it is off by default
+    and asking for it is one clear error."""
+    cfg, w = tiny
+    assert FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu").side_stream is None
+    with pytest.raises(ValueError, match="overlap needs"):
+        FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu", overlap=True)
+
+
+def test_workspace_lanes_are_separate_buffers():
+    """Kernels launched on the side stream (lane "side") never share split-K partials or arrival
+    counters with the main stream's kernels running at the same time."""
+    from megastep.kernels.common import lane, workspace
+
+    main = workspace(torch.device("cpu"), "counters_lane_test", 8, torch.int32)
+    with lane("side"):
+        side = workspace(torch.device("cpu"), "counters_lane_test", 8, torch.int32)
+        assert workspace(torch.device("cpu"), "counters_lane_test", 8, torch.int32) is side
+    assert side.data_ptr() != main.data_ptr()
+    assert workspace(torch.device("cpu"), "counters_lane_test", 8, torch.int32) is main
+    assert not side.any() and not main.any()
+
+
 def test_agrees_with_reference_with_simulations_on(tiny):
     cfg, w = tiny
     diffs, scale = drive(cfg, w, schedule_three_sequences(40, seed=1))

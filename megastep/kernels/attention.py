@@ -94,13 +94,15 @@ class AttnConfig:
 # sparse_attention_pools_ref, timed at B = 1 and B = 64, scored by its share of the two decode
 # steps). Keys are exact: a shape not listed takes the rule below. Never keyed by B (batch
 # invariance). 2026-11-29, V4-Flash at context 4K, us per call at B = 1 / 64:
-#   CSA (N = 128 + 512):  h16 n32 c64 w8 32.9 / 263.7 (pinned) | rule (h32 c128) 56.3 / 263.8
-#   HCA (N = 128 + 33):   rule (h32 c64) 23.3 / 68.0 | h32 c64 w8 s3 23.0 / 66.4 (a tie: rule kept)
-#   window (N = 128):     rule 20.0 / 43.3 | h16 c32 w8 13.3 / 58.9 (the score's pick; not yet in an
-#                         end-to-end run, so not pinned: 2 of 43 layers)
-# (full table: docs/data/tune-2026-11-29.log.)
+#   CSA (N = 128 + 512):  h16 n32 c64 w8 32.9 / 262.3 (pinned) | rule (h32 c128) 55.8 / 261.6
+#   HCA (N = 128 + 33):   h16 n32 c64 w8 18.2 / 95.6 (pinned) | rule (h32 c64) 23.4 / 67.7
+#   window (N = 128):     h16 n32 c32 w8 13.2 / 58.5 (pinned) | rule 20.3 / 43.7
+# (full tables: docs/data/tune-2026-11-29-b.log; end to end with these three: docs/PERFORMANCE.md,
+# sixth measurement.)
 _PINNED: dict[tuple[int, int, int], AttnConfig] = {
-    (64, 640, 512): AttnConfig(block_h=16, block_n=32, chunk=64, pv_pieces=2, num_warps=8, num_stages=2),
+    (64, 128, 512): AttnConfig(block_h=16, block_n=32, chunk=32, pv_pieces=2, num_warps=8, num_stages=2, combine_group=4, combine_cols=128),
+    (64, 161, 512): AttnConfig(block_h=16, block_n=32, chunk=64, pv_pieces=2, num_warps=8, num_stages=2, combine_group=4, combine_cols=128),
+    (64, 640, 512): AttnConfig(block_h=16, block_n=32, chunk=64, pv_pieces=2, num_warps=8, num_stages=2, combine_group=4, combine_cols=128),
 }
 
 

@@ -15,6 +15,8 @@ Numerics that every kernel relies on (and the tests pin):
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -112,11 +114,12 @@ def fp8_block_scales(ax, offs, SUB: tl.constexpr, NSUB: tl.constexpr):
 def fp8_round(x, inv, INTERPRET: tl.constexpr):
     """x * inv rounded to e4m3 (round to nearest even; |x * inv| <= 448 by construction).
 
-    On the GPU a cast (cvt.rn.satfinite). The Triton interpreter's fp32 -> e4m3 cast mishandles
+    On the GPU a cast (cvt.rn.satfinite: no clamp needed, and none is paid for). The Triton interpreter's fp32 -> e4m3 cast mishandles
     a rounding carry into the next binade (31.65 -> 16), so there the value is first rounded to
     the e4m3 grid in fp32 arithmetic (the cast of an exact value is then right)."""
-    v = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
+    v = x * inv
     if INTERPRET:
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
         bits = v.to(tl.int32, bitcast=True)
         # normal e4m3: keep 3 of 23 mantissa bits, ties to even, carry into the exponent
         bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF
@@ -181,16 +184,30 @@ def mxfp4_decode_unscaled(b):
 # Kernels that split a reduction over several programs write fp32 partials and count arrivals
 # in int32 counters; the last program to arrive sums the partials in a fixed order and resets
 # its counter to 0, so the counters stay zero between launches (and across CUDA-graph replays).
-# One workspace per device: kernels on one stream use it one after the other. Callers that run
-# kernels on several streams at once must pass their own buffers (not needed yet).
-_WORKSPACES: dict[tuple[str, str], torch.Tensor] = {}
+# One workspace per device and lane: kernels of one lane run one after the other (one stream);
+# a caller that launches on a second stream concurrently does so inside `lane(name)`, which
+# gives those launches their own buffers.
+_WORKSPACES: dict[tuple[str, str, str], torch.Tensor] = {}
 # Buffers replaced by larger ones stay alive: a CUDA graph captured earlier still points at them.
 _RETIRED: list[torch.Tensor] = []
+_LANE = ""
+
+
+@contextlib.contextmanager
+def lane(name: str):
+    """Workspaces requested inside this block are the lane `name`'s own (see above)."""
+    global _LANE
+    old, _LANE = _LANE, name
+    try:
+        yield
+    finally:
+        _LANE = old
 
 
 def workspace(device: torch.device, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A cached buffer of at least `numel` elements; "counters" buffers start zeroed."""
-    key = (str(device), kind)
+    """A cached buffer of at least `numel` elements for the current lane; "counters" buffers
+    start zeroed."""
+    key = (str(device), kind, _LANE)
     buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < numel or buf.dtype != dtype:
         if buf is not None:

@@ -24,13 +24,26 @@ Here rnd rounds to out_dtype (nothing for fp32). On the GPU the swiglu uses libd
 an IEEE division, the operations torch's fp32 silu compiles to.
 
 Modes (pinned per shape by `pick_config`, never autotuned at run time):
-- "dot16" (the only mode): tensor cores on bf16 operands (e4m3 weights and quantized
-  activations are exact in bf16), activation and weight scales folded into the activation
-  operand (exact), one dot per BLOCK_K with fp32 accumulation; fp32 operands under the
-  interpreter. M is padded to a 16-row tile: the MMA work is free next to the weight bytes.
+- "f16" (the default wherever the activation is quantized): one 128-block of K per step; the
+  weight's e4m3 bytes and the activation's e4m3 codes both enter the tensor cores as fp16 (every
+  e4m3 value is exact in fp16, and e4m3 -> fp16x2 is one instruction per two elements), fp32
+  accumulation; each block's fp32 dot is then multiplied by its activation scale times its weight
+  scale (powers of two: exact) and added to the accumulator. Why: these GEMVs are bound by
+  instruction issue, not by HBM. The loop of "dot16" spends ~470 instructions per thread per 8 KB
+  step (the e4m3 -> bf16 conversion goes through fp32; the scales are multiplied into the
+  operand), "f16" ~290 (SASS of Triton 3.6, BLOCK_N 64); measured on one H200 at M = 1 it takes
+  20-26 % less time on every V4-Flash shape (benchmarks/kernels/linear_variants.py, table below).
+- "dot16": tensor cores on bf16 operands (e4m3 weights and quantized activations are exact in
+  bf16), activation and weight scales folded into the activation operand (exact), one dot per
+  BLOCK_K with fp32 accumulation. Kept for wo_a, whose activation is not quantized (a bf16
+  value need not fit fp16's range).
+Both use fp32 operands under the interpreter. M is padded to a 16-row tile: the MMA work is free
+next to the weight bytes. The two modes differ from the ref (and from each other) in the order of
+fp32 sums only.
 Measured on one H200 and dropped: an fp8 x fp8 dot (Hopper's fp8 MMA accumulates with fewer
 bits than fp32: several bf16 steps off the ref), a CUDA-core fp32 GEMV for M <= 4 (never faster
-than dot16), one K step per program with many programs (slower than a pipelined K loop).
+than dot16), one K step per program with many programs (slower than a pipelined K loop), 128-row
+tiles in "f16" (fewer instructions per byte, but slower: half the programs).
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ from megastep.model import ops
 from megastep.kernels.common import (
     e8m0_to_f32,
     fp8_block_scales,
+    fp8_pow2_scale,
     fp8_round,
     launch_opts,
     next_pow2,
@@ -57,12 +71,12 @@ from megastep.kernels.common import (
 )
 
 BLOCK = 128
-_MODES = {"dot16": 2}
+_MODES = {"dot16": 2, "f16": 3}
 
 
 @dataclass(frozen=True)
 class LinearFp8Config:
-    mode: str  # "dot16"
+    mode: str  # "f16" or "dot16" (module doc)
     block_n: int  # output channels per program; divides 128
     block_m: int  # rows per program (16, 32, 64; M is padded)
     block_k: int  # K per loop step: 128, 256 or 512
@@ -76,17 +90,19 @@ class LinearFp8Config:
         assert self.block_k in (128, 256, 512), self.block_k
         assert self.split_k >= 1
         assert self.block_m in (16, 32, 64), self.block_m
+        assert self.mode != "f16" or self.block_k == 128, "f16 steps one 128-block at a time"
 
 
 # Pinned configurations for the V4-Flash decode shapes where the rule below is not the best
-# measured one, keyed by (N, K, M bucket). Measured on one H200 (benchmarks/kernels/bench_kernels.py
-# --sweep, CUDA-graph replay, weights rotated past L2), µs per call at M = 1 / 16 / 64:
-#   wq_a  1024x4096   6.4 / 7.3 / 14.8     wq_b 32768x1024  ~19-26 / 18.7 / 42.9
-#   wkv    512x4096   5.1 / 6.0 / 14.3     wo_b  4096x8192   22.3 / 22.7 / 46.0
-#   w1    2048x4096   8.8 / 9.4 / 18.5     w2    4096x2048    8.7 / 9.0 / 16.7
-_PINNED: dict[tuple[int, int, int], LinearFp8Config] = {
-    (512, 4096, 64): LinearFp8Config("dot16", 64, 64, 256, 16),
-}
+# measured one, keyed by (N, K, M bucket); none at present. The rule's measurements on one H200
+# (benchmarks/kernels/linear_variants.py, CUDA-graph replay, weights rotated past L2,
+# 2026-11-29), µs per call at M = 1 / 64, "f16" rule against the earlier "dot16" rule:
+#   x group (wq_a + wkv) 1536x4096    6.4 / 16.5   against  8.0 / 17.2
+#   qr group (wq_b + idx) 40960x1024  18.1 / 47.7  against 22.9 / 58.8
+#   wo_b 4096x8192                    16.2 / 38.6  against 22.1 / 42.6
+#   shared w2 4096x2048                6.8 / 15.2  against  8.6 / 16.6
+# (BLOCK_N 128, 6 stages, or twice the split were slower at every shape.)
+_PINNED: dict[tuple[int, int, int], LinearFp8Config] = {}
 
 
 def _m_bucket(M: int) -> int:
@@ -105,36 +121,26 @@ def _auto_split(tiles: int, K: int, block_k: int, target: int = 264) -> int:
     return split
 
 
-def pick_config(M: int, N: int, K: int) -> LinearFp8Config:
-    """The one configuration the wrapper uses for this shape (deterministic, no autotuning)."""
+def pick_config(M: int, N: int, K: int, quantize_act: bool = True) -> LinearFp8Config:
+    """The one configuration the wrapper uses for this shape (deterministic, no autotuning).
+    Every M bucket takes the same mode, K step and split (only the row tile differs), so a
+    row's sums do not depend on the batch."""
     mb = _m_bucket(M)
     cfg = _PINNED.get((N, K, mb))
     if cfg is not None:
         return cfg
     bn = 64
     tiles = -(-N // bn)
-    if mb == 16:
-        # a split-K K loop of 256-wide steps; when the N tiles alone fill the GPU (no split),
-        # 128-wide steps pipeline better (wq_b: 18.7 µs against 28)
-        split = _auto_split(tiles, K, 256)
-        bk = 256 if split > 1 else 128
-    else:  # 32 or 64 rows: 128-wide steps
-        bk = 128
-        split = _auto_split(tiles, K, bk)
-    return LinearFp8Config("dot16", bn, mb, bk, split, num_warps=4, num_stages=3)
+    split = _auto_split(tiles, K, 128)
+    return LinearFp8Config("f16" if quantize_act else "dot16", bn, mb, 128, split, num_warps=4, num_stages=3)
 
 
-# Gated (w13 = cat(w1, w3)) configurations keyed by (I, K, M bucket). Rule: BLOCK_N 64 (a program
-# streams 2 x 64 weight rows), 128-wide K steps, 4 stages, split-K to ~two waves. Measured on one
-# H200 (benchmarks/kernels/shared_expert_check.py --sweep, CUDA-graph replay, weights rotated past
-# L2), V4-Flash shared expert I 2048, K 4096 (16 MB), µs per call:
-#   M=1:  bn64 bk128 s8 st4 16.4 (the rule) | s16 st3 17.5 | bn128 w8 s8 18.9 | bn64 bk256 s8 19.7 |
-#         bn32 bk256 s4 21.0 | bn64 bk256 s4 24.2   (plain w1 2048x4096 alone: 9.4)
-#   M=64: bn64 bk128 s4 st4 33.7 (pinned) | s8 st3 34.1 | s4 st3 34.6 | bn128 w8 s8 35.9 | bn32 s4 45.7
-# The 32-row bucket is not measured (the rule).
-_PINNED_SWIGLU: dict[tuple[int, int, int], LinearFp8Config] = {
-    (2048, 4096, 64): LinearFp8Config("dot16", 64, 64, 128, 4, num_warps=4, num_stages=4),
-}
+# Gated (w13 = cat(w1, w3)) configurations keyed by (I, K, M bucket). Rule: "f16", BLOCK_N 64 (a
+# program streams 2 x 64 weight rows), 128-wide K steps, 3 stages, split-K to ~two waves.
+# Measured on one H200 (benchmarks/kernels/linear_variants.py, 2026-11-29), V4-Flash shared expert
+# I 2048, K 4096 (16 MB), µs per call at M = 1 / 64: the rule 11.8 / 34.2; "dot16" with 4 stages
+# (the earlier rule) 15.9 / 37.8; 4 stages 13.2; BLOCK_N 128 15.1 / 50.8; split 16 17.0 / 52.1.
+_PINNED_SWIGLU: dict[tuple[int, int, int], LinearFp8Config] = {}
 
 
 def pick_config_swiglu(M: int, I: int, K: int) -> LinearFp8Config:
@@ -143,7 +149,7 @@ def pick_config_swiglu(M: int, I: int, K: int) -> LinearFp8Config:
     cfg = _PINNED_SWIGLU.get((I, K, mb))
     if cfg is not None:
         return cfg
-    return LinearFp8Config("dot16", 64, mb, 128, _auto_split(-(-I // 64), K, 128), num_warps=4, num_stages=4)
+    return LinearFp8Config("f16", 64, mb, 128, _auto_split(-(-I // 64), K, 128), num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -175,6 +181,16 @@ def _epilogue(acc, acc3, res_ptrs, mask, limit, OUT_BF16: tl.constexpr, INTERPRE
     if (GATED or HAS_RES) and OUT_BF16:
         acc = round_bf16(acc, INTERPRET)
     return acc
+
+
+@triton.jit
+def _code_dot(w, q, INTERPRET: tl.constexpr):
+    """e4m3 weight tile [N, 128] times e4m3 activation codes [M, 128] -> fp32 [N, M]: fp16
+    operands on tensor cores (every e4m3 value is exact in fp16, whose conversion is one
+    instruction per two elements; fp32 accumulation), fp32 operands under the interpreter."""
+    if INTERPRET:
+        return tl.dot(w.to(tl.float32), tl.trans(q.to(tl.float32)))
+    return tl.dot(w.to(tl.float16), tl.trans(q.to(tl.float16)))
 
 
 @triton.jit
@@ -213,28 +229,37 @@ def _linear_fp8_kernel(
         k_mask = offs_k < K
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-        sw = e8m0_to_f32(tl.load(ws_row + offs_k // 128, mask=k_mask, other=127))  # [BLOCK_K]
-        # scales folded into the (exact) bf16 activation operand
-        # grouped (wo_a): output rows [g*GROUP_N, (g+1)*GROUP_N) read input columns [g*K, (g+1)*K)
-        xt = tl.load(x_ptr + ((pid_n * BLOCK_N) // GROUP_N) * K + offs_m[:, None] * stride_xm + offs_k[None, :],
-                     mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if QUANT_ACT:
-            s, inv = fp8_block_scales(tl.abs(xt), offs_kk, 128, BLOCK_K // 128)
-            xq = fp8_round(xt, inv, INTERPRET).to(tl.float32) * s
-        else:  # wo_a: a bf16 activation against the dequantized weight (power-of-two scale: exact)
-            xq = xt
-        xe = xq * sw[None, :]
-        if INTERPRET:
-            acc += tl.dot(w.to(tl.float32), tl.trans(xe))
-        else:
-            acc += tl.dot(w.to(tl.bfloat16), tl.trans(xe.to(tl.bfloat16)))
-        if GATED:  # the same quantized x against w3's rows (their own weight scales)
-            w3 = tl.load(w3_rows + offs_k[None, :], mask=w_mask, other=0.0)
-            xe3 = xq * e8m0_to_f32(tl.load(ws3_row + offs_k // 128, mask=k_mask, other=127))[None, :]
+        if MODE == 3:  # "f16": one 128-block per step, its e4m3 codes on tensor cores, scales after
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                         mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            s, inv = fp8_pow2_scale(tl.max(tl.abs(xt), axis=1))  # [BLOCK_M]
+            q = fp8_round(xt, inv[:, None], INTERPRET)
+            acc += _code_dot(w, q, INTERPRET) * (s * e8m0_to_f32(tl.load(ws_row + k0 // 128)))[None, :]
+            if GATED:  # the same codes against w3's rows (their own weight scale)
+                w3 = tl.load(w3_rows + offs_k[None, :], mask=w_mask, other=0.0)
+                acc3 += _code_dot(w3, q, INTERPRET) * (s * e8m0_to_f32(tl.load(ws3_row + k0 // 128)))[None, :]
+        else:  # "dot16": scales folded into the (exact) bf16 activation operand
+            sw = e8m0_to_f32(tl.load(ws_row + offs_k // 128, mask=k_mask, other=127))  # [BLOCK_K]
+            # grouped (wo_a): output rows [g*GROUP_N, (g+1)*GROUP_N) read input columns [g*K, (g+1)*K)
+            xt = tl.load(x_ptr + ((pid_n * BLOCK_N) // GROUP_N) * K + offs_m[:, None] * stride_xm + offs_k[None, :],
+                         mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            if QUANT_ACT:
+                s, inv = fp8_block_scales(tl.abs(xt), offs_kk, 128, BLOCK_K // 128)
+                xq = fp8_round(xt, inv, INTERPRET).to(tl.float32) * s
+            else:  # wo_a: a bf16 activation against the dequantized weight (power-of-two scale: exact)
+                xq = xt
+            xe = xq * sw[None, :]
             if INTERPRET:
-                acc3 += tl.dot(w3.to(tl.float32), tl.trans(xe3))
+                acc += tl.dot(w.to(tl.float32), tl.trans(xe))
             else:
-                acc3 += tl.dot(w3.to(tl.bfloat16), tl.trans(xe3.to(tl.bfloat16)))
+                acc += tl.dot(w.to(tl.bfloat16), tl.trans(xe.to(tl.bfloat16)))
+            if GATED:  # the same quantized x against w3's rows (their own weight scales)
+                w3 = tl.load(w3_rows + offs_k[None, :], mask=w_mask, other=0.0)
+                xe3 = xq * e8m0_to_f32(tl.load(ws3_row + offs_k // 128, mask=k_mask, other=127))[None, :]
+                if INTERPRET:
+                    acc3 += tl.dot(w3.to(tl.float32), tl.trans(xe3))
+                else:
+                    acc3 += tl.dot(w3.to(tl.bfloat16), tl.trans(xe3.to(tl.bfloat16)))
 
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     res_ptrs = res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None]
@@ -274,6 +299,7 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     """Grid, split and workspace for x [M, K] -> out [M, N] (N = I when gated)."""
     M, N = out.shape
     K = w.shape[1]
+    assert cfg.mode != "f16" or quantize_act, "f16 multiplies e4m3 activation codes"
     kb = -(-K // BLOCK)
     split = min(cfg.split_k, kb)
     k_per_split = -(-kb // split) * BLOCK
@@ -339,7 +365,7 @@ def linear_fp8(
     if residual is not None:
         assert residual.shape == (M, N) and residual.stride(1) == 1, (residual.shape, M, N)
         assert residual.dtype in (torch.float32, torch.bfloat16) and residual.device == x.device, residual.dtype
-    cfg = config or pick_config(M, N, K)
+    cfg = config or pick_config(M, N, K, quantize_act)
     cfg.check()
     out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:

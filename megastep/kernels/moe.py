@@ -43,15 +43,17 @@ Modes (`MoeConfig.mode`; `pick_config` returns DEFAULT_MODE):
   activations of up to 16 pairs of the expert at once (one weight read for all its pairs; M=1
   wastes 15/16 of an MMA, which costs nothing next to the decode). Two dots per step: low
   nibbles against the 16 "even" activation columns of each group, high nibbles against the odd.
-- "dot_asm": "dot" with the decode in inline PTX on packed registers: 4 bytes -> 8 bf16 in ~24
+- "dot_asm": "dot" with the decode in inline PTX on packed registers: 2 bytes -> 4 bf16 in 13
   instructions (prmt/shift/lop3 place sign and exponent/mantissa bits, giving e2m1 * 2^-126 with
   code 1 on the bf16 subnormal 2^-127; two bf16x2 multiplies by 2^126 and 2^(s-127) finish it);
-  the Triton decode is ~2x as many per-element ops. Under the interpreter it decodes as "dot".
+  the Triton decode is ~2x as many per-element ops. Same values as "dot", so the same bits.
+  Under the interpreter it decodes as "dot".
 - "dot_scaled": Triton's `tl.dot_scaled` (e2m1 weights, bf16 activations; on sm_90 Triton
   upcasts to bf16 itself). Under the interpreter (whose dot_scaled passes bf16 through fp16)
   it decodes as "dot", with natural-order activations.
 Measured on one H200 (V4-Flash shapes, benchmarks/kernels/moe_variants.py, 2026-11-29), µs per call
-at M = 1 / 64: "fma" 80 / 3757; "dot_asm" 73 / 1853 (pick_config's tiles), 79 / 1844 with
+at M = 1 / 64: "fma" 80 / 3757; "dot_asm" 64.3 / 1855 (pick_config's tiles; 73 / 1853 with the
+earlier 4-byte decode; 65.5 / 1810 with 4 stages; 126 / 3286 with 8 warps), 79 / 1844 with
 num_stages 1; "dot" 95 / 2322 and "dot_scaled" 174 / 5064 (num_stages 1). Cold experts read from
 pinned host memory through the table at M = 1 (output bit-identical to the all-device table):
 the dot modes add ~43-47 GB/s of cold bytes over the all-device time, "fma" ~23 GB/s.
@@ -178,40 +180,40 @@ def _expert_tile_step(w_rows, s_rows, row_mask, q_ptr, k0, K, stride_q, pair_ptr
 
 
 # ---- dot modes: decode a weight tile to bf16, multiply on tensor cores ---------------------------
-# Inline PTX for "dot_asm", 4 packed bytes at a time ($4; $5..$8 their scales as bf16x2 patterns
-# 2^(s-127) in both halves) -> low nibbles ($0: bytes 0,1; $1: bytes 2,3) and high nibbles ($2, $3)
-# as bf16x2. With byte b in the high byte of a 16-bit half (prmt), the low nibble's sign (bit 11)
+# Inline PTX for "dot_asm", 2 packed bytes at a time ($2, a 16-bit register: the pair of bytes
+# that one thread holds of the MMA operand's layout, consecutive along K; $3, $4 their scales as
+# bf16x2 patterns 2^(s-127) in both halves) -> the low nibbles ($0) and the high nibbles ($1) as
+# bf16x2. With byte b in the high byte of a 16-bit half (prmt), the low nibble's sign (bit 11)
 # moves to bit 15 (<< 4) and its exponent/mantissa bits (8..10) to bits 6..8 (>> 2); the other
 # source bits of the two shifted copies are zero where the mask keeps them, so one lop3
 # ((a | b) & m) assembles the half. The high nibble needs its low neighbour cleared first. The
 # pattern is bf16 e2m1 * 2^-126 (code 1 = the subnormal 2^-127, zero stays zero); x 2^126 and
 # x 2^(s-127) are exact (fma with -0 keeps the sign of zero).
-def _decode_half(prmt_sel: str, scales: str, lo: str, hi: str) -> str:
-    """One pair of bytes of $4 (prmt selector) with their scales' registers -> the low-nibble
-    (lo) and high-nibble (hi) bf16x2 outputs."""
-    return f"""prmt.b32 u, $4, zero, {prmt_sel};
-prmt.b32 f, {scales}, 0x7610;
-shl.b32 t, u, 4;
-shr.b32 v, u, 2;
-lop3.b32 t, t, v, m, 0xA8;
-fma.rn.bf16x2 t, t, c, z;
-fma.rn.bf16x2 {lo}, t, f, z;
-and.b32 t, u, 0xF000F000;
-shr.b32 v, t, 6;
-lop3.b32 t, t, v, m, 0xA8;
-fma.rn.bf16x2 t, t, c, z;
-fma.rn.bf16x2 {hi}, t, f, z;
-"""
-
-
+# Two bytes, not four: the operand layout gives each thread its bytes in pairs (16-bit shared
+# memory loads), and a 4-byte asm operand made Triton repack them with 7 byte permutes per 4
+# bytes (SASS of Triton 3.6: 402 -> 346 instructions per K step of a gate-up program; 71.5 ->
+# 64.3 µs per V4-Flash MoE call at M = 1 on one H200, same bits).
 _DECODE_ASM = tl.constexpr("""
 {
-.reg .b32 u, t, v, f, m, c, z, zero;
+.reg .b32 u, t, v, f, m, c, z, w, zero;
 mov.b32 m, 0x81C081C0;
 mov.b32 c, 0x7E807E80;
 mov.b32 z, 0x80008000;
 mov.b32 zero, 0;
-""" + _decode_half("0x1404", "$5, $6", "$0", "$2") + _decode_half("0x3424", "$7, $8", "$1", "$3") + """}
+cvt.u32.u16 w, $2;
+prmt.b32 u, w, zero, 0x1404;
+prmt.b32 f, $3, $4, 0x7610;
+shl.b32 t, u, 4;
+shr.b32 v, u, 2;
+lop3.b32 t, t, v, m, 0xA8;
+fma.rn.bf16x2 t, t, c, z;
+fma.rn.bf16x2 $0, t, f, z;
+and.b32 t, u, 0xF000F000;
+shr.b32 v, t, 6;
+lop3.b32 t, t, v, m, 0xA8;
+fma.rn.bf16x2 t, t, c, z;
+fma.rn.bf16x2 $1, t, f, z;
+}
 """)
 
 
@@ -221,8 +223,8 @@ def _decode_bf16(b, sc, MODE: tl.constexpr, INTERPRET: tl.constexpr):
     odd) exact MXFP4 values [R, NG, 16]: bf16 on the GPU, fp32 under the interpreter."""
     if MODE == 2 and not INTERPRET:
         fb = (sc.to(tl.int32) << 7) * 0x10001  # bf16 bits of 2^(s-127), in both halves
-        ev, od = tl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r", [b, fb[:, :, None]],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        ev, od = tl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,h,r,r", [b, fb[:, :, None]],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
     else:
         ev, od = mxfp4_decode(b, sc[:, :, None])  # fp32 e2m1 * 2^(s-127), exact for s <= 240
         if not INTERPRET:

@@ -21,6 +21,7 @@ the quantization simulations on: the two differ by fp32 summation order only.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -148,7 +149,7 @@ class FastDecoder:
                  device: torch.device | str, dtype: torch.dtype = torch.bfloat16, triton: bool | None = None,
                  consume: bool = False, placement=None, max_block: int = 1, rank: int = 0, world_size: int = 1,
                  group=None, moe_mode: str | None = None, cold_path: str = "gpu", cpu_share: float | None = None,
-                 pdl: bool = False):
+                 pdl: bool = False, overlap: bool | None = None):
         """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
         stacked, projections concatenated), so a model filling the device is never held twice.
         placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
@@ -168,7 +169,13 @@ class FastDecoder:
         between the two, the CPU taking about `cpu_share` of their expected bytes; None: the CPU
         path's share of the two paths' bandwidths, measured here by runtime.bandwidth).
         pdl: launch the Triton kernels of a step with programmatic dependent launch
-        (kernels.common.pdl_enter): each kernel's CTAs are placed while its predecessor drains."""
+        (kernels.common.pdl_enter): each kernel's CTAs are placed while its predecessor drains.
+        overlap: run the independent parts of a layer on a second CUDA stream (a fork and a
+        join inside the step's graph): the shared expert's gated half beside the router and the
+        routed experts, the compressors' projections and updates beside the q/kv projections.
+        At small batches these kernels are latency-bound, and side by side their tails overlap
+        (measured: 7.24 -> 7.07 ms for 30 V4-Flash layers at batch 1). Every kernel computes the
+        same values either way. None: on wherever the Triton kernels run on CUDA."""
         self.cfg, self.dtype = cfg, dtype
         self.world_size, self.group = world_size, group
         if moe_mode is not None and moe_mode not in _moe.MODES:
@@ -185,6 +192,10 @@ class FastDecoder:
         if self.device.type == "cuda" and self.device.index is None:  # the one tensors report
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.triton = self.device.type == "cuda" if triton is None else triton
+        on_cuda = self.triton and self.device.type == "cuda"
+        if overlap and not on_cuda:
+            raise ValueError("overlap needs the Triton kernels on a CUDA device")
+        self.side_stream = torch.cuda.Stream(self.device) if (on_cuda if overlap is None else overlap) else None
         if cold_path != "gpu" and (world_size > 1 or not self.triton):
             raise ValueError("cold_path cpu / hybrid needs the Triton experts kernel and one rank")
         if cold_path == "hybrid" and cpu_share is None and placement is not None and placement.n_cold:
@@ -338,6 +349,35 @@ class FastDecoder:
             experts[self.owned[i]] = tuple(t[j] for t in cold_st)
         return _moe.ExpertTable.from_experts(experts, device=dev)
 
+    # ---- the second stream --------------------------------------------------------------------
+    def _fork(self) -> torch.cuda.Stream | None:
+        """The main stream, once the side stream has been ordered after its work so far (None
+        without overlap). Launches inside `_on_side()` then run beside the main stream's later ones."""
+        if self.side_stream is None:
+            return None
+        main = torch.cuda.current_stream(self.device)
+        self.side_stream.wait_stream(main)
+        return main
+
+    @contextlib.contextmanager
+    def _on_side(self, main: torch.cuda.Stream | None):
+        """Launch on the side stream, with its own split-reduction workspaces."""
+        if main is None:
+            yield
+            return
+        with torch.cuda.stream(self.side_stream), _common.lane("side"):
+            yield
+
+    def _join(self, main: torch.cuda.Stream | None, *made_on_side: torch.Tensor) -> None:
+        """The main stream waits for the side stream; tensors the side stream allocated are marked
+        as used by the main stream, so the allocator does not hand their memory back to the side
+        stream before the main stream's kernels that read them have run."""
+        if main is None:
+            return
+        main.wait_stream(self.side_stream)
+        for t in made_on_side:
+            t.record_stream(main)
+
     # ---- pieces ---------------------------------------------------------------------------
     def _kernel(self, module, name: str):
         """The Triton kernel on CUDA, its torch `*_ref` twin elsewhere."""
@@ -391,7 +431,21 @@ class FastDecoder:
         inv_freq = self.inv_freq[r > 0]
         tr, T = self.triton, self.trace
         eps = cfg.rms_norm_eps
-        with stage(T, "attn_proj", L):  # every projection of x and of qr, the compressors' included
+        kw: dict = {"ratio": r}
+        main = self._fork() if r else None
+        if r:  # the compressors' (and the indexer's) bf16 projections and updates, beside the q/kv path
+            with self._on_side(main):
+                with stage(T, "attn_proj", L):
+                    wd, sizes = lw["x_dense"]
+                    xd_all = self._dense(x, wd)
+                    xd = xd_all.split(sizes, dim=1)
+                if r == CSA_RATIO:
+                    with stage(T, "indexer", L):
+                        self._compress(xd[2], xd[3], pos, passes, L, "idx")
+                with stage(T, "compressor", L):
+                    self._compress(xd[0], xd[1], pos, passes, L, "comp")
+            kw["comp"] = P.cent[L]
+        with stage(T, "attn_proj", L):  # every projection of x and of qr
             qa, kv = lw["x_fp8"](x, tr)
             qr = self._kernel(_rn, "rms_norm")(qa, lw["q_norm"], eps)
             qb = lw["qr_fp8"](qr, tr)
@@ -399,18 +453,11 @@ class FastDecoder:
             # kv norm, RoPE, fp8 simulation of the nope dims, and the write into the window ring
             self._kernel(_rn, "kv_rope_sim_store")(kv, lw["kv_norm"], inv_freq, pos, P.win[L], slots,
                                                    eps, cfg.nope_head_dim)
-            if r:
-                wd, sizes = lw["x_dense"]
-                xd = self._dense(x, wd).split(sizes, dim=1)
-        kw: dict = {"ratio": r}
         if r:
-            if r == CSA_RATIO:
-                with stage(T, "indexer", L):
-                    self._compress(xd[2], xd[3], pos, passes, L, "idx")
-                    kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)
-            with stage(T, "compressor", L):
-                self._compress(xd[0], xd[1], pos, passes, L, "comp")
-            kw["comp"] = P.cent[L]
+            self._join(main, xd_all)
+        if r == CSA_RATIO:
+            with stage(T, "indexer", L):
+                kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)
         with stage(T, "attention", L):
             # window ring + selected / visible compressed entries read in place from the pools,
             # sinks, and the inverse RoPE of the output, in one kernel
@@ -427,6 +474,14 @@ class FastDecoder:
         cfg = self.cfg
         lw = self.layers[L]
         T = self.trace
+        w1, w3, w2 = lw["shared"]
+        fused = self.triton and "shared13" in lw
+        main = self._fork()
+        with self._on_side(main), stage(T, "shared_expert", L):  # its gated half beside the routed experts
+            if fused:  # gated w1/w3 + SwiGLU in one launch
+                a = _lin.linear_fp8_swiglu(x.contiguous(), *lw["shared13"], cfg.swiglu_limit, out_dtype=x.dtype)
+            else:
+                a = ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
         with stage(T, "router", L):
             # sqrtsoftplus scores, bias top-k (or the hash rows), ids ascending (the reference's
             # summation order), normalized weights times the routed scaling
@@ -435,14 +490,12 @@ class FastDecoder:
                                                     hash_rows, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
         with stage(T, "routed_experts", L):
             routed = self._routed(x, idx, w, lw, L)
-        # the shared expert's first half runs while the routed parts of other ranks (all-reduce)
-        # or of the CPU (sidecar) are still in flight; the routed sum joins them before w2
+        self._join(main, a)
+        # w2 with the routed sum: the routed parts of other ranks (all-reduce) or of the CPU
+        # (sidecar) were in flight during the shared expert's first half and join here
         with stage(T, "shared_expert", L):
-            w1, w3, w2 = lw["shared"]
-            if self.triton and "shared13" in lw:  # gated w1/w3 + SwiGLU, then w2 + the routed sum
-                a = _lin.linear_fp8_swiglu(x.contiguous(), *lw["shared13"], cfg.swiglu_limit, out_dtype=x.dtype)
+            if fused:  # w2 + the routed sum in one launch
                 return _lin.linear_fp8(a, w2.w, w2.scale, block=w2.block, out_dtype=x.dtype, residual=routed())
-            a = ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
             return (routed() + w2(a, self.triton).float()).to(x.dtype)
 
     def _moe_config(self, x, idx, table):

@@ -55,6 +55,9 @@ EXTRA = [
     LinearFp8Config("dot16", 32, 16, 128, 3),
     LinearFp8Config("dot16", 128, 32, 256, 1),
     LinearFp8Config("dot16", 64, 64, 128, 2, num_warps=8),
+    LinearFp8Config("f16", 16, 16, 128, 2),
+    LinearFp8Config("f16", 128, 32, 128, 3, num_warps=8),
+    LinearFp8Config("f16", 32, 64, 128, 1, num_stages=4),
 ]
 
 
@@ -104,6 +107,29 @@ def test_fp32_input_and_strided_rows():
     x, w, s = make(3, 80, 256, seed=5, x_dtype=torch.float32)
     xs = torch.cat([x, x], 1)[:, :256]  # row stride 512
     check(linear_fp8(xs, w, s, out_dtype=torch.float32), linear_fp8_ref(x, w, s, out_dtype=torch.float32))
+
+
+def test_mode_follows_the_activation_quantization():
+    """"f16" multiplies e4m3 activation codes, so it is picked (and accepted) only for quantized
+    activations; wo_a's bf16 activation takes "dot16"."""
+    assert pick_config(1, 4096, 8192).mode == "f16" and pick_config(64, 4096, 8192).mode == "f16"
+    assert pick_config(1, 8192, 4096, quantize_act=False).mode == "dot16"
+    x, w, s = make(2, 64, 256, seed=9)
+    with pytest.raises(AssertionError, match="f16"):
+        linear_fp8(x, w, s, quantize_act=False, config=LinearFp8Config("f16", 64, 16, 128, 1))
+    with pytest.raises(AssertionError, match="f16"):
+        LinearFp8Config("f16", 64, 16, 256, 1).check()
+
+
+def test_f16_and_dot16_differ_only_in_summation_order():
+    """Same products, other fp32 sums: both within one bf16 step of the ref, and in fp32 output
+    within a few fp32 ulps of the row's magnitude of each other."""
+    x, w, s = make(3, 192, 1024, seed=21)
+    a = linear_fp8(x, w, s, out_dtype=torch.float32, config=LinearFp8Config("f16", 64, 16, 128, 2))
+    b = linear_fp8(x, w, s, out_dtype=torch.float32, config=LinearFp8Config("dot16", 64, 16, 128, 2))
+    ref = linear_fp8_ref(x, w, s, out_dtype=torch.float32)
+    scale = ref.abs().amax(1, keepdim=True)
+    assert ((a - b).abs() <= 2.0**-18 * scale).all() and ((a - ref).abs() <= 2.0**-18 * scale).all()
 
 
 def test_split_k_workspace_reused_across_calls():
@@ -194,6 +220,7 @@ def picked_swiglu_configs():
 
 
 SWIGLU_EXTRA = [
+    LinearFp8Config("f16", 32, 16, 128, 3),
     LinearFp8Config("dot16", 16, 16, 512, 2),
     LinearFp8Config("dot16", 128, 32, 256, 1),
     LinearFp8Config("dot16", 64, 64, 128, 3, num_warps=8),

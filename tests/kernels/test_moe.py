@@ -352,3 +352,16 @@ def test_gpu_v4_shape_matches_ref_and_is_deterministic(M, mode):
     assert torch.equal(y1, y2)
     assert torch.equal(alone[0], y1[0])
     check(y1, moe_experts_mxfp4_ref(x, ids, wts, **ex))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 64])
+def test_gpu_asm_decode_gives_the_bits_of_the_triton_decode(M):
+    """"dot_asm" changes only how the weight bytes become bf16 (inline PTX instead of Triton
+    ops): the decoded values, the dots and so every output bit equal those of "dot"."""
+    ex = random_stacked_experts(32, 4096, 2048, seed=6, dev="cuda")
+    x, ids, wts = make_inputs(M, 4096, 32, 6, seed=M + 1, dev="cuda")
+    y = {mode: moe_experts_mxfp4(x, ids, wts, **ex, config=pick_config(M, 6, 32, 4096, 2048, mode=mode))
+         for mode in ("dot", "dot_asm")}
+    assert torch.equal(y["dot"], y["dot_asm"])

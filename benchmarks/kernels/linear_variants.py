@@ -1,0 +1,109 @@
+"""FP8 linear modes and tiles at the shapes the V4-Flash decode step launches: each candidate
+checked against linear_fp8_ref (one bf16 step, as tests/kernels/test_linear_fp8.py) and for
+determinism, then timed (CUDA graph of calls on rotated weight copies, nothing from L2).
+
+    python benchmarks/kernels/linear_variants.py --out DIR [--ms 1,64]
+    python benchmarks/kernels/linear_variants.py --smoke --out DIR   (CPU interpreter, tiny shapes)
+
+Shapes are the fused launches of one layer (model/fast.py): the x group (wq_a + wkv, 1536 x
+4096), the qr group (wq_b + the indexer's wq_b, 40960 x 1024), wo_b (4096 x 8192), the shared
+expert's gated w1/w3 (2 x 2048 x 4096) and its w2 (4096 x 2048). Prints a table last (µs per
+call, GB/s of the bytes that must be read) and writes linear_variants.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict
+
+import torch
+import triton
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
+
+import bench_kernels as BK  # noqa: E402
+from megastep.kernels import linear_fp8 as LIN  # noqa: E402
+
+SHAPES = {  # name: (N, K, gated)
+    "x_group": (1536, 4096, False),
+    "qr_group": (40960, 1024, False),
+    "wo_b": (4096, 8192, False),
+    "shared_w13": (2048, 4096, True),
+    "shared_w2": (4096, 2048, False),
+}
+SMOKE_SHAPES = {"x_group": (256, 512, False), "shared_w13": (128, 512, True)}
+
+
+def candidates(M: int, N: int, K: int, gated: bool) -> list[LIN.LinearFp8Config]:
+    C = LIN.LinearFp8Config
+    picked = LIN.pick_config_swiglu(M, N, K) if gated else LIN.pick_config(M, N, K)
+    bm = 16 if M <= 16 else min(64, 1 << (M - 1).bit_length())
+    rows = 2 * N if gated else N
+    out = [picked]
+    specs = ([(64, 4, 3, 264), (64, 4, 4, 264), (64, 4, 6, 528), (128, 4, 4, 264), (128, 4, 4, 528),
+              (128, 8, 4, 264), (128, 4, 6, 264)] if bm == 16 else
+             [(64, 4, 3, 264), (64, 4, 4, 528), (128, 8, 3, 264), (128, 4, 3, 264)])
+    for bn, nw, ns, target in specs:
+        tiles = -(-(rows // (2 if gated else 1)) // bn)
+        out.append(C("f16", bn, bm, 128, BK.auto_split(tiles, K, 128, target), nw, ns))
+    return list(dict.fromkeys(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "out/linear_variants"))
+    ap.add_argument("--ms", default="1,64")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    BK.LOG = open(os.path.join(args.out, "linear_variants.log"), "w")
+    if args.smoke:
+        BK.DEV = "cpu"
+    dev = BK.DEV
+    bw = BK.measure_bandwidth()
+    BK.log(f"device {torch.cuda.get_device_name(0) if dev == 'cuda' else 'cpu'}; streaming read {bw['read']:.0f} GB/s")
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for name, (N, K, gated) in (SMOKE_SHAPES if args.smoke else SHAPES).items():
+        R = 2 * N if gated else N
+        nbytes = R * K + triton.cdiv(R, 128) * triton.cdiv(K, 128)
+        copies = 2 if args.smoke else max(1, min(128, math.ceil(BK.L2_FLUSH_BYTES / nbytes)))
+        ws = [BK.fp8_weight(R, K, g) for _ in range(copies)]
+        for M in [int(m) for m in args.ms.split(",")]:
+            x = torch.randn(M, K, device=dev, generator=g).bfloat16()
+            if gated:
+                fn, ref = LIN.linear_fp8_swiglu, LIN.linear_fp8_swiglu_ref(x, *ws[0], 10.0)
+                call = lambda c, w, s: fn(x, w, s, 10.0, config=c)  # noqa: E731
+            else:
+                fn, ref = LIN.linear_fp8, LIN.linear_fp8_ref(x, *ws[0])
+                call = lambda c, w, s: fn(x, w, s, config=c)  # noqa: E731
+            for i, c in enumerate(candidates(M, N, K, gated)):
+                r = dict(shape=name, N=N, K=K, M=M, config=asdict(c), picked=i == 0)
+                try:
+                    y = call(c, *ws[0])
+                    ok, msg = BK.check_linear(y, ref)
+                    same = all(torch.equal(y.view(torch.int16), call(c, *ws[0]).view(torch.int16)) for _ in range(3))
+                    med, best = BK.graph_time([lambda w=w, s=s, c=c: call(c, w, s) for (w, s) in ws])
+                    r.update(ok=ok and same, check=msg, us=med, gbps=(nbytes + M * K * 2) / med / 1e3)
+                except Exception as e:  # noqa: BLE001
+                    r.update(ok=False, error=repr(e)[:300])
+                rows.append(r)
+                BK.log(json.dumps(r))
+    with open(os.path.join(args.out, "linear_variants.json"), "w") as f:
+        json.dump(dict(bandwidth=bw, rows=rows), f, indent=1)
+    print(f"\n{'shape':11} {'M':>3} {'mode':5} {'bn':>3} {'bm':>3} {'sp':>3} {'w':>2} {'st':>2} {'us':>7} {'GB/s':>6} ok")
+    for r in rows:
+        c = r["config"]
+        print(f"{r['shape']:11} {r['M']:3} {c['mode']:5} {c['block_n']:3} {c['block_m']:3} {c['split_k']:3} "
+              f"{c['num_warps']:2} {c['num_stages']:2} {r.get('us', float('nan')):7.2f} {r.get('gbps', 0):6.0f} "
+              f"{'ok' if r['ok'] else 'FAIL ' + r.get('check', r.get('error', ''))[:60]}{' *' if r['picked'] else ''}")
+
+
+if __name__ == "__main__":
+    main()
