@@ -1,6 +1,8 @@
 """FP8 linear modes and tiles at the shapes the V4-Flash decode step launches: each candidate
 checked against linear_fp8_ref (one bf16 step, as tests/kernels/test_linear_fp8.py) and for
-determinism, then timed (CUDA graph of calls on rotated weight copies, nothing from L2).
+determinism, then timed (CUDA graph of calls on rotated weight copies, nothing from L2); the
+picked "f16" configuration also with x's activation codes given ("f16+c": x_codes, the
+quantization that x's producer writes beside x).
 
     python benchmarks/kernels/linear_variants.py --out DIR [--ms 1,64]
     python benchmarks/kernels/linear_variants.py --smoke --out DIR   (CPU interpreter, tiny shapes)
@@ -28,6 +30,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 import bench_kernels as BK  # noqa: E402
+from megastep.checkpoint import formats  # noqa: E402
 from megastep.kernels import linear_fp8 as LIN  # noqa: E402
 
 SHAPES = {  # name: (N, K, gated)
@@ -79,17 +82,20 @@ def main() -> None:
             x = torch.randn(M, K, device=dev, generator=g).bfloat16()
             if gated:
                 fn, ref = LIN.linear_fp8_swiglu, LIN.linear_fp8_swiglu_ref(x, *ws[0], 10.0)
-                call = lambda c, w, s: fn(x, w, s, 10.0, config=c)  # noqa: E731
             else:
                 fn, ref = LIN.linear_fp8, LIN.linear_fp8_ref(x, *ws[0])
-                call = lambda c, w, s: fn(x, w, s, config=c)  # noqa: E731
-            for i, c in enumerate(candidates(M, N, K, gated)):
-                r = dict(shape=name, N=N, K=K, M=M, config=asdict(c), picked=i == 0)
+            codes = formats.fp8_act_quant(x.float(), 128) if K % 128 == 0 else None
+            cands = [(c, None) for c in candidates(M, N, K, gated)]
+            cands += [(cands[0][0], codes)] if codes is not None and cands[0][0].mode == "f16" else []
+            for i, (c, xc) in enumerate(cands):
+                r = dict(shape=name, N=N, K=K, M=M, config=asdict(c), picked=i == 0, codes=xc is not None)
+                call = (lambda c, w, s: fn(x, w, s, 10.0, config=c, x_codes=xc)) if gated else \
+                    (lambda c, w, s: fn(x, w, s, config=c, x_codes=xc))  # noqa: E731
                 try:
                     y = call(c, *ws[0])
                     ok, msg = BK.check_linear(y, ref)
                     same = all(torch.equal(y.view(torch.int16), call(c, *ws[0]).view(torch.int16)) for _ in range(3))
-                    med, best = BK.graph_time([lambda w=w, s=s, c=c: call(c, w, s) for (w, s) in ws])
+                    med, best = BK.graph_time([lambda w=w, s=s, c=c, call=call: call(c, w, s) for (w, s) in ws])
                     r.update(ok=ok and same, check=msg, us=med, gbps=(nbytes + M * K * 2) / med / 1e3)
                 except Exception as e:  # noqa: BLE001
                     r.update(ok=False, error=repr(e)[:300])
@@ -100,7 +106,8 @@ def main() -> None:
     print(f"\n{'shape':11} {'M':>3} {'mode':5} {'bn':>3} {'bm':>3} {'sp':>3} {'w':>2} {'st':>2} {'us':>7} {'GB/s':>6} ok")
     for r in rows:
         c = r["config"]
-        print(f"{r['shape']:11} {r['M']:3} {c['mode']:5} {c['block_n']:3} {c['block_m']:3} {c['split_k']:3} "
+        mode = c["mode"] + ("+c" if r["codes"] else "")
+        print(f"{r['shape']:11} {r['M']:3} {mode:5} {c['block_n']:3} {c['block_m']:3} {c['split_k']:3} "
               f"{c['num_warps']:2} {c['num_stages']:2} {r.get('us', float('nan')):7.2f} {r.get('gbps', 0):6.0f} "
               f"{'ok' if r['ok'] else 'FAIL ' + r.get('check', r.get('error', ''))[:60]}{' *' if r['picked'] else ''}")
 

@@ -132,6 +132,22 @@ def fp8_round(x, inv, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def store_fp8_codes(y, offs, m, n, codes_ptr, scales_ptr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """The activation quantization of a row, done once where the row is made: y [BLOCK] fp32
+    (the values a linear will read, already rounded to their dtype), offs = arange(BLOCK) (the
+    row's channels), m = offs < n -> e4m3 codes at codes_ptr[offs] and the per-128-block scales
+    at scales_ptr[0 .. cdiv(n, 128)), exactly `formats.fp8_act_quant` (a ragged last block on its
+    own amax). BLOCK is a multiple of 128. linear_fp8 (x_codes=) then skips its own quantization."""
+    NB: tl.constexpr = BLOCK // 128
+    y2 = tl.reshape(y, [NB, 128])
+    s, inv = fp8_pow2_scale(tl.max(tl.abs(y2), axis=1))
+    tl.store(codes_ptr + tl.reshape(offs, [NB, 128]), fp8_round(y2, inv[:, None], INTERPRET),
+             mask=tl.reshape(m, [NB, 128]))
+    nb = tl.arange(0, NB)
+    tl.store(scales_ptr + nb, s, mask=nb * 128 < n)
+
+
+@triton.jit
 def round_bf16(x, INTERPRET: tl.constexpr):
     """fp32 -> the nearest bf16 value (ties to even), kept in fp32.
 

@@ -195,12 +195,13 @@ def _code_dot(w, q, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _linear_fp8_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr,
+    x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr, xc_ptr, xs_ptr,
     M, N, K, K_PER_SPLIT, limit,
-    stride_xm, stride_wn, stride_wsn, stride_om, stride_rm,
+    stride_xm, stride_wn, stride_wsn, stride_om, stride_rm, stride_cm, stride_sm,
     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, QUANT_ACT: tl.constexpr,
-    GROUP_N: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
+    GROUP_N: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, HAS_RES: tl.constexpr, CODES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     # GATED: N is I (output channels); w3's rows (and scale rows) start N rows below w1's
@@ -230,10 +231,15 @@ def _linear_fp8_kernel(
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
         if MODE == 3:  # "f16": one 128-block per step, its e4m3 codes on tensor cores, scales after
-            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                         mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            s, inv = fp8_pow2_scale(tl.max(tl.abs(xt), axis=1))  # [BLOCK_M]
-            q = fp8_round(xt, inv[:, None], INTERPRET)
+            if CODES:  # quantized where x was made (x_codes): the same codes and scales, loaded
+                q = tl.load(xc_ptr + offs_m[:, None] * stride_cm + offs_k[None, :],
+                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                s = tl.load(xs_ptr + offs_m * stride_sm + k0 // 128, mask=m_mask, other=0.0)
+            else:
+                xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                             mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+                s, inv = fp8_pow2_scale(tl.max(tl.abs(xt), axis=1))  # [BLOCK_M]
+                q = fp8_round(xt, inv[:, None], INTERPRET)
             acc += _code_dot(w, q, INTERPRET) * (s * e8m0_to_f32(tl.load(ws_row + k0 // 128)))[None, :]
             if GATED:  # the same codes against w3's rows (their own weight scale)
                 w3 = tl.load(w3_rows + offs_k[None, :], mask=w_mask, other=0.0)
@@ -295,7 +301,7 @@ def _linear_fp8_kernel(
             tl.store(cnt_ptr + tile, 0)
 
 
-def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residual):
+def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residual, x_codes):
     """Grid, split and workspace for x [M, K] -> out [M, N] (N = I when gated)."""
     M, N = out.shape
     K = w.shape[1]
@@ -314,16 +320,30 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     else:
         part = cnt = out  # unused
     res = out if residual is None else residual  # unused without a residual
+    codes = x_codes is not None and cfg.mode == "f16"  # "dot16" quantizes x itself (the same values)
+    xc, xs = x_codes if codes else (out, out)
     _linear_fp8_kernel[grid](
-        x, w, w_scale.view(torch.uint8), out, part, cnt, res,
+        x, w, w_scale.view(torch.uint8), out, part, cnt, res, xc, xs,
         M, N, K, k_per_split, float(limit),
-        x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), res.stride(0),
+        x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), res.stride(0), xc.stride(0), xs.stride(0),
         MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         SPLIT_K=split, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
-        GROUP_N=N // groups, GATED=gated, CLAMP=limit > 0, HAS_RES=residual is not None,
+        GROUP_N=N // groups, GATED=gated, CLAMP=limit > 0, HAS_RES=residual is not None, CODES=codes,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x),
     )
     return out
+
+
+def _check_codes(x, x_codes):
+    """x_codes = (e4m3 [M, K], fp32 scales [M, ceil(K/128)]): x's activation quantization made
+    by its producer (`formats.fp8_act_quant`'s layout); the caller vouches that they are x's."""
+    if x_codes is None:
+        return
+    c, sc = x_codes
+    M, K = x.shape
+    assert c.shape == (M, K) and c.dtype == torch.float8_e4m3fn and c.stride(1) == 1, (c.shape, c.dtype)
+    assert sc.shape == (M, -(-K // BLOCK)) and sc.dtype == torch.float32 and sc.stride(1) == 1, (sc.shape, sc.dtype)
+    assert c.device == sc.device == x.device
 
 
 def _check_operands(x, w, w_scale, out_dtype):
@@ -348,6 +368,7 @@ def linear_fp8(
     quantize_act: bool = True,
     groups: int = 1,
     residual: torch.Tensor | None = None,
+    x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [M, K] bf16/fp32, w e4m3 [N, K], w_scale e8m0 [ceil(N/128), ceil(K/128)] -> [M, N].
     quantize_act=False skips the activation quantization (the official wo_a: a plain weight).
@@ -355,9 +376,13 @@ def linear_fp8(
     [g*N/G, (g+1)*N/G) take input columns [g*K, (g+1)*K); N/G must be a multiple of 128.
     residual y [M, N] fp32 (or bf16): returns rnd(y + rnd(x @ w^T)) with rnd the rounding to
     out_dtype, i.e. exactly `(y.float() + linear_fp8(x, w, w_scale, out_dtype=out_dtype).float())
-    .to(out_dtype)` (the shared expert's w2 plus the routed sum), in the same launch."""
+    .to(out_dtype)` (the shared expert's w2 plus the routed sum), in the same launch.
+    x_codes = (e4m3 [M, K], fp32 scales [M, ceil(K/128)]), exactly `formats.fp8_act_quant(x, 128)`
+    as the kernel that made x writes it beside x (rms_norm with codes=True): the "f16"
+    loop then loads them instead of quantizing x in every program. Same bits either way."""
     assert block == BLOCK, "V4 FP8 weights use 128x128 blocks"
     _check_operands(x, w, w_scale, out_dtype)
+    _check_codes(x, x_codes if quantize_act else None)
     assert x.shape[1] == groups * w.shape[1], (x.shape, w.shape, groups)
     assert groups == 1 or (w.shape[0] % groups == 0 and (w.shape[0] // groups) % BLOCK == 0), (w.shape, groups)
     M = x.shape[0]
@@ -370,7 +395,8 @@ def linear_fp8(
     out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    return _launch(x, w, w_scale, out, cfg, quantize_act, groups, False, 0.0, residual)
+    return _launch(x, w, w_scale, out, cfg, quantize_act, groups, False, 0.0, residual,
+                   x_codes if quantize_act else None)
 
 
 def linear_fp8_swiglu(
@@ -380,13 +406,15 @@ def linear_fp8_swiglu(
     swiglu_limit: float,
     out_dtype: torch.dtype = torch.bfloat16,
     config: LinearFp8Config | None = None,
+    x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [M, K] bf16/fp32, w13 e4m3 [2I, K] = cat(w1, w3) rows, w13_scale = cat of their e8m0
     scales [2I/128, ceil(K/128)]; I a multiple of 128 -> [M, I]:
     rnd(swiglu(rnd(x @ w1^T), rnd(x @ w3^T), swiglu_limit)) with rnd the rounding to out_dtype,
     exactly `ops.swiglu(linear_fp8(x, w1, s1, out_dtype=od), linear_fp8(x, w3, s3, out_dtype=od),
-    limit).to(od)` (swiglu in fp32; limit <= 0: no clamp)."""
+    limit).to(od)` (swiglu in fp32; limit <= 0: no clamp). x_codes: as in `linear_fp8`."""
     _check_operands(x, w13, w13_scale, out_dtype)
+    _check_codes(x, x_codes)
     M, K = x.shape
     two_i = w13.shape[0]
     assert w13.shape[1] == K and two_i % (2 * BLOCK) == 0, (x.shape, w13.shape)
@@ -396,7 +424,7 @@ def linear_fp8_swiglu(
     out = torch.empty(M, I, dtype=out_dtype, device=x.device)
     if M == 0:
         return out
-    return _launch(x, w13, w13_scale, out, cfg, True, 1, True, float(swiglu_limit), None)
+    return _launch(x, w13, w13_scale, out, cfg, True, 1, True, float(swiglu_limit), None, x_codes)
 
 
 def linear_fp8_ref(
@@ -409,9 +437,10 @@ def linear_fp8_ref(
     quantize_act: bool = True,
     groups: int = 1,
     residual: torch.Tensor | None = None,
+    x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The exact semantics: fp32 dequantized weight times fp32 quantized activation."""
-    del config
+    del config, x_codes  # by contract x's own quantization
     xq = formats.fp8_act_sim(x.float(), block) if quantize_act else x.float()
     wd = formats.dequantize_fp8_weight(w, w_scale, block)
     if groups == 1:
@@ -429,9 +458,10 @@ def linear_fp8_swiglu_ref(
     swiglu_limit: float,
     out_dtype: torch.dtype = torch.bfloat16,
     config: LinearFp8Config | None = None,
+    x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Two linears and `ops.swiglu`."""
-    del config
+    del config, x_codes
     I = w13.shape[0] // 2
     g = linear_fp8_ref(x, w13[:I], w13_scale[:I // BLOCK], out_dtype=out_dtype)
     u = linear_fp8_ref(x, w13[I:], w13_scale[I // BLOCK:], out_dtype=out_dtype)

@@ -62,6 +62,7 @@ from megastep.kernels.common import (
     on_interpreter,
     pdl_enter,
     round_bf16,
+    store_fp8_codes,
 )
 from megastep.model import ops
 
@@ -236,9 +237,9 @@ def hadamard_pairs(e, o, R: tl.constexpr, HALF: tl.constexpr, LOG_HALF: tl.const
 
 # ---- kernels -------------------------------------------------------------------------------------
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_xb, stride_ob, eps,
-                     BLOCK_D: tl.constexpr, HAS_W: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-                     PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, codes_ptr, scales_ptr, D, stride_xb, stride_ob, stride_cb, stride_sb, eps,
+                     BLOCK_D: tl.constexpr, HAS_W: tl.constexpr, OUT_BF16: tl.constexpr, CODES: tl.constexpr,
+                     INTERPRET: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
@@ -248,7 +249,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_xb, stride_ob, eps,
     y = x * r
     if HAS_W:
         y = tl.load(w_ptr + offs, mask=m, other=0.0) * y
-    tl.store(out_ptr + b * stride_ob + offs, round_to(y, OUT_BF16, INTERPRET).to(out_ptr.dtype.element_ty), mask=m)
+    y = round_to(y, OUT_BF16, INTERPRET)
+    tl.store(out_ptr + b * stride_ob + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+    if CODES:  # the next linear's activation quantization, here where the row is in registers
+        store_fp8_codes(y, offs, m, D, codes_ptr + b * stride_cb, scales_ptr + b * stride_sb, BLOCK_D, INTERPRET)
 
 
 @triton.jit
@@ -370,22 +374,25 @@ def _check_rows(x: torch.Tensor, pos: torch.Tensor) -> None:
     assert x.device == pos.device
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x [B, D] bf16/f32, w [D] f32 or None -> [B, D] in x's dtype."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, codes: bool = False):
+    """x [B, D] bf16/f32, w [D] f32 or None -> [B, D] in x's dtype. codes=True also returns the
+    output's fp8 activation quantization (e4m3 [B, D], fp32 scales [B, ceil(D/128)]: exactly
+    `formats.fp8_act_quant`) for linear_fp8's x_codes: (out, (codes, scales))."""
     assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1, (x.shape, x.dtype)
     B, D = x.shape
     assert D <= 16384, D
     if w is not None:
         assert w.shape == (D,) and w.dtype == torch.float32 and w.is_contiguous() and w.device == x.device
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if B == 0:
-        return out
-    bd = max(16, next_pow2(D))
-    _rms_norm_kernel[(B,)](x, x if w is None else w, out, D, x.stride(0), out.stride(0), float(eps),
-                           BLOCK_D=bd, HAS_W=w is not None, OUT_BF16=x.dtype == torch.bfloat16,
-                           INTERPRET=on_interpreter(x), num_warps=4 if bd <= 2048 else 8, **TORCH_MATH,
-                           **launch_opts(x))
-    return out
+    cq = torch.empty(B, D, dtype=torch.float8_e4m3fn, device=x.device) if codes else out
+    cs = torch.empty(B, -(-D // 128), dtype=torch.float32, device=x.device) if codes else out
+    if B > 0:
+        bd = max(128 if codes else 16, next_pow2(D))
+        _rms_norm_kernel[(B,)](x, x if w is None else w, out, cq, cs, D, x.stride(0), out.stride(0), cq.stride(0),
+                               cs.stride(0), float(eps), BLOCK_D=bd, HAS_W=w is not None,
+                               OUT_BF16=x.dtype == torch.bfloat16, CODES=codes, INTERPRET=on_interpreter(x),
+                               num_warps=4 if bd <= 2048 else 8, **TORCH_MATH, **launch_opts(x))
+    return (out, (cq, cs)) if codes else out
 
 
 def q_norm_rope(q: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor, eps: float,

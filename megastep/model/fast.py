@@ -54,13 +54,15 @@ class Linear:
     block: int
     act_quant: bool  # fp8-quantize the activation first (every FP8 linear but wo_a)
 
-    def __call__(self, x: torch.Tensor, triton: bool, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, triton: bool, out_dtype: torch.dtype | None = None,
+                 codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """codes: x's fp8 activation quantization made beside x (linear_fp8's x_codes), or None."""
         out_dtype = out_dtype or x.dtype
         if self.scale is None:  # unquantized checkpoint: plain fp32-accumulated matmul
             return (x.float() @ self.w.float().T).to(out_dtype)
         if self.act_quant:
             fn = _lin.linear_fp8 if triton else _lin.linear_fp8_ref
-            return fn(x.contiguous(), self.w, self.scale, block=self.block, out_dtype=out_dtype)
+            return fn(x.contiguous(), self.w, self.scale, block=self.block, out_dtype=out_dtype, x_codes=codes)
         raise ValueError("a linear without activation quantization is grouped (wo_a): call grouped()")
 
     def grouped(self, x: torch.Tensor, groups: int, rank: int, triton: bool) -> torch.Tensor:
@@ -92,10 +94,10 @@ class LinearGroup:
         else:
             self.fused, self.parts = None, parts
 
-    def __call__(self, x: torch.Tensor, triton: bool) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor, triton: bool, codes=None) -> list[torch.Tensor]:
         if self.fused is None:
-            return [p(x, triton) for p in self.parts]
-        return list(self.fused(x, triton).split(self.sizes, dim=1))
+            return [p(x, triton, codes=codes) for p in self.parts]
+        return list(self.fused(x, triton, codes=codes).split(self.sizes, dim=1))
 
 
 class StatePools:
@@ -172,7 +174,8 @@ class FastDecoder:
         (kernels.common.pdl_enter): each kernel's CTAs are placed while its predecessor drains.
         overlap: run the independent parts of a layer on a second CUDA stream (a fork and a
         join inside the step's graph): the shared expert's gated half beside the router and the
-        routed experts, the compressors' projections and updates beside the q/kv projections.
+        routed experts, the compressors' projections and updates beside the q/kv projections, the kv
+        store (norm, RoPE, window ring write) beside the q path.
         At small batches these kernels are latency-bound, and side by side their tails overlap
         (measured: 7.24 -> 7.07 ms for 30 V4-Flash layers at batch 1). Every kernel computes the
         same values either way. None: on wherever the Triton kernels run on CUDA."""
@@ -447,14 +450,18 @@ class FastDecoder:
             kw["comp"] = P.cent[L]
         with stage(T, "attn_proj", L):  # every projection of x and of qr
             qa, kv = lw["x_fp8"](x, tr)
-            qr = self._kernel(_rn, "rms_norm")(qa, lw["q_norm"], eps)
-            qb = lw["qr_fp8"](qr, tr)
+            main_kv = self._fork()
+            with self._on_side(main_kv):  # beside the q path below
+                # kv norm, RoPE, fp8 simulation of the nope dims, and the write into the window ring
+                self._kernel(_rn, "kv_rope_sim_store")(kv, lw["kv_norm"], inv_freq, pos, P.win[L], slots,
+                                                       eps, cfg.nope_head_dim)
+            if tr:  # the norm also writes qr's fp8 activation codes, which qr_fp8 loads (same values)
+                qr, qrq = _rn.rms_norm(qa, lw["q_norm"], eps, codes=True)
+            else:
+                qr, qrq = _rn.rms_norm_ref(qa, lw["q_norm"], eps), None
+            qb = lw["qr_fp8"](qr, tr, codes=qrq)
             q = self._kernel(_rn, "q_norm_rope")(qb[0].view(B, H, hd), inv_freq, pos, eps)
-            # kv norm, RoPE, fp8 simulation of the nope dims, and the write into the window ring
-            self._kernel(_rn, "kv_rope_sim_store")(kv, lw["kv_norm"], inv_freq, pos, P.win[L], slots,
-                                                   eps, cfg.nope_head_dim)
-        if r:
-            self._join(main, xd_all)
+        self._join(main_kv, *([xd_all] if r else []))  # the side stream's work of this layer so far
         if r == CSA_RATIO:
             with stage(T, "indexer", L):
                 kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)

@@ -310,3 +310,40 @@ def test_gpu_shared_expert_shapes(M):
     assert torch.equal(o1, o2)
     assert torch.equal(o1, (y + linear_fp8(a1, w2, s2).float()).to(torch.bfloat16))
     check(o1, linear_fp8_ref(a1, w2, s2, residual=y))
+
+
+# ---- activation codes made by x's producer (x_codes) ----------------------------------------------
+def codes_of(x):
+    """formats.fp8_act_quant of x, a ragged last block on its own amax (zeros pad it)."""
+    K = x.shape[1]
+    q, s = F.fp8_act_quant(torch.nn.functional.pad(x.float(), (0, -K % 128)), 128)
+    return q[:, :K].contiguous(), s
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                                              b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 192, 640), (3, 200, 300), (20, 64, 256)])
+def test_x_codes_give_the_same_bits(M, N, K):
+    """The "f16" loop fed with x's codes computes exactly what it computes quantizing x itself;
+    "dot16" ignores them; the gated and residual epilogues too."""
+    x, w, s = make(M, N, K, seed=M + N + K)
+    c = codes_of(x)
+    for cfg in (None, LinearFp8Config("f16", 32, 16 if M <= 16 else 32, 128, 2), LinearFp8Config("dot16", 64, 32, 256, 1)):
+        assert same_bits(linear_fp8(x, w, s, config=cfg, x_codes=c), linear_fp8(x, w, s, config=cfg))
+    res = torch.randn(M, N, device=DEV)
+    assert same_bits(linear_fp8(x, w, s, out_dtype=torch.float32, residual=res, x_codes=c),
+                     linear_fp8(x, w, s, out_dtype=torch.float32, residual=res))
+    xg, wg, sg = make_w13(M, 128, K, seed=M + K)
+    assert same_bits(linear_fp8_swiglu(xg, wg, sg, LIMIT, x_codes=codes_of(xg)), linear_fp8_swiglu(xg, wg, sg, LIMIT))
+
+
+def test_x_codes_of_the_wrong_shape_are_refused():
+    x, w, s = make(2, 64, 256, seed=3)
+    q, sc = codes_of(x)
+    with pytest.raises(AssertionError):
+        linear_fp8(x, w, s, x_codes=(q[:, :128], sc))
+    with pytest.raises(AssertionError):
+        linear_fp8(x, w, s, x_codes=(q, sc.double()))

@@ -109,6 +109,24 @@ def test_rms_norm(dtype, B, D, weighted):
     assert torch.equal(y[-1:], rn.rms_norm(x[-1:], w, EPS))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B,D", [(1, 256), (3, 300)])
+def test_rms_norm_codes_are_the_outputs_quantization(dtype, B, D):
+    """codes=True: the same output, and beside it the output's fp8 activation quantization: the
+    codes times their per-128 scales are fp8_act_sim of the output (a ragged last block on its own
+    amax), the codes the e4m3 values of fp8_act_quant."""
+    x = rand((B, D), seed=B + D, dtype=dtype)
+    w = (torch.rand(D, generator=torch.Generator().manual_seed(1)) + 0.5).to(DEV)
+    y, (c, s) = rn.rms_norm(x, w, EPS, codes=True)
+    assert torch.equal(y, rn.rms_norm(x, w, EPS))
+    assert c.shape == (B, D) and s.shape == (B, -(-D // 128))
+    deq = (c.float().view(B, -1) * s.repeat_interleave(128, 1)[:, :D])
+    assert torch.equal(deq, F.fp8_act_sim(y.float(), 128))
+    pad = torch.nn.functional.pad(y.float(), (0, -D % 128))
+    q, qs = F.fp8_act_quant(pad, 128)
+    assert torch.equal(c.view(torch.uint8), q[:, :D].view(torch.uint8)) and torch.equal(s, qs)
+
+
 # ---- q_norm_rope ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B,H,cfg", [(1, 4, None), (3, 5, rn.HeadsConfig(2, 2))])
