@@ -3,7 +3,7 @@
 # sidecar, the experts-kernel modes end to end) and the measurements that follow. Each step has its
 # own time limit and log under $OUT; a short table of results is printed last.
 #
-#   bash benchmarks/h200_checks.sh tests      # the GPU tests (~3 min)
+#   bash benchmarks/h200_checks.sh tests      # the GPU tests: fast step, then the kernels (~5 min)
 #   bash benchmarks/h200_checks.sh resident   # 30-layer step: fma vs dot_asm experts, a 6-token block (~4 min)
 #   bash benchmarks/h200_checks.sh trace      # 30-layer step at 1-64 rows with the per-stage kernel table (~1 min)
 #   bash benchmarks/h200_checks.sh overlap    # the 30-layer step with and without the second stream, and its GPU tests (~7 min)
@@ -40,7 +40,9 @@ bench() {  # bench NAME SECONDS bench-args...
 for group in "$@"; do
   case $group in
     tests)
-      step gpu_tests 240 python3 -m pytest -q --timeout 120 tests/test_fast_gpu.py tests/kernels/test_fast_step_triton.py ;;
+      step gpu_tests 170 python3 -m pytest -q --timeout 120 tests/test_fast_gpu.py tests/kernels/test_fast_step_triton.py
+      step gpu_kernel_tests 200 python3 -m pytest -q --timeout 100 -m gpu tests/kernels/test_linear_fp8.py \
+        tests/kernels/test_moe.py tests/kernels/test_mhc.py tests/kernels/test_rope_norm.py tests/kernels/test_attention.py ;;
     resident)
       bench resident_dot_asm 150 --layers 30 --batch 1,4,16,64 --moe-mode dot_asm --trace
       bench resident_fma 120 --layers 30 --batch 1,4,16,64
