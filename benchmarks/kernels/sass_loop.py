@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -108,7 +109,7 @@ def cuobjdump(kernel, flag: str) -> str:
         return subprocess.run([tool, flag, f.name], check=True, capture_output=True, text=True).stdout
 
 
-def count(argv: list[str]) -> dict:
+def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("kernel", choices=["linear", "moe_gate_up", "moe_down"])
     ap.add_argument("--mode", default=None, help="linear: f16 | dot16; moe: a kernels.moe mode (default dot_asm)")
@@ -119,7 +120,14 @@ def count(argv: list[str]) -> dict:
     ap.add_argument("--codes", action="store_true", help="linear: x's activation codes loaded (x_codes)")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
-    a = ap.parse_args(argv)
+    ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    return ap.parse_args(argv)
+
+
+def count(a: argparse.Namespace) -> dict:
+    """Compile the kernel `a` names and count its main loop."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("sass_loop compiles for the GPU: run it without TRITON_INTERPRET=1")
     if a.kernel == "linear":
         a.mode = a.mode or "f16"
         kernel, nbytes = linear(a)
@@ -136,7 +144,11 @@ def count(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    r = count(sys.argv[1:])
+    args = parse(sys.argv[1:])
+    r = count(args)
+    if args.json:
+        print(json.dumps(r))
+        sys.exit(0)
     print(f"{r['kernel']} {r['mode']} (Triton {r['triton']}, sm_90): {r['loop']} instructions per thread per "
           f"step of {r['bytes_per_step']} weight bytes = {r['warp_instr_per_kb']:.0f} warp-instructions per KB; "
           f"shared memory {r['shared']} B, registers {r['registers']}")

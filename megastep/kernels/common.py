@@ -114,9 +114,10 @@ def fp8_block_scales(ax, offs, SUB: tl.constexpr, NSUB: tl.constexpr):
 def fp8_round(x, inv, INTERPRET: tl.constexpr):
     """x * inv rounded to e4m3 (round to nearest even; |x * inv| <= 448 by construction).
 
-    On the GPU a cast (cvt.rn.satfinite: no clamp needed, and none is paid for). The Triton interpreter's fp32 -> e4m3 cast mishandles
-    a rounding carry into the next binade (31.65 -> 16), so there the value is first rounded to
-    the e4m3 grid in fp32 arithmetic (the cast of an exact value is then right)."""
+    On the GPU a cast (cvt.rn.satfinite, so no clamp is needed or paid for). The Triton
+    interpreter's fp32 -> e4m3 cast mishandles a rounding carry into the next binade (31.65 ->
+    16), so there the value is first clamped and rounded to the e4m3 grid in fp32 arithmetic (the
+    cast of an exact value is then right)."""
     v = x * inv
     if INTERPRET:
         v = tl.minimum(tl.maximum(v, -448.0), 448.0)

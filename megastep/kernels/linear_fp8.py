@@ -29,10 +29,11 @@ Modes (pinned per shape by `pick_config`, never autotuned at run time):
   e4m3 value is exact in fp16, and e4m3 -> fp16x2 is one instruction per two elements), fp32
   accumulation; each block's fp32 dot is then multiplied by its activation scale times its weight
   scale (powers of two: exact) and added to the accumulator. Why: these GEMVs are bound by
-  instruction issue, not by HBM. The loop of "dot16" spends ~470 instructions per thread per 8 KB
+  instruction issue, not by HBM. The loop of "dot16" spends ~435 instructions per thread per 8 KB
   step (the e4m3 -> bf16 conversion goes through fp32; the scales are multiplied into the
-  operand), "f16" ~290 (SASS of Triton 3.6, BLOCK_N 64); measured on one H200 at M = 1 it takes
-  20-26 % less time on every V4-Flash shape (benchmarks/kernels/linear_variants.py, table below).
+  operand), "f16" ~290, ~200 with x_codes (SASS of Triton 3.6, BLOCK_N 64:
+  benchmarks/kernels/sass_loop.py); measured on one H200 at M = 1 it takes 20-26 % less time
+  than "dot16" on every V4-Flash shape (benchmarks/kernels/linear_variants.py, table below).
 - "dot16": tensor cores on bf16 operands (e4m3 weights and quantized activations are exact in
   bf16), activation and weight scales folded into the activation operand (exact), one dot per
   BLOCK_K with fp32 accumulation. Kept for wo_a, whose activation is not quantized (a bf16
