@@ -40,7 +40,7 @@ bench() {  # bench NAME SECONDS bench-args...
 for group in "$@"; do
   case $group in
     tests)
-      step gpu_tests 170 python3 -m pytest -q --timeout 120 tests/test_fast_gpu.py tests/kernels/test_fast_step_triton.py
+      step gpu_tests 200 python3 -m pytest -q --timeout 120 -m gpu tests/test_fast_gpu.py tests/kernels/test_fast_step_triton.py
       step gpu_kernel_tests 200 python3 -m pytest -q --timeout 100 -m gpu tests/kernels/test_linear_fp8.py \
         tests/kernels/test_moe.py tests/kernels/test_mhc.py tests/kernels/test_rope_norm.py tests/kernels/test_attention.py ;;
     resident)
