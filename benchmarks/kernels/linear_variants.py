@@ -8,8 +8,9 @@ quantization that x's producer writes beside x).
     python benchmarks/kernels/linear_variants.py --smoke --out DIR   (CPU interpreter, tiny shapes)
 
 Shapes are the fused launches of one layer (model/fast.py): the x group (wq_a + wkv, 1536 x
-4096), the qr group (wq_b + the indexer's wq_b, 40960 x 1024), wo_b (4096 x 8192), the shared
-expert's gated w1/w3 (2 x 2048 x 4096) and its w2 (4096 x 2048). Prints a table last (µs per
+4096), the qr group (wq_b + the indexer's wq_b, 40960 x 1024), wo_a (8 groups of 1024 x 4096,
+bf16 activation: "dot16" only), wo_b (4096 x 8192), the shared expert's gated w1/w3
+(2 x 2048 x 4096) and its w2 (4096 x 2048). Prints a table last (µs per
 call, GB/s of the bytes that must be read) and writes linear_variants.json under --out.
 """
 
@@ -33,28 +34,34 @@ import bench_kernels as BK  # noqa: E402
 from megastep.checkpoint import formats  # noqa: E402
 from megastep.kernels import linear_fp8 as LIN  # noqa: E402
 
-SHAPES = {  # name: (N, K, gated)
-    "x_group": (1536, 4096, False),
-    "qr_group": (40960, 1024, False),
-    "wo_b": (4096, 8192, False),
-    "shared_w13": (2048, 4096, True),
-    "shared_w2": (4096, 2048, False),
+WO_A_GROUPS = 8  # V4-Flash o_groups: wo_a is one launch over 8 groups of 1024 rows, each reading its 4096 columns
+SHAPES = {  # name: (N, K, kind); kind "gated": w13 = 2 x N rows; "wo_a": grouped, bf16 activation ("dot16")
+    "x_group": (1536, 4096, "plain"),
+    "qr_group": (40960, 1024, "plain"),
+    "wo_a": (8192, 4096, "wo_a"),
+    "wo_b": (4096, 8192, "plain"),
+    "shared_w13": (2048, 4096, "gated"),
+    "shared_w2": (4096, 2048, "plain"),
 }
-SMOKE_SHAPES = {"x_group": (256, 512, False), "shared_w13": (128, 512, True)}
+SMOKE_SHAPES = {"x_group": (256, 512, "plain"), "wo_a": (1024, 256, "wo_a"), "shared_w13": (128, 512, "gated")}
 
 
-def candidates(M: int, N: int, K: int, gated: bool) -> list[LIN.LinearFp8Config]:
+def candidates(M: int, N: int, K: int, kind: str) -> list[LIN.LinearFp8Config]:
     C = LIN.LinearFp8Config
-    picked = LIN.pick_config_swiglu(M, N, K) if gated else LIN.pick_config(M, N, K)
+    picked = (LIN.pick_config_swiglu(M, N, K) if kind == "gated" else
+              LIN.pick_config(M, N, K, quantize_act=kind != "wo_a"))
     bm = 16 if M <= 16 else min(64, 1 << (M - 1).bit_length())
-    rows = 2 * N if gated else N
     out = [picked]
+    if kind == "wo_a":  # "dot16" only: 128-row tiles issue ~27 % fewer instructions per byte (sass_loop.py)
+        specs = [(128, 4, 3, 264, 128), (128, 8, 3, 264, 128), (128, 4, 4, 264, 128), (64, 4, 3, 264, 256)]
+        for bn, nw, ns, target, bk in specs:
+            out.append(C("dot16", bn, bm, bk, BK.auto_split(-(-N // bn), K, bk, target), nw, ns))
+        return list(dict.fromkeys(out))
     specs = ([(64, 4, 3, 264), (64, 4, 4, 264), (64, 4, 6, 528), (128, 4, 4, 264), (128, 4, 4, 528),
               (128, 8, 4, 264), (128, 4, 6, 264)] if bm == 16 else
              [(64, 4, 3, 264), (64, 4, 4, 528), (128, 8, 3, 264), (128, 4, 3, 264)])
     for bn, nw, ns, target in specs:
-        tiles = -(-(rows // (2 if gated else 1)) // bn)
-        out.append(C("f16", bn, bm, 128, BK.auto_split(tiles, K, 128, target), nw, ns))
+        out.append(C("f16", bn, bm, 128, BK.auto_split(-(-N // bn), K, 128, target), nw, ns))
     return list(dict.fromkeys(out))
 
 
@@ -73,30 +80,37 @@ def main() -> None:
     BK.log(f"device {torch.cuda.get_device_name(0) if dev == 'cuda' else 'cpu'}; streaming read {bw['read']:.0f} GB/s")
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    for name, (N, K, gated) in (SMOKE_SHAPES if args.smoke else SHAPES).items():
-        R = 2 * N if gated else N
+    for name, (N, K, kind) in (SMOKE_SHAPES if args.smoke else SHAPES).items():
+        R = 2 * N if kind == "gated" else N
         nbytes = R * K + triton.cdiv(R, 128) * triton.cdiv(K, 128)
         copies = 2 if args.smoke else max(1, min(128, math.ceil(BK.L2_FLUSH_BYTES / nbytes)))
         ws = [BK.fp8_weight(R, K, g) for _ in range(copies)]
+        G = WO_A_GROUPS if kind == "wo_a" else 1
         for M in [int(m) for m in args.ms.split(",")]:
-            x = torch.randn(M, K, device=dev, generator=g).bfloat16()
-            if gated:
+            x = torch.randn(M, G * K, device=dev, generator=g).bfloat16()
+            if kind == "gated":
                 fn, ref = LIN.linear_fp8_swiglu, LIN.linear_fp8_swiglu_ref(x, *ws[0], 10.0)
+            elif kind == "wo_a":
+                fn, ref = LIN.linear_fp8, LIN.linear_fp8_ref(x, *ws[0], quantize_act=False, groups=G)
             else:
                 fn, ref = LIN.linear_fp8, LIN.linear_fp8_ref(x, *ws[0])
-            codes = formats.fp8_act_quant(x.float(), 128) if K % 128 == 0 else None
-            cands = [(c, None) for c in candidates(M, N, K, gated)]
+            codes = formats.fp8_act_quant(x.float(), 128) if K % 128 == 0 and kind != "wo_a" else None
+            cands = [(c, None) for c in candidates(M, N, K, kind)]
             cands += [(cands[0][0], codes)] if codes is not None and cands[0][0].mode == "f16" else []
             for i, (c, xc) in enumerate(cands):
                 r = dict(shape=name, N=N, K=K, M=M, config=asdict(c), picked=i == 0, codes=xc is not None)
-                call = (lambda c, w, s: fn(x, w, s, 10.0, config=c, x_codes=xc)) if gated else \
-                    (lambda c, w, s: fn(x, w, s, config=c, x_codes=xc))  # noqa: E731
+                if kind == "gated":
+                    call = (lambda c, w, s, xc=xc: fn(x, w, s, 10.0, config=c, x_codes=xc))  # noqa: E731
+                elif kind == "wo_a":
+                    call = (lambda c, w, s: fn(x, w, s, config=c, quantize_act=False, groups=G))  # noqa: E731
+                else:
+                    call = (lambda c, w, s, xc=xc: fn(x, w, s, config=c, x_codes=xc))  # noqa: E731
                 try:
                     y = call(c, *ws[0])
                     ok, msg = BK.check_linear(y, ref)
                     same = all(torch.equal(y.view(torch.int16), call(c, *ws[0]).view(torch.int16)) for _ in range(3))
                     med, best = BK.graph_time([lambda w=w, s=s, c=c, call=call: call(c, w, s) for (w, s) in ws])
-                    r.update(ok=ok and same, check=msg, us=med, gbps=(nbytes + M * K * 2) / med / 1e3)
+                    r.update(ok=ok and same, check=msg, us=med, gbps=(nbytes + M * G * K * 2) / med / 1e3)
                 except Exception as e:  # noqa: BLE001
                     r.update(ok=False, error=repr(e)[:300])
                 rows.append(r)
