@@ -204,6 +204,28 @@ def write_tune_json(path: str, smoke: bool, table: list, winners: dict) -> None:
     print(f"wrote {path}")
 
 
+def run_tuner(args: argparse.Namespace, smoke: bool, smoke_settings, warm_worker, sweep, install, pick_config):
+    """The main flow of a tuning script (tune_attention, tune_mhc): a compile worker fills the
+    cache and returns None; otherwise `sweep(device, table)` measures, `install` pins the winners
+    in this process (pick_config must then return them) and --json writes the table. `smoke`:
+    tiny shapes on the CPU through the interpreter. Returns the winners."""
+    if smoke:
+        tuner_device(smoke=True)
+        smoke_settings()
+        torch.set_num_threads(1)
+    if args.warm:
+        warm_worker(args.warm, args.shard, args.shards)
+        return None
+    device = tuner_device(args.smoke)
+    table = []
+    winners = sweep(device, table)
+    install(winners)
+    assert all(pick_config(*key) == cfg for key, cfg in winners.items())
+    if args.json:
+        write_tune_json(args.json, args.smoke, table, winners)
+    return winners
+
+
 def check_linear(y, ref):
     y, ref = y.float(), ref.float()
     tol = 2.0**-7 * ref.abs() + 1e-5 * ref.abs().max()  # one bf16 step (tests/kernels/test_linear_fp8.py)

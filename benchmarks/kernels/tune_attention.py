@@ -457,20 +457,10 @@ def main():
     ap.add_argument("--contexts", default="4096", help="comma-separated contexts (HCA's N depends on it)")
     BK.add_worker_arguments(ap)
     args = ap.parse_args()
-    if args.smoke or (args.warm and os.environ.get("TRITON_INTERPRET") == "1"):
-        BK.tuner_device(smoke=True)
-        smoke_settings()
-        torch.set_num_threads(1)
-    if args.warm:
-        warm_worker(args.warm, args.shard, args.shards)
-        return
-    device = BK.tuner_device(args.smoke)
-    table = []
-    winners = sweep(device, contexts=tuple(int(c) for c in args.contexts.split(",")), shards=args.shards, table=table)
-    install(winners)
-    assert all(A.pick_config(*key) == cfg for key, cfg in winners.items())
-    if args.json:
-        BK.write_tune_json(args.json, args.smoke, table, winners)
+    contexts = tuple(int(c) for c in args.contexts.split(","))
+    BK.run_tuner(args, args.smoke or bool(args.warm and os.environ.get("TRITON_INTERPRET") == "1"), smoke_settings,
+                 warm_worker, lambda device, table: sweep(device, contexts=contexts, shards=args.shards, table=table),
+                 install, A.pick_config)
 
 if __name__ == "__main__":
     main()

@@ -421,21 +421,12 @@ def main():
                     help="also try kc / num_warps (other fp32 sums in the mixes kernel; checked against the refs)")
     BK.add_worker_arguments(ap)
     args = ap.parse_args()
-    if args.smoke:
-        BK.tuner_device(smoke=True)
-        smoke_settings()
-        torch.set_num_threads(1)
-    if args.warm:
-        warm_worker(args.warm, args.shard, args.shards)
-        return
-    device = BK.tuner_device(args.smoke)
-    table = []
-    winners = sweep(device, allow_bit_changes=args.allow_bit_changes, shards=args.shards, table=table)
-    install(winners)
-    assert all(M.pick_config(*key) == cfg for key, cfg in winners.items())
-    print("winners:", {k: v for k, v in winners.items()})
-    if args.json:
-        BK.write_tune_json(args.json, args.smoke, table, winners)
+    winners = BK.run_tuner(args, args.smoke, smoke_settings, warm_worker,
+                           lambda device, table: sweep(device, allow_bit_changes=args.allow_bit_changes,
+                                                       shards=args.shards, table=table),
+                           install, M.pick_config)
+    if winners is not None:
+        print("winners:", winners)
 
 if __name__ == "__main__":
     main()

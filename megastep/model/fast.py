@@ -353,30 +353,24 @@ class FastDecoder:
         return _moe.ExpertTable.from_experts(experts, device=dev)
 
     # ---- the second stream --------------------------------------------------------------------
-    def _fork(self) -> torch.cuda.Stream | None:
-        """The main stream, once the side stream has been ordered after its work so far (None
-        without overlap). Launches inside `_on_side()` then run beside the main stream's later ones."""
-        if self.side_stream is None:
-            return None
-        main = torch.cuda.current_stream(self.device)
-        self.side_stream.wait_stream(main)
-        return main
-
     @contextlib.contextmanager
-    def _on_side(self, main: torch.cuda.Stream | None):
-        """Launch on the side stream, with its own split-reduction workspaces."""
-        if main is None:
+    def _on_side(self):
+        """Launch on the side stream, ordered after the main stream's work so far, with its own
+        split-reduction workspaces; inline on the current stream without overlap."""
+        if self.side_stream is None:
             yield
             return
+        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side_stream), _common.lane("side"):
             yield
 
-    def _join(self, main: torch.cuda.Stream | None, *made_on_side: torch.Tensor) -> None:
-        """The main stream waits for the side stream; tensors the side stream allocated are marked
-        as used by the main stream, so the allocator does not hand their memory back to the side
-        stream before the main stream's kernels that read them have run."""
-        if main is None:
+    def _join(self, *made_on_side: torch.Tensor) -> None:
+        """The main (current) stream waits for the side stream; tensors the side stream allocated
+        are marked as used by the main stream, so the allocator does not hand their memory back to
+        the side stream before the main stream's kernels that read them have run."""
+        if self.side_stream is None:
             return
+        main = torch.cuda.current_stream(self.device)
         main.wait_stream(self.side_stream)
         for t in made_on_side:
             t.record_stream(main)
@@ -435,9 +429,8 @@ class FastDecoder:
         tr, T = self.triton, self.trace
         eps = cfg.rms_norm_eps
         kw: dict = {"ratio": r}
-        main = self._fork() if r else None
         if r:  # the compressors' (and the indexer's) bf16 projections and updates, beside the q/kv path
-            with self._on_side(main):
+            with self._on_side():
                 with stage(T, "attn_proj", L):
                     wd, sizes = lw["x_dense"]
                     xd_all = self._dense(x, wd)
@@ -450,8 +443,7 @@ class FastDecoder:
             kw["comp"] = P.cent[L]
         with stage(T, "attn_proj", L):  # every projection of x and of qr
             qa, kv = lw["x_fp8"](x, tr)
-            main_kv = self._fork()
-            with self._on_side(main_kv):  # beside the q path below
+            with self._on_side():  # beside the q path below
                 # kv norm, RoPE, fp8 simulation of the nope dims, and the write into the window ring
                 self._kernel(_rn, "kv_rope_sim_store")(kv, lw["kv_norm"], inv_freq, pos, P.win[L], slots,
                                                        eps, cfg.nope_head_dim)
@@ -461,7 +453,7 @@ class FastDecoder:
                 qr, qrq = _rn.rms_norm_ref(qa, lw["q_norm"], eps), None
             qb = lw["qr_fp8"](qr, tr, codes=qrq)
             q = self._kernel(_rn, "q_norm_rope")(qb[0].view(B, H, hd), inv_freq, pos, eps)
-        self._join(main_kv, *([xd_all] if r else []))  # the side stream's work of this layer so far
+        self._join(*([xd_all] if r else []))  # the side stream's work of this layer so far
         if r == CSA_RATIO:
             with stage(T, "indexer", L):
                 kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)
@@ -483,8 +475,7 @@ class FastDecoder:
         T = self.trace
         w1, w3, w2 = lw["shared"]
         fused = self.triton and "shared13" in lw
-        main = self._fork()
-        with self._on_side(main), stage(T, "shared_expert", L):  # its gated half beside the routed experts
+        with self._on_side(), stage(T, "shared_expert", L):  # its gated half beside the routed experts
             if fused:  # gated w1/w3 + SwiGLU in one launch
                 a = _lin.linear_fp8_swiglu(x.contiguous(), *lw["shared13"], cfg.swiglu_limit, out_dtype=x.dtype)
             else:
@@ -497,7 +488,7 @@ class FastDecoder:
                                                     hash_rows, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
         with stage(T, "routed_experts", L):
             routed = self._routed(x, idx, w, lw, L)
-        self._join(main, a)
+        self._join(a)
         # w2 with the routed sum: the routed parts of other ranks (all-reduce) or of the CPU
         # (sidecar) were in flight during the shared expert's first half and join here
         with stage(T, "shared_expert", L):
