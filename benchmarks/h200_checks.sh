@@ -12,7 +12,7 @@
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget, recipes A / B / hybrid (~7 min)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
-#   bash benchmarks/h200_checks.sh ep         # all 43 layers in the HBM of 2 GPUs, experts split (~5 min, 2 GPUs)
+#   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
 set -u
 OUT=${OUT:-/tmp/h200_checks}
@@ -77,7 +77,11 @@ for group in "$@"; do
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
       n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       gpus=$(seq -s, 0 $((n - 1)))
-      bench "ep${n}_43L" 200 --gpus "$gpus" --batch 1,6
+      step ep_gpu_tests 240 python3 -m pytest -q --timeout 200 tests/test_distributed_gpu.py \
+        tests/kernels/test_pair_combine.py tests/server/test_server_gpus.py
+      step ep_combine 90 python3 benchmarks/kernels/ep_combine.py --json "$OUT/ep_combine.json"
+      bench "ep${n}_43L" 200 --gpus "$gpus" --batch 1,6,64 --trace
+      bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
       echo "unknown group $group (tests | resident | trace | overlap | tune | pdl | offload | offload_a | ncu | ep)"

@@ -84,11 +84,17 @@ def fill_state(dec, context: int, seed: int = 0) -> None:
                 t.copy_(torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32).to(t.dtype))
 
 
+def _tokens(rows: int, dev: torch.device) -> torch.Tensor:
+    """The rows' token ids: drawn from a fixed seed, so that every run, and every rank of an
+    expert-parallel run, decodes the same rows (each device's default generator is in its own state)."""
+    return torch.randint(0, 1000, (rows,), generator=torch.Generator().manual_seed(rows)).to(dev)
+
+
 def time_graph(runner, rows: int, context: int, iters: int, warmup: int = 5, block: int = 1) -> list[float]:
     """Step times (ms) of `rows` rows: rows // block sequences, each a block of `block`
     consecutive positions from `context` on (block 1: independent sequences)."""
     dev = runner.device
-    tokens = torch.randint(0, 1000, (rows,), device=dev)
+    tokens = _tokens(rows, dev)
     r = torch.arange(rows, device=dev)
     pos = context + r % block
     slots = r // block
@@ -115,7 +121,7 @@ def pct(xs: list[float], q: float) -> float:
 def _trace_rows(dec, rows: int, context: int, block: int):
     dev = dec.device
     r = torch.arange(rows, device=dev)
-    return torch.randint(0, 1000, (rows,), device=dev), context + r % block, r // block
+    return _tokens(rows, dev), context + r % block, r // block
 
 
 def trace_step(dec, rows: int, context: int, repeats: int = 3,
@@ -266,7 +272,7 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
                       placement=placement if args.hbm_budget is not None else None, max_block=args.block,
                       moe_mode=args.moe_mode, cold_path=args.cold_path, cpu_share=cpu_share, pdl=args.pdl,
                       overlap=False if args.no_overlap else None,
-                      rank=rank.rank if rank is not None else 0, world_size=W)
+                      rank=rank.rank if rank is not None else 0, world_size=W, ep_combine=args.ep_combine)
     del weights
     torch.cuda.synchronize()
     gen_s = time.perf_counter() - t0
@@ -295,7 +301,8 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers, "gpus": W,
         "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": cpu_share,
-        "cpu_read_GBps": cpu_bw, "moe_mode": args.moe_mode or "default", "pdl": args.pdl, "overlap": dec.side_stream is not None, "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
+        "cpu_read_GBps": cpu_bw, "moe_mode": args.moe_mode or "default", "pdl": args.pdl, "overlap": dec.side_stream is not None,
+        "ep_combine": None if W == 1 else "p2p" if dec.peer is not None else "allreduce", "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
         "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
                                                "n_hot": placement.n_hot, "n_cold": placement.n_cold,
                                                "cold_slot_fraction": placement.cold_fraction},
@@ -324,7 +331,8 @@ def _placement(cfg: ModelConfig, weights, hbm_budget_gb: float | None):
 
 def print_report(out: dict) -> None:
     L = out["layers"]
-    print(f"\n{out['device']} x{out.get('gpus', 1)}  preset {out['preset']}  layers {L}  context {out['context']}  "
+    ep = f" (experts split, {out['ep_combine']} combine)" if out.get("ep_combine") else ""
+    print(f"\n{out['device']} x{out.get('gpus', 1)}{ep}  preset {out['preset']}  layers {L}  context {out['context']}  "
           f"stream read {out['stream_read_GBps']:.0f} GB/s  routing {out['routing']}")
     pl = out["placement"]
     if pl["n_cold"]:
@@ -414,5 +422,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="routing model of the synthetic gates (megastep.routing)")
     p.add_argument("--gpus", default=None,
                    help="e.g. 0,1,2,3: one process per GPU, routed experts sharded across them (NCCL)")
+    p.add_argument("--ep-combine", default=None, choices=["p2p", "allreduce"],
+                   help="with --gpus: the experts' outputs read from their GPU over NVLink by one kernel (p2p, "
+                        "the default where it runs) or an integer all-reduce through NCCL")
     p.add_argument("--hbm-budget", type=float, default=None,
                    help="GB of HBM for weights: the coldest routed experts go to page-locked host memory")

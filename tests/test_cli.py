@@ -78,6 +78,11 @@ def test_no_quant_sim_flag_changes_numerics_not_interface(small_dir, capsys):
         (["bench", "--gpus", "0,1,2"], "cannot split 256 routed experts evenly over 3"),
         (["serve", "--model", "{small}", "--hbm-budget", "10"], "for the fast engine"),
         (["bench", "--gpus", "0,1", "--hbm-budget", "100"], "drop --hbm-budget"),
+        (["serve", "--model", "{small}", "--gpus", "0,1,2"], "routed experts evenly over 3 ranks"),
+        (["serve", "--model", "{small}", "--gpus", "0,63"], "this machine has"),
+        (["serve", "--gpus", "0,1", "--device", "cuda"], "drop --device"),
+        (["serve", "--gpus", "0,1", "--engine", "reference"], "drop --engine reference"),
+        (["serve", "--gpus", "0,x"], "comma-separated GPU ids"),
     ],
 )
 def test_user_errors_are_one_clear_message(small_dir, argv, message):

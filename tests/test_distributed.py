@@ -239,3 +239,71 @@ def test_fast_path_expert_parallel_matches_one_rank():
     """The fast decoder (torch twins of the kernels) with experts sharded over 4 ranks, top-4 with
     fp32 activations (where the order of the expert sum shows in the bits) and bf16."""
     check_fast_expert_parallel(_cfg(4), 4, [torch.float32, torch.bfloat16], PROMPT, 12, triton=False)
+
+
+def test_ep_combine_choice_is_checked():
+    """The peer-to-peer combine needs CUDA devices: asked for on the CPU it is refused clearly, as
+    is an unknown combine; one rank needs neither."""
+    from megastep.model.fast import FastDecoder
+
+    cfg = _cfg()
+    w = synthesize_weights(cfg, SEED, include_mtp=False)
+    with pytest.raises(ValueError, match="p2p needs the Triton kernels on CUDA"):
+        FastDecoder(cfg, w, max_seqs=1, max_ctx=64, device="cpu", triton=False, ep_combine="p2p")
+    with pytest.raises(ValueError, match="must be p2p or allreduce"):
+        FastDecoder(cfg, w, max_seqs=1, max_ctx=64, device="cpu", triton=False, ep_combine="nvlink")
+    assert FastDecoder(cfg, w, max_seqs=1, max_ctx=64, device="cpu", triton=False, ep_combine="allreduce").peer is None
+
+
+# ---- the engine behind the server: rank 0 drives, the others follow ------------------------------
+def _engine_greedy(eng, prompts, steps):
+    """Prompts prefilled together (multi-token blocks), then greedy decode of every sequence in
+    shared steps; then one sequence is freed and its slot reused (its reset must reach every rank).
+    Returns (tokens per sequence, every step's logits, the reused slot's first logits)."""
+    seqs = [eng.new_sequence() for _ in prompts]
+    outs = eng.forward_batch([(s, p) for s, p in zip(seqs, prompts)])
+    toks, logits = [[int(o.argmax())] for o in outs], [torch.stack(outs)]
+    for _ in range(steps):
+        outs = eng.forward_batch([(s, [t[-1]]) for s, t in zip(seqs, toks)])
+        logits.append(torch.stack(outs))
+        for t, o in zip(toks, outs):
+            t.append(int(o.argmax()))
+    eng.free(seqs[0])
+    again = eng.new_sequence()
+    first = eng.forward_batch([(again, prompts[0])])[0]
+    return toks, torch.stack(logits), first
+
+
+def _engine_rank(r: D.Rank, model_dir, prompts, steps):
+    from megastep.runtime.engine import FastEngine
+
+    eng = FastEngine(model_dir, device="cpu", max_seqs=2, max_ctx=64, max_block=4, rank=r.rank,
+                     world_size=r.world_size)
+    if r.rank:
+        eng.follow()
+        return None
+    try:
+        return _engine_greedy(eng, prompts, steps)
+    finally:
+        eng.close()
+
+
+def test_engine_expert_parallel_matches_one_rank(tmp_path):
+    """FastEngine over 2 ranks (what `megastep serve --gpus` runs, here on gloo): rank 0 takes the
+    scheduler's calls and sends each slot reset and step to rank 1; tokens and logits equal the
+    1-rank engine's bit for bit, and both ranks exit when rank 0 closes."""
+    from megastep.checkpoint.synthetic import write_checkpoint
+    from megastep.config import QuantConfig
+    from megastep.runtime.engine import FastEngine
+
+    cfg = _cfg().replace(quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    write_checkpoint(cfg, tmp_path, seed=SEED)
+    prompts = [PROMPT[:6], PROMPT[2:5]]
+    outs = D.launch(_engine_rank, 2, (tmp_path, prompts, 6), backend="gloo", threads=1, timeout_s=TIMEOUT_S * 2)
+    assert outs[1] is None
+    torch.set_num_threads(1)
+    want = _engine_greedy(FastEngine(tmp_path, device="cpu", max_seqs=2, max_ctx=64, max_block=4), prompts, 6)
+    toks, logits, first = outs[0]
+    assert toks == want[0]
+    assert torch.equal(logits, want[1]) and torch.equal(first, want[2])
+    assert torch.equal(first, logits[0][0])  # the reused slot starts clean

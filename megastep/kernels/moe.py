@@ -418,6 +418,7 @@ def moe_experts_table(
     swiglu_limit: float = 10.0,
     config: MoeConfig | None = None,
     return_pairs: bool = False,
+    pairs_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, D] bf16 (or fp32), topk_ids [M, k] int32, topk_weights [M, k] fp32, the experts'
     address table -> [M, D] fp32 sum of the routed experts (module doc).
@@ -425,7 +426,10 @@ def moe_experts_table(
     return_pairs=True returns instead the per-pair outputs y [M, k, D] in x's dtype (rnd(w2 . a)
     of each (row, slot)), unsummed: zero for the pairs of experts absent from a sparse table
     (expert parallelism: the ranks' pair outputs are combined bit-exactly, then summed in slot
-    order as the summing kernel does: `sum_pairs`). A sparse table needs return_pairs."""
+    order as the summing kernel does: `sum_pairs`). A sparse table needs return_pairs.
+    pairs_out (with return_pairs): a contiguous [>= M*k, D] buffer in x's dtype that receives y
+    instead of a fresh zeroed one; the pairs of absent experts are left untouched there (the
+    peer-to-peer combine reads each pair from its owner only, kernels/pair_combine.py)."""
     assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1, (x.shape, x.dtype)
     M, D = x.shape
     E, I = table.E, table.I
@@ -435,6 +439,9 @@ def moe_experts_table(
     assert topk_ids.dtype in (torch.int32, torch.int64) and topk_weights.dtype == torch.float32
     if table.sparse and not return_pairs:
         raise ValueError("a table with absent experts (expert parallelism) needs return_pairs=True")
+    if pairs_out is not None:
+        assert return_pairs and pairs_out.dtype == x.dtype and pairs_out.is_contiguous(), (pairs_out.dtype, x.dtype)
+        assert pairs_out.shape[-1] == D and pairs_out.numel() >= M * k * D, (pairs_out.shape, M, k, D)
     cfg = config or pick_config(M, k, E, D, I)
     cfg.check()
     out = torch.empty(M, D, dtype=torch.float32, device=x.device)
@@ -450,7 +457,10 @@ def moe_experts_table(
     # its quantization reads them)
     act = (torch.zeros if table.sparse else torch.empty)(P, I, dtype=x.dtype, device=x.device)
     aq = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
-    y = (torch.zeros if return_pairs else torch.empty)(P, D, dtype=x.dtype, device=x.device)
+    if pairs_out is not None:
+        y = pairs_out.view(-1, D)[:P]
+    else:
+        y = (torch.zeros if return_pairs else torch.empty)(P, D, dtype=x.dtype, device=x.device)
     S = min(P, E)
     g_up, g_down = min(cfg.groups_up, S), min(cfg.groups_down, S)
     sw13, ss13, sw2, ss2 = table.strides

@@ -37,6 +37,7 @@ from megastep.kernels import indexer as _idx
 from megastep.kernels import linear_fp8 as _lin
 from megastep.kernels import mhc as _mhc
 from megastep.kernels import moe as _moe
+from megastep.kernels import pair_combine as _pairs
 from megastep.kernels import rope_norm as _rn
 from megastep.kernels import router as _router
 from megastep.model import ops
@@ -151,7 +152,7 @@ class FastDecoder:
                  device: torch.device | str, dtype: torch.dtype = torch.bfloat16, triton: bool | None = None,
                  consume: bool = False, placement=None, max_block: int = 1, rank: int = 0, world_size: int = 1,
                  group=None, moe_mode: str | None = None, cold_path: str = "gpu", cpu_share: float | None = None,
-                 pdl: bool = False, overlap: bool | None = None):
+                 pdl: bool = False, overlap: bool | None = None, ep_combine: str | None = None):
         """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
         stacked, projections concatenated), so a model filling the device is never held twice.
         placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
@@ -162,8 +163,13 @@ class FastDecoder:
         rank / world_size / group: expert parallelism (runtime/distributed.py): this process holds
         the routed experts [rank*E/W, (rank+1)*E/W) of every layer (`weights` needs no others) and
         everything else; each MoE call computes its experts' pair outputs, combines them with the
-        other ranks bit-exactly (an integer all-reduce) and sums them in slot order, so every rank
-        gets the 1-rank logits bit for bit. Every rank must make the same step calls.
+        other ranks bit-exactly and sums them in slot order, so every rank gets the 1-rank logits
+        bit for bit. Every rank must make the same step calls.
+        ep_combine: how the pairs travel. "p2p": each rank writes its pairs into symmetric memory
+        and one kernel waits for the others' arrival flags and reads every pair from its owner over
+        NVLink (kernels/pair_combine.py; CUDA, Triton kernels). "allreduce": an integer all-reduce
+        of zero-padded pair buffers through the process group (any backend). None: p2p where
+        it can run, else allreduce.
         moe_mode: the routed-experts kernel mode (kernels.moe.MODES; None: its default).
         cold_path: how the placement's cold experts are computed: "gpu" (recipe A: the experts
         kernel reads them in host memory), "cpu" (recipe B: the CPU computes them while the GPU
@@ -296,6 +302,23 @@ class FastDecoder:
         self.rope = {c: _rn.rope_table(f, max_ctx + 1) for c, f in self.inv_freq.items()}
         self.pools = StatePools(cfg, max_seqs, max_ctx, dtype, dev, max_block=max_block)
         self.trace: StepTrace | None = None  # attach one to time stages (eager steps only)
+        self.peer = self._peer_pairs(ep_combine, max_seqs * max_block, on_cuda)
+
+    def _peer_pairs(self, ep_combine: str | None, max_rows: int, on_cuda: bool):
+        """The peer-to-peer combine's buffers (runtime.distributed.PeerPairs), or None for the
+        all-reduce (one rank, or ep_combine="allreduce")."""
+        from megastep.runtime.distributed import PeerPairs
+
+        if ep_combine not in (None, "p2p", "allreduce"):
+            raise ValueError(f"ep_combine must be p2p or allreduce, got {ep_combine!r}")
+        can = on_cuda and self.cfg.num_hidden_layers >= 2 and PeerPairs.available()
+        if ep_combine == "p2p" and not can:
+            raise ValueError("ep_combine p2p needs the Triton kernels on CUDA devices, two MoE layers or more "
+                             "and a PyTorch with symmetric memory")
+        if self.world_size == 1 or ep_combine == "allreduce" or not can:
+            return None
+        return PeerPairs(self.cfg.num_hidden_layers, max_rows * self.cfg.num_experts_per_tok, self.cfg.hidden_size,
+                         self.dtype, self.device, self.group)
 
     def _cpu_experts(self, L: int, cold: list[int], placement, cold_path: str, cpu_share: float) -> list[int]:
         """The cold experts of layer L that the CPU computes: none (recipe A), all (B), or (hybrid)
@@ -489,12 +512,15 @@ class FastDecoder:
         with stage(T, "routed_experts", L):
             routed = self._routed(x, idx, w, lw, L)
         self._join(a)
-        # w2 with the routed sum: the routed parts of other ranks (all-reduce) or of the CPU
-        # (sidecar) were in flight during the shared expert's first half and join here
+        # the routed parts of other ranks or of the CPU (sidecar) were in flight during the shared
+        # expert's first half and join here (with several ranks, an eager step's trace counts the
+        # wait for the slowest one in this stage)
+        with stage(T, "expert_combine", L):
+            r = routed()
         with stage(T, "shared_expert", L):
             if fused:  # w2 + the routed sum in one launch
-                return _lin.linear_fp8(a, w2.w, w2.scale, block=w2.block, out_dtype=x.dtype, residual=routed())
-            return (routed() + w2(a, self.triton).float()).to(x.dtype)
+                return _lin.linear_fp8(a, w2.w, w2.scale, block=w2.block, out_dtype=x.dtype, residual=r)
+            return (r + w2(a, self.triton).float()).to(x.dtype)
 
     def _moe_config(self, x, idx, table):
         if self.moe_mode is None:
@@ -518,6 +544,11 @@ class FastDecoder:
         # one-part kernel makes.
         split = self.world_size > 1 or lw.get("cpu_experts", False)
         job = self.sidecar.start(L, x, idx, w) if lw.get("cpu_experts") else None  # runs beside the kernel below
+        if self.peer is not None and "experts" in lw:  # written where the other ranks read them
+            _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
+                                   config=self._moe_config(x, idx, lw["experts"]), return_pairs=True,
+                                   pairs_out=self.peer.buffer(L, idx.numel()))
+            return lambda: self.peer.combine(L, idx, len(self.owned))
         if "experts" in lw:
             out = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
                                          config=self._moe_config(x, idx, lw["experts"]), return_pairs=split)
@@ -535,7 +566,7 @@ class FastDecoder:
                 pairs = add_pairs(pairs, self.sidecar.finish(job))
             if work is not None:
                 work.wait()
-            return _moe.sum_pairs(pairs)
+            return _pairs.sum_pairs(pairs) if self.triton else _moe.sum_pairs(pairs)
         return routed_sum
 
     # ---- the step -------------------------------------------------------------------------
@@ -562,6 +593,8 @@ class FastDecoder:
         if not 1 <= block <= self.pools.max_block:
             raise ValueError(f"block must be in 1..{self.pools.max_block} (the decoder's max_block), got {block}")
         cfg, T, eps = self.cfg, self.trace, self.cfg.rms_norm_eps
+        if self.peer is not None:
+            self.peer.begin_step()
         mhc_pre, mhc_post = self._kernel(_mhc, "mhc_pre"), self._kernel(_mhc, "mhc_post")
         hc, iters, hc_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
         if block == 1:

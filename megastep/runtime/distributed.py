@@ -228,6 +228,105 @@ def ordered_combine(pairs: torch.Tensor, group: dist.ProcessGroup | None = None,
     return dist.all_reduce(bit_words(pairs), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+class PeerPairs:
+    """The peer-to-peer combine's memory (kernels/pair_combine.py): per-layer pair buffers and
+    arrival flags in symmetric memory (every rank maps every other rank's), their base addresses
+    as device tables, and the step epoch. A collective: every rank of `group` builds it with the
+    same sizes. NCCL only (CUDA devices with peer access); `available()` says whether this
+    PyTorch build can.
+
+    `begin_step()` advances the epoch (once per step, inside the step's graph); `buffer(L, P)` is
+    the [P, D] view the experts kernel writes layer L's pairs into; `combine(L, idx, per)` the
+    barrier, gather and ordered sum."""
+
+    def __init__(self, n_layers: int, max_pairs: int, dim: int, dtype: torch.dtype, device: torch.device,
+                 group: dist.ProcessGroup | None = None):
+        from torch.distributed import _symmetric_memory as symm
+
+        if n_layers < 2:  # the barrier of the layer before is what makes one buffer per layer safe
+            raise ValueError("the peer-to-peer combine needs at least two MoE layers")
+        group = group or dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.n_layers, self.max_pairs, self.dim = n_layers, max_pairs, dim
+        self.bufs = symm.empty(n_layers, max_pairs, dim, dtype=dtype, device=device)
+        self.flags = symm.empty(n_layers, self.world_size, dtype=torch.int32, device=device)
+        self.flags.zero_()
+        handles = [symm.rendezvous(t, group) for t in (self.bufs, self.flags)]
+        self.table, self.flag_table = (torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=device) for h in handles)
+        self._handles = handles  # keep the peers' mappings alive
+        self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # every rank's flags are zero before anyone signals
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            from torch.distributed import _symmetric_memory as symm
+        except ImportError:
+            return False
+        return hasattr(symm, "empty") and hasattr(symm, "rendezvous")
+
+    def begin_step(self) -> None:
+        self.epoch += 1
+
+    def buffer(self, layer: int, pairs: int) -> torch.Tensor:
+        if pairs > self.max_pairs:
+            raise ValueError(f"{pairs} pairs exceed the combine's {self.max_pairs} (rows x top-k)")
+        return self.bufs[layer, :pairs]
+
+    def combine(self, layer: int, idx: torch.Tensor, per: int) -> torch.Tensor:
+        from megastep.kernels.pair_combine import gather_sum_pairs
+
+        return gather_sum_pairs(self.bufs[layer], self.table, self.flag_table, self.epoch, idx.contiguous(),
+                                layer_off=layer * self.max_pairs * self.dim, flag_off=layer * self.world_size,
+                                per=per, rank=self.rank, world_size=self.world_size)
+
+
+class StepChannel:
+    """Rank 0 tells the other ranks what to run, so that every rank makes the same step calls
+    (each MoE call is a collective) and keeps the same per-sequence state (attention state is
+    replicated). Messages are fixed-size int64 tensors broadcast over a gloo group of their own,
+    whose timeout is long: a follower waits for the next request as long as the server idles.
+
+    Message: [kind, arg, n_rows, (token, pos, slot) x n_rows, padding]; kinds below."""
+
+    STOP, RESET, RUN = 0, 1, 2
+    IDLE_TIMEOUT = timedelta(days=365)
+
+    def __init__(self, max_rows: int, group: dist.ProcessGroup | None = None):
+        self.max_rows = max_rows
+        self.rank = dist.get_rank()
+        self.group = group or dist.new_group(backend="gloo", timeout=self.IDLE_TIMEOUT)
+        self._msg = torch.zeros(3 + 3 * max_rows, dtype=torch.int64)
+
+    def _send(self, kind: int, arg: int = 0, rows: Sequence[tuple[int, int, int]] = ()) -> None:
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 sends step commands")
+        if len(rows) > self.max_rows:
+            raise ValueError(f"{len(rows)} rows exceed the channel's {self.max_rows}")
+        m = self._msg
+        m[:3] = torch.tensor([kind, arg, len(rows)])
+        if rows:
+            m[3:3 + 3 * len(rows)] = torch.tensor(rows, dtype=torch.int64).reshape(-1)
+        dist.broadcast(m, 0, group=self.group)
+
+    def reset(self, slot: int) -> None:
+        self._send(self.RESET, slot)
+
+    def run(self, runner: int, rows: Sequence[tuple[int, int, int]]) -> None:
+        self._send(self.RUN, runner, rows)
+
+    def stop(self) -> None:
+        self._send(self.STOP)
+
+    def receive(self) -> tuple[int, int, list[tuple[int, int, int]]]:
+        """(kind, arg, rows) of rank 0's next command (blocks until it comes)."""
+        dist.broadcast(self._msg, 0, group=self.group)
+        kind, arg, n = self._msg[:3].tolist()
+        flat = self._msg[3:3 + 3 * n].tolist()
+        return kind, arg, [tuple(flat[i:i + 3]) for i in range(0, 3 * n, 3)]
+
+
 class ExpertParallelReference(ReferenceModel):
     """The reference decode with routed experts sharded over ranks; logits bit-identical to
     `ReferenceModel` on the full weights, on every rank.
@@ -334,12 +433,13 @@ def _stop(procs: Iterable) -> None:
 
 def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *, backend: str | None = None,
            gpus: Sequence[int] | None = None, threads: int | None = None,
-           timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+           timeout_s: float | None = DEFAULT_TIMEOUT_S) -> list[Any]:
     """Run `fn(Rank, *args)` in `world_size` fresh local processes joined in one process group and
     return their results by rank. `fn` must be importable (module level); results travel by
     torch.save. Each rank uses `threads` intra-op threads (default: the CPUs shared out evenly; CPU
     results can depend on the thread count, so compare runs with equal counts). The first failing rank's exception is re-raised here (its traceback attached as a
-    note) and the other ranks are stopped; past `timeout_s` all are stopped and TimeoutError raised.
+    note) and the other ranks are stopped; past `timeout_s` all are stopped and TimeoutError raised
+    (None: no deadline, e.g. a server; a collective still fails after DEFAULT_TIMEOUT_S).
     Every process has exited when this returns or raises."""
     import queue as queue_mod
 
@@ -356,12 +456,14 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     # The parent hosts the rendezvous store on a port the OS picks: no free-port race with others.
+    pg_timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     store = dist.TCPStore(LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
+                          timeout=timedelta(seconds=pg_timeout_s))
     procs = [ctx.Process(target=_rank_main, daemon=True, name=f"megastep-rank{r}",
-                         args=(fn, r, world_size, backend, store.port, gpus, threads, tuple(args), results, timeout_s))
+                         args=(fn, r, world_size, backend, store.port, gpus, threads, tuple(args), results,
+                               pg_timeout_s))
              for r in range(world_size)]
-    deadline = time.monotonic() + timeout_s
+    deadline = float("inf") if timeout_s is None else time.monotonic() + timeout_s
     out: dict[int, Any] = {}
     try:
         for p in procs:
@@ -390,8 +492,8 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
                 exc.add_note(f"raised on rank {rank} of {world_size}:\n{tb}")
                 raise exc
             raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}")
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
+        for p in procs:  # each exits right after reporting
+            p.join(max(1.0, min(deadline - time.monotonic(), 60.0)))
         return [out[r] for r in range(world_size)]
     finally:
         _stop(procs)

@@ -152,14 +152,18 @@ class FastEngine(_EngineBase):
 
     def __init__(self, model_dir: str | Path, *, device: str = "cuda", max_seqs: int = 8, max_ctx: int = 4096,
                  max_block: int = 1, hbm_budget_gb: float | None = None, routing_profile: str | Path | None = None,
-                 cold_path: str = "gpu") -> None:
+                 cold_path: str = "gpu", rank: int = 0, world_size: int = 1) -> None:
         """max_block: prefill tokens of a sequence per replay (1: one by one; 16 cuts a prompt's
         replays 16-fold; checked on the CPU, not yet run on a GPU, hence the default 1).
         hbm_budget_gb: keep only that many GB of weights in device memory; the routed experts
         the placement (runtime/experts.py, from `routing_profile` or uniform routing) finds
         coldest stay in page-locked host memory, handled by `cold_path` (FastDecoder). The
         checkpoint is then read tensor by tensor as each layer is built, so a model larger than
-        the device loads."""
+        the device loads.
+        rank / world_size: expert parallelism (runtime/distributed.py; the process group is
+        initialized): this process loads and runs 1/world_size of the routed experts. Rank 0 is
+        the engine the scheduler drives; it sends every slot reset and step to the other ranks
+        (`StepChannel`), which run `follow()` until rank 0's `close()`."""
         super().__init__()
         from megastep.checkpoint.loader import load_checkpoint
         from megastep.model.fast import FastDecoder
@@ -167,7 +171,13 @@ class FastEngine(_EngineBase):
 
         self.device = torch.device(device)
         placement = None
-        if hbm_budget_gb is None:
+        if world_size > 1:
+            from megastep.runtime.distributed import load_rank_checkpoint
+
+            if hbm_budget_gb is not None or routing_profile is not None:
+                raise UserError("several GPUs hold every routed expert in device memory: drop --hbm-budget")
+            cfg, weights = load_rank_checkpoint(model_dir, rank, world_size, device=self.device)
+        elif hbm_budget_gb is None:
             if routing_profile is not None:
                 raise UserError("a routing profile places experts for an HBM budget: give --hbm-budget too")
             cfg, weights = load_checkpoint(model_dir, device=self.device)
@@ -185,7 +195,8 @@ class FastEngine(_EngineBase):
         self.block = max(1, min(int(max_block), int(cfg.sliding_window)))
         try:
             self.decoder = FastDecoder(cfg, weights, max_seqs=max_seqs, max_ctx=max_ctx, device=self.device,
-                                       consume=True, max_block=self.block, placement=placement, cold_path=cold_path)
+                                       consume=True, max_block=self.block, placement=placement, cold_path=cold_path,
+                                       rank=rank, world_size=world_size)
         except ValueError as e:  # a cold path this device cannot run, and the like
             raise UserError(str(e)) from None
         del weights
@@ -205,11 +216,19 @@ class FastEngine(_EngineBase):
         self.state_bytes_per_token = float(cfg.state_bytes_per_token())
         self.state_bytes_fixed = int(cfg.state_bytes_fixed())
         self._free_slots = list(range(max_seqs - 1, -1, -1))
+        self.rank = rank
+        self.channel = None
+        if world_size > 1:
+            from megastep.runtime.distributed import StepChannel
+
+            self.channel = StepChannel(max_seqs * self.block)
 
     def new_sequence(self) -> SequenceState:
         if not self._free_slots:
             raise RuntimeError("no free state slot (the scheduler admits at most max_seqs sequences)")
         slot = self._free_slots.pop()
+        if self.channel is not None:
+            self.channel.reset(slot)
         self.decoder.pools.reset(slot)
         return self._register(slot)
 
@@ -221,11 +240,39 @@ class FastEngine(_EngineBase):
     def default_capacity(self, max_seqs: int) -> int:
         return max_seqs * self.max_seq_len  # the pools are allocated up front for max_ctx each
 
-    def _run(self, rows: list[tuple[int, int, int]], runner) -> torch.Tensor:
+    def _step(self, rows: list[tuple[int, int, int]], runner) -> torch.Tensor:
         dev = self.device
         toks, pos, slots = (torch.tensor(c, dtype=torch.long, device=dev) for c in zip(*rows))
         logits, _ = runner.run(toks, pos, slots)
-        return logits.float().cpu()
+        return logits
+
+    def _run(self, rows: list[tuple[int, int, int]], runner) -> torch.Tensor:
+        if self.channel is not None:  # the other ranks run the same step
+            self.channel.run(0 if runner is self.runner else 1, rows)
+        return self._step(rows, runner).float().cpu()
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks > 0: run rank 0's slot resets and steps, in its order, until it closes."""
+        if self.channel is None or self.rank == 0:
+            raise RuntimeError("follow() is for the ranks > 0 of an expert-parallel engine")
+        ch = self.channel
+        while True:
+            kind, arg, rows = ch.receive()
+            if kind == ch.STOP:
+                return
+            if kind == ch.RESET:
+                self.decoder.pools.reset(arg)
+            elif kind == ch.RUN:
+                self._step(rows, self.runner if arg == 0 else self.block_runner)
+            else:
+                raise RuntimeError(f"unknown step command {kind}")
+
+    def close(self) -> None:
+        """Rank 0 of an expert-parallel engine: let the other ranks' `follow()` return."""
+        if self.channel is not None and self.rank == 0:
+            self.channel.stop()
+            self.channel = None
 
     @torch.inference_mode()
     def forward_batch(self, rows: Seq[tuple[SequenceState, list[int]]]) -> list[torch.Tensor]:

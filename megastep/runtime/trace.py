@@ -24,7 +24,7 @@ import torch
 # Stage names, in step order, as they appear in the printed table.
 STAGES = (
     "embed", "mhc_pre", "attn_proj", "compressor", "indexer", "attention", "out_proj", "mhc_post",
-    "router", "routed_experts", "shared_expert", "head", "sampler",
+    "router", "routed_experts", "expert_combine", "shared_expert", "head", "sampler",
 )
 
 

@@ -28,9 +28,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most requests waiting for admission; more get HTTP 429")
     parser.add_argument("--default-max-tokens", type=int, default=1024,
                         help="max_tokens of a chat request that gives none (capped by the room left)")
-    parser.add_argument("--device", default="cpu",
+    parser.add_argument("--device", default=None,
                         help="where the reference engine runs: cpu (default) or cuda[:N]; on a GPU the "
                              "state pool is sized from free memory after weights unless --capacity is given")
+    parser.add_argument("--gpus", default=None,
+                        help="e.g. 0,1,2,3: the fast engine on several GPUs, one process each, the routed experts "
+                             "split across them (expert parallelism over NCCL); this process serves HTTP")
     parser.add_argument("--engine", default="auto", choices=["auto", "reference", "fast"],
                         help="reference: the plain-PyTorch decode (CPU or GPU); fast: the Triton/CUDA-graph "
                              "step (CUDA only); auto: fast on cuda, reference on cpu")
@@ -49,27 +52,61 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def build_server(args: argparse.Namespace):
-    """Load the model and build (scheduler, FastAPI app). Raises UserError on a bad setup."""
+def _model_dir(args: argparse.Namespace):
+    """(checkpoint directory, default served name) of --model, or the built-in model's."""
     from pathlib import Path
 
     from megastep.errors import UserError
+
+    if args.model is None:
+        from megastep.builtin import builtin_model_dir
+        return Path(builtin_model_dir()), "megastep-builtin"
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise UserError(f"--model {model_dir}: no such directory")
+    return model_dir, model_dir.resolve().name
+
+
+def build_engine(args: argparse.Namespace, model_dir, rank=None):
+    """The engine --engine / --device ask for; with `rank` (runtime.distributed.Rank) this rank's
+    part of the expert-parallel fast engine on its GPU. Raises UserError on a bad setup."""
+    import torch
+
+    from megastep.errors import UserError
     from megastep.runtime.engine import FastEngine, ReferenceEngine
+
+    device = str(rank.device) if rank is not None else (args.device or "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA device is available")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise UserError(f"--device must be cpu or cuda[:N], got {device!r}")
+    kind = args.engine if args.engine != "auto" else (
+        "fast" if device.startswith("cuda") or rank is not None else "reference")
+    if kind == "fast":
+        if not device.startswith("cuda") and rank is None:
+            raise UserError("--engine fast needs --device cuda")
+        if args.prefill_block < 1:
+            raise UserError(f"--prefill-block must be >= 1, got {args.prefill_block}")
+        ep = {} if rank is None else {"rank": rank.rank, "world_size": rank.world_size}
+        return FastEngine(model_dir, device=device, max_seqs=args.max_seqs, max_block=args.prefill_block,
+                          hbm_budget_gb=args.hbm_budget, routing_profile=args.routing_profile,
+                          cold_path=args.cold_path, **ep), kind, device
+    if args.hbm_budget is not None or args.routing_profile is not None:
+        raise UserError("--hbm-budget / --routing-profile place experts for the fast engine (--engine fast)")
+    return ReferenceEngine(model_dir, device=device), kind, device
+
+
+def build_server(args: argparse.Namespace, rank=None):
+    """Load the model and build (scheduler, FastAPI app, context). Raises UserError on a bad setup.
+    With `rank` (rank 0 of an expert-parallel run) the engine is that rank's part."""
+    from megastep.errors import UserError
     from megastep.runtime.scheduler import Scheduler
     from megastep.server.app import ServerContext, create_app
     from megastep.server.chat import ChatRenderer
     from megastep.tokenizer import load_tokenizer
 
     log = logging.getLogger("megastep.server")
-    if args.model is None:
-        from megastep.builtin import builtin_model_dir
-        model_dir = Path(builtin_model_dir())
-        default_name = "megastep-builtin"
-    else:
-        model_dir = Path(args.model)
-        if not model_dir.is_dir():
-            raise UserError(f"--model {model_dir}: no such directory")
-        default_name = model_dir.resolve().name
+    model_dir, default_name = _model_dir(args)
     for flag, v, lo in (("--max-seqs", args.max_seqs, 1), ("--chunk", args.chunk, 1),
                         ("--queue-limit", args.queue_limit, 1), ("--default-max-tokens", args.default_max_tokens, 1)):
         if v < lo:
@@ -87,25 +124,10 @@ def build_server(args: argparse.Namespace):
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(model_dir)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {args.device}: no CUDA device is available")
-    if not (args.device == "cpu" or args.device.startswith("cuda")):
-        raise UserError(f"--device must be cpu or cuda[:N], got {args.device!r}")
-    kind = args.engine if args.engine != "auto" else ("fast" if args.device.startswith("cuda") else "reference")
-    if kind == "fast":
-        if not args.device.startswith("cuda"):
-            raise UserError("--engine fast needs --device cuda")
-        if args.prefill_block < 1:
-            raise UserError(f"--prefill-block must be >= 1, got {args.prefill_block}")
-        engine = FastEngine(model_dir, device=args.device, max_seqs=args.max_seqs, max_block=args.prefill_block,
-                            hbm_budget_gb=args.hbm_budget,
-                            routing_profile=args.routing_profile, cold_path=args.cold_path)
-    else:
-        if args.hbm_budget is not None or args.routing_profile is not None:
-            raise UserError("--hbm-budget / --routing-profile place experts for the fast engine (--engine fast)")
-        engine = ReferenceEngine(model_dir, device=args.device)
-    log.info("loaded %s in %.1f s (%s engine on %s, %d torch threads)", model_dir,
-             time.perf_counter() - t0, kind, args.device, torch.get_num_threads())
+    engine, kind, device = build_engine(args, model_dir, rank)
+    ep = f", experts split over {rank.world_size} GPUs" if rank is not None else ""
+    log.info("loaded %s in %.1f s (%s engine on %s%s, %d torch threads)", model_dir,
+             time.perf_counter() - t0, kind, device, ep, torch.get_num_threads())
     try:
         scheduler = Scheduler(engine, max_seqs=args.max_seqs, capacity=args.capacity, chunk=args.chunk,
                               queue_limit=args.queue_limit)
@@ -113,7 +135,7 @@ def build_server(args: argparse.Namespace):
         raise UserError(str(e)) from None
     source = ("--capacity" if args.capacity is not None else
               "free device memory after weights, capped at max-seqs x the model's max length"
-              if args.device.startswith("cuda") else "CPU default: up to 4096 tokens per slot")
+              if device.startswith("cuda") else "CPU default: up to 4096 tokens per slot")
     log.info("%s [sized from %s]", scheduler.describe_pool(), source)
     renderer = ChatRenderer(model_dir)
     log.info("chat: %s", renderer.kind)
@@ -123,17 +145,12 @@ def build_server(args: argparse.Namespace):
     return scheduler, create_app(ctx), ctx
 
 
-def serve_main(args: argparse.Namespace) -> int:
-    """Run the server until interrupted. Returns a process exit code."""
+def _logging(args: argparse.Namespace) -> None:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from megastep.errors import UserError
 
-    try:
-        scheduler, app, ctx = build_server(args)
-    except UserError as e:
-        print(f"megastep serve: {e}", file=sys.stderr)
-        return 2
+
+def _run_http(args: argparse.Namespace, scheduler, app, ctx) -> None:
     import uvicorn
 
     scheduler.start()
@@ -143,4 +160,66 @@ def serve_main(args: argparse.Namespace) -> int:
                     access_log=args.access_log, timeout_graceful_shutdown=5)
     finally:
         scheduler.shutdown()
+
+
+def check_gpus(args: argparse.Namespace) -> list[int]:
+    """The GPU ids of --gpus, after checking everything that can be checked before the processes
+    start (flags, the checkpoint's expert count, the devices). Raises UserError."""
+    import torch
+
+    from megastep.checkpoint.loader import scan_checkpoint
+    from megastep.errors import UserError
+    from megastep.runtime import distributed as D
+
+    gpus = D.parse_gpus(args.gpus)
+    if args.device is not None:
+        raise UserError("--gpus puts one process on each GPU it names: drop --device")
+    if args.engine == "reference":
+        raise UserError("--gpus runs the fast engine: drop --engine reference")
+    if args.hbm_budget is not None or args.routing_profile is not None:
+        raise UserError("--gpus holds every routed expert in device memory: drop --hbm-budget / --routing-profile")
+    scan = scan_checkpoint(_model_dir(args)[0])
+    scan.raise_if_invalid(require_mtp=False)
+    D.check_world_size(scan.cfg.n_routed_experts, len(gpus))
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if max(gpus) >= n:
+        raise UserError(f"--gpus {args.gpus}: this machine has {n} CUDA device{'s' * (n != 1)}")
+    return gpus
+
+
+def _serve_rank(rank, args: argparse.Namespace) -> None:
+    """One process of `serve --gpus`: rank 0 serves HTTP and drives the engine; the others follow."""
+    _logging(args)
+    if rank.rank == 0:
+        scheduler, app, ctx = build_server(args, rank)
+        try:
+            _run_http(args, scheduler, app, ctx)
+        finally:
+            scheduler.engine.close()
+    else:
+        engine, _, _ = build_engine(args, _model_dir(args)[0], rank)
+        engine.follow()
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Run the server until interrupted. Returns a process exit code."""
+    _logging(args)
+    from megastep.errors import UserError
+
+    try:
+        if args.gpus:
+            import signal
+
+            from megastep.runtime import distributed as D
+
+            gpus = check_gpus(args)
+            # a terminated server stops its rank processes too (launch's cleanup runs on SystemExit)
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+            D.launch(_serve_rank, len(gpus), (args,), backend="nccl", gpus=gpus, timeout_s=None)
+            return 0
+        scheduler, app, ctx = build_server(args)
+    except UserError as e:
+        print(f"megastep serve: {e}", file=sys.stderr)
+        return 2
+    _run_http(args, scheduler, app, ctx)
     return 0

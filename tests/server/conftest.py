@@ -103,3 +103,17 @@ def small_server(tiny_model_dir):
     s = Server(tiny_model_dir, "--max-seqs", "2", "--capacity", "256", "--chunk", "16", "--queue-limit", "1")
     yield s
     s.stop()
+
+
+@pytest.fixture
+def start_server():
+    """Start servers with any flags (`start_server(model_dir, *args)`); all stopped afterwards."""
+    started: list[Server] = []
+
+    def start(model_dir: Path | None, *args: str) -> Server:
+        started.append(Server(model_dir, *args))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.stop()

@@ -1,0 +1,150 @@
+"""The routed experts' per-pair outputs summed in slot order, one launch: locally (`sum_pairs`) or
+gathered from the ranks that computed them through peer-to-peer loads (`gather_sum_pairs`).
+
+Shapes: pair outputs y [M*k, D] (row m*k + j: row m's j-th routed pair, x's dtype), expert ids
+idx [M, k]; out fp32 [M, D] = ((y[m,0] + y[m,1]) + y[m,2]) + ... in fp32, exactly the additions of
+`moe.sum_pairs` (the `*_ref` functions here), so the same y give the same bits.
+
+Expert parallelism (runtime/distributed.py, `PeerPairs`): rank r of W owns experts
+[r*E/W, (r+1)*E/W) and writes the outputs of its pairs into its own per-layer buffer, which every
+rank can read over NVLink (symmetric memory). The combine kernel then
+  1. signals (its first program): stores the step's epoch into flag [layer, r] of every rank
+     (release, system scope);
+  2. waits (every program) until its own flags [layer, p] hold the epoch for every rank p (acquire);
+  3. reads pair (m, j) from the buffer of the rank that owns expert idx[m, j] and sums in slot order.
+No pair is ever added to another rank's zeros or moved through an integer all-reduce: each value
+arrives as its owner's bits, so the result equals the 1-rank sum bit for bit.
+
+Why one buffer per layer is enough (with at least two MoE layers). A rank writes layer L's
+buffer again in the next step only after passing the barrier of the layer before it, which every
+peer reaches only after finishing its combine of layer L (kernels run in stream order). With one
+layer that barrier would be layer L's own, and a fast rank could overwrite what a slow one still
+reads: `PeerPairs` refuses that case. Flags hold the step's epoch (a device counter each rank
+advances once per step), so they never need resetting.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megastep.kernels.common import launch_opts, next_pow2, pdl_enter
+
+
+@triton.jit
+def arrive_and_wait(flags_ptr, epoch_ptr, flag_off, rank, W: tl.constexpr, ACQUIRE_EACH: tl.constexpr = False):
+    """The barrier of one combine call (module doc), run by every program of the launch. The first
+    program announces this rank's arrival at every rank (itself included); then every program
+    waits for every rank's. Blocks are dispatched in order, so the first one runs whatever the
+    others do (the later ones spin, they never block it). Polling uses relaxed GPU-scope loads of
+    the local flags; once a flag holds the epoch, one system-scope acquire of it pairs with the
+    peer's release and orders the reads that follow. ACQUIRE_EACH (measured by
+    benchmarks/kernels/ep_combine.py, not used): a system-scope acquire in every iteration."""
+    epoch = tl.load(epoch_ptr)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        for p in tl.static_range(W):
+            flags_p = tl.load(flags_ptr + p).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(flags_p + flag_off + rank, epoch, sem="release", scope="sys")
+    mine = tl.load(flags_ptr + rank).to(tl.pointer_type(tl.int32))
+    for p in tl.static_range(W):
+        if ACQUIRE_EACH:
+            seen = tl.atomic_add(mine + flag_off + p, 0, sem="acquire", scope="sys")
+            while seen < epoch:
+                seen = tl.atomic_add(mine + flag_off + p, 0, sem="acquire", scope="sys")
+        else:
+            seen = tl.atomic_add(mine + flag_off + p, 0, sem="relaxed", scope="gpu")
+            while seen < epoch:
+                seen = tl.atomic_add(mine + flag_off + p, 0, sem="relaxed", scope="gpu")
+            tl.atomic_add(mine + flag_off + p, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _pair_sum_kernel(y_ptr, table_ptr, idx_ptr, out_ptr, flags_ptr, epoch_ptr, D, layer_off, flag_off, per, rank,
+                     K: tl.constexpr, W: tl.constexpr, PEER: tl.constexpr, ALIGNED: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = offs < D
+    if PEER:
+        arrive_and_wait(flags_ptr, epoch_ptr, flag_off, rank, W)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(K):
+        row = (m * K + j).to(tl.int64) * D
+        if PEER:
+            owner = tl.load(idx_ptr + m * K + j) // per
+            base = tl.load(table_ptr + owner).to(tl.pointer_type(y_ptr.dtype.element_ty))
+            if ALIGNED:  # rows start on 16 bytes (host-checked): the loads may be 16-byte vectors
+                base = tl.multiple_of(base, 16)
+            base += layer_off
+            # another GPU wrote it during this kernel's wait: bypass the caches that may hold
+            # the previous step's bytes
+            v = tl.load(base + row + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+        else:
+            v = tl.load(y_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
+        if j == 0:
+            acc = v
+        else:
+            acc = acc + v
+    tl.store(out_ptr + m.to(tl.int64) * D + offs, acc, mask=mask)
+
+
+def _block_d(D: int) -> int:
+    return min(1024, next_pow2(D))
+
+
+def sum_pairs(y: torch.Tensor) -> torch.Tensor:
+    """Per-pair outputs y [M, k, D] -> fp32 [M, D], summed in slot order (`moe.sum_pairs`'s bits)."""
+    assert y.dim() == 3 and y.is_contiguous(), (y.shape, y.stride())
+    M, K, D = y.shape
+    out = torch.empty(M, D, dtype=torch.float32, device=y.device)
+    if M:
+        bd = _block_d(D)
+        _pair_sum_kernel[(M, triton.cdiv(D, bd))](
+            y, y, y, out, y, y, D, 0, 0, 1, 0, K=K, W=1, PEER=False, ALIGNED=False, BLOCK_D=bd, num_warps=4,
+            **launch_opts(y))
+    return out
+
+
+def gather_sum_pairs(y_like: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, epoch: torch.Tensor,
+                     idx: torch.Tensor, *, layer_off: int, flag_off: int, per: int, rank: int,
+                     world_size: int) -> torch.Tensor:
+    """fp32 [M, D]: pair (m, j) read from the buffer of the rank owning expert idx[m, j] and summed in
+    slot order, after a barrier with every rank (module doc).
+
+    y_like: this rank's pair buffer (gives the dtype, device and D); table: int64 [W] the base
+    address of every rank's buffer; flags: int64 [W] the base address of every rank's int32 flags;
+    epoch: int32 [1] this step's epoch; idx [M, k] int; layer_off / flag_off: element offsets of
+    this call's buffer and flags from the bases; per: experts per rank."""
+    assert idx.dim() == 2 and idx.is_contiguous() and table.dtype == flags.dtype == torch.int64
+    assert table.numel() == flags.numel() == world_size and epoch.dtype == torch.int32
+    M, K = idx.shape
+    D = y_like.shape[-1]
+    out = torch.empty(M, D, dtype=torch.float32, device=y_like.device)
+    if M:
+        bd = _block_d(D)
+        es = y_like.element_size()
+        # every buffer base is 16-byte aligned here (torch and symmetric-memory allocations), so
+        # rows are when the row and layer strides are
+        aligned = (D * es) % 16 == 0 and (layer_off * es) % 16 == 0
+        _pair_sum_kernel[(M, triton.cdiv(D, bd))](
+            y_like, table, idx, out, flags, epoch, D, layer_off, flag_off, per, rank,
+            K=K, W=world_size, PEER=True, ALIGNED=aligned, BLOCK_D=bd, num_warps=4, **launch_opts(y_like))
+    return out
+
+
+def gather_sum_pairs_ref(bufs: list[torch.Tensor], idx: torch.Tensor, per: int) -> torch.Tensor:
+    """Torch twin of `gather_sum_pairs` without the barrier: bufs[r] is rank r's pair buffer
+    [M*k, D]; pair (m, j) comes from bufs[idx[m, j] // per]."""
+    M, K = idx.shape
+    owner = (idx // per).reshape(-1).tolist()
+    y = torch.stack([bufs[o][i] for i, o in enumerate(owner)]).view(M, K, -1)
+    return sum_pairs_ref(y)
+
+
+def sum_pairs_ref(y: torch.Tensor) -> torch.Tensor:
+    """Torch twin of `sum_pairs` (the same function as `moe.sum_pairs`)."""
+    from megastep.kernels.moe import sum_pairs as ref
+
+    return ref(y)
