@@ -5,9 +5,8 @@ then combined, 43 layers per CUDA graph, at M = 1, 6, 64 rows (top-6 of 256 expe
 
 Variants (the production ones and the knobs of the peer-to-peer kernel, to find its costs):
   allreduce      zeroed buffer, owned rows written, integer all-reduce through NCCL, slot-order sum
-  p2p            kernels/pair_combine.py as used by the decoder (relaxed GPU-scope polling, one acquire)
-  p2p_acquire    polling with a system-scope acquire load in every iteration
-  p2p_cached     the production kernel's protocol with plain loads of the peers' rows (no .cv)
+  p2p            kernels/pair_combine.py as used by the decoder
+  p2p_cached     the same barrier, plain (L1-cached) loads of the peers' rows instead of ".cg"
   p2p_nowait     the gather and sum without the barrier (timing only: the result is not synchronized)
   local          the slot-order sum of a local buffer (the floor: no peer, no barrier)
 Each rank times its own replays (median of --iters, after a barrier); rank 0 prints µs per layer.
@@ -32,20 +31,20 @@ from megastep.runtime import distributed as D  # noqa: E402
 
 @triton.jit
 def _variant_kernel(table_ptr, idx_ptr, out_ptr, flags_ptr, epoch_ptr, D, layer_off, flag_off, per, rank,
-                    K: tl.constexpr, W: tl.constexpr, CV: tl.constexpr, RELAXED: tl.constexpr,
-                    WAIT: tl.constexpr, BLOCK_D: tl.constexpr):
+                    K: tl.constexpr, W: tl.constexpr, CG: tl.constexpr, WAIT: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
     if WAIT:
-        PC.arrive_and_wait(flags_ptr, epoch_ptr, flag_off, rank, W, ACQUIRE_EACH=not RELAXED)
+        PC.arrive_and_wait(flags_ptr, epoch_ptr, flag_off, rank, W)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(K):
         row = (m * K + j).to(tl.int64) * D
         owner = tl.load(idx_ptr + m * K + j) // per
         base = tl.multiple_of(tl.load(table_ptr + owner).to(tl.pointer_type(tl.bfloat16)), 16) + layer_off
-        if CV:
-            v = tl.load(base + row + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+        if CG:
+            v = tl.load(base + row + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         else:
             v = tl.load(base + row + offs, mask=mask, other=0.0).to(tl.float32)
         acc = v if j == 0 else acc + v
@@ -78,21 +77,20 @@ def _rank(r: D.Rank, layers: int, ms: list[int], iters: int):
             D.ordered_combine(bufs_pad[L])
             return PC.sum_pairs(bufs_pad[L])
 
-        def knob(cv, relaxed, wait):
+        def knob(cg, wait):
             def run(L):
                 out = torch.empty(M, Dm, dtype=torch.float32, device=dev)
                 _variant_kernel[(M, 4)](peer.table, idx, out, peer.flag_table, peer.epoch, Dm, L * peer.max_pairs * Dm,
-                                        L * W, per, r.rank, K=K, W=W, CV=cv, RELAXED=relaxed, WAIT=wait,
-                                        BLOCK_D=1024, num_warps=4)
+                                        L * W, per, r.rank, K=K, W=W, CG=cg, WAIT=wait, BLOCK_D=1024,
+                                        num_warps=4)
                 return out
             return run
 
         variants = {
             "allreduce": allreduce,
             "p2p": lambda L: peer.combine(L, idx, per),
-            "p2p_acquire": knob(True, False, True),
-            "p2p_cached": knob(False, True, True),
-            "p2p_nowait": knob(True, True, False),
+            "p2p_cached": knob(False, True),
+            "p2p_nowait": knob(True, False),
             "local": lambda L: PC.sum_pairs(peer.buffer(L, M * K).view(M, K, Dm)),
         }
         bufs_pad = [torch.zeros(M, K, Dm, dtype=torch.bfloat16, device=dev) for _ in range(layers)]

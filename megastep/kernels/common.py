@@ -61,6 +61,35 @@ def launch_opts(t: torch.Tensor) -> dict:
     return {"PDL": on, "launch_pdl": on}
 
 
+_L2_PREFETCH_ASM = tl.constexpr("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;")
+
+
+@triton.jit
+def l2_prefetch_rows(rows, k_lo, k_hi, LINES: tl.constexpr):
+    """Ask L2 for bytes [k_lo, k_hi) of each row: rows [R, 1] byte pointers to existing rows;
+    LINES >= (k_hi - k_lo) / 128, a power of two (128-byte lines per row). A weight-streaming
+    kernel under PDL calls it between `pdl_release` and `pdl_wait` (weights never depend on the
+    predecessor), so the fetch overlaps the predecessor's tail."""
+    line = k_lo + tl.arange(0, LINES) * 128
+    line = tl.where(line < k_hi, line, k_lo)  # past the range: a line already asked for
+    tl.inline_asm_elementwise(_L2_PREFETCH_ASM, "=r,l", [(rows + line[None, :]).to(tl.int64, bitcast=True)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """The first half of `pdl_enter`: the next kernel's CTAs may be placed from now on."""
+    if PDL:
+        tlc.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """The second half of `pdl_enter`: block until the predecessor grid completed."""
+    if PDL:
+        tlc.gdc_wait()
+
+
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """First statement of every launched kernel.

@@ -66,7 +66,9 @@ from megastep.kernels.common import (
     launch_opts,
     next_pow2,
     on_interpreter,
-    pdl_enter,
+    l2_prefetch_rows,
+    pdl_release,
+    pdl_wait,
     round_bf16,
     workspace,
 )
@@ -202,13 +204,21 @@ def _linear_fp8_kernel(
     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, QUANT_ACT: tl.constexpr,
     GROUP_N: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, HAS_RES: tl.constexpr, CODES: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
 ):
-    pdl_enter(PDL)
     # GATED: N is I (output channels); w3's rows (and scale rows) start N rows below w1's
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    pdl_release(PDL)
+    if PREFETCH_LINES:  # (with PDL) L2 fetches the weight tile while the previous kernel drains
+        rows_ok = w_ptr + tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)[:, None] * stride_wn
+        pf_lo = pid_k * K_PER_SPLIT
+        pf_hi = tl.minimum(pf_lo + K_PER_SPLIT, K)
+        l2_prefetch_rows(rows_ok, pf_lo, pf_hi, PREFETCH_LINES)
+        if GATED:
+            l2_prefetch_rows(rows_ok + N * stride_wn, pf_lo, pf_hi, PREFETCH_LINES)
+    pdl_wait(PDL)
     n_tiles = tl.cdiv(N, BLOCK_N)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -323,6 +333,7 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     res = out if residual is None else residual  # unused without a residual
     codes = x_codes is not None and cfg.mode == "f16"  # "dot16" quantizes x itself (the same values)
     xc, xs = x_codes if codes else (out, out)
+    opts = launch_opts(x)
     _linear_fp8_kernel[grid](
         x, w, w_scale.view(torch.uint8), out, part, cnt, res, xc, xs,
         M, N, K, k_per_split, float(limit),
@@ -330,7 +341,8 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
         MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         SPLIT_K=split, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
         GROUP_N=N // groups, GATED=gated, CLAMP=limit > 0, HAS_RES=residual is not None, CODES=codes,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x),
+        PREFETCH_LINES=next_pow2(-(-k_per_split // 128)) if opts["PDL"] else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     return out
 

@@ -33,30 +33,23 @@ from megastep.kernels.common import launch_opts, next_pow2, pdl_enter
 
 
 @triton.jit
-def arrive_and_wait(flags_ptr, epoch_ptr, flag_off, rank, W: tl.constexpr, ACQUIRE_EACH: tl.constexpr = False):
+def arrive_and_wait(flags_ptr, epoch_ptr, flag_off, rank, W: tl.constexpr):
     """The barrier of one combine call (module doc), run by every program of the launch. The first
     program announces this rank's arrival at every rank (itself included); then every program
     waits for every rank's. Blocks are dispatched in order, so the first one runs whatever the
-    others do (the later ones spin, they never block it). Polling uses relaxed GPU-scope loads of
-    the local flags; once a flag holds the epoch, one system-scope acquire of it pairs with the
-    peer's release and orders the reads that follow. ACQUIRE_EACH (measured by
-    benchmarks/kernels/ep_combine.py, not used): a system-scope acquire in every iteration."""
+    others do (the later ones spin, they never block it). Each poll is a system-scope acquire
+    load, whose value the loop uses: a lone acquire after a relaxed polling loop (measured the
+    same) is dropped as dead code by Triton 3.6."""
     epoch = tl.load(epoch_ptr)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         for p in tl.static_range(W):
-            flags_p = tl.load(flags_ptr + p).to(tl.pointer_type(tl.int32))
+            flags_p = tl.load(flags_ptr + p).to(tl.pointer_type(tl.int64))
             tl.atomic_xchg(flags_p + flag_off + rank, epoch, sem="release", scope="sys")
-    mine = tl.load(flags_ptr + rank).to(tl.pointer_type(tl.int32))
+    mine = tl.load(flags_ptr + rank).to(tl.pointer_type(tl.int64))
     for p in tl.static_range(W):
-        if ACQUIRE_EACH:
+        seen = tl.atomic_add(mine + flag_off + p, 0, sem="acquire", scope="sys")
+        while seen < epoch:
             seen = tl.atomic_add(mine + flag_off + p, 0, sem="acquire", scope="sys")
-            while seen < epoch:
-                seen = tl.atomic_add(mine + flag_off + p, 0, sem="acquire", scope="sys")
-        else:
-            seen = tl.atomic_add(mine + flag_off + p, 0, sem="relaxed", scope="gpu")
-            while seen < epoch:
-                seen = tl.atomic_add(mine + flag_off + p, 0, sem="relaxed", scope="gpu")
-            tl.atomic_add(mine + flag_off + p, 0, sem="acquire", scope="sys")
 
 
 @triton.jit
@@ -78,9 +71,9 @@ def _pair_sum_kernel(y_ptr, table_ptr, idx_ptr, out_ptr, flags_ptr, epoch_ptr, D
             if ALIGNED:  # rows start on 16 bytes (host-checked): the loads may be 16-byte vectors
                 base = tl.multiple_of(base, 16)
             base += layer_off
-            # another GPU wrote it during this kernel's wait: bypass the caches that may hold
-            # the previous step's bytes
-            v = tl.load(base + row + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+            # another GPU wrote it during this kernel's wait: read past L1, which may hold the
+            # previous step's bytes (".cg"; Triton 3.6 ignores ".cv" on vector loads)
+            v = tl.load(base + row + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         else:
             v = tl.load(y_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
         if j == 0:
@@ -114,11 +107,12 @@ def gather_sum_pairs(y_like: torch.Tensor, table: torch.Tensor, flags: torch.Ten
     slot order, after a barrier with every rank (module doc).
 
     y_like: this rank's pair buffer (gives the dtype, device and D); table: int64 [W] the base
-    address of every rank's buffer; flags: int64 [W] the base address of every rank's int32 flags;
-    epoch: int32 [1] this step's epoch; idx [M, k] int; layer_off / flag_off: element offsets of
-    this call's buffer and flags from the bases; per: experts per rank."""
+    address of every rank's buffer; flags: int64 [W] the base address of every rank's int64
+    flags; epoch: int64 [1] this step's epoch (never wraps); idx [M, k] int; layer_off /
+    flag_off: element offsets of this call's buffer and flags from the bases; per: experts per
+    rank."""
     assert idx.dim() == 2 and idx.is_contiguous() and table.dtype == flags.dtype == torch.int64
-    assert table.numel() == flags.numel() == world_size and epoch.dtype == torch.int32
+    assert table.numel() == flags.numel() == world_size and epoch.dtype == torch.int64
     M, K = idx.shape
     D = y_like.shape[-1]
     out = torch.empty(M, D, dtype=torch.float32, device=y_like.device)

@@ -249,12 +249,12 @@ class PeerPairs:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.n_layers, self.max_pairs, self.dim = n_layers, max_pairs, dim
         self.bufs = symm.empty(n_layers, max_pairs, dim, dtype=dtype, device=device)
-        self.flags = symm.empty(n_layers, self.world_size, dtype=torch.int32, device=device)
+        self.flags = symm.empty(n_layers, self.world_size, dtype=torch.int64, device=device)
         self.flags.zero_()
         handles = [symm.rendezvous(t, group) for t in (self.bufs, self.flags)]
         self.table, self.flag_table = (torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=device) for h in handles)
         self._handles = handles  # keep the peers' mappings alive
-        self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's flags are zero before anyone signals
 

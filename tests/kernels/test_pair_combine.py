@@ -47,8 +47,8 @@ def test_gather_reads_each_pair_from_its_owner(world):
         b = torch.full((layers, M * K, D), float("nan"), dtype=torch.bfloat16, device=DEV)
         b[layer][owner == r] = y[owner == r]
         bufs.append(b)
-        flags.append(torch.zeros(layers, world, dtype=torch.int32, device=DEV))
-    epoch = torch.tensor([7], dtype=torch.int32, device=DEV)
+        flags.append(torch.zeros(layers, world, dtype=torch.int64, device=DEV))
+    epoch = torch.tensor([7], dtype=torch.int64, device=DEV)
     for f in flags:
         f[layer] = 7  # every rank has arrived: the wait passes at once
     table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEV)
