@@ -26,7 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
-from megastep.kernels.common import launch_opts, on_interpreter, pdl_enter, round_bf16, workspace
+from megastep.kernels.common import (
+    l2_prefetch_rows,
+    launch_opts,
+    on_interpreter,
+    pdl_release,
+    pdl_wait,
+    prefetch_lines,
+    round_bf16,
+    workspace,
+)
 
 BLOCK_M = 16  # rows per program: fixed for every shape (batch invariance)
 _TARGET_PROGRAMS = 264  # two per SM on an H200
@@ -77,12 +86,18 @@ def _linear_bf16_kernel(
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr = 4,
+    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, GROUP: tl.constexpr = 4,
 ):
-    pdl_enter(PDL)
     pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run side by side
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
+    pdl_release(PDL)
+    if PREFETCH_LINES:  # (with PDL) L2 fetches the weight tile while the previous kernel drains
+        pf_lo = pid_k * K_PER_SPLIT
+        l2_prefetch_rows(w_ptr + tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)[:, None] * stride_wn,
+                         pf_lo, tl.minimum(pf_lo + K_PER_SPLIT, K), PREFETCH_LINES)
+    pdl_wait(PDL)
     m_tiles = tl.num_programs(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -160,12 +175,14 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch
         cnt = workspace(x.device, "counters_dense", max(tiles, _COUNTERS), torch.int32)
     else:
         part = cnt = out  # unused
+    opts = launch_opts(x)
     _linear_bf16_kernel[grid](
         x, w, out, part, cnt, M, N, K, k_per_split,
         x.stride(0), w.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=BLOCK_M, BLOCK_K=cfg.block_k, SPLIT_K=split,
         OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=on_interpreter(x),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x),
+        PREFETCH_LINES=prefetch_lines(k_per_split, 2) if opts["PDL"] else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     return out
 

@@ -69,6 +69,7 @@ from megastep.kernels.common import (
     l2_prefetch_rows,
     pdl_release,
     pdl_wait,
+    prefetch_lines,
     round_bf16,
     workspace,
 )
@@ -341,7 +342,7 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
         MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         SPLIT_K=split, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
         GROUP_N=N // groups, GATED=gated, CLAMP=limit > 0, HAS_RES=residual is not None, CODES=codes,
-        PREFETCH_LINES=next_pow2(-(-k_per_split // 128)) if opts["PDL"] else 0,
+        PREFETCH_LINES=prefetch_lines(k_per_split, 1) if opts["PDL"] else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     return out

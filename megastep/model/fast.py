@@ -178,7 +178,8 @@ class FastDecoder:
         path's share of the two paths' bandwidths, measured here by runtime.bandwidth).
         pdl: launch the Triton kernels of a step with programmatic dependent launch
         (kernels.common.pdl_enter): each kernel's CTAs are placed while its predecessor drains;
-        the FP8 linears meanwhile ask L2 for their weight tiles (common.l2_prefetch_rows).
+        the weight-streaming linears (FP8 and bf16) meanwhile ask L2 for their weight tiles
+        (common.l2_prefetch_rows).
         overlap: run the independent parts of a layer on a second CUDA stream (a fork and a
         join inside the step's graph): the shared expert's gated half beside the router and the
         routed experts, the compressors' projections and updates beside the q/kv projections, the kv
