@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megastep.kernels.common import launch_opts, next_pow2, pdl_enter
+from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
 
 
 @triton.jit
@@ -53,8 +53,9 @@ def arrive_and_wait(flags_ptr, epoch_ptr, flag_off, rank, W: tl.constexpr):
 
 
 @triton.jit
-def _pair_sum_kernel(y_ptr, table_ptr, idx_ptr, out_ptr, flags_ptr, epoch_ptr, D, layer_off, flag_off, per, rank,
-                     K: tl.constexpr, W: tl.constexpr, PEER: tl.constexpr, ALIGNED: tl.constexpr,
+def _pair_sum_kernel(y_ptr, table_ptr, idx_ptr, out_ptr, flags_ptr, epoch_ptr, sh_ptr, D, layer_off, flag_off, per,
+                     rank, K: tl.constexpr, W: tl.constexpr, PEER: tl.constexpr, ALIGNED: tl.constexpr,
+                     HAS_SHARED: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
                      BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     m = tl.program_id(0)
@@ -80,7 +81,11 @@ def _pair_sum_kernel(y_ptr, table_ptr, idx_ptr, out_ptr, flags_ptr, epoch_ptr, D
             acc = v
         else:
             acc = acc + v
-    tl.store(out_ptr + m.to(tl.int64) * D + offs, acc, mask=mask)
+    if HAS_SHARED:  # the shared expert's output: w2's epilogue with the routed sum as residual
+        acc = acc + tl.load(sh_ptr + m.to(tl.int64) * D + offs, mask=mask, other=0.0).to(tl.float32)
+    if OUT_BF16:
+        acc = round_bf16(acc, INTERPRET)
+    tl.store(out_ptr + m.to(tl.int64) * D + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _block_d(D: int) -> int:
@@ -95,16 +100,18 @@ def sum_pairs(y: torch.Tensor) -> torch.Tensor:
     if M:
         bd = _block_d(D)
         _pair_sum_kernel[(M, triton.cdiv(D, bd))](
-            y, y, y, out, y, y, D, 0, 0, 1, 0, K=K, W=1, PEER=False, ALIGNED=False, BLOCK_D=bd, num_warps=4,
-            **launch_opts(y))
+            y, y, y, out, y, y, y, D, 0, 0, 1, 0, K=K, W=1, PEER=False, ALIGNED=False, HAS_SHARED=False,
+            OUT_BF16=False, INTERPRET=on_interpreter(y), BLOCK_D=bd, num_warps=4, **launch_opts(y))
     return out
 
 
 def gather_sum_pairs(y_like: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, epoch: torch.Tensor,
                      idx: torch.Tensor, *, layer_off: int, flag_off: int, per: int, rank: int,
-                     world_size: int) -> torch.Tensor:
+                     world_size: int, shared: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [M, D]: pair (m, j) read from the buffer of the rank owning expert idx[m, j] and summed in
-    slot order, after a barrier with every rank (module doc).
+    slot order, after a barrier with every rank (module doc). With `shared` [M, D] (the shared
+    expert's output, bf16 or fp32): that sum plus shared, rounded to shared's dtype, the bits of
+    `linear_fp8(..., residual=<the sum>)` that it replaces (so w2 need not wait for the barrier).
 
     y_like: this rank's pair buffer (gives the dtype, device and D); table: int64 [W] the base
     address of every rank's buffer; flags: int64 [W] the base address of every rank's int64
@@ -115,7 +122,10 @@ def gather_sum_pairs(y_like: torch.Tensor, table: torch.Tensor, flags: torch.Ten
     assert table.numel() == flags.numel() == world_size and epoch.dtype == torch.int64
     M, K = idx.shape
     D = y_like.shape[-1]
-    out = torch.empty(M, D, dtype=torch.float32, device=y_like.device)
+    if shared is not None:
+        assert shared.shape == (M, D) and shared.is_contiguous(), (shared.shape, M, D)
+    out_dtype = torch.float32 if shared is None else shared.dtype
+    out = torch.empty(M, D, dtype=out_dtype, device=y_like.device)
     if M:
         bd = _block_d(D)
         es = y_like.element_size()
@@ -123,18 +133,22 @@ def gather_sum_pairs(y_like: torch.Tensor, table: torch.Tensor, flags: torch.Ten
         # rows are when the row and layer strides are
         aligned = (D * es) % 16 == 0 and (layer_off * es) % 16 == 0
         _pair_sum_kernel[(M, triton.cdiv(D, bd))](
-            y_like, table, idx, out, flags, epoch, D, layer_off, flag_off, per, rank,
-            K=K, W=world_size, PEER=True, ALIGNED=aligned, BLOCK_D=bd, num_warps=4, **launch_opts(y_like))
+            y_like, table, idx, out, flags, epoch, out if shared is None else shared, D, layer_off, flag_off, per, rank,
+            K=K, W=world_size, PEER=True, ALIGNED=aligned, HAS_SHARED=shared is not None,
+            OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=on_interpreter(y_like), BLOCK_D=bd, num_warps=4,
+            **launch_opts(y_like))
     return out
 
 
-def gather_sum_pairs_ref(bufs: list[torch.Tensor], idx: torch.Tensor, per: int) -> torch.Tensor:
+def gather_sum_pairs_ref(bufs: list[torch.Tensor], idx: torch.Tensor, per: int,
+                         shared: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin of `gather_sum_pairs` without the barrier: bufs[r] is rank r's pair buffer
     [M*k, D]; pair (m, j) comes from bufs[idx[m, j] // per]."""
     M, K = idx.shape
     owner = (idx // per).reshape(-1).tolist()
     y = torch.stack([bufs[o][i] for i, o in enumerate(owner)]).view(M, K, -1)
-    return sum_pairs_ref(y)
+    routed = sum_pairs_ref(y)
+    return routed if shared is None else (routed + shared.float()).to(shared.dtype)
 
 
 def sum_pairs_ref(y: torch.Tensor) -> torch.Tensor:

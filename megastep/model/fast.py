@@ -500,9 +500,15 @@ class FastDecoder:
         T = self.trace
         w1, w3, w2 = lw["shared"]
         fused = self.triton and "shared13" in lw
+        # expert parallelism over peer loads: the whole shared expert runs beside the routed experts
+        # and the combine kernel adds it (w2's residual epilogue, the same bits), so w2 does not
+        # wait for the other ranks
+        whole_shared = fused and self.peer is not None and "experts" in lw
         with self._on_side(), stage(T, "shared_expert", L):  # its gated half beside the routed experts
             if fused:  # gated w1/w3 + SwiGLU in one launch
                 a = _lin.linear_fp8_swiglu(x.contiguous(), *lw["shared13"], cfg.swiglu_limit, out_dtype=x.dtype)
+                if whole_shared:
+                    a = _lin.linear_fp8(a, w2.w, w2.scale, block=w2.block, out_dtype=x.dtype)
             else:
                 a = ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
         with stage(T, "router", L):
@@ -518,6 +524,8 @@ class FastDecoder:
         # expert's first half and join here (with several ranks, an eager step's trace counts the
         # wait for the slowest one in this stage)
         with stage(T, "expert_combine", L):
+            if whole_shared:  # a is the shared expert's output
+                return routed(a)
             r = routed()
         with stage(T, "shared_expert", L):
             if fused:  # w2 + the routed sum in one launch
@@ -550,7 +558,7 @@ class FastDecoder:
             _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
                                    config=self._moe_config(x, idx, lw["experts"]), return_pairs=True,
                                    pairs_out=self.peer.buffer(L, idx.numel()))
-            return lambda: self.peer.combine(L, idx, len(self.owned))
+            return lambda shared=None: self.peer.combine(L, idx, len(self.owned), shared)
         if "experts" in lw:
             out = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
                                          config=self._moe_config(x, idx, lw["experts"]), return_pairs=split)

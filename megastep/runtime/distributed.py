@@ -236,8 +236,8 @@ class PeerPairs:
     PyTorch build can.
 
     `begin_step()` advances the epoch (once per step, inside the step's graph); `buffer(L, P)` is
-    the [P, D] view the experts kernel writes layer L's pairs into; `combine(L, idx, per)` the
-    barrier, gather and ordered sum."""
+    the [P, D] view the experts kernel writes layer L's pairs into; `combine(L, idx, per[, shared])`
+    the barrier, gather and ordered sum (plus the shared expert's output)."""
 
     def __init__(self, n_layers: int, max_pairs: int, dim: int, dtype: torch.dtype, device: torch.device,
                  group: dist.ProcessGroup | None = None):
@@ -274,12 +274,14 @@ class PeerPairs:
             raise ValueError(f"{pairs} pairs exceed the combine's {self.max_pairs} (rows x top-k)")
         return self.bufs[layer, :pairs]
 
-    def combine(self, layer: int, idx: torch.Tensor, per: int) -> torch.Tensor:
+    def combine(self, layer: int, idx: torch.Tensor, per: int, shared: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed sum (fp32), or with `shared` the MoE output: routed sum + shared, rounded to its dtype."""
         from megastep.kernels.pair_combine import gather_sum_pairs
 
         return gather_sum_pairs(self.bufs[layer], self.table, self.flag_table, self.epoch, idx.contiguous(),
                                 layer_off=layer * self.max_pairs * self.dim, flag_off=layer * self.world_size,
-                                per=per, rank=self.rank, world_size=self.world_size)
+                                per=per, rank=self.rank, world_size=self.world_size,
+                                shared=None if shared is None else shared.contiguous())
 
 
 class StepChannel:

@@ -62,3 +62,12 @@ def test_gather_reads_each_pair_from_its_owner(world):
         assert torch.equal(got.view(torch.int32), MOE.sum_pairs(y.view(M, K, D)).view(torch.int32))
         for f in flags:  # it signalled its arrival at every rank, at this layer only
             assert f[layer, rank] == 7 and not f[0].any() and not f[2].any()
+        # with the shared expert's output: w2's residual epilogue, (routed + shared) rounded to its
+        # dtype (test_linear_fp8.test_residual_epilogue pins that linear_fp8 computes exactly this)
+        for sd in (torch.bfloat16, torch.float32):
+            shared = (torch.randn(M, D, generator=g) * 50).to(sd).to(DEV)
+            got = PC.gather_sum_pairs(bufs[rank][layer], table, ftable, epoch, idx, layer_off=layer * M * K * D,
+                                      flag_off=layer * world, per=per, rank=rank, world_size=world, shared=shared)
+            want = PC.gather_sum_pairs_ref([b[layer] for b in bufs], idx, per, shared=shared)
+            assert got.dtype == sd and torch.equal(got, want), (rank, sd)
+            assert torch.equal(want, (MOE.sum_pairs(y.view(M, K, D)) + shared.float()).to(sd))
