@@ -22,6 +22,10 @@ Kernels:
    program makes one round trip to memory, and the bf16 row is never stored and re-read. With
    block_d < D it walks the row in chunks and re-reads the stored unnormalized row (large D).
 3. `_hc_post_kernel`, grid (B, cdiv(D, BLOCK_D)): elementwise over D.
+`mhc_post_pre` (a sublayer's post followed by the next one's pre, as the step runs them) folds 3
+into 1: each mixes program first makes its slice of the updated streams from the previous ones
+(the post kernel's arithmetic, products rounded on their own, `_mul_rn`), stores it for the finish
+and the next post, and mixes it: one launch per sublayer fewer, the same bits.
 
 Rounding points follow ops exactly: every product is rounded before it is summed (the finish and
 post kernels are compiled with enable_fp_fusion=False, so no FMA contraction), sums over streams
@@ -91,10 +95,40 @@ def pick_config(hc: int, D: int) -> MhcConfig:
 
 
 @triton.jit
+def _mul_rn(a, b, INTERPRET: tl.constexpr):
+    """a * b rounded on its own (never contracted into an FMA with a following add), in a kernel
+    compiled with FP fusion on: hc_post's products, bit for bit as `_hc_post_kernel` (compiled
+    without fusion: mul.rn.f32) makes them. Not libdevice's mul_rn, which flushes subnormals."""
+    if INTERPRET:  # numpy rounds every operation
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _post_slice(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, row, j, d, mask, stride_yb, stride_hb, stride_hj,
+                stride_ob, stride_oj, HC: tl.constexpr, INTERPRET: tl.constexpr):
+    """hc_post for the elements (stream j, channel d) of one row (vectors; `_hc_post_kernel`'s
+    arithmetic and rounding), stored to out; returns them as fp32 (exact bf16 values)."""
+    y = tl.load(y_ptr + row * stride_yb + d, mask=mask, other=0.0).to(tl.float32)
+    cb = comb_ptr + row * HC * HC
+    h_row = h_ptr + row * stride_hb + d
+    acc = _mul_rn(tl.load(cb + j, mask=mask, other=0.0), tl.load(h_row, mask=mask, other=0.0).to(tl.float32), INTERPRET)
+    for i in tl.static_range(1, HC):
+        hi = tl.load(h_row + i * stride_hj, mask=mask, other=0.0).to(tl.float32)
+        acc = acc + _mul_rn(tl.load(cb + i * HC + j, mask=mask, other=0.0), hi, INTERPRET)
+    o = _mul_rn(tl.load(post_ptr + row * HC + j, mask=mask, other=0.0), y, INTERPRET) + acc
+    o = round_bf16(o, INTERPRET)
+    tl.store(out_ptr + row * stride_ob + j * stride_oj + d, o.to(out_ptr.dtype.element_ty), mask=mask)
+    return o
+
+
+@triton.jit
 def _hc_mix_partial_kernel(
-    h_ptr, fn_ptr, part_ptr,
-    B, D, K, stride_hb, stride_hj, stride_fn,
-    MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
+    h_ptr, fn_ptr, part_ptr, y_ptr, post_ptr, comb_ptr, hout_ptr,
+    B, D, K, stride_hb, stride_hj, stride_fn, stride_yb, stride_ob, stride_oj,
+    MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr,
+    UPDATE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     s = tl.program_id(0)
@@ -110,8 +144,13 @@ def _hc_mix_partial_kernel(
         if mt * BLOCK_M + r < B:  # rows past B (a partial last tile, B = 1): skip their reductions
             # row index as a tensor: the interpreter mishandles a scalar boolean in a mask
             row = tl.zeros([KC], dtype=tl.int32) + (mt * BLOCK_M + r)
-            x = tl.load(h_ptr + row.to(tl.int64) * stride_hb + h_off, mask=k_mask & (row < B),
-                        other=0.0).to(tl.float32)
+            if UPDATE:  # h is the previous h: this slice of the updated streams, made and stored here
+                x = _post_slice(y_ptr, h_ptr, post_ptr, comb_ptr, hout_ptr, row.to(tl.int64), j, offs_k - j * D,
+                                k_mask & (row < B), stride_yb, stride_hb, stride_hj, stride_ob, stride_oj,
+                                HC, INTERPRET)
+            else:
+                x = tl.load(h_ptr + row.to(tl.int64) * stride_hb + h_off, mask=k_mask & (row < B),
+                            other=0.0).to(tl.float32)
             part = tl.sum(fn * x[None, :], axis=1)  # [MIXP], zero past MIX
             part = tl.where(cols == MIX, tl.sum(x * x, axis=0), part)
             prow = tl.zeros([MIXP], dtype=tl.int32) + (mt * BLOCK_M + r)
@@ -335,7 +374,21 @@ def _check_h(h: torch.Tensor, hc: int) -> tuple[int, int]:
     return h.shape[0], h.shape[2]
 
 
-def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn, config):
+def _check_update(y, h, post, comb):
+    """The inputs of hc_post (y, h, post, comb); returns (B, D)."""
+    hc = h.shape[1]
+    B, D = _check_h(h, hc)
+    assert y.shape == (B, D) and y.stride(1) == 1, (y.shape, h.shape)
+    assert y.dtype in (torch.bfloat16, torch.float32), y.dtype
+    assert post.shape == (B, hc) and post.dtype == torch.float32 and post.is_contiguous()
+    assert comb.shape == (B, hc, hc) and comb.dtype == torch.float32 and comb.is_contiguous()
+    assert y.device == h.device == post.device == comb.device
+    return B, D
+
+
+def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn, config, update=None):
+    """The mixes and finish launches; with update = (y, post, comb) the mixes launch first makes the
+    updated streams h' = hc_post(y, h, post, comb) (stored, and returned last) and collapses those."""
     B, D = _check_h(h, hc)
     mix = (2 + hc) * hc if sinkhorn else hc
     K = hc * D
@@ -351,16 +404,26 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
     x = torch.empty(B, D, dtype=h.dtype, device=dev)
     post = torch.empty(B, hc, dtype=torch.float32, device=dev)
     comb = torch.empty(B, hc, hc, dtype=torch.float32, device=dev)
+    h_new = None
+    if update is not None:
+        _check_update(update[0], h, *update[1:])
+        h_new = torch.empty(B, hc, D, dtype=h.dtype, device=dev)
     if B == 0:
-        return x, post, comb
+        return (x, post, comb) if update is None else (x, post, comb, h_new)
     S = -(-K // cfg.kc)
     mixp = next_pow2(mix + 1)
     part = torch.empty(S, B, mixp, dtype=torch.float32, device=dev)
     interp = on_interpreter(h)
+    y, post_in, comb_in = update if update is not None else (h, h, h)  # unused without update
+    hout = h_new if update is not None else h
     _hc_mix_partial_kernel[(S, -(-B // cfg.block_m))](
-        h, fn, part, B, D, K, h.stride(0), h.stride(1), fn.stride(0),
-        MIX=mix, MIXP=mixp, KC=cfg.kc, BLOCK_M=cfg.block_m, num_warps=cfg.num_warps, **launch_opts(h),
+        h, fn, part, y, post_in, comb_in, hout, B, D, K, h.stride(0), h.stride(1), fn.stride(0),
+        y.stride(0), hout.stride(0), hout.stride(1),
+        MIX=mix, MIXP=mixp, KC=cfg.kc, BLOCK_M=cfg.block_m, HC=hc, UPDATE=update is not None, INTERPRET=interp,
+        num_warps=cfg.num_warps, **launch_opts(h),
     )
+    if update is not None:
+        h = h_new
     block_d = min(cfg.block_d, max(16, next_pow2(D)))
     apart = sinkhorn and cfg.sinkhorn_apart
     _hc_finish_kernel[(B, 2 if apart else 1)](
@@ -371,7 +434,7 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
         SINKHORN=sinkhorn, APART=apart, INTERPRET=interp, num_warps=cfg.finish_warps, enable_fp_fusion=False,
         **launch_opts(h),
     )
-    return x, post, comb
+    return (x, post, comb) if update is None else (x, post, comb, h_new)
 
 
 def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor,
@@ -379,6 +442,17 @@ def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     """h [B, hc, D] bf16, fn [(2+hc)*hc, hc*D] f32, scale [3], base [(2+hc)*hc], norm_w [D] f32
     -> (x [B, D] bf16 (collapsed and normed), post [B, hc] f32, comb [B, hc, hc] f32)."""
     return _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, True, config)
+
+
+def mhc_post_pre(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                 scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor, hc: int, iters: int, hc_eps: float,
+                 norm_eps: float, config: MhcConfig | None = None):
+    """`mhc_post` then `mhc_pre` of the next sublayer with one launch fewer: the mixes launch makes the
+    updated streams itself (the post kernel's arithmetic, rounded product by product) and stores
+    them. -> (h' [B, hc, D] bf16, x, post', comb'), the bits of the two calls."""
+    x, post2, comb2, h2 = _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, True, config,
+                                    update=(y, post, comb))
+    return h2, x, post2, comb2
 
 
 def mhc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor,
@@ -391,12 +465,7 @@ def mhc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.T
              config: MhcConfig | None = None) -> torch.Tensor:
     """y [B, D] bf16, h [B, hc, D] bf16, post [B, hc] f32, comb [B, hc, hc] f32 -> [B, hc, D] bf16."""
     hc = h.shape[1]
-    B, D = _check_h(h, hc)
-    assert y.shape == (B, D) and y.stride(1) == 1, (y.shape, h.shape)
-    assert y.dtype in (torch.bfloat16, torch.float32), y.dtype
-    assert post.shape == (B, hc) and post.dtype == torch.float32 and post.is_contiguous()
-    assert comb.shape == (B, hc, hc) and comb.dtype == torch.float32 and comb.is_contiguous()
-    assert y.device == h.device == post.device == comb.device
+    B, D = _check_update(y, h, post, comb)
     cfg = config or pick_config(hc, D)
     cfg.check()
     out = torch.empty(B, hc, D, dtype=h.dtype, device=h.device)
@@ -430,3 +499,9 @@ def mhc_head_ref(h, fn, scale, base, norm_w, hc_eps, norm_eps, config=None):
 def mhc_post_ref(y, h, post, comb, config=None):
     del config
     return ops.hc_post(y, h, post, comb)
+
+
+def mhc_post_pre_ref(y, h, post, comb, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, config=None):
+    del config
+    h2 = mhc_post_ref(y, h, post, comb)
+    return (h2, *mhc_pre_ref(h2, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps))

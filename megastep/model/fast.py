@@ -606,6 +606,7 @@ class FastDecoder:
         if self.peer is not None:
             self.peer.begin_step()
         mhc_pre, mhc_post = self._kernel(_mhc, "mhc_pre"), self._kernel(_mhc, "mhc_post")
+        post_pre = self._kernel(_mhc, "mhc_post_pre")  # a sublayer's stream update + the next one's mixes
         hc, iters, hc_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
         if block == 1:
             passes = [slots]
@@ -615,17 +616,22 @@ class FastDecoder:
             passes = [torch.where(rank == t, slots, dummy) for t in range(block)]
         with stage(T, "embed"):
             h = self.embed[tokens].to(self.dtype)[:, None, :].expand(-1, hc, -1).contiguous()
+        with stage(T, "mhc_pre", 0):
+            x, post, comb = mhc_pre(h, *self.layers[0]["hc_attn"], self.layers[0]["attn_norm"], hc, iters, hc_eps, eps)
         for L, lw in enumerate(self.layers):
-            with stage(T, "mhc_pre", L):
-                x, post, comb = mhc_pre(h, *lw["hc_attn"], lw["attn_norm"], hc, iters, hc_eps, eps)
             y = self._attention(x, pos, slots, passes, L)
-            with stage(T, "mhc_post", L):
-                h = mhc_post(y.contiguous(), h, post, comb)
-            with stage(T, "mhc_pre", L):
-                x, post, comb = mhc_pre(h, *lw["hc_ffn"], lw["ffn_norm"], hc, iters, hc_eps, eps)
+            with stage(T, "mhc_pre", L):  # the attention's update of the streams and the FFN's mixes
+                h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *lw["hc_ffn"], lw["ffn_norm"], hc, iters,
+                                            hc_eps, eps)
             y = self._moe(x, tokens, L)
-            with stage(T, "mhc_post", L):
-                h = mhc_post(y.contiguous(), h, post, comb)
+            if L + 1 < len(self.layers):  # the FFN's update and the next layer's attention mixes
+                nxt = self.layers[L + 1]
+                with stage(T, "mhc_pre", L + 1):
+                    h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *nxt["hc_attn"], nxt["attn_norm"], hc,
+                                                iters, hc_eps, eps)
+            else:
+                with stage(T, "mhc_post", L):
+                    h = mhc_post(y.contiguous(), h, post, comb)
         with stage(T, "head"):
             z = self._kernel(_mhc, "mhc_head")(h, *self.hc_head, self.norm_w, hc_eps, eps)
             return self._dense(z, self.head)

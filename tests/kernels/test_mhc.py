@@ -215,3 +215,39 @@ def test_gpu_finish_variants_same_bits(B):
                                                 replace(base, finish_warps=16, sinkhorn_apart=False)]:
         for a, b in zip(run_all(args, head_args, y, cfg), ref):
             assert same_bits(a, b), cfg
+
+
+@pytest.mark.parametrize("cfg", [None] + SMALL, ids=str)
+@pytest.mark.parametrize("B,D", [(1, 64), (3, 40), (5, 128)])
+def test_post_pre_fused_equals_post_then_pre(cfg, B, D):
+    """mhc_post_pre gives the bits of mhc_post followed by mhc_pre (bf16 and fp32 y), and matches
+    the refs like the two calls do."""
+    h, fn, scale, base, w = make(B, D, seed=B * 100 + D)
+    g = torch.Generator(device="cpu").manual_seed(D)
+    _, post, comb = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg)
+    for y in ((torch.randn(B, D, generator=g) * 3).bfloat16().to(DEV), torch.randn(B, D, generator=g).to(DEV)):
+        h2 = mhc_post(y, h, post, comb, config=cfg)
+        want = (h2, *mhc_pre(h2, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg))
+        got = mhc.mhc_post_pre(y, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                                                      b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+        ref = mhc.mhc_post_pre_ref(y, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
+        check_bf16(got[0], ref[0], max_steps=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("B", [1, 16, 64])
+def test_gpu_post_pre_fused_same_bits(B):
+    """At V4 shapes on the GPU, where the mixes kernel contracts FMAs: the fused launch gives the
+    bits of mhc_post then mhc_pre (its post products are rounded on their own, like the post
+    kernel's, compiled without FP fusion)."""
+    h, fn, scale, base, w = make(B, 4096, seed=B + 9, dev="cuda")
+    _, post, comb = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
+    y = (torch.randn(B, 4096, device="cuda") * 3).bfloat16()
+    h2 = mhc_post(y, h, post, comb)
+    want = (h2, *mhc_pre(h2, fn, scale, base, w, HC, ITERS, HC_EPS, EPS))
+    got = mhc.mhc_post_pre(y, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
