@@ -307,3 +307,24 @@ def test_engine_expert_parallel_matches_one_rank(tmp_path):
     assert toks == want[0]
     assert torch.equal(logits, want[1]) and torch.equal(first, want[2])
     assert torch.equal(first, logits[0][0])  # the reused slot starts clean
+
+
+def test_p2p_combine_falls_back_to_the_all_reduce(monkeypatch):
+    """Where the peer-to-peer buffers cannot be set up (GPUs without peer access), the default
+    combine warns and uses the all-reduce; asked for explicitly, the failure is raised."""
+    from megastep.model.fast import FastDecoder
+
+    cfg = _cfg()
+    dec = FastDecoder(cfg, synthesize_weights(cfg, SEED, include_mtp=False), max_seqs=1, max_ctx=64, device="cpu",
+                      triton=False)
+
+    def no_peer_access(*a, **k):
+        raise RuntimeError("peer access is not supported between these devices")
+
+    monkeypatch.setattr(D.PeerPairs, "__init__", no_peer_access)
+    monkeypatch.setattr(D.PeerPairs, "available", staticmethod(lambda: True))
+    dec.world_size = 2
+    with pytest.warns(UserWarning, match="peer access is not supported.*using the all-reduce"):
+        assert dec._peer_pairs(None, 4, on_cuda=True) is None
+    with pytest.raises(RuntimeError, match="peer access is not supported"):
+        dec._peer_pairs("p2p", 4, on_cuda=True)

@@ -22,6 +22,7 @@ the quantization simulations on: the two differ by fp32 summation order only.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -319,8 +320,14 @@ class FastDecoder:
                              "and a PyTorch with symmetric memory")
         if self.world_size == 1 or ep_combine == "allreduce" or not can:
             return None
-        return PeerPairs(self.cfg.num_hidden_layers, max_rows * self.cfg.num_experts_per_tok, self.cfg.hidden_size,
-                         self.dtype, self.device, self.group)
+        try:
+            return PeerPairs(self.cfg.num_hidden_layers, max_rows * self.cfg.num_experts_per_tok,
+                             self.cfg.hidden_size, self.dtype, self.device, self.group)
+        except (RuntimeError, OSError) as e:  # e.g. GPUs without peer access: every rank fails alike
+            if ep_combine == "p2p":
+                raise
+            warnings.warn(f"peer-to-peer expert combine unavailable ({e}); using the all-reduce", stacklevel=2)
+            return None
 
     def _cpu_experts(self, L: int, cold: list[int], placement, cold_path: str, cpu_share: float) -> list[int]:
         """The cold experts of layer L that the CPU computes: none (recipe A), all (B), or (hybrid)
