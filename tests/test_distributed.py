@@ -288,10 +288,11 @@ def _engine_rank(r: D.Rank, model_dir, prompts, steps):
         eng.close()
 
 
-def test_engine_expert_parallel_matches_one_rank(tmp_path):
-    """FastEngine over 2 ranks (what `megastep serve --gpus` runs, here on gloo): rank 0 takes the
-    scheduler's calls and sends each slot reset and step to rank 1; tokens and logits equal the
-    1-rank engine's bit for bit, and both ranks exit when rank 0 closes."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_engine_expert_parallel_matches_one_rank(tmp_path, world):
+    """FastEngine over 2 and 4 ranks (what `megastep serve --gpus` runs, here on gloo): rank 0 takes
+    the scheduler's calls and sends each slot reset and step to the others; tokens and logits
+    equal the 1-rank engine's bit for bit, and every rank exits when rank 0 closes."""
     from megastep.checkpoint.synthetic import write_checkpoint
     from megastep.config import QuantConfig
     from megastep.runtime.engine import FastEngine
@@ -299,8 +300,8 @@ def test_engine_expert_parallel_matches_one_rank(tmp_path):
     cfg = _cfg().replace(quantization_config=QuantConfig(weight_block_size=(128, 128)))
     write_checkpoint(cfg, tmp_path, seed=SEED)
     prompts = [PROMPT[:6], PROMPT[2:5]]
-    outs = D.launch(_engine_rank, 2, (tmp_path, prompts, 6), backend="gloo", threads=1, timeout_s=TIMEOUT_S * 2)
-    assert outs[1] is None
+    outs = D.launch(_engine_rank, world, (tmp_path, prompts, 6), backend="gloo", threads=1, timeout_s=TIMEOUT_S * 2)
+    assert all(o is None for o in outs[1:])
     torch.set_num_threads(1)
     want = _engine_greedy(FastEngine(tmp_path, device="cpu", max_seqs=2, max_ctx=64, max_block=4), prompts, 6)
     toks, logits, first = outs[0]
