@@ -95,8 +95,8 @@ def _linear_bf16_kernel(
     pdl_release(PDL)
     if PREFETCH_LINES:  # (with PDL) L2 fetches the weight tile while the previous kernel drains
         pf_lo = pid_k * K_PER_SPLIT
-        l2_prefetch_rows(w_ptr + tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)[:, None] * stride_wn,
-                         pf_lo, tl.minimum(pf_lo + K_PER_SPLIT, K), PREFETCH_LINES)
+        l2_prefetch_rows(w_ptr, pid_n * BLOCK_N, N, stride_wn, pf_lo, tl.minimum(pf_lo + K_PER_SPLIT, K), BLOCK_N,
+                         PREFETCH_LINES)
     pdl_wait(PDL)
     m_tiles = tl.num_programs(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -181,7 +181,7 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch
         x.stride(0), w.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=BLOCK_M, BLOCK_K=cfg.block_k, SPLIT_K=split,
         OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=on_interpreter(x),
-        PREFETCH_LINES=prefetch_lines(k_per_split, 2) if opts["PDL"] else 0,
+        PREFETCH_LINES=prefetch_lines(opts, k_per_split, w.element_size()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     return out

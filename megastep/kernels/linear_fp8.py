@@ -213,12 +213,12 @@ def _linear_fp8_kernel(
     pid_m = tl.program_id(2)
     pdl_release(PDL)
     if PREFETCH_LINES:  # (with PDL) L2 fetches the weight tile while the previous kernel drains
-        rows_ok = w_ptr + tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)[:, None] * stride_wn
         pf_lo = pid_k * K_PER_SPLIT
         pf_hi = tl.minimum(pf_lo + K_PER_SPLIT, K)
-        l2_prefetch_rows(rows_ok, pf_lo, pf_hi, PREFETCH_LINES)
+        l2_prefetch_rows(w_ptr, pid_n * BLOCK_N, N, stride_wn, pf_lo, pf_hi, BLOCK_N, PREFETCH_LINES)
         if GATED:
-            l2_prefetch_rows(rows_ok + N * stride_wn, pf_lo, pf_hi, PREFETCH_LINES)
+            l2_prefetch_rows(w_ptr + N * stride_wn, pid_n * BLOCK_N, N, stride_wn, pf_lo, pf_hi, BLOCK_N,
+                             PREFETCH_LINES)
     pdl_wait(PDL)
     n_tiles = tl.cdiv(N, BLOCK_N)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -342,7 +342,7 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
         MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         SPLIT_K=split, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
         GROUP_N=N // groups, GATED=gated, CLAMP=limit > 0, HAS_RES=residual is not None, CODES=codes,
-        PREFETCH_LINES=prefetch_lines(k_per_split, 1) if opts["PDL"] else 0,
+        PREFETCH_LINES=prefetch_lines(opts, k_per_split, w.element_size()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     return out
@@ -396,7 +396,8 @@ def linear_fp8(
     loop then loads them instead of quantizing x in every program. Same bits either way."""
     assert block == BLOCK, "V4 FP8 weights use 128x128 blocks"
     _check_operands(x, w, w_scale, out_dtype)
-    _check_codes(x, x_codes if quantize_act else None)
+    x_codes = x_codes if quantize_act else None  # wo_a reads x itself
+    _check_codes(x, x_codes)
     assert x.shape[1] == groups * w.shape[1], (x.shape, w.shape, groups)
     assert groups == 1 or (w.shape[0] % groups == 0 and (w.shape[0] // groups) % BLOCK == 0), (w.shape, groups)
     M = x.shape[0]
@@ -409,8 +410,7 @@ def linear_fp8(
     out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    return _launch(x, w, w_scale, out, cfg, quantize_act, groups, False, 0.0, residual,
-                   x_codes if quantize_act else None)
+    return _launch(x, w, w_scale, out, cfg, quantize_act, groups, False, 0.0, residual, x_codes)
 
 
 def linear_fp8_swiglu(

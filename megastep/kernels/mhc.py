@@ -387,8 +387,9 @@ def _check_update(y, h, post, comb):
 
 
 def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn, config, update=None):
-    """The mixes and finish launches; with update = (y, post, comb) the mixes launch first makes the
-    updated streams h' = hc_post(y, h, post, comb) (stored, and returned last) and collapses those."""
+    """The mixes and finish launches -> (x, post, comb, the streams collapsed). With update =
+    (y, post, comb) the mixes launch first makes the updated streams h' = hc_post(y, h, post,
+    comb), stores them and collapses those (returned last); else h itself."""
     B, D = _check_h(h, hc)
     mix = (2 + hc) * hc if sinkhorn else hc
     K = hc * D
@@ -404,26 +405,24 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
     x = torch.empty(B, D, dtype=h.dtype, device=dev)
     post = torch.empty(B, hc, dtype=torch.float32, device=dev)
     comb = torch.empty(B, hc, hc, dtype=torch.float32, device=dev)
-    h_new = None
+    hout = h  # the streams collapsed: h, or (update) the new ones the mixes launch writes
     if update is not None:
         _check_update(update[0], h, *update[1:])
-        h_new = torch.empty(B, hc, D, dtype=h.dtype, device=dev)
+        hout = torch.empty(B, hc, D, dtype=h.dtype, device=dev)
     if B == 0:
-        return (x, post, comb) if update is None else (x, post, comb, h_new)
+        return x, post, comb, hout
     S = -(-K // cfg.kc)
     mixp = next_pow2(mix + 1)
     part = torch.empty(S, B, mixp, dtype=torch.float32, device=dev)
     interp = on_interpreter(h)
     y, post_in, comb_in = update if update is not None else (h, h, h)  # unused without update
-    hout = h_new if update is not None else h
     _hc_mix_partial_kernel[(S, -(-B // cfg.block_m))](
         h, fn, part, y, post_in, comb_in, hout, B, D, K, h.stride(0), h.stride(1), fn.stride(0),
         y.stride(0), hout.stride(0), hout.stride(1),
         MIX=mix, MIXP=mixp, KC=cfg.kc, BLOCK_M=cfg.block_m, HC=hc, UPDATE=update is not None, INTERPRET=interp,
         num_warps=cfg.num_warps, **launch_opts(h),
     )
-    if update is not None:
-        h = h_new
+    h = hout
     block_d = min(cfg.block_d, max(16, next_pow2(D)))
     apart = sinkhorn and cfg.sinkhorn_apart
     _hc_finish_kernel[(B, 2 if apart else 1)](
@@ -434,14 +433,14 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
         SINKHORN=sinkhorn, APART=apart, INTERPRET=interp, num_warps=cfg.finish_warps, enable_fp_fusion=False,
         **launch_opts(h),
     )
-    return (x, post, comb) if update is None else (x, post, comb, h_new)
+    return x, post, comb, h
 
 
 def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor,
             hc: int, iters: int, hc_eps: float, norm_eps: float, config: MhcConfig | None = None):
     """h [B, hc, D] bf16, fn [(2+hc)*hc, hc*D] f32, scale [3], base [(2+hc)*hc], norm_w [D] f32
     -> (x [B, D] bf16 (collapsed and normed), post [B, hc] f32, comb [B, hc, hc] f32)."""
-    return _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, True, config)
+    return _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, True, config)[:3]
 
 
 def mhc_post_pre(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
+from megastep.kernels.moe import sum_pairs as sum_pairs_ref  # the torch twin of `sum_pairs`
 
 
 @triton.jit
@@ -92,16 +93,23 @@ def _block_d(D: int) -> int:
     return min(1024, next_pow2(D))
 
 
+def _launch(y, table, idx, out, flags, epoch, shared, D, K, layer_off=0, flag_off=0, per=1, rank=0, world_size=1,
+            peer=False, aligned=False):
+    bd = min(1024, next_pow2(D))
+    _pair_sum_kernel[(out.shape[0], triton.cdiv(D, bd))](
+        y, table, idx, out, flags, epoch, out if shared is None else shared, D, layer_off, flag_off, per, rank,
+        K=K, W=world_size, PEER=peer, ALIGNED=aligned, HAS_SHARED=shared is not None,
+        OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=on_interpreter(y), BLOCK_D=bd, num_warps=4,
+        **launch_opts(y))
+
+
 def sum_pairs(y: torch.Tensor) -> torch.Tensor:
     """Per-pair outputs y [M, k, D] -> fp32 [M, D], summed in slot order (`moe.sum_pairs`'s bits)."""
     assert y.dim() == 3 and y.is_contiguous(), (y.shape, y.stride())
     M, K, D = y.shape
     out = torch.empty(M, D, dtype=torch.float32, device=y.device)
-    if M:
-        bd = _block_d(D)
-        _pair_sum_kernel[(M, triton.cdiv(D, bd))](
-            y, y, y, out, y, y, y, D, 0, 0, 1, 0, K=K, W=1, PEER=False, ALIGNED=False, HAS_SHARED=False,
-            OUT_BF16=False, INTERPRET=on_interpreter(y), BLOCK_D=bd, num_warps=4, **launch_opts(y))
+    if M:  # the pointers the local sum does not read: y
+        _launch(y, y, y, out, y, y, None, D, K)
     return out
 
 
@@ -124,19 +132,14 @@ def gather_sum_pairs(y_like: torch.Tensor, table: torch.Tensor, flags: torch.Ten
     D = y_like.shape[-1]
     if shared is not None:
         assert shared.shape == (M, D) and shared.is_contiguous(), (shared.shape, M, D)
-    out_dtype = torch.float32 if shared is None else shared.dtype
-    out = torch.empty(M, D, dtype=out_dtype, device=y_like.device)
+    out = torch.empty(M, D, dtype=torch.float32 if shared is None else shared.dtype, device=y_like.device)
     if M:
-        bd = _block_d(D)
         es = y_like.element_size()
         # every buffer base is 16-byte aligned here (torch and symmetric-memory allocations), so
         # rows are when the row and layer strides are
         aligned = (D * es) % 16 == 0 and (layer_off * es) % 16 == 0
-        _pair_sum_kernel[(M, triton.cdiv(D, bd))](
-            y_like, table, idx, out, flags, epoch, out if shared is None else shared, D, layer_off, flag_off, per, rank,
-            K=K, W=world_size, PEER=True, ALIGNED=aligned, HAS_SHARED=shared is not None,
-            OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=on_interpreter(y_like), BLOCK_D=bd, num_warps=4,
-            **launch_opts(y_like))
+        _launch(y_like, table, idx, out, flags, epoch, shared, D, K, layer_off, flag_off, per, rank, world_size,
+                peer=True, aligned=aligned)
     return out
 
 
@@ -149,10 +152,3 @@ def gather_sum_pairs_ref(bufs: list[torch.Tensor], idx: torch.Tensor, per: int,
     y = torch.stack([bufs[o][i] for i, o in enumerate(owner)]).view(M, K, -1)
     routed = sum_pairs_ref(y)
     return routed if shared is None else (routed + shared.float()).to(shared.dtype)
-
-
-def sum_pairs_ref(y: torch.Tensor) -> torch.Tensor:
-    """Torch twin of `sum_pairs` (the same function as `moe.sum_pairs`)."""
-    from megastep.kernels.moe import sum_pairs as ref
-
-    return ref(y)

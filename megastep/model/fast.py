@@ -515,7 +515,7 @@ class FastDecoder:
             if fused:  # gated w1/w3 + SwiGLU in one launch
                 a = _lin.linear_fp8_swiglu(x.contiguous(), *lw["shared13"], cfg.swiglu_limit, out_dtype=x.dtype)
                 if whole_shared:
-                    a = _lin.linear_fp8(a, w2.w, w2.scale, block=w2.block, out_dtype=x.dtype)
+                    a = w2(a, True)
             else:
                 a = ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
         with stage(T, "router", L):
@@ -561,14 +561,13 @@ class FastDecoder:
         # one-part kernel makes.
         split = self.world_size > 1 or lw.get("cpu_experts", False)
         job = self.sidecar.start(L, x, idx, w) if lw.get("cpu_experts") else None  # runs beside the kernel below
-        if self.peer is not None and "experts" in lw:  # written where the other ranks read them
-            _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
-                                   config=self._moe_config(x, idx, lw["experts"]), return_pairs=True,
-                                   pairs_out=self.peer.buffer(L, idx.numel()))
-            return lambda shared=None: self.peer.combine(L, idx, len(self.owned), shared)
         if "experts" in lw:
+            peer = self.peer is not None  # the pairs written where the other ranks read them
             out = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
-                                         config=self._moe_config(x, idx, lw["experts"]), return_pairs=split)
+                                         config=self._moe_config(x, idx, lw["experts"]), return_pairs=split,
+                                         pairs_out=self.peer.buffer(L, idx.numel()) if peer else None)
+            if peer:
+                return lambda shared=None: self.peer.combine(L, idx, len(self.owned), shared)
         else:
             ex = lw["experts_stacked"]
             out = _moe.moe_experts_mxfp4_ref(x, idx, w, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
@@ -623,19 +622,21 @@ class FastDecoder:
             passes = [torch.where(rank == t, slots, dummy) for t in range(block)]
         with stage(T, "embed"):
             h = self.embed[tokens].to(self.dtype)[:, None, :].expand(-1, hc, -1).contiguous()
+        # sublayers in order (attention, then FFN, of each layer); each one's update of the streams
+        # shares a launch with the next one's mixes (mhc_post_pre), the last one's stands alone
+        subs = [(L, kind) for L in range(len(self.layers)) for kind in ("attn", "ffn")]
+
+        def mixes(i: int):
+            lw = self.layers[subs[i][0]]
+            return (*lw[f"hc_{subs[i][1]}"], lw[f"{subs[i][1]}_norm"], hc, iters, hc_eps, eps)
+
         with stage(T, "mhc_pre", 0):
-            x, post, comb = mhc_pre(h, *self.layers[0]["hc_attn"], self.layers[0]["attn_norm"], hc, iters, hc_eps, eps)
-        for L, lw in enumerate(self.layers):
-            y = self._attention(x, pos, slots, passes, L)
-            with stage(T, "mhc_pre", L):  # the attention's update of the streams and the FFN's mixes
-                h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *lw["hc_ffn"], lw["ffn_norm"], hc, iters,
-                                            hc_eps, eps)
-            y = self._moe(x, tokens, L)
-            if L + 1 < len(self.layers):  # the FFN's update and the next layer's attention mixes
-                nxt = self.layers[L + 1]
-                with stage(T, "mhc_pre", L + 1):
-                    h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *nxt["hc_attn"], nxt["attn_norm"], hc,
-                                                iters, hc_eps, eps)
+            x, post, comb = mhc_pre(h, *mixes(0))
+        for i, (L, kind) in enumerate(subs):
+            y = self._attention(x, pos, slots, passes, L) if kind == "attn" else self._moe(x, tokens, L)
+            if i + 1 < len(subs):
+                with stage(T, "mhc_pre", subs[i + 1][0]):
+                    h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *mixes(i + 1))
             else:
                 with stage(T, "mhc_post", L):
                     h = mhc_post(y.contiguous(), h, post, comb)
