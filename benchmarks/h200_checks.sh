@@ -13,6 +13,7 @@
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
+#                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
 set -u
 OUT=${OUT:-/tmp/h200_checks}
@@ -75,6 +76,10 @@ for group in "$@"; do
         python3 -m megastep.cli bench --preset v4-flash --layers 4 --batch 1 --context 4096 --iters 2 ;;
     ep)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
+      if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+          && export PYTHONPATH=/tmp/site:$PYTHONPATH
+      fi
       n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       gpus=$(seq -s, 0 $((n - 1)))
       step ep_gpu_tests 240 python3 -m pytest -q --timeout 200 tests/test_distributed_gpu.py \

@@ -409,8 +409,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-mode", default=None, choices=["fma", "dot", "dot_asm", "dot_scaled"],
                    help="routed-experts kernel mode (default: the kernel's own pick)")
     p.add_argument("--pdl", action="store_true",
-                   help="launch the step's kernels with programmatic dependent launch (the linears prefetch "
-                        "their weights into L2 while the previous kernel drains)")
+                   help="launch the step's kernels with programmatic dependent launch (measured slower)")
     p.add_argument("--no-overlap", action="store_true",
                    help="run every kernel of a layer on one stream (default: the independent parts on a second one)")
     p.add_argument("--cold-path", default="gpu", choices=["gpu", "cpu", "hybrid"],

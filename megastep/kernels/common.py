@@ -61,43 +61,6 @@ def launch_opts(t: torch.Tensor) -> dict:
     return {"PDL": on, "launch_pdl": on}
 
 
-_L2_PREFETCH_ASM = tl.constexpr("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;")
-
-
-@triton.jit
-def l2_prefetch_rows(w_ptr, n0, N, stride_wn, k_lo, k_hi, ROWS: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for elements [k_lo, k_hi) of weight rows [n0, n0 + ROWS) (rows past N: the last
-    one); LINES >= the 128-byte lines of that range, a power of two (`prefetch_lines`). A
-    weight-streaming kernel under PDL calls it between `pdl_release` and `pdl_wait` (weights
-    never depend on the predecessor), so the fetch overlaps the predecessor's tail."""
-    rows = w_ptr + tl.minimum(n0 + tl.arange(0, ROWS), N - 1)[:, None] * stride_wn
-    PER_LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
-    k = k_lo + tl.arange(0, LINES) * PER_LINE
-    k = tl.where(k < k_hi, k, k_lo)  # past the range: a line already asked for
-    tl.inline_asm_elementwise(_L2_PREFETCH_ASM, "=r,l", [(rows + k[None, :]).to(tl.int64, bitcast=True)],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-def prefetch_lines(opts: dict, elems: int, elem_bytes: int) -> int:
-    """LINES of `l2_prefetch_rows` for `elems` elements of `elem_bytes` bytes per row when the
-    launch options `opts` (`launch_opts`) turn PDL on; 0 (no prefetch) otherwise."""
-    return next_pow2(-(-elems * elem_bytes // 128)) if opts["PDL"] else 0
-
-
-@triton.jit
-def pdl_release(PDL: tl.constexpr):
-    """The first half of `pdl_enter`: the next kernel's CTAs may be placed from now on."""
-    if PDL:
-        tlc.gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    """The second half of `pdl_enter`: block until the predecessor grid completed."""
-    if PDL:
-        tlc.gdc_wait()
-
-
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """First statement of every launched kernel.

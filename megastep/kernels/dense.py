@@ -27,12 +27,9 @@ import triton
 import triton.language as tl
 
 from megastep.kernels.common import (
-    l2_prefetch_rows,
     launch_opts,
     on_interpreter,
-    pdl_release,
-    pdl_wait,
-    prefetch_lines,
+    pdl_enter,
     round_bf16,
     workspace,
 )
@@ -87,17 +84,12 @@ def _linear_bf16_kernel(
     stride_xm, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, GROUP: tl.constexpr = 4,
+    GROUP: tl.constexpr = 4,
 ):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run side by side
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    pdl_release(PDL)
-    if PREFETCH_LINES:  # (with PDL) L2 fetches the weight tile while the previous kernel drains
-        pf_lo = pid_k * K_PER_SPLIT
-        l2_prefetch_rows(w_ptr, pid_n * BLOCK_N, N, stride_wn, pf_lo, tl.minimum(pf_lo + K_PER_SPLIT, K), BLOCK_N,
-                         PREFETCH_LINES)
-    pdl_wait(PDL)
     m_tiles = tl.num_programs(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -175,14 +167,12 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch
         cnt = workspace(x.device, "counters_dense", max(tiles, _COUNTERS), torch.int32)
     else:
         part = cnt = out  # unused
-    opts = launch_opts(x)
     _linear_bf16_kernel[grid](
         x, w, out, part, cnt, M, N, K, k_per_split,
         x.stride(0), w.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=BLOCK_M, BLOCK_K=cfg.block_k, SPLIT_K=split,
         OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=on_interpreter(x),
-        PREFETCH_LINES=prefetch_lines(opts, k_per_split, w.element_size()),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x),
     )
     return out
 

@@ -66,10 +66,7 @@ from megastep.kernels.common import (
     launch_opts,
     next_pow2,
     on_interpreter,
-    l2_prefetch_rows,
-    pdl_release,
-    pdl_wait,
-    prefetch_lines,
+    pdl_enter,
     round_bf16,
     workspace,
 )
@@ -205,21 +202,13 @@ def _linear_fp8_kernel(
     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, QUANT_ACT: tl.constexpr,
     GROUP_N: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, HAS_RES: tl.constexpr, CODES: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # GATED: N is I (output channels); w3's rows (and scale rows) start N rows below w1's
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    pdl_release(PDL)
-    if PREFETCH_LINES:  # (with PDL) L2 fetches the weight tile while the previous kernel drains
-        pf_lo = pid_k * K_PER_SPLIT
-        pf_hi = tl.minimum(pf_lo + K_PER_SPLIT, K)
-        l2_prefetch_rows(w_ptr, pid_n * BLOCK_N, N, stride_wn, pf_lo, pf_hi, BLOCK_N, PREFETCH_LINES)
-        if GATED:
-            l2_prefetch_rows(w_ptr + N * stride_wn, pid_n * BLOCK_N, N, stride_wn, pf_lo, pf_hi, BLOCK_N,
-                             PREFETCH_LINES)
-    pdl_wait(PDL)
     n_tiles = tl.cdiv(N, BLOCK_N)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -334,7 +323,6 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     res = out if residual is None else residual  # unused without a residual
     codes = x_codes is not None and cfg.mode == "f16"  # "dot16" quantizes x itself (the same values)
     xc, xs = x_codes if codes else (out, out)
-    opts = launch_opts(x)
     _linear_fp8_kernel[grid](
         x, w, w_scale.view(torch.uint8), out, part, cnt, res, xc, xs,
         M, N, K, k_per_split, float(limit),
@@ -342,8 +330,7 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
         MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         SPLIT_K=split, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
         GROUP_N=N // groups, GATED=gated, CLAMP=limit > 0, HAS_RES=residual is not None, CODES=codes,
-        PREFETCH_LINES=prefetch_lines(opts, k_per_split, w.element_size()),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x),
     )
     return out
 

@@ -56,6 +56,12 @@ class Linear:
     block: int
     act_quant: bool  # fp8-quantize the activation first (every FP8 linear but wo_a)
 
+    @property
+    def kernel_block(self) -> bool:
+        """The FP8 kernel takes V4's 128x128 blocks only; a checkpoint with other blocks (the
+        built-in tiny model's 32) runs its FP8 linears through the torch twin."""
+        return self.block == _lin.BLOCK
+
     def __call__(self, x: torch.Tensor, triton: bool, out_dtype: torch.dtype | None = None,
                  codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """codes: x's fp8 activation quantization made beside x (linear_fp8's x_codes), or None."""
@@ -63,14 +69,14 @@ class Linear:
         if self.scale is None:  # unquantized checkpoint: plain fp32-accumulated matmul
             return (x.float() @ self.w.float().T).to(out_dtype)
         if self.act_quant:
-            fn = _lin.linear_fp8 if triton else _lin.linear_fp8_ref
+            fn = _lin.linear_fp8 if triton and self.kernel_block else _lin.linear_fp8_ref
             return fn(x.contiguous(), self.w, self.scale, block=self.block, out_dtype=out_dtype, x_codes=codes)
         raise ValueError("a linear without activation quantization is grouped (wo_a): call grouped()")
 
     def grouped(self, x: torch.Tensor, groups: int, rank: int, triton: bool) -> torch.Tensor:
         """wo_a: x [B, G, d] -> [B, G*rank], group g through weight rows [g*rank, (g+1)*rank).
         The official code dequantizes wo_a to a plain weight: no activation quantization."""
-        if triton and self.scale is not None and rank % self.block == 0:  # one launch for all groups
+        if triton and self.kernel_block and self.scale is not None and rank % self.block == 0:  # one launch
             return _lin.linear_fp8(x.reshape(x.shape[0], -1).contiguous(), self.w, self.scale, block=self.block,
                                    quantize_act=False, groups=groups)
         w = self.w.float() if self.scale is None else formats.dequantize_fp8_weight(self.w, self.scale, self.block)
@@ -178,9 +184,8 @@ class FastDecoder:
         between the two, the CPU taking about `cpu_share` of their expected bytes; None: the CPU
         path's share of the two paths' bandwidths, measured here by runtime.bandwidth).
         pdl: launch the Triton kernels of a step with programmatic dependent launch
-        (kernels.common.pdl_enter): each kernel's CTAs are placed while its predecessor drains;
-        the weight-streaming linears (FP8 and bf16) meanwhile ask L2 for their weight tiles
-        (common.l2_prefetch_rows).
+        (kernels.common.pdl_enter): each kernel's CTAs are placed while its predecessor drains.
+        Measured slower end to end (docs/PERFORMANCE.md); kept as a switch for that measurement.
         overlap: run the independent parts of a layer on a second CUDA stream (a fork and a
         join inside the step's graph): the shared expert's gated half beside the router and the
         routed experts, the compressors' projections and updates beside the q/kv projections, the kv
@@ -255,7 +260,7 @@ class FastDecoder:
             # shared expert: w1 and w3 rows concatenated (w13) for one gated launch with the SwiGLU
             # in its epilogue; w1 / w3 stay as views of it for the torch twin
             w1, w3, w2 = (lin(p + f"ffn.shared_experts.w{i}.weight") for i in (1, 3, 2))
-            if w1.scale is not None and w1.w.shape[0] % w1.block == 0:
+            if w1.scale is not None and w1.kernel_block and w1.w.shape[0] % w1.block == 0:
                 I = w1.w.shape[0]
                 w13, s13 = torch.cat([w1.w, w3.w]), torch.cat([w1.scale, w3.scale])
                 w1.w, w1.scale, w3.w, w3.scale = w13[:I], s13[:I // w1.block], w13[I:], s13[I // w1.block:]

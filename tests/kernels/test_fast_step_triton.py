@@ -46,6 +46,27 @@ def test_triton_step_matches_torch_step():
             assert torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1] > 0.9
 
 
+def test_other_fp8_blocks_take_the_torch_linear():
+    """A checkpoint whose FP8 blocks are not V4's 128 (the built-in tiny model's 32): the step on
+    the kernel path runs (its FP8 linears through the torch twin, the other kernels as usual) and
+    its first step agrees with the torch step to fp32 rounding."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = preset("tiny").replace(vocab_size=512)
+    assert cfg.quantization_config.weight_block_size == (32, 32)
+    w = synthesize_weights(cfg, seed=3, device=dev, include_mtp=False)
+    tri = FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=True)
+    ref = FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=False)
+    assert "shared13" not in tri.layers[0]  # the gated FP8 launch needs 128-blocks
+    for d in (tri, ref):
+        d.pools.reset(0), d.pools.reset(1)
+    ids = torch.tensor([5, 9], device=dev)
+    pos = torch.zeros(2, dtype=torch.long, device=dev)
+    slots = torch.tensor([0, 1], device=dev)
+    a, b = tri.step(ids, pos, slots), ref.step(ids, pos, slots)
+    assert torch.isfinite(a).all()
+    assert torch.allclose(a, b, atol=1e-5 * b.abs().max().item())
+
+
 def test_cold_experts_in_host_memory_give_the_same_bits():
     """Issue 4 recipe A: experts the placement marks cold sit in (page-locked, on a GPU) host
     memory and the experts kernel reads them in place through the address table: the logits are

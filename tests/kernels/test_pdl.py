@@ -62,24 +62,8 @@ def _launched_kernels():
                 yield f"{name}.{attr}", fn
 
 
-_MEMORY_OPS = ("load", "store", "atomic_")
-
-
-def _touches_memory(node: ast.AST) -> list[str]:
-    """The tl.load / tl.store / tl.atomic_* calls in a statement."""
-    found = []
-    for n in ast.walk(node):
-        if isinstance(n, ast.Call):
-            f = ast.unparse(n.func)
-            if any(f.startswith(f"tl.{op}") for op in _MEMORY_OPS):
-                found.append(f)
-    return found
-
-
 def test_every_kernel_enters_through_pdl_enter():
-    """gdc_wait must come before any global memory access: pdl_enter(PDL) is the first statement,
-    or (a weight-streaming kernel) pdl_release(PDL) ... pdl_wait(PDL) with nothing in between but
-    index arithmetic and L2 prefetches of weights (no load, store or atomic)."""
+    """gdc_wait must come before any global memory access: pdl_enter(PDL) is the first statement."""
     seen = []
     for name, fn in _launched_kernels():
         seen.append(name)
@@ -87,13 +71,7 @@ def test_every_kernel_enters_through_pdl_enter():
         body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body
         calls = [ast.unparse(st.value) if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) else ""
                  for st in body]
-        if calls[0] == "pdl_enter(PDL)":
-            continue
-        assert "pdl_wait(PDL)" in calls and "pdl_release(PDL)" in calls, (name, ast.unparse(body[0]))
-        before = body[:calls.index("pdl_wait(PDL)")]
-        assert not [f for st in before for f in _touches_memory(st)], (name, [f for st in before for f in _touches_memory(st)])
-        helpers = {ast.unparse(n.func) for st in before for n in ast.walk(st) if isinstance(n, ast.Call)}
-        assert helpers <= {"tl.program_id", "tl.arange", "tl.minimum", "pdl_release", "l2_prefetch_rows"}, (name, helpers)
+        assert calls[0] == "pdl_enter(PDL)", (name, ast.unparse(body[0]))
     assert len(seen) >= 18, seen  # the kernels at the time of writing: none skipped by the lookup
 
 

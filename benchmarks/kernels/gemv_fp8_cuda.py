@@ -1,0 +1,161 @@
+"""An experiment, not used by the runtime: the FP8 block-scaled decode linear in CUDA C++
+(`gemv_fp8_cuda.cu`), with the semantics of `megastep.kernels.linear_fp8.linear_fp8_ref` /
+`linear_fp8_swiglu_ref` (activation fp8-quantized per 128 channels with power-of-two scales, exact
+products against the e4m3 weight and its E8M0 128x128 scales, fp32 sums, one rounding to the
+output dtype; SwiGLU and residual epilogues). Measured by gemv_variants.py and launch_floor.py.
+
+The question it answers: are the decode GEMVs slow because Triton's loop issues too many
+instructions per byte (the sixth measurement's reading)? Here each lane feeds the MMA's A operand
+straight from 16-byte global loads in a K order of our choosing (Triton cannot be told to), and the
+loop is ~28 warp-instructions per KB of weight against Triton's ~125-217. Answer (one H200,
+2026-11-29, docs/PERFORMANCE.md "seventh measurement"): only partly. At M = 1 it streams large
+weights faster (wo_b 13.5 against 15.2-15.8 us; the fit over sizes 3.8 against 3.0 TB/s) but its
+fixed cost per launch is no lower (5.2 against 4.5 us), so small shapes are no faster, and at
+M = 4..64 the per-CTA activation quantization and shared-memory B operand make it 1.1-9x slower.
+The runtime keeps one linear for every batch size (a row's bits must not depend on the batch), so
+the kernel is not used.
+
+Tiling (weight [N, K], x [M, K]):
+- a warp owns 16 output channels (for SwiGLU: 16 of w1 and, in the next warp, the same 16 of w3) and
+  the CTA's K range of `128 * NB` channels; R such tiles per CTA (one warp each);
+- gridDim.z = S = K / (128 NB) CTAs split K; their fp32 partials are summed in split order by the
+  last CTA to arrive (arrival counter; no atomics on data), which loads all S partials at once;
+- gridDim.x covers M in groups of MG = 8 NT rows (the MMA's n side), the fastest grid index, so
+  the groups of one weight tile run together and share it through L2.
+NB (hence S and every row's order of sums) depends on the weight's shape only; NT and R on M too,
+but they do not change any row's sums: a row gets the same bits alone or in a batch of 64
+(checked by gemv_variants.py on the GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from megastep.kernels.common import workspace
+from megastep.kernels.cuda_module import CudaModule, CudaUnavailable
+
+BLOCK = 128
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv_fp8_cuda.cu")
+_MODULE = CudaModule(_SOURCE)
+_SIGNATURE = "pqippqqipqpqpqipqippiiif"
+_KERNELS: dict[tuple[int, int], object] = {}
+_PAD = 8  # fp16 elements of padding per shared x row (the .cu's kPad)
+SMEM_LIMIT = 96 * 1024  # dynamic shared memory per CTA we allow (two CTAs per SM still fit)
+TARGET_WARPS = 1024  # split K until tiles x splits reaches this (~8 warps per SM)
+TARGET_CTAS = 264  # two CTAs per SM of the 132
+MAX_SPLIT = 32  # CTAs along K at most: the .cu's kMaxSplit (the last CTA loads all partials at once)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    nb: int  # 128-blocks of K per CTA (shape only)
+    nt: int  # 8-row groups of x per CTA
+    r: int  # row tiles (w1/w3 pairs when gated) per CTA
+
+    @property
+    def mg(self) -> int:
+        return 8 * self.nt
+
+
+def _smem(nt: int, nb: int, warps: int) -> int:
+    mg = 8 * nt
+    codes = mg * (BLOCK * nb + _PAD) * 2 + mg * nb * 4
+    return max(codes, warps * 16 * mg * 4)
+
+
+def pick_nb(n_tiles: int, K: int) -> int:
+    """128-blocks per CTA: the largest of 8, 4, 2, 1 dividing K/128 whose split gives at least
+    TARGET_WARPS warps, else the smallest (the most split). Depends on the shape only."""
+    cands = [nb for nb in (8, 4, 2, 1) if K % (BLOCK * nb) == 0 and K // (BLOCK * nb) <= MAX_SPLIT]
+    for nb in cands:
+        if n_tiles * (K // (BLOCK * nb)) >= TARGET_WARPS:
+            return nb
+    return cands[-1]
+
+
+def pick_config(M: int, N: int, K: int, gated: bool = False) -> GemvConfig:
+    """N: output channels (I when gated). Deterministic; no autotuning."""
+    G = 2 if gated else 1
+    tiles = N // 16
+    nb = pick_nb(tiles * G, K)
+    nt = next(t for t in (1, 2, 4, 8) if 8 * t >= M or t == 8)
+    r = 8 // G
+    while nt > 1 and _smem(nt, nb, r * G) > SMEM_LIMIT:
+        nt //= 2
+    splits, mgroups = K // (BLOCK * nb), -(-M // (8 * nt))
+    while r > 1 and -(-tiles // r) * splits * mgroups < TARGET_CTAS:
+        r //= 2
+    return GemvConfig(nb, nt, r)
+
+
+def _kernel(nt: int, nb: int):
+    k = _KERNELS.get((nt, nb))
+    if k is None:
+        k = _KERNELS[(nt, nb)] = _MODULE.kernel(f"gemv_fp8_nt{nt}_nb{nb}", _SIGNATURE)
+    return k
+
+
+_AVAILABLE: bool | None = None
+_WHY = ""
+
+
+def available() -> bool:
+    """True where the kernel can be built (nvcc, the driver); the first call builds it."""
+    global _AVAILABLE, _WHY
+    if _AVAILABLE is None:
+        try:
+            _MODULE.cubin()
+            _AVAILABLE = True
+        except CudaUnavailable as e:
+            _AVAILABLE, _WHY = False, str(e)
+    return _AVAILABLE
+
+
+def why_unavailable() -> str:
+    return _WHY
+
+
+def gemv_fp8(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out: torch.Tensor,
+    gated: bool = False,
+    limit: float = 0.0,
+    residual: torch.Tensor | None = None,
+    x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] bf16/fp32 (or its x_codes), w e4m3 [N, K] (gated: [2N, K] = cat(w1, w3)), w_scale
+    e8m0 [rows/128, K/128] -> out [M, N] (bf16 or fp32), as `linear_fp8` / `linear_fp8_swiglu`.
+    K a multiple of 128, N of 16 (gated: of 128), 16-byte aligned rows (not checked here); on a
+    device of compute capability >= 8.9. Launches on the current stream."""
+    M, N = out.shape
+    K = w.shape[1]
+    cfg = config or pick_config(M, N, K, gated)
+    G = 2 if gated else 1
+    warps = cfg.r * G
+    splits = K // (BLOCK * cfg.nb)
+    assert splits <= MAX_SPLIT and K % (BLOCK * cfg.nb) == 0, (K, cfg)
+    grid = (-(-M // cfg.mg), -(-(N // 16) // cfg.r), splits)
+    smem = _smem(cfg.nt, cfg.nb, warps)
+    if splits > 1:
+        cta = grid[0] * grid[1]
+        part = workspace(x.device, "partials", splits * cta * warps * 16 * cfg.mg, torch.float32)
+        cnt = workspace(x.device, "counters", cta, torch.int32)
+    else:
+        part = cnt = out  # unused
+    codes = x_codes is not None
+    xc, xs = x_codes if codes else (out, out)
+    res = residual if residual is not None else out
+    res_mode = 0 if residual is None else (1 if residual.dtype == torch.float32 else 2)
+    _kernel(cfg.nt, cfg.nb).launch(
+        grid, (32 * warps, 1, 1), smem, None,
+        x, x.stride(0), int(x.dtype == torch.float32), xc, xs, xc.stride(0), xs.stride(0), int(codes),
+        w, w.stride(0), w_scale, w_scale.stride(0), out, out.stride(0), int(out.dtype == torch.bfloat16),
+        res, res.stride(0), res_mode, part, cnt, M, N, int(gated), float(limit),
+    )
+    return out

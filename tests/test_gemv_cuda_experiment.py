@@ -1,0 +1,48 @@
+"""The CUDA C++ GEMV experiment under benchmarks/kernels (gemv_fp8_cuda, measured by
+gemv_variants.py and launch_floor.py on the GPU): its source still builds with nvcc into every
+entry point the wrapper names, the wrapper's shape rules keep within the kernel's limits, and the
+timing probes of launch_floor.py still find the lines they edit. Its numerics are checked on the
+GPU by gemv_variants.py (against linear_fp8_ref, run to run, a row alone against the batch)."""
+
+import os
+import sys
+
+import pytest
+
+from megastep.kernels import cuda_module as cm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "benchmarks", "kernels"))
+
+import gemv_fp8_cuda as GV  # noqa: E402
+import launch_floor as LF  # noqa: E402
+
+
+@pytest.mark.skipif(cm.find_nvcc() is None, reason="nvcc not installed")
+def test_source_builds_with_every_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cubin = cm.build_cubin(GV._SOURCE)
+    assert cubin[:4] == b"\x7fELF"
+    for nt in (1, 2, 4, 8):
+        for nb in (1, 2, 4, 8):
+            assert f"gemv_fp8_nt{nt}_nb{nb}".encode() in cubin, (nt, nb)
+
+
+@pytest.mark.parametrize("N,K,gated", [(1536, 4096, False), (40960, 1024, False), (4096, 8192, False),
+                                       (2048, 4096, True), (4096, 2048, False), (128, 4096, False)])
+def test_configs_keep_within_the_kernel(N, K, gated):
+    nbs = set()
+    for M in (1, 4, 16, 64):
+        c = GV.pick_config(M, N, K, gated)
+        nbs.add(c.nb)
+        assert K % (128 * c.nb) == 0 and K // (128 * c.nb) <= GV.MAX_SPLIT
+        assert 8 * c.nt >= min(M, 8) and c.r * (2 if gated else 1) <= 8
+        assert GV._smem(c.nt, c.nb, c.r * (2 if gated else 1)) <= GV.SMEM_LIMIT
+    assert len(nbs) == 1  # the K split, hence every row's order of sums, depends on the shape only
+
+
+def test_launch_floor_probes_find_their_lines():
+    src = open(GV._SOURCE).read()
+    for name, edits in LF.PROBES:
+        for old, _ in edits:
+            assert old in src, (name, old)
