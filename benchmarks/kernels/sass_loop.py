@@ -53,7 +53,7 @@ def linear(a) -> tuple[object, int]:
         ["fp32"] + ["i32"] * 7
     const = dict(MODE=LIN._MODES[a.mode], BLOCK_N=a.block_n, BLOCK_M=a.block_m, BLOCK_K=128, SPLIT_K=2,
                  OUT_BF16=True, INTERPRET=False, QUANT_ACT=True, GROUP_N=4096, GATED=a.gated, CLAMP=a.gated,
-                 HAS_RES=False, CODES=a.codes, PDL=False, PREFETCH_LINES=0)
+                 HAS_RES=False, CODES=a.codes, PDL=False)
     aligned = {"N", "K", "K_PER_SPLIT", "stride_xm", "stride_wn", "stride_om", "stride_rm", "stride_cm"}
     k = _compile(LIN._linear_fp8_kernel, list(zip(names, types)), const, aligned, a.warps, a.stages)
     return k, a.block_n * 128 * (2 if a.gated else 1)

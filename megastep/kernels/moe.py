@@ -89,7 +89,7 @@ from megastep.kernels.expert_table import (  # noqa: F401  (re-exported: the exp
     stack_experts,
     stacked_table,
 )
-from megastep.kernels.moe_route import ACT_BLOCK, _moe_act_quant_kernel, moe_route  # noqa: F401  (re-exported)
+from megastep.kernels.moe_route import ACT_BLOCK, Routing, _moe_act_quant_kernel, moe_route  # noqa: F401  (re-exported)
 from megastep.kernels.common import (
     launch_opts,
     mxfp4_decode,
@@ -419,9 +419,13 @@ def moe_experts_table(
     config: MoeConfig | None = None,
     return_pairs: bool = False,
     pairs_out: torch.Tensor | None = None,
+    routing: Routing | None = None,
 ) -> torch.Tensor:
     """x [M, D] bf16 (or fp32), topk_ids [M, k] int32, topk_weights [M, k] fp32, the experts'
     address table -> [M, D] fp32 sum of the routed experts (module doc).
+
+    routing: topk_ids' pairs grouped by expert and x quantized (`moe_route`'s result, e.g. made
+    in the router's launch by `router.route_group`); None: this call makes them (one launch more).
 
     return_pairs=True returns instead the per-pair outputs y [M, k, D] in x's dtype (rnd(w2 . a)
     of each (row, slot)), unsummed: zero for the pairs of experts absent from a sparse table
@@ -450,8 +454,11 @@ def moe_experts_table(
     P = M * k
     interp = on_interpreter(x)
     rnd = x.dtype == torch.bfloat16
-    perm = cfg.mode != "dot_scaled"
-    pairs, slot_e, slot_start, slot_cnt, nslots, xq = moe_route(topk_ids, E, x, permute=perm)
+    perm = permutes(cfg.mode)
+    if routing is None:
+        routing = moe_route(topk_ids, E, x, permute=perm)
+    assert routing.permuted == perm and routing.xq is not None and routing.pairs.numel() == P, "routing of another call"
+    pairs, slot_e, slot_start, slot_cnt, nslots, xq, _ = routing
     rw = topk_weights.reshape(-1).contiguous()
     # with absent experts their pairs are never written: zeros (y: the combine's contract; act:
     # its quantization reads them)
@@ -481,6 +488,11 @@ def moe_experts_table(
         **common,
     )
     return y.view(M, k, D) if return_pairs else out
+
+
+def permutes(mode: str | None) -> bool:
+    """Whether the experts kernel in `mode` (None: the default) reads x permuted per 32-group."""
+    return (mode or DEFAULT_MODE) != "dot_scaled"
 
 
 def sum_pairs(y: torch.Tensor) -> torch.Tensor:

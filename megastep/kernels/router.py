@@ -20,6 +20,12 @@ What differs from torch:
   what torch's CUDA softplus calls, expected bit-identical, subnormals included); on the
   interpreter float64 rounded to fp32 (torch-CPU's SLEEF functions are within an ulp).
 Logits must be finite. Deterministic and batch invariant (rows independent), static grid (B,).
+
+`route_group` also does the experts kernels' first launch (`moe_route`: the (row, slot) pairs
+grouped by expert, x quantized for them) in the same launch, for up to MAX_GROUPED_PAIRS pairs:
+the last routing program to arrive groups them. At batch 1 that is one launch fewer on the
+router -> experts chain of every MoE layer. Its results are integers and exact bf16 values,
+equal to the two launches' whichever made them, so a step may take either path by batch size.
 """
 
 from __future__ import annotations
@@ -28,17 +34,17 @@ import torch
 import triton
 import triton.language as tl
 
+from megastep.kernels import moe_route as _mr
 from megastep.kernels import rope_norm as _rn
-from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter
+from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, workspace
 from megastep.model import ops
 
 
 @triton.jit
-def _route_kernel(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, E, stride_lb, stride_rb, stride_ib, stride_wb,
-                  scaling, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HASH: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
+def route_row(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, b, E, stride_lb, stride_rb, stride_ib, stride_wb,
+              scaling, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HASH: tl.constexpr, INTERPRET: tl.constexpr):
+    """Row b's experts (ascending) and weights (module doc)."""
     e = tl.arange(0, EP)
     em = e < E
     x = tl.load(logit_ptr + b * stride_lb + e, mask=em, other=0.0)
@@ -83,10 +89,44 @@ def _route_kernel(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, E, stride_lb, s
     tl.store(w_ptr + b * stride_wb + kk, w, mask=km)
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid_rows: torch.Tensor | None, k: int,
-          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, E] f32 (the gate GEMV), bias [E] f32 (top-k layers) or None, tid2eid_rows [B, k]
-    int (hash layers: tid2eid[tokens]) or None -> (idx [B, k] int32 ascending, weights [B, k] f32)."""
+@triton.jit
+def _route_kernel(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, E, stride_lb, stride_rb, stride_ib, stride_wb,
+                  scaling, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  HASH: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    route_row(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, tl.program_id(0).to(tl.int64), E, stride_lb, stride_rb,
+              stride_ib, stride_wb, scaling, EP, K, KP, HAS_BIAS, HASH, INTERPRET)
+
+
+@triton.jit
+def _route_group_kernel(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, E, stride_lb, stride_rb, scaling,
+                        x_ptr, xq_ptr, D, stride_xm, stride_qm, cnt_ptr,
+                        pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr, B,
+                        EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        HASH: tl.constexpr, INTERPRET: tl.constexpr, NB: tl.constexpr, PERM: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr):
+    # programs [0, B): route a row, then the last of them to arrive groups all B*K pairs;
+    # programs [B, 2B): quantize a row of x for the experts kernels
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    if pid >= B:
+        m = pid - B
+        _mr.quant_row_perm(x_ptr + m * stride_xm, xq_ptr + m * stride_qm, D, NB, INTERPRET, PERM)
+    else:
+        route_row(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, pid.to(tl.int64), E, stride_lb, stride_rb, K, K,
+                  scaling, EP, K, KP, HAS_BIAS, HASH, INTERPRET)
+        tl.debug_barrier()  # every thread's ids are issued before the release below
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == B - 1:  # the others' ids are visible (acquire); .cg loads read them past L1
+            P = B * K
+            for blk in range(0, tl.cdiv(P, BLOCK_R)):
+                _mr.group_pairs(idx_ptr, P, blk, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
+                                BLOCK_R, BLOCK_Q, E_PAD)
+            tl.store(cnt_ptr, 0)  # ready for the next launch (and graph replay)
+
+
+def _route_check(logits, bias, tid2eid_rows, k) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operands' checks; the empty (idx, w) outputs."""
     assert logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1, (logits.shape, logits.dtype)
     B, E = logits.shape
     assert 1 <= k <= E and E <= 4096, (k, E)
@@ -95,18 +135,57 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid_rows: torch.T
     if tid2eid_rows is not None:
         assert tid2eid_rows.shape == (B, k) and tid2eid_rows.stride(1) == 1, tid2eid_rows.shape
         assert tid2eid_rows.dtype in (torch.int64, torch.int32) and tid2eid_rows.device == logits.device
-    idx = torch.empty(B, k, dtype=torch.int32, device=logits.device)
-    w = torch.empty(B, k, dtype=torch.float32, device=logits.device)
+    return (torch.empty(B, k, dtype=torch.int32, device=logits.device),
+            torch.empty(B, k, dtype=torch.float32, device=logits.device))
+
+
+def _route_meta(E, k, bias, tid2eid_rows, logits) -> dict:
+    return dict(EP=max(16, next_pow2(E)), K=k, KP=max(2, next_pow2(k)), HAS_BIAS=bias is not None,
+                HASH=tid2eid_rows is not None, INTERPRET=on_interpreter(logits))
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid_rows: torch.Tensor | None, k: int,
+          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, E] f32 (the gate GEMV), bias [E] f32 (top-k layers) or None, tid2eid_rows [B, k]
+    int (hash layers: tid2eid[tokens]) or None -> (idx [B, k] int32 ascending, weights [B, k] f32)."""
+    B, E = logits.shape
+    idx, w = _route_check(logits, bias, tid2eid_rows, k)
     if B == 0:
         return idx, w
     rows = tid2eid_rows if tid2eid_rows is not None else idx
     _route_kernel[(B,)](
         logits, logits if bias is None else bias, rows, idx, w, E, logits.stride(0), rows.stride(0), idx.stride(0),
-        w.stride(0), float(scaling), EP=max(16, next_pow2(E)), K=k, KP=max(2, next_pow2(k)), HAS_BIAS=bias is not None,
-        HASH=tid2eid_rows is not None, INTERPRET=on_interpreter(logits), num_warps=4,
+        w.stride(0), float(scaling), **_route_meta(E, k, bias, tid2eid_rows, logits), num_warps=4,
         **_rn.TORCH_MATH, **launch_opts(logits),
     )
     return idx, w
+
+
+MAX_GROUPED_PAIRS = 96  # route_group groups at most this many (row, slot) pairs in its last program
+
+
+def route_group(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid_rows: torch.Tensor | None, k: int,
+                scaling: float, x: torch.Tensor, permute: bool = True) -> tuple[torch.Tensor, torch.Tensor, _mr.Routing]:
+    """`route` and the experts' `moe_route` (pairs grouped by expert, x quantized) in one launch,
+    for B*k <= MAX_GROUPED_PAIRS: the last routing program to arrive (an arrival counter, reset by
+    it) groups every row's pairs; other programs quantize x's rows. Returns (idx, w, routing),
+    equal to `route(...)` and `moe_route(idx, E, x, permute)` (integers and exact bf16 values:
+    the same results, whichever launch made them)."""
+    B, E = logits.shape
+    idx, w = _route_check(logits, bias, tid2eid_rows, k)
+    assert 1 <= B * k <= MAX_GROUPED_PAIRS, (B, k)
+    assert x.dim() == 2 and x.shape[0] == B and x.stride(1) == 1 and x.device == logits.device, x.shape
+    pairs, slot_e, slot_start, slot_cnt, nslots, xq = _mr.routing_buffers(B * k, E, x, logits.device)
+    rows = tid2eid_rows if tid2eid_rows is not None else idx
+    cnt = workspace(logits.device, "counters_route", 1, torch.int32)
+    D = x.shape[1]
+    _route_group_kernel[(2 * B,)](
+        logits, logits if bias is None else bias, rows, idx, w, E, logits.stride(0), rows.stride(0), float(scaling),
+        x, xq, D, x.stride(0), xq.stride(0), cnt, pairs, slot_e, slot_start, slot_cnt, nslots, B,
+        **_route_meta(E, k, bias, tid2eid_rows, logits), NB=next_pow2(-(-D // _mr.ACT_BLOCK)), PERM=permute,
+        **_mr.group_block_sizes(E), num_warps=4, **_rn.TORCH_MATH, **launch_opts(logits),
+    )
+    return idx, w, _mr.Routing(pairs, slot_e, slot_start, slot_cnt, nslots, xq, permute)
 
 
 def route_ref(logits, bias, tid2eid_rows, k, scaling):

@@ -527,10 +527,16 @@ class FastDecoder:
             # sqrtsoftplus scores, bias top-k (or the hash rows), ids ascending (the reference's
             # summation order), normalized weights times the routed scaling
             hash_rows = lw["tid2eid"][tokens] if "tid2eid" in lw else None
-            idx, w = self._kernel(_router, "route")(self._dense(x, lw["gate"]).contiguous(), lw.get("gate_bias"),
-                                                    hash_rows, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+            route = (self._dense(x, lw["gate"]).contiguous(), lw.get("gate_bias"), hash_rows,
+                     cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+            routing = None
+            if self.triton and "experts" in lw and x.shape[0] * cfg.num_experts_per_tok <= _router.MAX_GROUPED_PAIRS:
+                # the experts' pair grouping and x quantization in the router's launch
+                idx, w, routing = _router.route_group(*route, x.contiguous(), permute=_moe.permutes(self.moe_mode))
+            else:
+                idx, w = self._kernel(_router, "route")(*route)
         with stage(T, "routed_experts", L):
-            routed = self._routed(x, idx, w, lw, L)
+            routed = self._routed(x, idx, w, lw, L, routing)
         self._join(a)
         # the routed parts of other ranks or of the CPU (sidecar) were in flight during the shared
         # expert's first half and join here (with several ranks, an eager step's trace counts the
@@ -549,9 +555,10 @@ class FastDecoder:
             return None  # the kernel's pick
         return _moe.pick_config(x.shape[0], idx.shape[1], table.E, table.D, table.I, mode=self.moe_mode)
 
-    def _routed(self, x, idx, w, lw, L) -> Callable[[], torch.Tensor]:
+    def _routed(self, x, idx, w, lw, L, routing=None) -> Callable[[], torch.Tensor]:
         """Launch the routed experts; returns the function that gives their sum [B, D] once the
-        parts computed elsewhere (other ranks, the CPU) have arrived."""
+        parts computed elsewhere (other ranks, the CPU) have arrived. routing: idx's pairs grouped
+        and x quantized by the router's launch (`router.route_group`), or None."""
         cfg = self.cfg
         if "experts_plain" in lw:  # unquantized checkpoints: a slow loop
             y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -570,7 +577,8 @@ class FastDecoder:
             peer = self.peer is not None  # the pairs written where the other ranks read them
             out = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
                                          config=self._moe_config(x, idx, lw["experts"]), return_pairs=split,
-                                         pairs_out=self.peer.buffer(L, idx.numel()) if peer else None)
+                                         pairs_out=self.peer.buffer(L, idx.numel()) if peer else None,
+                                         routing=routing)
             if peer:
                 return lambda shared=None: self.peer.combine(L, idx, len(self.owned), shared)
         else:

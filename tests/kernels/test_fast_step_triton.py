@@ -67,6 +67,28 @@ def test_other_fp8_blocks_take_the_torch_linear():
     assert torch.allclose(a, b, atol=1e-5 * b.abs().max().item())
 
 
+def test_router_launch_grouping_gives_the_same_bits(monkeypatch):
+    """The step with the experts' pair grouping done in the router's launch (router.route_group,
+    up to MAX_GROUPED_PAIRS pairs) gives the logits of the step with the separate grouping launch,
+    bit for bit, so a batch may cross that size freely."""
+    from megastep.kernels import router
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = tiny_cfg(num_hidden_layers=2)
+    w = synthesize_weights(cfg, seed=5, device=dev, include_mtp=False)
+    ids = torch.randint(0, 512, (2, 3), generator=torch.Generator().manual_seed(2)).to(dev)
+    slots = torch.tensor([0, 1, 2], device=dev)
+    logits = []
+    for limit in (router.MAX_GROUPED_PAIRS, 0):  # fused, then never fused
+        monkeypatch.setattr(router, "MAX_GROUPED_PAIRS", limit)
+        d = FastDecoder(cfg, w, max_seqs=3, max_ctx=32, device=dev, triton=True)
+        for s in range(3):
+            d.pools.reset(s)
+        logits.append([d.step(ids[t], torch.full((3,), t, device=dev), slots) for t in range(2)])
+    for a, b in zip(*logits):
+        assert torch.equal(a, b)
+
+
 def test_cold_experts_in_host_memory_give_the_same_bits():
     """Issue 4 recipe A: experts the placement marks cold sit in (page-locked, on a GPU) host
     memory and the experts kernel reads them in place through the address table: the logits are

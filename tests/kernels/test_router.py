@@ -94,3 +94,43 @@ def test_gpu_v4_shapes(B):
         assert torch.equal(one[0], out[0][:1]) and torch.equal(one[1], out[1][:1])
     rows = torch.stack([torch.randperm(256, device="cuda")[:6] for _ in range(B)])
     check(route(logits, None, rows, 6, SCALING), route_ref(logits, None, rows, 6, SCALING))
+
+
+@pytest.mark.parametrize("B,E,k,kind", [(1, 256, 6, "bias"), (3, 256, 6, "hash"), (16, 256, 6, "plain"),
+                                        (5, 8, 2, "bias"), (48, 8, 2, "plain")])
+@pytest.mark.parametrize("permute", [True, False])
+def test_route_group_equals_route_then_moe_route(B, E, k, kind, permute):
+    """The fused launch gives route's idx and w bit for bit, and moe_route's grouping and x
+    quantization exactly (a launch of either path may serve a step); twice in a row (the arrival
+    counter resets itself)."""
+    from megastep.kernels.moe_route import moe_route
+    from megastep.kernels.router import MAX_GROUPED_PAIRS, route_group
+
+    assert B * k <= MAX_GROUPED_PAIRS
+    logits, bias = make(B, E, seed=B + E)
+    g = torch.Generator().manual_seed(B)
+    rows = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(B)]).to(DEV) if kind == "hash" else None
+    bias = bias if kind == "bias" else None
+    x = (torch.randn(B, 384, generator=g) * 3).to(DEV)
+    for xd in (x.bfloat16(), x):
+        want_i, want_w = route(logits, bias, rows, k, SCALING)
+        want = moe_route(want_i, E, xd, permute=permute)
+        for _ in range(2):
+            i, w, got = route_group(logits, bias, rows, k, SCALING, xd, permute=permute)
+            assert torch.equal(i, want_i) and torch.equal(w.view(torch.int32), want_w.view(torch.int32))
+            n = int(want.nslots)
+            assert int(got.nslots) == n and got.permuted == permute
+            assert torch.equal(got.pairs, want.pairs)
+            for a, b in ((got.slot_expert, want.slot_expert), (got.slot_start, want.slot_start),
+                         (got.slot_count, want.slot_count)):
+                assert torch.equal(a[:n], b[:n])
+            assert torch.equal(got.xq.view(torch.int16), want.xq.view(torch.int16))
+
+
+def test_route_group_refuses_too_many_pairs():
+    from megastep.kernels.router import MAX_GROUPED_PAIRS, route_group
+
+    B = MAX_GROUPED_PAIRS // 6 + 1
+    logits, bias = make(B, 256, seed=1)
+    with pytest.raises(AssertionError):
+        route_group(logits, bias, None, 6, SCALING, torch.zeros(B, 128, device=DEV))
