@@ -37,6 +37,7 @@ import triton.language as tl
 from megastep.kernels import moe_route as _mr
 from megastep.kernels import rope_norm as _rn
 from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, workspace
+from megastep.checkpoint import formats
 from megastep.model import ops
 
 
@@ -186,6 +187,26 @@ def route_group(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid_rows: t
         **_mr.group_block_sizes(E), num_warps=4, **_rn.TORCH_MATH, **launch_opts(logits),
     )
     return idx, w, _mr.Routing(pairs, slot_e, slot_start, slot_cnt, nslots, xq, permute)
+
+
+def route_group_ref(logits, bias, tid2eid_rows, k, scaling, x, permute=True):
+    """`route_ref`, then the pairs grouped by expert (stable sort of the flattened ids: pair order
+    within an expert) and x quantized as the experts kernels read it (`moe_route`'s semantics)."""
+    idx, w = route_ref(logits, bias, tid2eid_rows, k, scaling)
+    flat = idx.flatten()
+    experts, counts = torch.unique(flat, return_counts=True)
+    S = min(flat.numel(), logits.shape[1])
+    pad = torch.zeros(S - experts.numel(), dtype=torch.int32, device=idx.device)  # slots past nslots: unspecified
+    i32 = lambda t: torch.cat([t.to(torch.int32), pad])  # noqa: E731
+    xq = formats.fp8_act_sim(x.float(), _mr.ACT_BLOCK)
+    if permute:  # each 32-group: its 16 even elements, then its 16 odd ones
+        g = xq.unflatten(-1, (-1, 16, 2))
+        xq = torch.cat([g[..., 0], g[..., 1]], dim=-1).flatten(-2)
+    routing = _mr.Routing(torch.argsort(flat, stable=True).to(torch.int32), i32(experts),
+                          i32(torch.cumsum(counts, 0) - counts), i32(counts),
+                          torch.tensor([experts.numel()], dtype=torch.int32, device=idx.device),
+                          xq.to(torch.bfloat16), permute)
+    return idx, w, routing
 
 
 def route_ref(logits, bias, tid2eid_rows, k, scaling):

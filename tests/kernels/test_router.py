@@ -104,7 +104,7 @@ def test_route_group_equals_route_then_moe_route(B, E, k, kind, permute):
     quantization exactly (a launch of either path may serve a step); twice in a row (the arrival
     counter resets itself)."""
     from megastep.kernels.moe_route import moe_route
-    from megastep.kernels.router import MAX_GROUPED_PAIRS, route_group
+    from megastep.kernels.router import MAX_GROUPED_PAIRS, route_group, route_group_ref
 
     assert B * k <= MAX_GROUPED_PAIRS
     logits, bias = make(B, E, seed=B + E)
@@ -125,6 +125,15 @@ def test_route_group_equals_route_then_moe_route(B, E, k, kind, permute):
                          (got.slot_count, want.slot_count)):
                 assert torch.equal(a[:n], b[:n])
             assert torch.equal(got.xq.view(torch.int16), want.xq.view(torch.int16))
+        # and the torch twin: the same experts, pairs and quantized x; weights as route's (module doc)
+        ri, rw, ref = route_group_ref(logits, bias, rows, k, SCALING, xd, permute=permute)
+        check((i, w), (ri, rw))
+        n = int(ref.nslots)
+        assert int(got.nslots) == n and torch.equal(got.pairs.cpu(), ref.pairs.cpu())
+        for a, b in ((got.slot_expert, ref.slot_expert), (got.slot_start, ref.slot_start),
+                     (got.slot_count, ref.slot_count)):
+            assert torch.equal(a[:n].cpu(), b[:n].cpu())
+        assert torch.equal(got.xq.cpu().view(torch.int16), ref.xq.cpu().view(torch.int16))
 
 
 def test_route_group_refuses_too_many_pairs():
