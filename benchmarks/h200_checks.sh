@@ -12,7 +12,7 @@
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget, recipes A / B / hybrid (~7 min)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
-#   bash benchmarks/h200_checks.sh floor      # what one decode launch costs (launch_floor.py) and the CUDA GEMV against Triton (~2 min)
+#   bash benchmarks/h200_checks.sh floor      # what one decode launch costs (launch_floor.py), the CUDA GEMV and the CUDA experts gate-up against Triton (~3 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
@@ -77,7 +77,8 @@ for group in "$@"; do
         python3 -m megastep.cli bench --preset v4-flash --layers 4 --batch 1 --context 4096 --iters 2 ;;
     floor)
       step launch_floor 150 python3 benchmarks/kernels/launch_floor.py --out "$OUT"
-      step gemv_variants 200 python3 benchmarks/kernels/gemv_variants.py --out "$OUT" --ms 1,4,64 ;;
+      step gemv_variants 200 python3 benchmarks/kernels/gemv_variants.py --out "$OUT" --ms 1,4,64
+      step moe_cuda_variants 200 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" ;;
     ep)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)

@@ -1,8 +1,9 @@
-"""The CUDA C++ GEMV experiment under benchmarks/kernels (gemv_fp8_cuda, measured by
-gemv_variants.py and launch_floor.py on the GPU): its source still builds with nvcc into every
-entry point the wrapper names, the wrapper's shape rules keep within the kernel's limits, and the
-timing probes of launch_floor.py still find the lines they edit. Its numerics are checked on the
-GPU by gemv_variants.py (against linear_fp8_ref, run to run, a row alone against the batch)."""
+"""The CUDA C++ experiments under benchmarks/kernels, on the CPU: their sources still build with
+nvcc into the entry points their wrappers name, with as many parameters as the wrappers'
+signatures pass; the GEMV's shape rules keep within its kernel's limits; the timing probes of
+launch_floor.py still find the lines they edit. Their numerics are checked on the GPU by their
+scripts (gemv_variants.py, moe_cuda_variants.py: against the torch refs, run to run, a row alone
+against the batch)."""
 
 import os
 import sys
@@ -16,10 +17,19 @@ sys.path.insert(0, os.path.join(HERE, "..", "benchmarks", "kernels"))
 
 import gemv_fp8_cuda as GV  # noqa: E402
 import launch_floor as LF  # noqa: E402
+import moe_gate_up_cuda as MG  # noqa: E402
+
+needs_nvcc = pytest.mark.skipif(cm.find_nvcc() is None, reason="nvcc not installed")
 
 
-@pytest.mark.skipif(cm.find_nvcc() is None, reason="nvcc not installed")
-def test_source_builds_with_every_entry(tmp_path, monkeypatch):
+def _params(source: str, name: str) -> int:
+    """The number of parameters of `extern "C"` kernel `name` in a .cu file's text."""
+    head = source[source.index(name + "("):]
+    return head[:head.index(")")].count(",") + 1
+
+
+@needs_nvcc
+def test_gemv_source_builds_with_every_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     cubin = cm.build_cubin(GV._SOURCE)
     assert cubin[:4] == b"\x7fELF"
@@ -46,3 +56,17 @@ def test_launch_floor_probes_find_their_lines():
     for name, edits in LF.PROBES:
         for old, _ in edits:
             assert old in src, (name, old)
+
+
+@needs_nvcc
+def test_moe_gate_up_source_builds(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cubin = cm.build_cubin(MG.SOURCE)
+    assert b"moe_gate_up_cuda" in cubin
+
+
+def test_signatures_match_the_kernels():
+    moe_src = open(MG.SOURCE).read()
+    assert _params(moe_src, "moe_gate_up_cuda") == len(MG._KERNEL.signature)
+    gemv_src = open(GV._SOURCE).read()
+    assert _params(gemv_src, "gemv_fp8_nt##NT##_nb##NB") == len(GV._SIGNATURE)

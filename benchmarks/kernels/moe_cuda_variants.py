@@ -1,0 +1,91 @@
+"""The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's
+Triton gate-up kernel and with the CUDA C++ one (`moe_gate_up_cuda`, swapped in; routing, the
+activation quantization, down and the combine stay the runtime's).
+
+    python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64]     (one H200, ~1 min)
+
+For each M and engine: the output against moe_experts_mxfp4_ref (the tests' tolerance: rel L2 <=
+4e-3, max <= 2e-2 of max |ref|), two runs bit-identical, row 0 alone bit-identical to row 0 of the
+batch; then the time per call (CUDA graph of 20 calls, each with its own random routing on one of
+two stacked layer copies: nothing from L2, as moe_variants.py), and the GB/s of the distinct
+experts read. Prints a table last; JSON under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
+
+import bench_kernels as BK  # noqa: E402
+import moe_gate_up_cuda as CU  # noqa: E402
+import moe_variants as MV  # noqa: E402
+from megastep.kernels import moe as MOE  # noqa: E402
+
+
+def run(engine, fn):
+    if engine == "cuda":
+        with CU.use_cuda_gate_up():
+            return fn()
+    return fn()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "out/moe_cuda_variants"))
+    ap.add_argument("--ms", default="1,4,16,64")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    BK.LOG = open(os.path.join(args.out, "moe_cuda_variants.log"), "w")
+    bw = BK.measure_bandwidth()["read"]
+    BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; "
+           f"cuda gate-up kernel: {CU._KERNEL.attributes()}")
+    E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    copies = [MV.random_experts(E, D, I, gen) for _ in range(MV.N_COPIES)]
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for M in [int(m) for m in args.ms.split(",")]:
+        x = (torch.randn(M, D, generator=g) * torch.exp2(torch.randint(-2, 3, (M, 1), generator=g).float())).bfloat16().cuda()
+        routes = [MV.routing(M, g) for _ in range(MV.N_CALLS)]
+        distinct = statistics.mean(len(torch.unique(ids)) for ids, _ in routes)
+        nbytes = distinct * MV.expert_bytes()
+        ref = MOE.moe_experts_mxfp4_ref(x, *routes[0], **copies[0])
+        for engine in ("triton", "cuda"):
+            r = dict(M=M, engine=engine, distinct_experts=distinct, mbytes=nbytes / 1e6)
+            try:
+                y = run(engine, lambda: MOE.moe_experts_mxfp4(x, *routes[0], **copies[0]))
+                y2 = run(engine, lambda: MOE.moe_experts_mxfp4(x, *routes[0], **copies[0]))
+                alone = run(engine, lambda: MOE.moe_experts_mxfp4(x[:1], routes[0][0][:1], routes[0][1][:1], **copies[0]))
+                ok, rel, mx = MV.compare(y, ref)
+                r.update(ok=ok, rel_l2=rel, max_err_rel=mx, deterministic=torch.equal(y, y2),
+                         batch_invariant=torch.equal(alone[0], y[0]))
+                calls = [lambda ids=ids, wts=wts, ex=copies[i % len(copies)]: MOE.moe_experts_mxfp4(x, ids, wts, **ex)
+                         for i, (ids, wts) in enumerate(routes)]
+                med, _ = run(engine, lambda: BK.graph_time(calls))
+                r.update(us=med, gbps=nbytes / med / 1e3)
+            except Exception as e:  # noqa: BLE001  (report, go on)
+                r.update(ok=False, error=repr(e)[:800])
+                BK.log(traceback.format_exc()[-2000:])
+            rows.append(r)
+            BK.log(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}))
+    with open(os.path.join(args.out, "moe_cuda_variants.json"), "w") as f:
+        json.dump(dict(bandwidth_read=bw, rows=rows), f, indent=1)
+    print(f"\n{'M':>3} {'engine':7} {'us':>8} {'GB/s':>6} {'rel':>8} ok det inv")
+    for r in rows:
+        print(f"{r['M']:3} {r['engine']:7} {r.get('us', float('nan')):8.1f} {r.get('gbps', 0):6.0f} "
+              f"{r.get('rel_l2', float('nan')):8.1e} {r['ok']} {r.get('deterministic')} {r.get('batch_invariant')}"
+              f"{'  ' + r['error'][:80] if 'error' in r else ''}")
+
+
+if __name__ == "__main__":
+    main()
