@@ -17,18 +17,15 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "cuda_experiments.cuh"
+
 namespace {
+
+using experiments::ld_stream;
+using experiments::round_bf16;
 
 constexpr int kPad = 8;  // fp16 elements of padding per shared x row (spreads rows over banks)
 constexpr int kMaxSplit = 32;  // CTAs along K at most (gemv_fp8_cuda.py's MAX_SPLIT)
-
-__device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
-  // weights are read once: keep them out of L1, let L2 fetch the neighbouring 128 bytes too
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
 
 // four e4m3 bytes -> (bytes 0,1) and (bytes 2,3) as fp16x2, low byte in the low half
 __device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
@@ -37,19 +34,9 @@ __device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t w, uint32_t& lo, uint32
       : "=r"(lo), "=r"(hi) : "r"(w));
 }
 
-__device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-               "{%8, %9}, {%0, %1, %2, %3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ float e8m0_to_f32(uint8_t b) {
   return b == 0 ? __int_as_float(0x00400000) : __int_as_float(int(b) << 23);  // byte 0: 2^-127 as torch
 }
-
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // fp32 -> e4m3 code (round to nearest even, saturating) of a and b, as fp16x2 (b in the high half)
 __device__ __forceinline__ uint32_t quant_pair(float a, float b) {
@@ -187,7 +174,7 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
           e4m3x4_to_f16x2(w0w[j], a0, a2);  // row g: k pairs (2q, 2q+1) and (2q+8, 2q+9)
           e4m3x4_to_f16x2(w1w[j], a1, a3);  // row g + 8
 #pragma unroll
-          for (int t = 0; t < NT; ++t) mma_f16(blk[t], a0, a1, a2, a3, xa[t][2 * j], xa[t][2 * j + 1]);
+          for (int t = 0; t < NT; ++t) experiments::mma<false>(blk[t], a0, a1, a2, a3, xa[t][2 * j], xa[t][2 * j + 1]);
         }
       }
       const float sw = e8m0_to_f32(wsr[b]);

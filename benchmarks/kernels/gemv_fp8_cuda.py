@@ -41,7 +41,7 @@ BLOCK = 128
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv_fp8_cuda.cu")
 _MODULE = CudaModule(_SOURCE)
 _SIGNATURE = "pqippqqipqpqpqipqippiiif"
-_KERNELS: dict[tuple[int, int], object] = {}
+_KERNELS: dict[tuple[CudaModule, int, int], object] = {}
 _PAD = 8  # fp16 elements of padding per shared x row (the .cu's kPad)
 SMEM_LIMIT = 96 * 1024  # dynamic shared memory per CTA we allow (two CTAs per SM still fit)
 TARGET_WARPS = 1024  # split K until tiles x splits reaches this (~8 warps per SM)
@@ -91,10 +91,10 @@ def pick_config(M: int, N: int, K: int, gated: bool = False) -> GemvConfig:
     return GemvConfig(nb, nt, r)
 
 
-def _kernel(nt: int, nb: int):
-    k = _KERNELS.get((nt, nb))
+def _kernel(module: CudaModule, nt: int, nb: int):
+    k = _KERNELS.get((module, nt, nb))
     if k is None:
-        k = _KERNELS[(nt, nb)] = _MODULE.kernel(f"gemv_fp8_nt{nt}_nb{nb}", _SIGNATURE)
+        k = _KERNELS[(module, nt, nb)] = module.kernel(f"gemv_fp8_nt{nt}_nb{nb}", _SIGNATURE)
     return k
 
 
@@ -128,8 +128,10 @@ def gemv_fp8(
     residual: torch.Tensor | None = None,
     x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: GemvConfig | None = None,
+    module: CudaModule = _MODULE,
 ) -> torch.Tensor:
-    """x [M, K] bf16/fp32 (or its x_codes), w e4m3 [N, K] (gated: [2N, K] = cat(w1, w3)), w_scale
+    """module: a build of gemv_fp8_cuda.cu (launch_floor.py's timing probes pass edited ones).
+    x [M, K] bf16/fp32 (or its x_codes), w e4m3 [N, K] (gated: [2N, K] = cat(w1, w3)), w_scale
     e8m0 [rows/128, K/128] -> out [M, N] (bf16 or fp32), as `linear_fp8` / `linear_fp8_swiglu`.
     K a multiple of 128, N of 16 (gated: of 128), 16-byte aligned rows (not checked here); on a
     device of compute capability >= 8.9. Launches on the current stream."""
@@ -152,7 +154,7 @@ def gemv_fp8(
     xc, xs = x_codes if codes else (out, out)
     res = residual if residual is not None else out
     res_mode = 0 if residual is None else (1 if residual.dtype == torch.float32 else 2)
-    _kernel(cfg.nt, cfg.nb).launch(
+    _kernel(module, cfg.nt, cfg.nb).launch(
         grid, (32 * warps, 1, 1), smem, None,
         x, x.stride(0), int(x.dtype == torch.float32), xc, xs, xc.stride(0), xs.stride(0), int(codes),
         w, w.stride(0), w_scale, w_scale.stride(0), out, out.stride(0), int(out.dtype == torch.bfloat16),

@@ -52,7 +52,7 @@ def _empty_kernel(p, PDL: tl.constexpr):
         tl.store(p, 0)
 
 
-# timing probes of the CUDA GEMV: (name, [(text in gemv_fp8.cu, replacement)])
+# timing probes of the CUDA GEMV: (name, [(text in gemv_fp8_cuda.cu or its header, replacement)])
 PROBES = [
     ("cuda_no_prologue", [("for (int i = warp; i < mv * NB; i += nwarps) {", "for (int i = warp; i < 0; i += nwarps) {")]),
     ("cuda_no_fence", [("__threadfence();", ";")]),
@@ -63,20 +63,27 @@ PROBES = [
 ANATOMY_SHAPES = ((128, 4096), (1536, 4096), (40960, 1024))
 
 
-def probe_module(out_dir, edits):
-    src = open(GV._SOURCE).read()
+PROBE_FILES = (GV._SOURCE, os.path.join(HERE, "cuda_experiments.cuh"))  # the kernel and the header it includes
+
+
+def probe_module(out_dir, name, edits):
+    """The GEMV built from copies of its files (under out_dir/name) with `edits` made in them."""
+    texts = {p: open(p).read() for p in PROBE_FILES}
     for old, new in edits:
-        assert old in src, old
-        src = src.replace(old, new)
-    path = os.path.join(out_dir, f"probe_{abs(hash(tuple(edits)))}.cu")
-    with open(path, "w") as f:
-        f.write(src)
-    return cuda_module.CudaModule(path)
+        hits = [p for p, t in texts.items() if old in t]
+        assert len(hits) == 1, (old, hits)
+        texts[hits[0]] = texts[hits[0]].replace(old, new)
+    d = os.path.join(out_dir, name)
+    os.makedirs(d, exist_ok=True)
+    for p, t in texts.items():
+        with open(os.path.join(d, os.path.basename(p)), "w") as f:
+            f.write(t)
+    return cuda_module.CudaModule(os.path.join(d, os.path.basename(GV._SOURCE)))
 
 
 def anatomy(out_dir, g):
     rows = []
-    mods = {name: probe_module(out_dir, edits) for name, edits in PROBES}
+    mods = {name: probe_module(out_dir, name, edits) for name, edits in PROBES}
     for N, K in ANATOMY_SHAPES:
         nbytes = N * K + math.ceil(N / 128) * (K // 128)
         copies = max(2, min(128, math.ceil(BK.L2_FLUSH_BYTES / nbytes)))
@@ -88,14 +95,8 @@ def anatomy(out_dir, g):
             variants[f"triton_split{split}"] = lambda w, s, cfg=cfg: LIN.linear_fp8(x, w, s, config=cfg)
         variants["cuda"] = lambda w, s, N=N: GV.gemv_fp8(x, w, s, torch.empty(1, N, dtype=torch.bfloat16, device="cuda"))
         for name, mod in mods.items():
-            def run(w, s, N=N, mod=mod):
-                old = GV._MODULE, dict(GV._KERNELS)
-                GV._MODULE, GV._KERNELS = mod, {}
-                try:
-                    return GV.gemv_fp8(x, w, s, torch.empty(1, N, dtype=torch.bfloat16, device="cuda"))
-                finally:
-                    GV._MODULE, GV._KERNELS = old[0], old[1]
-            variants[name] = run
+            variants[name] = lambda w, s, N=N, mod=mod: GV.gemv_fp8(
+                x, w, s, torch.empty(1, N, dtype=torch.bfloat16, device="cuda"), module=mod)
         for name, fn in variants.items():
             us, _ = BK.graph_time([lambda w=w, s=s, fn=fn: fn(w, s) for (w, s) in ws])
             rows.append(dict(kind=name, N=N, K=K, bytes=nbytes, us=us))

@@ -19,16 +19,14 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "cuda_experiments.cuh"
+
 namespace {
 
-constexpr int kPrefetch = 4;  // K steps of weight bytes in flight per lane
+using experiments::ld_stream;
+using experiments::round_bf16;
 
-__device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
+constexpr int kPrefetch = 4;  // K steps of weight bytes in flight per lane
 
 __device__ __forceinline__ uint4 ld_shared_x(const void* p) {  // x: read by every warp, keep in L1
   uint4 v;
@@ -52,17 +50,7 @@ __device__ __forceinline__ void decode2(uint32_t w, uint32_t f, uint32_t& lo, ui
       : "=r"(lo), "=r"(hi) : "r"(w), "r"(f), "n"(SEL), "r"(m), "r"(c), "r"(z), "r"(zero), "r"(hi_nib));
 }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-               "{%8, %9}, {%0, %1, %2, %3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ uint32_t scale_pattern(uint32_t s) { return (s << 7) * 0x10001u; }  // bf16 2^(s-127) x2
-
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
@@ -180,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_cuda(
         }
         const uint32_t b0 = j < 4 ? word(x0, j) : word(x1, j - 4);  // even elements 4j, 4j+2
         const uint32_t b1 = j < 4 ? word(x2, j) : word(x3, j - 4);  // odd elements 4j+1, 4j+3
-        mma_bf16(acc, lo1, lo3, hi1, hi3, b0, b1);
+        experiments::mma<true>(acc, lo1, lo3, hi1, hi3, b0, b1);
       }
       if (cur.k == wk.steps - 1) {
         // acc: (w1 of channel ch0+g, pair 2q), (w1, pair 2q+1), (w3, pair 2q), (w3, pair 2q+1)

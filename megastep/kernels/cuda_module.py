@@ -7,10 +7,10 @@ launched with `cuLaunchKernel` via ctypes on the current torch stream, so a laun
 CUDA graph capture like any Triton or torch launch. No torch C++ extension and no cudart are
 involved.
 
-Caching: `build_cubin` keys a cubin by sha256 of (source bytes, nvcc flags, arch, `nvcc --version`)
-under ~/.cache/megastep/cuda/; it is written to a temporary file and renamed into place, so
-processes building the same kernel at once never read a partial file. Files the source #includes
-are not part of the key: keep a kernel's code in its one .cu file. In a process a `CudaModule`
+Caching: `build_cubin` keys a cubin by sha256 of (source bytes, the bytes of the files it includes
+with `#include "..."` beside it, recursively, nvcc flags, arch, `nvcc --version`) under
+~/.cache/megastep/cuda/; it is written to a temporary file and renamed into place, so processes
+building the same kernel at once never read a partial file. In a process a `CudaModule`
 builds once and loads once per device; the first launch (or `attributes()`) on a device loads the
 module, which is not allowed during stream capture: launch once before capturing (as with Triton).
 
@@ -69,6 +69,26 @@ def _tail(text: str, lines: int = 20) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def _sources(path: str, seen: set[str] | None = None) -> list[bytes]:
+    """The bytes of `path` and of the files it includes with quotes (relative to it), each once."""
+    seen = set() if seen is None else seen
+    path = os.path.realpath(path)
+    if path in seen:
+        return []
+    seen.add(path)
+    with open(path, "rb") as f:
+        text = f.read()
+    out = [text]
+    for name in _LOCAL_INCLUDE.findall(text):
+        inc = os.path.join(os.path.dirname(path), name.decode())
+        if os.path.isfile(inc):  # else nvcc finds it elsewhere (or fails, with its own message)
+            out += _sources(inc, seen)
+    return out
+
+
 def build_cubin(source_path: str, arch: str = "sm_90", extra_flags: tuple[str, ...] = ()) -> bytes:
     """The cubin of `source_path` for `arch` (e.g. "sm_90", "sm_90a"), from the cache or built by nvcc."""
     m = re.fullmatch(r"sm_(\d+[a-z]?)", arch)
@@ -80,9 +100,9 @@ def build_cubin(source_path: str, arch: str = "sm_90", extra_flags: tuple[str, .
                               "or in /usr/local/cuda/bin (install the CUDA toolkit)")
     flags = ["--cubin", f"-gencode=arch=compute_{m.group(1)},code={arch}", "-O3", "-std=c++17", "-lineinfo",
              *extra_flags]
-    with open(source_path, "rb") as f:
-        source = f.read()
-    h = hashlib.sha256(source)
+    h = hashlib.sha256()
+    for text in _sources(source_path):
+        h.update(text)
     h.update(json.dumps([flags, arch, _nvcc_version(nvcc)]).encode())
     d = cache_dir()
     final = os.path.join(d, h.hexdigest() + ".cubin")

@@ -527,14 +527,14 @@ class FastDecoder:
             # sqrtsoftplus scores, bias top-k (or the hash rows), ids ascending (the reference's
             # summation order), normalized weights times the routed scaling
             hash_rows = lw["tid2eid"][tokens] if "tid2eid" in lw else None
-            route = (self._dense(x, lw["gate"]).contiguous(), lw.get("gate_bias"), hash_rows,
-                     cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+            route_args = (self._dense(x, lw["gate"]).contiguous(), lw.get("gate_bias"), hash_rows,
+                          cfg.num_experts_per_tok, cfg.routed_scaling_factor)
             routing = None
             if self.triton and "experts" in lw and x.shape[0] * cfg.num_experts_per_tok <= _router.MAX_GROUPED_PAIRS:
                 # the experts' pair grouping and x quantization in the router's launch
-                idx, w, routing = _router.route_group(*route, x.contiguous(), permute=_moe.permutes(self.moe_mode))
+                idx, w, routing = _router.route_group(*route_args, x.contiguous(), permute=_moe.permutes(self.moe_mode))
             else:
-                idx, w = self._kernel(_router, "route")(*route)
+                idx, w = self._kernel(_router, "route")(*route_args)
         with stage(T, "routed_experts", L):
             routed = self._routed(x, idx, w, lw, L, routing)
         self._join(a)

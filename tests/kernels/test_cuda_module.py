@@ -78,6 +78,18 @@ def test_build_cubin_and_cache(home, source, monkeypatch):
 
 
 @needs_nvcc
+def test_an_included_header_is_part_of_the_cache_key(home, tmp_path):
+    """A change in a file the source includes with quotes rebuilds; an unchanged one does not."""
+    (tmp_path / "scale.cuh").write_text("#pragma once\n#define SCALE 2.0f\n")
+    src = tmp_path / "uses_header.cu"
+    src.write_text('#include "scale.cuh"\nextern "C" __global__ void scale(float* x) { x[threadIdx.x] *= SCALE; }\n')
+    first = cm.build_cubin(str(src))
+    assert cm.build_cubin(str(src)) == first and len(cache_files()) == 1
+    (tmp_path / "scale.cuh").write_text("#pragma once\n#define SCALE 3.0f\n")
+    assert cm.build_cubin(str(src)) != first and len(cache_files()) == 2
+
+
+@needs_nvcc
 def test_build_error_shows_nvcc_stderr(home, tmp_path):
     bad = tmp_path / "bad.cu"
     bad.write_text('extern "C" __global__ void broken(float* x) { x[0] = ; }\n')
