@@ -7,7 +7,7 @@
 #   bash benchmarks/h200_checks.sh resident   # 30-layer step: fma vs dot_asm experts, a 6-token block (~4 min)
 #   bash benchmarks/h200_checks.sh trace      # 30-layer step at 1-64 rows with the per-stage kernel table (~1 min)
 #   bash benchmarks/h200_checks.sh overlap    # the 30-layer step with and without the second stream, and its GPU tests (~7 min)
-#   bash benchmarks/h200_checks.sh pdl        # the 30-layer step with programmatic dependent launch (~1 min)
+#   bash benchmarks/h200_checks.sh pdl        # the 30-layer step with and without programmatic dependent launch, PDL's GPU tests (~4 min)
 #   bash benchmarks/h200_checks.sh tune       # measure and pin attention / mHC configs, then their GPU tests (~5 min)
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget, recipes A / B / hybrid (~7 min)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
@@ -60,8 +60,10 @@ for group in "$@"; do
       bench resident_overlap 150 --layers 30 --batch 1,4,16,64 --trace
       bench resident_one_stream 100 --layers 30 --batch 1,64 --no-overlap
       step overlap_tests 200 python3 -m pytest -q --timeout 120 -m gpu tests/test_fast_gpu.py tests/kernels/test_linear_fp8.py ;;
-    pdl)
-      bench resident_pdl 120 --layers 30 --batch 1,4,16,64 --pdl ;;
+    pdl)  # PDL against no PDL in the same call, then PDL's GPU tests (bits unchanged)
+      bench resident_pdl 120 --layers 30 --batch 1,4,16,64 --pdl on
+      bench resident_no_pdl 120 --layers 30 --batch 1,4,16,64 --pdl off
+      step pdl_tests 200 python3 -m pytest -q --timeout 150 tests/kernels/test_pdl.py tests/test_fast_gpu.py -k pdl ;;
     offload)
       for path in hybrid cpu gpu; do
         bench "offload_skewed_$path" 150 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path "$path"

@@ -270,7 +270,8 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
         cpu_share = hybrid_cpu_share(dev, cpu_bw, host_bw)
     dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True,
                       placement=placement if args.hbm_budget is not None else None, max_block=args.block,
-                      moe_mode=args.moe_mode, cold_path=args.cold_path, cpu_share=cpu_share, pdl=args.pdl,
+                      moe_mode=args.moe_mode, cold_path=args.cold_path, cpu_share=cpu_share,
+                      pdl={"auto": None, "on": True, "off": False}[args.pdl],
                       overlap=False if args.no_overlap else None,
                       rank=rank.rank if rank is not None else 0, world_size=W, ep_combine=args.ep_combine)
     del weights
@@ -408,8 +409,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="rows per sequence: each step advances batch/block sequences by a causal block of this many tokens")
     p.add_argument("--moe-mode", default=None, choices=["fma", "dot", "dot_asm", "dot_scaled"],
                    help="routed-experts kernel mode (default: the kernel's own pick)")
-    p.add_argument("--pdl", action="store_true",
-                   help="launch the step's kernels with programmatic dependent launch (measured slower)")
+    p.add_argument("--pdl", default="auto", choices=["auto", "on", "off"],
+                   help="programmatic dependent launch of the step's kernels: on, off, or auto (on for steps of "
+                        "at most FastDecoder's PDL_MAX_ROWS rows on one GPU, where it was measured faster)")
     p.add_argument("--no-overlap", action="store_true",
                    help="run every kernel of a layer on one stream (default: the independent parts on a second one)")
     p.add_argument("--cold-path", default="gpu", choices=["gpu", "cpu", "hybrid"],

@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from megastep.kernels import common as _common
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 SCRIPT = """
@@ -72,9 +74,14 @@ def test_graph_replay_equals_eager_step():
     assert torch.equal(g, e)
 
 
-def test_pdl_changes_no_bits():
+@pytest.mark.parametrize("sms", [None, 4])
+def test_pdl_changes_no_bits(sms, monkeypatch):
     """Programmatic dependent launch only moves when kernels start: 16 rows through a graph
-    captured with PDL give the bits of the graph without it, step after step."""
+    captured with PDL give the bits of the graph without it, step after step. sms=4: the
+    launches believe the GPU has 4 SMs, so nearly every grid takes the late release (PDL_LATE)
+    and the weight prefetch, as the full-size model's linears do."""
+    if sms is not None:
+        monkeypatch.setitem(_common._SMS, torch.cuda.current_device(), sms)
     cfg, dec, runner = build()
     _, dec2, runner2 = build()
     dec2.pdl = True

@@ -3,9 +3,10 @@
 Times, in graphs of back-to-back launches (weights rotated past L2, `bench_kernels.graph_time`):
 - an empty Triton kernel on 1 and on 264 programs (the launch-to-launch floor);
 - the FP8 linear at M = 1, K = 4096, for N from 128 to 16384 rows (0.5 to 67 MB): Triton ("f16",
-  its picked config) with PDL off and on, and the CUDA C++ GEMV (`gemv_fp8_cuda`);
-  (the run of 2026-11-29 in docs/PERFORMANCE.md also had "PDL with an L2 prefetch of the weight
-  tile", since removed: it halved the streaming rate);
+  its picked config) with PDL off and on, and the CUDA C++ GEMV (`gemv_fp8_cuda`); PDL as
+  `common` makes it (a grid over one wave releases the next kernel after its main loop, and a
+  linear asks L2 for its first weight lines before it waits; the first runs of 2026-11-29 in
+  docs/PERFORMANCE.md released at entry, with and without an L2 prefetch of the whole tile);
 and fits t = a + bytes / b over N for each: a is the fixed cost of one launch (launch gap, ramp,
 split-K round trip, tail), b the streaming rate it reaches.
 
@@ -156,7 +157,7 @@ def main() -> None:
     for pdl in (False, True):
         common.set_pdl(pdl)
         for grid in (1, 264):
-            us, _ = BK.graph_time([lambda grid=grid: _empty_kernel[(grid,)](p, **common.launch_opts(p))] * 40)
+            us, _ = BK.graph_time([lambda grid=grid: _empty_kernel[(grid,)](p, **common.launch_opts(p, (grid,)))] * 40)
             rows.append(dict(kind="empty", grid=grid, pdl=pdl, us=us))
             BK.log(json.dumps(rows[-1]))
     common.set_pdl(False)

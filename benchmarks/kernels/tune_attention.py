@@ -19,14 +19,15 @@ Inputs as StatePools holds them: S = 65 slots, window [S, W, 512], comp [S, n + 
 the output's inverse RoPE from a rope_table (as FastDecoder), CSA ids = 512 random visible
 entries ascending (int64, all ok). pick_config is keyed by (H, N, d): never by B.
 
-Candidates (at most 27 per kind), in two phases, each compiled first in parallel processes that
+Candidates (at most 36 per kind), in two phases, each compiled first in parallel processes that
 fill Triton's disk cache (as bench_kernels.py / moe_variants.py):
   1. pick_config's rule, and block_h in (16, 32, 64) x chunk in (32, 64, 128, 256) with
      block_n 32, num_warps 4 (block_h 16) or 8, num_stages 2. Chunks past the first one >= N
      are dropped (the same single chunk).
   2. the best one's combine with more chunk partials or wider column slabs in flight (COMBINES;
      same bits), then around the 3 best of phase 1: block_n 64, num_stages 3, the other
-     num_warps, block_n 64 with the other num_warps. Never block_h 64 with 4 warps (a 64 x 512 fp32 accumulator on
+     num_warps, block_n 64 with the other num_warps, and the value columns split over 2 or 4
+     programs (dv_split; first, as the newest knob). Never block_h 64 with 4 warps (a 64 x 512 fp32 accumulator on
      128 threads) nor block_n 64 with 3 stages (3 x 64 KB of KV tiles in shared memory).
 pv_pieces stays 2 (the module's precision argument).
 Check (before timing; a candidate that fails or raises is reported and not timed): the B = 64
@@ -81,7 +82,7 @@ COMBINES = ((8, 128), (32, 64), (4, 256))  # (chunk partials, columns) in flight
 BS = (1, 64)  # batch sizes timed: t1 at BS[0], t64 at BS[-1]
 STEP_US = {1: 8000.0, 64: 63000.0}  # the decode step at each size (30 layers, one H200, 2026-11-29)
 TOP = 3  # phase-1 configurations that phase 2 varies
-MAX_CANDS = 27  # per kind, both phases
+MAX_CANDS = 36  # per kind, both phases
 MIN_CALLS, MAX_CALLS = 20, 512  # calls per graph
 MAX_COPIES = 32  # pool copies per kind
 REPS = 10  # graph replays per timing
@@ -164,6 +165,8 @@ def short(c: AttnConfig, N: int | None = None, H: int | None = None) -> str:
         s += f" p{c.pv_pieces}"
     if (c.combine_group, c.combine_cols) != (4, 128):
         s += f" g{c.combine_group}x{c.combine_cols}"
+    if c.dv_split != 1:
+        s += f" v{c.dv_split}"
     if N is not None and H is not None:
         split = max(1, -(-N // c.chunk))
         s += f" (S={split} progs/row={-(-H // c.block_h) * split})"
@@ -189,7 +192,8 @@ def phase1(kind: Kind) -> list[AttnConfig]:
 def variants(base: AttnConfig) -> list[AttnConfig]:
     alt_bn = [b for b in BLOCK_NS if b != base.block_n]
     alt_w = 4 if base.num_warps == 8 else 8
-    out = [replace(base, block_n=b) for b in alt_bn]
+    out = [replace(base, dv_split=v) for v in (2, 4) if v != base.dv_split]
+    out += [replace(base, block_n=b) for b in alt_bn]
     out.append(replace(base, num_stages=3 if base.num_stages == 2 else 2))
     out.append(replace(base, num_warps=alt_w))
     out += [replace(base, block_n=b, num_warps=alt_w) for b in alt_bn]

@@ -33,6 +33,10 @@ atomics on data) combines them in chunk order 0..S-1. S depends on the number of
 or W + k) only, never on B or the positions, so a row's result does not depend on the batch
 (batch invariant); the order is fixed (deterministic). HCA programs stop at the row's last visible
 entry (the chunks past it only publish an empty partial).
+Value split (`AttnConfig.dv_split` = V > 1): grid (H / BLOCK_H * V, S, B). The V programs of a (row,
+head block, chunk) each compute the chunk's scores over all d (the same values in each) and the
+weighted sum of their own d / V columns, with their own partials, (m, l) copy, arrival counter and
+combine: the same sums per column, so the same bits (tested), over more and lighter programs.
 
 Precision: scores are tensor-core dots of bf16 q and kv (exact products, fp32 accumulation). The
 weights p (fp32) are split into PV_PIECES bf16 pieces p = p1 + p2 (+ p3) + r, each piece exact in
@@ -57,7 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16, workspace
+from megastep.kernels.common import (launch_opts, next_pow2, on_interpreter, pdl_enter, pdl_release, round_bf16,
+                                     workspace)
 from megastep.kernels.rope_norm import TORCH_MATH, _rope_arg, rope_pairs
 from megastep.model import ops
 
@@ -80,9 +85,15 @@ class AttnConfig:
     # the values (chunk order, per column): they only set how many loads are in flight at once.
     combine_group: int = 4
     combine_cols: int = 128
+    # programs per (row, head block, chunk) that split the value columns: each computes the chunk's
+    # scores over all d (the same values in each) and the weighted sum of d / dv_split columns
+    # only, with its own partials, arrival counter and combine. More programs, each with a
+    # smaller accumulator and a shorter combine.
+    dv_split: int = 1
 
     def check(self) -> None:
         assert self.block_h in (16, 32, 64), self
+        assert self.dv_split in (1, 2, 4), self
         assert self.block_n in (16, 32, 64), self
         assert self.chunk >= self.block_n and self.chunk % self.block_n == 0, self
         assert self.pv_pieces in (2, 3), self  # one bf16 piece misses the ref by bf16 steps
@@ -106,12 +117,39 @@ _PINNED: dict[tuple[int, int, int], AttnConfig] = {
 }
 
 
-def pick_config(H: int, N: int, d: int) -> AttnConfig:
-    """The one configuration for (heads, entries, head dim); it never depends on B. A measured
-    entry of `_PINNED` when there is one; otherwise the rule: chunks are sized so that the fp32
-    partials (H x d x 4 bytes per chunk) are no larger than the KV bytes they summarize
-    (chunk x d x 2) from 128 entries on, while B = 1 still gets several programs (the rule is
-    not measured on the device)."""
+# Launch settings for steps of few rows, by (H, N, d): (at most this many rows, config). Each
+# differs from the shape's `pick_config` only in settings that change no bits (`same_bits`), so a
+# row's result still does not depend on the batch. Measured on one H200, 2026-11-29
+# (benchmarks/kernels/attn_few_rows.py, docs/data/attn-few-rows-2026-11-29.json): CSA with the
+# value columns split over 4 programs, us per call at 1 / 2 / 4 rows: 25.3 / 39.0 / 59.0 against
+# 30.1 / 32.0 / 44.3 (the same bits at each); so at 1 row only. HCA and the window gained nothing
+# (tune_attention.py, docs/data/tune-2026-11-29-c.log).
+_PINNED_FEW_ROWS: dict[tuple[int, int, int], tuple[int, AttnConfig]] = {
+    (64, 640, 512): (1, AttnConfig(block_h=16, block_n=32, chunk=64, pv_pieces=2, num_warps=8, num_stages=2,
+                                   combine_group=4, combine_cols=128, dv_split=4)),
+}
+_BIT_NEUTRAL = ("num_stages", "combine_group", "combine_cols", "dv_split")
+
+
+def same_bits(a: AttnConfig, b: AttnConfig) -> bool:
+    """Whether two configurations give the same bits: they differ at most in how the work is
+    spread (pipeline stages, the combine's loads in flight, the value-column split), never in the
+    sums (heads per program, entries per step and per chunk, weight pieces) nor in the warps: on
+    the H200, 4 warps instead of 8 moved 2 of 8 x 64 x 512 CSA outputs by one bf16 step (the
+    other settings gave equal bits at 4, 8 and 16 rows)."""
+    return all(getattr(a, f) == getattr(b, f) for f in AttnConfig.__dataclass_fields__ if f not in _BIT_NEUTRAL)
+
+
+def pick_config(H: int, N: int, d: int, rows: int | None = None) -> AttnConfig:
+    """The configuration for (heads, entries, head dim) and a step of `rows` rows. Its sums never
+    depend on the rows: a measured entry of `_PINNED` when there is one; otherwise the rule:
+    chunks are sized so that the fp32 partials (H x d x 4 bytes per chunk) are no larger than the
+    KV bytes they summarize (chunk x d x 2) from 128 entries on, while B = 1 still gets several
+    programs (the rule is not measured on the device). For few rows, `_PINNED_FEW_ROWS` may
+    spread that same computation differently (the same bits)."""
+    few = _PINNED_FEW_ROWS.get((H, N, d))
+    if few is not None and rows is not None and rows <= few[0]:
+        return few[1]
     pinned = _PINNED.get((H, N, d))
     if pinned is not None:
         return pinned
@@ -122,15 +160,16 @@ def pick_config(H: int, N: int, d: int) -> AttnConfig:
 
 
 @triton.jit
-def _entry_tile(offs_n, n_in, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, W, WA,
-                stride_wr, stride_cr, stride_ib, stride_kb, offs_d, SRC: tl.constexpr):
-    """The KV rows [BLOCK_N, D] of the entries offs_n and their validity [BLOCK_N]. From the pools,
-    masked rows are not read (0 instead); dense kv rows are loaded whatever the mask says (no
-    load waits for another there: the faster form when every row is finite anyway)."""
+def _entry_rows(offs_n, n_in, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, W, WA,
+                stride_wr, stride_cr, stride_ib, stride_kb, SRC: tl.constexpr):
+    """The KV row pointers [BLOCK_N] of the entries offs_n, their validity and the mask to load
+    them with (`_load_rows`). From the pools, masked rows are not read (0 instead); dense kv rows
+    are loaded whatever the mask says (no load waits for another there: the faster form when every
+    row is finite anyway)."""
     if SRC == 0:  # dense: row b of kv, validity from the mask; the rows load alongside the mask
         ok = n_in & (tl.load(ok_ptr + b * stride_kb + offs_n, mask=n_in, other=0) != 0)
-        kv = tl.load(comp_row + offs_n.to(tl.int64)[:, None] * stride_cr + offs_d[None, :], mask=n_in[:, None],
-                     other=0.0)
+        rows = comp_row + offs_n.to(tl.int64) * stride_cr
+        ld = n_in
     else:
         in_win = offs_n < W
         # ring slot j holds the latest position q = j (mod W) written so far; the row at pos sees q
@@ -149,8 +188,14 @@ def _entry_tile(offs_n, n_in, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, 
                 e = tl.load(idx_ptr + b * stride_ib + t, mask=in_c, other=0).to(tl.int64)  # beside the mask
             ok = ok | ok_c
             rows = tl.where(in_win, rows, comp_row + e * stride_cr)
-        kv = tl.load(rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)  # masked rows: never read
-    return kv, ok
+        ld = ok  # masked rows: never read
+    return rows, ok, ld
+
+
+@triton.jit
+def _load_rows(rows, ld, offs_c):
+    """Columns offs_c of the KV rows (`_entry_rows`) [BLOCK_N, C]; 0 where ld is False."""
+    return tl.load(rows[:, None] + offs_c[None, :], mask=ld[:, None], other=0.0)
 
 
 @triton.jit
@@ -180,16 +225,21 @@ def _sparse_attn_kernel(
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PIECES: tl.constexpr, INTERPRET: tl.constexpr,
     DC: tl.constexpr, GROUP: tl.constexpr, SRC: tl.constexpr,
-    NOPE_P: tl.constexpr, ROPE_P: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr,
+    NOPE_P: tl.constexpr, ROPE_P: tl.constexpr, TABLE: tl.constexpr, DSPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
-    hb = tl.program_id(0)  # fastest: the head blocks of one KV chunk run side by side
+    DV: tl.constexpr = D // DSPLIT  # value columns of this program
+    # fastest: the (head block, value slab) programs of one KV chunk run side by side
+    tile0 = tl.program_id(0)  # = hb * DSPLIT + dv: (row, head block, value slab) has its own partials
+    hb = tile0 // DSPLIT
+    dv = tile0 % DSPLIT
     s = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    n_hb = tl.num_programs(0)
+    n_t0 = tl.num_programs(0)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
     offs_d = tl.arange(0, D)
+    offs_v = dv * DV + tl.arange(0, DV)
     n_lo = s * CHUNK
     n_hi = tl.minimum(n_lo + CHUNK, N)
     if SRC == 0:
@@ -211,13 +261,19 @@ def _sparse_attn_kernel(
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kv, ok = _entry_tile(offs_n, offs_n < n_hi, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, W, WA,
-                             stride_wr, stride_cr, stride_ib, stride_kb, offs_d, SRC)
+        rows, ok, ld = _entry_rows(offs_n, offs_n < n_hi, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, W, WA,
+                                   stride_wr, stride_cr, stride_ib, stride_kb, SRC)
+        kv = _load_rows(rows, ld, offs_d)
+        if DSPLIT == 1:
+            vv = kv
+        else:  # this program's value columns: the same lines again (from L1 / L2)
+            vv = _load_rows(rows, ld, offs_v)
         if INTERPRET:
             kv = kv.to(tl.float32)
+            vv = vv.to(tl.float32)
         sc = tl.dot(q, tl.trans(kv)) * scale  # [BLOCK_H, BLOCK_N]
         sc = tl.where(ok[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -230,31 +286,34 @@ def _sparse_attn_kernel(
         for i in tl.static_range(PIECES):
             piece = round_bf16(r, INTERPRET)  # fp32 holding the nearest bf16
             if INTERPRET:
-                acc = acc + tl.dot(piece, kv)
+                acc = acc + tl.dot(piece, vv)
             else:
-                acc = tl.dot(piece.to(tl.bfloat16), kv, acc)
+                acc = tl.dot(piece.to(tl.bfloat16), vv, acc)
             if i < PIECES - 1:
                 r = r - piece  # exact
         m_i = m_new
+    pdl_release(PDL)  # the KV loop is done: only the output (or the chunk combine) is left
 
     sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
     out_row = out_ptr + b * stride_ob
     if SPLIT == 1:
         m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
         o = acc / (l_i + tl.exp(sink - m_use))[:, None]
-        _store_out(out_row, offs_h, h_mask, o, 0, pos, rope_ptr, stride_oh, BLOCK_H, D, NOPE_P, ROPE_P, TABLE,
+        _store_out(out_row, offs_h, h_mask, o, dv * DV, pos, rope_ptr, stride_oh, BLOCK_H, DV, NOPE_P, ROPE_P, TABLE,
                    INTERPRET)
     else:
-        # partials: acc [B, SPLIT, H, D], (m, l) [B, SPLIT, 2, H]
+        # partials: acc [B, SPLIT, H, D] (each value slab its columns), (m, l) [B, DSPLIT, SPLIT, 2, H]
+        # (each value slab its own copy, equal to the others: its combine reads only what the
+        # programs behind its own arrival counter wrote)
         pa_row = pacc_ptr + (b * SPLIT) * H * D
-        pml_row = pml_ptr + (b * SPLIT) * 2 * H
-        tl.store(pa_row + (s * H + offs_h)[:, None] * D + offs_d[None, :], acc, mask=h_mask[:, None])
+        pml_row = pml_ptr + ((b * DSPLIT + dv) * SPLIT) * 2 * H
+        tl.store(pa_row + (s * H + offs_h)[:, None] * D + offs_v[None, :], acc, mask=h_mask[:, None])
         tl.store(pml_row + s * 2 * H + offs_h, m_i, mask=h_mask)
         tl.store(pml_row + s * 2 * H + H + offs_h, l_i, mask=h_mask)
         tl.debug_barrier()  # every thread's partial is issued before the release below
-        tile = b * n_hb + hb
+        tile = b * n_t0 + tile0
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:  # last chunk program of (b, hb): combine in chunk order
+        if arrived == SPLIT - 1:  # last chunk program of (b, hb, dv): combine in chunk order
             tl.debug_barrier()
             ss = tl.arange(0, SPLIT_P2)
             ml_mask = (ss < SPLIT)[:, None] & h_mask[None, :]
@@ -267,7 +326,7 @@ def _sparse_attn_kernel(
             a_all = tl.exp(m_all - m_use[None, :])  # [SPLIT_P2, BLOCK_H] chunk weights, 0 past SPLIT
             den = tl.sum(l_all * a_all, axis=0) + tl.exp(sink - m_use)
             # the weighted sum over chunks in order, by DC-wide column slabs, GROUP chunks in flight
-            for d0 in range(0, D, DC):
+            for d0 in range(dv * DV, dv * DV + DV, DC):
                 offs_c = d0 + tl.arange(0, DC)
                 acc_c = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
                 for g in range(0, SPLIT, GROUP):
@@ -286,28 +345,31 @@ def _launch(src: int, q, H: int, N: int, cfg: AttnConfig | None, sink, scale, *,
             rope, W: int, ratio: int, strides: tuple[int, ...], nope_p: int, rope_p: int, table: bool,
             WA: int | None = None) -> torch.Tensor:
     B, _, d = q.shape
-    cfg = cfg or pick_config(H, N, d)
+    cfg = cfg or pick_config(H, N, d, B)
     cfg.check()
     out = torch.empty(B, H, d, dtype=q.dtype, device=q.device)
     if B == 0 or H == 0:
         return out
     split = max(1, -(-N // cfg.chunk))
     n_hb = -(-H // cfg.block_h)
+    dsplit = cfg.dv_split
+    assert d % dsplit == 0 and d // dsplit >= 16, (d, dsplit)
     if split > 1:
         pacc = torch.empty(B * split * H * d, dtype=torch.float32, device=q.device)
-        pml = torch.empty(B * split * 2 * H, dtype=torch.float32, device=q.device)
-        cnt = workspace(q.device, "counters_attn", max(B * n_hb, _COUNTERS), torch.int32)
+        pml = torch.empty(B * dsplit * split * 2 * H, dtype=torch.float32, device=q.device)
+        cnt = workspace(q.device, "counters_attn", max(B * n_hb * dsplit, _COUNTERS), torch.int32)
     else:
         pacc = pml = cnt = out  # unused
-    _sparse_attn_kernel[(n_hb, split, B)](
+    grid = (n_hb * dsplit, split, B)
+    _sparse_attn_kernel[grid](
         q, win, comp, idx, ok, slots, pos, rope, sink, out, pacc, pml, cnt,
         H, W, W if WA is None else WA, N, ratio, float(scale),
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1),
         D=d, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, SPLIT_P2=next_pow2(split),
-        PIECES=cfg.pv_pieces, INTERPRET=on_interpreter(q), DC=min(d, cfg.combine_cols),
+        PIECES=cfg.pv_pieces, INTERPRET=on_interpreter(q), DC=min(d // dsplit, cfg.combine_cols),
         GROUP=min(cfg.combine_group, split), SRC=src,
-        NOPE_P=nope_p, ROPE_P=rope_p, TABLE=table, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **TORCH_MATH,
-        **launch_opts(q),
+        NOPE_P=nope_p, ROPE_P=rope_p, TABLE=table, DSPLIT=dsplit, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **TORCH_MATH,
+        **launch_opts(q, grid),
     )
     return out
 

@@ -36,10 +36,24 @@ def on_interpreter(t: torch.Tensor) -> bool:
 # ---- programmatic dependent launch (PDL) ------------------------------------------------
 # Hopper's griddepcontrol lets a kernel's CTAs be placed on SMs while the previous kernel on the
 # stream (or in the CUDA graph) still drains, hiding the launch gap between short decode kernels.
-# Every launched kernel takes `PDL: tl.constexpr`, calls `pdl_enter(PDL)` before touching global
-# memory, and its launch passes `**launch_opts(tensor)`. Off by default; the switch is read at
-# launch (and so at graph capture): a captured graph keeps the setting it was captured with.
+# Every launched kernel takes `PDL: tl.constexpr`, enters through `pdl_enter(PDL)` before touching
+# global memory, and its launch passes `**launch_opts(tensor, grid)`. Off by default; the switch
+# is read at launch (and so at graph capture): a captured graph keeps the setting it was captured
+# with. When the next kernel may be placed (its "release") depends on the grid:
+# - PDL_EARLY (a grid of at most one program per SM): at entry. The next kernel's CTAs take free
+#   SM slots at once and wait there; this grid needs no more slots than it already has.
+# - PDL_LATE (a larger grid): where the kernel calls `pdl_release(PDL)`, after its main loop
+#   (the weight streams, attention's KV loop), or at exit. Placed early, the next kernel's
+#   waiting CTAs would hold slots that this grid's later programs need (the first PDL
+#   measurement, 2026-11-29: every batch slower).
+# A weight-streaming kernel asks L2 for its first weight lines before it waits
+# (`l2_prefetch_rows`): weights never depend on the predecessor, so that DRAM latency overlaps
+# the predecessor's tail (its split-K combine). Only the first lines: prefetching whole weight
+# tiles with evict_last halved the streaming rate (docs/PERFORMANCE.md, seventh measurement).
 _PDL = False
+PDL_OFF, PDL_LATE, PDL_EARLY = 0, 1, 2
+PREFETCH_BYTES = 512  # per weight row and program: the first 4 steps of an FP8 linear
+_SMS: dict[int, int] = {}
 
 
 def set_pdl(enabled: bool) -> bool:
@@ -53,28 +67,69 @@ def pdl_enabled() -> bool:
     return _PDL
 
 
-def launch_opts(t: torch.Tensor) -> dict:
-    """Launch keywords for a kernel whose inputs live where `t` lives: the kernel's `PDL`
-    constexpr and Triton's `launch_pdl`. Always off under the interpreter, where the gdc_*
-    instructions raise."""
-    on = _PDL and not on_interpreter(t)
-    return {"PDL": on, "launch_pdl": on}
+def _sm_count(device: torch.device) -> int:
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
+def launch_opts(t: torch.Tensor, grid: tuple[int, ...]) -> dict:
+    """Launch keywords for a kernel whose inputs live where `t` lives and whose grid is `grid`:
+    the kernel's `PDL` constexpr (PDL_OFF, PDL_LATE or PDL_EARLY) and Triton's `launch_pdl`.
+    Always off under the interpreter, where the gdc_* instructions raise."""
+    if not _PDL or on_interpreter(t):
+        return {"PDL": PDL_OFF, "launch_pdl": False}
+    programs = 1
+    for g in grid:
+        programs *= g
+    return {"PDL": PDL_EARLY if programs <= _sm_count(t.device) else PDL_LATE, "launch_pdl": True}
+
+
+def prefetch_lines(opts: dict, k_bytes: int) -> int:
+    """LINES of `l2_prefetch_rows` for a program that streams `k_bytes` bytes of each weight row,
+    under the launch options `opts`: the first PREFETCH_BYTES of the row with PDL, 0 without."""
+    if not opts["PDL"]:
+        return 0
+    return next_pow2(-(-min(k_bytes, PREFETCH_BYTES) // 128))
 
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """First statement of every launched kernel.
+    """Every launched kernel's entry, before any global load, store or atomic (only a weight
+    prefetch may precede it).
 
-    With launch_pdl the kernel may start before its predecessor completes. gdc_launch_dependents
-    comes first so the next kernel's CTAs can be placed early (they too wait before any memory
-    access). gdc_wait then blocks until the predecessor grid has completed and its writes are
-    visible; it must precede every global load, store and atomic, since the predecessor may still
-    be writing what we read or reading what we overwrite. The guarantee is transitive: the
-    predecessor itself completed only after its own predecessor did. A predecessor that never
-    triggers (a torch op) lets this kernel start only once it completes, as without PDL."""
-    if PDL:
+    gdc_wait blocks until the predecessor grid has completed and its writes are visible; the
+    predecessor may still be writing what we read or reading what we overwrite. The guarantee is
+    transitive: the predecessor itself completed only after its own predecessor did. A
+    predecessor that never releases (a torch op) lets this kernel start only once it completes,
+    as without PDL. PDL_EARLY releases the next kernel first (see above)."""
+    if PDL == 2:  # PDL_EARLY
         tlc.gdc_launch_dependents()
+    if PDL:
         tlc.gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """A PDL_LATE kernel's release point, after its main loop: the next kernel's CTAs may be
+    placed (they wait in pdl_enter until this grid completes). No-op otherwise."""
+    if PDL == 1:  # PDL_LATE
+        tlc.gdc_launch_dependents()
+
+
+@triton.jit
+def l2_prefetch_rows(w_ptr, n0, N, stride_wn, k_lo, k_hi, ROWS: tl.constexpr, LINES: tl.constexpr):
+    """Ask L2 (plain prefetch, no eviction hint) for the first LINES 128-byte lines of elements
+    [k_lo, k_hi) of weight rows [n0, n0 + ROWS) (rows past N: the last one; lines past k_hi:
+    the first one again). Before `pdl_enter` only: weights never depend on the predecessor."""
+    rows = w_ptr + tl.minimum(n0 + tl.arange(0, ROWS), N - 1).to(tl.int64)[:, None] * stride_wn
+    PER_LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
+    k = k_lo + tl.arange(0, LINES) * PER_LINE
+    k = tl.where(k < k_hi, k, k_lo)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                              [(rows + k[None, :]).to(tl.int64, bitcast=True)], dtype=tl.int32, is_pure=False,
+                              pack=1)
 
 
 @triton.jit

@@ -225,7 +225,8 @@ def compressor_step(kv_row: torch.Tensor, score_row: torch.Tensor, kv_pool: torc
     dev = kv_row.device
     ews = torch.empty(B, dim, dtype=torch.float32, device=dev)
     cnt = workspace(dev, "counters_compressor", max(B, _COUNTERS), torch.int32) if ncb > 1 else ews
-    _compressor_kernel[(ncb, B)](
+    grid = (ncb, B)
+    _compressor_kernel[grid](
         kv_row, score_row, score_row if ape is None else ape, kv_pool, score_pool, entries, slots, pos, norm_w,
         rope, ews, cnt,
         kv_row.stride(0), score_row.stride(0), kv_pool.stride(0), kv_pool.stride(1), score_pool.stride(0),
@@ -234,7 +235,7 @@ def compressor_step(kv_row: torch.Tensor, score_row: torch.Tensor, kv_pool: torc
         LOG_HALF=(dim // 2).bit_length() - 1, NOPE_P=dim // 2 - rp, ROPE_P=rp, INDEX=kind == "index",
         HAS_APE=ape is not None, TABLE=table,
         OUT_BF16=entries.dtype == torch.bfloat16, INTERPRET=on_interpreter(kv_row), num_warps=cfg.num_warps,
-        **_rn.TORCH_MATH, **launch_opts(kv_row),
+        **_rn.TORCH_MATH, **launch_opts(kv_row, grid),
     )
 
 

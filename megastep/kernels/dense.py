@@ -27,9 +27,12 @@ import triton
 import triton.language as tl
 
 from megastep.kernels.common import (
+    l2_prefetch_rows,
     launch_opts,
     on_interpreter,
     pdl_enter,
+    pdl_release,
+    prefetch_lines,
     round_bf16,
     workspace,
 )
@@ -84,12 +87,16 @@ def _linear_bf16_kernel(
     stride_xm, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-    GROUP: tl.constexpr = 4,
+    PREFETCH_LINES: tl.constexpr, GROUP: tl.constexpr = 4,
 ):
-    pdl_enter(PDL)
     pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run side by side
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
+    if PREFETCH_LINES:  # (PDL) the first weight lines, while the previous kernel drains
+        pf_lo = pid_k * K_PER_SPLIT
+        l2_prefetch_rows(w_ptr, pid_n * BLOCK_N, N, stride_wn, pf_lo, tl.minimum(pf_lo + K_PER_SPLIT, K), BLOCK_N,
+                         PREFETCH_LINES)
+    pdl_enter(PDL)
     m_tiles = tl.num_programs(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -109,6 +116,7 @@ def _linear_bf16_kernel(
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)))
         else:
             acc += tl.dot(w, tl.trans(x.to(tl.bfloat16)))
+    pdl_release(PDL)  # every weight byte of this program is read
 
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
     out_mask = n_mask[:, None] & m_mask[None, :]
@@ -167,12 +175,14 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch
         cnt = workspace(x.device, "counters_dense", max(tiles, _COUNTERS), torch.int32)
     else:
         part = cnt = out  # unused
+    opts = launch_opts(x, grid)
     _linear_bf16_kernel[grid](
         x, w, out, part, cnt, M, N, K, k_per_split,
         x.stride(0), w.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=BLOCK_M, BLOCK_K=cfg.block_k, SPLIT_K=split,
         OUT_BF16=out_dtype == torch.bfloat16, INTERPRET=on_interpreter(x),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x),
+        PREFETCH_LINES=prefetch_lines(opts, k_per_split * w.element_size()),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     return out
 

@@ -283,7 +283,7 @@ def indexer_scores(q: torch.Tensor, wl: torch.Tensor, keys_pool: torch.Tensor, s
         q.stride(0), q.stride(1), wl.stride(0), keys_pool.stride(0), keys_pool.stride(1), out.stride(0),
         DI=di, HP=max(16, next_pow2(H)), BLOCK_N=cfg.block_n, PER=cfg.blocks_per_prog, RATIO=ratio,
         DOT_F32=interp or q.dtype != torch.bfloat16 or keys_pool.dtype != torch.bfloat16, INTERPRET=interp,
-        num_warps=cfg.score_warps, **launch_opts(q),
+        num_warps=cfg.score_warps, **launch_opts(q, grid),
     )
     return out
 
@@ -301,10 +301,11 @@ def indexer_topk(q: torch.Tensor, wl: torch.Tensor, keys_pool: torch.Tensor, slo
     ok = torch.empty(B, k, dtype=torch.bool, device=q.device)
     if B == 0:
         return idx, ok
-    _select_kernel[(B,)](
+    grid = (B,)
+    _select_kernel[grid](
         scores, pos.contiguous(), idx, ok.view(torch.uint8), n, k, scores.stride(0), idx.stride(0), ok.stride(0),
         RATIO=ratio, BLOCK=cfg.sel_block, ONE_BLOCK=cfg.sel_block >= n, RADIX=cfg.radix_bits,
-        num_warps=cfg.sel_warps, **launch_opts(scores),
+        num_warps=cfg.sel_warps, **launch_opts(scores, grid),
     )
     return idx, ok
 

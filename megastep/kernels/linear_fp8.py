@@ -63,10 +63,13 @@ from megastep.kernels.common import (
     fp8_block_scales,
     fp8_pow2_scale,
     fp8_round,
+    l2_prefetch_rows,
     launch_opts,
     next_pow2,
     on_interpreter,
     pdl_enter,
+    pdl_release,
+    prefetch_lines,
     round_bf16,
     workspace,
 )
@@ -202,13 +205,20 @@ def _linear_fp8_kernel(
     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, QUANT_ACT: tl.constexpr,
     GROUP_N: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, HAS_RES: tl.constexpr, CODES: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
 ):
     # GATED: N is I (output channels); w3's rows (and scale rows) start N rows below w1's
-    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    if PREFETCH_LINES:  # (PDL) the first weight lines, while the previous kernel drains
+        pf_lo = pid_k * K_PER_SPLIT
+        pf_hi = tl.minimum(pf_lo + K_PER_SPLIT, K)
+        l2_prefetch_rows(w_ptr, pid_n * BLOCK_N, N, stride_wn, pf_lo, pf_hi, BLOCK_N, PREFETCH_LINES)
+        if GATED:
+            l2_prefetch_rows(w_ptr + N * stride_wn, pid_n * BLOCK_N, N, stride_wn, pf_lo, pf_hi, BLOCK_N,
+                             PREFETCH_LINES)
+    pdl_enter(PDL)
     n_tiles = tl.cdiv(N, BLOCK_N)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -267,6 +277,7 @@ def _linear_fp8_kernel(
                     acc3 += tl.dot(w3.to(tl.float32), tl.trans(xe3))
                 else:
                     acc3 += tl.dot(w3.to(tl.bfloat16), tl.trans(xe3.to(tl.bfloat16)))
+    pdl_release(PDL)  # every weight byte of this program is read
 
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     res_ptrs = res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None]
@@ -323,6 +334,7 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     res = out if residual is None else residual  # unused without a residual
     codes = x_codes is not None and cfg.mode == "f16"  # "dot16" quantizes x itself (the same values)
     xc, xs = x_codes if codes else (out, out)
+    opts = launch_opts(x, grid)
     _linear_fp8_kernel[grid](
         x, w, w_scale.view(torch.uint8), out, part, cnt, res, xc, xs,
         M, N, K, k_per_split, float(limit),
@@ -330,7 +342,8 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
         MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         SPLIT_K=split, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
         GROUP_N=N // groups, GATED=gated, CLAMP=limit > 0, HAS_RES=residual is not None, CODES=codes,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x),
+        PREFETCH_LINES=prefetch_lines(opts, k_per_split * w.element_size()), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **opts,
     )
     return out
 

@@ -130,7 +130,6 @@ def _hc_mix_partial_kernel(
     MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr,
     UPDATE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     s = tl.program_id(0)
     mt = tl.program_id(1)
     offs_k = s * KC + tl.arange(0, KC)  # index into flat(h) = h[j, d] at j * D + d
@@ -138,8 +137,10 @@ def _hc_mix_partial_kernel(
     j = offs_k // D
     h_off = j * stride_hj + (offs_k - j * D)
     cols = tl.arange(0, MIXP)
+    # a weight: loaded before the wait (with PDL), while the previous kernel drains
     fn = tl.load(fn_ptr + cols[:, None] * stride_fn + offs_k[None, :],
                  mask=(cols < MIX)[:, None] & k_mask[None, :], other=0.0)
+    pdl_enter(PDL)
     for r in tl.static_range(BLOCK_M):
         if mt * BLOCK_M + r < B:  # rows past B (a partial last tile, B = 1): skip their reductions
             # row index as a tensor: the interpreter mishandles a scalar boolean in a mask
@@ -416,22 +417,24 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
     part = torch.empty(S, B, mixp, dtype=torch.float32, device=dev)
     interp = on_interpreter(h)
     y, post_in, comb_in = update if update is not None else (h, h, h)  # unused without update
-    _hc_mix_partial_kernel[(S, -(-B // cfg.block_m))](
+    grid = (S, -(-B // cfg.block_m))
+    _hc_mix_partial_kernel[grid](
         h, fn, part, y, post_in, comb_in, hout, B, D, K, h.stride(0), h.stride(1), fn.stride(0),
         y.stride(0), hout.stride(0), hout.stride(1),
         MIX=mix, MIXP=mixp, KC=cfg.kc, BLOCK_M=cfg.block_m, HC=hc, UPDATE=update is not None, INTERPRET=interp,
-        num_warps=cfg.num_warps, **launch_opts(h),
+        num_warps=cfg.num_warps, **launch_opts(h, grid),
     )
     h = hout
     block_d = min(cfg.block_d, max(16, next_pow2(D)))
     apart = sinkhorn and cfg.sinkhorn_apart
-    _hc_finish_kernel[(B, 2 if apart else 1)](
+    grid = (B, 2 if apart else 1)
+    _hc_finish_kernel[grid](
         part, h, scale, base, norm_w, x, post, comb,
         B, D, K, S, iters, hc_eps, norm_eps,
         h.stride(0), h.stride(1), x.stride(0),
         HC=hc, MIX=mix, MIXP=mixp, SP=next_pow2(S), BLOCK_D=block_d, NCHP=next_pow2(-(-D // block_d)),
         SINKHORN=sinkhorn, APART=apart, INTERPRET=interp, num_warps=cfg.finish_warps, enable_fp_fusion=False,
-        **launch_opts(h),
+        **launch_opts(h, grid),
     )
     return x, post, comb, h
 
@@ -471,10 +474,11 @@ def mhc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.T
     if B == 0:
         return out
     bd = min(cfg.post_block_d, max(16, next_pow2(D)))
-    _hc_post_kernel[(B, -(-D // bd))](
+    grid = (B, -(-D // bd))
+    _hc_post_kernel[grid](
         y, h, post, comb, out, D, y.stride(0), h.stride(0), h.stride(1), out.stride(0), out.stride(1),
         HC=hc, BLOCK_D=bd, INTERPRET=on_interpreter(h), num_warps=cfg.num_warps, enable_fp_fusion=False,
-        **launch_opts(h),
+        **launch_opts(h, grid),
     )
     return out
 

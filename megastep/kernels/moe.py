@@ -473,19 +473,23 @@ def moe_experts_table(
     sw13, ss13, sw2, ss2 = table.strides
     common = dict(TOPK=k, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, ROUND_BF16=rnd, INTERPRET=interp,
                   MODE=MODES[cfg.mode], ALIGN=table.align, SPARSE=table.sparse,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(x))
-    _moe_gate_up_kernel[(-(-I // cfg.block_i), g_up)](
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (-(-I // cfg.block_i), g_up)
+    _moe_gate_up_kernel[grid](
         xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act,
         D, I, xq.stride(0), sw13, ss13, act.stride(0), float(swiglu_limit), g_up, BLOCK_I=cfg.block_i, **common,
+        **launch_opts(x, grid),
     )
-    _moe_act_quant_kernel[(P,)](act, aq, I, act.stride(0), aq.stride(0), NB=next_pow2(-(-I // ACT_BLOCK)),
-                                INTERPRET=interp, PERM=perm, num_warps=4, **launch_opts(act))
+    grid = (P,)
+    _moe_act_quant_kernel[grid](act, aq, I, act.stride(0), aq.stride(0), NB=next_pow2(-(-I // ACT_BLOCK)),
+                                INTERPRET=interp, PERM=perm, num_warps=4, **launch_opts(act, grid))
     n_d_tiles = -(-D // cfg.block_d)
     cnt = workspace(x.device, "counters_moe", M * n_d_tiles, torch.int32)
-    _moe_down_kernel[(n_d_tiles, g_down)](
+    grid = (n_d_tiles, g_down)
+    _moe_down_kernel[grid](
         aq, table.addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, cnt,
         D, I, aq.stride(0), sw2, ss2, y.stride(0), out.stride(0), g_down, BLOCK_D=cfg.block_d, COMBINE=not return_pairs,
-        **common,
+        **common, **launch_opts(x, grid),
     )
     return y.view(M, k, D) if return_pairs else out
 

@@ -146,8 +146,9 @@ def moe_route(topk_ids: torch.Tensor, E: int, x: torch.Tensor | None = None, per
     else:
         M, D = 0, 128
         args = (ids, ids, 0, 0, 0)
-    _moe_prep_kernel[(n_route + M,)](
+    grid = (n_route + M,)
+    _moe_prep_kernel[grid](
         ids, P, *args, pairs, slot_e, slot_start, slot_cnt, nslots, N_ROUTE=n_route, **group_block_sizes(E),
-        NB=next_pow2(-(-D // ACT_BLOCK)), INTERPRET=on_interpreter(ids), PERM=permute, num_warps=4, **launch_opts(ids),
+        NB=next_pow2(-(-D // ACT_BLOCK)), INTERPRET=on_interpreter(ids), PERM=permute, num_warps=4, **launch_opts(ids, grid),
     )
     return Routing(pairs, slot_e, slot_start, slot_cnt, nslots, xq, permute)

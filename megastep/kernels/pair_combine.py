@@ -96,11 +96,12 @@ def _block_d(D: int) -> int:
 def _launch(y, table, idx, out, flags, epoch, shared, D, K, layer_off=0, flag_off=0, per=1, rank=0, world_size=1,
             peer=False, aligned=False):
     bd = min(1024, next_pow2(D))
-    _pair_sum_kernel[(out.shape[0], triton.cdiv(D, bd))](
+    grid = (out.shape[0], triton.cdiv(D, bd))
+    _pair_sum_kernel[grid](
         y, table, idx, out, flags, epoch, out if shared is None else shared, D, layer_off, flag_off, per, rank,
         K=K, W=world_size, PEER=peer, ALIGNED=aligned, HAS_SHARED=shared is not None,
         OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=on_interpreter(y), BLOCK_D=bd, num_warps=4,
-        **launch_opts(y))
+        **launch_opts(y, grid))
 
 
 def sum_pairs(y: torch.Tensor) -> torch.Tensor:

@@ -388,10 +388,11 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, codes: bool = 
     cs = torch.empty(B, -(-D // 128), dtype=torch.float32, device=x.device) if codes else out
     if B > 0:
         bd = max(128 if codes else 16, next_pow2(D))
-        _rms_norm_kernel[(B,)](x, x if w is None else w, out, cq, cs, D, x.stride(0), out.stride(0), cq.stride(0),
+        grid = (B,)
+        _rms_norm_kernel[grid](x, x if w is None else w, out, cq, cs, D, x.stride(0), out.stride(0), cq.stride(0),
                                cs.stride(0), float(eps), BLOCK_D=bd, HAS_W=w is not None,
                                OUT_BF16=x.dtype == torch.bfloat16, CODES=codes, INTERPRET=on_interpreter(x),
-                               num_warps=4 if bd <= 2048 else 8, **TORCH_MATH, **launch_opts(x))
+                               num_warps=4 if bd <= 2048 else 8, **TORCH_MATH, **launch_opts(x, grid))
     return (out, (cq, cs)) if codes else out
 
 
@@ -407,11 +408,12 @@ def q_norm_rope(q: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor, eps: flo
     out = torch.empty(B, H, d, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    _q_norm_rope_kernel[(triton.cdiv(H, cfg.block_h), B)](
+    grid = (triton.cdiv(H, cfg.block_h), B)
+    _q_norm_rope_kernel[grid](
         q, rope, pos, out, H, q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(eps),
         HALF=d // 2, NOPE_P=d // 2 - rp, ROPE_P=rp, BLOCK_H=cfg.block_h, TABLE=table,
         OUT_BF16=q.dtype == torch.bfloat16, INTERPRET=on_interpreter(q), num_warps=cfg.num_warps,
-        **TORCH_MATH, **launch_opts(q))
+        **TORCH_MATH, **launch_opts(q, grid))
     return out
 
 
@@ -433,11 +435,12 @@ def kv_rope_sim_store(kv: torch.Tensor, norm_w: torch.Tensor, rope: torch.Tensor
     out = torch.empty(B, d, dtype=kv.dtype, device=kv.device)
     if B == 0:
         return out
-    _kv_rope_sim_store_kernel[(B,)](
+    grid = (B,)
+    _kv_rope_sim_store_kernel[grid](
         kv, norm_w, rope, pos, slots, out, window, window.shape[1], kv.stride(0), out.stride(0),
         window.stride(0), window.stride(1), float(eps),
         HALF=d // 2, NOPE_P=nope // 2, ROPE_P=rp, TABLE=table, OUT_BF16=kv.dtype == torch.bfloat16,
-        INTERPRET=on_interpreter(kv), num_warps=4, **TORCH_MATH, **launch_opts(kv))
+        INTERPRET=on_interpreter(kv), num_warps=4, **TORCH_MATH, **launch_opts(kv, grid))
     return out
 
 
@@ -452,11 +455,12 @@ def indexer_q(q: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor, config: He
     out = torch.empty(B, H, d, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    _indexer_q_kernel[(triton.cdiv(H, cfg.block_h), B)](
+    grid = (triton.cdiv(H, cfg.block_h), B)
+    _indexer_q_kernel[grid](
         q, rope, pos, out, H, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         HALF=d // 2, LOG_HALF=(d // 2).bit_length() - 1, NOPE_P=d // 2 - rp, ROPE_P=rp, BLOCK_H=cfg.block_h,
         TABLE=table, OUT_BF16=q.dtype == torch.bfloat16, INTERPRET=on_interpreter(q), num_warps=cfg.num_warps,
-        **TORCH_MATH, **launch_opts(q))
+        **TORCH_MATH, **launch_opts(q, grid))
     return out
 
 

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from megastep.kernels import moe_route as _mr
 from megastep.kernels import rope_norm as _rn
-from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, workspace
+from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, pdl_release, workspace
 from megastep.checkpoint import formats
 from megastep.model import ops
 
@@ -116,6 +116,7 @@ def _route_group_kernel(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, E, stride
     else:
         route_row(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, pid.to(tl.int64), E, stride_lb, stride_rb, K, K,
                   scaling, EP, K, KP, HAS_BIAS, HASH, INTERPRET)
+        pdl_release(PDL)  # only the grouping is left
         tl.debug_barrier()  # every thread's ids are issued before the release below
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == B - 1:  # the others' ids are visible (acquire); .cg loads read them past L1
@@ -154,10 +155,11 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid_rows: torch.T
     if B == 0:
         return idx, w
     rows = tid2eid_rows if tid2eid_rows is not None else idx
-    _route_kernel[(B,)](
+    grid = (B,)
+    _route_kernel[grid](
         logits, logits if bias is None else bias, rows, idx, w, E, logits.stride(0), rows.stride(0), idx.stride(0),
         w.stride(0), float(scaling), **_route_meta(E, k, bias, tid2eid_rows, logits), num_warps=4,
-        **_rn.TORCH_MATH, **launch_opts(logits),
+        **_rn.TORCH_MATH, **launch_opts(logits, grid),
     )
     return idx, w
 
@@ -180,11 +182,12 @@ def route_group(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid_rows: t
     rows = tid2eid_rows if tid2eid_rows is not None else idx
     cnt = workspace(logits.device, "counters_route", 1, torch.int32)
     D = x.shape[1]
-    _route_group_kernel[(2 * B,)](
+    grid = (2 * B,)
+    _route_group_kernel[grid](
         logits, logits if bias is None else bias, rows, idx, w, E, logits.stride(0), rows.stride(0), float(scaling),
         x, xq, D, x.stride(0), xq.stride(0), cnt, pairs, slot_e, slot_start, slot_cnt, nslots, B,
         **_route_meta(E, k, bias, tid2eid_rows, logits), NB=next_pow2(-(-D // _mr.ACT_BLOCK)), PERM=permute,
-        **_mr.group_block_sizes(E), num_warps=4, **_rn.TORCH_MATH, **launch_opts(logits),
+        **_mr.group_block_sizes(E), num_warps=4, **_rn.TORCH_MATH, **launch_opts(logits, grid),
     )
     return idx, w, _mr.Routing(pairs, slot_e, slot_start, slot_cnt, nslots, xq, permute)
 

@@ -46,6 +46,8 @@ from megastep.runtime.distributed import experts_of, ordered_combine
 from megastep.runtime.sidecar import CpuSidecar, add_pairs
 from megastep.runtime.trace import StepTrace, stage
 
+PDL_MAX_ROWS = 4  # FastDecoder(pdl=None): programmatic dependent launch for steps up to this many rows
+
 
 @dataclass
 class Linear:
@@ -159,7 +161,7 @@ class FastDecoder:
                  device: torch.device | str, dtype: torch.dtype = torch.bfloat16, triton: bool | None = None,
                  consume: bool = False, placement=None, max_block: int = 1, rank: int = 0, world_size: int = 1,
                  group=None, moe_mode: str | None = None, cold_path: str = "gpu", cpu_share: float | None = None,
-                 pdl: bool = False, overlap: bool | None = None, ep_combine: str | None = None):
+                 pdl: bool | None = None, overlap: bool | None = None, ep_combine: str | None = None):
         """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
         stacked, projections concatenated), so a model filling the device is never held twice.
         placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
@@ -184,8 +186,10 @@ class FastDecoder:
         between the two, the CPU taking about `cpu_share` of their expected bytes; None: the CPU
         path's share of the two paths' bandwidths, measured here by runtime.bandwidth).
         pdl: launch the Triton kernels of a step with programmatic dependent launch
-        (kernels.common.pdl_enter): each kernel's CTAs are placed while its predecessor drains.
-        Measured slower end to end (docs/PERFORMANCE.md); kept as a switch for that measurement.
+        (kernels.common, pdl_enter): each kernel's CTAs are placed while its predecessor drains.
+        It changes no bits. None: on for steps of at most PDL_MAX_ROWS rows on one GPU, where it
+        was measured faster (30 V4-Flash layers, one H200: 6.443 against 6.501 ms at 1 row, 11.82
+        against 11.88 at 4), off above (28.71 against 28.48 ms at 16, 69.8 against 62.1 at 64).
         overlap: run the independent parts of a layer on a second CUDA stream (a fork and a
         join inside the step's graph): the shared expert's gated half beside the router and the
         routed experts, the compressors' projections and updates beside the q/kv projections, the kv
@@ -602,7 +606,10 @@ class FastDecoder:
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, block: int = 1) -> torch.Tensor:
         """One decode step (see `_step`), its kernels launched with this decoder's PDL setting."""
-        old = _common.set_pdl(self.pdl)
+        pdl = self.pdl
+        if pdl is None:
+            pdl = self.triton and self.world_size == 1 and tokens.shape[0] <= PDL_MAX_ROWS
+        old = _common.set_pdl(pdl)
         try:
             return self._step(tokens, pos, slots, block)
         finally:

@@ -22,8 +22,9 @@ import torch
 if os.environ.get("TRITON_INTERPRET") == "1" and "megastep.kernels.attention" in sys.modules:
     importlib.reload(sys.modules["megastep.kernels.attention"])  # imported before the interpreter was set
 
-from megastep.kernels.attention import (AttnConfig, pick_config, sparse_attention_decode,  # noqa: E402
-                                        sparse_attention_decode_ref, sparse_attention_pools, sparse_attention_pools_ref)
+from megastep.kernels.attention import (_PINNED_FEW_ROWS, AttnConfig, pick_config, same_bits,  # noqa: E402
+                                        sparse_attention_decode, sparse_attention_decode_ref,
+                                        sparse_attention_pools, sparse_attention_pools_ref)
 from megastep.kernels.rope_norm import rope_table  # noqa: E402
 from bf16_check import check_bf16 as check  # noqa: E402
 
@@ -55,7 +56,7 @@ def picked_configs():
 
 
 EXTRA = [AttnConfig(16, 16, 16), AttnConfig(16, 16, 48, pv_pieces=3), AttnConfig(32, 64, 64, num_warps=4),
-         AttnConfig(64, 32, 96)]
+         AttnConfig(64, 32, 96), AttnConfig(16, 16, 32, dv_split=2), AttnConfig(32, 16, 128, dv_split=2)]
 
 
 @pytest.mark.parametrize("cfg", picked_configs() + EXTRA, ids=str)
@@ -242,6 +243,40 @@ def test_combine_settings_change_no_bits(kind):
 
 
 @pytest.mark.parametrize("kind", sorted(LAYERS))
+@pytest.mark.parametrize("dv_split", [2, 4])
+@pytest.mark.parametrize("chunk", [16, 64], ids=["split", "unsplit"])
+def test_value_split(kind, dv_split, chunk):
+    """Programs that split the value columns (each its own scores over all d, its slab of the
+    weighted sum, its own partials, counter and combine): the ref's result, RoPE'd tail in the
+    last slab only; the same bits as the unsplit kernel (the same sums per column); batch
+    invariant and deterministic."""
+    args, kw = make_pools(kind, seed=21 + dv_split, H=20, d=256, rd=32)
+    base_cfg = AttnConfig(16, 16, chunk)
+    cfg = replace(base_cfg, dv_split=dv_split, num_stages=3)
+    assert same_bits(cfg, base_cfg)
+    o = sparse_attention_pools(*args, **kw, config=cfg)
+    check_out(o, sparse_attention_pools_ref(*args, **kw), 32)
+    assert torch.equal(o, sparse_attention_pools(*args, **kw, config=base_cfg))
+    assert torch.equal(o, sparse_attention_pools(*args, **kw, config=cfg))
+    a, k = rows_of(args, kw, slice(3, 4))
+    assert torch.equal(sparse_attention_pools(*a, **k, config=cfg), o[3:4])
+
+
+def test_few_rows_plans_keep_the_sums():
+    """A step of few rows may take another launch plan for a shape, never other sums: each entry
+    of _PINNED_FEW_ROWS differs from the shape's configuration only in bit-neutral settings."""
+    assert _PINNED_FEW_ROWS
+    for (H, N, d), (rows, cfg) in _PINNED_FEW_ROWS.items():
+        base = pick_config(H, N, d)
+        assert base == pick_config(H, N, d, rows + 1) and cfg == pick_config(H, N, d, rows) == pick_config(H, N, d, 1)
+        assert same_bits(cfg, base) and cfg != base
+    base = AttnConfig(16, 32, 64)
+    # num_warps too: on the H200, 4 instead of 8 warps moved 2 of 8 x 64 x 512 CSA outputs by a bf16 step
+    for change in (dict(block_n=16), dict(chunk=32), dict(block_h=32), dict(pv_pieces=3), dict(num_warps=4)):
+        assert not same_bits(replace(base, **change), base), change
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
 def test_pools_batch_invariant_and_deterministic(kind):
     args, kw = make_pools(kind, seed=11)
     full = sparse_attention_pools(*args, **kw, config=SPLIT_CFG)
@@ -297,6 +332,32 @@ def test_gpu_v4_shapes(B, N):
     assert torch.equal(o, run(args))
     assert torch.equal(o[:1], run([t[:1] if t.dim() > 1 else t for t in args]))
     check(o, ref(args))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("key", sorted(_PINNED_FEW_ROWS), ids=str)
+def test_gpu_few_rows_plan_same_bits(key):
+    """On the device too, the few-rows plan of a V4 shape gives the bits of the shape's
+    configuration, at 1 row and at its largest row count (several positions, both RoPE forms)."""
+    H, N, d = key
+    rows, few = _PINNED_FEW_ROWS[key]
+    base = pick_config(H, N, d)
+    LAYERS_V4 = {"swa": (0, 0, 0), "csa": (4, 2048, N - 128), "hca": (128, N - 128, 0)}
+    kind = "swa" if N == 128 else "csa" if N == 640 else "hca"
+    old = LAYERS[kind]
+    LAYERS[kind] = LAYERS_V4[kind]
+    try:
+        for B in sorted({1, rows}):
+            for table in (False, True):
+                pos = [3] + [1000 * (i + 1) + 7 * i for i in range(B - 1)]
+                args, kw = make_pools(kind, seed=B + 40, B=B, H=H, d=d, rd=64, W=128, S=max(B, 2), table=table,
+                                      pos=pos, dev="cuda")
+                o = sparse_attention_pools(*args, **kw)  # picks `few` at these row counts
+                assert torch.equal(o, sparse_attention_pools(*args, **kw, config=few))
+                assert torch.equal(o, sparse_attention_pools(*args, **kw, config=base)), (B, table)
+    finally:
+        LAYERS[kind] = old
 
 
 @pytest.mark.gpu

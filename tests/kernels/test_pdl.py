@@ -33,7 +33,7 @@ def pdl_restore():
 
 def test_default_off():
     assert pdl_enabled() is False
-    assert launch_opts(torch.zeros(1)) == {"PDL": False, "launch_pdl": False}
+    assert launch_opts(torch.zeros(1), (1,)) == {"PDL": 0, "launch_pdl": False}
 
 
 def test_set_pdl_toggles_and_returns_old(pdl_restore):
@@ -45,12 +45,12 @@ def test_set_pdl_toggles_and_returns_old(pdl_restore):
 
 def test_launch_opts_off_on_interpreter(pdl_restore):
     set_pdl(True)
-    assert launch_opts(torch.zeros(2, 3)) == {"PDL": False, "launch_pdl": False}
+    assert launch_opts(torch.zeros(2, 3), (1,)) == {"PDL": 0, "launch_pdl": False}
     if torch.cuda.is_available():
-        assert launch_opts(torch.zeros(1, device="cuda")) == {"PDL": True, "launch_pdl": True}
+        assert launch_opts(torch.zeros(1, device="cuda"), (1,)) == {"PDL": 2, "launch_pdl": True}
     set_pdl(False)
     if torch.cuda.is_available():
-        assert launch_opts(torch.zeros(1, device="cuda")) == {"PDL": False, "launch_pdl": False}
+        assert launch_opts(torch.zeros(1, device="cuda"), (1,)) == {"PDL": 0, "launch_pdl": False}
 
 
 def _launched_kernels():
@@ -62,17 +62,59 @@ def _launched_kernels():
                 yield f"{name}.{attr}", fn
 
 
+# loads allowed before pdl_enter: weights, which never depend on the predecessor kernel
+_WEIGHT_LOADS_BEFORE_WAIT = {"mhc._hc_mix_partial_kernel": {"fn_ptr"}}
+_MEMORY_CALLS = ("tl.load", "tl.store", "tl.atomic", "_load", "_store")
+
+
+def _calls(node):
+    return [ast.unparse(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)]
+
+
 def test_every_kernel_enters_through_pdl_enter():
-    """gdc_wait must come before any global memory access: pdl_enter(PDL) is the first statement."""
+    """gdc_wait must come before any global memory access the predecessor may affect:
+    `pdl_enter(PDL)` is a top-level statement, and before it only index arithmetic, the L2
+    prefetch of weight rows (`if PREFETCH_LINES:` blocks) and loads of listed weight pointers."""
     seen = []
     for name, fn in _launched_kernels():
         seen.append(name)
         assert "PDL" in inspect.signature(fn).parameters, name
         body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body
-        calls = [ast.unparse(st.value) if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) else ""
-                 for st in body]
-        assert calls[0] == "pdl_enter(PDL)", (name, ast.unparse(body[0]))
+        src = [ast.unparse(st) for st in body]
+        assert "pdl_enter(PDL)" in src, name
+        allowed = _WEIGHT_LOADS_BEFORE_WAIT.get(name, set())
+        for st in body[:src.index("pdl_enter(PDL)")]:
+            if isinstance(st, ast.If) and ast.unparse(st.test) == "PREFETCH_LINES":
+                assert set(_calls(st)) <= {"l2_prefetch_rows", "tl.minimum"}, (name, ast.unparse(st))
+                continue
+            for c in ast.walk(st):
+                if isinstance(c, ast.Call) and ast.unparse(c.func).startswith(_MEMORY_CALLS):
+                    ptrs = {n.id for n in ast.walk(c.args[0]) if isinstance(n, ast.Name) and n.id.endswith("_ptr")}
+                    assert ast.unparse(c.func) == "tl.load" and ptrs and ptrs <= allowed, (name, ast.unparse(st))
+        # the release point (PDL_LATE) comes after the wait
+        rel = [i for i, t in enumerate(src) if "pdl_release(PDL)" in t]
+        assert all(i > src.index("pdl_enter(PDL)") for i in rel), name
     assert len(seen) >= 18, seen  # the kernels at the time of writing: none skipped by the lookup
+
+
+def test_launch_mode_follows_the_grid(pdl_restore, monkeypatch):
+    """One wave or less releases the next kernel at entry (PDL_EARLY); a larger grid releases it
+    late, so the waiting CTAs do not take slots this grid still needs; off: no PDL at all."""
+    from megastep.kernels import common
+
+    monkeypatch.setattr(common, "on_interpreter", lambda t: False)
+    monkeypatch.setitem(common._SMS, 0, 132)
+    t = torch.zeros(1)
+    t_dev = type("T", (), {"device": torch.device("cuda", 0)})()
+    set_pdl(False)
+    assert common.launch_opts(t_dev, (1,)) == {"PDL": common.PDL_OFF, "launch_pdl": False}
+    set_pdl(True)
+    assert common.launch_opts(t_dev, (132,)) == {"PDL": common.PDL_EARLY, "launch_pdl": True}
+    assert common.launch_opts(t_dev, (4, 10, 4)) == {"PDL": common.PDL_LATE, "launch_pdl": True}
+    assert common.prefetch_lines(common.launch_opts(t_dev, (4,)), 4096) == common.PREFETCH_BYTES // 128
+    assert common.prefetch_lines(common.launch_opts(t_dev, (4,)), 200) == 2  # the row's 200 bytes: 2 lines
+    set_pdl(False)
+    assert common.prefetch_lines(common.launch_opts(t, (4,)), 4096) == 0
 
 
 def _run_kernels():
