@@ -44,6 +44,15 @@ def test_asm_decode_issues_fewer_instructions_than_the_triton_decode():
     assert asm["ops"].get("HGMMA", 0) >= 8
 
 
+def test_attention_kv_loop_divides_nothing():
+    """The window entries' ages come from pos % W taken once per program: the KV loop of the CSA
+    configuration calls no 64-bit division routine (before: ten ~100-instruction calls per step of
+    32 entries), with and without the value split."""
+    for dv in ("1", "4"):
+        r = count("attention", "--dv", dv)
+        assert r["loop"] > 0 and r["calls"] == 0, r  # (the loop's size depends on the Triton version)
+
+
 def test_refuses_to_run_interpreted():
     out = subprocess.run([sys.executable, SCRIPT, "linear"], env={**os.environ, "TRITON_INTERPRET": "1"},
                          capture_output=True, text=True, timeout=300)

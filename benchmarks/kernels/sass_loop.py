@@ -3,6 +3,7 @@
     python benchmarks/kernels/sass_loop.py linear --mode f16 [--block-n 64] [--block-m 16] [--warps 4] [--codes]
     python benchmarks/kernels/sass_loop.py moe_gate_up [--mode dot_asm] [--block 32]
     python benchmarks/kernels/sass_loop.py moe_down [--mode dot_asm] [--block 64]
+    python benchmarks/kernels/sass_loop.py attention [--dv 1]     (the pinned CSA configuration's KV loop)
 
 Compiles the kernel with the installed Triton for sm_90 (H100/H200) on this machine, disassembles
 the cubin with the cuobjdump that Triton ships, finds the main loop (the largest loop that holds
@@ -32,16 +33,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from megastep.kernels import attention as ATT  # noqa: E402
 from megastep.kernels import linear_fp8 as LIN  # noqa: E402
 from megastep.kernels import moe as MOE  # noqa: E402
 
 
-def _compile(fn, args: list[tuple[str, str]], const: dict, aligned: set[str], warps: int, stages: int):
+def _compile(fn, args: list[tuple[str, str]], const: dict, aligned: set[str], warps: int, stages: int, **options):
     sig = dict(args)
     sig.update({k: "constexpr" for k in const})
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, _) in enumerate(args) if n in aligned or n.endswith("_ptr")}
     return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+                          options=dict(num_warps=warps, num_stages=stages, **options))
 
 
 def linear(a) -> tuple[object, int]:
@@ -81,6 +83,27 @@ def _moe(a, fn, rows_name: str) -> tuple[object, int]:
     return k, rows * 64
 
 
+def attention(a) -> tuple[object, int]:
+    """sparse_attention_pools' kernel for V4-Flash CSA (64 heads x 512, 128 + 512 entries, the
+    pinned configuration, dv_split from --dv); bytes per step: the BLOCK_N x 512 bf16 KV tile."""
+    c = ATT.pick_config(64, 640, 512)
+    names = ["q_ptr", "win_ptr", "comp_ptr", "idx_ptr", "ok_ptr", "slot_ptr", "pos_ptr", "rope_ptr", "sink_ptr",
+             "out_ptr", "pacc_ptr", "pml_ptr", "cnt_ptr", "H", "W", "WA", "N", "ratio", "scale", "stride_qb",
+             "stride_qh", "stride_ws", "stride_wr", "stride_cs", "stride_cr", "stride_ib", "stride_kb", "stride_ob",
+             "stride_oh"]
+    types = ["*bf16", "*bf16", "*bf16", "*i64", "*u8", "*i64", "*i64", "*fp32", "*fp32", "*bf16", "*fp32", "*fp32",
+             "*i32", "i32", "i32", "i32", "i32", "i32", "fp32"] + ["i32"] * 10
+    split = -(-640 // c.chunk)
+    const = dict(D=512, BLOCK_H=c.block_h, BLOCK_N=c.block_n, CHUNK=c.chunk, SPLIT=split, SPLIT_P2=1 << (split - 1).bit_length(),
+                 PIECES=c.pv_pieces, INTERPRET=False, DC=min(512 // a.dv, c.combine_cols), GROUP=min(c.combine_group, split),
+                 SRC=3, NOPE_P=224, ROPE_P=32, TABLE=True, DSPLIT=a.dv, PDL=0)
+    aligned = {"H", "stride_qb", "stride_qh", "stride_ws", "stride_wr", "stride_cs", "stride_cr", "stride_ob", "stride_oh"}
+    a.warps = c.num_warps
+    k = _compile(ATT._sparse_attn_kernel, list(zip(names, types)), const, aligned, c.num_warps, c.num_stages,
+                 enable_fp_fusion=False)
+    return k, c.block_n * 512 * 2
+
+
 def main_loop(sass: str) -> tuple[int, collections.Counter]:
     """(instructions, opcode counts) of the largest loop that contains no other loop."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s*([^;]*);", sass)]
@@ -111,13 +134,14 @@ def cuobjdump(kernel, flag: str) -> str:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["linear", "moe_gate_up", "moe_down"])
+    ap.add_argument("kernel", choices=["linear", "moe_gate_up", "moe_down", "attention"])
     ap.add_argument("--mode", default=None, help="linear: f16 | dot16; moe: a kernels.moe mode (default dot_asm)")
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--block-m", type=int, default=16)
     ap.add_argument("--block", type=int, default=None, help="moe: BLOCK_I (gate-up, 32) or BLOCK_D (down, 64)")
     ap.add_argument("--gated", action="store_true", help="linear: the shared expert's w1/w3 epilogue")
     ap.add_argument("--codes", action="store_true", help="linear: x's activation codes loaded (x_codes)")
+    ap.add_argument("--dv", type=int, default=1, help="attention: programs per value-column split (dv_split)")
     ap.add_argument("--pdl", action="store_true", help="with PDL_LATE (and the linear's L2 prefetch of 4 lines)")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
@@ -132,6 +156,9 @@ def count(a: argparse.Namespace) -> dict:
     if a.kernel == "linear":
         a.mode = a.mode or "f16"
         kernel, nbytes = linear(a)
+    elif a.kernel == "attention":
+        a.mode = f"csa dv{a.dv}"
+        kernel, nbytes = attention(a)
     else:
         a.mode = a.mode or "dot_asm"
         up = a.kernel == "moe_gate_up"
@@ -141,7 +168,8 @@ def count(a: argparse.Namespace) -> dict:
     regs = re.search(r"REG:(\d+)", cuobjdump(kernel, "-res-usage"))
     return dict(kernel=a.kernel, mode=a.mode, triton=triton.__version__, registers=int(regs.group(1)) if regs else None,
                 shared=kernel.metadata.shared, loop=n, bytes_per_step=nbytes,
-                warp_instr_per_kb=n * a.warps * 1024 / nbytes, ops=dict(ops.most_common(16)))
+                warp_instr_per_kb=n * a.warps * 1024 / nbytes, ops=dict(ops.most_common(16)),
+                calls=ops.get("CALL", 0))  # subroutine calls (64-bit division, ...): their instructions are not counted
 
 
 if __name__ == "__main__":

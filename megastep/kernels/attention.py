@@ -160,12 +160,12 @@ def pick_config(H: int, N: int, d: int, rows: int | None = None) -> AttnConfig:
 
 
 @triton.jit
-def _entry_rows(offs_n, n_in, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, W, WA,
+def _entry_rows(offs_n, n_in, b, pos_w, age_lim, nvis, win_row, comp_row, idx_ptr, ok_ptr, W,
                 stride_wr, stride_cr, stride_ib, stride_kb, SRC: tl.constexpr):
     """The KV row pointers [BLOCK_N] of the entries offs_n, their validity and the mask to load
     them with (`_load_rows`). From the pools, masked rows are not read (0 instead); dense kv rows
     are loaded whatever the mask says (no load waits for another there: the faster form when every
-    row is finite anyway)."""
+    row is finite anyway). pos_w = pos % W and age_lim = min(pos, WA - 1), int32 (the kernel's)."""
     if SRC == 0:  # dense: row b of kv, validity from the mask; the rows load alongside the mask
         ok = n_in & (tl.load(ok_ptr + b * stride_kb + offs_n, mask=n_in, other=0) != 0)
         rows = comp_row + offs_n.to(tl.int64) * stride_cr
@@ -174,8 +174,12 @@ def _entry_rows(offs_n, n_in, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, 
         in_win = offs_n < W
         # ring slot j holds the latest position q = j (mod W) written so far; the row at pos sees q
         # in [pos - WA + 1, pos]. With W = WA that is j <= pos; a ring longer than the window (a
-        # multi-token block wrote up to W - WA positions ahead) keeps the block's earlier rows' keys
-        ok = n_in & in_win & ((pos - offs_n + W) % W <= tl.minimum(pos, WA - 1))
+        # multi-token block wrote up to W - WA positions ahead) keeps the block's earlier rows' keys.
+        # age = (pos - j) mod W from pos % W, without a division per entry (a 64-bit one was a
+        # ~100-instruction call, ten of them per step of 32 entries)
+        age = pos_w - offs_n
+        age = tl.where(age < 0, age + W, age)
+        ok = n_in & in_win & (age <= age_lim)
         rows = win_row + offs_n.to(tl.int64) * stride_wr
         if SRC != 1:
             t = offs_n - W
@@ -244,11 +248,15 @@ def _sparse_attn_kernel(
     n_hi = tl.minimum(n_lo + CHUNK, N)
     if SRC == 0:
         pos = b * 0
+        pos_w = 0
+        age_lim = 0
         nvis = 0
         comp_row = comp_ptr + b * stride_cs
         win_row = comp_row
     else:
         pos = tl.load(pos_ptr + b).to(tl.int64)
+        pos_w = (pos % W).to(tl.int32)  # once per program: the window entries' ages follow from it
+        age_lim = tl.minimum(pos, WA - 1).to(tl.int32)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         win_row = win_ptr + slot * stride_ws
         comp_row = comp_ptr + slot * stride_cs
@@ -264,8 +272,8 @@ def _sparse_attn_kernel(
     acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        rows, ok, ld = _entry_rows(offs_n, offs_n < n_hi, b, pos, nvis, win_row, comp_row, idx_ptr, ok_ptr, W, WA,
-                                   stride_wr, stride_cr, stride_ib, stride_kb, SRC)
+        rows, ok, ld = _entry_rows(offs_n, offs_n < n_hi, b, pos_w, age_lim, nvis, win_row, comp_row, idx_ptr,
+                                   ok_ptr, W, stride_wr, stride_cr, stride_ib, stride_kb, SRC)
         kv = _load_rows(rows, ld, offs_d)
         if DSPLIT == 1:
             vv = kv

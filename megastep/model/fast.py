@@ -187,9 +187,10 @@ class FastDecoder:
         path's share of the two paths' bandwidths, measured here by runtime.bandwidth).
         pdl: launch the Triton kernels of a step with programmatic dependent launch
         (kernels.common, pdl_enter): each kernel's CTAs are placed while its predecessor drains.
-        It changes no bits. None: on for steps of at most PDL_MAX_ROWS rows on one GPU, where it
-        was measured faster (30 V4-Flash layers, one H200: 6.443 against 6.501 ms at 1 row, 11.82
-        against 11.88 at 4), off above (28.71 against 28.48 ms at 16, 69.8 against 62.1 at 64).
+        It changes no bits. None: on for steps of at most PDL_MAX_ROWS rows on one GPU without the
+        CPU sidecar, where it was measured faster (30 V4-Flash layers, one H200: 6.443 against
+        6.501 ms at 1 row, 11.82 against 11.88 at 4), off above (28.71 against 28.48 ms at 16,
+        69.8 against 62.1 at 64).
         overlap: run the independent parts of a layer on a second CUDA stream (a fork and a
         join inside the step's graph): the shared expert's gated half beside the router and the
         routed experts, the compressors' projections and updates beside the q/kv projections, the kv
@@ -608,7 +609,8 @@ class FastDecoder:
         """One decode step (see `_step`), its kernels launched with this decoder's PDL setting."""
         pdl = self.pdl
         if pdl is None:
-            pdl = self.triton and self.world_size == 1 and tokens.shape[0] <= PDL_MAX_ROWS
+            # (not with other ranks or the CPU sidecar in the step: measured on one GPU only)
+            pdl = self.triton and self.world_size == 1 and self.sidecar is None and tokens.shape[0] <= PDL_MAX_ROWS
         old = _common.set_pdl(pdl)
         try:
             return self._step(tokens, pos, slots, block)

@@ -1,0 +1,199 @@
+"""Every Triton kernel a decode step launches, compiled for sm_90 on this CPU machine and checked for
+what costs a latency-bound decode kernel dearly without showing in its source: calls to
+subroutines (a 64-bit integer division or modulo is a ~100-instruction call per element; one in
+attention's KV loop was found this way), register spills to local memory, and its register count.
+
+    python benchmarks/kernels/kernel_lint.py [--json FILE]
+
+Two processes: the first runs three decode steps of a tiny V4-shaped model (the kernels of every
+layer kind, 1 and 3 rows) under the Triton interpreter and records each launch's argument types
+and constexprs; the second compiles each distinct launch for sm_90 (the installed Triton; the
+device runs 3.6) and disassembles it with the cuobjdump Triton ships. Shapes are the tiny model's,
+so register counts and spills are indicative only; calls do not depend on the shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..", "..")
+# launch options that are not constexprs of the kernel
+_OPTIONS = {"num_warps", "num_stages", "launch_pdl", "enable_fp_fusion", "enable_reflect_ftz", "num_ctas"}
+
+
+def _type_of(v) -> str:
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return "*" + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+                      torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1",
+                      torch.float8_e4m3fn: "fp8e4nv"}[v.dtype]
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, int):
+        return "i32" if -2**31 <= v < 2**31 else "i64"
+    if isinstance(v, float):
+        return "fp32"
+    raise TypeError(type(v))
+
+
+def record() -> list[dict]:
+    """Run the decode steps under the interpreter; one record per distinct (kernel, signature)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
+    import importlib
+    import inspect
+
+    import torch
+
+    from megastep.checkpoint.synthetic import synthesize_weights
+    from megastep.model.fast import FastDecoder
+    from test_fast_step_triton import tiny_cfg
+
+    seen: dict[str, dict] = {}
+
+    class Recorder:
+        def __init__(self, module, name, kernel):
+            self.module, self.name, self.kernel = module, name, kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*args, **kwargs):
+                fn = getattr(self.kernel, "fn", self.kernel)
+                names = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
+                pos = dict(zip(names, args))
+                const = {k: v for k, v in kwargs.items() if k not in _OPTIONS}
+                for p in inspect.signature(fn).parameters.values():  # constexprs left at their defaults
+                    if p.name not in pos and p.name not in const and p.default is not inspect.Parameter.empty:
+                        const[p.name] = p.default
+                sig = [(n, _type_of(pos[n])) for n in names if n in pos]
+                aligned = [n for n in names if isinstance(pos.get(n), int) and not isinstance(pos[n], bool)
+                           and pos[n] % 16 == 0]
+                opts = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "enable_fp_fusion")}
+                rec = dict(module=self.module, kernel=self.name, signature=sig, constexprs=const, options=opts,
+                           aligned=aligned)
+                key = json.dumps([self.module, self.name, sig, sorted(const.items())], default=str)
+                seen.setdefault(key, rec)
+                return launch(*args, **kwargs)
+            return run
+
+    for mod in ("attention", "compressor", "dense", "indexer", "linear_fp8", "mhc", "moe", "moe_route",
+                "pair_combine", "rope_norm", "router"):
+        m = importlib.import_module(f"megastep.kernels.{mod}")
+        for name, obj in list(vars(m).items()):
+            if name.endswith("_kernel") and hasattr(obj, "__getitem__") and hasattr(obj, "fn"):
+                setattr(m, name, Recorder(mod, name, obj))
+    cfg = tiny_cfg(o_lora_rank=128)
+    w = synthesize_weights(cfg, seed=2, device="cpu", include_mtp=False)
+    dec = FastDecoder(cfg, w, max_seqs=3, max_ctx=64, device="cpu", triton=True)
+    for s in (0, 1):
+        dec.pools.reset(s)
+    ids = torch.randint(0, cfg.vocab_size, (3, 3), generator=torch.Generator().manual_seed(0))
+    for t in range(3):  # 3 rows, then 1 row
+        rows = 3 if t < 2 else 1
+        dec.step(ids[t, :rows], torch.full((rows,), t), torch.tensor([0, 1, dec.pools.dummy_slot][:rows]))
+    return list(seen.values())
+
+
+def calls(sass: str) -> dict:
+    """The kernel's subroutine calls: all of them, those inside a loop (between a backward branch
+    and its target), and those whose target converts to or from 64-bit integers in its first 16
+    instructions (a 64-bit division or modulo; a float division's or square root's rare slow
+    path does not)."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s*([^;]*);", sass)]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (a, text) in enumerate(ins):
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
+            loops.append((at[int(m.group(1), 16)], i))
+    n = in_loop = int64 = 0
+    for i, (_, text) in enumerate(ins):
+        m = re.search(r"\bCALL\.\S+ (?:\S+ )?(0x[0-9a-f]+)", text)
+        if not m:
+            continue
+        n += 1
+        in_loop += any(s <= i <= e for s, e in loops)
+        j = at.get(int(m.group(1), 16))
+        if j is not None and any(re.search(r"[FI]2[IF]\.(?:U|S)?64|I2F\.U64|F2I\.U64", t) for _, t in ins[j:j + 16]):
+            int64 += 1
+    return dict(calls=n, calls_in_loops=in_loop, int64_division_calls=int64)
+
+
+def lint(recs: list[dict]) -> list[dict]:
+    """Compile each record for sm_90 and count calls, spills and registers (no interpreter)."""
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, HERE)
+    import importlib
+
+    import sass_loop as SL
+
+    out = []
+    for r in recs:
+        fn = getattr(importlib.import_module(f"megastep.kernels.{r['module']}"), r["kernel"])
+        const = dict(r["constexprs"])
+        if "INTERPRET" in const:
+            const["INTERPRET"] = False
+        aligned = set(r.get("aligned", []))  # ints that were multiples of 16 (Triton's launcher specializes them)
+        try:
+            k = SL._compile(fn, [tuple(a) for a in r["signature"]], const, aligned, r["options"].get("num_warps", 4),
+                            r["options"].get("num_stages", 3),
+                            **({"enable_fp_fusion": r["options"]["enable_fp_fusion"]}
+                               if "enable_fp_fusion" in r["options"] else {}))
+            sass = SL.cuobjdump(k, "-sass")
+            res = SL.cuobjdump(k, "-res-usage")
+            regs = re.search(r"REG:(\d+)", res)
+            stack = re.search(r"STACK:(\d+)", res)
+            out.append(dict(kernel=f"{r['module']}.{r['kernel']}", **calls(sass),
+                            spill_stores=len(re.findall(r"\bSTL\b", sass)), registers=int(regs.group(1)) if regs else None,
+                            stack=int(stack.group(1)) if stack else None,
+                            instructions=len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass)),
+                            constexprs={k: v for k, v in r["constexprs"].items() if k.isupper()}))
+        except Exception as e:  # noqa: BLE001  (report and go on)
+            out.append(dict(kernel=f"{r['module']}.{r['kernel']}", error=f"{type(e).__name__}: {e}"[:300]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--record-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--records", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.record_only:
+        print(json.dumps(record(), default=str))
+        return
+    if args.records:
+        recs = json.load(open(args.records))
+    else:
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        done = subprocess.run([sys.executable, __file__, "--record-only"], env=env, capture_output=True, text=True,
+                              timeout=1200)
+        if done.returncode != 0:
+            raise SystemExit(done.stderr[-3000:])
+        recs = json.loads(done.stdout.strip().splitlines()[-1])
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("kernel_lint compiles for the GPU: run it without TRITON_INTERPRET=1")
+    rows = lint(recs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(f"{'kernel':42} {'calls':>5} {'loop':>4} {'i64/':>4} {'STL':>4} {'regs':>4} {'stack':>5} {'instr':>6}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['kernel']:42} error: {r['error']}")
+        else:
+            print(f"{r['kernel']:42} {r['calls']:5} {r['calls_in_loops']:4} {r['int64_division_calls']:4} "
+                  f"{r['spill_stores']:4} {r['registers']:4} {r['stack']:5} {r['instructions']:6}")
+
+
+if __name__ == "__main__":
+    main()
