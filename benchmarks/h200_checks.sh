@@ -9,6 +9,7 @@
 #   bash benchmarks/h200_checks.sh overlap    # the 30-layer step with and without the second stream, and its GPU tests (~7 min)
 #   bash benchmarks/h200_checks.sh pdl        # the 30-layer step with and without programmatic dependent launch, PDL's GPU tests (~4 min)
 #   bash benchmarks/h200_checks.sh tune       # measure and pin attention / mHC configs, then their GPU tests (~5 min)
+#   bash benchmarks/h200_checks.sh attn       # attention only: sweep and pin, the few-rows plan at 1-4 rows, its GPU tests (~7 min)
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget, recipes A / B / hybrid (~7 min)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
@@ -51,6 +52,11 @@ for group in "$@"; do
       bench block6 90 --layers 30 --batch 6 --block 6 ;;
     trace)
       bench trace 150 --layers 30 --batch 1,4,16,64 --trace ;;
+    attn)  # attention alone: the sweep (pins rewritten, back under $OUT/pinned/), the few-rows plan, the GPU tests
+      step tune_attention 260 python3 benchmarks/kernels/tune.py --only attention --write --json "$OUT/tune.json"
+      mkdir -p "$OUT/pinned" && cp megastep/kernels/attention.py "$OUT/pinned/"
+      step attn_few_rows 90 python3 benchmarks/kernels/attn_few_rows.py --rows 1,2,4 --json "$OUT/attn_few_rows.json"
+      step attn_tests 120 python3 -m pytest -q --timeout 100 -m gpu tests/kernels/test_attention.py ;;
     tune)  # the rewritten kernel modules come back under $OUT/pinned/ to be committed
       step tune 240 python3 benchmarks/kernels/tune.py --write --json "$OUT/tune.json"
       mkdir -p "$OUT/pinned" && cp megastep/kernels/attention.py megastep/kernels/mhc.py "$OUT/pinned/"
@@ -96,7 +102,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | pdl | offload | offload_a | ncu | floor | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | floor | ep)"
       exit 2 ;;
   esac
 done

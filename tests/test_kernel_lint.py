@@ -29,7 +29,8 @@ def test_no_decode_kernel_calls_a_subroutine_in_a_loop(tmp_path):
     assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
     kernels = {r["kernel"] for r in rows}
     for k in ("attention._sparse_attn_kernel", "linear_fp8._linear_fp8_kernel", "moe._moe_gate_up_kernel",
-              "mhc._hc_finish_kernel", "router._route_group_kernel", "compressor._compressor_kernel",
+              "mhc._hc_finish_kernel", "router._route_group_kernel", "router._gate_route_group_kernel",
+              "compressor._compressor_kernel",
               "indexer._select_kernel"):
         assert k in kernels, (k, sorted(kernels))  # the step's kernels were all recorded and compiled
     assert all(r["calls_in_loops"] == 0 for r in rows), [r for r in rows if r["calls_in_loops"]]

@@ -6,7 +6,7 @@ attention's KV loop was found this way), register spills to local memory, and it
     python benchmarks/kernels/kernel_lint.py [--json FILE]
 
 Two processes: the first runs three decode steps of a tiny V4-shaped model (the kernels of every
-layer kind, 1 and 3 rows) under the Triton interpreter and records each launch's argument types
+layer kind, 6, 3 and 1 rows) under the Triton interpreter and records each launch's argument types
 and constexprs; the second compiles each distinct launch for sm_90 (the installed Triton; the
 device runs 3.6) and disassembles it with the cuobjdump Triton ships. Shapes are the tiny model's,
 so register counts and spills are indicative only; calls do not depend on the shapes.
@@ -93,13 +93,12 @@ def record() -> list[dict]:
                 setattr(m, name, Recorder(mod, name, obj))
     cfg = tiny_cfg(o_lora_rank=128)
     w = synthesize_weights(cfg, seed=2, device="cpu", include_mtp=False)
-    dec = FastDecoder(cfg, w, max_seqs=3, max_ctx=64, device="cpu", triton=True)
-    for s in (0, 1):
+    dec = FastDecoder(cfg, w, max_seqs=6, max_ctx=64, device="cpu", triton=True)
+    for s in range(6):
         dec.pools.reset(s)
-    ids = torch.randint(0, cfg.vocab_size, (3, 3), generator=torch.Generator().manual_seed(0))
-    for t in range(3):  # 3 rows, then 1 row
-        rows = 3 if t < 2 else 1
-        dec.step(ids[t, :rows], torch.full((rows,), t), torch.tensor([0, 1, dec.pools.dummy_slot][:rows]))
+    ids = torch.randint(0, cfg.vocab_size, (3, 6), generator=torch.Generator().manual_seed(0))
+    for t, rows in enumerate((6, 3, 1)):  # 6 rows (the router's launch without the gate), 3, then 1
+        dec.step(ids[t, :rows], torch.full((rows,), t), torch.arange(rows))
     return list(seen.values())
 
 

@@ -147,10 +147,11 @@ def pick_config(H: int, N: int, d: int, rows: int | None = None) -> AttnConfig:
     KV bytes they summarize (chunk x d x 2) from 128 entries on, while B = 1 still gets several
     programs (the rule is not measured on the device). For few rows, `_PINNED_FEW_ROWS` may
     spread that same computation differently (the same bits)."""
-    few = _PINNED_FEW_ROWS.get((H, N, d))
-    if few is not None and rows is not None and rows <= few[0]:
-        return few[1]
     pinned = _PINNED.get((H, N, d))
+    few = _PINNED_FEW_ROWS.get((H, N, d))
+    # only while it keeps the pinned configuration's sums (a re-tune may pin another one)
+    if few is not None and rows is not None and rows <= few[0] and pinned is not None and same_bits(few[1], pinned):
+        return few[1]
     if pinned is not None:
         return pinned
     del d

@@ -97,7 +97,20 @@ def _linear_bf16_kernel(
         l2_prefetch_rows(w_ptr, pid_n * BLOCK_N, N, stride_wn, pf_lo, tl.minimum(pf_lo + K_PER_SPLIT, K), BLOCK_N,
                          PREFETCH_LINES)
     pdl_enter(PDL)
-    m_tiles = tl.num_programs(0)
+    bf16_tile(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
+              pid_m, pid_n, pid_k, tl.num_programs(0), tl.num_programs(0) * tl.num_programs(1),
+              BLOCK_N, BLOCK_M, BLOCK_K, SPLIT_K, OUT_BF16, INTERPRET, PDL, GROUP)
+
+
+@triton.jit
+def bf16_tile(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
+              pid_m, pid_n, pid_k, m_tiles, tiles,
+              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+              OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr):
+    """The work of one program of `_linear_bf16_kernel` (row tile pid_m of m_tiles, column tile
+    pid_n, K split pid_k; `tiles` = m_tiles x column tiles), for any kernel that computes the same
+    output the same way (router.gate_route_group): the same sums, so the same bits. Returns
+    whether this program stored its tile's output (the last split to arrive, or no split)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
@@ -124,15 +137,17 @@ def _linear_bf16_kernel(
         if OUT_BF16:
             acc = round_bf16(acc, INTERPRET)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        done = True
     else:
         tile = pid_n * m_tiles + pid_m
         tile_elems = BLOCK_N * BLOCK_M
-        split_stride = tl.num_programs(0) * tl.num_programs(1) * tile_elems
+        split_stride = tiles * tile_elems
         p_off = tile * tile_elems + tl.arange(0, BLOCK_M)[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
         tl.store(part_ptr + pid_k * split_stride + p_off, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is issued before the release below
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # last program of this tile: fixed-order sum
+        done = arrived == SPLIT_K - 1
+        if done:  # last program of this tile: fixed-order sum
             tl.debug_barrier()
             # splits in order 0..S-1, loaded GROUP at a time (all in flight, few registers)
             tot = tl.load(part_ptr + p_off, mask=out_mask, other=0.0, cache_modifier=".cg")
@@ -144,6 +159,7 @@ def _linear_bf16_kernel(
                 tot = round_bf16(tot, INTERPRET)
             tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.store(cnt_ptr + tile, 0)
+    return done
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,

@@ -532,14 +532,19 @@ class FastDecoder:
             # sqrtsoftplus scores, bias top-k (or the hash rows), ids ascending (the reference's
             # summation order), normalized weights times the routed scaling
             hash_rows = lw["tid2eid"][tokens] if "tid2eid" in lw else None
-            route_args = (self._dense(x, lw["gate"]).contiguous(), lw.get("gate_bias"), hash_rows,
-                          cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+            k, scaling, gate = cfg.num_experts_per_tok, cfg.routed_scaling_factor, lw["gate"]
             routing = None
-            if self.triton and "experts" in lw and x.shape[0] * cfg.num_experts_per_tok <= _router.MAX_GROUPED_PAIRS:
-                # the experts' pair grouping and x quantization in the router's launch
-                idx, w, routing = _router.route_group(*route_args, x.contiguous(), permute=_moe.permutes(self.moe_mode))
+            grouped = self.triton and "experts" in lw and x.shape[0] * k <= _router.MAX_GROUPED_PAIRS
+            if grouped and x.shape[0] <= _router.MAX_GATE_ROWS and x.dtype == gate.dtype == torch.bfloat16:
+                # the gate GEMV, the routing, the experts' pair grouping and x quantization in one launch
+                idx, w, routing, _ = _router.gate_route_group(x.contiguous(), gate, lw.get("gate_bias"), hash_rows, k,
+                                                              scaling, permute=_moe.permutes(self.moe_mode))
             else:
-                idx, w = self._kernel(_router, "route")(*route_args)
+                route_args = (self._dense(x, gate).contiguous(), lw.get("gate_bias"), hash_rows, k, scaling)
+                if grouped:  # the experts' pair grouping and x quantization in the router's launch
+                    idx, w, routing = _router.route_group(*route_args, x.contiguous(), permute=_moe.permutes(self.moe_mode))
+                else:
+                    idx, w = self._kernel(_router, "route")(*route_args)
         with stage(T, "routed_experts", L):
             routed = self._routed(x, idx, w, lw, L, routing)
         self._join(a)

@@ -68,9 +68,10 @@ def test_other_fp8_blocks_take_the_torch_linear():
 
 
 def test_router_launch_grouping_gives_the_same_bits(monkeypatch):
-    """The step with the experts' pair grouping done in the router's launch (router.route_group,
-    up to MAX_GROUPED_PAIRS pairs) gives the logits of the step with the separate grouping launch,
-    bit for bit, so a batch may cross that size freely."""
+    """The step with the gate GEMV, the routing and the experts' pair grouping in one launch
+    (router.gate_route_group, up to MAX_GATE_ROWS rows), with the gate apart and the grouping in
+    the router's launch (router.route_group, up to MAX_GROUPED_PAIRS pairs), and with three
+    launches gives the same logits, bit for bit, so a batch may cross those sizes freely."""
     from megastep.kernels import router
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,14 +80,26 @@ def test_router_launch_grouping_gives_the_same_bits(monkeypatch):
     ids = torch.randint(0, 512, (2, 3), generator=torch.Generator().manual_seed(2)).to(dev)
     slots = torch.tensor([0, 1, 2], device=dev)
     logits = []
-    for limit in (router.MAX_GROUPED_PAIRS, 0):  # fused, then never fused
-        monkeypatch.setattr(router, "MAX_GROUPED_PAIRS", limit)
+    calls = {"gate_route_group": 0}
+    fused = router.gate_route_group
+
+    def counted(*a, **k):
+        calls["gate_route_group"] += 1
+        return fused(*a, **k)
+
+    monkeypatch.setattr(router, "gate_route_group", counted)
+    for pairs, rows in ((router.MAX_GROUPED_PAIRS, router.MAX_GATE_ROWS), (router.MAX_GROUPED_PAIRS, 0), (0, 0)):
+        monkeypatch.setattr(router, "MAX_GROUPED_PAIRS", pairs)
+        monkeypatch.setattr(router, "MAX_GATE_ROWS", rows)
         d = FastDecoder(cfg, w, max_seqs=3, max_ctx=32, device=dev, triton=True)
         for s in range(3):
             d.pools.reset(s)
         logits.append([d.step(ids[t], torch.full((3,), t, device=dev), slots) for t in range(2)])
-    for a, b in zip(*logits):
-        assert torch.equal(a, b)
+        if rows:  # the one-launch path really ran (every layer of both steps)
+            assert calls["gate_route_group"] == 2 * cfg.num_hidden_layers, calls
+    for run in logits[1:]:
+        for a, b in zip(logits[0], run):
+            assert torch.equal(a, b)
 
 
 def test_cold_experts_in_host_memory_give_the_same_bits():

@@ -136,6 +136,46 @@ def test_route_group_equals_route_then_moe_route(B, E, k, kind, permute):
         assert torch.equal(got.xq.cpu().view(torch.int16), ref.xq.cpu().view(torch.int16))
 
 
+@pytest.mark.parametrize("B,E,D,k,kind", [(1, 256, 512, 6, "bias"), (3, 256, 384, 6, "hash"), (16, 256, 256, 6, "plain"),
+                                          (5, 64, 4096, 6, "bias"), (2, 8, 96, 2, "plain")])
+def test_gate_route_group_equals_gate_then_route_group(B, E, D, k, kind):
+    """The gate GEMV inside the router's launch gives linear_bf16's logits bit for bit (the same
+    programs), and then route_group's idx, w, grouping and quantized x exactly; twice in a row
+    (both arrival counters reset themselves). D 4096 / E 64: split-K over 16 programs per tile;
+    D 96: one split."""
+    from megastep.kernels.dense import linear_bf16
+    from megastep.kernels.router import gate_route_group, route_group
+
+    g = torch.Generator().manual_seed(B * 7 + E)
+    x = (torch.randn(B, D, generator=g) * 2).bfloat16().to(DEV)
+    gw = (torch.randn(E, D, generator=g) * D**-0.5).bfloat16().to(DEV)
+    bias = (torch.randn(E, generator=g) * 0.5).to(DEV) if kind == "bias" else None
+    rows = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(B)]).to(DEV) if kind == "hash" else None
+    want_logits = linear_bf16(x, gw, torch.float32)
+    want_i, want_w, want = route_group(want_logits, bias, rows, k, SCALING, x)
+    for _ in range(2):
+        i, w, got, logits = gate_route_group(x, gw, bias, rows, k, SCALING)
+        assert torch.equal(logits.view(torch.int32), want_logits.view(torch.int32))
+        assert torch.equal(i, want_i) and torch.equal(w.view(torch.int32), want_w.view(torch.int32))
+        n = int(want.nslots)
+        assert int(got.nslots) == n and got.permuted
+        assert torch.equal(got.pairs, want.pairs)
+        for a, b in ((got.slot_expert, want.slot_expert), (got.slot_start, want.slot_start),
+                     (got.slot_count, want.slot_count)):
+            assert torch.equal(a[:n], b[:n])
+        assert torch.equal(got.xq.view(torch.int16), want.xq.view(torch.int16))
+
+
+def test_gate_route_group_refuses_more_rows_than_one_tile():
+    from megastep.kernels.dense import BLOCK_M
+    from megastep.kernels.router import gate_route_group
+
+    B = BLOCK_M + 1
+    x = torch.zeros(B, 64, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(AssertionError):
+        gate_route_group(x, torch.zeros(8, 64, dtype=torch.bfloat16, device=DEV), None, None, 2, SCALING)
+
+
 def test_route_group_refuses_too_many_pairs():
     from megastep.kernels.router import MAX_GROUPED_PAIRS, route_group
 
