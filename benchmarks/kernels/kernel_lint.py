@@ -107,13 +107,12 @@ def calls(sass: str) -> dict:
     and its target), and those whose target converts to or from 64-bit integers in its first 16
     instructions (a 64-bit division or modulo; a float division's or square root's rare slow
     path does not)."""
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s*([^;]*);", sass)]
+    sys.path.insert(0, HERE)
+    import sass_loop as SL
+
+    ins = SL.instructions(sass)
     at = {a: i for i, (a, _) in enumerate(ins)}
-    loops = []
-    for i, (a, text) in enumerate(ins):
-        m = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
-            loops.append((at[int(m.group(1), 16)], i))
+    loops = SL.loops(ins)
     n = in_loop = int64 = 0
     for i, (_, text) in enumerate(ins):
         m = re.search(r"\bCALL\.\S+ (?:\S+ )?(0x[0-9a-f]+)", text)

@@ -65,8 +65,10 @@ def _moe(a, fn, rows_name: str) -> tuple[object, int]:
     """The experts kernels (dot modes: BLOCK_P 16); bytes per step: 2 x BLOCK_I or BLOCK_D rows x BLOCK_K / 2."""
     if fn is MOE._moe_gate_up_kernel:
         names = ["xq_ptr", "tab_ptr", "rw_ptr", "pair_ptr", "slot_e_ptr", "slot_start_ptr", "slot_cnt_ptr",
-                 "nslot_ptr", "act_ptr", "D", "I", "stride_qm", "stride_wn", "stride_sn", "stride_am", "limit", "G"]
-        types = ["*bf16", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i32", "*i32", "*bf16"] + ["i32"] * 6 + ["fp32", "i32"]
+                 "nslot_ptr", "act_ptr", "aq_ptr", "qcnt_ptr", "D", "I", "stride_qm", "stride_wn", "stride_sn",
+                 "stride_am", "stride_aq", "limit", "G"]
+        types = ["*bf16", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i32", "*i32", "*bf16", "*bf16", "*i32"] + \
+            ["i32"] * 7 + ["fp32", "i32"]
         rows = 2 * a.block
     else:
         names = ["aq_ptr", "tab_ptr", "pair_ptr", "slot_e_ptr", "slot_start_ptr", "slot_cnt_ptr", "nslot_ptr",
@@ -78,7 +80,9 @@ def _moe(a, fn, rows_name: str) -> tuple[object, int]:
              "MODE": MOE.MODES[a.mode], "ALIGN": 16, "SPARSE": False, "PDL": 1 if a.pdl else 0}
     if fn is MOE._moe_down_kernel:
         const["COMBINE"] = True
-    aligned = {"D", "I", "stride_qm", "stride_am", "stride_wn", "stride_sn", "stride_ym", "stride_om"}
+    else:  # the activation quantization in gate-up's epilogue, as the runtime launches it
+        const.update(QUANT=MOE.FUSED_ACT_QUANT, NQ=16, PERM=a.mode != "dot_scaled")
+    aligned = {"D", "I", "stride_qm", "stride_am", "stride_aq", "stride_wn", "stride_sn", "stride_ym", "stride_om"}
     k = _compile(fn, list(zip(names, types)), const, aligned, a.warps, a.stages)
     return k, rows * 64
 
@@ -104,16 +108,27 @@ def attention(a) -> tuple[object, int]:
     return k, c.block_n * 512 * 2
 
 
-def main_loop(sass: str) -> tuple[int, collections.Counter]:
-    """(instructions, opcode counts) of the largest loop that contains no other loop."""
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s*([^;]*);", sass)]
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, text) of each SASS instruction."""
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s*([^;]*);", sass)]
+
+
+def loops(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first, last) instruction index of each loop: a backward branch and its target."""
     at = {a: i for i, (a, _) in enumerate(ins)}
-    loops = []
+    out = []
     for i, (a, text) in enumerate(ins):
         m = re.search(r"BRA (0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
-            loops.append((at[int(m.group(1), 16)], i))
-    inner = [(s, e) for s, e in loops if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in loops)]
+            out.append((at[int(m.group(1), 16)], i))
+    return out
+
+
+def main_loop(sass: str) -> tuple[int, collections.Counter]:
+    """(instructions, opcode counts) of the largest loop that contains no other loop."""
+    ins = instructions(sass)
+    loops_ = loops(ins)
+    inner = [(s, e) for s, e in loops_ if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in loops_)]
     if not inner:
         raise SystemExit("no loop found in the SASS")
     s, e = max(inner, key=lambda se: se[1] - se[0])

@@ -21,15 +21,18 @@ tensors at load, `stack_experts`; separate HBM slots; pinned host memory read "z
 its device-visible address). Row strides are common to all experts of a table.
 `moe_experts_mxfp4` takes the stacked tensors and builds (once, cached) their table.
 
-Four launches, all with static grids (CUDA-graph friendly, no host sync):
+Three launches (four with FUSED_ACT_QUANT off), all with static grids (CUDA-graph friendly, no host sync):
 1. `_moe_prep_kernel` (kernels/moe_route.py): groups the M*k (row, slot) pairs by expert (pairs sorted by expert then
    pair index; one "slot" per distinct expert: id, first pair, count) and, in other programs of
    the same launch, quantizes x (fp8_act_sim per 128) once for all experts.
 2. `_moe_gate_up_kernel`: programs (I tile, slot group) loop over their distinct experts and read
    each expert's w1/w3 rows, dequantizing MXFP4 in registers (never to memory); then clamp,
-   SwiGLU and the routing weight.
-3. `_moe_act_quant_kernel`: fp8_act_sim(a, 128) per pair (a 128-block spans several I tiles).
-4. `_moe_down_kernel`: the same for w2; writes per-pair outputs, and the last program to finish
+   SwiGLU and the routing weight; then fp8_act_sim(a, 128): a 128-block of a pair's activation
+   spans several I tiles, and the last of their programs to store its tile (an arrival counter
+   per (pair, block), reset by it; no atomics on data) quantizes the block. With FUSED_ACT_QUANT
+   off (or I tiles that do not divide 128), `_moe_act_quant_kernel` does it per pair in a launch
+   of its own, with the same operations (the same bits, tested).
+3. `_moe_down_kernel`: the same for w2; writes per-pair outputs, and the last program to finish
    a (row, D tile) (arrival counter; no atomics on data) sums the row's k slots in slot order.
 The quantized activations are stored as bf16 (exact). Except for mode "dot_scaled" each 32-group
 is permuted to (16 even, 16 odd) elements, the order in which the packed bytes deliver their low
@@ -90,6 +93,7 @@ from megastep.kernels.expert_table import (  # noqa: F401  (re-exported: the exp
     stacked_table,
 )
 from megastep.kernels.moe_route import ACT_BLOCK, Routing, _moe_act_quant_kernel, moe_route  # noqa: F401  (re-exported)
+from megastep.kernels.moe_route import quant_blocks_store
 from megastep.kernels.common import (
     launch_opts,
     mxfp4_decode,
@@ -103,6 +107,9 @@ from megastep.kernels.common import (
 
 MODES = {"fma": 0, "dot": 1, "dot_asm": 2, "dot_scaled": 3}
 DEFAULT_MODE = "dot_asm"  # the mode pick_config returns: measured end to end, see below
+# the activation quantization inside the gate-up launch (module doc); False: its own launch
+FUSED_ACT_QUANT = True
+_QUANT_ROWS = tl.constexpr(4)  # pairs per step of that quantization (few registers next to the main loop)
 
 
 @dataclass(frozen=True)
@@ -300,13 +307,29 @@ def _swiglu_store(g, u, pairs, p_mask, rw_ptr, act_ptr, stride_am, offs_i, i_mas
 
 
 @triton.jit
+def _quant_act_block(act_ptr, aq_ptr, pairs, rows_ok, qb, I, stride_am, stride_aq, INTERPRET: tl.constexpr,
+                     PERM: tl.constexpr):
+    """fp8_act_sim of the 128-block qb of act's rows `pairs` (where rows_ok) into aq, permuted per
+    32-group like `moe_route.quant_row_perm` (its code: the same bits). act is read past L1 (.cg):
+    other programs just wrote parts of it."""
+    k = qb * 128 + tl.arange(0, 128)
+    m = rows_ok[:, None] & (k < I)[None, :]
+    v = tl.load(act_ptr + pairs[:, None] * stride_am + k[None, :], mask=m, other=0.0, cache_modifier=".cg")
+    quant_blocks_store(v.to(tl.float32), k[None, :], aq_ptr + pairs[:, None] * stride_aq, m, INTERPRET, PERM)
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     xq_ptr, tab_ptr, rw_ptr, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr, act_ptr,
-    D, I, stride_qm, stride_wn, stride_sn, stride_am, limit, G,
+    aq_ptr, qcnt_ptr,
+    D, I, stride_qm, stride_wn, stride_sn, stride_am, stride_aq, limit, G,
     TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, MODE: tl.constexpr, ALIGN: tl.constexpr,
-    SPARSE: tl.constexpr, PDL: tl.constexpr,
+    SPARSE: tl.constexpr, QUANT: tl.constexpr, NQ: tl.constexpr, PERM: tl.constexpr, PDL: tl.constexpr,
 ):
+    # QUANT: the activation quantization too: of the programs whose I tiles make up a 128-block of
+    # a pair's activation, the last to store its tile (an arrival counter per (pair, block), reset
+    # by it) quantizes the block (no separate launch)
     pdl_enter(PDL)
     NG: tl.constexpr = BLOCK_K // 32
     pid_i = tl.program_id(0)
@@ -350,6 +373,21 @@ def _moe_gate_up_kernel(
                                 INTERPRET)
                 g, u = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_I, BLOCK_P]), [1, 2, 0]))
             _swiglu_store(g, u, pairs, p_mask, rw_ptr, act_ptr, stride_am, offs_i, i_mask, limit, ROUND_BF16, INTERPRET)
+            if QUANT:
+                qb = (pid_i * BLOCK_I) // 128
+                tiles_in_block = tl.cdiv(tl.minimum(128, I - qb * 128), BLOCK_I)
+                tl.debug_barrier()  # every thread's act is issued before the releases below
+                # QUANT_ROWS pairs at a time: a [QUANT_ROWS, 128] tile, few registers next to the main loop's
+                for q0 in tl.static_range(0, BLOCK_P, _QUANT_ROWS):
+                    qj = q0 + tl.arange(0, _QUANT_ROWS)  # this chunk's pairs only (BLOCK_P may be < _QUANT_ROWS)
+                    qr = c0 + qj
+                    qm = (qj < BLOCK_P) & (qr < cnt)
+                    qp = tl.load(pair_ptr + start + qr, mask=qm, other=0)
+                    arrived = tl.atomic_add(qcnt_ptr + qp * NQ + qb, 1, mask=qm, sem="acq_rel", scope="gpu")
+                    last = qm & (arrived == tiles_in_block - 1)
+                    tl.debug_barrier()
+                    _quant_act_block(act_ptr, aq_ptr, qp, last, qb, I, stride_am, stride_aq, INTERPRET, PERM)
+                    tl.store(qcnt_ptr + qp * NQ + qb, 0, mask=last)
 
 
 # ---- 3. down: w2, then the fixed-order sum over slots ---------------------------------------
@@ -474,15 +512,19 @@ def moe_experts_table(
     common = dict(TOPK=k, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, ROUND_BF16=rnd, INTERPRET=interp,
                   MODE=MODES[cfg.mode], ALIGN=table.align, SPARSE=table.sparse,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    nq = -(-I // ACT_BLOCK)
+    fuse = FUSED_ACT_QUANT and 128 % cfg.block_i == 0  # I tiles inside 128-blocks
+    qcnt = workspace(x.device, "counters_moe_act", P * nq, torch.int32) if fuse else aq
     grid = (-(-I // cfg.block_i), g_up)
     _moe_gate_up_kernel[grid](
-        xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act,
-        D, I, xq.stride(0), sw13, ss13, act.stride(0), float(swiglu_limit), g_up, BLOCK_I=cfg.block_i, **common,
-        **launch_opts(x, grid),
+        xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, aq, qcnt,
+        D, I, xq.stride(0), sw13, ss13, act.stride(0), aq.stride(0), float(swiglu_limit), g_up, BLOCK_I=cfg.block_i,
+        QUANT=fuse, NQ=nq, PERM=perm, **common, **launch_opts(x, grid),
     )
-    grid = (P,)
-    _moe_act_quant_kernel[grid](act, aq, I, act.stride(0), aq.stride(0), NB=next_pow2(-(-I // ACT_BLOCK)),
-                                INTERPRET=interp, PERM=perm, num_warps=4, **launch_opts(act, grid))
+    if not fuse:
+        grid = (P,)
+        _moe_act_quant_kernel[grid](act, aq, I, act.stride(0), aq.stride(0), NB=next_pow2(nq),
+                                    INTERPRET=interp, PERM=perm, num_warps=4, **launch_opts(act, grid))
     n_d_tiles = -(-D // cfg.block_d)
     cnt = workspace(x.device, "counters_moe", M * n_d_tiles, torch.int32)
     grid = (n_d_tiles, g_down)

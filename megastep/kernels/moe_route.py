@@ -26,13 +26,21 @@ def quant_row_perm(src_ptr, dst_ptr, K, NB: tl.constexpr, INTERPRET: tl.constexp
     k = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
     m = k < K
     v = tl.load(src_ptr + k, mask=m, other=0.0).to(tl.float32)
+    quant_blocks_store(v, k, dst_ptr, m, INTERPRET, PERM)
+
+
+@triton.jit
+def quant_blocks_store(v, k, dst, m, INTERPRET: tl.constexpr, PERM: tl.constexpr):
+    """fp8_act_sim of the 128-blocks that are v's rows (fp32 [R, 128]; columns k, broadcastable
+    to v) stored as bf16 at dst + k (dst broadcastable: a row pointer, or one per block), where
+    m; with PERM each 32-group permuted (quant_row_perm)."""
     s, inv = fp8_pow2_scale(tl.max(tl.abs(v), axis=1))
     q = fp8_round(v, inv[:, None], INTERPRET).to(tl.float32) * s[:, None]
     if PERM:
         kp = (k // 32) * 32 + (k % 2) * 16 + (k % 32) // 2
     else:
         kp = k
-    tl.store(dst_ptr + kp, q.to(tl.bfloat16), mask=m)
+    tl.store(dst + kp, q.to(tl.bfloat16), mask=m)
 
 
 @triton.jit

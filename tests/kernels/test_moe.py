@@ -28,8 +28,11 @@ from megastep.kernels.moe import (
     moe_route,
     pick_config,
     stack_experts,
+    stacked_table,
     sum_pairs,
 )
+
+from megastep.kernels.common import workspace  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -213,6 +216,30 @@ def test_batch_invariance(mode, wide):
         alone = moe_experts_mxfp4(x[m:m + 1], ids[m:m + 1], wts[m:m + 1], **wide,
                                   config=pick_config(1, 3, E2, D2, I2, mode=mode))
         assert torch.equal(alone[0], batch[m]), (mode, m)
+
+
+@pytest.mark.parametrize("cfg", [MoeConfig(16, 32, 1, 128, 6, 8), MoeConfig(128, 128, 1, 128, 4, 1),
+                                 MoeConfig(64, 16, 2, 128, 2, 1),
+                                 MoeConfig(32, 64, 16, 128, 3, 2, mode="dot_asm"),
+                                 MoeConfig(64, 128, 16, 128, 1, 1, num_warps=8, mode="dot_asm"),
+                                 MoeConfig(32, 64, 16, 128, 3, 2, mode="dot_scaled")], ids=cfg_id)
+def test_act_quant_in_gate_up_gives_the_bits_of_its_own_launch(cfg, monkeypatch):
+    """The activation quantization done by gate-up's last program per (pair, 128-block) gives
+    the bits of the separate launch: per-pair outputs and the sums, crowded experts (> 16 pairs
+    of one expert, several chunks), I = 224 (a full 128-block and a ragged one), every I tile
+    size; twice in a row (the counters reset themselves)."""
+    ex = random_stacked_experts(E2, D2, 224, seed=23, dev=DEV, scales=(110, 130))
+    tab = stacked_table(**ex)  # addresses of ex's tensors: ex stays alive below
+    x, ids, wts = crowded_inputs(11, 3, seed=9)
+    monkeypatch.setattr(MOE, "FUSED_ACT_QUANT", False)
+    apart = moe_experts_table(x, ids, wts, tab, config=cfg, return_pairs=True)
+    monkeypatch.setattr(MOE, "FUSED_ACT_QUANT", True)
+    for _ in range(2):
+        assert torch.equal(moe_experts_table(x, ids, wts, tab, config=cfg, return_pairs=True), apart)
+        # each (pair, block) counted exactly its I tiles: every counter is back at 0
+        assert not workspace(x.device, "counters_moe_act", 1, torch.int32).any()
+    assert torch.equal(moe_experts_table(x, ids, wts, tab, config=cfg), sum_pairs(apart))  # the summing launch too
+    del ex
 
 
 def scattered_experts(st, seed, offset=0):
