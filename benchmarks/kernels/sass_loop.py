@@ -81,7 +81,7 @@ def _moe(a, fn, rows_name: str) -> tuple[object, int]:
     if fn is MOE._moe_down_kernel:
         const["COMBINE"] = True
     else:  # the activation quantization in gate-up's epilogue, as the runtime launches it
-        const.update(QUANT=MOE.FUSED_ACT_QUANT, NQ=16, PERM=a.mode != "dot_scaled")
+        const.update(QUANT=6 <= MOE.FUSED_ACT_QUANT_MAX_PAIRS, NQ=16, PERM=a.mode != "dot_scaled")  # as at batch 1
     aligned = {"D", "I", "stride_qm", "stride_am", "stride_aq", "stride_wn", "stride_sn", "stride_ym", "stride_om"}
     k = _compile(fn, list(zip(names, types)), const, aligned, a.warps, a.stages)
     return k, rows * 64

@@ -21,7 +21,7 @@ tensors at load, `stack_experts`; separate HBM slots; pinned host memory read "z
 its device-visible address). Row strides are common to all experts of a table.
 `moe_experts_mxfp4` takes the stacked tensors and builds (once, cached) their table.
 
-Three launches (four with FUSED_ACT_QUANT off), all with static grids (CUDA-graph friendly, no host sync):
+Three launches (four above FUSED_ACT_QUANT_MAX_PAIRS pairs), all with static grids (CUDA-graph friendly, no host sync):
 1. `_moe_prep_kernel` (kernels/moe_route.py): groups the M*k (row, slot) pairs by expert (pairs sorted by expert then
    pair index; one "slot" per distinct expert: id, first pair, count) and, in other programs of
    the same launch, quantizes x (fp8_act_sim per 128) once for all experts.
@@ -29,9 +29,10 @@ Three launches (four with FUSED_ACT_QUANT off), all with static grids (CUDA-grap
    each expert's w1/w3 rows, dequantizing MXFP4 in registers (never to memory); then clamp,
    SwiGLU and the routing weight; then fp8_act_sim(a, 128): a 128-block of a pair's activation
    spans several I tiles, and the last of their programs to store its tile (an arrival counter
-   per (pair, block), reset by it; no atomics on data) quantizes the block. With FUSED_ACT_QUANT
-   off (or I tiles that do not divide 128), `_moe_act_quant_kernel` does it per pair in a launch
-   of its own, with the same operations (the same bits, tested).
+   per (pair, block), reset by it; no atomics on data) quantizes the block. Above
+   FUSED_ACT_QUANT_MAX_PAIRS pairs (or with I tiles that do not divide 128),
+   `_moe_act_quant_kernel` does it per pair in a launch of its own, with the same operations (the
+   same bits, tested).
 3. `_moe_down_kernel`: the same for w2; writes per-pair outputs, and the last program to finish
    a (row, D tile) (arrival counter; no atomics on data) sums the row's k slots in slot order.
 The quantized activations are stored as bf16 (exact). Except for mode "dot_scaled" each 32-group
@@ -107,8 +108,11 @@ from megastep.kernels.common import (
 
 MODES = {"fma": 0, "dot": 1, "dot_asm": 2, "dot_scaled": 3}
 DEFAULT_MODE = "dot_asm"  # the mode pick_config returns: measured end to end, see below
-# the activation quantization inside the gate-up launch (module doc); False: its own launch
-FUSED_ACT_QUANT = True
+# the activation quantization inside the gate-up launch (module doc) for calls of at most this many
+# (row, slot) pairs; 0: always its own launch. The same bits either way, so the choice may follow
+# the batch. Above it a gate-up program would wait on an atomic per 4 pairs of every expert it
+# handles, serially; below it each program handles one or a few experts. Not measured yet.
+FUSED_ACT_QUANT_MAX_PAIRS = 96
 _QUANT_ROWS = tl.constexpr(4)  # pairs per step of that quantization (few registers next to the main loop)
 
 
@@ -379,15 +383,16 @@ def _moe_gate_up_kernel(
                 tl.debug_barrier()  # every thread's act is issued before the releases below
                 # QUANT_ROWS pairs at a time: a [QUANT_ROWS, 128] tile, few registers next to the main loop's
                 for q0 in tl.static_range(0, BLOCK_P, _QUANT_ROWS):
-                    qj = q0 + tl.arange(0, _QUANT_ROWS)  # this chunk's pairs only (BLOCK_P may be < _QUANT_ROWS)
-                    qr = c0 + qj
-                    qm = (qj < BLOCK_P) & (qr < cnt)
-                    qp = tl.load(pair_ptr + start + qr, mask=qm, other=0)
-                    arrived = tl.atomic_add(qcnt_ptr + qp * NQ + qb, 1, mask=qm, sem="acq_rel", scope="gpu")
-                    last = qm & (arrived == tiles_in_block - 1)
-                    tl.debug_barrier()
-                    _quant_act_block(act_ptr, aq_ptr, qp, last, qb, I, stride_am, stride_aq, INTERPRET, PERM)
-                    tl.store(qcnt_ptr + qp * NQ + qb, 0, mask=last)
+                    if c0 + q0 < cnt:  # (a step with no pair of the chunk left issues nothing)
+                        qj = q0 + tl.arange(0, _QUANT_ROWS)  # this chunk's pairs only (BLOCK_P may be < _QUANT_ROWS)
+                        qr = c0 + qj
+                        qm = (qj < BLOCK_P) & (qr < cnt)
+                        qp = tl.load(pair_ptr + start + qr, mask=qm, other=0)
+                        arrived = tl.atomic_add(qcnt_ptr + qp * NQ + qb, 1, mask=qm, sem="acq_rel", scope="gpu")
+                        last = qm & (arrived == tiles_in_block - 1)
+                        tl.debug_barrier()
+                        _quant_act_block(act_ptr, aq_ptr, qp, last, qb, I, stride_am, stride_aq, INTERPRET, PERM)
+                        tl.store(qcnt_ptr + qp * NQ + qb, 0, mask=last)
 
 
 # ---- 3. down: w2, then the fixed-order sum over slots ---------------------------------------
@@ -513,7 +518,7 @@ def moe_experts_table(
                   MODE=MODES[cfg.mode], ALIGN=table.align, SPARSE=table.sparse,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     nq = -(-I // ACT_BLOCK)
-    fuse = FUSED_ACT_QUANT and 128 % cfg.block_i == 0  # I tiles inside 128-blocks
+    fuse = P <= FUSED_ACT_QUANT_MAX_PAIRS and 128 % cfg.block_i == 0  # (I tiles inside 128-blocks)
     qcnt = workspace(x.device, "counters_moe_act", P * nq, torch.int32) if fuse else aq
     grid = (-(-I // cfg.block_i), g_up)
     _moe_gate_up_kernel[grid](

@@ -231,9 +231,10 @@ def test_act_quant_in_gate_up_gives_the_bits_of_its_own_launch(cfg, monkeypatch)
     ex = random_stacked_experts(E2, D2, 224, seed=23, dev=DEV, scales=(110, 130))
     tab = stacked_table(**ex)  # addresses of ex's tensors: ex stays alive below
     x, ids, wts = crowded_inputs(11, 3, seed=9)
-    monkeypatch.setattr(MOE, "FUSED_ACT_QUANT", False)
+    assert ids.numel() <= MOE.FUSED_ACT_QUANT_MAX_PAIRS  # the default takes the fused path here
+    monkeypatch.setattr(MOE, "FUSED_ACT_QUANT_MAX_PAIRS", 0)
     apart = moe_experts_table(x, ids, wts, tab, config=cfg, return_pairs=True)
-    monkeypatch.setattr(MOE, "FUSED_ACT_QUANT", True)
+    monkeypatch.undo()
     for _ in range(2):
         assert torch.equal(moe_experts_table(x, ids, wts, tab, config=cfg, return_pairs=True), apart)
         # each (pair, block) counted exactly its I tiles: every counter is back at 0
