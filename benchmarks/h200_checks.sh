@@ -44,8 +44,9 @@ for group in "$@"; do
   case $group in
     tests)
       step gpu_tests 200 python3 -m pytest -q --timeout 120 -m gpu tests/test_fast_gpu.py tests/kernels/test_fast_step_triton.py
-      step gpu_kernel_tests 200 python3 -m pytest -q --timeout 100 -m gpu tests/kernels/test_linear_fp8.py \
-        tests/kernels/test_moe.py tests/kernels/test_mhc.py tests/kernels/test_rope_norm.py tests/kernels/test_attention.py ;;
+      step gpu_kernel_tests 240 python3 -m pytest -q --timeout 100 -m gpu tests/kernels/test_linear_fp8.py \
+        tests/kernels/test_moe.py tests/kernels/test_mhc.py tests/kernels/test_rope_norm.py tests/kernels/test_attention.py \
+        tests/kernels/test_router.py ;;
     resident)
       bench resident_dot_asm 150 --layers 30 --batch 1,4,16,64 --moe-mode dot_asm --trace
       bench resident_fma 120 --layers 30 --batch 1,4,16,64

@@ -384,6 +384,23 @@ def test_gpu_v4_shape_matches_ref_and_is_deterministic(M, mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_gpu_act_quant_in_gate_up_gives_the_bits_of_its_own_launch(M, monkeypatch):
+    """V4-Flash expert shapes on the device (programs really concurrent): the quantization by
+    gate-up's last program per (pair, block) gives the separate launch's bits; 3 calls in a row."""
+    ex = random_stacked_experts(32, 4096, 2048, seed=7, dev="cuda")
+    x, ids, wts = make_inputs(M, 4096, 32, 6, seed=M + 3, dev="cuda")
+    cfg = pick_config(M, 6, 32, 4096, 2048)
+    assert ids.numel() <= MOE.FUSED_ACT_QUANT_MAX_PAIRS
+    monkeypatch.setattr(MOE, "FUSED_ACT_QUANT_MAX_PAIRS", 0)
+    apart = moe_experts_mxfp4(x, ids, wts, **ex, config=cfg)
+    monkeypatch.undo()
+    for _ in range(3):
+        assert torch.equal(moe_experts_mxfp4(x, ids, wts, **ex, config=cfg), apart)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 64])
 def test_gpu_asm_decode_gives_the_bits_of_the_triton_decode(M):
     """"dot_asm" changes only how the weight bytes become bf16 (inline PTX instead of Triton

@@ -166,6 +166,33 @@ def test_gate_route_group_equals_gate_then_route_group(B, E, D, k, kind):
         assert torch.equal(got.xq.view(torch.int16), want.xq.view(torch.int16))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("B", [1, 4, 16])
+@pytest.mark.parametrize("kind", ["bias", "hash"])
+def test_gpu_gate_route_group_v4_shapes(B, kind):
+    """V4-Flash's router (256 experts, D 4096, top-6): the one-launch router gives linear_bf16's
+    logits and route_group's results bit for bit on the device, where programs really run
+    concurrently (two arrival counters, .cg reads of what other programs wrote); 5 calls in a row."""
+    from megastep.kernels.dense import linear_bf16
+    from megastep.kernels.router import gate_route_group, route_group
+
+    g = torch.Generator().manual_seed(B + 100)
+    x = (torch.randn(B, 4096, generator=g) * 2).bfloat16().cuda()
+    gw = (torch.randn(256, 4096, generator=g) / 64).bfloat16().cuda()
+    bias = (torch.randn(256, generator=g) * 0.5).cuda() if kind == "bias" else None
+    rows = torch.stack([torch.randperm(256, generator=g)[:6] for _ in range(B)]).cuda() if kind == "hash" else None
+    want_logits = linear_bf16(x, gw, torch.float32)
+    want_i, want_w, want = route_group(want_logits, bias, rows, 6, SCALING, x)
+    for _ in range(5):
+        i, w, got, logits = gate_route_group(x, gw, bias, rows, 6, SCALING)
+        assert torch.equal(logits, want_logits) and torch.equal(i, want_i) and torch.equal(w, want_w)
+        n = int(want.nslots)
+        assert int(got.nslots) == n and torch.equal(got.pairs, want.pairs)
+        assert torch.equal(got.slot_expert[:n], want.slot_expert[:n]) and torch.equal(got.slot_count[:n], want.slot_count[:n])
+        assert torch.equal(got.xq, want.xq)
+
+
 def test_gate_route_group_refuses_more_rows_than_one_tile():
     from megastep.kernels.dense import BLOCK_M
     from megastep.kernels.router import gate_route_group
