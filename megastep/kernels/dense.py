@@ -162,6 +162,14 @@ def bf16_tile(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, K_PER_SPLIT, st
     return done
 
 
+def split_plan(K: int, cfg: DenseConfig) -> tuple[int, int]:
+    """(splits, K per split) of `cfg` for K: whole BLOCK_K steps per split, no empty split."""
+    steps = -(-K // cfg.block_k)
+    split = min(cfg.split_k, steps)
+    k_per_split = -(-steps // split) * cfg.block_k
+    return -(-K // k_per_split), k_per_split
+
+
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                 config: DenseConfig | None = None) -> torch.Tensor:
     """x [M, K] bf16 (or fp32 holding bf16 values), w [N, K] bf16 -> x @ w^T [M, N] (fp32 sums)."""
@@ -180,10 +188,7 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch
         return out
     if K == 0:
         return out.zero_()
-    steps = -(-K // cfg.block_k)
-    split = min(cfg.split_k, steps)
-    k_per_split = -(-steps // split) * cfg.block_k
-    split = -(-K // k_per_split)
+    split, k_per_split = split_plan(K, cfg)
     grid = (-(-M // BLOCK_M), -(-N // cfg.block_n), split)
     tiles = grid[0] * grid[1]
     if split > 1:

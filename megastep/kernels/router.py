@@ -53,59 +53,22 @@ from megastep.model import ops
 def route_row(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, b, E, stride_lb, stride_rb, stride_ib, stride_wb,
               scaling, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
               HASH: tl.constexpr, INTERPRET: tl.constexpr):
-    """Row b's experts (ascending) and weights (module doc)."""
-    e = tl.arange(0, EP)
-    em = e < E
-    x = tl.load(logit_ptr + b * stride_lb + e, mask=em, other=0.0)
-    s = tl.sqrt_rn(tl.where(x > 20.0, x, _rn.t_log1p(_rn.t_exp(x, INTERPRET), INTERPRET)))
-    s = tl.where(em, s, 0.0)
-    kk = tl.arange(0, KP)
-    idx = tl.zeros([KP], dtype=tl.int32)
-    if HASH:
-        v = tl.load(rows_ptr + b * stride_rb + kk, mask=kk < K, other=EP).to(tl.int32)  # padding sorts last
-        vi = v[:, None]
-        vj = v[None, :]
-        before = (vi < vj) | ((vi == vj) & (kk[:, None] < kk[None, :]))
-        rank = tl.sum(before.to(tl.int32), axis=0)  # ascending position of v[j]
-        for t in tl.static_range(K):
-            idx = tl.where(kk == t, tl.sum(tl.where(rank == t, v, 0), axis=0), idx)
-    else:
-        key = s
-        if HAS_BIAS:
-            key = s + tl.load(bias_ptr + e, mask=em, other=0.0)
-        key = tl.where(em, key, float("-inf"))
-        chosen = e < 0
-        for _ in tl.static_range(K):
-            m = tl.max(tl.where(chosen, float("-inf"), key), axis=0)
-            j = tl.min(tl.where(~chosen & (key == m), e, EP), axis=0)  # lowest index among the maxima
-            chosen = chosen | (e == j)
-        rank = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        for t in tl.static_range(K):
-            idx = tl.where(kk == t, tl.sum(tl.where(chosen & (rank == t), e, 0), axis=0), idx)
-    wk = tl.zeros([KP], dtype=tl.float32)
-    total = 0.0
-    for t in tl.static_range(K):
-        it = tl.sum(tl.where(kk == t, idx, 0), axis=0)
-        wt = tl.sum(tl.where(e == it, s, 0.0), axis=0)  # exact: one nonzero term
-        wk = tl.where(kk == t, wt, wk)
-        if t == 0:
-            total = wt
-        else:
-            total = total + wt
-    w = tl.div_rn(wk, total) * scaling
-    km = kk < K
-    tl.store(idx_ptr + b * stride_ib + kk, idx, mask=km)
-    tl.store(w_ptr + b * stride_wb + kk, w, mask=km)
+    """Row b's experts (ascending) and weights (module doc): `route_rows` on that one row."""
+    route_rows(logit_ptr + b * stride_lb, bias_ptr, rows_ptr + b * stride_rb, idx_ptr + b * stride_ib,
+               w_ptr + b * stride_wb, 1, E, 0, 0, 0, 0, scaling, 1, EP, K, KP, HAS_BIAS, HASH, INTERPRET)
 
 
 @triton.jit
 def route_rows(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, B, E, stride_lb, stride_rb, stride_ib, stride_wb,
                scaling, BP: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                HAS_BIAS: tl.constexpr, HASH: tl.constexpr, INTERPRET: tl.constexpr):
-    """`route_row` for rows 0..B-1 together (B <= BP) in one program: the same operations per row
-    in the same order, each reduction over a row's own experts (exact: max, min, integer sums, sums
-    with one nonzero term), so each row's idx and w are route_row's bits. Logits are read past L1
-    (.cg): other programs of the launch may just have written them."""
+    """Experts (ascending) and weights of rows 0..B-1 (B <= BP) in one program (module doc): k
+    rounds of argmax over the not yet chosen experts, the lowest index among equal maxima; the
+    chosen set read out in ascending order through a prefix count; hash rows sorted by counting
+    ranks; the weight sum over the k chosen scores in ascending expert order. Every reduction runs
+    over one row's own experts and is exact (max, min, integer sums, sums with one nonzero term),
+    so a row's bits do not depend on the rows beside it. Logits are read past L1 (.cg): other
+    programs of the launch may just have written them."""
     r = tl.arange(0, BP)
     rm = r < B
     e = tl.arange(0, EP)
@@ -322,13 +285,10 @@ def gate_route_group(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor |
     assert 1 <= B <= _dense.BLOCK_M and B * k <= MAX_GROUPED_PAIRS, (B, k)
     logits = torch.empty(B, E, dtype=torch.float32, device=x.device)
     idx, w = _route_check(logits, bias, tid2eid_rows, k)
-    cfg = _dense.pick_config(E, D)  # linear_bf16's, for the same sums
-    steps = -(-D // cfg.block_k)
-    split = min(cfg.split_k, steps)
-    k_per_split = -(-steps // split) * cfg.block_k
-    split = -(-D // k_per_split)
+    cfg = _dense.pick_config(E, D)  # linear_bf16's configuration and split, for the same sums
+    split, k_per_split = _dense.split_plan(D, cfg)
     n_tiles = -(-E // cfg.block_n)
-    part = torch.empty(max(split, 1) * n_tiles * cfg.block_n * _dense.BLOCK_M, dtype=torch.float32, device=x.device)
+    part = torch.empty(split * n_tiles * cfg.block_n * _dense.BLOCK_M, dtype=torch.float32, device=x.device)
     cnt = workspace(x.device, "counters_gate_route", n_tiles + 1, torch.int32)
     pairs, slot_e, slot_start, slot_cnt, nslots, xq = _mr.routing_buffers(B * k, E, x, x.device)
     rows = tid2eid_rows if tid2eid_rows is not None else idx
