@@ -14,6 +14,7 @@
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
 #   bash benchmarks/h200_checks.sh floor      # what one decode launch costs (launch_floor.py), the CUDA GEMV and the CUDA experts gate-up against Triton (~3 min)
+#   bash benchmarks/h200_checks.sh stream     # what one launch can stream (XOR-only reads), L2-prefetched linears, the experts without their decode (~3 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
@@ -88,6 +89,12 @@ for group in "$@"; do
       step launch_floor 150 python3 benchmarks/kernels/launch_floor.py --out "$OUT"
       step gemv_variants 200 python3 benchmarks/kernels/gemv_variants.py --out "$OUT" --ms 1,4,64
       step moe_cuda_variants 200 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" ;;
+    stream)  # the ceilings of the weight-streaming kernels' access patterns (docs/PERFORMANCE.md, ninth measurement)
+      step stream_floor 240 python3 benchmarks/kernels/stream_floor.py --json "$OUT/stream_floor.json"
+      step stream_floor_experts 90 python3 benchmarks/kernels/stream_floor.py --experts --json "$OUT/stream_floor_experts.json"
+      step l2_prefetch 150 python3 benchmarks/kernels/l2_prefetch.py --json "$OUT/l2_prefetch.json"
+      step moe_probe 90 python3 benchmarks/kernels/moe_probe.py --probe none --json "$OUT/moe_probe_none.json"
+      step moe_probe_no_decode 90 python3 benchmarks/kernels/moe_probe.py --probe no_decode --json "$OUT/moe_probe_no_decode.json" ;;
     ep)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)
@@ -103,7 +110,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | floor | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | floor | stream | ep)"
       exit 2 ;;
   esac
 done

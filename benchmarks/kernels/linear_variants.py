@@ -35,7 +35,7 @@ from megastep.checkpoint import formats  # noqa: E402
 from megastep.kernels import linear_fp8 as LIN  # noqa: E402
 
 WO_A_GROUPS = 8  # V4-Flash o_groups: wo_a is one launch over 8 groups of 1024 rows, each reading its 4096 columns
-SHAPES = {  # name: (N, K, kind); kind "gated": w13 = 2 x N rows; "wo_a": grouped, bf16 activation ("dot16")
+SHAPES = {  # name: (N, K, kind); kind "gated": w13 = 2 x N rows; "wo_a": grouped, bf16 activation
     "x_group": (1536, 4096, "plain"),
     "qr_group": (40960, 1024, "plain"),
     "wo_a": (8192, 4096, "wo_a"),
@@ -52,14 +52,18 @@ def candidates(M: int, N: int, K: int, kind: str) -> list[LIN.LinearFp8Config]:
               LIN.pick_config(M, N, K, quantize_act=kind != "wo_a"))
     bm = 16 if M <= 16 else min(64, 1 << (M - 1).bit_length())
     out = [picked]
-    if kind == "wo_a":  # "dot16" only: 128-row tiles issue ~27 % fewer instructions per byte (sass_loop.py)
-        specs = [(128, 4, 3, 264, 128), (128, 8, 3, 264, 128), (128, 4, 4, 264, 128), (64, 4, 3, 264, 256)]
+    if kind == "wo_a":  # "f16" picked since 2026-11-30; "dot16" (the earlier pick first), 128-row tiles
+        specs = [(64, 4, 3, 264, 128), (128, 4, 3, 264, 128), (128, 8, 3, 264, 128), (64, 4, 3, 264, 256)]
         for bn, nw, ns, target, bk in specs:
             out.append(C("dot16", bn, bm, bk, BK.auto_split(-(-N // bn), K, bk, target), nw, ns))
         return list(dict.fromkeys(out))
-    specs = ([(64, 4, 3, 264), (64, 4, 4, 264), (64, 4, 6, 528), (128, 4, 4, 264), (128, 4, 4, 528),
-              (128, 8, 4, 264), (128, 4, 6, 264)] if bm == 16 else
-             [(64, 4, 3, 264), (64, 4, 4, 528), (128, 8, 3, 264), (128, 4, 3, 264)])
+    # (block_n, warps, stages, target programs). Measured on one H200 and slower or within 1 %, M = 1
+    # and 64: 128-row tiles, 6 or 4 stages (2026-11-29); 32- and 16-row tiles, twice the programs
+    # (though stream_floor.py reads wo_b's bytes in this pattern in 12.9 us with 256 programs and
+    # 10.5 us with 512), 256-wide steps forming two 128-blocks' dots before adding them (bit-identical
+    # on the GPU, 10-25 % slower: Triton waits for the first block's MMAs before the second's)
+    # (2026-11-30, docs/PERFORMANCE.md, ninth measurement).
+    specs = [(64, 4, 3, 264), (64, 4, 4, 264), (64, 4, 3, 528), (32, 4, 3, 264)]
     for bn, nw, ns, target in specs:
         out.append(C("f16", bn, bm, 128, BK.auto_split(-(-N // bn), K, 128, target), nw, ns))
     return list(dict.fromkeys(out))
@@ -96,7 +100,8 @@ def main() -> None:
                 fn, ref = LIN.linear_fp8, LIN.linear_fp8_ref(x, *ws[0])
             codes = formats.fp8_act_quant(x.float(), 128) if K % 128 == 0 and kind != "wo_a" else None
             cands = [(c, None) for c in candidates(M, N, K, kind)]
-            cands += [(cands[0][0], codes)] if codes is not None and cands[0][0].mode == "f16" else []
+            if codes is not None and kind != "wo_a":  # the picked configuration with x's codes
+                cands += [(cands[0][0], codes)]
             for i, (c, xc) in enumerate(cands):
                 r = dict(shape=name, N=N, K=K, M=M, config=asdict(c), picked=i == 0, codes=xc is not None)
                 if kind == "gated":
@@ -117,11 +122,11 @@ def main() -> None:
                 BK.log(json.dumps(r))
     with open(os.path.join(args.out, "linear_variants.json"), "w") as f:
         json.dump(dict(bandwidth=bw, rows=rows), f, indent=1)
-    print(f"\n{'shape':11} {'M':>3} {'mode':5} {'bn':>3} {'bm':>3} {'sp':>3} {'w':>2} {'st':>2} {'us':>7} {'GB/s':>6} ok")
+    print(f"\n{'shape':11} {'M':>3} {'mode':5} {'bn':>3} {'bm':>3} {'bk':>3} {'sp':>3} {'w':>2} {'st':>2} {'us':>7} {'GB/s':>6} ok")
     for r in rows:
         c = r["config"]
         mode = c["mode"] + ("+c" if r["codes"] else "")
-        print(f"{r['shape']:11} {r['M']:3} {mode:5} {c['block_n']:3} {c['block_m']:3} {c['split_k']:3} "
+        print(f"{r['shape']:11} {r['M']:3} {mode:5} {c['block_n']:3} {c['block_m']:3} {c['block_k']:3} {c['split_k']:3} "
               f"{c['num_warps']:2} {c['num_stages']:2} {r.get('us', float('nan')):7.2f} {r.get('gbps', 0):6.0f} "
               f"{'ok' if r['ok'] else 'FAIL ' + r.get('check', r.get('error', ''))[:60]}{' *' if r['picked'] else ''}")
 

@@ -1,6 +1,6 @@
 """Instructions per main-loop step of the weight-streaming kernels, counted without a GPU.
 
-    python benchmarks/kernels/sass_loop.py linear --mode f16 [--block-n 64] [--block-m 16] [--warps 4] [--codes]
+    python benchmarks/kernels/sass_loop.py linear --mode f16 [--block-n 64] [--block-m 16] [--block-k 128] [--warps 4] [--codes]
     python benchmarks/kernels/sass_loop.py moe_gate_up [--mode dot_asm] [--block 32]
     python benchmarks/kernels/sass_loop.py moe_down [--mode dot_asm] [--block 64]
     python benchmarks/kernels/sass_loop.py attention [--dv 1]     (the pinned CSA configuration's KV loop)
@@ -53,12 +53,12 @@ def linear(a) -> tuple[object, int]:
              "stride_rm", "stride_cm", "stride_sm"]
     types = ["*bf16", "*fp8e4nv", "*u8", "*bf16", "*fp32", "*i32", "*bf16", "*fp8e4nv", "*fp32"] + ["i32"] * 4 + \
         ["fp32"] + ["i32"] * 7
-    const = dict(MODE=LIN._MODES[a.mode], BLOCK_N=a.block_n, BLOCK_M=a.block_m, BLOCK_K=128, SPLIT_K=2,
+    const = dict(MODE=LIN._MODES[a.mode], BLOCK_N=a.block_n, BLOCK_M=a.block_m, BLOCK_K=a.block_k, SPLIT_K=2,
                  OUT_BF16=True, INTERPRET=False, QUANT_ACT=True, GROUP_N=4096, GATED=a.gated, CLAMP=a.gated,
                  HAS_RES=False, CODES=a.codes, PDL=1 if a.pdl else 0, PREFETCH_LINES=4 if a.pdl else 0)
     aligned = {"N", "K", "K_PER_SPLIT", "stride_xm", "stride_wn", "stride_om", "stride_rm", "stride_cm"}
     k = _compile(LIN._linear_fp8_kernel, list(zip(names, types)), const, aligned, a.warps, a.stages)
-    return k, a.block_n * 128 * (2 if a.gated else 1)
+    return k, a.block_n * a.block_k * (2 if a.gated else 1)
 
 
 def _moe(a, fn, rows_name: str) -> tuple[object, int]:
@@ -83,7 +83,8 @@ def _moe(a, fn, rows_name: str) -> tuple[object, int]:
     else:  # the activation quantization in gate-up's epilogue, as the runtime launches it
         const.update(QUANT=6 <= MOE.FUSED_ACT_QUANT_MAX_PAIRS, NQ=16, PERM=a.mode != "dot_scaled")  # as at batch 1
     aligned = {"D", "I", "stride_qm", "stride_am", "stride_aq", "stride_wn", "stride_sn", "stride_ym", "stride_om"}
-    k = _compile(fn, list(zip(names, types)), const, aligned, a.warps, a.stages)
+    k = _compile(fn, list(zip(names, types)), const, aligned, a.warps, a.stages,
+                 **({"maxnreg": a.maxnreg} if a.maxnreg else {}))
     return k, rows * 64
 
 
@@ -153,6 +154,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--mode", default=None, help="linear: f16 | dot16; moe: a kernels.moe mode (default dot_asm)")
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--block-m", type=int, default=16)
+    ap.add_argument("--block-k", type=int, default=128, help="linear: K per loop step")
+    ap.add_argument("--maxnreg", type=int, default=0, help="moe: cap on registers per thread (ptxas; 0: none)")
     ap.add_argument("--block", type=int, default=None, help="moe: BLOCK_I (gate-up, 32) or BLOCK_D (down, 64)")
     ap.add_argument("--gated", action="store_true", help="linear: the shared expert's w1/w3 epilogue")
     ap.add_argument("--codes", action="store_true", help="linear: x's activation codes loaded (x_codes)")

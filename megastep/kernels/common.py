@@ -145,6 +145,18 @@ def fp8_pow2_scale(amax):
 
 
 @triton.jit
+def f16_pow2_scale(amax):
+    """amax (fp32, any shape) -> (s, 1/s) with s = 2^(floor(log2(max(amax, 2^-64))) - 14): x / s
+    lies in fp16's range (|x / s| < 2^15) and a bf16 x is exact there down to |x| ~ amax * 2^-31
+    (fp16 subnormals keep 8 significant bits from 2^-17 on); both multiplications are exact."""
+    amax = tl.maximum(amax, 5.421010862427522e-20)  # 2^-64
+    se = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 14  # biased exponent of s
+    s = (se << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - se) << 23).to(tl.float32, bitcast=True)
+    return s, inv
+
+
+@triton.jit
 def fp8_block_scales(ax, offs, SUB: tl.constexpr, NSUB: tl.constexpr):
     """Per-element activation scales for a tile of |x| [R, C] whose columns fall into NSUB
     quantization blocks: column c belongs to block offs[c] // SUB (offs relative to the first

@@ -24,11 +24,14 @@ Here rnd rounds to out_dtype (nothing for fp32). On the GPU the swiglu uses libd
 an IEEE division, the operations torch's fp32 silu compiles to.
 
 Modes (pinned per shape by `pick_config`, never autotuned at run time):
-- "f16" (the default wherever the activation is quantized): one 128-block of K per step; the
-  weight's e4m3 bytes and the activation's e4m3 codes both enter the tensor cores as fp16 (every
-  e4m3 value is exact in fp16, and e4m3 -> fp16x2 is one instruction per two elements), fp32
-  accumulation; each block's fp32 dot is then multiplied by its activation scale times its weight
-  scale (powers of two: exact) and added to the accumulator. Why: these GEMVs are bound by
+- "f16" (the default): one 128-block of K per step; the weight's e4m3 bytes and the activation's
+  e4m3 codes both enter the tensor cores as fp16 (every e4m3 value is exact in fp16, and e4m3 ->
+  fp16x2 is one instruction per two elements), fp32 accumulation; each block's fp32 dot is then
+  multiplied by its activation scale times its weight scale (powers of two: exact) and added to
+  the accumulator. Without activation quantization (wo_a) the block's bf16 activation enters as
+  fp16 after a power-of-two scale that puts its amax in [2^14, 2^15) (`f16_pow2_scale`): exact
+  for every element above amax * 2^-31, and the rounding of smaller ones (<= amax * 2^-39) sits
+  ~15 binades below the fp32 sum's own rounding. Why: these GEMVs are bound by
   instruction issue, not by HBM. The loop of "dot16" spends ~435 instructions per thread per 8 KB
   step (the e4m3 -> bf16 conversion goes through fp32; the scales are multiplied into the
   operand), "f16" ~290, ~200 with x_codes (SASS of Triton 3.6, BLOCK_N 64:
@@ -36,8 +39,8 @@ Modes (pinned per shape by `pick_config`, never autotuned at run time):
   than "dot16" on every V4-Flash shape (benchmarks/kernels/linear_variants.py, table below).
 - "dot16": tensor cores on bf16 operands (e4m3 weights and quantized activations are exact in
   bf16), activation and weight scales folded into the activation operand (exact), one dot per
-  BLOCK_K with fp32 accumulation. Kept for wo_a, whose activation is not quantized (a bf16
-  value need not fit fp16's range).
+  BLOCK_K with fp32 accumulation. Not picked any more (wo_a took it until 2026-11-30, 20.9 us
+  per call at batch 1 on one H200); kept as the comparison the tests and benchmarks use.
 Both use fp32 operands under the interpreter. M is padded to a 16-row tile: the MMA work is free
 next to the weight bytes. The two modes differ from the ref (and from each other) in the order of
 fp32 sums only.
@@ -60,6 +63,7 @@ from megastep.checkpoint import formats
 from megastep.model import ops
 from megastep.kernels.common import (
     e8m0_to_f32,
+    f16_pow2_scale,
     fp8_block_scales,
     fp8_pow2_scale,
     fp8_round,
@@ -105,7 +109,10 @@ class LinearFp8Config:
 #   qr group (wq_b + idx) 40960x1024  18.1 / 47.7  against 22.9 / 58.8
 #   wo_b 4096x8192                    16.2 / 38.6  against 22.1 / 42.6
 #   shared w2 4096x2048                6.8 / 15.2  against  8.6 / 16.6
-# (BLOCK_N 128, 6 stages, or twice the split were slower at every shape.)
+#   wo_a 8 x 1024x4096 (bf16 x)       15.7 / 35.7  against 21.1 / 33.1   (2026-11-30)
+# (BLOCK_N 128, 6 stages, or twice the split were slower at every shape; on 2026-11-30 also
+# BLOCK_N 32 and 16, twice the programs at 3 or 2 stages, and 256-wide steps with both 128-blocks'
+# dots formed before either is added: docs/PERFORMANCE.md, ninth measurement.)
 _PINNED: dict[tuple[int, int, int], LinearFp8Config] = {}
 
 
@@ -128,7 +135,9 @@ def _auto_split(tiles: int, K: int, block_k: int, target: int = 264) -> int:
 def pick_config(M: int, N: int, K: int, quantize_act: bool = True) -> LinearFp8Config:
     """The one configuration the wrapper uses for this shape (deterministic, no autotuning).
     Every M bucket takes the same mode, K step and split (only the row tile differs), so a
-    row's sums do not depend on the batch."""
+    row's sums do not depend on the batch. With or without the activation quantization the
+    mode is "f16" (module doc)."""
+    del quantize_act
     mb = _m_bucket(M)
     cfg = _PINNED.get((N, K, mb))
     if cfg is not None:
@@ -136,7 +145,7 @@ def pick_config(M: int, N: int, K: int, quantize_act: bool = True) -> LinearFp8C
     bn = 64
     tiles = -(-N // bn)
     split = _auto_split(tiles, K, 128)
-    return LinearFp8Config("f16" if quantize_act else "dot16", bn, mb, 128, split, num_warps=4, num_stages=3)
+    return LinearFp8Config("f16", bn, mb, 128, split, num_warps=4, num_stages=3)
 
 
 # Gated (w13 = cat(w1, w3)) configurations keyed by (I, K, M bucket). Rule: "f16", BLOCK_N 64 (a
@@ -189,7 +198,7 @@ def _epilogue(acc, acc3, res_ptrs, mask, limit, OUT_BF16: tl.constexpr, INTERPRE
 
 @triton.jit
 def _code_dot(w, q, INTERPRET: tl.constexpr):
-    """e4m3 weight tile [N, 128] times e4m3 activation codes [M, 128] -> fp32 [N, M]: fp16
+    """e4m3 weight tile [N, 128] times activation codes [M, 128] (e4m3, or fp16 for wo_a) -> fp32 [N, M]: fp16
     operands on tensor cores (every e4m3 value is exact in fp16, whose conversion is one
     instruction per two elements; fp32 accumulation), fp32 operands under the interpreter."""
     if INTERPRET:
@@ -234,6 +243,8 @@ def _linear_fp8_kernel(
         ws3_row = ws_row + (N // 128) * stride_wsn
         w3_rows = w_rows + N * stride_wn
         acc3 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    # grouped (wo_a): output rows [g*GROUP_N, (g+1)*GROUP_N) read input columns [g*K, (g+1)*K)
+    x_rows = x_ptr + ((pid_n * BLOCK_N) // GROUP_N) * K + offs_m[:, None] * stride_xm
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -241,25 +252,26 @@ def _linear_fp8_kernel(
         k_mask = offs_k < K
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-        if MODE == 3:  # "f16": one 128-block per step, its e4m3 codes on tensor cores, scales after
+        if MODE == 3:  # "f16": one 128-block per step, its codes on tensor cores, scales after
             if CODES:  # quantized where x was made (x_codes): the same codes and scales, loaded
                 q = tl.load(xc_ptr + offs_m[:, None] * stride_cm + offs_k[None, :],
                             mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 s = tl.load(xs_ptr + offs_m * stride_sm + k0 // 128, mask=m_mask, other=0.0)
             else:
-                xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                             mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-                s, inv = fp8_pow2_scale(tl.max(tl.abs(xt), axis=1))  # [BLOCK_M]
-                q = fp8_round(xt, inv[:, None], INTERPRET)
+                xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+                if QUANT_ACT:
+                    s, inv = fp8_pow2_scale(tl.max(tl.abs(xt), axis=1))  # [BLOCK_M]
+                    q = fp8_round(xt, inv[:, None], INTERPRET)
+                else:  # wo_a: the bf16 activation itself, scaled into fp16's range (module doc)
+                    s, inv = f16_pow2_scale(tl.max(tl.abs(xt), axis=1))
+                    q = (xt * inv[:, None]).to(tl.float16)
             acc += _code_dot(w, q, INTERPRET) * (s * e8m0_to_f32(tl.load(ws_row + k0 // 128)))[None, :]
             if GATED:  # the same codes against w3's rows (their own weight scale)
                 w3 = tl.load(w3_rows + offs_k[None, :], mask=w_mask, other=0.0)
                 acc3 += _code_dot(w3, q, INTERPRET) * (s * e8m0_to_f32(tl.load(ws3_row + k0 // 128)))[None, :]
         else:  # "dot16": scales folded into the (exact) bf16 activation operand
             sw = e8m0_to_f32(tl.load(ws_row + offs_k // 128, mask=k_mask, other=127))  # [BLOCK_K]
-            # grouped (wo_a): output rows [g*GROUP_N, (g+1)*GROUP_N) read input columns [g*K, (g+1)*K)
-            xt = tl.load(x_ptr + ((pid_n * BLOCK_N) // GROUP_N) * K + offs_m[:, None] * stride_xm + offs_k[None, :],
-                         mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
             if QUANT_ACT:
                 s, inv = fp8_block_scales(tl.abs(xt), offs_kk, 128, BLOCK_K // 128)
                 xq = fp8_round(xt, inv, INTERPRET).to(tl.float32) * s
@@ -317,7 +329,6 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     """Grid, split and workspace for x [M, K] -> out [M, N] (N = I when gated)."""
     M, N = out.shape
     K = w.shape[1]
-    assert cfg.mode != "f16" or quantize_act, "f16 multiplies e4m3 activation codes"
     kb = -(-K // BLOCK)
     split = min(cfg.split_k, kb)
     k_per_split = -(-kb // split) * BLOCK

@@ -109,16 +109,54 @@ def test_fp32_input_and_strided_rows():
     check(linear_fp8(xs, w, s, out_dtype=torch.float32), linear_fp8_ref(x, w, s, out_dtype=torch.float32))
 
 
-def test_mode_follows_the_activation_quantization():
-    """"f16" multiplies e4m3 activation codes, so it is picked (and accepted) only for quantized
-    activations; wo_a's bf16 activation takes "dot16"."""
+def test_f16_is_picked_with_and_without_activation_quantization():
     assert pick_config(1, 4096, 8192).mode == "f16" and pick_config(64, 4096, 8192).mode == "f16"
-    assert pick_config(1, 8192, 4096, quantize_act=False).mode == "dot16"
-    x, w, s = make(2, 64, 256, seed=9)
-    with pytest.raises(AssertionError, match="f16"):
-        linear_fp8(x, w, s, quantize_act=False, config=LinearFp8Config("f16", 64, 16, 128, 1))
+    assert pick_config(1, 8192, 4096, quantize_act=False).mode == "f16"
     with pytest.raises(AssertionError, match="f16"):
         LinearFp8Config("f16", 64, 16, 256, 1).check()
+
+
+@pytest.mark.parametrize("cfg", [None, LinearFp8Config("f16", 32, 16, 128, 3), LinearFp8Config("f16", 128, 32, 128, 1),
+                                 LinearFp8Config("dot16", 64, 16, 256, 1)], ids=str)
+@pytest.mark.parametrize("G", [1, 2])
+def test_unquantized_activation_over_a_wide_range(cfg, G):
+    """wo_a's bf16 activation in "f16" enters as fp16 after a power-of-two scale per 128-block:
+    blocks 2^-40 .. 2^40 apart, and inside a block values 2^-10 .. 2^-28 of its amax, give the
+    ref's fp32 result up to the order of the sums (what "dot16", exact in bf16, also shows).
+    Each block's amax sits on a column whose weights are zero, so a block alone shows whether
+    its small values survived the scaling."""
+    M, R, K = 3, 128, 512
+    g = torch.Generator(device=DEV).manual_seed(40 + G)
+    x = torch.randn(M, G * K, generator=g, device=DEV)
+    x = x * torch.exp2(torch.randint(-28, -9, (M, G * K), generator=g, device=DEV).float())  # in-block range
+    x[:, ::128] = 1.0  # each block's amax
+    x = x * torch.exp2(torch.tensor([-40.0, 40.0, 0.0, 7.0] * G, device=DEV)).repeat_interleave(128)  # per block
+    x = x.to(torch.bfloat16)
+    w = torch.randn(G * R, K, generator=g, device=DEV) * 0.05
+    w[:, ::128] = 0.0  # ... meets zero weights
+    w, s = F.quantize_fp8_weight(w, 128)
+    for b in [None] + list(range(G * K // 128)):  # all blocks, then each block alone (the tiny ones show)
+        xb = x if b is None else torch.zeros_like(x).index_copy(1, torch.arange(b * 128, b * 128 + 128, device=DEV),
+                                                               x[:, b * 128:b * 128 + 128])
+        y = linear_fp8(xb, w, s, out_dtype=torch.float32, config=cfg, quantize_act=False, groups=G)
+        ref = linear_fp8_ref(xb, w, s, out_dtype=torch.float32, quantize_act=False, groups=G)
+        assert torch.isfinite(y).all()
+        assert ((y - ref).abs() <= 2.0**-18 * ref.abs().amax(1, keepdim=True)).all(), b
+    check(linear_fp8(x, w, s, config=cfg, quantize_act=False, groups=G), linear_fp8_ref(x, w, s, quantize_act=False, groups=G))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 4, 16, 64])
+def test_gpu_wo_a_shape_matches_ref_and_is_deterministic(M):
+    """V4-Flash's wo_a in one launch: 8 groups of 1024 rows, each over its 4096 columns of x, bf16 x."""
+    G, R, K = 8, 1024, 4096
+    x, w, s = make(M, G * R, G * K, seed=M, dev="cuda")
+    w, s = F.quantize_fp8_weight(F.dequantize_fp8_weight(w, s, 128)[:, :K], 128)
+    y1 = linear_fp8(x, w, s, quantize_act=False, groups=G)
+    y2 = linear_fp8(x, w, s, quantize_act=False, groups=G)
+    assert torch.equal(y1.view(torch.int16), y2.view(torch.int16))
+    check(y1, linear_fp8_ref(x, w, s, quantize_act=False, groups=G))
 
 
 def test_f16_and_dot16_differ_only_in_summation_order():
