@@ -15,8 +15,9 @@ bf16 and mhc_pre's post [B, hc], comb [B, hc, hc]. pick_config is keyed by (hc, 
 Candidates (about 14), all around the configuration pick_config returns now (the "current" one):
   1. the finish: finish_warps 1 (block_d 1024, chunked: a one-warp row does not fit in registers),
      2 (one pass, and block_d D/2), 8, 16; sinkhorn_apart off (4 and 8 warps); block_d D/2;
+     the Sinkhorn on scalars (sinkhorn_scalar, with the Sinkhorn apart and not);
      the mixes kernel's block_m 4 and 16; hc_post's post_block_d 256 and 1024.
-  2. one candidate that combines the best finish (block_d, finish_warps, sinkhorn_apart), the best
+  2. one candidate that combines the best finish (block_d, finish_warps, sinkhorn_apart/_scalar), the best
      block_m and the best post_block_d of phase 1 (the three touch different kernels).
   These change no bit (mhc's module docstring: the finish sums in fixed trees): each must give
   exactly the current configuration's outputs (the same bits: mhc_pre's x / post / comb, mhc_head's
@@ -194,9 +195,10 @@ def phase1(sh: Shape, cur: MhcConfig, allow_bit_changes: bool) -> list[MhcConfig
            replace(cur, sinkhorn_apart=False),
            replace(cur, sinkhorn_apart=False, finish_warps=8, block_d=dp),
            replace(cur, block_m=4), replace(cur, block_m=16),
-           replace(cur, post_block_d=256), replace(cur, post_block_d=1024)]
+           replace(cur, post_block_d=256), replace(cur, post_block_d=1024),
+           replace(cur, sinkhorn_scalar=True), replace(cur, sinkhorn_scalar=True, sinkhorn_apart=False)]
     if SMOKE:  # one of each kind
-        out = [out[i] for i in (0, 1, 6, 7, 10, 11)]
+        out = [out[i] for i in (0, 1, 6, 7, 10, 11, 13)]
     if allow_bit_changes:
         out += [replace(cur, kc=128), replace(cur, kc=512), replace(cur, num_warps=2), replace(cur, num_warps=8)]
     out = [c for c in dict.fromkeys(out) if c.block_d <= dp and c.post_block_d <= dp]
@@ -206,12 +208,12 @@ def phase1(sh: Shape, cur: MhcConfig, allow_bit_changes: bool) -> list[MhcConfig
 
 
 def phase2(rows: list[dict], tried: list[MhcConfig], cur: MhcConfig) -> list[MhcConfig]:
-    """One candidate: the best finish (block_d, finish_warps, sinkhorn_apart), the best block_m
+    """One candidate: the best finish (block_d, finish_warps, sinkhorn_apart/_scalar), the best block_m
     and the best post_block_d of phase 1, each judged among the rows that vary only it."""
     ok = [r for r in rows if "score" in r and keeps_bits(r["cfg"], cur)]
 
     def fin(c):
-        return (c.block_d, c.finish_warps, c.sinkhorn_apart)
+        return (c.block_d, c.finish_warps, c.sinkhorn_apart, c.sinkhorn_scalar)
 
     def best(pred, key, what):
         rs = [r for r in ok if pred(r["cfg"])]
@@ -220,13 +222,14 @@ def phase2(rows: list[dict], tried: list[MhcConfig], cur: MhcConfig) -> list[Mhc
     f = best(lambda c: (c.block_m, c.post_block_d) == (cur.block_m, cur.post_block_d), "pre_score", fin)
     bm = best(lambda c: fin(c) == fin(cur) and c.post_block_d == cur.post_block_d, "pre_score", lambda c: c.block_m)
     pd = best(lambda c: fin(c) == fin(cur) and c.block_m == cur.block_m, "post_score", lambda c: c.post_block_d)
-    c = replace(cur, block_d=f[0], finish_warps=f[1], sinkhorn_apart=f[2], block_m=bm, post_block_d=pd)
+    c = replace(cur, block_d=f[0], finish_warps=f[1], sinkhorn_apart=f[2], sinkhorn_scalar=f[3], block_m=bm,
+                post_block_d=pd)
     return [] if c in tried else [c]
 
 
 def short(c: MhcConfig) -> str:
     return (f"kc{c.kc} m{c.block_m} d{c.block_d} pd{c.post_block_d} w{c.num_warps} fw{c.finish_warps}"
-            f"{' apart' if c.sinkhorn_apart else ' serial'}")
+            f"{' apart' if c.sinkhorn_apart else ' serial'}{' scalar' if c.sinkhorn_scalar else ''}")
 
 
 # ---- parallel compilation -------------------------------------------------------------------------

@@ -15,7 +15,8 @@ Kernels:
    last tile; all but one at B = 1) are skipped.
 2. `_hc_finish_kernel`, grid (B, 2) (mhc_pre with `sinkhorn_apart`; else (B, 1)): program (b, 0)
    collapses row b over the streams, rounds to bf16 and applies the RMSNorm; program (b, 1)
-   computes post and runs the Sinkhorn on the hc x hc tile in registers. The two are independent
+   computes post and runs the Sinkhorn on the hc x hc tile in registers (or, `sinkhorn_scalar`
+   with hc = 4, on 16 scalars that every thread holds: no shuffles). The two are independent
    (each sums the S partials it needs), so at B = 1 the 20 Sinkhorn rounds no longer sit in
    front of the collapse. With block_d >= D (the pinned V4 case) the collapse program keeps the
    whole row in registers: h, the norm weight and the partials are all loaded first, so the
@@ -43,7 +44,7 @@ does not depend on the order, so the result does not depend on how Triton lays t
 threads and warps (a plain tl.sum's order does). A block_d chunk is an aligned subtree of the
 row's tree, and zero padding adds exact zeros, so the chunked and the one-pass collapse give the
 same bits. Hence the outputs depend on (kc, num_warps) only (the mixes kernel's sums), never on
-block_m, block_d, finish_warps, sinkhorn_apart or post_block_d; tests/kernels/test_mhc.py and
+block_m, block_d, finish_warps, sinkhorn_apart, sinkhorn_scalar or post_block_d; tests/kernels/test_mhc.py and
 benchmarks/kernels/tune_mhc.py check this. (These two trees replaced tl.sum reductions on
 2026-11-29: the fp32 order of those two sums, and so the last bits of the outputs, changed once
 against the earlier kernel; every per-element operation is as before.)
@@ -74,6 +75,10 @@ class MhcConfig:
     num_warps: int = 4  # mixes and hc_post kernels
     finish_warps: int = 4  # finish kernel
     sinkhorn_apart: bool = True  # the finish's Sinkhorn in its own program, beside the collapse
+    # hc = 4: the 20 Sinkhorn rounds on 16 scalars that every thread holds (no cross-thread sums;
+    # the same operations on the same values: the same bits), not on a [4, 4] tile spread over
+    # the program's warps. Not measured on the device yet: tune_mhc.py decides.
+    sinkhorn_scalar: bool = False
 
     def check(self) -> None:
         for v in (self.kc, self.block_m, self.block_d, self.post_block_d, self.num_warps, self.finish_warps):
@@ -216,8 +221,73 @@ def _mix_rs(part, K, norm_eps, HC: tl.constexpr, SP: tl.constexpr):
 
 
 @triton.jit
+def _rows4(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, eps):
+    """Each row of the 4 x 4 matrix (rows a, b, c, d) over (its in-order sum + eps); with the
+    arguments and results transposed, each column."""
+    ra = ((a0 + a1) + a2) + a3 + eps
+    rb = ((b0 + b1) + b2) + b3 + eps
+    rc = ((c0 + c1) + c2) + c3 + eps
+    rd = ((d0 + d1) + d2) + d3 + eps
+    return (a0 / ra, a1 / ra, a2 / ra, a3 / ra, b0 / rb, b1 / rb, b2 / rb, b3 / rb,
+            c0 / rc, c1 / rc, c2 / rc, c3 / rc, d0 / rd, d1 / rd, d2 / rd, d3 / rd)
+
+
+@triton.jit
+def _softmax_row4(p, eps):
+    """softmax over the row of 4 at p, plus eps: the tile path's operations (max, exp of the
+    difference, the in-order sum, one division per element) on scalars."""
+    x0 = tl.load(p)
+    x1 = tl.load(p + 1)
+    x2 = tl.load(p + 2)
+    x3 = tl.load(p + 3)
+    m = tl.maximum(tl.maximum(tl.maximum(x0, x1), x2), x3)
+    e0 = tl.exp(x0 - m)
+    e1 = tl.exp(x1 - m)
+    e2 = tl.exp(x2 - m)
+    e3 = tl.exp(x3 - m)
+    r = ((e0 + e1) + e2) + e3
+    return e0 / r + eps, e1 / r + eps, e2 / r + eps, e3 / r + eps
+
+
+@triton.jit
+def _sinkhorn4(comb_row, iters, eps):
+    """Sinkhorn of the 4 x 4 matrix at comb_row (row-major fp32), in place: a row softmax + eps,
+    a column normalization, then iters - 1 rounds of row and column normalization (+ eps in each
+    denominator), on 16 scalars that every thread holds: `sinkhorn_mixes`' operations in
+    `_sinkhorn_row`'s order, so its bits, with no sum across threads or warps."""
+    a0, a1, a2, a3 = _softmax_row4(comb_row, eps)
+    b0, b1, b2, b3 = _softmax_row4(comb_row + 4, eps)
+    c0, c1, c2, c3 = _softmax_row4(comb_row + 8, eps)
+    d0, d1, d2, d3 = _softmax_row4(comb_row + 12, eps)
+    a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3 = _rows4(  # the columns
+        a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3, eps)
+    for _ in range(iters - 1):
+        a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = _rows4(
+            a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, eps)
+        a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3 = _rows4(  # the columns
+            a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3, eps)
+    tl.debug_barrier()  # every thread has read the matrix before any thread overwrites it
+    tl.store(comb_row + 0, a0)
+    tl.store(comb_row + 1, a1)
+    tl.store(comb_row + 2, a2)
+    tl.store(comb_row + 3, a3)
+    tl.store(comb_row + 4, b0)
+    tl.store(comb_row + 5, b1)
+    tl.store(comb_row + 6, b2)
+    tl.store(comb_row + 7, b3)
+    tl.store(comb_row + 8, c0)
+    tl.store(comb_row + 9, c1)
+    tl.store(comb_row + 10, c2)
+    tl.store(comb_row + 11, c3)
+    tl.store(comb_row + 12, d0)
+    tl.store(comb_row + 13, d1)
+    tl.store(comb_row + 14, d2)
+    tl.store(comb_row + 15, d3)
+
+
+@triton.jit
 def _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_row, comb_row, K, iters, hc_eps, norm_eps,
-                  HC: tl.constexpr, MIX: tl.constexpr, SP: tl.constexpr):
+                  HC: tl.constexpr, MIX: tl.constexpr, SP: tl.constexpr, SCALAR: tl.constexpr):
     """post = 2 sigmoid(post mixes), comb = Sinkhorn(comb mixes) of one row, stored."""
     jj = tl.arange(0, HC)
     # every load first: nothing waits for another round trip
@@ -234,6 +304,11 @@ def _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_row, comb_row, K, iters,
     tl.store(post_row + jj, post)
     c_mix = tl.reshape(_tree_rows(c_part, SP, HC * HC), (HC, HC)) * rs[None, :]
     c = c_mix * scale2 + c_base
+    if SCALAR:  # HC == 4: the tile's 16 values to every thread, once, through the output row
+        tl.store(comb_row + ci, c)
+        tl.debug_barrier()
+        _sinkhorn4(comb_row, iters, hc_eps)
+        return
     rows = tl.broadcast_to(jj[:, None], (HC, HC))
     colsi = tl.broadcast_to(jj[None, :], (HC, HC))
     # softmax over k, then column normalization; sums sequential in index order like torch
@@ -316,7 +391,7 @@ def _hc_finish_kernel(
     stride_hb, stride_hj, stride_xb,
     HC: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, SP: tl.constexpr,
     BLOCK_D: tl.constexpr, NCHP: tl.constexpr, SINKHORN: tl.constexpr, APART: tl.constexpr,
-    INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    SCALAR: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (b, 0): collapse + RMSNorm of row b; with SINKHORN the post and comb mixes too, done
     # by program (b, 1) when APART (the two run side by side), else before the collapse
@@ -335,10 +410,10 @@ def _hc_finish_kernel(
                               stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
             else:
                 _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_ptr + b64 * HC, comb_ptr + b64 * HC * HC,
-                              K, iters, hc_eps, norm_eps, HC, MIX, SP)
+                              K, iters, hc_eps, norm_eps, HC, MIX, SP, SCALAR)
         else:
             _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_ptr + b64 * HC, comb_ptr + b64 * HC * HC,
-                          K, iters, hc_eps, norm_eps, HC, MIX, SP)
+                          K, iters, hc_eps, norm_eps, HC, MIX, SP, SCALAR)
             _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
                           stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
     else:
@@ -433,7 +508,8 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
         B, D, K, S, iters, hc_eps, norm_eps,
         h.stride(0), h.stride(1), x.stride(0),
         HC=hc, MIX=mix, MIXP=mixp, SP=next_pow2(S), BLOCK_D=block_d, NCHP=next_pow2(-(-D // block_d)),
-        SINKHORN=sinkhorn, APART=apart, INTERPRET=interp, num_warps=cfg.finish_warps, enable_fp_fusion=False,
+        SINKHORN=sinkhorn, APART=apart, SCALAR=cfg.sinkhorn_scalar and hc == 4, INTERPRET=interp,
+        num_warps=cfg.finish_warps, enable_fp_fusion=False,
         **launch_opts(h, grid),
     )
     return x, post, comb, h

@@ -9,8 +9,8 @@ most one bf16 step from the ref (or within 1e-5 max|ref| where a sum cancels), a
 at least 99% of the elements. hc_post has no long sum: bit-equal on CPU.
 
 The finish kernel sums in fixed trees, so configurations that differ only in the finish (block_d,
-finish_warps, sinkhorn_apart), in block_m or in post_block_d must give the same bits (on the GPU
-too, where the thread layout changes with them).
+finish_warps, sinkhorn_apart, sinkhorn_scalar), in block_m or in post_block_d must give the same
+bits (on the GPU too, where the thread layout changes with them).
 """
 
 import importlib
@@ -153,6 +153,7 @@ def finish_variants(base: MhcConfig, D: int) -> list[MhcConfig]:
     out = [replace(base, block_d=bd) for bd in (16, 64, dp) if bd != base.block_d]
     out += [replace(base, finish_warps=fw, sinkhorn_apart=ap) for fw, ap in ((1, True), (2, False), (8, True))]
     out += [replace(base, block_m=2 * base.block_m, post_block_d=max(16, base.post_block_d // 2))]
+    out += [replace(base, sinkhorn_scalar=True), replace(base, sinkhorn_scalar=True, sinkhorn_apart=False)]
     return out
 
 
