@@ -13,6 +13,7 @@
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget, recipes A / B / hybrid (~7 min)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
+#   bash benchmarks/h200_checks.sh stalls     # why the weight-streaming loops stall: every raw counter (warp stall reasons included) of the experts and FP8 linear at batch 1 (~3 min)
 #   bash benchmarks/h200_checks.sh floor      # what one decode launch costs (launch_floor.py), the CUDA GEMV and the CUDA experts gate-up against Triton (~3 min)
 #   bash benchmarks/h200_checks.sh stream     # what one launch can stream (XOR-only reads), L2-prefetched linears, the experts without their decode (~3 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -85,6 +86,12 @@ for group in "$@"; do
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
         --section WarpStateStats --csv --page details \
         python3 -m megastep.cli bench --preset v4-flash --layers 4 --batch 1 --context 4096 --iters 2 ;;
+    stalls)  # the raw page carries the per-reason stall counters behind WarpStateStats' summary
+      step ncu_stalls 240 ncu --clock-control none --target-processes all --launch-skip 40 --launch-count 12 \
+        --kernel-name 'regex:_linear_fp8_kernel|_moe_gate_up_kernel|_moe_down_kernel' \
+        --section WarpStateStats --section SchedulerStats --section Occupancy --csv --page raw \
+        python3 -m megastep.cli bench --preset v4-flash --layers 4 --batch 1 --context 4096 --iters 2
+      gzip -f "$OUT/ncu_stalls.log" ;;
     floor)
       step launch_floor 150 python3 benchmarks/kernels/launch_floor.py --out "$OUT"
       step gemv_variants 200 python3 benchmarks/kernels/gemv_variants.py --out "$OUT" --ms 1,4,64
@@ -110,7 +117,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | floor | stream | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | ep)"
       exit 2 ;;
   esac
 done
