@@ -10,8 +10,8 @@ cache on the inline assembly text, and a global changed after the first compile 
 
     python benchmarks/kernels/moe_probe.py [--probe none|no_decode] [--json OUT.json]
 
-CUDA-graph replay of 20 calls, each with its own random routing over two stacked 3.3 GB layer
-copies (nothing served from L2), median of 20 replays, us per call.
+`bench_kernels.graph_time` over 20 calls, each with its own random routing over two stacked 3.3 GB
+layer copies (nothing served from L2): median (and best) of 20 replays, us per call.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -29,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
+import bench_kernels as BK  # noqa: E402
 from megastep.kernels import moe as MOE  # noqa: E402
 
 # the bytes of each pair into both operand registers next to the scales: 3 instructions, no decode
@@ -65,22 +65,8 @@ def main() -> None:
     routes = [(torch.randperm(E, generator=gen)[:k].view(1, k).to(torch.int32).cuda(),
                (torch.rand(1, k, generator=gen) + 0.1).cuda()) for _ in range(calls)]
     fns = [lambda ids=ids, w=w, c=copies[i % 2]: MOE.moe_experts_mxfp4(x, ids, w, **c) for i, (ids, w) in enumerate(routes)]
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    ts = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / calls)
-    r = {"probe": args.probe, "M": M, "us_per_call": statistics.median(ts), "us_min": min(ts)}
+    us, best = BK.graph_time(fns)
+    r = {"probe": args.probe, "M": M, "us_per_call": us, "us_min": best}
     print(json.dumps(r))
     if args.json:
         with open(args.json, "w") as fh:

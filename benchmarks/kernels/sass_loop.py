@@ -83,8 +83,7 @@ def _moe(a, fn, rows_name: str) -> tuple[object, int]:
     else:  # the activation quantization in gate-up's epilogue, as the runtime launches it
         const.update(QUANT=6 <= MOE.FUSED_ACT_QUANT_MAX_PAIRS, NQ=16, PERM=a.mode != "dot_scaled")  # as at batch 1
     aligned = {"D", "I", "stride_qm", "stride_am", "stride_aq", "stride_wn", "stride_sn", "stride_ym", "stride_om"}
-    k = _compile(fn, list(zip(names, types)), const, aligned, a.warps, a.stages,
-                 **({"maxnreg": a.maxnreg} if a.maxnreg else {}))
+    k = _compile(fn, list(zip(names, types)), const, aligned, a.warps, a.stages)
     return k, rows * 64
 
 
@@ -155,7 +154,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--block-m", type=int, default=16)
     ap.add_argument("--block-k", type=int, default=128, help="linear: K per loop step")
-    ap.add_argument("--maxnreg", type=int, default=0, help="moe: cap on registers per thread (ptxas; 0: none)")
     ap.add_argument("--block", type=int, default=None, help="moe: BLOCK_I (gate-up, 32) or BLOCK_D (down, 64)")
     ap.add_argument("--gated", action="store_true", help="linear: the shared expert's w1/w3 epilogue")
     ap.add_argument("--codes", action="store_true", help="linear: x's activation codes loaded (x_codes)")

@@ -78,14 +78,6 @@ def _xor_tma_kernel(desc, out_ptr, KW, KW_PER_SPLIT, BLOCK_N: tl.constexpr):
     tl.store(out_ptr + pid_k * tl.num_programs(0) + pid_n, tl.xor_sum(tl.xor_sum(acc, axis=1), axis=0))
 
 
-def _split(N: int, KW: int, block_n: int, programs: int) -> int:
-    tiles = N // block_n
-    s = 1
-    while tiles * s * 2 <= programs and KW // (s * 2) >= WORDS:
-        s *= 2
-    return s
-
-
 def _xor_ref(w: torch.Tensor, block_n: int, split: int) -> torch.Tensor:
     """What the XOR kernels store (split-major), from the plain [N, KW] words."""
     N, KW = w.shape
@@ -112,7 +104,7 @@ def run_case(N: int, K: int, variant: str, block_n: int, programs: int, stages: 
     copies = max(2, -(-ROTATE_BYTES // nbytes))
     g = torch.Generator(device=BK.DEV).manual_seed(N + K)
     base = torch.randint(-2**31, 2**31 - 1, (N, KW), generator=g, device=BK.DEV, dtype=torch.int32)
-    split = _split(N, KW, block_n, programs)
+    split = BK.auto_split(N // block_n, K, 128, programs)  # split-K as the linear's rule, to ~programs
     kps = -(-KW // split)
     grid = (N // block_n, split)
     out = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=BK.DEV)

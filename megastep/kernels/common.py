@@ -119,10 +119,13 @@ def pdl_release(PDL: tl.constexpr):
 
 
 @triton.jit
-def l2_prefetch_rows(w_ptr, n0, N, stride_wn, k_lo, k_hi, ROWS: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 (plain prefetch, no eviction hint) for the first LINES 128-byte lines of elements
-    [k_lo, k_hi) of weight rows [n0, n0 + ROWS) (rows past N: the last one; lines past k_hi:
-    the first one again). Before `pdl_enter` only: weights never depend on the predecessor."""
+def l2_prefetch_rows(w_ptr, n0, N, stride_wn, pid_k, K_PER_SPLIT, K, ROWS: tl.constexpr, LINES: tl.constexpr):
+    """Ask L2 (plain prefetch, no eviction hint) for the first LINES 128-byte lines of split pid_k's
+    elements [pid_k * K_PER_SPLIT, min(that + K_PER_SPLIT, K)) of weight rows [n0, n0 + ROWS) (rows
+    past N: the last one; lines past the split: its first one again). Before `pdl_enter` only:
+    weights never depend on the predecessor."""
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     rows = w_ptr + tl.minimum(n0 + tl.arange(0, ROWS), N - 1).to(tl.int64)[:, None] * stride_wn
     PER_LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
     k = k_lo + tl.arange(0, LINES) * PER_LINE

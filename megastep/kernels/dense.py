@@ -93,9 +93,7 @@ def _linear_bf16_kernel(
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     if PREFETCH_LINES:  # (PDL) the first weight lines, while the previous kernel drains
-        pf_lo = pid_k * K_PER_SPLIT
-        l2_prefetch_rows(w_ptr, pid_n * BLOCK_N, N, stride_wn, pf_lo, tl.minimum(pf_lo + K_PER_SPLIT, K), BLOCK_N,
-                         PREFETCH_LINES)
+        l2_prefetch_rows(w_ptr, pid_n * BLOCK_N, N, stride_wn, pid_k, K_PER_SPLIT, K, BLOCK_N, PREFETCH_LINES)
     pdl_enter(PDL)
     bf16_tile(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
               pid_m, pid_n, pid_k, tl.num_programs(0), tl.num_programs(0) * tl.num_programs(1),

@@ -221,11 +221,9 @@ def _linear_fp8_kernel(
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     if PREFETCH_LINES:  # (PDL) the first weight lines, while the previous kernel drains
-        pf_lo = pid_k * K_PER_SPLIT
-        pf_hi = tl.minimum(pf_lo + K_PER_SPLIT, K)
-        l2_prefetch_rows(w_ptr, pid_n * BLOCK_N, N, stride_wn, pf_lo, pf_hi, BLOCK_N, PREFETCH_LINES)
+        l2_prefetch_rows(w_ptr, pid_n * BLOCK_N, N, stride_wn, pid_k, K_PER_SPLIT, K, BLOCK_N, PREFETCH_LINES)
         if GATED:
-            l2_prefetch_rows(w_ptr + N * stride_wn, pid_n * BLOCK_N, N, stride_wn, pf_lo, pf_hi, BLOCK_N,
+            l2_prefetch_rows(w_ptr + N * stride_wn, pid_n * BLOCK_N, N, stride_wn, pid_k, K_PER_SPLIT, K, BLOCK_N,
                              PREFETCH_LINES)
     pdl_enter(PDL)
     n_tiles = tl.cdiv(N, BLOCK_N)

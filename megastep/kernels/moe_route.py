@@ -90,6 +90,15 @@ def group_pairs(ids_ptr, P, blk, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_
 
 
 @triton.jit
+def group_all_pairs(ids_ptr, P, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
+                    BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, E_PAD: tl.constexpr):
+    """`group_pairs` over all P pairs in one program, block after block."""
+    for blk in range(0, tl.cdiv(P, BLOCK_R)):
+        group_pairs(ids_ptr, P, blk, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
+                    BLOCK_R, BLOCK_Q, E_PAD)
+
+
+@triton.jit
 def _moe_prep_kernel(
     ids_ptr, P, x_ptr, xq_ptr, D, stride_xm, stride_qm,
     pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,

@@ -148,9 +148,7 @@ def _route_group_kernel(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, E, stride
         tl.debug_barrier()  # every thread's ids are issued before the release below
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == B - 1:  # the others' ids are visible (acquire); .cg loads read them past L1
-            P = B * K
-            for blk in range(0, tl.cdiv(P, BLOCK_R)):
-                _mr.group_pairs(idx_ptr, P, blk, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
+            _mr.group_all_pairs(idx_ptr, B * K, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
                                 BLOCK_R, BLOCK_Q, E_PAD)
             tl.store(cnt_ptr, 0)  # ready for the next launch (and graph replay)
 
@@ -173,9 +171,7 @@ def _gate_route_group_kernel(x_ptr, gw_ptr, logit_ptr, part_ptr, cnt_ptr, bias_p
     pid_k = pid // N_TILES
     if PREFETCH_LINES:  # (PDL) the gate's first weight lines, while the previous kernel drains
         if pid < G:
-            pf_lo = pid_k * K_PER_SPLIT
-            l2_prefetch_rows(gw_ptr, pid_n * BLOCK_N, E, stride_gw, pf_lo, tl.minimum(pf_lo + K_PER_SPLIT, D),
-                             BLOCK_N, PREFETCH_LINES)
+            l2_prefetch_rows(gw_ptr, pid_n * BLOCK_N, E, stride_gw, pid_k, K_PER_SPLIT, D, BLOCK_N, PREFETCH_LINES)
     pdl_enter(PDL)
     if pid >= G:
         m = pid - G
@@ -191,9 +187,7 @@ def _gate_route_group_kernel(x_ptr, gw_ptr, logit_ptr, part_ptr, cnt_ptr, bias_p
                 route_rows(logit_ptr, bias_ptr, rows_ptr, idx_ptr, w_ptr, B, E, stride_lb, stride_rb, K, K,
                            scaling, BP, EP, K, KP, HAS_BIAS, HASH, INTERPRET)
                 tl.debug_barrier()  # the ids are written before group_pairs reads them back
-                P = B * K
-                for blk in range(0, tl.cdiv(P, BLOCK_R)):
-                    _mr.group_pairs(idx_ptr, P, blk, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
+                _mr.group_all_pairs(idx_ptr, B * K, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
                                     BLOCK_R, BLOCK_Q, E_PAD)
                 tl.store(cnt_ptr + N_TILES, 0)  # ready for the next launch (and graph replay)
 
@@ -265,7 +259,10 @@ def route_group(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid_rows: t
 
 # FastDecoder takes gate_route_group for steps of at most this many rows. The launch itself takes
 # up to one row tile of the gate GEMV (dense.BLOCK_M = 16 rows), but its routing then runs in one
-# program for every row; at 1-4 rows the launch it saves should dominate. Not measured yet.
+# program for every row. Measured on one H200 (30 V4-Flash layers, 2026-11-29/30, together with
+# the attention and experts changes of that run: docs/PERFORMANCE.md, ninth measurement): the
+# router stage 13.1 us per layer in two launches -> 15.7 in one, the step 631 launches instead
+# of 691 and faster at 1 and 4 rows; above 4 rows not measured.
 MAX_GATE_ROWS = 4
 
 
