@@ -302,7 +302,7 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers, "gpus": W,
         "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": cpu_share,
-        "cpu_read_GBps": cpu_bw, "moe_mode": args.moe_mode or "default", "pdl": args.pdl, "overlap": dec.side_stream is not None,
+        "cpu_read_GBps": cpu_bw, "moe_mode": dec.moe_mode or "default", "pdl": args.pdl, "overlap": dec.side_stream is not None,
         "ep_combine": None if W == 1 else "p2p" if dec.peer is not None else "allreduce", "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
         "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
                                                "n_hot": placement.n_hot, "n_cold": placement.n_cold,
@@ -407,8 +407,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the full results here")
     p.add_argument("--block", type=int, default=1,
                    help="rows per sequence: each step advances batch/block sequences by a causal block of this many tokens")
-    p.add_argument("--moe-mode", default=None, choices=["fma", "dot", "dot_asm", "dot_scaled"],
-                   help="routed-experts kernel mode (default: the kernel's own pick)")
+    p.add_argument("--moe-mode", default=None, choices=["fma", "dot", "dot_asm", "dot_scaled", "lut"],
+                   help="routed-experts kernel mode (default: the CUDA 'lut' kernels where they run, else the "
+                        "Triton kernels' own pick)")
     p.add_argument("--pdl", default="auto", choices=["auto", "on", "off"],
                    help="programmatic dependent launch of the step's kernels: on, off, or auto (on for steps of "
                         "at most FastDecoder's PDL_MAX_ROWS rows on one GPU, where it was measured faster)")

@@ -146,6 +146,18 @@ def test_second_stream_only_on_cuda(tiny):
         FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu", overlap=True)
 
 
+def test_lut_experts_only_where_they_run(tiny):
+    """The CUDA "lut" experts are the default only where they run (a CUDA device, nvcc, sizes
+    multiple of 512): on CPU the decoder keeps the Triton kernels' pick, and asking for "lut" is
+    one clear error, as is an unknown mode."""
+    cfg, w = tiny
+    assert FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu").moe_mode is None
+    with pytest.raises(ValueError, match="moe_mode 'lut' needs"):
+        FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu", moe_mode="lut")
+    with pytest.raises(ValueError, match="moe_mode must be one of"):
+        FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu", moe_mode="fast")
+
+
 def test_workspace_lanes_are_separate_buffers():
     """Kernels launched on the side stream (lane "side") never share split-K partials or arrival
     counters with the main stream's kernels running at the same time."""

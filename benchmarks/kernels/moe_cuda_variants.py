@@ -1,12 +1,13 @@
 """The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's
-Triton gate-up kernel and with the CUDA C++ one (`moe_gate_up_cuda`, swapped in; routing, the
-activation quantization, down and the combine stay the runtime's).
+Triton kernels ("triton"), with the CUDA C++ gate-up experiment (`moe_gate_up_cuda`, swapped in:
+"cuda"; routing, the activation quantization, down and the combine stay the runtime's) and in
+the runtime's mode "lut" (the CUDA C++ table-lookup kernels, kernels/moe_lut.py).
 
-    python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64]     (one H200, ~1 min)
+    python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,cuda,lut]
 
 For each M and engine: the output against moe_experts_mxfp4_ref (the tests' tolerance: rel L2 <=
 4e-3, max <= 2e-2 of max |ref|), two runs bit-identical, row 0 alone bit-identical to row 0 of the
-batch; then the time per call (CUDA graph of 20 calls, each with its own random routing on one of
+batch; the per-kernel device time (torch profiler, eager); then the time per call (CUDA graph of 20 calls, each with its own random routing on one of
 two stacked layer copies: nothing from L2, as moe_variants.py), and the GB/s of the distinct
 experts read. Prints a table last; JSON under --out.
 """
@@ -36,13 +37,35 @@ def run(engine, fn):
     if engine == "cuda":
         with CU.use_cuda_gate_up():
             return fn()
+    if engine == "lut":  # the runtime's mode "lut" (kernels/moe_lut.py) as the kernel's default
+        saved, MOE.DEFAULT_MODE = MOE.DEFAULT_MODE, "lut"
+        try:
+            return fn()
+        finally:
+            MOE.DEFAULT_MODE = saved
     return fn()
+
+
+def kernel_times(engine, calls):
+    """us per call of each kernel (device time under the profiler, eager calls)."""
+    from torch.profiler import ProfilerActivity, profile
+    run(engine, lambda: [c() for c in calls[:2]])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(engine, lambda: [c() for c in calls])
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA" and "moe" in ev.name:
+            per[ev.name[:40]] = per.get(ev.name[:40], 0.0) + ev.device_time / len(calls)
+    return {k: round(v, 2) for k, v in per.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out/moe_cuda_variants"))
     ap.add_argument("--ms", default="1,4,16,64")
+    ap.add_argument("--engines", default="triton,cuda,lut")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     BK.LOG = open(os.path.join(args.out, "moe_cuda_variants.log"), "w")
@@ -60,7 +83,7 @@ def main() -> None:
         distinct = statistics.mean(len(torch.unique(ids)) for ids, _ in routes)
         nbytes = distinct * MV.expert_bytes()
         ref = MOE.moe_experts_mxfp4_ref(x, *routes[0], **copies[0])
-        for engine in ("triton", "cuda"):
+        for engine in args.engines.split(","):
             r = dict(M=M, engine=engine, distinct_experts=distinct, mbytes=nbytes / 1e6)
             try:
                 y = run(engine, lambda: MOE.moe_experts_mxfp4(x, *routes[0], **copies[0]))
@@ -72,7 +95,7 @@ def main() -> None:
                 calls = [lambda ids=ids, wts=wts, ex=copies[i % len(copies)]: MOE.moe_experts_mxfp4(x, ids, wts, **ex)
                          for i, (ids, wts) in enumerate(routes)]
                 med, _ = run(engine, lambda: BK.graph_time(calls))
-                r.update(us=med, gbps=nbytes / med / 1e3)
+                r.update(us=med, gbps=nbytes / med / 1e3, kernels_us=kernel_times(engine, calls))
             except Exception as e:  # noqa: BLE001  (report, go on)
                 r.update(ok=False, error=repr(e)[:800])
                 BK.log(traceback.format_exc()[-2000:])
@@ -80,11 +103,12 @@ def main() -> None:
             BK.log(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}))
     with open(os.path.join(args.out, "moe_cuda_variants.json"), "w") as f:
         json.dump(dict(bandwidth_read=bw, rows=rows), f, indent=1)
-    print(f"\n{'M':>3} {'engine':7} {'us':>8} {'GB/s':>6} {'rel':>8} ok det inv")
+    print(f"\n{'M':>3} {'engine':7} {'us':>8} {'GB/s':>6} {'rel':>8} ok det inv  kernels (us)")
     for r in rows:
+        ks = " ".join(f"{k.split('(')[0][-18:]}={v}" for k, v in r.get("kernels_us", {}).items())
         print(f"{r['M']:3} {r['engine']:7} {r.get('us', float('nan')):8.1f} {r.get('gbps', 0):6.0f} "
               f"{r.get('rel_l2', float('nan')):8.1e} {r['ok']} {r.get('deterministic')} {r.get('batch_invariant')}"
-              f"{'  ' + r['error'][:80] if 'error' in r else ''}")
+              f"  {ks}{'  ' + r['error'][:80] if 'error' in r else ''}")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,15 @@ Modes (`MoeConfig.mode`; `pick_config` returns DEFAULT_MODE):
   code 1 on the bf16 subnormal 2^-127; two bf16x2 multiplies by 2^126 and 2^(s-127) finish it);
   the Triton decode is ~2x as many per-element ops. Same values as "dot", so the same bits.
   Under the interpreter it decodes as "dot".
+- "lut" (CUDA C++, kernels/moe_lut.py; a CUDA device with nvcc, bf16 x, D and I multiples of
+  512): the gate-up and down launches as hand-written kernels. A byte of weight is decoded by a
+  shared-memory table lookup (one prmt + one shared load, exact bf16 pairs); mma.sync on register
+  operands with a block-diagonal B, so each lane's MXFP4 group sum comes out alone and takes its
+  own E8M0 scale (acc += C * 2^(s-127)); natural-order x; the activation quantization in its own
+  launch. Sums: per group in one MMA chain, then per lane in group order, a quad butterfly, the two
+  K halves: fixed whatever the batch. On one H200, 30 V4-Flash layers (docs/PERFORMANCE.md, tenth
+  measurement): routed experts 56.3 / 145.0 / 462.3 / 1449 us per layer at 1 / 4 / 16 / 64 rows
+  against "dot_asm"'s 56.6 / 232 / 782 / 1647. `FastDecoder` takes it by default where it runs.
 - "dot_scaled": Triton's `tl.dot_scaled` (e2m1 weights, bf16 activations; on sm_90 Triton
   upcasts to bf16 itself). Under the interpreter (whose dot_scaled passes bf16 through fp16)
   it decodes as "dot", with natural-order activations.
@@ -95,6 +104,7 @@ from megastep.kernels.expert_table import (  # noqa: F401  (re-exported: the exp
 )
 from megastep.kernels.moe_route import ACT_BLOCK, Routing, _moe_act_quant_kernel, moe_route  # noqa: F401  (re-exported)
 from megastep.kernels.moe_route import quant_blocks_store
+from megastep.kernels import moe_lut as _lut
 from megastep.kernels.common import (
     launch_opts,
     mxfp4_decode,
@@ -106,7 +116,9 @@ from megastep.kernels.common import (
     workspace,
 )
 
-MODES = {"fma": 0, "dot": 1, "dot_asm": 2, "dot_scaled": 3}
+MODES = {"fma": 0, "dot": 1, "dot_asm": 2, "dot_scaled": 3}  # the Triton kernels' modes
+CUDA_MODES = ("lut",)  # CUDA C++ kernels (kernels/moe_lut.py): on a CUDA device only
+ALL_MODES = tuple(MODES) + CUDA_MODES
 DEFAULT_MODE = "dot_asm"  # the mode pick_config returns: measured end to end, see below
 # the activation quantization inside the gate-up launch (module doc) for calls of at most this many
 # (row, slot) pairs; 0: always its own launch. The same bits either way, so the choice may follow
@@ -131,7 +143,7 @@ class MoeConfig:
     mode: str = "fma"  # see module doc
 
     def check(self) -> None:
-        assert self.mode in MODES, self.mode
+        assert self.mode in ALL_MODES, self.mode
         assert self.block_k in (128, 256, 512), self.block_k
         assert self.block_p in ((1, 2, 4) if self.mode == "fma" else (16,)), (self.mode, self.block_p)
         for b in (self.block_i, self.block_d):
@@ -155,6 +167,8 @@ def pick_config(M: int, topk: int, E: int, D: int, I: int, mode: str | None = No
     tiles and 8 warps; "fma" 80.0 / 3757."""
     mode = mode or DEFAULT_MODE
     slots = min(M * topk, E)
+    if mode == "lut":  # the CUDA kernels' tiles (32 channels of I, 64 rows of D); they size their own grids
+        return MoeConfig(32, 64, 16, 128, 1, 1, mode=mode)
     if mode == "fma":
         bi, bd, bp, bk, ns, per_sm = 16, 32, 1, 128, 3, 8
     else:
@@ -493,6 +507,10 @@ def moe_experts_table(
         assert pairs_out.shape[-1] == D and pairs_out.numel() >= M * k * D, (pairs_out.shape, M, k, D)
     cfg = config or pick_config(M, k, E, D, I)
     cfg.check()
+    lut = cfg.mode == "lut"
+    if lut and not _lut.supported(x.device, x.dtype, D, I):
+        raise ValueError(f"experts mode 'lut' needs a CUDA device, nvcc, bf16 x and D, I multiples of 512 "
+                         f"(got {x.device.type}, {x.dtype}, D {D}, I {I})")
     out = torch.empty(M, D, dtype=torch.float32, device=x.device)
     if M == 0:
         return torch.zeros(M, k, D, dtype=x.dtype, device=x.device) if return_pairs else out
@@ -517,17 +535,22 @@ def moe_experts_table(
     g_up, g_down = min(cfg.groups_up, S), min(cfg.groups_down, S)
     sw13, ss13, sw2, ss2 = table.strides
     common = dict(TOPK=k, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, ROUND_BF16=rnd, INTERPRET=interp,
-                  MODE=MODES[cfg.mode], ALIGN=table.align, SPARSE=table.sparse,
+                  MODE=MODES.get(cfg.mode, -1), ALIGN=table.align, SPARSE=table.sparse,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     nq = -(-I // ACT_BLOCK)
-    fuse = P <= FUSED_ACT_QUANT_MAX_PAIRS and 128 % cfg.block_i == 0  # (I tiles inside 128-blocks)
+    # (I tiles inside 128-blocks; "lut" quantizes in the separate launch)
+    fuse = not lut and P <= FUSED_ACT_QUANT_MAX_PAIRS and 128 % cfg.block_i == 0
     qcnt = workspace(x.device, "counters_moe_act", P * nq, torch.int32) if fuse else aq
     grid = (-(-I // cfg.block_i), g_up)
-    _moe_gate_up_kernel[grid](
-        xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, aq, qcnt,
-        D, I, xq.stride(0), sw13, ss13, act.stride(0), aq.stride(0), float(swiglu_limit), g_up, BLOCK_I=cfg.block_i,
-        QUANT=fuse, NQ=nq, PERM=perm, **common, **launch_opts(x, grid),
-    )
+    if lut:
+        _lut.gate_up(xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I, (sw13, ss13),
+                     swiglu_limit, k, rnd, table.sparse)
+    else:
+        _moe_gate_up_kernel[grid](
+            xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, aq, qcnt,
+            D, I, xq.stride(0), sw13, ss13, act.stride(0), aq.stride(0), float(swiglu_limit), g_up,
+            BLOCK_I=cfg.block_i, QUANT=fuse, NQ=nq, PERM=perm, **common, **launch_opts(x, grid),
+        )
     if not fuse:
         grid = (P,)
         _moe_act_quant_kernel[grid](act, aq, I, act.stride(0), aq.stride(0), NB=next_pow2(nq),
@@ -535,6 +558,10 @@ def moe_experts_table(
     n_d_tiles = -(-D // cfg.block_d)
     cnt = workspace(x.device, "counters_moe", M * n_d_tiles, torch.int32)
     grid = (n_d_tiles, g_down)
+    if lut:
+        _lut.down(aq, table.addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, cnt, D, I, (sw2, ss2), k,
+                  table.sparse, not return_pairs)
+        return y.view(M, k, D) if return_pairs else out
     _moe_down_kernel[grid](
         aq, table.addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, cnt,
         D, I, aq.stride(0), sw2, ss2, y.stride(0), out.stride(0), g_down, BLOCK_D=cfg.block_d, COMBINE=not return_pairs,
@@ -545,7 +572,7 @@ def moe_experts_table(
 
 def permutes(mode: str | None) -> bool:
     """Whether the experts kernel in `mode` (None: the default) reads x permuted per 32-group."""
-    return (mode or DEFAULT_MODE) != "dot_scaled"
+    return (mode or DEFAULT_MODE) not in ("dot_scaled", "lut")
 
 
 def sum_pairs(y: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from megastep.kernels import indexer as _idx
 from megastep.kernels import linear_fp8 as _lin
 from megastep.kernels import mhc as _mhc
 from megastep.kernels import moe as _moe
+from megastep.kernels import moe_lut as _moe_lut
 from megastep.kernels import pair_combine as _pairs
 from megastep.kernels import rope_norm as _rn
 from megastep.kernels import router as _router
@@ -200,9 +201,8 @@ class FastDecoder:
         same values either way. None: on wherever the Triton kernels run on CUDA."""
         self.cfg, self.dtype = cfg, dtype
         self.world_size, self.group = world_size, group
-        if moe_mode is not None and moe_mode not in _moe.MODES:
-            raise ValueError(f"moe_mode must be one of {sorted(_moe.MODES)}, got {moe_mode!r}")
-        self.moe_mode = moe_mode
+        if moe_mode is not None and moe_mode not in _moe.ALL_MODES:
+            raise ValueError(f"moe_mode must be one of {sorted(_moe.ALL_MODES)}, got {moe_mode!r}")
         self.pdl = pdl
         if cold_path not in ("gpu", "cpu", "hybrid"):
             raise ValueError(f"cold_path must be gpu, cpu or hybrid, got {cold_path!r}")
@@ -214,6 +214,14 @@ class FastDecoder:
         if self.device.type == "cuda" and self.device.index is None:  # the one tensors report
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.triton = self.device.type == "cuda" if triton is None else triton
+        # the routed experts' mode, fixed for the decoder's life (a row's bits must not depend on
+        # its batch): None -> the CUDA "lut" kernels where they run (measured faster at every batch
+        # on the H200, docs/PERFORMANCE.md, tenth measurement), else the Triton kernels' default
+        lut_ok = self.triton and _moe_lut.supported(self.device, dtype, cfg.hidden_size, cfg.moe_intermediate_size)
+        if moe_mode == "lut" and not lut_ok:
+            raise ValueError("moe_mode 'lut' needs the Triton path on a CUDA device, nvcc, bf16 and hidden and "
+                             "moe intermediate sizes that are multiples of 512")
+        self.moe_mode = moe_mode or ("lut" if lut_ok else None)
         on_cuda = self.triton and self.device.type == "cuda"
         if overlap and not on_cuda:
             raise ValueError("overlap needs the Triton kernels on a CUDA device")

@@ -365,7 +365,7 @@ def test_stack_experts_layout():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 4, 16, 64])
-@pytest.mark.parametrize("mode", list(MOE.MODES))
+@pytest.mark.parametrize("mode", list(MOE.ALL_MODES))
 def test_gpu_v4_shape_matches_ref_and_is_deterministic(M, mode):
     """V4-Flash expert shapes (D 4096, I 2048, k 6) with 32 experts (routing over 32 keeps the
     test's memory and ref time small while giving several pairs per expert); row 0 alone gives
@@ -410,3 +410,44 @@ def test_gpu_asm_decode_gives_the_bits_of_the_triton_decode(M):
     y = {mode: moe_experts_mxfp4(x, ids, wts, **ex, config=pick_config(M, 6, 32, 4096, 2048, mode=mode))
          for mode in ("dot", "dot_asm")}
     assert torch.equal(y["dot"], y["dot_asm"])
+
+
+# ---- mode "lut": the CUDA C++ kernels (kernels/moe_lut.py) ----------------------------------------
+def test_lut_mode_off_cuda_is_a_clear_error(experts):
+    x, ids, wts = make_inputs(2, D, E, K, seed=3)
+    with pytest.raises(ValueError, match="'lut' needs a CUDA device"):
+        moe_experts_mxfp4(x, ids, wts, **experts, config=pick_config(2, K, E, D, I, mode="lut"))
+    assert not MOE.permutes("lut") and "lut" in MOE.ALL_MODES and "lut" not in MOE.MODES
+
+
+def _parts(ex):
+    return [tuple(ex[n][e] for n in ("w13", "w13_scale", "w2", "w2_scale")) for e in range(ex["w13"].shape[0])]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 5, 64])
+def test_gpu_lut_expert_parallel_and_host_memory_tables(M):
+    """V4-Flash expert shapes, mode "lut": per-pair outputs of sparse tables (expert parallelism)
+    recombine to the one-table bits, absent experts' pairs stay untouched (zero); experts read
+    from page-locked host memory through the table give the bits of experts in HBM."""
+    ex = random_stacked_experts(32, 4096, 2048, seed=8, dev="cuda")
+    x, ids, wts = make_inputs(M, 4096, 32, 6, seed=M + 9, dev="cuda")
+    cfg = pick_config(M, 6, 32, 4096, 2048, mode="lut")
+    want = moe_experts_mxfp4(x, ids, wts, **ex, config=cfg)
+    full = ExpertTable.from_stacked(*(ex[n] for n in ("w13", "w13_scale", "w2", "w2_scale")))
+    pairs_full = moe_experts_table(x, ids, wts, full, config=cfg, return_pairs=True)
+    assert torch.equal(sum_pairs(pairs_full), want)
+    owners = [e % 3 for e in range(32)]
+    total = torch.zeros_like(pairs_full).view(torch.int16)
+    for r in range(3):
+        held = [p if owners[e] == r else None for e, p in enumerate(_parts(ex))]
+        y = moe_experts_table(x, ids, wts, ExpertTable.from_experts(held, device="cuda"), config=cfg, return_pairs=True)
+        mine = torch.tensor([owners[e] == r for e in ids.flatten().tolist()], device="cuda").view(M, 6)
+        assert (y[~mine] == 0).all() and torch.equal(y[mine], pairs_full[mine])
+        total += y.view(torch.int16)
+    assert torch.equal(sum_pairs(total.view(x.dtype)), want)
+    cold = [tuple(t.cpu().pin_memory() for t in p) if e % 2 else p for e, p in enumerate(_parts(ex))]
+    host = ExpertTable.from_experts(cold, device="cuda")
+    torch.cuda.synchronize()
+    assert torch.equal(moe_experts_table(x, ids, wts, host, config=cfg), want)

@@ -1,0 +1,353 @@
+// The routed MXFP4 experts' two weight launches in CUDA C++: the "lut" mode of kernels/moe.py
+// (moe_lut.py launches them; moe.py's module doc has the semantics and moe_experts_mxfp4_ref the
+// torch reference). They take the places of _moe_gate_up_kernel and _moe_down_kernel, with the
+// same inputs and outputs, on x in natural order (not permuted per 32-group).
+//
+// The decode is a table lookup: a byte of packed MXFP4 (two e2m1 codes) indexes a 256-entry table
+// in shared memory whose entry is the two exact values as bf16x2. One prmt forms the address (the
+// byte lands in bits 8-15 next to the lane's word offset: entries are 256 B apart and every lane
+// reads its own copy, so a warp's 32 lookups never share a bank), one ld.shared fetches the MMA
+// operand register: 1 integer op + 1 shared load per byte, where the arithmetic decode of "dot_asm"
+// issues ~3.5 integer ops per byte and the FP8 linear's loop is bound by its instruction issue.
+//
+// MMA layout (mma.m16n8k16, bf16 in, fp32 out). A warp owns 16 MMA rows: gate-up 8 channels of w1
+// (rows 0-7) and the same channels of w3 (rows 8-15), so a lane ends with w1's and w3's sums of
+// one channel; down 16 rows of w2. Lane (g, t) of the warp (g = lane / 4, t = lane % 4) reads rows
+// g and g + 8 over one half of K (warp / 4); a step covers 128 contiguous bytes of each row (8
+// MXFP4 groups) and lane t takes groups t and t + 4 of them, so each L2 line is consumed whole by
+// the step that loads it (a first version gave each lane its own 256-byte range, read 32 B per
+// step: the L2 evicted the prefetched rest before its use and DRAM read each byte ~2.6 times). The scale of a group must multiply only that group's sum, and each lane brings its
+// own group to an MMA: so the B operand is block-diagonal, column 2t + p holds pair p's x only in
+// the K slots of lane t (zeros elsewhere: 8 lanes of 32 load x, the others read a zero row). Then
+// C[g][2t + p] is exactly lane (g, t)'s group sum for pair p, it sits in lane (g, t)'s own c0/c1,
+// and the lane applies the group's E8M0 scale it loaded itself: acc += C * 2^(s - 127) (exact
+// product). Two pairs per MMA; more pairs of an expert run further passes over its rows.
+//
+// Order of sums, fixed whatever the batch or the routing of other rows: per (row, pair) a group's 32
+// products in one MMA chain (8 MMAs, fp32), the groups of a lane in order (t, t + 4, t + 8, ...),
+// the 4 lanes of a quad by a butterfly ((q0 + q1) + (q2 + q3)), then half 0 + half 1. Deterministic and batch invariant
+// (a pair's column never meets another pair's values).
+//
+// Work: a CTA (8 warps: 4 row blocks x 2 K halves) takes items (slot, 64-row tile) in turn over a
+// grid of at most 2 CTAs per SM; x of the item's pairs is staged in shared memory, padded so that
+// the 8 lanes loading x hit distinct banks (and the zero row's reads distinct ones again).
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+// Steps of weight bytes in flight per lane (64 B a step). Measured on one H200 at V4-Flash shapes
+// (benchmarks/kernels/moe_cuda_variants.py): 3 spills registers and is 15-25 % slower; issuing a
+// pass's first loads before its x is staged (to overlap the staging) was 1-4 % slower.
+constexpr int KPF = 2;
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kLutBytes = 256 * 256;
+
+// weights are read once: keep them out of L1, let L2 fetch the next 128 bytes too
+__device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// the table entry of byte K of w: bits 0-7 the lane's word offset (lane * 4), bits 8-15 the byte
+template <int K>
+__device__ __forceinline__ uint32_t lut(const char* table, uint32_t w, uint32_t lane_off) {
+  return *reinterpret_cast<const uint32_t*>(table + prmt(w, lane_off, 0x5504u | (K << 4)));
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t e2m1_bf16(uint32_t n) {  // exact bf16 bits of an e2m1 code
+  const uint32_t m = n & 7, e = m >> 1, f = m & 1;
+  const uint32_t mag = e == 0 ? (f ? 0x3F00u : 0u) : (((126u + e) << 7) | (f << 6));
+  return mag | ((n & 8) << 12);
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ float scale_f(uint32_t s) { return __uint_as_float(s << 23); }  // 2^(s-127), s >= 1
+
+// Shared memory after the table: x of 2 pairs, a zero row, the halves' partial sums. A group of x
+// (32 bf16) takes 80 B, so the 4 lanes reading groups t of one pair hit banks 20t apart; pair 1
+// sits 64 B further (mod 128) and the zero row 8 B (mod 128): the 8 loading lanes and the 4
+// addresses of the zero row's readers never share a bank.
+struct Layout {
+  int rowpitch, zero_off, red_off, bytes;
+  __device__ __host__ explicit Layout(int K) {
+    const int row = K / 32 * 80;
+    rowpitch = (row + 63) / 128 * 128 + 64;
+    zero_off = 2 * rowpitch + 8;
+    red_off = (zero_off + row + 15) / 16 * 16;
+    bytes = red_off + 4 * 32 * 4 * 4;  // 4 row blocks x 32 lanes x 4 sums
+  }
+};
+constexpr int kGroupPitch = 80;
+
+struct Args {
+  const __nv_bfloat16* x;  // gate-up: xq [M, D] (row = pair / topk); down: aq [P, I] (row = pair)
+  long long stride_x;
+  const long long* tab;    // [E, 4] addresses: w13, w13 scale, w2, w2 scale
+  const int *pair_ptr, *slot_e, *slot_start, *slot_cnt, *nslot;
+  int K, rows_total, which, topk, sparse, down;
+  long long stride_w, stride_s;
+};
+
+// A warp's weight stream over its 16 rows: the ring of KPF steps in flight. fill() issues the
+// first steps, pass() consumes the ring and refills it.
+// wa / wb: the lane's first group of rows g / g + 8; sa_p / sb_p: the half's scale bytes of those
+// rows.
+struct Stream {
+  const uint8_t *wa, *wb, *sa_p, *sb_p;
+  int steps;
+  uint4 ra[KPF][2], rb[KPF][2];
+  uint2 sa[KPF], sb[KPF];  // the step's 8 scale bytes of each row (this lane's: bytes t and 4 + t)
+
+  __device__ __forceinline__ void load(int i, int n) {
+    ra[i][0] = ld_stream(wa + n * 128);
+    ra[i][1] = ld_stream(wa + n * 128 + 64);
+    rb[i][0] = ld_stream(wb + n * 128);
+    rb[i][1] = ld_stream(wb + n * 128 + 64);
+    sa[i] = __ldg(reinterpret_cast<const uint2*>(sa_p + n * 8));
+    sb[i] = __ldg(reinterpret_cast<const uint2*>(sb_p + n * 8));
+  }
+
+  __device__ __forceinline__ void fill() {
+#pragma unroll
+    for (int i = 0; i < KPF; ++i)
+      if (i < steps) load(i, i);
+  }
+
+  // One pass (2 pairs at most): acc = per-lane partial sums (row g, pair 0), (row g, pair 1),
+  // (row g + 8, pair 0), (row g + 8, pair 1) over the lane's groups. t: the lane's group within 4;
+  // xl: the lane's x (or zeros) at its first group.
+  __device__ __forceinline__ void pass(const char* table, uint32_t lane_off, const char* xl, int t, float (&acc)[4]) {
+    for (int s0 = 0; s0 < steps; s0 += KPF) {
+#pragma unroll
+      for (int i = 0; i < KPF; ++i) {
+        const int s = s0 + i;
+        if (s >= steps) break;
+        const uint4 a0 = ra[i][0], a1 = ra[i][1], b0 = rb[i][0], b1 = rb[i][1];
+        const uint2 fa = sa[i], fb = sb[i];
+        if (s + KPF < steps) load(i, s + KPF);
+        float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+        const char* xs = xl + s * 8 * kGroupPitch;  // the step's groups t and t + 4 of x
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {  // bytes 2j, 2j + 1 of each group: elements 4j .. 4j + 3
+          // (16-byte x loads for two j at once: 128 registers, spills, 10-20 % slower on the H200)
+          const uint2 x0 = *reinterpret_cast<const uint2*>(xs + j * 8);
+          const uint2 x1 = *reinterpret_cast<const uint2*>(xs + 4 * kGroupPitch + j * 8);
+          const uint32_t wa0 = word(a0, j >> 1), wb0 = word(b0, j >> 1), wa1 = word(a1, j >> 1), wb1 = word(b1, j >> 1);
+          if (j & 1) {
+            mma(c0, lut<2>(table, wa0, lane_off), lut<2>(table, wb0, lane_off), lut<3>(table, wa0, lane_off),
+                lut<3>(table, wb0, lane_off), x0.x, x0.y);
+            mma(c1, lut<2>(table, wa1, lane_off), lut<2>(table, wb1, lane_off), lut<3>(table, wa1, lane_off),
+                lut<3>(table, wb1, lane_off), x1.x, x1.y);
+          } else {
+            mma(c0, lut<0>(table, wa0, lane_off), lut<0>(table, wb0, lane_off), lut<1>(table, wa0, lane_off),
+                lut<1>(table, wb0, lane_off), x0.x, x0.y);
+            mma(c1, lut<0>(table, wa1, lane_off), lut<0>(table, wb1, lane_off), lut<1>(table, wa1, lane_off),
+                lut<1>(table, wb1, lane_off), x1.x, x1.y);
+          }
+        }
+        const int sh = 8 * t;
+        const float sa0 = scale_f((fa.x >> sh) & 0xFF), sa1 = scale_f((fa.y >> sh) & 0xFF);
+        const float sb0 = scale_f((fb.x >> sh) & 0xFF), sb1 = scale_f((fb.y >> sh) & 0xFF);
+        acc[0] = fmaf(c0[0], sa0, acc[0]);
+        acc[1] = fmaf(c0[1], sa0, acc[1]);
+        acc[2] = fmaf(c0[2], sb0, acc[2]);
+        acc[3] = fmaf(c0[3], sb0, acc[3]);
+        acc[0] = fmaf(c1[0], sa1, acc[0]);
+        acc[1] = fmaf(c1[1], sa1, acc[1]);
+        acc[2] = fmaf(c1[2], sb1, acc[2]);
+        acc[3] = fmaf(c1[3], sb1, acc[3]);
+      }
+    }
+  }
+};
+
+struct Item {
+  int e, start, cnt, tile;
+};
+
+__device__ __forceinline__ void prologue(char* smem, const Layout& L) {
+  uint32_t* table = reinterpret_cast<uint32_t*>(smem);
+  for (int i = threadIdx.x; i < 256 * 32; i += kThreads) {
+    const uint32_t v = i >> 5;
+    table[v * 64 + (i & 31)] = e2m1_bf16(v & 15) | (e2m1_bf16(v >> 4) << 16);
+  }
+  uint32_t* zero = reinterpret_cast<uint32_t*>(smem + kLutBytes + L.zero_off);
+  for (int i = threadIdx.x; i < (L.red_off - L.zero_off) / 4; i += kThreads) zero[i] = 0u;
+}
+
+// x rows of pairs c0, c0 + 1 (those < cnt) into the padded layout: element e of pair p at
+// p * rowpitch + (e / 32) * kGroupPitch + (e % 32) * 2
+__device__ __forceinline__ void stage_x(char* xsm, const Args& a, const Layout& L, int start, int c0, int np) {
+  const int units = a.K / 8;  // 16-byte units of a row
+  for (int i = threadIdx.x; i < np * units; i += kThreads) {
+    const int p = i / units, u = i % units;
+    const int pair = a.pair_ptr[start + c0 + p];
+    const int row = a.down ? pair : pair / a.topk;
+    const uint4 v = *reinterpret_cast<const uint4*>(a.x + row * a.stride_x + u * 8);
+    *reinterpret_cast<uint4*>(xsm + p * L.rowpitch + (u >> 2) * kGroupPitch + (u & 3) * 16) = v;
+  }
+}
+
+// Runs every (slot, tile) item of this CTA; for each pass calls epi(item, c0, np, r0, r1, total) in
+// the half-0 warps with total[v] = the full sums of the lane's rows r0 / r1 (the order of pass()),
+// then post(item, c0, np) in every thread after a barrier.
+template <typename Epi, typename Post>
+__device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post) {
+  extern __shared__ __align__(16) char smem[];
+  const Layout L(a.K);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int blk = warp & 3, half = warp >> 2;
+  const uint32_t lane_off = lane * 4;
+  char* xsm = smem + kLutBytes;
+  float* red = reinterpret_cast<float*>(xsm + L.red_off);
+  prologue(smem, L);
+  const int items = *a.nslot * tiles;
+  const int steps = a.K / 512;  // a half's 128-byte steps
+  for (int it = blockIdx.x; it < items; it += gridDim.x) {
+    const int slot = it / tiles, tile = it % tiles;
+    const int e = a.slot_e[slot];
+    const long long* ent = a.tab + 4LL * e + a.which;
+    const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
+    const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
+    const int cnt = a.sparse && wbase == nullptr ? 0 : a.slot_cnt[slot];
+    const int start = a.slot_start[slot];
+    // rows g and g + 8 of this warp's 16: gate-up channel c of w1 and of w3; down rows r and r + 8
+    const int r0 = a.down ? tile * 64 + blk * 16 + g : tile * 32 + blk * 8 + g;
+    const int r1 = a.down ? r0 + 8 : r0 + a.rows_total / 2;
+    Stream st;
+    st.wa = wbase + r0 * a.stride_w + half * (a.K / 4) + t * 16;
+    st.wb = wbase + r1 * a.stride_w + half * (a.K / 4) + t * 16;
+    st.sa_p = sbase + r0 * a.stride_s + half * (a.K / 64);
+    st.sb_p = sbase + r1 * a.stride_s + half * (a.K / 64);
+    st.steps = steps;
+    for (int c0 = 0; c0 < cnt; c0 += 2) {
+      const int np = min(2, cnt - c0);
+      __syncthreads();  // the previous pass's readers of x and red are done
+      stage_x(xsm, a, L, start, c0, np);
+      __syncthreads();
+      st.fill();
+      const int p = g & 1;
+      const bool active = (g >> 1) == t && p < np;
+      const char* xl = xsm + (active ? p * L.rowpitch : L.zero_off) + (half * (a.K / 64) + t) * kGroupPitch;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      st.pass(smem, lane_off, xl, t, acc);
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        acc[v] += __shfl_xor_sync(0xffffffffu, acc[v], 1);
+        acc[v] += __shfl_xor_sync(0xffffffffu, acc[v], 2);
+      }
+      float* rb = red + (blk * 32 + lane) * 4;
+      if (half == 1) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) rb[v] = acc[v];
+      }
+      __syncthreads();
+      if (half == 0) {
+        float total[4];
+#pragma unroll
+        for (int v = 0; v < 4; ++v) total[v] = acc[v] + rb[v];
+        epi(Item{e, start, cnt, tile}, c0, np, r0, r1, total);
+      }
+      __syncthreads();
+      post(Item{e, start, cnt, tile}, c0, np);
+    }
+  }
+}
+
+}  // namespace
+
+// grid: <= 2 CTAs per SM, 256 threads, Layout(D).bytes + 64 KB dynamic shared memory.
+// act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(
+    const __nv_bfloat16* xq, long long stride_q, const long long* tab, const float* rw, const int* pair_ptr,
+    const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,
+    long long stride_a, int D, int I, long long stride_w, long long stride_s, float limit, int round_out, int topk,
+    int sparse) {
+  const Args a{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, 2 * I, 0, topk, sparse, 0,
+               stride_w, stride_s};
+  const int t = threadIdx.x & 3;
+  run(a, I / 32, [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
+    if (t < np) {  // lane t of the quad: pair c0 + t of channel r0
+      const int pair = pair_ptr[it.start + c0 + t];
+      float gv = t ? total[1] : total[0], uv = t ? total[3] : total[2];  // (no local-memory indexing)
+      if (round_out) {
+        gv = round_bf16(gv);
+        uv = round_bf16(uv);
+      }
+      gv = fminf(gv, limit);
+      uv = fminf(fmaxf(uv, -limit), limit);
+      float v = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.f, expf(-gv))), uv);
+      v = __fmul_rn(v, rw[pair]);
+      act[pair * stride_a + r0] = __float2bfloat16_rn(v);
+    }
+  }, [](const Item&, int, int) {});
+}
+
+// y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 64-row tile) of
+// all its topk pairs sums them in slot order into out (fp32), then resets the counter.
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(
+    const __nv_bfloat16* aq, long long stride_q, const long long* tab, const int* pair_ptr, const int* slot_e,
+    const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* y, long long stride_y, float* out,
+    long long stride_o, int* counters, int D, int I, long long stride_w, long long stride_s, int topk, int sparse,
+    int combine) {
+  const Args a{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, D, 2, topk, sparse, 1,
+               stride_w, stride_s};
+  __shared__ int last[2];
+  const int t = threadIdx.x & 3, tiles = D / 64;
+  run(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
+    const int p = t & 1;
+    if (p < np) {  // lane t: row r0 (t < 2) or r1, pair c0 + t % 2
+      const int pair = pair_ptr[it.start + c0 + p];
+      const float v = t == 0 ? total[0] : t == 1 ? total[1] : t == 2 ? total[2] : total[3];
+      y[pair * stride_y + (t < 2 ? r0 : r1)] = __float2bfloat16_rn(v);
+    }
+  }, [&](const Item& it, int c0, int np) {
+    if (!combine) return;
+    // every y of the pass is issued (the barrier before post); count this tile of each pair's row
+    if (threadIdx.x < np) {
+      const int row = pair_ptr[it.start + c0 + threadIdx.x] / topk;
+      __threadfence();
+      const int arrived = atomicAdd(counters + row * tiles + it.tile, 1);
+      __threadfence();
+      last[threadIdx.x] = arrived == topk - 1 ? row : -1;
+    }
+    __syncthreads();
+    for (int p = 0; p < np; ++p) {
+      const int row = last[p];
+      if (row < 0) continue;
+      if (threadIdx.x < 64) {  // the row's topk pairs, slot order, fp32
+        const int d = it.tile * 64 + threadIdx.x;
+        const unsigned short* yp = reinterpret_cast<const unsigned short*>(y) + (long long)row * topk * stride_y + d;
+        float tot = __uint_as_float((uint32_t)__ldcg(yp) << 16);
+        for (int j = 1; j < topk; ++j) tot += __uint_as_float((uint32_t)__ldcg(yp + j * stride_y) << 16);
+        out[row * stride_o + d] = tot;
+      }
+      if (threadIdx.x == 0) counters[row * tiles + it.tile] = 0;
+    }
+  });
+}

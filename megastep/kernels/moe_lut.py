@@ -1,0 +1,84 @@
+"""The routed MXFP4 experts' weight launches in CUDA C++ (`moe_lut.cu`): mode "lut" of
+`kernels/moe.py`, whose `moe_experts_table` calls these two functions in place of its Triton
+gate-up and down kernels (routing, the activation quantization between them and the reference,
+`moe_experts_mxfp4_ref`, are moe.py's).
+
+Shapes and dtypes (P = M * topk pairs, E experts, table strides in bytes):
+    gate_up: xq bf16 [M, D] (x quantized, natural order) -> act bf16 [P, I]
+    down:    aq bf16 [P, I] (act quantized, natural order) -> y bf16 [P, D] per pair, and with
+             combine the fp32 [M, D] sum over each row's slots in slot order
+D and I multiples of 512, x in bf16 (`supported`). Why CUDA C++: the decode is a shared-memory
+table lookup whose address one `prmt` forms, and each lane's MMA operands stay in its registers
+with a block-diagonal B so every MXFP4 group's scale multiplies only its own sum (the .cu
+explains both); Triton expresses neither. Measured against the Triton "dot_asm" kernels in
+docs/PERFORMANCE.md (tenth measurement).
+
+Grids are static (at most 2 CTAs of 256 threads per SM, each taking (expert slot, 64-row tile)
+items in turn), so launches are captured by CUDA graphs; build and load happen at the first
+call (`cuda_module`), which must come before any capture (the runtime's warm-up steps do it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from megastep.kernels.cuda_module import CudaModule, find_nvcc
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_lut.cu")
+_MODULE = CudaModule(SOURCE)
+_GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
+_DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiii")
+THREADS = 256
+CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
+LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
+
+
+def supported(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:
+    """Whether mode "lut" can run: a CUDA device, nvcc to build the kernels, bf16 activations,
+    D and I multiples of 512 (a K half of whole 128-byte steps)."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and D % 512 == 0 and I % 512 == 0
+            and find_nvcc() is not None)
+
+
+def shared_bytes(K: int) -> int:
+    """Dynamic shared memory of a launch over K: the table, then the .cu's Layout(K)."""
+    row = K // 32 * 80
+    rowpitch = (row + 63) // 128 * 128 + 64
+    zero_off = 2 * rowpitch + 8
+    red_off = (zero_off + row + 15) // 16 * 16
+    return LUT_BYTES + red_off + 4 * 32 * 4 * 4
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _grid(items: int, device: torch.device) -> tuple[int, int, int]:
+    return (max(1, min(items, CTAS_PER_SM * _sms(device.index))), 1, 1)
+
+
+def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I, strides, limit, topk,
+            round_bf16, sparse) -> None:
+    """act[p] = rnd(r_p * silu(min(rnd(w1 . xq[p // topk]), limit)) * clamp(rnd(w3 . xq), +-limit));
+    strides: the table's (w13 row, w13 scale row) strides."""
+    assert xq.dtype == act.dtype == torch.bfloat16 and xq.stride(1) == 1 and act.stride(1) == 1
+    items = min(pairs.numel(), addr.shape[0]) * (I // 32)  # (slot, 32-channel tile)
+    _GATE_UP.launch(_grid(items, xq.device), (THREADS, 1, 1), shared_bytes(D), None,
+                    xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
+                    D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
+
+
+def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
+         combine) -> None:
+    """y[p] = rnd(w2 . aq[p]); with combine out[m] = sum over slots j of y[m * topk + j] (fp32,
+    slot order) by the last CTA to finish each (row, 64-row tile), counters [M, D / 64] int32 at
+    zero (left at zero). strides: the table's (w2 row, w2 scale row) strides."""
+    assert aq.dtype == y.dtype == torch.bfloat16 and aq.stride(1) == 1 and y.stride(1) == 1
+    items = min(pairs.numel(), addr.shape[0]) * (D // 64)  # (slot, 64-row tile)
+    _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
+                 aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,
+                 out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine))
