@@ -1,6 +1,7 @@
-"""Plot a `megastep bench --json` result: ms/step against batch, next to the roofline.
+"""Plot a `megastep bench --json` result: ms/step against batch, next to the roofline; other
+results of the same model (e.g. another experts mode) overlaid.
 
-python benchmarks/plot_bench.py RESULT.json OUT.png
+python benchmarks/plot_bench.py RESULT.json OUT.png [OTHER.json ...]
 """
 
 import json
@@ -12,12 +13,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def main(src: str, dst: str) -> None:
+def main(src: str, dst: str, others: list[str]) -> None:
     d = json.load(open(src))
     rs = d["results"]
     b = [r["batch"] for r in rs]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot(b, [r["ms_p50"] for r in rs], "o-", label="megastep fast path (CUDA graph, p50)")
+    ax.plot(b, [r["ms_p50"] for r in rs], "o-", label=f"megastep fast path (CUDA graph, p50), experts {d['moe_mode']}")
+    for path in others:
+        o = json.load(open(path))
+        ax.plot([r["batch"] for r in o["results"]], [r["ms_p50"] for r in o["results"]], "^:",
+                label=f"the same, experts {o['moe_mode']}")
     ax.plot(b, [r["roofline_ms"] for r in rs], "s--", label=f"roofline: bytes / {d['stream_read_GBps']:.0f} GB/s")
     if d.get("peer") and d["peer"].get("ms_per_layer"):
         ax.plot([1], [d["peer"]["ms_per_layer"] * d["layers"]], "x", ms=10,
@@ -34,4 +39,4 @@ def main(src: str, dst: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
