@@ -1,21 +1,17 @@
 // Pieces both CUDA C++ experiments use (gemv_fp8_cuda.cu, moe_gate_up_cuda.cu): the streaming
-// weight load, the bf16 rounding, and the m16n8k16 MMA on fp16 or bf16 operands (fp32 accumulate).
+// weight load and the bf16 rounding (the runtime's, megastep/kernels/cuda_common.cuh), and the
+// m16n8k16 MMA on fp16 or bf16 operands (fp32 accumulate).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "../../megastep/kernels/cuda_common.cuh"
+
 namespace experiments {
 
-// weights are read once: keep them out of L1, let L2 fetch the neighbouring 128 bytes too
-__device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+using megastep::ld_stream;
+using megastep::round_bf16;
 
 // d += A . B on tensor cores; BF16 picks bf16 operands, else fp16
 template <bool BF16>

@@ -35,6 +35,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "cuda_common.cuh"
+
 // Steps of weight bytes in flight per lane (64 B a step). Measured on one H200 at V4-Flash shapes
 // (benchmarks/kernels/moe_cuda_variants.py): 3 spills registers and is 15-25 % slower; issuing a
 // pass's first loads before its x is staged (to overlap the staging) was 1-4 % slower.
@@ -45,16 +47,8 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kLutBytes = 256 * 256;
-
-// weights are read once: keep them out of L1, let L2 fetch the next 128 bytes too
-__device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+using megastep::ld_stream;
+using megastep::round_bf16;
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;

@@ -14,10 +14,13 @@ local: we require rel. L2 error <= 4e-3 and |y - ref| <= 2e-2 * max|ref| element
 activations there is no rounding point but fp8 quantization: rel. L2 <= 1e-3.
 """
 
+import os
+
 import pytest
 import torch
 
 from megastep.checkpoint import formats as F
+from megastep.kernels.cuda_module import build_cubin, find_nvcc
 from megastep.kernels import moe as MOE
 from megastep.kernels.moe import (
     ExpertTable,
@@ -451,3 +454,19 @@ def test_gpu_lut_expert_parallel_and_host_memory_tables(M):
     host = ExpertTable.from_experts(cold, device="cuda")
     torch.cuda.synchronize()
     assert torch.equal(moe_experts_table(x, ids, wts, host, config=cfg), want)
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
+def test_lut_kernels_build_for_sm90():
+    """The "lut" kernels compile (nvcc, sm_90) with the header they include, with no local memory:
+    a spill would put loads in the experts' inner loop."""
+    import subprocess
+
+    from megastep.kernels import moe_lut
+
+    assert build_cubin(moe_lut.SOURCE)[:4] == b"\x7fELF"
+    out = subprocess.run([find_nvcc(), "--cubin", "-arch=sm_90", "-O3", "-Xptxas", "-v", "-o", os.devnull,
+                          moe_lut.SOURCE], capture_output=True, text=True, check=True)
+    for kernel in ("moe_gate_up_lut", "moe_down_lut"):
+        assert f"Compiling entry function '{kernel}'" in out.stderr
+    assert out.stderr.count("0 bytes spill stores, 0 bytes spill loads") == 2, out.stderr
