@@ -4,7 +4,8 @@ Triton kernels ("triton"), with the CUDA C++ gate-up experiment (`moe_gate_up_cu
 the runtime's mode "lut" (the CUDA C++ table-lookup kernels, kernels/moe_lut.py).
 
     python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,cuda,lut]
-    (an engine "lut:-DDECODE_B_ALU=1" builds the lut kernels with those nvcc flags)
+    (an engine "lut:-DNAME=V" builds the lut kernels with those nvcc flags: for a switch an
+    experiment adds to kernels/moe_lut.cu)
 
 For each M and engine: the output against moe_experts_mxfp4_ref (the tests' tolerance: rel L2 <=
 4e-3, max <= 2e-2 of max |ref|), two runs bit-identical, row 0 alone bit-identical to row 0 of the

@@ -538,12 +538,13 @@ def moe_experts_table(
                   MODE=MODES.get(cfg.mode, -1), ALIGN=table.align, SPARSE=table.sparse,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     nq = -(-I // ACT_BLOCK)
-    fuse = P <= FUSED_ACT_QUANT_MAX_PAIRS and 128 % cfg.block_i == 0  # (I tiles inside 128-blocks)
+    # (I tiles inside 128-blocks; "lut" quantizes in the separate launch)
+    fuse = not lut and P <= FUSED_ACT_QUANT_MAX_PAIRS and 128 % cfg.block_i == 0
     qcnt = workspace(x.device, "counters_moe_act", P * nq, torch.int32) if fuse else aq
     grid = (-(-I // cfg.block_i), g_up)
     if lut:
         _lut.gate_up(xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I, (sw13, ss13),
-                     swiglu_limit, k, rnd, table.sparse, aq=aq if fuse else None, qcnt=qcnt if fuse else None)
+                     swiglu_limit, k, rnd, table.sparse)
     else:
         _moe_gate_up_kernel[grid](
             xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, aq, qcnt,

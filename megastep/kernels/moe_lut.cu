@@ -1,7 +1,10 @@
 // The routed MXFP4 experts' two weight launches in CUDA C++: the "lut" mode of kernels/moe.py
 // (moe_lut.py launches them; moe.py's module doc has the semantics and moe_experts_mxfp4_ref the
 // torch reference). They take the places of _moe_gate_up_kernel and _moe_down_kernel, with the
-// same inputs and outputs, on x in natural order (not permuted per 32-group).
+// same inputs and outputs, on x in natural order (not permuted per 32-group). The activation
+// quantization between them stays a launch of its own: done by the last CTA of each (pair,
+// 128-block) inside gate-up (same bits) it cost 2.5-3 us per call at 1 row and 5 % at 4-16 rows on
+// the H200, against 1.1-1.6 us for the launch (docs/PERFORMANCE.md, tenth measurement).
 //
 // The decode is a table lookup: a byte of packed MXFP4 (two e2m1 codes) indexes a 256-entry table
 // in shared memory whose entry is the two exact values as bf16x2. One prmt forms the address (the
@@ -33,7 +36,6 @@
 // the 8 lanes loading x hit distinct banks (and the zero row's reads distinct ones again).
 
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
 
 #include "cuda_common.cuh"
@@ -61,25 +63,6 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 template <int K>
 __device__ __forceinline__ uint32_t lut(const char* table, uint32_t w, uint32_t lane_off) {
   return *reinterpret_cast<const uint32_t*>(table + prmt(w, lane_off, 0x5504u | (K << 4)));
-}
-
-#ifndef DECODE_B_ALU
-#define DECODE_B_ALU 0  // an experiment: 1 decodes rows g + 8 in integer ops instead of the table
-#endif
-
-// The table entry's value in integer ops: byte K of w -> bf16x2 (e2m1 of its low nibble, of its
-// high nibble), exact. prmt puts the byte in both halves' high bytes, the low half's nibble moves
-// up 4 bits, then each half's sign stays at bit 15 and its 3 magnitude bits go to bits 6-8 (bf16
-// e2m1 * 2^-126, code 1 the subnormal 2^-127) and one bf16x2 fma scales by 2^126 (exact).
-template <int K>
-__device__ __forceinline__ uint32_t alu(uint32_t w) {
-  const uint32_t u = prmt(w, 0u, (K << 12) | 0x400 | (K << 4) | 4);
-  const uint32_t a = u << 4;
-  uint32_t t, r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(t) : "r"(a), "r"(u), "r"(0x0FFFFFFFu));  // (a & c) | (u & ~c)
-  asm("lop3.b32 %0, %1, %2, %3, 0xA8;" : "=r"(r) : "r"(t), "r"(t >> 6), "r"(0x81C081C0u));  // (t | v) & m
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(r), "r"(0x7E807E80u), "r"(0x80008000u));
-  return r;
 }
 
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
@@ -172,19 +155,17 @@ struct Stream {
           const uint2 x0 = *reinterpret_cast<const uint2*>(xs + j * 8);
           const uint2 x1 = *reinterpret_cast<const uint2*>(xs + 4 * kGroupPitch + j * 8);
           const uint32_t wa0 = word(a0, j >> 1), wb0 = word(b0, j >> 1), wa1 = word(a1, j >> 1), wb1 = word(b1, j >> 1);
-#if DECODE_B_ALU
-#define LUT_B(K, W) alu<K>(W)
-#else
-#define LUT_B(K, W) lut<K>(table, W, lane_off)
-#endif
           if (j & 1) {
-            mma(c0, lut<2>(table, wa0, lane_off), LUT_B(2, wb0), lut<3>(table, wa0, lane_off), LUT_B(3, wb0), x0.x, x0.y);
-            mma(c1, lut<2>(table, wa1, lane_off), LUT_B(2, wb1), lut<3>(table, wa1, lane_off), LUT_B(3, wb1), x1.x, x1.y);
+            mma(c0, lut<2>(table, wa0, lane_off), lut<2>(table, wb0, lane_off), lut<3>(table, wa0, lane_off),
+                lut<3>(table, wb0, lane_off), x0.x, x0.y);
+            mma(c1, lut<2>(table, wa1, lane_off), lut<2>(table, wb1, lane_off), lut<3>(table, wa1, lane_off),
+                lut<3>(table, wb1, lane_off), x1.x, x1.y);
           } else {
-            mma(c0, lut<0>(table, wa0, lane_off), LUT_B(0, wb0), lut<1>(table, wa0, lane_off), LUT_B(1, wb0), x0.x, x0.y);
-            mma(c1, lut<0>(table, wa1, lane_off), LUT_B(0, wb1), lut<1>(table, wa1, lane_off), LUT_B(1, wb1), x1.x, x1.y);
+            mma(c0, lut<0>(table, wa0, lane_off), lut<0>(table, wb0, lane_off), lut<1>(table, wa0, lane_off),
+                lut<1>(table, wb0, lane_off), x0.x, x0.y);
+            mma(c1, lut<0>(table, wa1, lane_off), lut<0>(table, wb1, lane_off), lut<1>(table, wa1, lane_off),
+                lut<1>(table, wb1, lane_off), x1.x, x1.y);
           }
-#undef LUT_B
         }
         const int sh = 8 * t;
         const float sa0 = scale_f((fa.x >> sh) & 0xFF), sa1 = scale_f((fa.y >> sh) & 0xFF);
@@ -201,42 +182,6 @@ struct Stream {
     }
   }
 };
-
-// The caller's CTA finished its part of a unit of work shared by `parts` CTAs (its stores issued
-// before the barrier that precedes the call): count it; true for the CTA that arrives last, which
-// then sees every part's stores (a fence on each side of the count).
-__device__ __forceinline__ bool arrive_last(int* counter, int parts) {
-  __threadfence();
-  const int arrived = atomicAdd(counter, 1);
-  __threadfence();
-  return arrived == parts - 1;
-}
-
-// fp8_act_sim of one 128-block by one warp (4 values a lane), the operations of Triton's
-// moe_route.quant_blocks_store (common.fp8_pow2_scale, common.fp8_round): the same bits.
-// src is read past L1 (other CTAs wrote it).
-__device__ __forceinline__ void quant_block(const __nv_bfloat16* src, __nv_bfloat16* dst, int lane) {
-  const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(src) + lane);
-  const float v[4] = {__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xFFFF0000u),
-                      __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xFFFF0000u)};
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const uint32_t bits = __float_as_uint(fmaxf(amax, 1e-4f));
-  const int se = int((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000 ? 1 : 0);  // s = 2^(se - 127)
-  const float s = __uint_as_float(uint32_t(se) << 23), inv = __uint_as_float(uint32_t(254 - se) << 23);
-  uint32_t out[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {  // values 2i, 2i + 1: e4m3 (round to nearest even) and back, times s
-    uint16_t e8;
-    uint32_t h2;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(e8) : "f"(v[2 * i + 1] * inv), "f"(v[2 * i] * inv));
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(e8));
-    const float q0 = __half2float(__ushort_as_half(h2 & 0xFFFF)) * s;
-    const float q1 = __half2float(__ushort_as_half(h2 >> 16)) * s;
-    out[i] = (__float_as_uint(q0) >> 16) | (__float_as_uint(q1) & 0xFFFF0000u);  // exact in bf16
-  }
-  reinterpret_cast<uint2*>(dst)[lane] = make_uint2(out[0], out[1]);
-}
 
 struct Item {
   int e, start, cnt, tile;
@@ -334,16 +279,14 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
 }  // namespace
 
 // grid: <= 2 CTAs per SM, 256 threads, Layout(D).bytes + 64 KB dynamic shared memory.
-// act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16); with
-// quant, also aq = fp8_act_sim(act, 128) (qcnt [pairs, nq] int32 at zero, left at zero).
+// act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(
     const __nv_bfloat16* xq, long long stride_q, const long long* tab, const float* rw, const int* pair_ptr,
     const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,
     long long stride_a, int D, int I, long long stride_w, long long stride_s, float limit, int round_out, int topk,
-    int sparse, __nv_bfloat16* aq, long long stride_aq, int* qcnt, int nq, int quant) {
+    int sparse) {
   const Args a{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, 2 * I, 0, topk, sparse, 0,
                stride_w, stride_s};
-  __shared__ int last[2];
   const int t = threadIdx.x & 3;
   run(a, I / 32, [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
     if (t < np) {  // lane t of the quad: pair c0 + t of channel r0
@@ -359,25 +302,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(
       v = __fmul_rn(v, rw[pair]);
       act[pair * stride_a + r0] = __float2bfloat16_rn(v);
     }
-  }, [&](const Item& it, int c0, int np) {
-    if (!quant) return;
-    // every act of the pass is issued (the barrier before post); 4 tiles of 32 channels make a
-    // 128-block of a pair's activation: the last CTA to finish one quantizes it into aq
-    const int qb = it.tile / 4;
-    if (threadIdx.x < np) {
-      const int pair = pair_ptr[it.start + c0 + threadIdx.x];
-      last[threadIdx.x] = arrive_last(qcnt + pair * nq + qb, 4) ? pair : -1;
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      for (int p = 0; p < np; ++p) {
-        const int pair = last[p];
-        if (pair < 0) continue;
-        quant_block(act + pair * stride_a + qb * 128, aq + pair * stride_aq + qb * 128, threadIdx.x);
-        if (threadIdx.x == 0) qcnt[pair * nq + qb] = 0;
-      }
-    }
-  });
+  }, [](const Item&, int, int) {});
 }
 
 // y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 64-row tile) of
@@ -401,9 +326,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(
   }, [&](const Item& it, int c0, int np) {
     if (!combine) return;
     // every y of the pass is issued (the barrier before post); count this tile of each pair's row
-    if (threadIdx.x < np) {
+    if (threadIdx.x < np) {  // (a fence on each side of the count: the last CTA sees every y)
       const int row = pair_ptr[it.start + c0 + threadIdx.x] / topk;
-      last[threadIdx.x] = arrive_last(counters + row * tiles + it.tile, topk) ? row : -1;
+      __threadfence();
+      const int arrived = atomicAdd(counters + row * tiles + it.tile, 1);
+      __threadfence();
+      last[threadIdx.x] = arrived == topk - 1 ? row : -1;
     }
     __syncthreads();
     for (int p = 0; p < np; ++p) {

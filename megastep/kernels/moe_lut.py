@@ -29,7 +29,7 @@ from megastep.kernels.cuda_module import CudaModule, find_nvcc
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_lut.cu")
 _MODULE = CudaModule(SOURCE)
-_GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiiipqpii")
+_GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiii")
 THREADS = 256
 CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
@@ -62,20 +62,14 @@ def _grid(items: int, device: torch.device) -> tuple[int, int, int]:
 
 
 def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I, strides, limit, topk,
-            round_bf16, sparse, aq=None, qcnt=None) -> None:
+            round_bf16, sparse) -> None:
     """act[p] = rnd(r_p * silu(min(rnd(w1 . xq[p // topk]), limit)) * clamp(rnd(w3 . xq), +-limit));
-    strides: the table's (w13 row, w13 scale row) strides. With aq (bf16 [P, I]) and qcnt (int32
-    [P, I / 128] at zero, left at zero) also aq = fp8_act_sim(act, 128), natural order: the last
-    CTA to finish a (pair, 128-block) quantizes it (the bits of moe_route's quantization launch)."""
+    strides: the table's (w13 row, w13 scale row) strides."""
     assert xq.dtype == act.dtype == torch.bfloat16 and xq.stride(1) == 1 and act.stride(1) == 1
-    quant = aq is not None
-    if quant:
-        assert aq.dtype == torch.bfloat16 and aq.stride(1) == 1 and qcnt.numel() >= pairs.numel() * (I // 128)
     items = min(pairs.numel(), addr.shape[0]) * (I // 32)  # (slot, 32-channel tile)
     _GATE_UP.launch(_grid(items, xq.device), (THREADS, 1, 1), shared_bytes(D), None,
                     xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
-                    D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse),
-                    aq if quant else act, aq.stride(0) if quant else 0, qcnt if quant else pairs, I // 128, int(quant))
+                    D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
 
 
 def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
