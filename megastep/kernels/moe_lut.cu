@@ -10,28 +10,29 @@
 // in shared memory whose entry is the two exact values as bf16x2. One prmt forms the address (the
 // byte lands in bits 8-15 next to the lane's word offset: entries are 256 B apart and every lane
 // reads its own copy, so a warp's 32 lookups never share a bank), one ld.shared fetches the MMA
-// operand register: 1 integer op + 1 shared load per byte, where the arithmetic decode of "dot_asm"
-// issues ~3.5 integer ops per byte and the FP8 linear's loop is bound by its instruction issue.
+// operand register: 1 integer op + 1 shared load per byte, where the arithmetic decode of
+// "dot_asm" issues ~3.5 integer ops per byte.
 //
 // MMA layout (mma.m16n8k16, bf16 in, fp32 out). A warp owns 16 MMA rows: gate-up 8 channels of w1
 // (rows 0-7) and the same channels of w3 (rows 8-15), so a lane ends with w1's and w3's sums of
 // one channel; down 16 rows of w2. Lane (g, t) of the warp (g = lane / 4, t = lane % 4) reads rows
-// g and g + 8 over one half of K (warp / 4); a step covers 128 contiguous bytes of each row (8
+// g and g + 8 over one half of K (warp / 4). A step covers 128 contiguous bytes of each row (8
 // MXFP4 groups) and lane t takes groups t and t + 4 of them, so each L2 line is consumed whole by
-// the step that loads it (a first version gave each lane its own 256-byte range, read 32 B per
-// step: the L2 evicted the prefetched rest before its use and DRAM read each byte ~2.6 times). The scale of a group must multiply only that group's sum, and each lane brings its
-// own group to an MMA: so the B operand is block-diagonal, column 2t + p holds pair p's x only in
-// the K slots of lane t (zeros elsewhere: 8 lanes of 32 load x, the others read a zero row). Then
+// the step that loads it (a first version gave each lane its own 256-byte range, 32 B a step: the
+// L2 evicted the prefetched rest before its use and DRAM read each byte ~2.6 times).
+// The scale of a group must multiply only that group's sum, and each lane brings its own group to
+// an MMA: so the B operand is block-diagonal, column 2t + p holds pair p's x only in the K slots
+// of lane t (zeros elsewhere: 8 lanes of 32 load x, the others read a zero row). Then
 // C[g][2t + p] is exactly lane (g, t)'s group sum for pair p, it sits in lane (g, t)'s own c0/c1,
 // and the lane applies the group's E8M0 scale it loaded itself: acc += C * 2^(s - 127) (exact
 // product). Two pairs per MMA; more pairs of an expert run further passes over its rows.
 //
-// Order of sums, fixed whatever the batch or the routing of other rows: per (row, pair) a group's 32
-// products in one MMA chain (8 MMAs, fp32), the groups of a lane in order (t, t + 4, t + 8, ...),
-// the 4 lanes of a quad by a butterfly ((q0 + q1) + (q2 + q3)), then half 0 + half 1. Deterministic and batch invariant
-// (a pair's column never meets another pair's values).
+// Order of sums, fixed whatever the batch or the routing of other rows: per (row, pair) a group's
+// 32 products in one MMA chain (8 MMAs, fp32), the groups of a lane in order (t, t + 4, t + 8,
+// ...), the 4 lanes of a quad by a butterfly ((q0 + q1) + (q2 + q3)), then half 0 + half 1.
+// Deterministic and batch invariant (a pair's column never meets another pair's values).
 //
-// Work: a CTA (8 warps: 4 row blocks x 2 K halves) takes items (slot, 64-row tile) in turn over a
+// Work: a CTA (8 warps: 4 row blocks x 2 K halves) takes items (slot, 64 MMA rows) in turn over a
 // grid of at most 2 CTAs per SM; x of the item's pairs is staged in shared memory, padded so that
 // the 8 lanes loading x hit distinct banks (and the zero row's reads distinct ones again).
 

@@ -13,7 +13,7 @@ with a block-diagonal B so every MXFP4 group's scale multiplies only its own sum
 explains both); Triton expresses neither. Measured against the Triton "dot_asm" kernels in
 docs/PERFORMANCE.md (tenth measurement).
 
-Grids are static (at most 2 CTAs of 256 threads per SM, each taking (expert slot, 64-row tile)
+Grids are static (at most 2 CTAs of 256 threads per SM, each taking (expert slot, 64 weight rows)
 items in turn), so launches are captured by CUDA graphs; build and load happen at the first
 call (`cuda_module`), which must come before any capture (the runtime's warm-up steps do it).
 """

@@ -180,7 +180,8 @@ class FastDecoder:
         NVLink (kernels/pair_combine.py; CUDA, Triton kernels). "allreduce": an integer all-reduce
         of zero-padded pair buffers through the process group (any backend). None: p2p where
         it can run, else allreduce.
-        moe_mode: the routed-experts kernel mode (kernels.moe.MODES; None: its default).
+        moe_mode: the routed-experts kernel mode (kernels.moe.ALL_MODES; None: "lut" where it runs, else
+            the Triton kernels' default: docs/PERFORMANCE.md, tenth measurement).
         cold_path: how the placement's cold experts are computed: "gpu" (recipe A: the experts
         kernel reads them in host memory), "cpu" (recipe B: the CPU computes them while the GPU
         runs the hot ones, runtime/sidecar.py) or "hybrid" (each layer's cold experts split
