@@ -36,11 +36,15 @@ CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared 
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
 
 
+@functools.cache
+def _have_nvcc() -> bool:  # looked up once: `supported` runs on every eager experts call
+    return find_nvcc() is not None
+
+
 def supported(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:
     """Whether mode "lut" can run: a CUDA device, nvcc to build the kernels, bf16 activations,
     D and I multiples of 512 (a K half of whole 128-byte steps)."""
-    return (device.type == "cuda" and dtype == torch.bfloat16 and D % 512 == 0 and I % 512 == 0
-            and find_nvcc() is not None)
+    return device.type == "cuda" and dtype == torch.bfloat16 and D % 512 == 0 and I % 512 == 0 and _have_nvcc()
 
 
 def shared_bytes(K: int) -> int:
