@@ -184,8 +184,8 @@ struct Stream {
   }
 };
 
-struct Item {
-  int e, start, cnt, tile;
+struct Item {  // the item (expert slot, tile) of a pass: its pairs start at `start`
+  int start, cnt, tile;
 };
 
 __device__ __forceinline__ void prologue(char* smem, const Layout& L) {
@@ -269,10 +269,10 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
         float total[4];
 #pragma unroll
         for (int v = 0; v < 4; ++v) total[v] = acc[v] + rb[v];
-        epi(Item{e, start, cnt, tile}, c0, np, r0, r1, total);
+        epi(Item{start, cnt, tile}, c0, np, r0, r1, total);
       }
       __syncthreads();
-      post(Item{e, start, cnt, tile}, c0, np);
+      post(Item{start, cnt, tile}, c0, np);
     }
   }
 }
