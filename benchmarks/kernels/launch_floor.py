@@ -64,11 +64,15 @@ PROBES = [
 ANATOMY_SHAPES = ((128, 4096), (1536, 4096), (40960, 1024))
 
 
-PROBE_FILES = (GV._SOURCE, os.path.join(HERE, "cuda_experiments.cuh"))  # the kernel and the header it includes
+_COMMON = os.path.join(HERE, "..", "..", "megastep", "kernels", "cuda_common.cuh")
+_COMMON_INCLUDE = '#include "../../megastep/kernels/cuda_common.cuh"'  # (cuda_experiments.cuh's)
+# the kernel and the headers it includes
+PROBE_FILES = (GV._SOURCE, os.path.join(HERE, "cuda_experiments.cuh"), os.path.normpath(_COMMON))
 
 
 def probe_module(out_dir, name, edits):
-    """The GEMV built from copies of its files (under out_dir/name) with `edits` made in them."""
+    """The GEMV built from copies of its files (side by side under out_dir/name, the include
+    pointed at the copy) with `edits` made in them."""
     texts = {p: open(p).read() for p in PROBE_FILES}
     for old, new in edits:
         hits = [p for p, t in texts.items() if old in t]
@@ -78,7 +82,7 @@ def probe_module(out_dir, name, edits):
     os.makedirs(d, exist_ok=True)
     for p, t in texts.items():
         with open(os.path.join(d, os.path.basename(p)), "w") as f:
-            f.write(t)
+            f.write(t.replace(_COMMON_INCLUDE, '#include "cuda_common.cuh"'))
     return cuda_module.CudaModule(os.path.join(d, os.path.basename(GV._SOURCE)))
 
 
