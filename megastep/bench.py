@@ -32,6 +32,7 @@ import torch
 from megastep.checkpoint.synthetic import LazyDeviceWeights, preset, synthesize_on_device
 from megastep.config import CSA_RATIO, ModelConfig
 from megastep.errors import UserError
+from megastep.kernels import moe_lut
 from megastep.runtime.bandwidth import (cpu_read_bandwidth, host_read_bandwidth, hybrid_cpu_share,
                                         stream_read_bandwidth)
 
@@ -255,6 +256,10 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
     dev = rank.device if rank is not None else torch.device("cuda")
     W = rank.world_size if rank is not None else 1
     cfg = preset(args.preset, layers=args.layers)
+    if args.moe_mode == "lut" and not moe_lut.supported(dev, torch.bfloat16, cfg.hidden_size,
+                                                         cfg.moe_intermediate_size):
+        raise UserError(f"--moe-mode lut needs nvcc and hidden / moe intermediate sizes that are multiples of 512 "
+                        f"(preset {args.preset}: {cfg.hidden_size} / {cfg.moe_intermediate_size})")
     peer = None
     if args.peer_layers and W == 1:  # first, while the device is empty: it needs bf16 copies of its layers
         peer = peer_transformers(preset(args.preset, layers=args.peer_layers), args.seed, dev, args.context, iters=10)

@@ -35,3 +35,22 @@ def test_cpu_share_only_for_hybrid(capsys):
     text = capsys.readouterr().out
     assert "cold experts: cpu, CPU read 140.0 GB/s; host bw of the roofline: the CPU's" in text
     assert "CPU share" not in text
+
+
+def test_lut_experts_on_a_preset_they_cannot_run_is_one_clear_error(monkeypatch):
+    """`--moe-mode lut` where the CUDA experts kernels cannot run (the small preset: I = 256) stops
+    with one message before any weight is made, not a traceback from the decoder."""
+    import argparse
+
+    import pytest
+    import torch
+
+    from megastep import bench
+    from megastep.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check runs before any device work
+    p = argparse.ArgumentParser()
+    bench.add_bench_arguments(p)
+    args = p.parse_args(["--preset", "small", "--batch", "1", "--moe-mode", "lut"])
+    with pytest.raises(UserError, match="--moe-mode lut needs"):
+        bench.run_bench(args)
