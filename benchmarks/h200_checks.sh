@@ -14,7 +14,7 @@
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
 #   bash benchmarks/h200_checks.sh stalls     # why the weight-streaming loops stall: every raw counter (warp stall reasons included) of the experts and FP8 linear at batch 1 (~3 min)
-#   bash benchmarks/h200_checks.sh floor      # what one decode launch costs (launch_floor.py), the CUDA GEMV and the CUDA experts gate-up against Triton (~3 min)
+#   bash benchmarks/h200_checks.sh floor      # what one decode launch costs (launch_floor.py), the CUDA GEMV against Triton, the experts' Triton and lut kernels (~3 min)
 #   bash benchmarks/h200_checks.sh stream     # what one launch can stream (XOR-only reads), L2-prefetched linears, the experts without their decode (~3 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)

@@ -2,8 +2,8 @@
 nvcc into the entry points their wrappers name, with as many parameters as the wrappers'
 signatures pass; the GEMV's shape rules keep within its kernel's limits; the timing probes of
 launch_floor.py still find the lines they edit. Their numerics are checked on the GPU by their
-scripts (gemv_variants.py, moe_cuda_variants.py: against the torch refs, run to run, a row alone
-against the batch)."""
+scripts (gemv_variants.py: against the torch ref, run to run, a row alone against the batch).
+(The runtime's CUDA kernels, kernels/moe_lut.cu, are checked in tests/kernels/test_moe.py.)"""
 
 import os
 import sys
@@ -17,7 +17,6 @@ sys.path.insert(0, os.path.join(HERE, "..", "benchmarks", "kernels"))
 
 import gemv_fp8_cuda as GV  # noqa: E402
 import launch_floor as LF  # noqa: E402
-import moe_gate_up_cuda as MG  # noqa: E402
 
 needs_nvcc = pytest.mark.skipif(cm.find_nvcc() is None, reason="nvcc not installed")
 
@@ -58,15 +57,6 @@ def test_launch_floor_probes_find_their_lines():
             assert sum(old in t for t in texts) == 1, (name, old)
 
 
-@needs_nvcc
-def test_moe_gate_up_source_builds(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path))
-    cubin = cm.build_cubin(MG.SOURCE)
-    assert b"moe_gate_up_cuda" in cubin
-
-
 def test_signatures_match_the_kernels():
-    moe_src = open(MG.SOURCE).read()
-    assert _params(moe_src, "moe_gate_up_cuda") == len(MG._KERNEL.signature)
     gemv_src = open(GV._SOURCE).read()
     assert _params(gemv_src, "gemv_fp8_nt##NT##_nb##NB") == len(GV._SIGNATURE)

@@ -1,6 +1,6 @@
-// Pieces both CUDA C++ experiments use (gemv_fp8_cuda.cu, moe_gate_up_cuda.cu): the streaming
-// weight load and the bf16 rounding (the runtime's, megastep/kernels/cuda_common.cuh), and the
-// m16n8k16 MMA on fp16 or bf16 operands (fp32 accumulate).
+// Pieces of the CUDA C++ experiments (gemv_fp8_cuda.cu): the streaming weight load and the bf16
+// rounding (the runtime's, megastep/kernels/cuda_common.cuh), and the m16n8k16 MMA on fp16 or bf16
+// operands (fp32 accumulate).
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,9 +1,9 @@
 """The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's
-Triton kernels ("triton"), with the CUDA C++ gate-up experiment (`moe_gate_up_cuda`, swapped in:
-"cuda"; routing, the activation quantization, down and the combine stay the runtime's) and in
-the runtime's mode "lut" (the CUDA C++ table-lookup kernels, kernels/moe_lut.py).
+Triton kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels,
+kernels/moe_lut.py). (An earlier CUDA C++ gate-up experiment, moe_gate_up_cuda, measured in
+docs/PERFORMANCE.md's eighth measurement, was removed when "lut" superseded it.)
 
-    python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,cuda,lut]
+    python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut]
     (an engine "lut:-DNAME=V" builds the lut kernels with those nvcc flags: for a switch an
     experiment adds to kernels/moe_lut.cu)
 
@@ -30,7 +30,6 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 import bench_kernels as BK  # noqa: E402
-import moe_gate_up_cuda as CU  # noqa: E402
 import moe_variants as MV  # noqa: E402
 from megastep.kernels import moe as MOE  # noqa: E402
 from megastep.kernels import moe_lut as LUTK  # noqa: E402
@@ -38,9 +37,6 @@ from megastep.kernels.cuda_module import CudaModule  # noqa: E402
 
 
 def run(engine, fn):
-    if engine == "cuda":
-        with CU.use_cuda_gate_up():
-            return fn()
     if engine.split(":")[0] == "lut":  # the runtime's mode "lut" (kernels/moe_lut.py) as the default;
         # "lut:-DNAME=V ...": its kernels built with those nvcc flags (the .cu's experiment switches)
         flags = tuple(engine.split(":", 1)[1].split()) if ":" in engine else ()
@@ -81,13 +77,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out/moe_cuda_variants"))
     ap.add_argument("--ms", default="1,4,16,64")
-    ap.add_argument("--engines", default="triton,cuda,lut")
+    ap.add_argument("--engines", default="triton,lut")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     BK.LOG = open(os.path.join(args.out, "moe_cuda_variants.log"), "w")
     bw = BK.measure_bandwidth()["read"]
     BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; "
-           f"cuda gate-up kernel: {CU._KERNEL.attributes()}")
+           f"lut kernels: {LUTK._GATE_UP.attributes()}, {LUTK._DOWN.attributes()}")
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)
     copies = [MV.random_experts(E, D, I, gen) for _ in range(MV.N_COPIES)]

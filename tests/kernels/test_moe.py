@@ -470,3 +470,20 @@ def test_lut_kernels_build_for_sm90():
     for kernel in ("moe_gate_up_lut", "moe_down_lut"):
         assert f"Compiling entry function '{kernel}'" in out.stderr
     assert out.stderr.count("0 bytes spill stores, 0 bytes spill loads") == 2, out.stderr
+
+
+def test_lut_signatures_match_the_kernels():
+    """moe_lut.py passes as many arguments as each kernel in moe_lut.cu declares, typed by position
+    (p pointer, q int64, i int32, f float): a mismatch would pass garbage without an error."""
+    import re
+
+    from megastep.kernels import moe_lut
+
+    src = open(moe_lut.SOURCE).read()
+    kinds = {"p": r".*\*\s*\w+", "q": r"long long \w+", "i": r"int \w+", "f": r"float \w+"}
+    for kernel in (moe_lut._GATE_UP, moe_lut._DOWN):
+        head = src[src.index(f"{kernel.name}(") + len(kernel.name) + 1:]
+        params = [p.strip() for p in head[:head.index(")")].split(",")]
+        assert len(params) == len(kernel.signature), kernel.name
+        for p, c in zip(params, kernel.signature):
+            assert re.fullmatch(kinds[c], p), (kernel.name, p, c)
