@@ -4,14 +4,12 @@ kernels/moe_lut.py). (An earlier CUDA C++ gate-up experiment, moe_gate_up_cuda, 
 docs/PERFORMANCE.md's eighth measurement, was removed when "lut" superseded it.)
 
     python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut]
-    (an engine "lut:-DNAME=V" builds the lut kernels with those nvcc flags: for a switch an
-    experiment adds to kernels/moe_lut.cu)
 
 For each M and engine: the output against moe_experts_mxfp4_ref (the tests' tolerance: rel L2 <=
 4e-3, max <= 2e-2 of max |ref|), two runs bit-identical, row 0 alone bit-identical to row 0 of the
-batch; the per-kernel device time (torch profiler, eager); then the time per call (CUDA graph of 20 calls, each with its own random routing on one of
-two stacked layer copies: nothing from L2, as moe_variants.py), and the GB/s of the distinct
-experts read. Prints a table last; JSON under --out.
+batch; the per-kernel device time (torch profiler, eager); then the time per call (CUDA graph of
+20 calls, each with its own random routing on one of two stacked layer copies: nothing from L2,
+as moe_variants.py), and the GB/s of the distinct experts read. Prints a table last; JSON under --out.
 """
 
 from __future__ import annotations
@@ -33,29 +31,16 @@ import bench_kernels as BK  # noqa: E402
 import moe_variants as MV  # noqa: E402
 from megastep.kernels import moe as MOE  # noqa: E402
 from megastep.kernels import moe_lut as LUTK  # noqa: E402
-from megastep.kernels.cuda_module import CudaModule  # noqa: E402
 
 
 def run(engine, fn):
-    if engine.split(":")[0] == "lut":  # the runtime's mode "lut" (kernels/moe_lut.py) as the default;
-        # "lut:-DNAME=V ...": its kernels built with those nvcc flags (the .cu's experiment switches)
-        flags = tuple(engine.split(":", 1)[1].split()) if ":" in engine else ()
-        if flags and flags not in _LUT_BUILDS:
-            mod = CudaModule(LUTK.SOURCE, extra_flags=flags)
-            _LUT_BUILDS[flags] = (mod.kernel("moe_gate_up_lut", LUTK._GATE_UP.signature),
-                                  mod.kernel("moe_down_lut", LUTK._DOWN.signature))
-        saved = MOE.DEFAULT_MODE, LUTK._GATE_UP, LUTK._DOWN
-        MOE.DEFAULT_MODE = "lut"
-        if flags:
-            LUTK._GATE_UP, LUTK._DOWN = _LUT_BUILDS[flags]
+    if engine == "lut":  # the runtime's mode "lut" (kernels/moe_lut.py) as the kernels' default
+        saved, MOE.DEFAULT_MODE = MOE.DEFAULT_MODE, "lut"
         try:
             return fn()
         finally:
-            MOE.DEFAULT_MODE, LUTK._GATE_UP, LUTK._DOWN = saved
+            MOE.DEFAULT_MODE = saved
     return fn()
-
-
-_LUT_BUILDS = {}
 
 
 def kernel_times(engine, calls):

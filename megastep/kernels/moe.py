@@ -534,9 +534,9 @@ def moe_experts_table(
     S = min(P, E)
     g_up, g_down = min(cfg.groups_up, S), min(cfg.groups_down, S)
     sw13, ss13, sw2, ss2 = table.strides
-    common = dict(TOPK=k, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, ROUND_BF16=rnd, INTERPRET=interp,
-                  MODE=MODES.get(cfg.mode, -1), ALIGN=table.align, SPARSE=table.sparse,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = {} if lut else dict(  # the Triton kernels' arguments
+        TOPK=k, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, ROUND_BF16=rnd, INTERPRET=interp, MODE=MODES[cfg.mode],
+        ALIGN=table.align, SPARSE=table.sparse, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     nq = -(-I // ACT_BLOCK)
     # (I tiles inside 128-blocks; "lut" quantizes in the separate launch)
     fuse = not lut and P <= FUSED_ACT_QUANT_MAX_PAIRS and 128 % cfg.block_i == 0

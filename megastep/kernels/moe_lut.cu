@@ -107,7 +107,7 @@ struct Args {
   long long stride_x;
   const long long* tab;    // [E, 4] addresses: w13, w13 scale, w2, w2 scale
   const int *pair_ptr, *slot_e, *slot_start, *slot_cnt, *nslot;
-  int K, rows_total, which, topk, sparse, down;
+  int K, w3_rows, topk, sparse, down;  // w3_rows: gate-up I (w3 follows w1); down 0
   long long stride_w, stride_s;
 };
 
@@ -229,14 +229,14 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
   for (int it = blockIdx.x; it < items; it += gridDim.x) {
     const int slot = it / tiles, tile = it % tiles;
     const int e = a.slot_e[slot];
-    const long long* ent = a.tab + 4LL * e + a.which;
+    const long long* ent = a.tab + 4LL * e + (a.down ? 2 : 0);  // (w13, scale) or (w2, scale)
     const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
     const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
     const int cnt = a.sparse && wbase == nullptr ? 0 : a.slot_cnt[slot];
     const int start = a.slot_start[slot];
     // rows g and g + 8 of this warp's 16: gate-up channel c of w1 and of w3; down rows r and r + 8
     const int r0 = a.down ? tile * 64 + blk * 16 + g : tile * 32 + blk * 8 + g;
-    const int r1 = a.down ? r0 + 8 : r0 + a.rows_total / 2;
+    const int r1 = a.down ? r0 + 8 : r0 + a.w3_rows;
     Stream st;
     st.wa = wbase + r0 * a.stride_w + half * (a.K / 4) + t * 16;
     st.wb = wbase + r1 * a.stride_w + half * (a.K / 4) + t * 16;
@@ -286,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(
     const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,
     long long stride_a, int D, int I, long long stride_w, long long stride_s, float limit, int round_out, int topk,
     int sparse) {
-  const Args a{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, 2 * I, 0, topk, sparse, 0,
+  const Args a{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, I, topk, sparse, 0,
                stride_w, stride_s};
   const int t = threadIdx.x & 3;
   run(a, I / 32, [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
@@ -313,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(
     const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* y, long long stride_y, float* out,
     long long stride_o, int* counters, int D, int I, long long stride_w, long long stride_s, int topk, int sparse,
     int combine) {
-  const Args a{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, D, 2, topk, sparse, 1,
+  const Args a{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1,
                stride_w, stride_s};
   __shared__ int last[2];
   const int t = threadIdx.x & 3, tiles = D / 64;
