@@ -83,27 +83,30 @@ def test_graph_replay_equals_eager_step(experts):
     assert torch.equal(g, e)
 
 
-@pytest.mark.parametrize("sms", [None, 4])
-def test_pdl_changes_no_bits(sms, monkeypatch):
-    """Programmatic dependent launch only moves when kernels start: 16 rows through a graph
-    captured with PDL give the bits of the graph without it, step after step. sms=4: the
+@pytest.mark.parametrize("sms,experts", [(None, "triton"), (4, "triton"), (None, "lut")])
+def test_pdl_changes_no_bits(sms, experts, monkeypatch):
+    """Programmatic dependent launch only moves when kernels start: 16 rows, then 1, through
+    graphs captured with PDL give the bits of the graphs without it, step after step. sms=4: the
     launches believe the GPU has 4 SMs, so nearly every grid takes the late release (PDL_LATE)
-    and the weight prefetch, as the full-size model's linears do."""
+    and the weight prefetch, as the full-size model's linears do. "lut": the CUDA experts kernels
+    launched with PDL too (down requests its first weights before it waits)."""
     if sms is not None:
         monkeypatch.setitem(_common._SMS, torch.cuda.current_device(), sms)
-    cfg, dec, runner = build()
-    _, dec2, runner2 = build()
-    dec2.pdl = True
+    cfg, dec, runner = build(experts=experts)
+    _, dec2, runner2 = build(experts=experts)
+    dec.pdl, dec2.pdl = False, True
     g = torch.Generator().manual_seed(4)
     for d in (dec, dec2):
         for s in range(16):
             d.pools.reset(s)
-    for t in range(6):
-        toks = torch.randint(0, cfg.vocab_size, (16,), generator=g).cuda()
-        args = (toks, torch.full((16,), t, device="cuda"), torch.arange(16, device="cuda"))
-        a, _ = runner.run(*args)
-        b, _ = runner2.run(*args)
-        assert torch.equal(a, b)
+    for rows in (16, 1):
+        for t in range(6):
+            toks = torch.randint(0, cfg.vocab_size, (rows,), generator=g).cuda()
+            args = (toks, torch.full((rows,), t if rows == 16 else 6 + t, device="cuda"),
+                    torch.arange(rows, device="cuda"))
+            a, _ = runner.run(*args)
+            b, _ = runner2.run(*args)
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("experts", ["triton", "lut"])

@@ -168,6 +168,7 @@ def _driver() -> ctypes.CDLL:
             "cuFuncGetAttribute": [ctypes.POINTER(i32), i32, p],
             "cuFuncSetAttribute": [p, i32, i32],
             "cuLaunchKernel": [p, u32, u32, u32, u32, u32, u32, u32, p, pp, pp],
+            "cuLaunchKernelEx": [p, p, pp, pp],
         }
         for name, argtypes in sigs.items():
             fn = getattr(lib, name)
@@ -210,6 +211,23 @@ def _primary_context(lib: ctypes.CDLL, device: int) -> int:
 
 _ARG_TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "I": ctypes.c_uint32, "q": ctypes.c_int64,
               "f": ctypes.c_float}
+
+
+# cuLaunchKernelEx's configuration (cuda.h, CUDA 12+): one launch attribute, programmatic stream
+# serialization (PDL: the kernel may start before its predecessor on the stream has completed;
+# it orders itself with griddepcontrol.wait)
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
 class _Function:
@@ -286,9 +304,11 @@ class Kernel:
         return fn
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared_bytes: int,
-               stream: torch.cuda.Stream | int | None, *args) -> None:
+               stream: torch.cuda.Stream | int | None, *args, pdl: bool = False) -> None:
         """Enqueue the kernel on `stream` (None: torch's current stream; int: a raw CUstream on the
-        current device). Captured by a CUDA graph when the stream is capturing."""
+        current device). Captured by a CUDA graph when the stream is capturing. pdl: launched with
+        programmatic stream serialization (the kernel may start while its predecessor drains; it
+        must wait with griddepcontrol.wait before touching what the predecessor writes)."""
         if len(args) != len(self._types):
             raise TypeError(f"{self.name} takes {len(self._types)} arguments ({self.signature!r}), got {len(args)}")
         if stream is None:
@@ -316,8 +336,14 @@ class Kernel:
         try:
             gx, gy, gz = grid
             bx, by, bz = block
-            _check(lib, lib.cuLaunchKernel(fn.handle, gx, gy, gz, bx, by, bz, shared_bytes, handle, params, None),
-                   f"cuLaunchKernel({self.name})")
+            if pdl:
+                attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+                cfg = _LaunchConfig(gx, gy, gz, bx, by, bz, shared_bytes, handle, ctypes.pointer(attr), 1)
+                _check(lib, lib.cuLaunchKernelEx(ctypes.byref(cfg), fn.handle, params, None),
+                       f"cuLaunchKernelEx({self.name}, PDL)")
+            else:
+                _check(lib, lib.cuLaunchKernel(fn.handle, gx, gy, gz, bx, by, bz, shared_bytes, handle, params, None),
+                       f"cuLaunchKernel({self.name})")
         finally:
             if switch:
                 lib.cuCtxPopCurrent_v2(ctypes.byref(cur))

@@ -77,7 +77,7 @@ class MhcConfig:
     sinkhorn_apart: bool = True  # the finish's Sinkhorn in its own program, beside the collapse
     # hc = 4: the 20 Sinkhorn rounds on 16 scalars that every thread holds (no cross-thread sums;
     # the same operations on the same values: the same bits), not on a [4, 4] tile spread over
-    # the program's warps. Not measured on the device yet: tune_mhc.py decides.
+    # the program's warps. Pinned for V4-Flash below (measured on one H200).
     sinkhorn_scalar: bool = False
 
     def check(self) -> None:
@@ -86,9 +86,14 @@ class MhcConfig:
         assert self.kc >= 16 and self.block_d >= 16 and self.post_block_d >= 16, self
 
 
-# Pinned per (hc, D); other shapes use the same rule. Not measured on the device yet
-# (benchmarks/kernels/tune_mhc.py sweeps these on a GPU).
-_PINNED: dict[tuple[int, int], MhcConfig] = {(4, 4096): MhcConfig(256, 8, 4096, 512, 4, 4, True)}
+# Pinned per (hc, D); other shapes use the same rule. V4-Flash's, from
+# benchmarks/kernels/tune_mhc.py on one H200 (2026-11-30, docs/PERFORMANCE.md eleventh measurement):
+# the Sinkhorn on scalars and 256-wide hc_post chunks, mhc_pre + mhc_post 8.7 / 21.7 us at B = 1 / 64
+# against 9.1 / 22.4 for the rule (the same bits: every candidate was checked against it).
+_PINNED: dict[tuple[int, int], MhcConfig] = {
+    (4, 4096): MhcConfig(kc=256, block_m=8, block_d=4096, post_block_d=256, num_warps=4, finish_warps=4,
+                         sinkhorn_apart=True, sinkhorn_scalar=True),
+}
 
 
 def pick_config(hc: int, D: int) -> MhcConfig:

@@ -84,6 +84,16 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+__device__ __forceinline__ void prefetch_l2(const uint8_t* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// PDL (moe_lut.py launches with programmatic stream serialization when the step uses PDL; without
+// it both are no-ops). pdl_wait blocks until the predecessor grid has completed and its writes are
+// visible. pdl_release lets the next kernel's CTAs be placed as SM room frees up: a grid of these
+// kernels (at most 2 CTAs per SM) is resident from its start, so they never take a slot one of its
+// own CTAs needs, and they wait for this grid's completion before they read what it writes.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_release() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+
 __device__ __forceinline__ float scale_f(uint32_t s) { return __uint_as_float(s << 23); }  // 2^(s-127), s >= 1
 
 // Shared memory after the table: x of 2 pairs, a zero row, the halves' partial sums. A group of x
@@ -224,16 +234,26 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
   char* xsm = smem + kLutBytes;
   float* red = reinterpret_cast<float*>(xsm + L.red_off);
   prologue(smem, L);
-  const int items = *a.nslot * tiles;
+  // Under PDL gate-up waits here: x and the routing are its predecessor's (the router's) outputs;
+  // then it releases its dependents (the activation quantization, which releases down at once).
+  // down reads the routing and requests its first item's weights before it waits for aq (the
+  // quantization's output): the routing was complete before gate-up's release, which came after
+  // gate-up's own wait. (The routing is read past L1: .cg)
+  bool waiting = a.down;
+  if (!waiting) {
+    pdl_wait();
+    pdl_release();
+  }
+  const int items = __ldcg(a.nslot) * tiles;
   const int steps = a.K / 512;  // a half's 128-byte steps
   for (int it = blockIdx.x; it < items; it += gridDim.x) {
     const int slot = it / tiles, tile = it % tiles;
-    const int e = a.slot_e[slot];
+    const int e = __ldcg(a.slot_e + slot);
     const long long* ent = a.tab + 4LL * e + (a.down ? 2 : 0);  // (w13, scale) or (w2, scale)
     const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
     const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
-    const int cnt = a.sparse && wbase == nullptr ? 0 : a.slot_cnt[slot];
-    const int start = a.slot_start[slot];
+    const int cnt = a.sparse && wbase == nullptr ? 0 : __ldcg(a.slot_cnt + slot);
+    const int start = __ldcg(a.slot_start + slot);
     // rows g and g + 8 of this warp's 16: gate-up channel c of w1 and of w3; down rows r and r + 8
     const int r0 = a.down ? tile * 64 + blk * 16 + g : tile * 32 + blk * 8 + g;
     const int r1 = a.down ? r0 + 8 : r0 + a.w3_rows;
@@ -243,12 +263,28 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
     st.sa_p = sbase + r0 * a.stride_s + half * (a.K / 64);
     st.sb_p = sbase + r1 * a.stride_s + half * (a.K / 64);
     st.steps = steps;
+    bool filled = false;
+    if (waiting) {  // down's first item: the ring filled, and the rest of its rows asked of L2
+      // (also the rows of the CTA's next 1 or 3 items: no faster on one H200, docs/PERFORMANCE.md)
+      if (cnt > 0) {
+        st.fill();
+        filled = true;
+        for (int s = KPF + t; s < steps; s += 4) {  // lane t: steps KPF + t, KPF + t + 4, ... of the quad's rows
+          prefetch_l2(st.wa - t * 16 + s * 128);
+          prefetch_l2(st.wb - t * 16 + s * 128);
+        }
+      }
+      pdl_wait();
+      pdl_release();
+      waiting = false;
+    }
     for (int c0 = 0; c0 < cnt; c0 += 2) {
       const int np = min(2, cnt - c0);
       __syncthreads();  // the previous pass's readers of x and red are done
       stage_x(xsm, a, L, start, c0, np);
       __syncthreads();
-      st.fill();
+      if (!filled) st.fill();
+      filled = false;
       const int p = g & 1;
       const bool active = (g >> 1) == t && p < np;
       const char* xl = xsm + (active ? p * L.rowpitch : L.zero_off) + (half * (a.K / 64) + t) * kGroupPitch;

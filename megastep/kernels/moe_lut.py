@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from megastep.kernels.common import pdl_enabled
 from megastep.kernels.cuda_module import CudaModule, find_nvcc
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_lut.cu")
@@ -73,7 +74,7 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     items = min(pairs.numel(), addr.shape[0]) * (I // 32)  # (slot, 32-channel tile)
     _GATE_UP.launch(_grid(items, xq.device), (THREADS, 1, 1), shared_bytes(D), None,
                     xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
-                    D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
+                    D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse), pdl=pdl_enabled())
 
 
 def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
@@ -85,4 +86,5 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     items = min(pairs.numel(), addr.shape[0]) * (D // 64)  # (slot, 64-row tile)
     _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
                  aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,
-                 out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine))
+                 out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
+                 pdl=pdl_enabled())

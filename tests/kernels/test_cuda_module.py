@@ -21,6 +21,13 @@ extern "C" __global__ void affine(float* y, const float* x, float a, int b, unsi
     if (i < n) y[i] = a * x[i] + (float)b + (float)(c >> 28) + (float)(d >> 32);
 }
 
+// add_one after griddepcontrol.wait: launched with PDL it may start while its predecessor drains
+extern "C" __global__ void wait_add_one(float* x, int n) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += 1.0f;
+}
+
 // reverses x within one block through dynamic shared memory (more than the default 48 KiB)
 extern "C" __global__ void reverse_smem(float* y, const float* x, int n) {
     extern __shared__ float buf[];
@@ -128,6 +135,35 @@ def test_lazy_and_signature_checked(tmp_path):
         mod.kernel("add_one", "px")
     with pytest.raises(ValueError, match="arch"):
         cm.build_cubin(str(tmp_path / "missing.cu"), arch="90")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_launch_with_pdl_eager_and_graph(home, source):
+    """pdl=True (cuLaunchKernelEx with programmatic stream serialization): the kernel runs after
+    its predecessor's writes, eagerly and in a captured graph, chained several times."""
+    major, minor = torch.cuda.get_device_capability()
+    mod = cm.CudaModule(source, arch=f"sm_{major}{minor}")
+    add_one, wait_add_one = mod.kernel("add_one", "pi"), mod.kernel("wait_add_one", "pi")
+    n = 1 << 20
+    x = torch.zeros(n, dtype=torch.float32, device="cuda")
+    grid = (-(-n // 256), 1, 1)
+
+    def chain():
+        for _ in range(4):
+            add_one.launch(grid, (256, 1, 1), 0, None, x, n)
+            wait_add_one.launch(grid, (256, 1, 1), 0, None, x, n, pdl=True)
+
+    chain()
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, 8.0))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain()
+    g.replay()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, 24.0))
 
 
 @pytest.mark.gpu
