@@ -67,18 +67,21 @@ def test_other_fp8_blocks_take_the_torch_linear():
     assert torch.allclose(a, b, atol=1e-5 * b.abs().max().item())
 
 
-def test_router_launch_grouping_gives_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("n", [3, 1])
+def test_router_launch_grouping_gives_the_same_bits(n, monkeypatch):
     """The step with the gate GEMV, the routing and the experts' pair grouping in one launch
     (router.gate_route_group, up to MAX_GATE_ROWS rows), with the gate apart and the grouping in
     the router's launch (router.route_group, up to MAX_GROUPED_PAIRS pairs), and with three
-    launches gives the same logits, bit for bit, so a batch may cross those sizes freely."""
+    launches gives the same logits, bit for bit, so a batch may cross those sizes freely. One row:
+    the one-launch router writes a top-k layer's grouping directly (layer 1; layer 0 is a hash
+    layer, grouped as for more rows)."""
     from megastep.kernels import router
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = tiny_cfg(num_hidden_layers=2)
     w = synthesize_weights(cfg, seed=5, device=dev, include_mtp=False)
-    ids = torch.randint(0, 512, (2, 3), generator=torch.Generator().manual_seed(2)).to(dev)
-    slots = torch.tensor([0, 1, 2], device=dev)
+    ids = torch.randint(0, 512, (2, n), generator=torch.Generator().manual_seed(2)).to(dev)
+    slots = torch.arange(n, device=dev)
     logits = []
     calls = {"gate_route_group": 0}
     fused = router.gate_route_group
@@ -94,7 +97,7 @@ def test_router_launch_grouping_gives_the_same_bits(monkeypatch):
         d = FastDecoder(cfg, w, max_seqs=3, max_ctx=32, device=dev, triton=True)
         for s in range(3):
             d.pools.reset(s)
-        logits.append([d.step(ids[t], torch.full((3,), t, device=dev), slots) for t in range(2)])
+        logits.append([d.step(ids[t], torch.full((n,), t, device=dev), slots) for t in range(2)])
         if rows:  # the one-launch path really ran (every layer of both steps)
             assert calls["gate_route_group"] == 2 * cfg.num_hidden_layers, calls
     for run in logits[1:]:
