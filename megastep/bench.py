@@ -91,15 +91,16 @@ def _tokens(rows: int, dev: torch.device) -> torch.Tensor:
     return torch.randint(0, 1000, (rows,), generator=torch.Generator().manual_seed(rows)).to(dev)
 
 
-def time_graph(runner, rows: int, context: int, iters: int, warmup: int = 5, block: int = 1) -> list[float]:
-    """Step times (ms) of `rows` rows: rows // block sequences, each a block of `block`
+def _rows(dev: torch.device, rows: int, context: int, block: int):
+    """(tokens, positions, slots) of `rows` rows: rows // block sequences, each a block of `block`
     consecutive positions from `context` on (block 1: independent sequences)."""
-    dev = runner.device
-    tokens = _tokens(rows, dev)
     r = torch.arange(rows, device=dev)
-    pos = context + r % block
-    slots = r // block
-    b = runner.load(tokens, pos, slots)
+    return _tokens(rows, dev), context + r % block, r // block
+
+
+def time_graph(runner, rows: int, context: int, iters: int, warmup: int = 5, block: int = 1) -> list[float]:
+    """Step times (ms) of `rows` rows (`_rows`), one CUDA-graph replay each."""
+    b = runner.load(*_rows(runner.device, rows, context, block))
     for _ in range(warmup):
         runner.replay(b)
     torch.cuda.synchronize()
@@ -114,15 +115,20 @@ def time_graph(runner, rows: int, context: int, iters: int, warmup: int = 5, blo
     return out
 
 
+def timeline_graph(runner, rows: int, context: int, block: int = 1) -> list[dict]:
+    """The device timeline of one graph replay of time_graph's rows (runtime.trace.replay_timeline)."""
+    from megastep.runtime.trace import replay_timeline
+
+    b = runner.load(*_rows(runner.device, rows, context, block))
+    runner.replay(b)  # warm
+    return replay_timeline(lambda: runner.replay(b), runner.device)
+
+
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-def _trace_rows(dec, rows: int, context: int, block: int):
-    dev = dec.device
-    r = torch.arange(rows, device=dev)
-    return _tokens(rows, dev), context + r % block, r // block
 
 
 def trace_step(dec, rows: int, context: int, repeats: int = 3,
@@ -131,7 +137,7 @@ def trace_step(dec, rows: int, context: int, repeats: int = 3,
     from megastep.runtime.trace import StepTrace
 
     dev = dec.device
-    tokens, pos, slots = _trace_rows(dec, rows, context, block)
+    tokens, pos, slots = _rows(dec.device, rows, context, block)
     dec.step(tokens, pos, slots, block=block)  # warm
     tr = StepTrace(dev)
     dec.trace = tr
@@ -152,7 +158,7 @@ def trace_kernels(dec, rows: int, context: int, block: int = 1) -> dict[str, dic
     from megastep.runtime.trace import StepTrace, kernel_summary
 
     dev = dec.device
-    tokens, pos, slots = _trace_rows(dec, rows, context, block)
+    tokens, pos, slots = _rows(dec.device, rows, context, block)
     dec.step(tokens, pos, slots, block=block)  # warm
     dec.trace = StepTrace(dev, ranges=True)
     try:
@@ -314,6 +320,13 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
                                                "cold_slot_fraction": placement.cold_fraction},
         "state_pool_bytes": dec.pools.bytes(), "results": results, "peer": peer,
     }
+    if args.timeline:
+        from megastep.runtime.trace import timeline_summary
+
+        out["timeline"] = {}
+        for B in batches:
+            acts = timeline_graph(runner, B, args.context, args.block)
+            out["timeline"][B] = {"summary": timeline_summary(acts), "activities": acts}
     if args.trace:
         traces = {}
         for B in batches:
@@ -360,6 +373,12 @@ def print_report(out: dict) -> None:
         p = out["peer"]
         print(f"peer transformers ({p['best_impl']}, {p['layers']} layers, batch 1): {p['ms_per_step']}  "
               f"-> {p['ms_per_layer']} ms/layer")
+    for B, tl in (out.get("timeline") or {}).items():
+        sm = tl["summary"]
+        print(f"\ntimeline of one graph replay, batch {B}: {sm['activities']} kernels over {sm['span_us'] / 1e3:.3f} ms, "
+              f"{sm['sum_us'] / 1e3:.3f} ms of kernel time, covered {sm['busy_us'] / 1e3:.3f} ms, idle "
+              f"{sm['idle_us'] / 1e3:.3f} ms; largest idle stretches (us, after): "
+              + ", ".join(f"{g['us']:.1f} {g['after'][:30]}" for g in sm["largest_gaps"][:4]))
     for B, tr in (out.get("trace") or {}).items():
         tot = sum(tr["by_stage_us"].values())
         print(f"\ntrace batch {B}: eager wall {tr['eager_wall_ms']:.2f} ms, sum of stages {tot / 1e3:.2f} ms")
@@ -408,6 +427,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", action="store_true", help="also print the eager per-stage trace")
+    p.add_argument("--timeline", action="store_true",
+                   help="also profile one graph replay per batch: each kernel's start and end in the --json file, "
+                        "idle time and the largest idle stretches printed")
     p.add_argument("--peer-layers", type=int, default=0, help="layers for the transformers peer line (0: skip)")
     p.add_argument("--json", help="write the full results here")
     p.add_argument("--block", type=int, default=1,

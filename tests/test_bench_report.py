@@ -13,6 +13,9 @@ def _out(cold_path):
         "results": [{"batch": 1, "ms_p50": 4.0, "ms_p90": 4.1, "ms_p99": 4.2, "tokens_per_s": 250.0, "bytes": nb,
                      "roofline_ms": 2.0, "pct_of_roofline": 50.0}],
         "peer": None,
+        "timeline": {"1": {"summary": {"activities": 5, "span_us": 3900.0, "sum_us": 4100.0, "busy_us": 3700.0,
+                                       "idle_us": 200.0, "largest_gaps": [{"us": 12.5, "after": "_linear_fp8_kernel"}]},
+                           "activities": []}},
         "trace": {"1": {"by_stage_us": {"attention": 30.0, "mhc_pre": 10.0}, "eager_wall_ms": 9.0,
                         "kernels": {"attention": {"device_us": 60.0, "kernels": 2, "names": {"_attn": [60.0, 2]}},
                                     "mhc_pre": {"device_us": 20.0, "kernels": 4, "names": {}}}}},
@@ -28,6 +31,8 @@ def test_report_lines(capsys):
     # kernels: 80 us of device time in 6 launches against a 4 ms replay
     assert "0.08 ms in 6 launches; graph replay 4.00 ms -> 3.92 ms between kernels" in text
     assert "attention           30.0 us/layer    1.0 launches/layer  _attn 30.0" in text
+    assert ("timeline of one graph replay, batch 1: 5 kernels over 3.900 ms, 4.100 ms of kernel time, covered "
+            "3.700 ms, idle 0.200 ms; largest idle stretches (us, after): 12.5 _linear_fp8_kernel") in text
 
 
 def test_cpu_share_only_for_hybrid(capsys):

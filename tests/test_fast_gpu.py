@@ -204,3 +204,34 @@ def test_lut_experts_agree_with_the_triton_kernels():
         a, b = dec.step(*args), ref.step(*args)
         for i in range(4):
             assert torch.corrcoef(torch.stack([a[i].float(), b[i].float()]))[0, 1] > 0.9999
+
+
+def test_replay_timeline_sees_the_graphs_kernels():
+    """`megastep bench --timeline`'s profile of one graph replay: the graph's kernels are on the
+    device timeline (CUPTI records graph-launched kernels), in start order, within the span."""
+    from megastep.runtime.trace import replay_timeline, timeline_summary
+
+    cfg, dec, runner = build()
+    dec.pools.reset(0)
+    b = runner.load(*(torch.tensor([v], device="cuda") for v in (5, 0, 0)))
+    runner.replay(b)
+    acts = replay_timeline(lambda: runner.replay(b), dec.device)
+    names = {a["name"] for a in acts}
+    assert len(acts) >= 5 * cfg.num_hidden_layers and any("linear_fp8" in n for n in names), sorted(names)[:20]
+    assert all(a["dur_us"] >= 0 for a in acts) and acts == sorted(acts, key=lambda a: a["start_us"])
+    sm = timeline_summary(acts)
+    assert 0 < sm["busy_us"] <= sm["span_us"] and sm["idle_us"] >= 0
+
+
+@pytest.mark.parametrize("experts", ["triton", "lut"])
+def test_shared_expert_in_the_combine_gives_the_same_bits(experts):
+    """The shared expert's w2 on the side stream with its output added by the experts' combine
+    (the default) against w2 after the routed experts with their sum as its residual: the same
+    greedy logits bit for bit, through the graphs (PDL at 1 row)."""
+    built = build(experts=experts)
+    assert built[1].shared_in_combine and all("shared13" in lw for lw in built[1].layers)
+    a = greedy_logits(steps=8, built=built)
+    old = build(experts=experts)  # the flag is read when a graph is captured: a fresh decoder
+    old[1].shared_in_combine = False
+    b = greedy_logits(steps=8, built=old)
+    assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))

@@ -73,3 +73,26 @@ def test_kernels_attributed_to_the_innermost_range_of_their_launch():
     assert {k: (v["device_us"], v["kernels"]) for k, v in ks.items()} == {
         "indexer": (3.0, 1), "attention": (10.0, 3), "other": (2.0, 1), "head": (1.5, 1)}
     assert ks["attention"]["names"] == {"attn": [9.0, 2], "fill": [1.0, 1]}
+
+
+def test_replay_timeline_summary_counts_overlaps_once():
+    """The device timeline of a graph replay: activities in start order from the first one's
+    start; busy time counts overlapping kernels (two streams, PDL's waiting kernels) once; idle
+    stretches are the holes nothing covers, each after the activity that ended last."""
+    events = [
+        _ev("kernel", "b", 1010, 5.0, pid=0, tid=7),
+        _ev("kernel", "a", 1000, 8.0, pid=0, tid=7),
+        _ev("kernel", "side", 1002, 20.0, pid=0, tid=8),  # another stream, over a and b
+        _ev("cuda_runtime", "cudaGraphLaunch", 990, 3.0),  # host side: not on the timeline
+        _ev("gpu_memset", "fill", 1030, 2.0, pid=0, tid=7),
+        _ev("kernel", "c", 1040, 10.0, pid=0, tid=7),
+    ]
+    acts = T.device_timeline(events)
+    assert [a["name"] for a in acts] == ["a", "side", "b", "fill", "c"]
+    assert [a["start_us"] for a in acts] == [0.0, 2.0, 10.0, 30.0, 40.0]
+    sm = T.timeline_summary(acts)
+    assert sm["activities"] == 5 and sm["span_us"] == 50.0 and sm["sum_us"] == 45.0
+    assert sm["busy_us"] == 22.0 + 2.0 + 10.0  # [0, 22) + [30, 32) + [40, 50)
+    assert sm["idle_us"] == 16.0
+    assert sm["largest_gaps"] == [{"us": 8.0, "after": "side"}, {"us": 8.0, "after": "fill"}]
+    assert T.timeline_summary([])["activities"] == 0

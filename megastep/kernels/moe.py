@@ -85,7 +85,7 @@ mode; bytes outside give wrong values and are not detected per call (`check_scal
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -415,11 +415,11 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     aq_ptr, tab_ptr, pair_ptr, slot_e_ptr, slot_start_ptr, slot_cnt_ptr, nslot_ptr,
-    y_ptr, out_ptr, cnt_ptr,
-    D, I, stride_am, stride_wn, stride_sn, stride_ym, stride_om, G,
+    y_ptr, out_ptr, cnt_ptr, sh_ptr,
+    D, I, stride_am, stride_wn, stride_sn, stride_ym, stride_om, stride_shm, G,
     TOPK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, MODE: tl.constexpr, ALIGN: tl.constexpr,
-    SPARSE: tl.constexpr, COMBINE: tl.constexpr, PDL: tl.constexpr,
+    SPARSE: tl.constexpr, COMBINE: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     NG: tl.constexpr = BLOCK_K // 32
@@ -465,7 +465,11 @@ def _moe_down_kernel(
                 tot = tl.load(yrow, mask=lm, other=0.0, cache_modifier=".cg").to(tl.float32)
                 for t in tl.static_range(1, TOPK):
                     tot += tl.load(yrow + t * stride_ym, mask=lm, other=0.0, cache_modifier=".cg").to(tl.float32)
-                tl.store(out_ptr + rows[None, :] * stride_om + offs_d[:, None], tot, mask=lm)
+                if SHARED:  # + the shared expert's output, then one rounding to out's dtype
+                    tot += tl.load(sh_ptr + rows[None, :] * stride_shm + offs_d[:, None], mask=lm, other=0.0).to(tl.float32)
+                    if out_ptr.dtype.element_ty == tl.bfloat16:
+                        tot = round_bf16(tot, INTERPRET)
+                tl.store(out_ptr + rows[None, :] * stride_om + offs_d[:, None], tot.to(out_ptr.dtype.element_ty), mask=lm)
                 tl.store(cnt_ptr + rows * n_d_tiles + pid_d, 0, mask=last)
 
 
@@ -479,9 +483,15 @@ def moe_experts_table(
     return_pairs: bool = False,
     pairs_out: torch.Tensor | None = None,
     routing: Routing | None = None,
+    shared: torch.Tensor | Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [M, D] bf16 (or fp32), topk_ids [M, k] int32, topk_weights [M, k] fp32, the experts'
     address table -> [M, D] fp32 sum of the routed experts (module doc).
+
+    shared: the shared expert's output s [M, D] (bf16 or fp32), or a zero-argument function that
+    returns it, called just before the last launch (a caller may join another stream there). The
+    combine adds it and rounds once: returns (routed + s.float()).to(s.dtype), exactly what adding
+    s to this function's fp32 result would give, without the extra launch.
 
     routing: topk_ids' pairs grouped by expert and x quantized (`moe_route`'s result, e.g. made
     in the router's launch by `router.route_group`); None: this call makes them (one launch more).
@@ -502,6 +512,8 @@ def moe_experts_table(
     assert topk_ids.dtype in (torch.int32, torch.int64) and topk_weights.dtype == torch.float32
     if table.sparse and not return_pairs:
         raise ValueError("a table with absent experts (expert parallelism) needs return_pairs=True")
+    if shared is not None and return_pairs:
+        raise ValueError("shared is added by the combine: not with return_pairs=True")
     if pairs_out is not None:
         assert return_pairs and pairs_out.dtype == x.dtype and pairs_out.is_contiguous(), (pairs_out.dtype, x.dtype)
         assert pairs_out.shape[-1] == D and pairs_out.numel() >= M * k * D, (pairs_out.shape, M, k, D)
@@ -511,9 +523,10 @@ def moe_experts_table(
     if lut and not _lut.supported(x.device, x.dtype, D, I):
         raise ValueError(f"experts mode 'lut' needs a CUDA device, nvcc, bf16 x and D, I multiples of 512 "
                          f"(got {x.device.type}, {x.dtype}, D {D}, I {I})")
-    out = torch.empty(M, D, dtype=torch.float32, device=x.device)
     if M == 0:
-        return torch.zeros(M, k, D, dtype=x.dtype, device=x.device) if return_pairs else out
+        if return_pairs:
+            return torch.zeros(M, k, D, dtype=x.dtype, device=x.device)
+        return torch.empty(M, D, dtype=torch.float32 if shared is None else x.dtype, device=x.device)
     P = M * k
     interp = on_interpreter(x)
     rnd = x.dtype == torch.bfloat16
@@ -558,16 +571,28 @@ def moe_experts_table(
     n_d_tiles = -(-D // cfg.block_d)
     cnt = workspace(x.device, "counters_moe", M * n_d_tiles, torch.int32)
     grid = (n_d_tiles, g_down)
+    sh = _shared_operand(shared, M, D, x.device)
+    out = torch.empty(M, D, dtype=torch.float32 if sh is None else sh.dtype, device=x.device)
     if lut:
         _lut.down(aq, table.addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, cnt, D, I, (sw2, ss2), k,
-                  table.sparse, not return_pairs)
+                  table.sparse, not return_pairs, shared=sh)
         return y.view(M, k, D) if return_pairs else out
     _moe_down_kernel[grid](
-        aq, table.addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, cnt,
-        D, I, aq.stride(0), sw2, ss2, y.stride(0), out.stride(0), g_down, BLOCK_D=cfg.block_d, COMBINE=not return_pairs,
-        **common, **launch_opts(x, grid),
+        aq, table.addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, cnt, out if sh is None else sh,
+        D, I, aq.stride(0), sw2, ss2, y.stride(0), out.stride(0), 0 if sh is None else sh.stride(0), g_down,
+        BLOCK_D=cfg.block_d, COMBINE=not return_pairs, SHARED=sh is not None, **common, **launch_opts(x, grid),
     )
     return y.view(M, k, D) if return_pairs else out
+
+
+def _shared_operand(shared, M: int, D: int, device: torch.device) -> torch.Tensor | None:
+    """moe_experts_table's `shared` (a tensor, or the function that returns it: called now)."""
+    sh = shared() if callable(shared) else shared
+    if sh is not None:
+        assert sh.shape == (M, D) and sh.dtype in (torch.bfloat16, torch.float32) and sh.stride(1) == 1, (
+            sh.shape, sh.dtype)
+        assert sh.device == device, (sh.device, device)
+    return sh
 
 
 def permutes(mode: str | None) -> bool:

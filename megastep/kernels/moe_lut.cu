@@ -343,12 +343,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(
 }
 
 // y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 64-row tile) of
-// all its topk pairs sums them in slot order into out (fp32), then resets the counter.
+// all its topk pairs sums them in slot order into out (fp32), then resets the counter; with
+// shared (bf16 [M, D], the shared expert's output) out is bf16 and receives rnd(sum + shared).
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(
     const __nv_bfloat16* aq, long long stride_q, const long long* tab, const int* pair_ptr, const int* slot_e,
-    const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* y, long long stride_y, float* out,
+    const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* y, long long stride_y, void* out,
     long long stride_o, int* counters, int D, int I, long long stride_w, long long stride_s, int topk, int sparse,
-    int combine) {
+    int combine, const __nv_bfloat16* shared, long long stride_sh) {
   const Args a{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1,
                stride_w, stride_s};
   __shared__ int last[2];
@@ -379,7 +380,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(
         const unsigned short* yp = reinterpret_cast<const unsigned short*>(y) + (long long)row * topk * stride_y + d;
         float tot = __uint_as_float((uint32_t)__ldcg(yp) << 16);
         for (int j = 1; j < topk; ++j) tot += __uint_as_float((uint32_t)__ldcg(yp + j * stride_y) << 16);
-        out[row * stride_o + d] = tot;
+        if (shared) {
+          tot += __bfloat162float(shared[row * stride_sh + d]);
+          static_cast<__nv_bfloat16*>(out)[row * stride_o + d] = __float2bfloat16_rn(tot);
+        } else {
+          static_cast<float*>(out)[row * stride_o + d] = tot;
+        }
       }
       if (threadIdx.x == 0) counters[row * tiles + it.tile] = 0;
     }

@@ -36,7 +36,7 @@ from megastep.kernels.cuda_module import CudaModule, find_nvcc
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_lut.cu")
 _MODULE = CudaModule(SOURCE)
 _GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
-_DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiii")
+_DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
@@ -83,13 +83,19 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
 
 
 def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
-         combine) -> None:
+         combine, shared=None) -> None:
     """y[p] = rnd(w2 . aq[p]); with combine out[m] = sum over slots j of y[m * topk + j] (fp32,
     slot order) by the last CTA to finish each (row, 64-row tile), counters [M, D / 64] int32 at
-    zero (left at zero). strides: the table's (w2 row, w2 scale row) strides."""
+    zero (left at zero). shared (bf16 [M, D]): out is bf16 and receives rnd(that sum + shared).
+    strides: the table's (w2 row, w2 scale row) strides."""
     assert aq.dtype == y.dtype == torch.bfloat16 and aq.stride(1) == 1 and y.stride(1) == 1
+    if shared is not None:
+        assert combine and shared.dtype == out.dtype == torch.bfloat16 and shared.stride(1) == 1, (shared.dtype,
+                                                                                                    out.dtype)
+    else:
+        assert out.dtype == torch.float32, out.dtype
     items = min(pairs.numel(), addr.shape[0]) * (D // 64)  # (slot, 64-row tile)
     _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
                  aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,
                  out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
-                 pdl=pdl_enabled())
+                 0 if shared is None else shared, 0 if shared is None else shared.stride(0), pdl=pdl_enabled())

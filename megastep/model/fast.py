@@ -227,6 +227,11 @@ class FastDecoder:
         if overlap and not on_cuda:
             raise ValueError("overlap needs the Triton kernels on a CUDA device")
         self.side_stream = torch.cuda.Stream(self.device) if (on_cuda if overlap is None else overlap) else None
+        # The shared expert's w2 beside the routed experts (after its gated half, on the side
+        # stream), its output added by the experts' combine: rnd(routed + rnd(w2 . a)), the bits of
+        # w2's residual epilogue, with w2 off the main stream's path. False: w2 after the routed
+        # experts, their sum as its residual (the two are compared by the tests).
+        self.shared_in_combine = True
         if cold_path != "gpu" and (world_size > 1 or not self.triton):
             raise ValueError("cold_path cpu / hybrid needs the Triton experts kernel and one rank")
         if cold_path == "hybrid" and cpu_share is None and placement is not None and placement.n_cold:
@@ -426,6 +431,11 @@ class FastDecoder:
         for t in made_on_side:
             t.record_stream(main)
 
+    def _joined(self, t: torch.Tensor) -> torch.Tensor:
+        """`_join(t)`, then t: a tensor made on the side stream, ready for the main stream."""
+        self._join(t)
+        return t
+
     # ---- pieces ---------------------------------------------------------------------------
     def _kernel(self, module, name: str):
         """The Triton kernel on CUDA, its torch `*_ref` twin elsewhere."""
@@ -530,10 +540,14 @@ class FastDecoder:
         # and the combine kernel adds it (w2's residual epilogue, the same bits), so w2 does not
         # wait for the other ranks
         whole_shared = fused and self.peer is not None and "experts" in lw
+        # one GPU: the whole shared expert beside the routed experts as well, its output added by
+        # their combine (shared_in_combine)
+        in_combine = (fused and self.shared_in_combine and self.peer is None and self.world_size == 1
+                      and "experts" in lw and not lw.get("cpu_experts", False))
         with self._on_side(), stage(T, "shared_expert", L):  # its gated half beside the routed experts
             if fused:  # gated w1/w3 + SwiGLU in one launch
                 a = _lin.linear_fp8_swiglu(x.contiguous(), *lw["shared13"], cfg.swiglu_limit, out_dtype=x.dtype)
-                if whole_shared:
+                if whole_shared or in_combine:
                     a = w2(a, True)
             else:
                 a = ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
@@ -555,6 +569,8 @@ class FastDecoder:
                 else:
                     idx, w = self._kernel(_router, "route")(*route_args)
         with stage(T, "routed_experts", L):
+            if in_combine:  # the main stream joins the side stream just before the experts' last launch
+                return self._routed(x, idx, w, lw, L, routing, shared=lambda: self._joined(a))()
             routed = self._routed(x, idx, w, lw, L, routing)
         self._join(a)
         # the routed parts of other ranks or of the CPU (sidecar) were in flight during the shared
@@ -574,10 +590,12 @@ class FastDecoder:
             return None  # the kernel's pick
         return _moe.pick_config(x.shape[0], idx.shape[1], table.E, table.D, table.I, mode=self.moe_mode)
 
-    def _routed(self, x, idx, w, lw, L, routing=None) -> Callable[[], torch.Tensor]:
+    def _routed(self, x, idx, w, lw, L, routing=None, shared=None) -> Callable[[], torch.Tensor]:
         """Launch the routed experts; returns the function that gives their sum [B, D] once the
         parts computed elsewhere (other ranks, the CPU) have arrived. routing: idx's pairs grouped
-        and x quantized by the router's launch (`router.route_group`), or None."""
+        and x quantized by the router's launch (`router.route_group`), or None. shared (one part
+        only: the experts table in this process): `moe_experts_table`'s shared, the sum is then
+        rnd(routed + shared) in shared's dtype."""
         cfg = self.cfg
         if "experts_plain" in lw:  # unquantized checkpoints: a slow loop
             y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -594,10 +612,11 @@ class FastDecoder:
         job = self.sidecar.start(L, x, idx, w) if lw.get("cpu_experts") else None  # runs beside the kernel below
         if "experts" in lw:
             peer = self.peer is not None  # the pairs written where the other ranks read them
+            assert shared is None or not split, "shared in the combine of a one-part experts call only"
             out = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
                                          config=self._moe_config(x, idx, lw["experts"]), return_pairs=split,
                                          pairs_out=self.peer.buffer(L, idx.numel()) if peer else None,
-                                         routing=routing)
+                                         routing=routing, shared=shared)
             if peer:
                 return lambda shared=None: self.peer.combine(L, idx, len(self.owned), shared)
         else:

@@ -10,6 +10,8 @@ time the host as much as the device. `kernel_summary` answers the device questio
 the step under the profiler, with each stage a named range, and sums per stage the device time of
 the kernels the stage launched and their count: what the stage costs in a graph replay, less the
 gaps between kernels (the graph-replay step time minus the sum of all stages is those gaps).
+`replay_timeline` profiles one graph replay instead: each kernel's start and end as the graph
+runs them, with PDL's overlaps and the second stream (`megastep bench --timeline`).
 """
 
 from __future__ import annotations
@@ -125,6 +127,52 @@ def kernel_summary(step: Callable[[], object], device: torch.device) -> dict[str
         if device.type == "cuda":
             torch.cuda.synchronize()
     return attribute_kernels(_trace_events(prof))
+
+
+def device_timeline(events: list[dict]) -> list[dict]:
+    """Profiler trace events -> the device activities (kernels, copies, fills) in start order:
+    {"name", "start_us" (from the first one's start), "dur_us", "stream"}."""
+    acts = sorted((e for e in events if e.get("cat", "") in _DEVICE_CATS and "ts" in e), key=lambda e: e["ts"])
+    if not acts:
+        return []
+    t0 = acts[0]["ts"]
+    return [{"name": e.get("name", "?"), "start_us": float(e["ts"] - t0), "dur_us": float(e.get("dur", 0.0)),
+             "stream": (e.get("args") or {}).get("stream", e.get("tid"))} for e in acts]
+
+
+def timeline_summary(acts: list[dict], gaps: int = 8) -> dict:
+    """What a device timeline (`device_timeline`) spent: its span, the summed activity time, the
+    time covered by at least one activity ("busy"; overlapping activities counted once: other
+    streams, PDL's early-placed kernels waiting) and the rest ("idle"), and the `gaps` largest idle
+    stretches with the activity before each."""
+    if not acts:
+        return {"activities": 0, "span_us": 0.0, "sum_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "largest_gaps": []}
+    span = max(a["start_us"] + a["dur_us"] for a in acts) - acts[0]["start_us"]
+    busy, end, holes = 0.0, acts[0]["start_us"], []
+    last = acts[0]["name"]
+    for a in acts:  # in start order: a stretch before `a` that nothing covers is idle
+        s, e = a["start_us"], a["start_us"] + a["dur_us"]
+        if s > end:
+            holes.append((s - end, last))
+        busy += max(0.0, e - max(s, end))
+        if e >= end:
+            end, last = e, a["name"]
+    holes.sort(key=lambda h: -h[0])
+    return {"activities": len(acts), "span_us": span, "sum_us": sum(a["dur_us"] for a in acts), "busy_us": busy,
+            "idle_us": span - busy, "largest_gaps": [{"us": us, "after": name} for us, name in holes[:gaps]]}
+
+
+def replay_timeline(replay: Callable[[], object], device: torch.device) -> list[dict]:
+    """Run `replay()` (one CUDA-graph replay of a step) under the profiler -> its device timeline
+    (`device_timeline`): where the graph's kernels start and end, PDL and the second stream
+    included, which the eager `kernel_summary` cannot show."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize(device)
+    return device_timeline(_trace_events(prof))
 
 
 def _trace_events(prof) -> list[dict]:

@@ -280,6 +280,28 @@ def test_table_from_separate_allocations(mode, wide):
         assert torch.equal(moe_experts_table(x, ids, wts, tab, config=cfg), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("mode", ["fma", "dot_asm"])
+def test_shared_added_by_the_combine(mode, dtype, wide):
+    """shared=s: the combine adds the shared expert's output to the slot-order sum and rounds once,
+    exactly (routed + s.float()).to(s.dtype); a callable is called for s; not with return_pairs."""
+    x, ids, wts = crowded_inputs(5, 3, seed=17, dtype=dtype)
+    cfg = pick_config(5, 3, E2, D2, I2, mode=mode)
+    tab = stacked_table(wide["w13"], wide["w13_scale"], wide["w2"], wide["w2_scale"])
+    routed = moe_experts_table(x, ids, wts, tab, config=cfg)
+    s = (torch.randn(5, D2, generator=torch.Generator().manual_seed(3)) * routed.abs().max().cpu()).to(dtype).to(DEV)
+    want = (routed + s.float()).to(dtype)
+    got = moe_experts_table(x, ids, wts, tab, config=cfg, shared=s)
+    assert got.dtype == dtype and torch.equal(got, want)
+    if dtype == torch.bfloat16:  # the rounding of the sum is the result's only one
+        assert not torch.equal(want, (routed.to(dtype).float() + s.float()).to(dtype))
+    calls = []
+    assert torch.equal(moe_experts_table(x, ids, wts, tab, config=cfg, shared=lambda: calls.append(1) or s), want)
+    assert calls == [1]
+    with pytest.raises(ValueError, match="not with return_pairs"):
+        moe_experts_table(x, ids, wts, tab, config=cfg, shared=s, return_pairs=True)
+
+
 @pytest.mark.parametrize("mode", ["fma", "dot"])
 def test_expert_parallel_shards_recombine_bit_exactly(mode, wide):
     """Expert parallelism: each "rank" holds a table with only its experts (the others absent,
@@ -454,6 +476,11 @@ def test_gpu_lut_expert_parallel_and_host_memory_tables(M):
     host = ExpertTable.from_experts(cold, device="cuda")
     torch.cuda.synchronize()
     assert torch.equal(moe_experts_table(x, ids, wts, host, config=cfg), want)
+    # the shared expert's output added by the combine: one rounding of the sum
+    s = (torch.randn(M, 4096, generator=torch.Generator().manual_seed(M), device="cpu") * want.abs().max().cpu()
+         ).bfloat16().cuda()
+    got = moe_experts_table(x, ids, wts, full, config=cfg, shared=s)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, (want + s.float()).bfloat16())
 
 
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
