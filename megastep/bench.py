@@ -285,6 +285,7 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
                       pdl={"auto": None, "on": True, "off": False}[args.pdl],
                       overlap=False if args.no_overlap else None,
                       rank=rank.rank if rank is not None else 0, world_size=W, ep_combine=args.ep_combine)
+    dec.shared_in_combine = args.shared_in_combine
     del weights
     torch.cuda.synchronize()
     gen_s = time.perf_counter() - t0
@@ -314,6 +315,7 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers, "gpus": W,
         "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": cpu_share,
         "cpu_read_GBps": cpu_bw, "moe_mode": dec.moe_mode or "default", "pdl": args.pdl, "overlap": dec.side_stream is not None,
+        "shared_in_combine": dec.shared_in_combine,
         "ep_combine": None if W == 1 else "p2p" if dec.peer is not None else "allreduce", "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
         "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
                                                "n_hot": placement.n_hot, "n_cold": placement.n_cold,
@@ -427,6 +429,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", action="store_true", help="also print the eager per-stage trace")
+    p.add_argument("--shared-in-combine", action="store_true",
+                   help="the shared expert's w2 beside the routed experts, added by their combine "
+                        "(FastDecoder.shared_in_combine; the same bits)")
     p.add_argument("--timeline", action="store_true",
                    help="also profile one graph replay per batch: each kernel's start and end in the --json file, "
                         "idle time and the largest idle stretches printed")

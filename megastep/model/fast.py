@@ -227,11 +227,12 @@ class FastDecoder:
         if overlap and not on_cuda:
             raise ValueError("overlap needs the Triton kernels on a CUDA device")
         self.side_stream = torch.cuda.Stream(self.device) if (on_cuda if overlap is None else overlap) else None
-        # The shared expert's w2 beside the routed experts (after its gated half, on the side
-        # stream), its output added by the experts' combine: rnd(routed + rnd(w2 . a)), the bits of
-        # w2's residual epilogue, with w2 off the main stream's path. False: w2 after the routed
-        # experts, their sum as its residual (the two are compared by the tests).
-        self.shared_in_combine = True
+        # True: the shared expert's w2 beside the routed experts (after its gated half, on the
+        # side stream), its output added by the experts' combine: rnd(routed + rnd(w2 . a)), the
+        # bits of w2's residual epilogue, with w2 off the main stream's path. False (the default
+        # until it is measured on the GPU, docs/PERFORMANCE.md eleventh measurement): w2 after the
+        # routed experts, their sum as its residual. Read when a step is traced or captured.
+        self.shared_in_combine = False
         if cold_path != "gpu" and (world_size > 1 or not self.triton):
             raise ValueError("cold_path cpu / hybrid needs the Triton experts kernel and one rank")
         if cold_path == "hybrid" and cpu_share is None and placement is not None and placement.n_cold:
