@@ -16,6 +16,8 @@
 #   bash benchmarks/h200_checks.sh stalls     # why the weight-streaming loops stall: every raw counter (warp stall reasons included) of the experts and FP8 linear at batch 1 (~3 min)
 #   bash benchmarks/h200_checks.sh floor      # what one decode launch costs (launch_floor.py), the CUDA GEMV against Triton, the experts' Triton and lut kernels (~3 min)
 #   bash benchmarks/h200_checks.sh stream     # what one launch can stream (XOR-only reads), L2-prefetched linears, the experts without their decode (~3 min)
+#   bash benchmarks/h200_checks.sh shared     # the shared expert's w2 in the experts' combine: its GPU tests, then the step with and without it (~6 min)
+#   bash benchmarks/h200_checks.sh timeline   # the device timeline of one graph replay at 1 and 4 rows (--timeline, in the JSON) (~1.5 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
@@ -102,6 +104,14 @@ for group in "$@"; do
       step l2_prefetch 150 python3 benchmarks/kernels/l2_prefetch.py --json "$OUT/l2_prefetch.json"
       step moe_probe 90 python3 benchmarks/kernels/moe_probe.py --probe none --json "$OUT/moe_probe_none.json"
       step moe_probe_no_decode 90 python3 benchmarks/kernels/moe_probe.py --probe no_decode --json "$OUT/moe_probe_no_decode.json" ;;
+    shared)  # built offline on 2026-11-30 (docs/PERFORMANCE.md, eleventh measurement): bits first, then time
+      step shared_tests 240 python3 -m pytest -q --timeout 200 -m gpu tests/test_fast_gpu.py tests/kernels/test_moe.py \
+        -k "shared or timeline or lut_expert_parallel"
+      bench shared_in_combine 120 --layers 30 --batch 1,4,16,64 --shared-in-combine
+      bench shared_after 100 --layers 30 --batch 1,4,16,64
+      bench shared_in_combine_b 100 --layers 30 --batch 1,4,16,64 --shared-in-combine ;;
+    timeline)
+      bench timeline 120 --layers 30 --batch 1,4 --timeline ;;
     ep)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)
@@ -117,7 +127,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | ep)"
       exit 2 ;;
   esac
 done
