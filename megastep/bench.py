@@ -129,8 +129,6 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-
-
 def trace_step(dec, rows: int, context: int, repeats: int = 3,
                block: int = 1) -> tuple[dict[str, float], dict[int, float], float]:
     """Eager step with per-stage events (µs, averaged over repeats) and its own wall time (ms)."""
