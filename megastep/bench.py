@@ -282,8 +282,8 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
                       moe_mode=args.moe_mode, cold_path=args.cold_path, cpu_share=cpu_share,
                       pdl={"auto": None, "on": True, "off": False}[args.pdl],
                       overlap=False if args.no_overlap else None,
-                      rank=rank.rank if rank is not None else 0, world_size=W, ep_combine=args.ep_combine)
-    dec.shared_in_combine = args.shared_in_combine
+                      rank=rank.rank if rank is not None else 0, world_size=W, ep_combine=args.ep_combine,
+                      shared_in_combine=args.shared_in_combine)
     del weights
     torch.cuda.synchronize()
     gen_s = time.perf_counter() - t0

@@ -162,7 +162,8 @@ class FastDecoder:
                  device: torch.device | str, dtype: torch.dtype = torch.bfloat16, triton: bool | None = None,
                  consume: bool = False, placement=None, max_block: int = 1, rank: int = 0, world_size: int = 1,
                  group=None, moe_mode: str | None = None, cold_path: str = "gpu", cpu_share: float | None = None,
-                 pdl: bool | None = None, overlap: bool | None = None, ep_combine: str | None = None):
+                 pdl: bool | None = None, overlap: bool | None = None, ep_combine: str | None = None,
+                 shared_in_combine: bool = False):
         """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
         stacked, projections concatenated), so a model filling the device is never held twice.
         placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
@@ -199,7 +200,13 @@ class FastDecoder:
         store (norm, RoPE, window ring write) beside the q path.
         At small batches these kernels are latency-bound, and side by side their tails overlap
         (measured: 7.24 -> 7.07 ms for 30 V4-Flash layers at batch 1). Every kernel computes the
-        same values either way. None: on wherever the Triton kernels run on CUDA."""
+        same values either way. None: on wherever the Triton kernels run on CUDA.
+        shared_in_combine: on one GPU, the shared expert's w2 beside the routed experts (after its
+        gated half, on the side stream), its output added by the experts' combine: rnd(routed +
+        rnd(w2 . a)), the bits of w2's residual epilogue, with w2 off the main stream's path.
+        False (the default until it is measured on the GPU, docs/PERFORMANCE.md eleventh
+        measurement): w2 after the routed experts, their sum as its residual. The attribute is
+        read when a step is traced or captured."""
         self.cfg, self.dtype = cfg, dtype
         self.world_size, self.group = world_size, group
         if moe_mode is not None and moe_mode not in _moe.ALL_MODES:
@@ -227,12 +234,7 @@ class FastDecoder:
         if overlap and not on_cuda:
             raise ValueError("overlap needs the Triton kernels on a CUDA device")
         self.side_stream = torch.cuda.Stream(self.device) if (on_cuda if overlap is None else overlap) else None
-        # True: the shared expert's w2 beside the routed experts (after its gated half, on the
-        # side stream), its output added by the experts' combine: rnd(routed + rnd(w2 . a)), the
-        # bits of w2's residual epilogue, with w2 off the main stream's path. False (the default
-        # until it is measured on the GPU, docs/PERFORMANCE.md eleventh measurement): w2 after the
-        # routed experts, their sum as its residual. Read when a step is traced or captured.
-        self.shared_in_combine = False
+        self.shared_in_combine = shared_in_combine
         if cold_path != "gpu" and (world_size > 1 or not self.triton):
             raise ValueError("cold_path cpu / hybrid needs the Triton experts kernel and one rank")
         if cold_path == "hybrid" and cpu_share is None and placement is not None and placement.n_cold:
@@ -543,8 +545,8 @@ class FastDecoder:
         whole_shared = fused and self.peer is not None and "experts" in lw
         # one GPU: the whole shared expert beside the routed experts as well, its output added by
         # their combine (shared_in_combine)
-        in_combine = (fused and self.shared_in_combine and self.peer is None and self.world_size == 1
-                      and "experts" in lw and not lw.get("cpu_experts", False))
+        in_combine = (fused and self.shared_in_combine and self.world_size == 1 and "experts" in lw
+                      and not lw.get("cpu_experts", False))
         with self._on_side(), stage(T, "shared_expert", L):  # its gated half beside the routed experts
             if fused:  # gated w1/w3 + SwiGLU in one launch
                 a = _lin.linear_fp8_swiglu(x.contiguous(), *lw["shared13"], cfg.swiglu_limit, out_dtype=x.dtype)

@@ -229,8 +229,7 @@ def test_shared_expert_in_the_experts_combine_gives_the_same_bits():
     w = synthesize_weights(cfg, seed=6, device=dev, include_mtp=False)
     runs = []
     for in_combine in (True, False):
-        d = FastDecoder(cfg, w, max_seqs=3, max_ctx=32, device=dev, triton=True)
-        d.shared_in_combine = in_combine
+        d = FastDecoder(cfg, w, max_seqs=3, max_ctx=32, device=dev, triton=True, shared_in_combine=in_combine)
         assert all("shared13" in lw and "experts" in lw for lw in d.layers)
         for s in range(3):
             d.pools.reset(s)
