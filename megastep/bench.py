@@ -32,7 +32,7 @@ import torch
 from megastep.checkpoint.synthetic import LazyDeviceWeights, preset, synthesize_on_device
 from megastep.config import CSA_RATIO, ModelConfig
 from megastep.errors import UserError
-from megastep.kernels import moe_lut
+from megastep.kernels import moe_lut, route_cuda
 from megastep.runtime.bandwidth import (cpu_read_bandwidth, host_read_bandwidth, hybrid_cpu_share,
                                         stream_read_bandwidth)
 
@@ -264,6 +264,10 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
                                                          cfg.moe_intermediate_size):
         raise UserError(f"--moe-mode lut needs nvcc and hidden / moe intermediate sizes that are multiples of 512 "
                         f"(preset {args.preset}: {cfg.hidden_size} / {cfg.moe_intermediate_size})")
+    if args.router == "cuda" and not route_cuda.supported(dev, cfg.n_routed_experts, cfg.hidden_size,
+                                                           cfg.num_experts_per_tok):
+        raise UserError(f"--router cuda needs nvcc, a multiple of 32 experts up to {route_cuda.MAX_EXPERTS} and a "
+                        f"hidden size that is a multiple of 128 (preset {args.preset})")
     peer = None
     if args.peer_layers and W == 1:  # first, while the device is empty: it needs bf16 copies of its layers
         peer = peer_transformers(preset(args.preset, layers=args.peer_layers), args.seed, dev, args.context, iters=10)
@@ -283,7 +287,8 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
                       pdl={"auto": None, "on": True, "off": False}[args.pdl],
                       overlap=False if args.no_overlap else None,
                       rank=rank.rank if rank is not None else 0, world_size=W, ep_combine=args.ep_combine,
-                      shared_in_combine=args.shared_in_combine)
+                      shared_in_combine=args.shared_in_combine, router=args.router,
+                      shared_after_router={"auto": None, "on": True, "off": False}[args.shared_after_router])
     del weights
     torch.cuda.synchronize()
     gen_s = time.perf_counter() - t0
@@ -313,7 +318,8 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers, "gpus": W,
         "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": cpu_share,
         "cpu_read_GBps": cpu_bw, "moe_mode": dec.moe_mode or "default", "pdl": args.pdl, "overlap": dec.side_stream is not None,
-        "shared_in_combine": dec.shared_in_combine,
+        "shared_in_combine": dec.shared_in_combine, "shared_after_router": args.shared_after_router,
+        "router": args.router or "auto",
         "ep_combine": None if W == 1 else "p2p" if dec.peer is not None else "allreduce", "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
         "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
                                                "n_hot": placement.n_hot, "n_cold": placement.n_cold,
@@ -430,6 +436,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-in-combine", action="store_true",
                    help="the shared expert's w2 beside the routed experts, added by their combine "
                         "(FastDecoder.shared_in_combine; the same bits)")
+    p.add_argument("--shared-after-router", default="auto", choices=["auto", "on", "off"],
+                   help="fork the shared expert's side stream after the router (on) or before it (off); auto: by "
+                        "the step's rows (FastDecoder's MOE_PLAN; the same bits)")
     p.add_argument("--timeline", action="store_true",
                    help="also profile one graph replay per batch: each kernel's start and end in the --json file, "
                         "idle time and the largest idle stretches printed")
@@ -440,6 +449,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-mode", default=None, choices=["fma", "dot", "dot_asm", "dot_scaled", "lut"],
                    help="routed-experts kernel mode (default: the CUDA 'lut' kernels where they run, else the "
                         "Triton kernels' own pick)")
+    p.add_argument("--router", default=None, choices=["cuda", "triton"],
+                   help="the routing after the gate GEMV: one CUDA C++ launch or router.py's Triton launches (the "
+                        "same bits); default: by the step's rows (FastDecoder's MOE_PLAN)")
     p.add_argument("--pdl", default="auto", choices=["auto", "on", "off"],
                    help="programmatic dependent launch of the step's kernels: on, off, or auto (on for steps of "
                         "at most FastDecoder's PDL_MAX_ROWS rows on one GPU, where it was measured faster)")

@@ -3,7 +3,8 @@ nvcc into the entry points their wrappers name, with as many parameters as the w
 signatures pass; the GEMV's shape rules keep within its kernel's limits; the timing probes of
 launch_floor.py still find the lines they edit. Their numerics are checked on the GPU by their
 scripts (gemv_variants.py: against the torch ref, run to run, a row alone against the batch).
-(The runtime's CUDA kernels, kernels/moe_lut.cu, are checked in tests/kernels/test_moe.py.)"""
+(The runtime's CUDA kernels are checked beside their tests: kernels/moe_lut.cu in tests/kernels/test_moe.py,
+kernels/route_cuda.cu in tests/kernels/test_route_cuda.py.)"""
 
 import os
 import sys

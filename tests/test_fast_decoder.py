@@ -158,6 +158,34 @@ def test_lut_experts_only_where_they_run(tiny):
         FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu", moe_mode="fast")
 
 
+def test_cuda_routing_only_where_it_runs(tiny):
+    """The one-launch CUDA routing is taken only where it runs: on CPU the decoder keeps router.py's
+    kernels whatever the rows, and asking for it, or for an unknown router, is one clear error."""
+    cfg, w = tiny
+    d = FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu")
+    assert not d.route_cuda_ok and all(d._moe_plan(n)[0] == "triton" for n in (1, 4, 16, 64))
+    with pytest.raises(ValueError, match="router 'cuda' needs"):
+        FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu", router="cuda")
+    with pytest.raises(ValueError, match="router must be cuda or triton"):
+        FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu", router="fast")
+
+
+def test_moe_plan_by_rows(tiny):
+    """router=None / shared_after_router=None follow MOE_PLAN by a step's rows; explicit choices
+    hold for every row count."""
+    from megastep.model.fast import MOE_PLAN, MOE_PLAN_ABOVE
+
+    cfg, w = tiny
+    d = FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu")
+    d.route_cuda_ok = True  # as on a GPU that runs it
+    assert [d._moe_plan(n) for n in (1, 2, 4, 5, 16, 17, 64)] == [
+        ("triton", True), ("cuda", True), ("cuda", True), ("cuda", False), ("cuda", False), ("triton", False),
+        ("triton", False)]
+    assert MOE_PLAN_ABOVE == ("triton", False) and [n for n, _, _ in MOE_PLAN] == [1, 4, 16]
+    d.router, d.shared_after_router = "cuda", False
+    assert {d._moe_plan(n) for n in (1, 4, 64)} == {("cuda", False)}
+
+
 def test_workspace_lanes_are_separate_buffers():
     """Kernels launched on the side stream (lane "side") never share split-K partials or arrival
     counters with the main stream's kernels running at the same time."""

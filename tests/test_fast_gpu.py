@@ -22,9 +22,10 @@ print("HASH", hashlib.sha256(b"".join(t.cpu().numpy().tobytes() for t in greedy_
 """
 
 
-def build(layers=2, max_seqs=16, experts="triton"):
+def build(layers=2, max_seqs=16, experts="triton", router=None):
     """experts: "triton" (the small preset: its I = 256 keeps the CUDA "lut" kernels out) or "lut"
-    (I = 512, so the decoder picks the CUDA experts kernels, as it does at V4-Flash shapes)."""
+    (I = 512, so the decoder picks the CUDA experts kernels, as it does at V4-Flash shapes).
+    router: FastDecoder's (None: by the step's rows, its MOE_PLAN)."""
     import dataclasses
 
     from megastep.checkpoint.synthetic import preset, synthesize_weights
@@ -35,8 +36,9 @@ def build(layers=2, max_seqs=16, experts="triton"):
     if experts == "lut":
         cfg = dataclasses.replace(cfg, moe_intermediate_size=512)
     dec = FastDecoder(cfg, synthesize_weights(cfg, seed=0, device="cuda", include_mtp=False),
-                      max_seqs=max_seqs, max_ctx=512, device="cuda")
+                      max_seqs=max_seqs, max_ctx=512, device="cuda", router=router)
     assert dec.moe_mode == ("lut" if experts == "lut" else None), dec.moe_mode
+    assert dec.router == router and dec.route_cuda_ok, (dec.router, dec.route_cuda_ok)
     return cfg, dec, StepRunner(dec.step, dec.device, dec.pools.dummy_slot, buckets=(1, 16))
 
 
@@ -123,6 +125,30 @@ def test_alone_equals_row_of_batch_of_16(experts):
                            torch.full((16,), t, device="cuda"), torch.arange(16, device="cuda"))
         if t >= len(prompt) - 1:
             assert torch.equal(lg[0], alone[t - len(prompt) + 1])
+
+
+@pytest.mark.parametrize("experts", ["triton", "lut"])
+def test_cuda_routing_gives_the_triton_routers_bits(experts, monkeypatch):
+    """The step with the one-launch CUDA routing against router.py's launches, and with the CUDA
+    launch leaving the grouping to the experts' own routing launch: the same greedy logits bit for
+    bit, at 1 row (graphs with PDL) and in a batch of 16."""
+    from megastep.kernels import route_cuda
+
+    def run(built):
+        out = greedy_logits(steps=6, built=built)[1]
+        cfg, dec, runner = built
+        for s in range(16):
+            dec.pools.reset(s)
+        toks = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).cuda()
+        for t in range(3):
+            out.append(runner.run(toks, torch.full((16,), t, device="cuda"), torch.arange(16, device="cuda"))[0])
+        return out
+
+    want = run(build(experts=experts, router="triton"))
+    got = run(build(experts=experts, router="cuda"))
+    monkeypatch.setattr(route_cuda, "MAX_GROUPED_PAIRS", 0)
+    ungrouped = run(build(experts=experts, router="cuda"))
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(want, got, ungrouped))
 
 
 def test_block_step_in_a_graph_matches_eager_and_single_rows():
@@ -224,12 +250,15 @@ def test_replay_timeline_sees_the_graphs_kernels():
 
 
 @pytest.mark.parametrize("experts", ["triton", "lut"])
-def test_shared_expert_in_the_combine_gives_the_same_bits(experts):
+@pytest.mark.parametrize("where", ["combine", "after_router"])
+def test_shared_expert_in_the_combine_gives_the_same_bits(experts, where):
     """The shared expert's w2 on the side stream with its output added by the experts' combine
-    against w2 after the routed experts with their sum as its residual: the same greedy logits bit
-    for bit, through the graphs (PDL at 1 row)."""
+    ("combine"), or its side stream forked after the router ("after_router"), against the default
+    order (forked before the router, w2 after the routed experts with their sum as its residual):
+    the same greedy logits bit for bit, through the graphs (PDL at 1 row)."""
     built = build(experts=experts)
-    built[1].shared_in_combine = True
+    built[1].shared_in_combine = where == "combine"
+    built[1].shared_after_router = where == "after_router"
     assert all("shared13" in lw for lw in built[1].layers)
     a = greedy_logits(steps=8, built=built)
     b = greedy_logits(steps=8, built=build(experts=experts))

@@ -41,6 +41,7 @@ from megastep.kernels import moe as _moe
 from megastep.kernels import moe_lut as _moe_lut
 from megastep.kernels import pair_combine as _pairs
 from megastep.kernels import rope_norm as _rn
+from megastep.kernels import route_cuda as _route_cuda
 from megastep.kernels import router as _router
 from megastep.model import ops
 from megastep.runtime.distributed import experts_of, ordered_combine
@@ -48,6 +49,18 @@ from megastep.runtime.sidecar import CpuSidecar, add_pairs
 from megastep.runtime.trace import StepTrace, stage
 
 PDL_MAX_ROWS = 4  # FastDecoder(pdl=None): programmatic dependent launch for steps up to this many rows
+# FastDecoder(router=None, shared_after_router=None): by a step's rows (up to the first entry's
+# count), which launches route ("triton": router.py's; "cuda": the gate GEMV, then route_cuda's)
+# and whether the shared expert's side stream forks after the router (else before it). Every
+# choice gives the same bits. Measured on one H200, 30 V4-Flash layers, p50 ms
+# (docs/PERFORMANCE.md, twelfth measurement): 1 row, Triton routing with the late fork 5.33-5.36
+# against 5.39-5.43 (the early fork), 5.40 (CUDA, late), 5.69 (CUDA, early); 4 rows, CUDA with
+# the late fork 8.66-8.72 against 8.76-8.80 (Triton, early), 8.82-8.86 (Triton, late), 9.40
+# (CUDA, early); 16 rows, CUDA with the early fork 19.88 against 20.00-20.13 (Triton, early),
+# 20.17 (CUDA, late); 64 rows, Triton with the early fork 55.03-55.32 against 55.22-55.29 (CUDA,
+# early).
+MOE_PLAN = ((1, "triton", True), (4, "cuda", True), (16, "cuda", False))
+MOE_PLAN_ABOVE = ("triton", False)
 
 
 @dataclass
@@ -163,7 +176,7 @@ class FastDecoder:
                  consume: bool = False, placement=None, max_block: int = 1, rank: int = 0, world_size: int = 1,
                  group=None, moe_mode: str | None = None, cold_path: str = "gpu", cpu_share: float | None = None,
                  pdl: bool | None = None, overlap: bool | None = None, ep_combine: str | None = None,
-                 shared_in_combine: bool = False):
+                 shared_in_combine: bool = False, shared_after_router: bool | None = None, router: str | None = None):
         """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
         stacked, projections concatenated), so a model filling the device is never held twice.
         placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
@@ -204,9 +217,18 @@ class FastDecoder:
         shared_in_combine: on one GPU, the shared expert's w2 beside the routed experts (after its
         gated half, on the side stream), its output added by the experts' combine: rnd(routed +
         rnd(w2 . a)), the bits of w2's residual epilogue, with w2 off the main stream's path.
-        False (the default until it is measured on the GPU, docs/PERFORMANCE.md eleventh
-        measurement): w2 after the routed experts, their sum as its residual. The attribute is
-        read when a step is traced or captured."""
+        False (the default): w2 after the routed experts, their sum as its residual. Measured on
+        one H200 (docs/PERFORMANCE.md, twelfth measurement) it saved 0.05 ms per 30-layer step at
+        1 row with the early fork, less than MOE_PLAN's late fork, and cost 0.04-0.07 ms at 4 rows
+        and 1.1 ms at 64. The attribute is read when a step is traced or captured.
+        shared_after_router: the side stream forks after the router instead of before it, so the
+        shared expert's w1/w3 runs beside the routed experts but not beside the router. The same
+        bits. None: by the step's rows (MOE_PLAN).
+        router: after the gate GEMV (dense.linear_bf16), the routing, the experts' pair grouping
+        and x's quantization in one CUDA C++ launch ("cuda", kernels/route_cuda.py) or in
+        router.py's Triton launches ("triton"). The same bits either way. None: by the step's rows
+        (MOE_PLAN) where the CUDA launch runs, else "triton". Both are read when a step is traced
+        or captured."""
         self.cfg, self.dtype = cfg, dtype
         self.world_size, self.group = world_size, group
         if moe_mode is not None and moe_mode not in _moe.ALL_MODES:
@@ -230,11 +252,21 @@ class FastDecoder:
             raise ValueError("moe_mode 'lut' needs the Triton path on a CUDA device, nvcc, bf16 and hidden and "
                              "moe intermediate sizes that are multiples of 512")
         self.moe_mode = moe_mode or ("lut" if lut_ok else None)
+        if router not in (None, "cuda", "triton"):
+            raise ValueError(f"router must be cuda or triton, got {router!r}")
+        route_ok = self.triton and _route_cuda.supported(self.device, cfg.n_routed_experts, cfg.hidden_size,
+                                                         cfg.num_experts_per_tok)
+        if router == "cuda" and not route_ok:
+            raise ValueError(f"router 'cuda' needs the Triton path on a CUDA device, nvcc, a multiple of 32 experts up "
+                             f"to {_route_cuda.MAX_EXPERTS}, top-k up to {_route_cuda.MAX_TOPK} and a hidden size "
+                             "that is a multiple of 128")
+        self.router, self.route_cuda_ok = router, route_ok
         on_cuda = self.triton and self.device.type == "cuda"
         if overlap and not on_cuda:
             raise ValueError("overlap needs the Triton kernels on a CUDA device")
         self.side_stream = torch.cuda.Stream(self.device) if (on_cuda if overlap is None else overlap) else None
         self.shared_in_combine = shared_in_combine
+        self.shared_after_router = shared_after_router
         if cold_path != "gpu" and (world_size > 1 or not self.triton):
             raise ValueError("cold_path cpu / hybrid needs the Triton experts kernel and one rank")
         if cold_path == "hybrid" and cpu_share is None and placement is not None and placement.n_cold:
@@ -547,30 +579,23 @@ class FastDecoder:
         # their combine (shared_in_combine)
         in_combine = (fused and self.shared_in_combine and self.world_size == 1 and "experts" in lw
                       and not lw.get("cpu_experts", False))
-        with self._on_side(), stage(T, "shared_expert", L):  # its gated half beside the routed experts
-            if fused:  # gated w1/w3 + SwiGLU in one launch
-                a = _lin.linear_fp8_swiglu(x.contiguous(), *lw["shared13"], cfg.swiglu_limit, out_dtype=x.dtype)
-                if whole_shared or in_combine:
-                    a = w2(a, True)
-            else:
-                a = ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
+
+        def shared_half() -> torch.Tensor:
+            with self._on_side(), stage(T, "shared_expert", L):  # its gated half beside the routed experts
+                if fused:  # gated w1/w3 + SwiGLU in one launch
+                    a = _lin.linear_fp8_swiglu(x.contiguous(), *lw["shared13"], cfg.swiglu_limit, out_dtype=x.dtype)
+                    return w2(a, True) if whole_shared or in_combine else a
+                return ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
+
+        router, after_router = self._moe_plan(x.shape[0])
+        if not after_router:
+            a = shared_half()
         with stage(T, "router", L):
             # sqrtsoftplus scores, bias top-k (or the hash rows), ids ascending (the reference's
             # summation order), normalized weights times the routed scaling
-            hash_rows = lw["tid2eid"][tokens] if "tid2eid" in lw else None
-            k, scaling, gate = cfg.num_experts_per_tok, cfg.routed_scaling_factor, lw["gate"]
-            routing = None
-            grouped = self.triton and "experts" in lw and x.shape[0] * k <= _router.MAX_GROUPED_PAIRS
-            if grouped and x.shape[0] <= _router.MAX_GATE_ROWS and x.dtype == gate.dtype == torch.bfloat16:
-                # the gate GEMV, the routing, the experts' pair grouping and x quantization in one launch
-                idx, w, routing, _ = _router.gate_route_group(x.contiguous(), gate, lw.get("gate_bias"), hash_rows, k,
-                                                              scaling, permute=_moe.permutes(self.moe_mode))
-            else:
-                route_args = (self._dense(x, gate).contiguous(), lw.get("gate_bias"), hash_rows, k, scaling)
-                if grouped:  # the experts' pair grouping and x quantization in the router's launch
-                    idx, w, routing = _router.route_group(*route_args, x.contiguous(), permute=_moe.permutes(self.moe_mode))
-                else:
-                    idx, w = self._kernel(_router, "route")(*route_args)
+            idx, w, routing = (self._route_cuda if router == "cuda" else self._route_triton)(x, tokens, lw)
+        if after_router:  # the side stream forks after the router: beside the experts only
+            a = shared_half()
         with stage(T, "routed_experts", L):
             if in_combine:  # the main stream joins the side stream just before the experts' last launch
                 return self._routed(x, idx, w, lw, L, routing, shared=lambda: self._joined(a))()
@@ -587,6 +612,39 @@ class FastDecoder:
             if fused:  # w2 + the routed sum in one launch
                 return _lin.linear_fp8(a, w2.w, w2.scale, block=w2.block, out_dtype=x.dtype, residual=r)
             return (r + w2(a, self.triton).float()).to(x.dtype)
+
+    def _moe_plan(self, rows: int) -> tuple[str, bool]:
+        """(router, shared_after_router) of a step of `rows` rows: the constructor's choices, or
+        MOE_PLAN's for that many rows ("triton" where the CUDA routing does not run)."""
+        router, after = next(((r, a) for n, r, a in MOE_PLAN if rows <= n), MOE_PLAN_ABOVE)
+        router = self.router or (router if self.route_cuda_ok else "triton")
+        return router, after if self.shared_after_router is None else self.shared_after_router
+
+    def _route_cuda(self, x, tokens, lw):
+        """The gate GEMV, then route_cuda's one launch: routing (a hash layer's rows looked up
+        inside), the pairs grouped and x quantized for the experts -> (idx, w, routing or None)."""
+        cfg = self.cfg
+        k = cfg.num_experts_per_tok
+        group = "experts" in lw and x.dtype == torch.bfloat16 and x.shape[0] * k <= _route_cuda.MAX_GROUPED_PAIRS
+        return _route_cuda.route_group(self._dense(x, lw["gate"]).contiguous(), lw.get("gate_bias"), lw.get("tid2eid"),
+                                       tokens.contiguous() if "tid2eid" in lw else None, k, cfg.routed_scaling_factor,
+                                       x.contiguous() if group else None, permute=_moe.permutes(self.moe_mode))
+
+    def _route_triton(self, x, tokens, lw):
+        """router.py's launches -> (idx, w, routing or None): by batch, the gate, routing, grouping
+        and x quantization in one launch, or the gate apart, or the grouping left to the experts."""
+        cfg = self.cfg
+        hash_rows = lw["tid2eid"][tokens] if "tid2eid" in lw else None
+        k, scaling, gate = cfg.num_experts_per_tok, cfg.routed_scaling_factor, lw["gate"]
+        grouped = self.triton and "experts" in lw and x.shape[0] * k <= _router.MAX_GROUPED_PAIRS
+        if grouped and x.shape[0] <= _router.MAX_GATE_ROWS and x.dtype == gate.dtype == torch.bfloat16:
+            idx, w, routing, _ = _router.gate_route_group(x.contiguous(), gate, lw.get("gate_bias"), hash_rows, k,
+                                                          scaling, permute=_moe.permutes(self.moe_mode))
+            return idx, w, routing
+        route_args = (self._dense(x, gate).contiguous(), lw.get("gate_bias"), hash_rows, k, scaling)
+        if grouped:
+            return _router.route_group(*route_args, x.contiguous(), permute=_moe.permutes(self.moe_mode))
+        return (*self._kernel(_router, "route")(*route_args), None)
 
     def _moe_config(self, x, idx, table):
         if self.moe_mode is None:

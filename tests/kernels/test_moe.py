@@ -14,13 +14,11 @@ local: we require rel. L2 error <= 4e-3 and |y - ref| <= 2e-2 * max|ref| element
 activations there is no rounding point but fp8 quantization: rel. L2 <= 1e-3.
 """
 
-import os
-
 import pytest
 import torch
 
 from megastep.checkpoint import formats as F
-from megastep.kernels.cuda_module import build_cubin, find_nvcc
+from megastep.kernels.cuda_module import find_nvcc
 from megastep.kernels import moe as MOE
 from megastep.kernels.moe import (
     ExpertTable,
@@ -36,6 +34,7 @@ from megastep.kernels.moe import (
 )
 
 from megastep.kernels.common import workspace  # noqa: E402
+from cuda_checks import assert_builds_without_spills, assert_signature_matches  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -487,30 +486,14 @@ def test_gpu_lut_expert_parallel_and_host_memory_tables(M):
 def test_lut_kernels_build_for_sm90():
     """The "lut" kernels compile (nvcc, sm_90) with the header they include, with no local memory:
     a spill would put loads in the experts' inner loop."""
-    import subprocess
-
     from megastep.kernels import moe_lut
 
-    assert build_cubin(moe_lut.SOURCE)[:4] == b"\x7fELF"
-    out = subprocess.run([find_nvcc(), "--cubin", "-arch=sm_90", "-O3", "-Xptxas", "-v", "-o", os.devnull,
-                          moe_lut.SOURCE], capture_output=True, text=True, check=True)
-    for kernel in ("moe_gate_up_lut", "moe_down_lut"):
-        assert f"Compiling entry function '{kernel}'" in out.stderr
-    assert out.stderr.count("0 bytes spill stores, 0 bytes spill loads") == 2, out.stderr
+    assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut"))
 
 
 def test_lut_signatures_match_the_kernels():
-    """moe_lut.py passes as many arguments as each kernel in moe_lut.cu declares, typed by position
-    (p pointer, q int64, i int32, f float): a mismatch would pass garbage without an error."""
-    import re
-
+    """moe_lut.py passes as many arguments as each kernel in moe_lut.cu declares, typed by position."""
     from megastep.kernels import moe_lut
 
-    src = open(moe_lut.SOURCE).read()
-    kinds = {"p": r".*\*\s*\w+", "q": r"long long \w+", "i": r"int \w+", "f": r"float \w+"}
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN):
-        head = src[src.index(f"{kernel.name}(") + len(kernel.name) + 1:]
-        params = [p.strip() for p in head[:head.index(")")].split(",")]
-        assert len(params) == len(kernel.signature), kernel.name
-        for p, c in zip(params, kernel.signature):
-            assert re.fullmatch(kinds[c], p), (kernel.name, p, c)
+        assert_signature_matches(moe_lut.SOURCE, kernel)

@@ -1,0 +1,211 @@
+// The MoE routing of a decode step after the gate GEMV, in one CUDA C++ launch: router.py's
+// route_rows (sqrtsoftplus scores, bias top-k or hash rows, ids ascending, normalized weights),
+// moe_route.group_pairs (the pairs grouped by expert) and moe_route.quant_row_perm (x quantized
+// for the experts kernels). The same operations as those Triton functions, so the same results
+// bit for bit; route_cuda.py launches it and says when.
+//
+// Why CUDA C++: on one H200 the Triton routing tail took ~8 us of the router's 13.5 at 1 row (a
+// chain of cross-warp reductions and L2 round trips in one program), ~17 us of 22 at 16 rows
+// (docs/PERFORMANCE.md, twelfth measurement). Here a warp routes a row with shuffles, every
+// operand loaded up front.
+//
+// Work: CTAs [0, R) route 8 rows each (warp per row; R = ceil(B / 8)); CTAs past R quantize x, a
+// warp per 128-block. With grouping, the last routing CTA to arrive (an arrival counter, reset by
+// it; none when R = 1) groups all B * k pairs, a thread per pair.
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kMaxEPL = 16;          // experts per lane (E <= 512)
+constexpr int kMaxPairs = kThreads;  // pairs the grouping takes (one thread each)
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_release() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+// the twin of common.fp8_pow2_scale: s = 2^ceil(log2(max(amax, 1e-4) / 448)) from amax's bits
+__device__ __forceinline__ void pow2_scale(float amax, float& s, float& inv) {
+  const int bits = __float_as_int(fmaxf(amax, 1e-4f));
+  const int se = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000 ? 1 : 0);
+  s = __int_as_float(se << 23);
+  inv = __int_as_float((254 - se) << 23);
+}
+
+// v rounded to e4m3 (nearest even, saturating: common.fp8_round on the GPU), back in fp32
+__device__ __forceinline__ float e4m3_round(float v) {
+  uint32_t h;
+  asm("{.reg .b16 q;\n\tcvt.rn.satfinite.e4m3x2.f32 q, %1, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, q;}" : "=r"(h) : "f"(v));
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFF)));
+}
+
+// (value, expert) a beats b: the larger value, or equal values and the lower expert id
+__device__ __forceinline__ bool beats(float va, int ea, float vb, int eb) { return va > vb || (va == vb && ea < eb); }
+
+}  // namespace
+
+// grid: R + ceil(B * D / 128 / 8) CTAs of 256 threads (R = ceil(B / 8); no quantization CTAs when
+// xq is 0). Pointers that may be 0: bias (no bias); t2e (0: top-k routing; else hash routing, row
+// b's experts are t2e[tokens[b]]); xq. group = 0 skips the grouping (which needs B * k <= 256).
+extern "C" __global__ void __launch_bounds__(kThreads) route_group(
+    const float* logits, long long stride_l, const float* bias, const long long* t2e, long long stride_t,
+    const long long* tokens, int* idx, float* wts, float scaling, const __nv_bfloat16* x, long long stride_x,
+    __nv_bfloat16* xq, long long stride_q, int* pairs, int* slot_e, int* slot_start, int* slot_cnt, int* nslot,
+    int* counter, int B, int E, int D, int k, int group, int perm) {
+  __shared__ int ids[kMaxPairs];  // every row's experts, for the grouping
+  __shared__ unsigned present[kMaxEPL];
+  __shared__ int is_last;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int R = (B + kWarps - 1) / kWarps;
+  pdl_wait();  // the logits and x are the previous kernels' outputs
+  pdl_release();
+
+  if (blockIdx.x >= R) {  // x quantized: a warp per 128-block, a lane 4 elements (the max is exact in any order)
+    const int nb = D / 128, blk = (blockIdx.x - R) * kWarps + warp;
+    if (blk >= B * nb) return;
+    const int row = blk / nb, c = (blk % nb) * 128 + lane * 4;
+    const uint2 v2 = *reinterpret_cast<const uint2*>(x + row * stride_x + c);
+    const float v[4] = {bf16_lo(v2.x), bf16_hi(v2.x), bf16_lo(v2.y), bf16_hi(v2.y)};
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float s, inv;
+    pow2_scale(amax, s, inv);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // with perm each 32-group holds its 16 even elements, then the odd ones
+      const int kk = c + i, kp = perm ? (kk / 32) * 32 + (kk % 2) * 16 + (kk % 32) / 2 : kk;
+      xq[row * stride_q + kp] = __float2bfloat16_rn(__fmul_rn(e4m3_round(__fmul_rn(v[i], inv)), s));
+    }
+    return;
+  }
+
+  // routing, a warp per row (route_rows' operations, the same bits); lane l holds experts i * 32 + l
+  const int epl = E / 32, b = blockIdx.x * kWarps + warp;
+  if (b < B) {
+    float lg[kMaxEPL], bs[kMaxEPL];
+    int hv = 0;  // hash routing: this lane's given expert (lanes < k)
+    if (t2e != nullptr && lane < k) hv = static_cast<int>(t2e[tokens[b] * stride_t + lane]);
+#pragma unroll
+    for (int i = 0; i < kMaxEPL; ++i) {  // every load first: nothing in between to order them after
+      lg[i] = i < epl ? logits[b * stride_l + i * 32 + lane] : 0.f;
+      bs[i] = i < epl && bias != nullptr ? bias[i * 32 + lane] : 0.f;
+    }
+    float s[kMaxEPL];
+#pragma unroll
+    for (int i = 0; i < kMaxEPL; ++i)  // torch's softplus (x > 20: x), then the sqrt
+      s[i] = i < epl ? __fsqrt_rn(lg[i] > 20.f ? lg[i] : log1pf(expf(lg[i]))) : 0.f;
+    int my = 0;  // lane t < k: the row's t-th expert in ascending order
+    if (t2e != nullptr) {  // the given experts sorted by counting ranks (ties in input order)
+      int rank = 0;
+      for (int q = 0; q < k; ++q) {
+        const int vq = __shfl_sync(0xffffffffu, hv, q);
+        rank += (vq < hv || (vq == hv && q < lane)) ? 1 : 0;
+      }
+      for (int q = 0; q < k; ++q) {
+        const int vq = __shfl_sync(0xffffffffu, hv, q), rq = __shfl_sync(0xffffffffu, rank, q);
+        if (rq == lane) my = vq;
+      }
+    } else {  // k rounds of argmax over the not yet chosen, the lowest id among equal maxima
+      float key[kMaxEPL];
+#pragma unroll
+      for (int i = 0; i < kMaxEPL; ++i) key[i] = bias != nullptr ? __fadd_rn(s[i], bs[i]) : s[i];
+      unsigned chosen = 0;  // bit i: expert i * 32 + lane
+      for (int r = 0; r < k; ++r) {
+        float bv = -INFINITY;
+        int be = 0x7FFFFFFF;
+#pragma unroll
+        for (int i = 0; i < kMaxEPL; ++i)
+          if (i < epl && !((chosen >> i) & 1u) && beats(key[i], i * 32 + lane, bv, be)) {
+            bv = key[i];
+            be = i * 32 + lane;
+          }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+          const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+          if (beats(ov, oe, bv, be)) {
+            bv = ov;
+            be = oe;
+          }
+        }
+        if ((be & 31) == lane) chosen |= 1u << (be >> 5);
+      }
+      int base = 0;  // the chosen set read out in ascending order
+#pragma unroll
+      for (int i = 0; i < kMaxEPL; ++i) {
+        if (i < epl) {
+          const unsigned m = __ballot_sync(0xffffffffu, (chosen >> i) & 1u);
+          const int c = __popc(m);
+          if (lane >= base && lane < base + c) my = i * 32 + static_cast<int>(__fns(m, 0, lane - base + 1));
+          base += c;
+        }
+      }
+    }
+    // the weights: the chosen scores over their sum in ascending expert order, times the scaling
+    float sv = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxEPL; ++i) {
+      if (i < epl) {
+        const float cand = __shfl_sync(0xffffffffu, s[i], my & 31);
+        if ((my >> 5) == i) sv = cand;
+      }
+    }
+    float total = __shfl_sync(0xffffffffu, sv, 0);
+    for (int t = 1; t < k; ++t) total = __fadd_rn(total, __shfl_sync(0xffffffffu, sv, t));
+    if (lane < k) {
+      idx[b * k + lane] = my;
+      wts[b * k + lane] = __fmul_rn(__fdiv_rn(sv, total), scaling);
+      if (group && R == 1) ids[b * k + lane] = my;
+    }
+  }
+  if (!group) return;
+
+  // grouping: only the last routing CTA (every row's experts visible to it), or the only one
+  if (R > 1) {
+    __threadfence();  // this CTA's ids are issued before its count
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == R - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int p = threadIdx.x; p < B * k; p += kThreads) ids[p] = __ldcg(idx + p);  // past L1
+    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (and graph replay)
+  }
+  if (threadIdx.x < kMaxEPL) present[threadIdx.x] = 0u;
+  __syncthreads();
+  // (moe_route.group_pairs) pair p's position in (expert, pair) order; for the first pair of each
+  // expert its slot (id, first position, count); the slots are the present experts ascending
+  const int P = B * k, p = threadIdx.x;
+  int id = 0, rank = 0, dup_before = 0, count = 0;
+  if (p < P) {
+    id = ids[p];
+    atomicOr(&present[id >> 5], 1u << (id & 31));
+    for (int q = 0; q < P; ++q) {
+      const int iq = ids[q];
+      rank += (iq < id || (iq == id && q < p)) ? 1 : 0;
+      dup_before += (iq == id && q < p) ? 1 : 0;
+      count += iq == id ? 1 : 0;
+    }
+  }
+  __syncthreads();
+  if (p < P) {
+    int slot = __popc(present[id >> 5] & ((1u << (id & 31)) - 1u));
+    for (int w = 0; w < (id >> 5); ++w) slot += __popc(present[w]);
+    pairs[rank] = p;
+    if (dup_before == 0) {
+      slot_e[slot] = id;
+      slot_start[slot] = rank;
+      slot_cnt[slot] = count;
+    }
+  }
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int w = 0; w < kMaxEPL; ++w) n += __popc(present[w]);
+    *nslot = n;
+  }
+}

@@ -1,0 +1,101 @@
+"""The MoE routing after the gate GEMV in one CUDA C++ launch (`route_cuda.cu`): router.py's
+`route_group` (route, then the experts' pair grouping and x quantized for them) or `route`,
+for any batch. On CUDA devices FastDecoder takes it after `dense.linear_bf16`'s gate in place of
+router.py's launches (the fused `gate_route_group`, `route_group`, `route`, and the gather of a
+hash layer's tid2eid rows), with the same results bit for bit.
+
+Semantics (router.py's module doc; torch twins `route_ref` / `route_group_ref`), per row of
+logits fp32 [B, E]:
+    scores = sqrt(softplus(logits))                    softplus as torch (x > 20: x)
+    idx    = topk(scores + bias, k) (lowest id among equal keys), or tid2eid[tokens], ascending
+    w      = scores[idx] / sum(scores[idx]) * scaling  the sum in ascending expert order
+and with `group` the (row, slot) pairs grouped by expert and x [B, D] quantized per 128-block
+(`moe_route.moe_route`'s semantics, permuted per 32-group when `permute`).
+The same operations as the Triton functions (libdevice's expf / log1pf without flush-to-zero,
+sqrt and division correctly rounded, the same sum orders), so equal logits give equal results:
+a step may take either launch (the GPU tests check it bit for bit).
+
+Why CUDA C++ (docs/PERFORMANCE.md, twelfth measurement): the Triton routing tail is a chain of
+cross-warp reductions and L2 round trips in one program, ~8 us at 1 row after a 5 us gate GEMV;
+here a warp routes a row with shuffles, its operands loaded up front.
+
+Grid: R = ceil(B / 8) routing CTAs (a warp per row) and, with `group`, a CTA per 8 of x's
+128-blocks; the last routing CTA to arrive groups (an arrival counter it resets; none when R = 1).
+Static grids, so CUDA graphs capture it; built and loaded at the first call (`cuda_module`), which
+must come before any capture (the runtime's warm-up steps do it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from megastep.kernels import moe_route as _mr
+from megastep.kernels.common import pdl_enabled, workspace
+from megastep.kernels.cuda_module import CudaModule, find_nvcc
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "route_cuda.cu")
+_MODULE = CudaModule(SOURCE)
+_KERNEL = _MODULE.kernel("route_group", "pqppqpppfpqpqppppppiiiiii")
+THREADS = 256
+ROWS_PER_CTA = THREADS // 32  # a warp per row
+MAX_EXPERTS = 512  # 16 experts per lane
+MAX_TOPK = 32  # a warp's lanes
+MAX_GROUPED_PAIRS = THREADS  # the grouping: a thread per pair
+
+
+@functools.cache
+def _have_nvcc() -> bool:
+    return find_nvcc() is not None
+
+
+def supported(device: torch.device, E: int, D: int, k: int) -> bool:
+    """Whether the CUDA routing runs here: a CUDA device, nvcc, E a multiple of 32 up to
+    MAX_EXPERTS, top-k up to MAX_TOPK, D a multiple of 128 (x's quantization blocks)."""
+    return (device.type == "cuda" and E % 32 == 0 and 32 <= E <= MAX_EXPERTS and 1 <= k <= min(MAX_TOPK, E)
+            and D % 128 == 0 and _have_nvcc())
+
+
+def route_group(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+                tokens: torch.Tensor | None, k: int, scaling: float, x: torch.Tensor | None = None,
+                permute: bool = True) -> tuple[torch.Tensor, torch.Tensor, _mr.Routing | None]:
+    """logits [B, E] f32 (the gate GEMV), bias [E] f32 (top-k layers) or None, tid2eid [V, k] int64
+    with tokens [B] int64 (hash layers) or None -> (idx [B, k] int32 ascending, w [B, k] f32,
+    routing). With x [B, D] bf16 (B * k <= MAX_GROUPED_PAIRS) routing is the pairs grouped by
+    expert and x quantized, as `router.route_group` gives them; without x it is None."""
+    B, E = logits.shape
+    dev = logits.device
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1, (logits.dtype, logits.stride())
+    D = x.shape[1] if x is not None else 128
+    assert supported(dev, E, D, k), (dev, E, D, k)
+    if bias is not None:
+        assert bias.shape == (E,) and bias.dtype == torch.float32 and bias.is_contiguous() and bias.device == dev
+    if tid2eid is not None:
+        assert tid2eid.dim() == 2 and tid2eid.shape[1] == k and tid2eid.dtype == torch.int64 and tid2eid.stride(1) == 1
+        assert tokens is not None and tokens.shape == (B,) and tokens.dtype == torch.int64 and tokens.is_contiguous()
+    group = x is not None
+    if group:
+        assert x.shape[0] == B and x.dtype == torch.bfloat16 and x.device == dev, (x.shape, x.dtype)
+        assert x.stride(1) == 1 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0, "x rows must be 8-byte aligned"
+        assert 1 <= B * k <= MAX_GROUPED_PAIRS, (B, k)
+    idx = torch.empty(B, k, dtype=torch.int32, device=dev)
+    w = torch.empty(B, k, dtype=torch.float32, device=dev)
+    if B == 0:
+        return idx, w, None
+    if group:
+        pairs, slot_e, slot_start, slot_cnt, nslots, xq = _mr.routing_buffers(B * k, E, x, dev)
+        ptrs = (x, x.stride(0), xq, xq.stride(0), pairs, slot_e, slot_start, slot_cnt, nslots)
+    else:
+        ptrs = (0, 0, 0, 0, 0, 0, 0, 0, 0)
+    routing_ctas = -(-B // ROWS_PER_CTA)
+    quant_ctas = -(-(B * D // 128) // ROWS_PER_CTA) if group else 0
+    cnt = workspace(dev, "counters_route_cuda", 1, torch.int32)
+    hashed = tid2eid is not None
+    _KERNEL.launch((routing_ctas + quant_ctas, 1, 1), (THREADS, 1, 1), 0, None,
+                   logits, logits.stride(0), 0 if bias is None else bias, tid2eid if hashed else 0,
+                   tid2eid.stride(0) if hashed else 0, tokens if hashed else 0, idx, w, float(scaling), *ptrs, cnt,
+                   B, E, D, k, int(group), int(permute), pdl=pdl_enabled())
+    routing = _mr.Routing(pairs, slot_e, slot_start, slot_cnt, nslots, xq, permute) if group else None
+    return idx, w, routing

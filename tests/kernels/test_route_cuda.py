@@ -1,0 +1,79 @@
+"""The one-launch CUDA routing (kernels/route_cuda.py) against router.py's Triton launches.
+
+It repeats their operations, so from the same logits it must give router.route's experts and
+weights bit for bit and moe_route's grouping and quantized x exactly (integers and exact bf16
+values): the GPU tests compare with no tolerance, over one and several routing CTAs (the arrival
+counter), hash and top-k layers, ties, both x orders and three calls in a row (the counter
+resets itself). The build and the argument list are checked without a GPU."""
+
+import pytest
+import torch
+
+from megastep.kernels import route_cuda as RC
+from megastep.kernels.cuda_module import find_nvcc
+from cuda_checks import assert_builds_without_spills, assert_signature_matches
+
+SCALING = 1.5
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
+def test_route_cuda_builds_for_sm90():
+    assert_builds_without_spills(RC.SOURCE, ("route_group",))
+
+
+def test_route_cuda_signature_matches_the_kernel():
+    assert_signature_matches(RC.SOURCE, RC._KERNEL)
+
+
+def test_route_cuda_only_on_cuda_and_its_shapes():
+    cpu = torch.device("cpu")
+    assert not RC.supported(cpu, 256, 4096, 6)
+    cuda = torch.device("cuda", 0)
+    for E, D, k in ((48, 4096, 6), (1024, 4096, 6), (256, 4000, 6), (256, 4096, 33), (16, 4096, 2)):
+        assert not RC.supported(cuda, E, D, k), (E, D, k)  # refused by shape, before looking for nvcc
+
+
+def _case(B, E, D, k, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, E, generator=g) * 4
+    logits[:, :3] = torch.tensor([25.0, -30.0, 20.0])  # softplus: x > 20 -> x; deep negative; the threshold
+    if B > 2:
+        logits[2] = 0.0  # a row of equal keys (no bias): the lowest ids win
+    bias = torch.randn(E, generator=g) * 0.5 if kind == "bias" else None
+    t2e = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(50)]) if kind == "hash" else None
+    tokens = torch.randint(0, 50, (B,), generator=g) if kind == "hash" else None
+    x = (torch.randn(B, D, generator=g) * 3).bfloat16()
+    x[0, :4] = torch.tensor([0.0, -1e-30, 3e4, -448.0])
+    cuda = (lambda t: None if t is None else t.cuda())  # noqa: E731
+    return tuple(cuda(t) for t in (logits, bias, t2e, tokens, x))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("B", [1, 3, 8, 9, 16, 42, 64])
+@pytest.mark.parametrize("E,D,k,kind", [(256, 4096, 6, "bias"), (256, 4096, 6, "hash"), (64, 512, 4, "plain"),
+                                        (32, 1024, 6, "bias")])
+def test_gpu_route_cuda_equals_the_triton_launches(B, E, D, k, kind):
+    from megastep.kernels.moe_route import moe_route
+    from megastep.kernels.router import route
+
+    logits, bias, t2e, tokens, x = _case(B, E, D, k, kind, seed=B * 13 + E)
+    want_i, want_w = route(logits, bias, None if t2e is None else t2e[tokens], k, SCALING)
+    group = B * k <= RC.MAX_GROUPED_PAIRS
+    for call in range(3):
+        permute = call % 2 == 1
+        i, w, got = RC.route_group(logits, bias, t2e, tokens, k, SCALING, x if group else None, permute=permute)
+        assert torch.equal(i, want_i) and torch.equal(w.view(torch.int32), want_w.view(torch.int32))
+        if not group:
+            assert got is None
+            continue
+        want = moe_route(want_i, E, x, permute=permute)
+        n = int(want.nslots)
+        assert int(got.nslots) == n and got.permuted == permute and torch.equal(got.pairs, want.pairs)
+        for a, b in ((got.slot_expert, want.slot_expert), (got.slot_start, want.slot_start),
+                     (got.slot_count, want.slot_count)):
+            assert torch.equal(a[:n], b[:n])
+        assert torch.equal(got.xq.view(torch.int16), want.xq.view(torch.int16))
+    if B > 2 and kind == "plain":  # row 2's equal keys: the lowest ids
+        assert torch.equal(i[2].cpu(), torch.arange(k, dtype=torch.int32))
