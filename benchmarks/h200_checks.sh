@@ -20,7 +20,7 @@
 #   bash benchmarks/h200_checks.sh timeline   # the device timeline of one graph replay at 1 and 4 rows (--timeline, in the JSON) (~1.5 min)
 #   bash benchmarks/h200_checks.sh fork       # the shared expert's side stream forked after the router, with and without it in the combine, A/B/A (~3 min)
 #   bash benchmarks/h200_checks.sh route      # the one-launch CUDA routing: its GPU tests, the router alone and the step against router.py's launches, A/B/A (~6 min)
-#   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace (~4 min)
+#   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; the CUDA routing's probes (~5 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
@@ -133,7 +133,8 @@ for group in "$@"; do
     plan)  # FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A
       bench plan 120 --layers 30 --batch 1,4,16,64 --trace
       bench plan_before 60 --layers 30 --batch 1,4,16,64 --router triton --shared-after-router off
-      bench plan_b 60 --layers 30 --batch 1,4,16,64 ;;
+      bench plan_b 60 --layers 30 --batch 1,4,16,64
+      step route_probe 120 python3 benchmarks/kernels/route_probe.py --out /tmp/route_probe --json "$OUT/route_probe.json" ;;
     ep)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)

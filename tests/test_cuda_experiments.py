@@ -3,8 +3,9 @@ nvcc into the entry points their wrappers name, with as many parameters as the w
 signatures pass; the GEMV's shape rules keep within its kernel's limits; the timing probes of
 launch_floor.py still find the lines they edit. Their numerics are checked on the GPU by their
 scripts (gemv_variants.py: against the torch ref, run to run, a row alone against the batch).
-(The runtime's CUDA kernels are checked beside their tests: kernels/moe_lut.cu in tests/kernels/test_moe.py,
-kernels/route_cuda.cu in tests/kernels/test_route_cuda.py.)"""
+The probes of route_probe.py (edited copies of the runtime's kernels/route_cuda.cu) still find their
+lines and build. (The runtime's CUDA kernels themselves are checked beside their tests:
+kernels/moe_lut.cu in tests/kernels/test_moe.py, kernels/route_cuda.cu in tests/kernels/test_route_cuda.py.)"""
 
 import os
 import sys
@@ -61,3 +62,16 @@ def test_launch_floor_probes_find_their_lines():
 def test_signatures_match_the_kernels():
     gemv_src = open(GV._SOURCE).read()
     assert _params(gemv_src, "gemv_fp8_nt##NT##_nb##NB") == len(GV._SIGNATURE)
+
+
+@needs_nvcc
+def test_route_probes_edit_once_and_build(tmp_path, monkeypatch):
+    """route_probe.py's early exits and variant each edit route_cuda.cu exactly once (checked
+    inside probe_kernels) and build."""
+    import route_probe as RP
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    kernels = RP.probe_kernels(str(tmp_path))
+    assert sorted(kernels) == sorted(name for name, _ in RP.PROBES)
+    for name in kernels:
+        assert cm.build_cubin(str(tmp_path / name / "route_cuda.cu"))[:4] == b"\x7fELF"

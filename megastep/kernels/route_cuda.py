@@ -60,11 +60,12 @@ def supported(device: torch.device, E: int, D: int, k: int) -> bool:
 
 def route_group(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
                 tokens: torch.Tensor | None, k: int, scaling: float, x: torch.Tensor | None = None,
-                permute: bool = True) -> tuple[torch.Tensor, torch.Tensor, _mr.Routing | None]:
+                permute: bool = True, kernel=None) -> tuple[torch.Tensor, torch.Tensor, _mr.Routing | None]:
     """logits [B, E] f32 (the gate GEMV), bias [E] f32 (top-k layers) or None, tid2eid [V, k] int64
     with tokens [B] int64 (hash layers) or None -> (idx [B, k] int32 ascending, w [B, k] f32,
     routing). With x [B, D] bf16 (B * k <= MAX_GROUPED_PAIRS) routing is the pairs grouped by
-    expert and x quantized, as `router.route_group` gives them; without x it is None."""
+    expert and x quantized, as `router.route_group` gives them; without x it is None. kernel: a
+    variant build of route_group (benchmarks/kernels/route_probe.py), else this module's."""
     B, E = logits.shape
     dev = logits.device
     assert logits.dtype == torch.float32 and logits.stride(1) == 1, (logits.dtype, logits.stride())
@@ -93,9 +94,9 @@ def route_group(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.
     quant_ctas = -(-(B * D // 128) // ROWS_PER_CTA) if group else 0
     cnt = workspace(dev, "counters_route_cuda", 1, torch.int32)
     hashed = tid2eid is not None
-    _KERNEL.launch((routing_ctas + quant_ctas, 1, 1), (THREADS, 1, 1), 0, None,
-                   logits, logits.stride(0), 0 if bias is None else bias, tid2eid if hashed else 0,
-                   tid2eid.stride(0) if hashed else 0, tokens if hashed else 0, idx, w, float(scaling), *ptrs, cnt,
-                   B, E, D, k, int(group), int(permute), pdl=pdl_enabled())
+    (kernel or _KERNEL).launch((routing_ctas + quant_ctas, 1, 1), (THREADS, 1, 1), 0, None,
+                               logits, logits.stride(0), 0 if bias is None else bias, tid2eid if hashed else 0,
+                               tid2eid.stride(0) if hashed else 0, tokens if hashed else 0, idx, w, float(scaling),
+                               *ptrs, cnt, B, E, D, k, int(group), int(permute), pdl=pdl_enabled())
     routing = _mr.Routing(pairs, slot_e, slot_start, slot_cnt, nslots, xq, permute) if group else None
     return idx, w, routing
