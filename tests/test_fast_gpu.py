@@ -250,15 +250,18 @@ def test_replay_timeline_sees_the_graphs_kernels():
 
 
 @pytest.mark.parametrize("experts", ["triton", "lut"])
-@pytest.mark.parametrize("where", ["combine", "after_router"])
+@pytest.mark.parametrize("where", ["combine", "mhc", "after_router"])
 def test_shared_expert_in_the_combine_gives_the_same_bits(experts, where):
     """The shared expert's w2 on the side stream with its output added by the experts' combine
-    ("combine"), or its side stream forked after the router ("after_router"), against the default
-    order (forked before the router, w2 after the routed experts with their sum as its residual):
-    the same greedy logits bit for bit, through the graphs (PDL at 1 row)."""
+    ("combine") or by the next mHC launch ("mhc"), or its side stream forked after the router
+    ("after_router"), against the default order (w2 after the routed experts with their sum as
+    its residual; the fork by MOE_PLAN): the same greedy logits bit for bit, through the graphs
+    (PDL at 1 row)."""
     built = build(experts=experts)
-    built[1].shared_in_combine = where == "combine"
-    built[1].shared_after_router = where == "after_router"
+    if where == "after_router":
+        built[1].shared_after_router = True
+    else:
+        built[1].shared_w2 = where
     assert all("shared13" in lw for lw in built[1].layers)
     a = greedy_logits(steps=8, built=built)
     b = greedy_logits(steps=8, built=build(experts=experts))

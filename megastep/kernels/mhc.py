@@ -116,11 +116,21 @@ def _mul_rn(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _post_slice(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, row, j, d, mask, stride_yb, stride_hb, stride_hj,
-                stride_ob, stride_oj, HC: tl.constexpr, INTERPRET: tl.constexpr):
+def _sublayer_out(y_ptr, y2_ptr, row, d, mask, stride_yb, stride_y2b, Y2: tl.constexpr, INTERPRET: tl.constexpr):
+    """The sublayer output y at (row, d) as fp32; with Y2, rnd(y + y2) (y fp32, y2 bf16: the bits
+    of linear_fp8's residual epilogue rnd(y + rnd(acc)), its second addend computed apart)."""
+    y = tl.load(y_ptr + row * stride_yb + d, mask=mask, other=0.0).to(tl.float32)
+    if Y2:
+        y = round_bf16(y + tl.load(y2_ptr + row * stride_y2b + d, mask=mask, other=0.0).to(tl.float32), INTERPRET)
+    return y
+
+
+@triton.jit
+def _post_slice(y_ptr, y2_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, row, j, d, mask, stride_yb, stride_y2b, stride_hb,
+                stride_hj, stride_ob, stride_oj, HC: tl.constexpr, Y2: tl.constexpr, INTERPRET: tl.constexpr):
     """hc_post for the elements (stream j, channel d) of one row (vectors; `_hc_post_kernel`'s
     arithmetic and rounding), stored to out; returns them as fp32 (exact bf16 values)."""
-    y = tl.load(y_ptr + row * stride_yb + d, mask=mask, other=0.0).to(tl.float32)
+    y = _sublayer_out(y_ptr, y2_ptr, row, d, mask, stride_yb, stride_y2b, Y2, INTERPRET)
     cb = comb_ptr + row * HC * HC
     h_row = h_ptr + row * stride_hb + d
     acc = _mul_rn(tl.load(cb + j, mask=mask, other=0.0), tl.load(h_row, mask=mask, other=0.0).to(tl.float32), INTERPRET)
@@ -135,10 +145,10 @@ def _post_slice(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, row, j, d, mask, stri
 
 @triton.jit
 def _hc_mix_partial_kernel(
-    h_ptr, fn_ptr, part_ptr, y_ptr, post_ptr, comb_ptr, hout_ptr,
-    B, D, K, stride_hb, stride_hj, stride_fn, stride_yb, stride_ob, stride_oj,
+    h_ptr, fn_ptr, part_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, hout_ptr,
+    B, D, K, stride_hb, stride_hj, stride_fn, stride_yb, stride_y2b, stride_ob, stride_oj,
     MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr,
-    UPDATE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    UPDATE: tl.constexpr, Y2: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     s = tl.program_id(0)
     mt = tl.program_id(1)
@@ -156,9 +166,9 @@ def _hc_mix_partial_kernel(
             # row index as a tensor: the interpreter mishandles a scalar boolean in a mask
             row = tl.zeros([KC], dtype=tl.int32) + (mt * BLOCK_M + r)
             if UPDATE:  # h is the previous h: this slice of the updated streams, made and stored here
-                x = _post_slice(y_ptr, h_ptr, post_ptr, comb_ptr, hout_ptr, row.to(tl.int64), j, offs_k - j * D,
-                                k_mask & (row < B), stride_yb, stride_hb, stride_hj, stride_ob, stride_oj,
-                                HC, INTERPRET)
+                x = _post_slice(y_ptr, y2_ptr, h_ptr, post_ptr, comb_ptr, hout_ptr, row.to(tl.int64), j,
+                                offs_k - j * D, k_mask & (row < B), stride_yb, stride_y2b, stride_hb, stride_hj,
+                                stride_ob, stride_oj, HC, Y2, INTERPRET)
             else:
                 x = tl.load(h_ptr + row.to(tl.int64) * stride_hb + h_off, mask=k_mask & (row < B),
                             other=0.0).to(tl.float32)
@@ -428,15 +438,15 @@ def _hc_finish_kernel(
 
 @triton.jit
 def _hc_post_kernel(
-    y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr,
-    D, stride_yb, stride_hb, stride_hj, stride_ob, stride_oj,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    y_ptr, y2_ptr, h_ptr, post_ptr, comb_ptr, out_ptr,
+    D, stride_yb, stride_y2b, stride_hb, stride_hj, stride_ob, stride_oj,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr, Y2: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = offs < D
-    y = tl.load(y_ptr + b * stride_yb + offs, mask=m, other=0.0).to(tl.float32)
+    y = _sublayer_out(y_ptr, y2_ptr, b, offs, m, stride_yb, stride_y2b, Y2, INTERPRET)
     cb = comb_ptr + b * HC * HC
     for k in tl.static_range(HC):
         acc = tl.load(cb + k) * tl.load(h_ptr + b * stride_hb + offs, mask=m, other=0.0).to(tl.float32)
@@ -455,12 +465,15 @@ def _check_h(h: torch.Tensor, hc: int) -> tuple[int, int]:
     return h.shape[0], h.shape[2]
 
 
-def _check_update(y, h, post, comb):
-    """The inputs of hc_post (y, h, post, comb); returns (B, D)."""
+def _check_update(y, h, post, comb, y2=None):
+    """The inputs of hc_post (y, h, post, comb, and y2: see mhc_post); returns (B, D)."""
     hc = h.shape[1]
     B, D = _check_h(h, hc)
     assert y.shape == (B, D) and y.stride(1) == 1, (y.shape, h.shape)
     assert y.dtype in (torch.bfloat16, torch.float32), y.dtype
+    if y2 is not None:
+        assert y.dtype == torch.float32 and y2.dtype == torch.bfloat16, (y.dtype, y2.dtype)
+        assert y2.shape == (B, D) and y2.stride(1) == 1 and y2.device == y.device, (y2.shape, y2.stride())
     assert post.shape == (B, hc) and post.dtype == torch.float32 and post.is_contiguous()
     assert comb.shape == (B, hc, hc) and comb.dtype == torch.float32 and comb.is_contiguous()
     assert y.device == h.device == post.device == comb.device
@@ -469,8 +482,8 @@ def _check_update(y, h, post, comb):
 
 def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn, config, update=None):
     """The mixes and finish launches -> (x, post, comb, the streams collapsed). With update =
-    (y, post, comb) the mixes launch first makes the updated streams h' = hc_post(y, h, post,
-    comb), stores them and collapses those (returned last); else h itself."""
+    (y, post, comb, y2) the mixes launch first makes the updated streams h' = hc_post(y, h, post,
+    comb) (y2: see mhc_post), stores them and collapses those (returned last); else h itself."""
     B, D = _check_h(h, hc)
     mix = (2 + hc) * hc if sinkhorn else hc
     K = hc * D
@@ -496,12 +509,13 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
     mixp = next_pow2(mix + 1)
     part = torch.empty(S, B, mixp, dtype=torch.float32, device=dev)
     interp = on_interpreter(h)
-    y, post_in, comb_in = update if update is not None else (h, h, h)  # unused without update
+    y, post_in, comb_in, y2 = update if update is not None else (h, h, h, None)  # unused without update
     grid = (S, -(-B // cfg.block_m))
     _hc_mix_partial_kernel[grid](
-        h, fn, part, y, post_in, comb_in, hout, B, D, K, h.stride(0), h.stride(1), fn.stride(0),
-        y.stride(0), hout.stride(0), hout.stride(1),
-        MIX=mix, MIXP=mixp, KC=cfg.kc, BLOCK_M=cfg.block_m, HC=hc, UPDATE=update is not None, INTERPRET=interp,
+        h, fn, part, y, y if y2 is None else y2, post_in, comb_in, hout, B, D, K, h.stride(0), h.stride(1),
+        fn.stride(0), y.stride(0), 0 if y2 is None else y2.stride(0), hout.stride(0), hout.stride(1),
+        MIX=mix, MIXP=mixp, KC=cfg.kc, BLOCK_M=cfg.block_m, HC=hc, UPDATE=update is not None, Y2=y2 is not None,
+        INTERPRET=interp,
         num_warps=cfg.num_warps, **launch_opts(h, grid),
     )
     h = hout
@@ -529,12 +543,12 @@ def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 def mhc_post_pre(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                  scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor, hc: int, iters: int, hc_eps: float,
-                 norm_eps: float, config: MhcConfig | None = None):
+                 norm_eps: float, config: MhcConfig | None = None, y2: torch.Tensor | None = None):
     """`mhc_post` then `mhc_pre` of the next sublayer with one launch fewer: the mixes launch makes the
     updated streams itself (the post kernel's arithmetic, rounded product by product) and stores
-    them. -> (h' [B, hc, D] bf16, x, post', comb'), the bits of the two calls."""
+    them. -> (h' [B, hc, D] bf16, x, post', comb'), the bits of the two calls (y2: as mhc_post's)."""
     x, post2, comb2, h2 = _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, True, config,
-                                    update=(y, post, comb))
+                                    update=(y, post, comb, y2))
     return h2, x, post2, comb2
 
 
@@ -545,10 +559,12 @@ def mhc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
 
 
 def mhc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-             config: MhcConfig | None = None) -> torch.Tensor:
-    """y [B, D] bf16, h [B, hc, D] bf16, post [B, hc] f32, comb [B, hc, hc] f32 -> [B, hc, D] bf16."""
+             config: MhcConfig | None = None, y2: torch.Tensor | None = None) -> torch.Tensor:
+    """y [B, D] bf16 (or f32), h [B, hc, D] bf16, post [B, hc] f32, comb [B, hc, hc] f32 -> [B, hc, D]
+    bf16. y2 [B, D] bf16 with y f32: the sublayer output is rnd(y + y2), rounded here (a residual
+    sum whose second addend another stream computed: FastDecoder's shared_w2 "mhc")."""
     hc = h.shape[1]
-    B, D = _check_update(y, h, post, comb)
+    B, D = _check_update(y, h, post, comb, y2)
     cfg = config or pick_config(hc, D)
     cfg.check()
     out = torch.empty(B, hc, D, dtype=h.dtype, device=h.device)
@@ -557,8 +573,10 @@ def mhc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.T
     bd = min(cfg.post_block_d, max(16, next_pow2(D)))
     grid = (B, -(-D // bd))
     _hc_post_kernel[grid](
-        y, h, post, comb, out, D, y.stride(0), h.stride(0), h.stride(1), out.stride(0), out.stride(1),
-        HC=hc, BLOCK_D=bd, INTERPRET=on_interpreter(h), num_warps=cfg.num_warps, enable_fp_fusion=False,
+        y, y if y2 is None else y2, h, post, comb, out, D, y.stride(0), 0 if y2 is None else y2.stride(0),
+        h.stride(0), h.stride(1), out.stride(0), out.stride(1),
+        HC=hc, BLOCK_D=bd, Y2=y2 is not None, INTERPRET=on_interpreter(h), num_warps=cfg.num_warps,
+        enable_fp_fusion=False,
         **launch_opts(h, grid),
     )
     return out
@@ -580,12 +598,14 @@ def mhc_head_ref(h, fn, scale, base, norm_w, hc_eps, norm_eps, config=None):
     return ops.rms_norm(ops.hc_head(h, fn, scale, base, _cfg(h.shape[1], 1, hc_eps, norm_eps)), norm_w, norm_eps)
 
 
-def mhc_post_ref(y, h, post, comb, config=None):
+def mhc_post_ref(y, h, post, comb, config=None, y2=None):
     del config
+    if y2 is not None:
+        y = (y.float() + y2.float()).to(torch.bfloat16)
     return ops.hc_post(y, h, post, comb)
 
 
-def mhc_post_pre_ref(y, h, post, comb, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, config=None):
+def mhc_post_pre_ref(y, h, post, comb, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, config=None, y2=None):
     del config
-    h2 = mhc_post_ref(y, h, post, comb)
+    h2 = mhc_post_ref(y, h, post, comb, y2=y2)
     return (h2, *mhc_pre_ref(h2, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps))

@@ -176,7 +176,7 @@ class FastDecoder:
                  consume: bool = False, placement=None, max_block: int = 1, rank: int = 0, world_size: int = 1,
                  group=None, moe_mode: str | None = None, cold_path: str = "gpu", cpu_share: float | None = None,
                  pdl: bool | None = None, overlap: bool | None = None, ep_combine: str | None = None,
-                 shared_in_combine: bool = False, shared_after_router: bool | None = None, router: str | None = None):
+                 shared_w2: str = "residual", shared_after_router: bool | None = None, router: str | None = None):
         """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
         stacked, projections concatenated), so a model filling the device is never held twice.
         placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
@@ -214,13 +214,17 @@ class FastDecoder:
         At small batches these kernels are latency-bound, and side by side their tails overlap
         (measured: 7.24 -> 7.07 ms for 30 V4-Flash layers at batch 1). Every kernel computes the
         same values either way. None: on wherever the Triton kernels run on CUDA.
-        shared_in_combine: on one GPU, the shared expert's w2 beside the routed experts (after its
-        gated half, on the side stream), its output added by the experts' combine: rnd(routed +
-        rnd(w2 . a)), the bits of w2's residual epilogue, with w2 off the main stream's path.
-        False (the default): w2 after the routed experts, their sum as its residual. Measured on
-        one H200 (docs/PERFORMANCE.md, twelfth measurement) it saved 0.05 ms per 30-layer step at
-        1 row with the early fork, less than MOE_PLAN's late fork, and cost 0.04-0.07 ms at 4 rows
-        and 1.1 ms at 64. The attribute is read when a step is traced or captured.
+        shared_w2: where the shared expert's w2 runs and how its output meets the routed experts'
+        sum; every choice gives rnd(routed + rnd(w2 . a)), the bits of w2's residual epilogue.
+        "residual" (the default): on the main stream after the routed experts, their sum as its
+        residual. "combine": on the side stream after w1/w3, added by the experts' combine (the
+        main stream joins the side stream before the down launch). "mhc": on the side stream after
+        w1/w3, added by the next mHC launch (mhc_post* with y2; the main stream joins after the
+        experts' launches, before it). Both on one GPU with the fused path (else "residual").
+        Measured on one H200 (docs/PERFORMANCE.md, twelfth measurement): "combine" saved 0.05 ms
+        per 30-layer step at 1 row with the early fork, less than MOE_PLAN's late fork, and cost
+        0.04-0.07 ms at 4 rows and 1.1 ms at 64; "mhc" is not measured yet. Read when a step is
+        traced or captured.
         shared_after_router: the side stream forks after the router instead of before it, so the
         shared expert's w1/w3 runs beside the routed experts but not beside the router. The same
         bits. None: by the step's rows (MOE_PLAN).
@@ -265,7 +269,9 @@ class FastDecoder:
         if overlap and not on_cuda:
             raise ValueError("overlap needs the Triton kernels on a CUDA device")
         self.side_stream = torch.cuda.Stream(self.device) if (on_cuda if overlap is None else overlap) else None
-        self.shared_in_combine = shared_in_combine
+        if shared_w2 not in ("residual", "combine", "mhc"):
+            raise ValueError(f"shared_w2 must be residual, combine or mhc, got {shared_w2!r}")
+        self.shared_w2 = shared_w2
         self.shared_after_router = shared_after_router
         if cold_path != "gpu" and (world_size > 1 or not self.triton):
             raise ValueError("cold_path cpu / hybrid needs the Triton experts kernel and one rank")
@@ -576,15 +582,16 @@ class FastDecoder:
         # wait for the other ranks
         whole_shared = fused and self.peer is not None and "experts" in lw
         # one GPU: the whole shared expert beside the routed experts as well, its output added by
-        # their combine (shared_in_combine)
-        in_combine = (fused and self.shared_in_combine and self.world_size == 1 and "experts" in lw
-                      and not lw.get("cpu_experts", False))
+        # their combine or by the next mHC launch (shared_w2)
+        side_w2 = (fused and self.shared_w2 != "residual" and self.world_size == 1 and "experts" in lw
+                   and not lw.get("cpu_experts", False))
+        in_combine = side_w2 and self.shared_w2 == "combine"
 
         def shared_half() -> torch.Tensor:
             with self._on_side(), stage(T, "shared_expert", L):  # its gated half beside the routed experts
                 if fused:  # gated w1/w3 + SwiGLU in one launch
                     a = _lin.linear_fp8_swiglu(x.contiguous(), *lw["shared13"], cfg.swiglu_limit, out_dtype=x.dtype)
-                    return w2(a, True) if whole_shared or in_combine else a
+                    return w2(a, True) if whole_shared or side_w2 else a
                 return ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
 
         router, after_router = self._moe_plan(x.shape[0])
@@ -608,6 +615,8 @@ class FastDecoder:
             if whole_shared:  # a is the shared expert's output
                 return routed(a)
             r = routed()
+        if side_w2:  # the next mHC launch adds the shared expert's output a (its y2) to the routed sum
+            return r, a
         with stage(T, "shared_expert", L):
             if fused:  # w2 + the routed sum in one launch
                 return _lin.linear_fp8(a, w2.w, w2.scale, block=w2.block, out_dtype=x.dtype, residual=r)
@@ -750,12 +759,13 @@ class FastDecoder:
             x, post, comb = mhc_pre(h, *mixes(0))
         for i, (L, kind) in enumerate(subs):
             y = self._attention(x, pos, slots, passes, L) if kind == "attn" else self._moe(x, tokens, L)
+            y, y2 = y if isinstance(y, tuple) else (y, None)  # (routed sum, shared output): shared_w2 "mhc"
             if i + 1 < len(subs):
                 with stage(T, "mhc_pre", subs[i + 1][0]):
-                    h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *mixes(i + 1))
+                    h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *mixes(i + 1), y2=y2)
             else:
                 with stage(T, "mhc_post", L):
-                    h = mhc_post(y.contiguous(), h, post, comb)
+                    h = mhc_post(y.contiguous(), h, post, comb, y2=y2)
         with stage(T, "head"):
             z = self._kernel(_mhc, "mhc_head")(h, *self.hc_head, self.norm_w, hc_eps, eps)
             return self._dense(z, self.head)

@@ -221,16 +221,17 @@ def test_cold_experts_on_the_cpu(cold_path):
 
 def test_shared_expert_in_the_experts_combine_gives_the_same_bits():
     """The shared expert's w2 beside the routed experts with its output added by their combine
-    (FastDecoder.shared_in_combine), and the shared expert forked after the router
-    (shared_after_router), against w2 after them with the routed sum as its residual: the same
-    logits, bit for bit, over steps of 3 rows and of 1. (The shared expert's
-    intermediate size 128: one FP8 block, so its w1/w3 take the gated launch the path needs.)"""
+    or by the next mHC launch (FastDecoder.shared_w2 "combine" / "mhc"), and the shared expert
+    forked after the router or before it (shared_after_router), against w2 after them with the
+    routed sum as its residual: the same logits, bit for bit, over steps of 3 rows and of 1. (The
+    shared expert's intermediate size 128: one FP8 block, so its w1/w3 take the gated launch the
+    path needs.)"""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = tiny_cfg(num_hidden_layers=2, moe_intermediate_size=128)
     w = synthesize_weights(cfg, seed=6, device=dev, include_mtp=False)
     runs = []
-    for in_combine, after_router in ((True, False), (False, True), (False, False)):
-        d = FastDecoder(cfg, w, max_seqs=3, max_ctx=32, device=dev, triton=True, shared_in_combine=in_combine,
+    for shared_w2, after_router in (("combine", False), ("mhc", True), ("residual", True), ("residual", False)):
+        d = FastDecoder(cfg, w, max_seqs=3, max_ctx=32, device=dev, triton=True, shared_w2=shared_w2,
                         shared_after_router=after_router)
         assert all("shared13" in lw and "experts" in lw for lw in d.layers)
         for s in range(3):
@@ -241,5 +242,5 @@ def test_shared_expert_in_the_experts_combine_gives_the_same_bits():
             ids = torch.randint(0, 512, (n,), generator=g).to(dev)
             out.append(d.step(ids, torch.full((n,), t, device=dev), torch.arange(n, device=dev)))
         runs.append(out)
-    for a, b, c in zip(*runs):
-        assert torch.isfinite(a).all() and torch.equal(a, c) and torch.equal(b, c)
+    for outs in zip(*runs):
+        assert torch.isfinite(outs[0]).all() and all(torch.equal(o, outs[-1]) for o in outs)

@@ -237,6 +237,28 @@ def test_post_pre_fused_equals_post_then_pre(cfg, B, D):
         check_bf16(got[0], ref[0], max_steps=0)
 
 
+@pytest.mark.parametrize("B,D", [(1, 64), (3, 40)])
+def test_second_addend_is_the_residual_sum(B, D):
+    """y2 (FastDecoder's shared_w2 "mhc"): mhc_post and mhc_post_pre with an fp32 y and a bf16 y2
+    give the bits of the same calls on rnd(y + y2), the sum linear_fp8's residual epilogue makes;
+    the refs too. (y2's magnitude near y's: the rounding of the sum matters.)"""
+    h, fn, scale, base, w = make(B, D, seed=B * 7 + D)
+    g = torch.Generator(device="cpu").manual_seed(B + D)
+    _, post, comb = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
+    y = (torch.randn(B, D, generator=g) * 3).to(DEV)
+    y2 = (torch.randn(B, D, generator=g) * 3).bfloat16().to(DEV)
+    summed = (y + y2.float()).bfloat16()
+    assert not torch.equal(summed.float(), y + y2.float())  # the sum does round
+    assert torch.equal(mhc_post(y, h, post, comb, y2=y2), mhc_post(summed, h, post, comb))
+    got = mhc.mhc_post_pre(y, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, y2=y2)
+    want = mhc.mhc_post_pre(summed, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    ref = mhc.mhc_post_pre_ref(y, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, y2=y2)
+    check_bf16(got[0], ref[0], max_steps=0)
+    with pytest.raises(AssertionError):  # y2 needs the fp32 sum beside it
+        mhc_post(summed, h, post, comb, y2=y2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("B", [1, 16, 64])
