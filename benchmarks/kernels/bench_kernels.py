@@ -115,6 +115,13 @@ def save_partial(results):
             json.dump(dict(device=PARTIAL["device"], bandwidth=PARTIAL["bw"], results=results), f, indent=1)
 
 
+def write_results(path: str | None, results: list) -> None:
+    """{"device", "results"} as JSON at path (nothing when path is None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
 def graph_time(calls, reps=20):
     """calls: list of zero-arg callables (one kernel call each). µs per call, graph-replayed."""
     for c in calls:

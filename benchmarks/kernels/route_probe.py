@@ -32,7 +32,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_kernels import graph_time  # noqa: E402
+from bench_kernels import graph_time, write_results  # noqa: E402
 
 from megastep.kernels import common, route_cuda, router  # noqa: E402
 from megastep.kernels.cuda_module import CudaModule  # noqa: E402
@@ -99,9 +99,7 @@ def main() -> None:
             rows.append({"rows": B, "case": name, "us": round(us, 2), "min_us": round(best, 2)})
             print(json.dumps(rows[-1]), flush=True)
     common.set_pdl(False)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": rows}, f, indent=1)
+    write_results(args.json, rows)
     print(f"{'rows':>4}  {'case':<22} {'us':>7}")
     for r in rows:
         print(f"{r['rows']:>4}  {r['case']:<22} {r['us']:>7.2f}")

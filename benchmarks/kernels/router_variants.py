@@ -14,14 +14,13 @@ weights and grouping, bit for bit.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import graph_time  # noqa: E402
+from bench_kernels import graph_time, write_results  # noqa: E402
 
 from megastep.kernels import common, route_cuda, router  # noqa: E402
 from megastep.kernels.dense import linear_bf16  # noqa: E402
@@ -73,9 +72,7 @@ def main():
             results.append(row)
             print(row, flush=True)
     common.set_pdl(False)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    write_results(args.json, results)
     print(f"{'rows':>5} {'pdl':>5} {'triton us':>10} {'cuda us':>9}  same results")
     for r in results:
         print(f"{r['rows']:>5} {str(r['pdl']):>5} {r['triton']:>10.2f} {r['cuda']:>9.2f}  {r['same_results']}")
