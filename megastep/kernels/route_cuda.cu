@@ -4,10 +4,10 @@
 // for the experts kernels). The same operations as those Triton functions, so the same results
 // bit for bit; route_cuda.py launches it and says when.
 //
-// Why CUDA C++: on one H200 the Triton routing tail took ~8 us of the router's 13.5 at 1 row (a
-// chain of cross-warp reductions and L2 round trips in one program), ~17 us of 22 at 16 rows
-// (docs/PERFORMANCE.md, twelfth measurement). Here a warp routes a row with shuffles, every
-// operand loaded up front.
+// Why CUDA C++: the Triton routing tail is a chain of cross-warp reductions and L2 round trips in
+// one program (~17 us of the router's 22 at 16 rows on one H200); here a warp routes a row with
+// shuffles, every operand loaded up front. Measured against the Triton launches in
+// docs/PERFORMANCE.md, twelfth measurement (faster at 4-16 rows, not at 1 or 64).
 //
 // Work: CTAs [0, R) route 8 rows each (warp per row; R = ceil(B / 8)); CTAs past R quantize x, a
 // warp per 128-block. With grouping, the last routing CTA to arrive (an arrival counter, reset by

@@ -15,9 +15,13 @@ The same operations as the Triton functions (libdevice's expf / log1pf without f
 sqrt and division correctly rounded, the same sum orders), so equal logits give equal results:
 a step may take either launch (the GPU tests check it bit for bit).
 
-Why CUDA C++ (docs/PERFORMANCE.md, twelfth measurement): the Triton routing tail is a chain of
-cross-warp reductions and L2 round trips in one program, ~8 us at 1 row after a 5 us gate GEMV;
-here a warp routes a row with shuffles, its operands loaded up front.
+Why CUDA C++: the Triton routing tail is a chain of cross-warp reductions and L2 round trips in
+one program; here a warp routes a row with shuffles, its operands loaded up front. Measured on one
+H200 (docs/PERFORMANCE.md, twelfth measurement), gate GEMV included, us per call: 13.5 against
+the Triton launches' 14.3 at 4 rows and 16.1 against 22.8 at 16, but 13.0 against 12.0 at 1 row
+and 15.8 against 13.4 at 64; FastDecoder takes it by rows (MOE_PLAN). Its ~7 us after the gate
+are still ~2.5 us more than Triton's one-program `route` alone (benchmarks/kernels/route_probe.py
+breaks them down).
 
 Grid: R = ceil(B / 8) routing CTAs (a warp per row) and, with `group`, a CTA per 8 of x's
 128-blocks; the last routing CTA to arrive groups (an arrival counter it resets; none when R = 1).
