@@ -171,8 +171,8 @@ def test_cuda_routing_only_where_it_runs(tiny):
 
 
 def test_moe_plan_by_rows(tiny):
-    """router=None / shared_after_router=None follow MOE_PLAN by a step's rows; explicit choices
-    hold for every row count."""
+    """router=None / shared_after_router=None follow MOE_PLAN by a step's rows on one GPU (with
+    several ranks MOE_PLAN_ABOVE); explicit choices hold for every row count."""
     from megastep.model.fast import MOE_PLAN, MOE_PLAN_ABOVE
 
     cfg, w = tiny
@@ -182,6 +182,8 @@ def test_moe_plan_by_rows(tiny):
         ("triton", True), ("cuda", True), ("cuda", True), ("cuda", False), ("cuda", False), ("triton", False),
         ("triton", False)]
     assert MOE_PLAN_ABOVE == ("triton", False) and [n for n, _, _ in MOE_PLAN] == [1, 4, 16]
+    d.world_size = 2  # expert parallelism: the order measured there, whatever the rows
+    assert {d._moe_plan(n) for n in (1, 4, 16, 64)} == {MOE_PLAN_ABOVE}
     d.router, d.shared_after_router = "cuda", False
     assert {d._moe_plan(n) for n in (1, 4, 64)} == {("cuda", False)}
 

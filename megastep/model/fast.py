@@ -49,16 +49,16 @@ from megastep.runtime.sidecar import CpuSidecar, add_pairs
 from megastep.runtime.trace import StepTrace, stage
 
 PDL_MAX_ROWS = 4  # FastDecoder(pdl=None): programmatic dependent launch for steps up to this many rows
-# FastDecoder(router=None, shared_after_router=None): by a step's rows (up to the first entry's
-# count), which launches route ("triton": router.py's; "cuda": the gate GEMV, then route_cuda's)
-# and whether the shared expert's side stream forks after the router (else before it). Every
-# choice gives the same bits. Measured on one H200, 30 V4-Flash layers, p50 ms
-# (docs/PERFORMANCE.md, twelfth measurement): 1 row, Triton routing with the late fork 5.33-5.36
-# against 5.39-5.43 (the early fork), 5.40 (CUDA, late), 5.69 (CUDA, early); 4 rows, CUDA with
-# the late fork 8.66-8.72 against 8.76-8.80 (Triton, early), 8.82-8.86 (Triton, late), 9.40
-# (CUDA, early); 16 rows, CUDA with the early fork 19.88 against 20.00-20.13 (Triton, early),
-# 20.17 (CUDA, late); 64 rows, Triton with the early fork 55.03-55.32 against 55.22-55.29 (CUDA,
-# early).
+# FastDecoder(router=None, shared_after_router=None) on one GPU: by a step's rows (up to the first
+# entry's count), which launches route ("triton": router.py's; "cuda": the gate GEMV, then
+# route_cuda's) and whether the shared expert's side stream forks after the router (else before
+# it); with several ranks MOE_PLAN_ABOVE, the order measured there. Every choice gives the same
+# bits. Measured on one H200, 30 V4-Flash layers, p50 ms (docs/PERFORMANCE.md, twelfth
+# measurement): 1 row, Triton routing with the late fork 5.33-5.36 against 5.39-5.43 (the early
+# fork), 5.40 (CUDA, late), 5.69 (CUDA, early); 4 rows, CUDA with the late fork 8.66-8.72 against
+# 8.76-8.80 (Triton, early), 8.82-8.86 (Triton, late), 9.40 (CUDA, early); 16 rows, CUDA with the
+# early fork 19.88 against 20.00-20.13 (Triton, early), 20.17 (CUDA, late); 64 rows, Triton with
+# the early fork 55.03-55.32 against 55.22-55.29 (CUDA, early).
 MOE_PLAN = ((1, "triton", True), (4, "cuda", True), (16, "cuda", False))
 MOE_PLAN_ABOVE = ("triton", False)
 
@@ -624,8 +624,10 @@ class FastDecoder:
 
     def _moe_plan(self, rows: int) -> tuple[str, bool]:
         """(router, shared_after_router) of a step of `rows` rows: the constructor's choices, or
-        MOE_PLAN's for that many rows ("triton" where the CUDA routing does not run)."""
-        router, after = next(((r, a) for n, r, a in MOE_PLAN if rows <= n), MOE_PLAN_ABOVE)
+        MOE_PLAN's for that many rows ("triton" where the CUDA routing does not run). With several
+        ranks, where the plan was not measured, MOE_PLAN_ABOVE (the order measured there)."""
+        plan = MOE_PLAN if self.world_size == 1 else ()
+        router, after = next(((r, a) for n, r, a in plan if rows <= n), MOE_PLAN_ABOVE)
         router = self.router or (router if self.route_cuda_ok else "triton")
         return router, after if self.shared_after_router is None else self.shared_after_router
 
