@@ -239,6 +239,9 @@ def peer_transformers(cfg: ModelConfig, seed: int, device: torch.device, context
             "ms_per_layer": ok[best] / cfg.num_hidden_layers if best else None}
 
 
+_AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # --pdl, --shared-after-router -> FastDecoder's
+
+
 def _check_args(args: argparse.Namespace, batches: list[int]) -> None:
     if args.block < 1 or any(b % args.block for b in batches):
         raise UserError(f"--block {args.block}: every batch must be a multiple of it (rows = sequences x block)")
@@ -284,11 +287,11 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
     dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True,
                       placement=placement if args.hbm_budget is not None else None, max_block=args.block,
                       moe_mode=args.moe_mode, cold_path=args.cold_path, cpu_share=cpu_share,
-                      pdl={"auto": None, "on": True, "off": False}[args.pdl],
+                      pdl=_AUTO_ON_OFF[args.pdl],
                       overlap=False if args.no_overlap else None,
                       rank=rank.rank if rank is not None else 0, world_size=W, ep_combine=args.ep_combine,
                       shared_w2=args.shared_w2, router=args.router,
-                      shared_after_router={"auto": None, "on": True, "off": False}[args.shared_after_router])
+                      shared_after_router=_AUTO_ON_OFF[args.shared_after_router])
     del weights
     torch.cuda.synchronize()
     gen_s = time.perf_counter() - t0

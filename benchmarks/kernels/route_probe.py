@@ -51,9 +51,14 @@ PROBES = [
 ]
 
 
+_HEADER = os.path.join(os.path.dirname(route_cuda.SOURCE), "cuda_common.cuh")  # route_cuda.cu includes it
+
+
 def probe_kernels(out_dir: str) -> dict:
-    """name -> the route_group kernel built from an edited copy of route_cuda.cu."""
+    """name -> the route_group kernel built from an edited copy of route_cuda.cu (its header
+    copied beside it)."""
     src = open(route_cuda.SOURCE).read()
+    header = open(_HEADER).read()
     kernels = {}
     for name, edits in PROBES:
         text = src
@@ -64,6 +69,8 @@ def probe_kernels(out_dir: str) -> dict:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.write(text)
+        with open(os.path.join(os.path.dirname(path), os.path.basename(_HEADER)), "w") as f:
+            f.write(header)
         kernels[name] = CudaModule(path).kernel("route_group", route_cuda._KERNEL.signature)
     return kernels
 

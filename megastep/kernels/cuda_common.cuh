@@ -1,5 +1,5 @@
-// Device helpers of the hand-written CUDA C++ kernels (moe_lut.cu; the experiments under
-// benchmarks/kernels include it too): the streaming weight load and the bf16 rounding.
+// Device helpers of the hand-written CUDA C++ kernels (moe_lut.cu, route_cuda.cu; the experiments
+// under benchmarks/kernels include it too): the streaming weight load, the bf16 rounding, PDL.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,5 +16,12 @@ __device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
 }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// PDL, for kernels launched with programmatic stream serialization (cuda_module's launch(pdl=True);
+// without it both are no-ops). pdl_wait blocks until the predecessor grid has completed and its
+// writes are visible; pdl_release lets the next kernel's CTAs be placed as SM room frees up (they
+// wait for this grid's completion before they read what it writes).
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_release() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
 }  // namespace megastep

@@ -86,13 +86,11 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 
 __device__ __forceinline__ void prefetch_l2(const uint8_t* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
-// PDL (moe_lut.py launches with programmatic stream serialization when the step uses PDL; without
-// it both are no-ops). pdl_wait blocks until the predecessor grid has completed and its writes are
-// visible. pdl_release lets the next kernel's CTAs be placed as SM room frees up: a grid of these
-// kernels (at most 2 CTAs per SM) is resident from its start, so they never take a slot one of its
-// own CTAs needs, and they wait for this grid's completion before they read what it writes.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_release() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+// PDL (cuda_common.cuh; moe_lut.py launches with it when the step uses PDL): a grid of these
+// kernels (at most 2 CTAs per SM) is resident from its start, so the next kernel's CTAs, placed
+// after pdl_release, never take a slot one of its own CTAs needs.
+using megastep::pdl_release;
+using megastep::pdl_wait;
 
 __device__ __forceinline__ float scale_f(uint32_t s) { return __uint_as_float(s << 23); }  // 2^(s-127), s >= 1
 

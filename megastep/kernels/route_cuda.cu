@@ -16,6 +16,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "cuda_common.cuh"
+
 namespace {
 
 constexpr int kWarps = 8;
@@ -23,8 +25,8 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kMaxEPL = 16;          // experts per lane (E <= 512)
 constexpr int kMaxPairs = kThreads;  // pairs the grouping takes (one thread each)
 
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_release() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+using megastep::pdl_release;
+using megastep::pdl_wait;
 
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }

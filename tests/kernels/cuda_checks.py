@@ -1,4 +1,4 @@
-"""Checks of hand-written CUDA C++ kernels that need nvcc but no GPU (moe_lut.cu, router_cuda.cu)."""
+"""Checks of hand-written CUDA C++ kernels that need nvcc but no GPU (moe_lut.cu, route_cuda.cu)."""
 
 from __future__ import annotations
 
