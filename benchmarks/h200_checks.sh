@@ -20,7 +20,7 @@
 #   bash benchmarks/h200_checks.sh timeline   # the device timeline of one graph replay at 1 and 4 rows (--timeline, in the JSON) (~1.5 min)
 #   bash benchmarks/h200_checks.sh fork       # the shared expert's side stream forked after the router, with and without it in the combine, A/B/A (~3 min)
 #   bash benchmarks/h200_checks.sh route      # the one-launch CUDA routing: its GPU tests, the router alone and the step against router.py's launches, A/B/A (~6 min)
-#   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; with the shared w2 added by the mHC; the CUDA routing's probes (~6 min)
+#   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
@@ -110,31 +110,31 @@ for group in "$@"; do
     shared)  # built offline on 2026-11-30 (docs/PERFORMANCE.md, eleventh measurement): bits first, then time
       step shared_tests 240 python3 -m pytest -q --timeout 200 -m gpu tests/test_fast_gpu.py tests/kernels/test_moe.py \
         -k "shared or timeline or lut_expert_parallel"
-      early=(--router triton --shared-after-router off)  # the order of that day
+      early=(--router triton --shared-after-router off --shared-w2 residual)  # the order of that day
       bench shared_in_combine 120 --layers 30 --batch 1,4,16,64 "${early[@]}" --shared-w2 combine
       bench shared_after 100 --layers 30 --batch 1,4,16,64 "${early[@]}"
       bench shared_in_combine_b 100 --layers 30 --batch 1,4,16,64 "${early[@]}" --shared-w2 combine ;;
     timeline)
       bench timeline 120 --layers 30 --batch 1,4 --timeline ;;
     fork)  # where the shared expert's side stream forks (FastDecoder.shared_after_router): the same bits, time
-      bench fork_before 120 --layers 30 --batch 1,4,16,64 --router triton --shared-after-router off
-      bench fork_after 100 --layers 30 --batch 1,4,16,64 --router triton --shared-after-router on --timeline
+      bench fork_before 120 --layers 30 --batch 1,4,16,64 --router triton --shared-after-router off --shared-w2 residual
+      bench fork_after 100 --layers 30 --batch 1,4,16,64 --router triton --shared-after-router on --shared-w2 residual --timeline
       bench fork_after_combine 100 --layers 30 --batch 1,4,16,64 --router triton --shared-after-router on --shared-w2 combine
-      bench fork_before_b 100 --layers 30 --batch 1,4,16,64 --router triton --shared-after-router off ;;
+      bench fork_before_b 100 --layers 30 --batch 1,4,16,64 --router triton --shared-after-router off --shared-w2 residual ;;
     route)  # built on 2026-11-30 (docs/PERFORMANCE.md, twelfth measurement): bits first, then time
       step route_tests 200 python3 -m pytest -q --timeout 150 -m gpu tests/kernels/test_route_cuda.py tests/test_fast_gpu.py \
         -k "route_cuda or cuda_routing or pdl or alone"
-      bench route_cuda 120 --layers 30 --batch 1,4,16,64 --router cuda --shared-after-router off
-      bench route_triton 60 --layers 30 --batch 1,4,16,64 --router triton --shared-after-router off
-      bench route_cuda_b 60 --layers 30 --batch 1,4,16,64 --router cuda --shared-after-router off
+      bench route_cuda 120 --layers 30 --batch 1,4,16,64 --router cuda --shared-after-router off --shared-w2 residual
+      bench route_triton 60 --layers 30 --batch 1,4,16,64 --router triton --shared-after-router off --shared-w2 residual
+      bench route_cuda_b 60 --layers 30 --batch 1,4,16,64 --router cuda --shared-after-router off --shared-w2 residual
       step router_variants 60 python3 benchmarks/kernels/router_variants.py --json "$OUT/router_variants.json"
-      bench route_cuda_after 50 --layers 30 --batch 1,4 --router cuda --shared-after-router on
+      bench route_cuda_after 50 --layers 30 --batch 1,4 --router cuda --shared-after-router on --shared-w2 residual
       bench route_cuda_combine 50 --layers 30 --batch 1,4 --router cuda --shared-after-router off --shared-w2 combine ;;
     plan)  # FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A
       bench plan 120 --layers 30 --batch 1,4,16,64 --trace
-      bench plan_before 60 --layers 30 --batch 1,4,16,64 --router triton --shared-after-router off
+      bench plan_before 60 --layers 30 --batch 1,4,16,64 --router triton --shared-after-router off --shared-w2 residual
       bench plan_b 60 --layers 30 --batch 1,4,16,64
-      bench plan_w2_mhc 60 --layers 30 --batch 1,4,16,64 --shared-w2 mhc
+      bench plan_triton 60 --layers 30 --batch 1,4,16,64 --router triton
       step route_probe 120 python3 benchmarks/kernels/route_probe.py --out /tmp/route_probe --json "$OUT/route_probe.json" ;;
     ep)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines

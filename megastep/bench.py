@@ -290,7 +290,7 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
                       pdl=_AUTO_ON_OFF[args.pdl],
                       overlap=False if args.no_overlap else None,
                       rank=rank.rank if rank is not None else 0, world_size=W, ep_combine=args.ep_combine,
-                      shared_w2=args.shared_w2, router=args.router,
+                      shared_w2=None if args.shared_w2 == "auto" else args.shared_w2, router=args.router,
                       shared_after_router=_AUTO_ON_OFF[args.shared_after_router])
     del weights
     torch.cuda.synchronize()
@@ -321,7 +321,7 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers, "gpus": W,
         "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": cpu_share,
         "cpu_read_GBps": cpu_bw, "moe_mode": dec.moe_mode or "default", "pdl": args.pdl, "overlap": dec.side_stream is not None,
-        "shared_w2": dec.shared_w2, "shared_after_router": args.shared_after_router,
+        "shared_w2": args.shared_w2, "shared_after_router": args.shared_after_router,
         "router": args.router or "auto",
         "ep_combine": None if W == 1 else "p2p" if dec.peer is not None else "allreduce", "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
         "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
@@ -436,10 +436,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", action="store_true", help="also print the eager per-stage trace")
-    p.add_argument("--shared-w2", default="residual", choices=["residual", "combine", "mhc"],
+    p.add_argument("--shared-w2", default="auto", choices=["auto", "residual", "combine", "mhc"],
                    help="where the shared expert's w2 runs: after the routed experts with their sum as its residual, "
                         "or beside them, added by their combine or by the next mHC launch (FastDecoder.shared_w2; "
-                        "the same bits)")
+                        "the same bits); auto: by the step's rows (FastDecoder's MOE_PLAN)")
     p.add_argument("--shared-after-router", default="auto", choices=["auto", "on", "off"],
                    help="fork the shared expert's side stream after the router (on) or before it (off); auto: by "
                         "the step's rows (FastDecoder's MOE_PLAN; the same bits)")

@@ -66,12 +66,16 @@ def test_signatures_match_the_kernels():
 
 @needs_nvcc
 def test_route_probes_edit_once_and_build(tmp_path, monkeypatch):
-    """route_probe.py's early exits and variant each edit route_cuda.cu exactly once (checked
-    inside probe_kernels) and build."""
+    """route_probe.py's early exits and variants each edit route_cuda.cu exactly once (checked
+    inside probe_kernels) and build for V4-Flash's expert count."""
     import route_probe as RP
+
+    from megastep.kernels import route_cuda
 
     monkeypatch.setenv("HOME", str(tmp_path))
     kernels = RP.probe_kernels(str(tmp_path))
-    assert sorted(kernels) == sorted(name for name, _ in RP.PROBES)
-    for name in kernels:
-        assert cm.build_cubin(str(tmp_path / name / "route_cuda.cu"))[:4] == b"\x7fELF"
+    assert sorted(kernels) == sorted(name for name, _, _ in RP.PROBES)
+    for name, (_, exact) in kernels.items():
+        assert exact == name.startswith(("shuffle", "fns"))  # the variants are checked against production
+        path = str(tmp_path / name / "route_cuda.cu")
+        assert cm.build_cubin(path, extra_flags=route_cuda.build_flags(RP.E))[:4] == b"\x7fELF"

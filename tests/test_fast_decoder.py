@@ -171,21 +171,26 @@ def test_cuda_routing_only_where_it_runs(tiny):
 
 
 def test_moe_plan_by_rows(tiny):
-    """router=None / shared_after_router=None follow MOE_PLAN by a step's rows on one GPU (with
-    several ranks MOE_PLAN_ABOVE); explicit choices hold for every row count."""
+    """router=None / shared_after_router=None / shared_w2=None follow MOE_PLAN by a step's rows on
+    one GPU (with several ranks MOE_PLAN_ABOVE); explicit choices hold for every row count."""
     from megastep.model.fast import MOE_PLAN, MOE_PLAN_ABOVE
 
     cfg, w = tiny
     d = FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu")
     d.route_cuda_ok = True  # as on a GPU that runs it
-    assert [d._moe_plan(n) for n in (1, 2, 4, 5, 16, 17, 64)] == [
-        ("triton", True), ("cuda", True), ("cuda", True), ("cuda", False), ("cuda", False), ("triton", False),
-        ("triton", False)]
-    assert MOE_PLAN_ABOVE == ("triton", False) and [n for n, _, _ in MOE_PLAN] == [1, 4, 16]
+    assert [d._moe_plan(n) for n in (1, 2, 4, 5, 16, 17, 64, 65)] == [
+        ("cuda", True, "mhc"), ("cuda", True, "mhc"), ("cuda", True, "mhc"), ("cuda", False, "mhc"),
+        ("cuda", False, "mhc"), ("cuda", False, "residual"), ("cuda", False, "residual"), MOE_PLAN_ABOVE]
+    assert MOE_PLAN_ABOVE == ("triton", False, "residual") and [p[0] for p in MOE_PLAN] == [1, 4, 16, 64]
+    d.route_cuda_ok = False  # where the CUDA routing does not run: router.py's, the rest of the plan kept
+    assert d._moe_plan(1) == ("triton", True, "mhc")
+    d.route_cuda_ok = True
     d.world_size = 2  # expert parallelism: the order measured there, whatever the rows
     assert {d._moe_plan(n) for n in (1, 4, 16, 64)} == {MOE_PLAN_ABOVE}
-    d.router, d.shared_after_router = "cuda", False
-    assert {d._moe_plan(n) for n in (1, 4, 64)} == {("cuda", False)}
+    d.router, d.shared_after_router, d.shared_w2 = "cuda", False, "combine"
+    assert {d._moe_plan(n) for n in (1, 4, 64)} == {("cuda", False, "combine")}
+    with pytest.raises(ValueError, match="shared_w2 must be residual, combine or mhc"):
+        FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu", shared_w2="side")
 
 
 def test_workspace_lanes_are_separate_buffers():

@@ -250,19 +250,21 @@ def test_replay_timeline_sees_the_graphs_kernels():
 
 
 @pytest.mark.parametrize("experts", ["triton", "lut"])
-@pytest.mark.parametrize("where", ["combine", "mhc", "after_router"])
+@pytest.mark.parametrize("where", ["combine", "mhc", "after_router", "plan"])
 def test_shared_expert_in_the_combine_gives_the_same_bits(experts, where):
     """The shared expert's w2 on the side stream with its output added by the experts' combine
-    ("combine") or by the next mHC launch ("mhc"), or its side stream forked after the router
-    ("after_router"), against the default order (w2 after the routed experts with their sum as
-    its residual; the fork by MOE_PLAN): the same greedy logits bit for bit, through the graphs
-    (PDL at 1 row)."""
+    ("combine") or by the next mHC launch ("mhc"), its side stream forked after the router
+    ("after_router"), or all three by MOE_PLAN ("plan": the defaults), against the order before
+    them (w2 after the routed experts with their sum as its residual, the side stream forked
+    before the router): the same greedy logits bit for bit, through the graphs (PDL at 1 row)."""
     built = build(experts=experts)
     if where == "after_router":
         built[1].shared_after_router = True
-    else:
+    elif where != "plan":
         built[1].shared_w2 = where
     assert all("shared13" in lw for lw in built[1].layers)
     a = greedy_logits(steps=8, built=built)
-    b = greedy_logits(steps=8, built=build(experts=experts))
+    before = build(experts=experts)
+    before[1].shared_w2, before[1].shared_after_router = "residual", False
+    b = greedy_logits(steps=8, built=before)
     assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))

@@ -3,21 +3,27 @@
 
     python benchmarks/kernels/route_probe.py [--rows 1,4,16] [--out DIR] [--json FILE]
 
-Why: in the step the launch takes ~7 us after the 5 us gate GEMV at 1 row (docs/PERFORMANCE.md,
+Why: in the step the launch took ~7 us after the 5 us gate GEMV at 1 row (docs/PERFORMANCE.md,
 twelfth measurement), where Triton's `route` launch alone takes 4.2; the same early-exit method
-found the 7 us routing tail of the one-launch router (branch exp/router-cuda).
+found the 7 us routing tail of the one-launch router (branch exp/router-cuda). Its probes then
+showed the top-k rounds taking 4.7 us and a build with E / 32 fixed at 8 taking 4.1 us in all, so
+the production build fixes it (route_cuda.build_flags); and then the shuffle argmax and the
+__fns read-out taking 0.8 us together, so production has a redux.sync argmax and a read-out
+through shared memory (3.3 us; thirteenth measurement).
 
-Each probe is the kernel built from a copy of route_cuda.cu with one text edit (PROBES; the
-edits are checked to hit exactly once), launched through route_cuda.route_group(kernel=...):
+Each probe is the kernel built from a copy of route_cuda.cu with text edits (PROBES; each edit
+is checked to hit exactly once), launched through route_cuda.route_group(kernel=...):
 - exit_after_wait: the launch floor (PDL wait, release, exit);
 - exit_after_scores: + the logits and bias loads and the 8 scores of each lane;
 - exit_after_topk: + the k argmax rounds and the ascending read-out;
 - (the production build, no grouping): + the weights and the stores;
-- epl_8: the production kernel with E / 32 fixed at 8 (V4-Flash), so the per-expert branches
-  fold away; its results must equal the production build's bit for bit (checked).
-and for scale router.py's `route` (one program per row) and `route_group` alone, and
-route_cuda with grouping and x's quantization. us per call: a CUDA graph of 32 calls, median of
-20 replays (bench_kernels.graph_time), PDL on as in the step. A short table last.
+- shuffle_argmax, fns_readout, shuffle_fns: production with the earlier argmax (a 5-step shuffle
+  reduction), the earlier read-out (__fns), or both; these must give production's results bit for
+  bit (checked before timing, ties and -0 included).
+The exits' results stop early, so only their time is looked at. For scale router.py's `route`
+(one program per row) and `route_group` alone, and route_cuda with grouping and x's
+quantization. us per call: a CUDA graph of 32 calls, median of 20 replays
+(bench_kernels.graph_time), PDL on as in the step. A short table last.
 """
 
 from __future__ import annotations
@@ -39,15 +45,40 @@ from megastep.kernels.cuda_module import CudaModule  # noqa: E402
 
 E, D, K, SCALING = 256, 4096, 6, 2.5
 
-# (name, [(text in route_cuda.cu, replacement)]): exits keep what they skip past alive through a
-# store that never happens (a value no input gives), so the compiler cannot drop the work
+# (name, [(text in route_cuda.cu, replacement)], exact): exits keep what they skip past alive
+# through a store that never happens (a value no input gives), so the compiler cannot drop the work;
+# an exact variant must give the production build's results bit for bit (checked before timing)
+_REDUX_ARGMAX = "        {  // the warp's best in two redux.sync: the largest key (its bits made unsigned-ordered, -0 as\n           // +0 as float compares see it), then the lowest id among the lanes holding it\n          uint32_t u = __float_as_uint(bv);\n          u = u == 0x80000000u ? 0u : u;\n          u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);\n          const uint32_t top = __reduce_max_sync(0xffffffffu, u);\n          be = __reduce_min_sync(0xffffffffu, u == top ? be : 0x7FFFFFFF);\n        }\n"
+_SHUFFLE_ARGMAX = """#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+          const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+          if (beats(ov, oe, bv, be)) {
+            bv = ov;
+            be = oe;
+          }
+        }
+"""
+_SMEM_READOUT = '      __shared__ int order[kWarps][32];  // the chosen set in ascending order: each chosen expert\n      int base = 0;                       // writes itself at its position\n#pragma unroll\n      for (int i = 0; i < kEPL; ++i) {\n        const unsigned m = __ballot_sync(0xffffffffu, (chosen >> i) & 1u);\n        if ((chosen >> i) & 1u) order[warp][base + __popc(m & ((1u << lane) - 1u))] = i * 32 + lane;\n        base += __popc(m);\n      }\n      __syncwarp();\n      if (lane < k) my = order[warp][lane];\n'
+_FNS_READOUT = """      int base = 0;  // the chosen set read out in ascending order
+#pragma unroll
+      for (int i = 0; i < kEPL; ++i) {
+        const unsigned m = __ballot_sync(0xffffffffu, (chosen >> i) & 1u);
+        const int c = __popc(m);
+        if (lane >= base && lane < base + c) my = i * 32 + static_cast<int>(__fns(m, 0, lane - base + 1));
+        base += c;
+      }
+"""
 PROBES = [
-    ("exit_after_wait", [("  pdl_release();\n", "  pdl_release();\n  return;\n")]),
+    ("exit_after_wait", [("  pdl_release();\n", "  pdl_release();\n  return;\n")], False),
     ("exit_after_scores", [("    int my = 0;  // lane t < k", "    if (s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7] == -1.f) wts[0] = 0.f;\n"
-                            "    return;\n    int my = 0;  // lane t < k")]),
+                            "    return;\n    int my = 0;  // lane t < k")], False),
     ("exit_after_topk", [("    // the weights: the chosen scores", "    if (my == -1) wts[0] = 0.f;\n    return;\n"
-                          "    // the weights: the chosen scores")]),
-    ("epl_8", [("const int epl = E / 32, b =", "constexpr int epl = 8;\n  const int b =")]),
+                          "    // the weights: the chosen scores")], False),
+    # the top-k of the thirteenth measurement's first build, piece by piece
+    ("shuffle_argmax", [(_REDUX_ARGMAX, _SHUFFLE_ARGMAX)], True),
+    ("fns_readout", [(_SMEM_READOUT, _FNS_READOUT)], True),
+    ("shuffle_fns", [(_REDUX_ARGMAX, _SHUFFLE_ARGMAX), (_SMEM_READOUT, _FNS_READOUT)], True),
 ]
 
 
@@ -55,12 +86,12 @@ _HEADER = os.path.join(os.path.dirname(route_cuda.SOURCE), "cuda_common.cuh")  #
 
 
 def probe_kernels(out_dir: str) -> dict:
-    """name -> the route_group kernel built from an edited copy of route_cuda.cu (its header
-    copied beside it)."""
+    """name -> (the route_group kernel built from an edited copy of route_cuda.cu (its header
+    copied beside it), exact)."""
     src = open(route_cuda.SOURCE).read()
     header = open(_HEADER).read()
     kernels = {}
-    for name, edits in PROBES:
+    for name, edits, exact in PROBES:
         text = src
         for old, new in edits:
             assert text.count(old) == 1, (name, old)
@@ -71,8 +102,22 @@ def probe_kernels(out_dir: str) -> dict:
             f.write(text)
         with open(os.path.join(os.path.dirname(path), os.path.basename(_HEADER)), "w") as f:
             f.write(header)
-        kernels[name] = CudaModule(path).kernel("route_group", route_cuda._KERNEL.signature)
+        kernels[name] = (CudaModule(path, extra_flags=route_cuda.build_flags(E)).kernel("route_group",
+                                                                                    route_cuda.SIGNATURE), exact)
     return kernels
+
+
+def check_exact(name: str, kern, B: int, bias: torch.Tensor, g: torch.Generator) -> None:
+    """The variant's experts and weights equal the production build's, bit for bit: random logits
+    with and without the bias, and logits of few distinct values (ties, -0 among them)."""
+    ties = torch.randint(-2, 3, (B, E), generator=g).float()
+    ties[ties == 0] = -0.0
+    for lg, b in (((torch.randn(B, E, generator=g) * 4), bias), (ties, None), (ties, bias)):
+        lg = lg.cuda()
+        want = route_cuda.route_group(lg, b, None, None, K, SCALING)
+        got = route_cuda.route_group(lg, b, None, None, K, SCALING, kernel=kern)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.int32), want[1].view(torch.int32)), \
+            f"{name} changed the results at {B} rows"
 
 
 def main() -> None:
@@ -89,11 +134,11 @@ def main() -> None:
     for B in (int(r) for r in args.rows.split(",")):
         logits = [(torch.randn(B, E, generator=g) * 4).cuda() for _ in range(32)]
         x = (torch.randn(B, D, generator=g) * 2).bfloat16().cuda()
-        want = route_cuda.route_group(logits[0], bias, None, None, K, SCALING)
-        got = route_cuda.route_group(logits[0], bias, None, None, K, SCALING, kernel=kernels["epl_8"])
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "epl_8 changed the results"
+        for name, (kern, exact) in kernels.items():
+            if exact:
+                check_exact(name, kern, B, bias, g)
         cases = {name: (lambda lg, kern=kern: route_cuda.route_group(lg, bias, None, None, K, SCALING, kernel=kern))
-                 for name, kern in kernels.items()}
+                 for name, (kern, _) in kernels.items()}
         cases["route_cuda"] = lambda lg: route_cuda.route_group(lg, bias, None, None, K, SCALING)
         if B * K <= route_cuda.MAX_GROUPED_PAIRS:
             cases["route_cuda_grouped"] = lambda lg: route_cuda.route_group(lg, bias, None, None, K, SCALING, x,

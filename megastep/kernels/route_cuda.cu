@@ -6,8 +6,8 @@
 //
 // Why CUDA C++: the Triton routing tail is a chain of cross-warp reductions and L2 round trips in
 // one program (~17 us of the router's 22 at 16 rows on one H200); here a warp routes a row with
-// shuffles, every operand loaded up front. Measured against the Triton launches in
-// docs/PERFORMANCE.md, twelfth measurement (faster at 4-16 rows, not at 1 or 64).
+// shuffles and redux.sync, every operand loaded up front. Measured against the Triton launches in
+// docs/PERFORMANCE.md, thirteenth measurement (faster at 1-64 rows).
 //
 // Work: CTAs [0, R) route 8 rows each (warp per row; R = ceil(B / 8)); CTAs past R quantize x, a
 // warp per 128-block. With grouping, the last routing CTA to arrive (an arrival counter, reset by
@@ -20,9 +20,16 @@
 
 namespace {
 
+#ifndef EXPERTS_PER_LANE
+#error "build with -DEXPERTS_PER_LANE=<experts / 32> (route_cuda.py does, per expert count)"
+#endif
+
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kMaxEPL = 16;          // experts per lane (E <= 512)
+// experts per lane, fixed at build time: every loop over a lane's experts unrolls with no bound
+// checks (measured on one H200: the routing after the gate 7.2 -> 4.1 us at 1 row, route_probe.py)
+constexpr int kEPL = EXPERTS_PER_LANE;
+static_assert(kEPL >= 1 && kEPL <= 16, "1 to 16 experts per lane (32 to 512 experts)");
 constexpr int kMaxPairs = kThreads;  // pairs the grouping takes (one thread each)
 
 using megastep::pdl_release;
@@ -58,9 +65,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) route_group(
     const float* logits, long long stride_l, const float* bias, const long long* t2e, long long stride_t,
     const long long* tokens, int* idx, float* wts, float scaling, const __nv_bfloat16* x, long long stride_x,
     __nv_bfloat16* xq, long long stride_q, int* pairs, int* slot_e, int* slot_start, int* slot_cnt, int* nslot,
-    int* counter, int B, int E, int D, int k, int group, int perm) {
+    int* counter, int B, int D, int k, int group, int perm) {
   __shared__ int ids[kMaxPairs];  // every row's experts, for the grouping
-  __shared__ unsigned present[kMaxEPL];
+  __shared__ unsigned present[kEPL];
   __shared__ int is_last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int R = (B + kWarps - 1) / kWarps;
@@ -87,20 +94,20 @@ extern "C" __global__ void __launch_bounds__(kThreads) route_group(
   }
 
   // routing, a warp per row (route_rows' operations, the same bits); lane l holds experts i * 32 + l
-  const int epl = E / 32, b = blockIdx.x * kWarps + warp;
+  const int b = blockIdx.x * kWarps + warp;
   if (b < B) {
-    float lg[kMaxEPL], bs[kMaxEPL];
+    float lg[kEPL], bs[kEPL];
     int hv = 0;  // hash routing: this lane's given expert (lanes < k)
     if (t2e != nullptr && lane < k) hv = static_cast<int>(t2e[tokens[b] * stride_t + lane]);
 #pragma unroll
-    for (int i = 0; i < kMaxEPL; ++i) {  // every load first: nothing in between to order them after
-      lg[i] = i < epl ? logits[b * stride_l + i * 32 + lane] : 0.f;
-      bs[i] = i < epl && bias != nullptr ? bias[i * 32 + lane] : 0.f;
+    for (int i = 0; i < kEPL; ++i) {  // every load first: nothing in between to order them after
+      lg[i] = logits[b * stride_l + i * 32 + lane];
+      bs[i] = bias != nullptr ? bias[i * 32 + lane] : 0.f;
     }
-    float s[kMaxEPL];
+    float s[kEPL];
 #pragma unroll
-    for (int i = 0; i < kMaxEPL; ++i)  // torch's softplus (x > 20: x), then the sqrt
-      s[i] = i < epl ? __fsqrt_rn(lg[i] > 20.f ? lg[i] : log1pf(expf(lg[i]))) : 0.f;
+    for (int i = 0; i < kEPL; ++i)  // torch's softplus (x > 20: x), then the sqrt
+      s[i] = __fsqrt_rn(lg[i] > 20.f ? lg[i] : log1pf(expf(lg[i])));
     int my = 0;  // lane t < k: the row's t-th expert in ascending order
     if (t2e != nullptr) {  // the given experts sorted by counting ranks (ties in input order)
       int rank = 0;
@@ -113,49 +120,46 @@ extern "C" __global__ void __launch_bounds__(kThreads) route_group(
         if (rq == lane) my = vq;
       }
     } else {  // k rounds of argmax over the not yet chosen, the lowest id among equal maxima
-      float key[kMaxEPL];
+      float key[kEPL];
 #pragma unroll
-      for (int i = 0; i < kMaxEPL; ++i) key[i] = bias != nullptr ? __fadd_rn(s[i], bs[i]) : s[i];
+      for (int i = 0; i < kEPL; ++i) key[i] = bias != nullptr ? __fadd_rn(s[i], bs[i]) : s[i];
       unsigned chosen = 0;  // bit i: expert i * 32 + lane
       for (int r = 0; r < k; ++r) {
         float bv = -INFINITY;
         int be = 0x7FFFFFFF;
 #pragma unroll
-        for (int i = 0; i < kMaxEPL; ++i)
-          if (i < epl && !((chosen >> i) & 1u) && beats(key[i], i * 32 + lane, bv, be)) {
+        for (int i = 0; i < kEPL; ++i)
+          if (!((chosen >> i) & 1u) && beats(key[i], i * 32 + lane, bv, be)) {
             bv = key[i];
             be = i * 32 + lane;
           }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-          const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-          if (beats(ov, oe, bv, be)) {
-            bv = ov;
-            be = oe;
-          }
+        {  // the warp's best in two redux.sync: the largest key (its bits made unsigned-ordered, -0 as
+           // +0 as float compares see it), then the lowest id among the lanes holding it
+          uint32_t u = __float_as_uint(bv);
+          u = u == 0x80000000u ? 0u : u;
+          u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+          const uint32_t top = __reduce_max_sync(0xffffffffu, u);
+          be = __reduce_min_sync(0xffffffffu, u == top ? be : 0x7FFFFFFF);
         }
         if ((be & 31) == lane) chosen |= 1u << (be >> 5);
       }
-      int base = 0;  // the chosen set read out in ascending order
+      __shared__ int order[kWarps][32];  // the chosen set in ascending order: each chosen expert
+      int base = 0;                       // writes itself at its position
 #pragma unroll
-      for (int i = 0; i < kMaxEPL; ++i) {
-        if (i < epl) {
-          const unsigned m = __ballot_sync(0xffffffffu, (chosen >> i) & 1u);
-          const int c = __popc(m);
-          if (lane >= base && lane < base + c) my = i * 32 + static_cast<int>(__fns(m, 0, lane - base + 1));
-          base += c;
-        }
+      for (int i = 0; i < kEPL; ++i) {
+        const unsigned m = __ballot_sync(0xffffffffu, (chosen >> i) & 1u);
+        if ((chosen >> i) & 1u) order[warp][base + __popc(m & ((1u << lane) - 1u))] = i * 32 + lane;
+        base += __popc(m);
       }
+      __syncwarp();
+      if (lane < k) my = order[warp][lane];
     }
     // the weights: the chosen scores over their sum in ascending expert order, times the scaling
     float sv = 0.f;
 #pragma unroll
-    for (int i = 0; i < kMaxEPL; ++i) {
-      if (i < epl) {
-        const float cand = __shfl_sync(0xffffffffu, s[i], my & 31);
-        if ((my >> 5) == i) sv = cand;
-      }
+    for (int i = 0; i < kEPL; ++i) {
+      const float cand = __shfl_sync(0xffffffffu, s[i], my & 31);
+      if ((my >> 5) == i) sv = cand;
     }
     float total = __shfl_sync(0xffffffffu, sv, 0);
     for (int t = 1; t < k; ++t) total = __fadd_rn(total, __shfl_sync(0xffffffffu, sv, t));
@@ -178,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) route_group(
     for (int p = threadIdx.x; p < B * k; p += kThreads) ids[p] = __ldcg(idx + p);  // past L1
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (and graph replay)
   }
-  if (threadIdx.x < kMaxEPL) present[threadIdx.x] = 0u;
+  if (threadIdx.x < kEPL) present[threadIdx.x] = 0u;
   __syncthreads();
   // (moe_route.group_pairs) pair p's position in (expert, pair) order; for the first pair of each
   // expert its slot (id, first position, count); the slots are the present experts ascending
@@ -207,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) route_group(
   }
   if (threadIdx.x == 0) {
     int n = 0;
-    for (int w = 0; w < kMaxEPL; ++w) n += __popc(present[w]);
+    for (int w = 0; w < kEPL; ++w) n += __popc(present[w]);
     *nslot = n;
   }
 }

@@ -16,17 +16,17 @@ sqrt and division correctly rounded, the same sum orders), so equal logits give 
 a step may take either launch (the GPU tests check it bit for bit).
 
 Why CUDA C++: the Triton routing tail is a chain of cross-warp reductions and L2 round trips in
-one program; here a warp routes a row with shuffles, its operands loaded up front. Measured on one
-H200 (docs/PERFORMANCE.md, twelfth measurement), gate GEMV included, us per call: 13.5 against
-the Triton launches' 14.3 at 4 rows and 16.1 against 22.8 at 16, but 13.0 against 12.0 at 1 row
-and 15.8 against 13.4 at 64; FastDecoder takes it by rows (MOE_PLAN). Its ~7 us after the gate
-are still ~2.5 us more than Triton's one-program `route` alone (benchmarks/kernels/route_probe.py
-breaks them down).
+one program; here a warp routes a row with shuffles and redux.sync, its operands loaded up front.
+Measured on one H200 (docs/PERFORMANCE.md, thirteenth measurement, benchmarks/kernels/route_probe.py),
+us per call after the gate GEMV, with grouping and x's quantization: 4.07 against router.py's
+6.67 at 1 row, 4.32 against 7.32 at 4, 6.54 against 17.0 at 16; routing alone 3.28-3.60 against
+`route`'s 4.1-4.2. FastDecoder takes it by rows (MOE_PLAN).
 
 Grid: R = ceil(B / 8) routing CTAs (a warp per row) and, with `group`, a CTA per 8 of x's
 128-blocks; the last routing CTA to arrive groups (an arrival counter it resets; none when R = 1).
-Static grids, so CUDA graphs capture it; built and loaded at the first call (`cuda_module`), which
-must come before any capture (the runtime's warm-up steps do it).
+The experts per lane (E / 32) are fixed at build time, one build per expert count. Static grids,
+so CUDA graphs capture it; built and loaded at the first call (`cuda_module`), which must come
+before any capture (the runtime's warm-up steps do it).
 """
 
 from __future__ import annotations
@@ -41,13 +41,23 @@ from megastep.kernels.common import pdl_enabled, workspace
 from megastep.kernels.cuda_module import CudaModule, find_nvcc
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "route_cuda.cu")
-_MODULE = CudaModule(SOURCE)
-_KERNEL = _MODULE.kernel("route_group", "pqppqpppfpqpqppppppiiiiii")
+SIGNATURE = "pqppqpppfpqpqppppppiiiii"  # route_group's arguments by kind (cuda_module.Kernel)
 THREADS = 256
 ROWS_PER_CTA = THREADS // 32  # a warp per row
 MAX_EXPERTS = 512  # 16 experts per lane
 MAX_TOPK = 32  # a warp's lanes
 MAX_GROUPED_PAIRS = THREADS  # the grouping: a thread per pair
+
+
+def build_flags(E: int) -> tuple[str, ...]:
+    """nvcc flags of the build for E experts: their count per lane is fixed at build time."""
+    return (f"-DEXPERTS_PER_LANE={E // 32}",)
+
+
+@functools.cache
+def kernel_for(E: int):
+    """route_group built for E experts (one build per expert count, cached)."""
+    return CudaModule(SOURCE, extra_flags=build_flags(E)).kernel("route_group", SIGNATURE)
 
 
 @functools.cache
@@ -69,7 +79,8 @@ def route_group(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.
     with tokens [B] int64 (hash layers) or None -> (idx [B, k] int32 ascending, w [B, k] f32,
     routing). With x [B, D] bf16 (B * k <= MAX_GROUPED_PAIRS) routing is the pairs grouped by
     expert and x quantized, as `router.route_group` gives them; without x it is None. kernel: a
-    variant build of route_group (benchmarks/kernels/route_probe.py), else this module's."""
+    variant build of route_group for E experts (benchmarks/kernels/route_probe.py), else this
+    module's."""
     B, E = logits.shape
     dev = logits.device
     assert logits.dtype == torch.float32 and logits.stride(1) == 1, (logits.dtype, logits.stride())
@@ -98,9 +109,9 @@ def route_group(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.
     quant_ctas = -(-(B * D // 128) // ROWS_PER_CTA) if group else 0
     cnt = workspace(dev, "counters_route_cuda", 1, torch.int32)
     hashed = tid2eid is not None
-    (kernel or _KERNEL).launch((routing_ctas + quant_ctas, 1, 1), (THREADS, 1, 1), 0, None,
+    (kernel or kernel_for(E)).launch((routing_ctas + quant_ctas, 1, 1), (THREADS, 1, 1), 0, None,
                                logits, logits.stride(0), 0 if bias is None else bias, tid2eid if hashed else 0,
                                tid2eid.stride(0) if hashed else 0, tokens if hashed else 0, idx, w, float(scaling),
-                               *ptrs, cnt, B, E, D, k, int(group), int(permute), pdl=pdl_enabled())
+                               *ptrs, cnt, B, D, k, int(group), int(permute), pdl=pdl_enabled())
     routing = _mr.Routing(pairs, slot_e, slot_start, slot_cnt, nslots, xq, permute) if group else None
     return idx, w, routing

@@ -49,18 +49,24 @@ from megastep.runtime.sidecar import CpuSidecar, add_pairs
 from megastep.runtime.trace import StepTrace, stage
 
 PDL_MAX_ROWS = 4  # FastDecoder(pdl=None): programmatic dependent launch for steps up to this many rows
-# FastDecoder(router=None, shared_after_router=None) on one GPU: by a step's rows (up to the first
-# entry's count), which launches route ("triton": router.py's; "cuda": the gate GEMV, then
-# route_cuda's) and whether the shared expert's side stream forks after the router (else before
-# it); with several ranks MOE_PLAN_ABOVE, the order measured there. Every choice gives the same
-# bits. Measured on one H200, 30 V4-Flash layers, p50 ms (docs/PERFORMANCE.md, twelfth
-# measurement): 1 row, Triton routing with the late fork 5.33-5.36 against 5.39-5.43 (the early
-# fork), 5.40 (CUDA, late), 5.69 (CUDA, early); 4 rows, CUDA with the late fork 8.66-8.72 against
-# 8.76-8.80 (Triton, early), 8.82-8.86 (Triton, late), 9.40 (CUDA, early); 16 rows, CUDA with the
-# early fork 19.88 against 20.00-20.13 (Triton, early), 20.17 (CUDA, late); 64 rows, Triton with
-# the early fork 55.03-55.32 against 55.22-55.29 (CUDA, early).
-MOE_PLAN = ((1, "triton", True), (4, "cuda", True), (16, "cuda", False))
-MOE_PLAN_ABOVE = ("triton", False)
+# FastDecoder(router=None, shared_after_router=None, shared_w2=None) on one GPU: by a step's rows
+# (up to the first entry's count), which launches route ("triton": router.py's; "cuda": the gate
+# GEMV, then route_cuda's), whether the shared expert's side stream forks after the router (else
+# before it) and where its w2 output meets the routed sum (FastDecoder's shared_w2); with several
+# ranks MOE_PLAN_ABOVE, the order measured there. Every choice gives the same bits. Measured on one
+# H200, 30 V4-Flash layers, p50 ms (docs/PERFORMANCE.md, twelfth and thirteenth measurements):
+# - the fork, with the shared w2 "residual": 1 row, the late fork 5.33-5.36 against 5.39-5.43
+#   (Triton routing); 4 rows, late 8.66-8.72 against 9.40 (CUDA routing); 16 rows, the early fork
+#   19.88 against 20.17 (CUDA); 64 rows, early (Triton);
+# - the shared w2 (this plan with Triton routing at 1 and 64 rows): "mhc" against "residual" 5.15 /
+#   5.33 at 1 row, 8.42 / 8.59 at 4, 19.48-19.58 / 19.79 at 16, but 56.17 / 55.06-55.12 at 64;
+# - the routing, CUDA (its launch built for the expert count, redux argmax) against Triton: 1 row
+#   5.06-5.09 / 5.15-5.16, 16 rows 19.62 / 19.92-19.93, 64 rows 55.00 / 55.05-55.11 (A/B/A; at 64
+#   rows 384 pairs are too many for its grouping: moe_route's launches group them).
+# Above 64 rows (not measured) and with several ranks: MOE_PLAN_ABOVE.
+MOE_PLAN = ((1, "cuda", True, "mhc"), (4, "cuda", True, "mhc"), (16, "cuda", False, "mhc"),
+            (64, "cuda", False, "residual"))
+MOE_PLAN_ABOVE = ("triton", False, "residual")
 
 
 @dataclass
@@ -176,7 +182,7 @@ class FastDecoder:
                  consume: bool = False, placement=None, max_block: int = 1, rank: int = 0, world_size: int = 1,
                  group=None, moe_mode: str | None = None, cold_path: str = "gpu", cpu_share: float | None = None,
                  pdl: bool | None = None, overlap: bool | None = None, ep_combine: str | None = None,
-                 shared_w2: str = "residual", shared_after_router: bool | None = None, router: str | None = None):
+                 shared_w2: str | None = None, shared_after_router: bool | None = None, router: str | None = None):
         """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
         stacked, projections concatenated), so a model filling the device is never held twice.
         placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
@@ -216,14 +222,15 @@ class FastDecoder:
         same values either way. None: on wherever the Triton kernels run on CUDA.
         shared_w2: where the shared expert's w2 runs and how its output meets the routed experts'
         sum; every choice gives rnd(routed + rnd(w2 . a)), the bits of w2's residual epilogue.
-        "residual" (the default): on the main stream after the routed experts, their sum as its
-        residual. "combine": on the side stream after w1/w3, added by the experts' combine (the
-        main stream joins the side stream before the down launch). "mhc": on the side stream after
-        w1/w3, added by the next mHC launch (mhc_post* with y2; the main stream joins after the
-        experts' launches, before it). Both on one GPU with the fused path (else "residual").
-        Measured on one H200 (docs/PERFORMANCE.md, twelfth measurement): "combine" saved 0.05 ms
-        per 30-layer step at 1 row with the early fork, less than MOE_PLAN's late fork, and cost
-        0.04-0.07 ms at 4 rows and 1.1 ms at 64; "mhc" is not measured yet. Read when a step is
+        "residual": on the main stream after the routed experts, their sum as its residual.
+        "combine": on the side stream after w1/w3, added by the experts' combine (the main stream
+        joins the side stream before the down launch). "mhc": on the side stream after w1/w3,
+        added by the next mHC launch (mhc_post* with y2; the main stream joins after the experts'
+        launches, before it). Both on one GPU with the fused path (else "residual").
+        Measured on one H200 (docs/PERFORMANCE.md, twelfth and thirteenth measurements): "combine"
+        saved 0.05 ms per 30-layer step at 1 row with the early fork, less than MOE_PLAN's late
+        fork, and cost 0.04-0.07 ms at 4 rows and 1.1 ms at 64; "mhc" saved 0.12-0.2 ms at 1-16
+        rows and cost 1.1 ms at 64. None: by the step's rows (MOE_PLAN). Read when a step is
         traced or captured.
         shared_after_router: the side stream forks after the router instead of before it, so the
         shared expert's w1/w3 runs beside the routed experts but not beside the router. The same
@@ -269,7 +276,7 @@ class FastDecoder:
         if overlap and not on_cuda:
             raise ValueError("overlap needs the Triton kernels on a CUDA device")
         self.side_stream = torch.cuda.Stream(self.device) if (on_cuda if overlap is None else overlap) else None
-        if shared_w2 not in ("residual", "combine", "mhc"):
+        if shared_w2 not in (None, "residual", "combine", "mhc"):
             raise ValueError(f"shared_w2 must be residual, combine or mhc, got {shared_w2!r}")
         self.shared_w2 = shared_w2
         self.shared_after_router = shared_after_router
@@ -581,11 +588,12 @@ class FastDecoder:
         # and the combine kernel adds it (w2's residual epilogue, the same bits), so w2 does not
         # wait for the other ranks
         whole_shared = fused and self.peer is not None and "experts" in lw
+        router, after_router, shared_w2 = self._moe_plan(x.shape[0])
         # one GPU: the whole shared expert beside the routed experts as well, its output added by
         # their combine or by the next mHC launch (shared_w2)
-        side_w2 = (fused and self.shared_w2 != "residual" and self.world_size == 1 and "experts" in lw
+        side_w2 = (fused and shared_w2 != "residual" and self.world_size == 1 and "experts" in lw
                    and not lw.get("cpu_experts", False))
-        in_combine = side_w2 and self.shared_w2 == "combine"
+        in_combine = side_w2 and shared_w2 == "combine"
 
         def shared_half() -> torch.Tensor:
             with self._on_side(), stage(T, "shared_expert", L):  # its gated half beside the routed experts
@@ -594,7 +602,6 @@ class FastDecoder:
                     return w2(a, True) if whole_shared or side_w2 else a
                 return ops.swiglu(w1(x, self.triton), w3(x, self.triton), cfg.swiglu_limit).to(x.dtype)
 
-        router, after_router = self._moe_plan(x.shape[0])
         if not after_router:
             a = shared_half()
         with stage(T, "router", L):
@@ -622,14 +629,16 @@ class FastDecoder:
                 return _lin.linear_fp8(a, w2.w, w2.scale, block=w2.block, out_dtype=x.dtype, residual=r)
             return (r + w2(a, self.triton).float()).to(x.dtype)
 
-    def _moe_plan(self, rows: int) -> tuple[str, bool]:
-        """(router, shared_after_router) of a step of `rows` rows: the constructor's choices, or
-        MOE_PLAN's for that many rows ("triton" where the CUDA routing does not run). With several
-        ranks, where the plan was not measured, MOE_PLAN_ABOVE (the order measured there)."""
+    def _moe_plan(self, rows: int) -> tuple[str, bool, str]:
+        """(router, shared_after_router, shared_w2) of a step of `rows` rows: the constructor's
+        choices, or MOE_PLAN's for that many rows ("triton" where the CUDA routing does not run).
+        With several ranks, where the plan was not measured, MOE_PLAN_ABOVE (the order measured
+        there)."""
         plan = MOE_PLAN if self.world_size == 1 else ()
-        router, after = next(((r, a) for n, r, a in plan if rows <= n), MOE_PLAN_ABOVE)
+        router, after, w2 = next((tuple(p[1:]) for p in plan if rows <= p[0]), MOE_PLAN_ABOVE)
         router = self.router or (router if self.route_cuda_ok else "triton")
-        return router, after if self.shared_after_router is None else self.shared_after_router
+        return (router, after if self.shared_after_router is None else self.shared_after_router,
+                self.shared_w2 or w2)
 
     def _route_cuda(self, x, tokens, lw):
         """The gate GEMV, then route_cuda's one launch: routing (a hash layer's rows looked up

@@ -9,12 +9,12 @@ import subprocess
 from megastep.kernels.cuda_module import build_cubin, find_nvcc
 
 
-def assert_builds_without_spills(source: str, kernels: tuple[str, ...]) -> None:
-    """`source` compiles (nvcc, sm_90) with the headers it includes, every kernel in `kernels` with
-    no local memory: a spill would put loads in its inner loop."""
-    assert build_cubin(source)[:4] == b"\x7fELF"
-    out = subprocess.run([find_nvcc(), "--cubin", "-arch=sm_90", "-O3", "-std=c++17", "-Xptxas", "-v", "-o",
-                          os.devnull, source], capture_output=True, text=True, check=True)
+def assert_builds_without_spills(source: str, kernels: tuple[str, ...], flags: tuple[str, ...] = ()) -> None:
+    """`source` compiles (nvcc, sm_90, with `flags`) with the headers it includes, every kernel in
+    `kernels` with no local memory: a spill would put loads in its inner loop."""
+    assert build_cubin(source, extra_flags=flags)[:4] == b"\x7fELF"
+    out = subprocess.run([find_nvcc(), "--cubin", "-arch=sm_90", "-O3", "-std=c++17", *flags, "-Xptxas", "-v",
+                          "-o", os.devnull, source], capture_output=True, text=True, check=True)
     for kernel in kernels:
         assert f"Compiling entry function '{kernel}'" in out.stderr
     assert out.stderr.count("0 bytes spill stores, 0 bytes spill loads") == len(kernels), out.stderr

@@ -18,12 +18,22 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 
 
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
-def test_route_cuda_builds_for_sm90():
-    assert_builds_without_spills(RC.SOURCE, ("route_group",))
+@pytest.mark.parametrize("E", [32, 64, 256, 512])
+def test_route_cuda_builds_for_sm90(E):
+    assert_builds_without_spills(RC.SOURCE, ("route_group",), RC.build_flags(E))
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
+def test_route_cuda_needs_its_experts_per_lane():
+    from megastep.kernels.cuda_module import CudaUnavailable, build_cubin
+
+    with pytest.raises(CudaUnavailable, match="EXPERTS_PER_LANE"):  # a build without it stops with the reason
+        build_cubin(RC.SOURCE)
 
 
 def test_route_cuda_signature_matches_the_kernel():
-    assert_signature_matches(RC.SOURCE, RC._KERNEL)
+    assert RC.kernel_for(256) is RC.kernel_for(256)  # one build per expert count
+    assert_signature_matches(RC.SOURCE, RC.kernel_for(256))
 
 
 def test_route_cuda_only_on_cuda_and_its_shapes():
