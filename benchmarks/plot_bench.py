@@ -13,6 +13,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _differs(d: dict, o: dict) -> str:
+    """What sets result o apart from d: the experts mode, else the MoE launch order's options."""
+    if o.get("moe_mode") != d.get("moe_mode"):
+        return f"experts {o['moe_mode']}"
+    keys = ("router", "shared_after_router", "shared_w2", "pdl")
+    return ", ".join(f"{k} {o.get(k)}" for k in keys if o.get(k) != d.get(k)) or "another run"
+
+
 def main(src: str, dst: str, others: list[str]) -> None:
     d = json.load(open(src))
     rs = d["results"]
@@ -22,7 +30,7 @@ def main(src: str, dst: str, others: list[str]) -> None:
     for path in others:
         o = json.load(open(path))
         ax.plot([r["batch"] for r in o["results"]], [r["ms_p50"] for r in o["results"]], "^:",
-                label=f"the same, experts {o['moe_mode']}")
+                label=f"the same, {_differs(d, o)}")
     ax.plot(b, [r["roofline_ms"] for r in rs], "s--", label=f"roofline: bytes / {d['stream_read_GBps']:.0f} GB/s")
     if d.get("peer") and d["peer"].get("ms_per_layer"):
         ax.plot([1], [d["peer"]["ms_per_layer"] * d["layers"]], "x", ms=10,
