@@ -480,6 +480,11 @@ def _check_update(y, h, post, comb, y2=None):
     return B, D
 
 
+def _y2_operand(y: torch.Tensor, y2: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """The kernels' (y2 pointer, y2 row stride): y2, or y and 0 without it (Y2 off: never read)."""
+    return (y, 0) if y2 is None else (y2, y2.stride(0))
+
+
 def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn, config, update=None):
     """The mixes and finish launches -> (x, post, comb, the streams collapsed). With update =
     (y, post, comb, y2) the mixes launch first makes the updated streams h' = hc_post(y, h, post,
@@ -511,9 +516,10 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
     interp = on_interpreter(h)
     y, post_in, comb_in, y2 = update if update is not None else (h, h, h, None)  # unused without update
     grid = (S, -(-B // cfg.block_m))
+    y2_ptr, y2_stride = _y2_operand(y, y2)
     _hc_mix_partial_kernel[grid](
-        h, fn, part, y, y if y2 is None else y2, post_in, comb_in, hout, B, D, K, h.stride(0), h.stride(1),
-        fn.stride(0), y.stride(0), 0 if y2 is None else y2.stride(0), hout.stride(0), hout.stride(1),
+        h, fn, part, y, y2_ptr, post_in, comb_in, hout, B, D, K, h.stride(0), h.stride(1),
+        fn.stride(0), y.stride(0), y2_stride, hout.stride(0), hout.stride(1),
         MIX=mix, MIXP=mixp, KC=cfg.kc, BLOCK_M=cfg.block_m, HC=hc, UPDATE=update is not None, Y2=y2 is not None,
         INTERPRET=interp,
         num_warps=cfg.num_warps, **launch_opts(h, grid),
@@ -572,9 +578,10 @@ def mhc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.T
         return out
     bd = min(cfg.post_block_d, max(16, next_pow2(D)))
     grid = (B, -(-D // bd))
+    y2_ptr, y2_stride = _y2_operand(y, y2)
     _hc_post_kernel[grid](
-        y, y if y2 is None else y2, h, post, comb, out, D, y.stride(0), 0 if y2 is None else y2.stride(0),
-        h.stride(0), h.stride(1), out.stride(0), out.stride(1),
+        y, y2_ptr, h, post, comb, out, D, y.stride(0), y2_stride, h.stride(0), h.stride(1), out.stride(0),
+        out.stride(1),
         HC=hc, BLOCK_D=bd, Y2=y2 is not None, INTERPRET=on_interpreter(h), num_warps=cfg.num_warps,
         enable_fp_fusion=False,
         **launch_opts(h, grid),
