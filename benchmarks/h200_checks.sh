@@ -21,8 +21,6 @@
 #   bash benchmarks/h200_checks.sh fork       # the shared expert's side stream forked after the router, with and without it in the combine, A/B/A (~3 min)
 #   bash benchmarks/h200_checks.sh route      # the one-launch CUDA routing: its GPU tests, the router alone and the step against router.py's launches, A/B/A (~6 min)
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
-#   bash benchmarks/h200_checks.sh quarters   # moe_lut's quarter kernels (K in quarters, 1 or 2 CTAs per item): their GPU tests, then against "lut" at 1-64 rows (~4 min)
-#   bash benchmarks/h200_checks.sh quarters_step  # the 30-layer step with them (--moe-ksplit 2 / 0 / 1 / 2) (~4 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
@@ -138,15 +136,6 @@ for group in "$@"; do
       bench plan_b 60 --layers 30 --batch 1,4,16,64
       bench plan_triton 60 --layers 30 --batch 1,4,16,64 --router triton
       step route_probe 120 python3 benchmarks/kernels/route_probe.py --out /tmp/route_probe --json "$OUT/route_probe.json" ;;
-    quarters)  # built on 2026-11-30 without a GPU (docs/PERFORMANCE.md, thirteenth measurement): bits first, then time
-      step quarters_tests 150 python3 -m pytest -q --timeout 120 -m gpu tests/kernels/test_moe.py -k "lut"
-      step quarters_variants 200 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,4,16,64 \
-        --engines lut,lut_q1,lut_q2 ;;
-    quarters_step)
-      bench quarters_ks2 120 --layers 30 --batch 1,4,16,64 --moe-ksplit 2
-      bench quarters_ks0 60 --layers 30 --batch 1,4,16,64
-      bench quarters_ks1 60 --layers 30 --batch 1,4,16,64 --moe-ksplit 1
-      bench quarters_ks2_b 60 --layers 30 --batch 1,4,16,64 --moe-ksplit 2 ;;
     ep)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)
@@ -162,7 +151,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | quarters | quarters_step | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | ep)"
       exit 2 ;;
   esac
 done

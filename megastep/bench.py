@@ -267,10 +267,6 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
                                                          cfg.moe_intermediate_size):
         raise UserError(f"--moe-mode lut needs nvcc and hidden / moe intermediate sizes that are multiples of 512 "
                         f"(preset {args.preset}: {cfg.hidden_size} / {cfg.moe_intermediate_size})")
-    if args.moe_ksplit and (cfg.hidden_size % 1024 or cfg.moe_intermediate_size % 1024):
-        raise UserError(f"--moe-ksplit needs hidden and moe intermediate sizes that are multiples of 1024 "
-                        f"(preset {args.preset}: {cfg.hidden_size} / {cfg.moe_intermediate_size})")
-    moe_lut.KSPLIT = args.moe_ksplit  # read at each launch, so at capture too
     if args.router == "cuda" and not route_cuda.supported(dev, cfg.n_routed_experts, cfg.hidden_size,
                                                            cfg.num_experts_per_tok):
         raise UserError(f"--router cuda needs nvcc, a multiple of 32 experts up to {route_cuda.MAX_EXPERTS} and a "
@@ -324,7 +320,7 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers, "gpus": W,
         "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": cpu_share,
-        "cpu_read_GBps": cpu_bw, "moe_mode": dec.moe_mode or "default", "moe_ksplit": args.moe_ksplit, "pdl": args.pdl, "overlap": dec.side_stream is not None,
+        "cpu_read_GBps": cpu_bw, "moe_mode": dec.moe_mode or "default", "pdl": args.pdl, "overlap": dec.side_stream is not None,
         "shared_w2": args.shared_w2, "shared_after_router": args.shared_after_router,
         "router": args.router or "auto",
         "ep_combine": None if W == 1 else "p2p" if dec.peer is not None else "allreduce", "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
@@ -457,9 +453,6 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-mode", default=None, choices=["fma", "dot", "dot_asm", "dot_scaled", "lut"],
                    help="routed-experts kernel mode (default: the CUDA 'lut' kernels where they run, else the "
                         "Triton kernels' own pick)")
-    p.add_argument("--moe-ksplit", type=int, default=0, choices=[0, 1, 2],
-                   help="experiment: the 'lut' experts' quarter kernels with 1 or 2 CTAs per item along K "
-                        "(kernels/moe_lut.py's KSPLIT; other bits than 0, the runtime's kernels)")
     p.add_argument("--router", default=None, choices=["cuda", "triton"],
                    help="the routing after the gate GEMV: one CUDA C++ launch or router.py's Triton launches (the "
                         "same bits); default: by the step's rows (FastDecoder's MOE_PLAN)")

@@ -59,25 +59,3 @@ def test_lut_experts_on_a_preset_they_cannot_run_is_one_clear_error(monkeypatch)
     args = p.parse_args(["--preset", "small", "--batch", "1", "--moe-mode", "lut"])
     with pytest.raises(UserError, match="--moe-mode lut needs"):
         bench.run_bench(args)
-
-
-def test_quarter_experts_on_a_preset_they_cannot_run_is_one_clear_error(monkeypatch):
-    """`--moe-ksplit` (the experts' quarter kernels) on the small preset (I = 256: no whole
-    quarter steps) stops with one message before any weight is made, and leaves the kernels' switch
-    as it was."""
-    import argparse
-
-    import pytest
-    import torch
-
-    from megastep import bench
-    from megastep.errors import UserError
-    from megastep.kernels import moe_lut
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    p = argparse.ArgumentParser()
-    bench.add_bench_arguments(p)
-    args = p.parse_args(["--preset", "small", "--batch", "1", "--moe-ksplit", "2"])
-    with pytest.raises(UserError, match="--moe-ksplit needs"):
-        bench.run_bench(args)
-    assert moe_lut.KSPLIT == 0

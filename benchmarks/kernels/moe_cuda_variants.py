@@ -1,11 +1,9 @@
 """The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's
 Triton kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels,
-kernels/moe_lut.py), or with moe_lut's quarter kernels ("lut_q1", "lut_q2": K in quarters, 1 or 2 CTAs
-per item along K; their outputs must be equal). (An earlier CUDA C++ gate-up experiment,
-moe_gate_up_cuda, measured in docs/PERFORMANCE.md's eighth measurement, was removed when "lut"
-superseded it.)
+kernels/moe_lut.py). (An earlier CUDA C++ gate-up experiment, moe_gate_up_cuda, measured in
+docs/PERFORMANCE.md's eighth measurement, was removed when "lut" superseded it.)
 
-    python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut,lut_q1,lut_q2]
+    python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut]
 
 For each M and engine: the output against moe_experts_mxfp4_ref (the tests' tolerance: rel L2 <=
 4e-3, max <= 2e-2 of max |ref|), two runs bit-identical, row 0 alone bit-identical to row 0 of the
@@ -35,19 +33,13 @@ from megastep.kernels import moe as MOE  # noqa: E402
 from megastep.kernels import moe_lut as LUTK  # noqa: E402
 
 
-# engine -> moe_lut.KSPLIT: "lut" the runtime's kernels, "lut_q1" / "lut_q2" the quarter kernels
-# with 1 / 2 CTAs per item along K (moe_lut.py's experiment)
-LUT_ENGINES = {"lut": 0, "lut_q1": 1, "lut_q2": 2}
-
-
 def run(engine, fn):
-    if engine in LUT_ENGINES:  # mode "lut" (kernels/moe_lut.py) as the kernels' default
-        saved = MOE.DEFAULT_MODE, LUTK.KSPLIT
-        MOE.DEFAULT_MODE, LUTK.KSPLIT = "lut", LUT_ENGINES[engine]
+    if engine == "lut":  # the runtime's mode "lut" (kernels/moe_lut.py) as the kernels' default
+        saved, MOE.DEFAULT_MODE = MOE.DEFAULT_MODE, "lut"
         try:
             return fn()
         finally:
-            MOE.DEFAULT_MODE, LUTK.KSPLIT = saved
+            MOE.DEFAULT_MODE = saved
     return fn()
 
 

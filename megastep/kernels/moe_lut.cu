@@ -117,11 +117,6 @@ struct Args {
   const int *pair_ptr, *slot_e, *slot_start, *slot_cnt, *nslot;
   int K, w3_rows, topk, sparse, down;  // w3_rows: gate-up I (w3 follows w1); down 0
   long long stride_w, stride_s;
-  // the quarter kernels with two CTAs per item (run's kKS = 2) only: their partial sums
-  // part[(kpart * npairs + pair) * nrows + row] (fp32) and an arrival counter per item, kcnt
-  float* part = nullptr;
-  int* kcnt = nullptr;
-  int npairs = 0, nrows = 0;
 };
 
 // A warp's weight stream over its 16 rows: the ring of KPF steps in flight. fill() issues the
@@ -151,23 +146,13 @@ struct Stream {
 
   // One pass (2 pairs at most): acc = per-lane partial sums (row g, pair 0), (row g, pair 1),
   // (row g + 8, pair 0), (row g + 8, pair 1) over the lane's groups. t: the lane's group within 4;
-  // xl: the lane's x (or zeros) at its first group. kQ: at step `split` the sums so far move to lo
-  // and acc starts again from zero (a half's two quarters summed apart; no split: split < 0).
-  template <bool kQ>
-  __device__ __forceinline__ void pass(const char* table, uint32_t lane_off, const char* xl, int t, float (&acc)[4],
-                                       float (&lo)[4], int split) {
+  // xl: the lane's x (or zeros) at its first group.
+  __device__ __forceinline__ void pass(const char* table, uint32_t lane_off, const char* xl, int t, float (&acc)[4]) {
     for (int s0 = 0; s0 < steps; s0 += KPF) {
 #pragma unroll
       for (int i = 0; i < KPF; ++i) {
         const int s = s0 + i;
         if (s >= steps) break;
-        if (kQ && s == split) {
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            lo[v] = acc[v];
-            acc[v] = 0.f;
-          }
-        }
         const uint4 a0 = ra[i][0], a1 = ra[i][1], b0 = rb[i][0], b1 = rb[i][1];
         const uint2 fa = sa[i], fb = sb[i];
         if (s + KPF < steps) load(i, s + KPF);
@@ -237,18 +222,9 @@ __device__ __forceinline__ void stage_x(char* xsm, const Args& a, const Layout& 
 // Runs every (slot, tile) item of this CTA; for each pass calls epi(item, c0, np, r0, r1, total) in
 // the half-0 warps with total[v] = the full sums of the lane's rows r0 / r1 (the order of pass()),
 // then post(item, c0, np) in every thread after a barrier.
-// kKS > 0 (the quarter kernels): K in quarters, each quarter's sums apart, added as
-// (q0 + q1) + (q2 + q3). kKS = 1: a warp streams its half and splits it in two at the middle step.
-// kKS = 2: an item is (slot, tile, K half); its two CTAs store their passes' sums (q0 + q1 or
-// q2 + q3, a warp per quarter) as partials, and the second to arrive adds them in that order and
-// runs epi and post. The same bits either way: a step of few rows may take kKS = 2 (twice the
-// items, for the grid's second round) and a larger one kKS = 1. kKS = 0: one sum per half.
-template <int kKS, typename Epi, typename Post>
+template <typename Epi, typename Post>
 __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post) {
-  constexpr bool kQ = kKS > 0, split_k = kKS == 2;
-  constexpr int ks = split_k ? 2 : 1;
   extern __shared__ __align__(16) char smem[];
-  __shared__ int is_last;
   const Layout L(a.K);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int blk = warp & 3, half = warp >> 2;
@@ -266,11 +242,10 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
     pdl_wait();
     pdl_release();
   }
-  const int items = __ldcg(a.nslot) * tiles * ks;
+  const int items = __ldcg(a.nslot) * tiles;
   const int steps = a.K / 512;  // a half's 128-byte steps
   for (int it = blockIdx.x; it < items; it += gridDim.x) {
-    const int kpart = split_k ? it % ks : 0, item = split_k ? it / ks : it;
-    const int slot = item / tiles, tile = item % tiles;
+    const int slot = it / tiles, tile = it % tiles;
     const int e = __ldcg(a.slot_e + slot);
     const long long* ent = a.tab + 4LL * e + (a.down ? 2 : 0);  // (w13, scale) or (w2, scale)
     const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
@@ -280,31 +255,19 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
     // rows g and g + 8 of this warp's 16: gate-up channel c of w1 and of w3; down rows r and r + 8
     const int r0 = a.down ? tile * 64 + blk * 16 + g : tile * 32 + blk * 8 + g;
     const int r1 = a.down ? r0 + 8 : r0 + a.w3_rows;
-    // the warp's part of K, its first 32-element group: half `half`, or (split_k) quarter
-    // 2 * kpart + half
-    const int grp0 = split_k ? (2 * kpart + half) * (a.K / 128) : half * (a.K / 64);
     Stream st;
-    if (split_k) {
-      st.wa = wbase + r0 * a.stride_w + grp0 * 16 + t * 16;
-      st.wb = wbase + r1 * a.stride_w + grp0 * 16 + t * 16;
-      st.sa_p = sbase + r0 * a.stride_s + grp0;
-      st.sb_p = sbase + r1 * a.stride_s + grp0;
-      st.steps = steps / 2;
-    } else {  // (the original expressions: this kernel's SASS stays as measured)
-      st.wa = wbase + r0 * a.stride_w + half * (a.K / 4) + t * 16;
-      st.wb = wbase + r1 * a.stride_w + half * (a.K / 4) + t * 16;
-      st.sa_p = sbase + r0 * a.stride_s + half * (a.K / 64);
-      st.sb_p = sbase + r1 * a.stride_s + half * (a.K / 64);
-      st.steps = steps;
-    }
-    const int split = kQ && !split_k ? steps / 2 : -1;  // ks = 1: the step where the second quarter starts
+    st.wa = wbase + r0 * a.stride_w + half * (a.K / 4) + t * 16;
+    st.wb = wbase + r1 * a.stride_w + half * (a.K / 4) + t * 16;
+    st.sa_p = sbase + r0 * a.stride_s + half * (a.K / 64);
+    st.sb_p = sbase + r1 * a.stride_s + half * (a.K / 64);
+    st.steps = steps;
     bool filled = false;
     if (waiting) {  // down's first item: the ring filled, and the rest of its rows asked of L2
       // (also the rows of the CTA's next 1 or 3 items: no faster on one H200, docs/PERFORMANCE.md)
       if (cnt > 0) {
         st.fill();
         filled = true;
-        for (int s = KPF + t; s < (split_k ? steps / 2 : steps); s += 4) {  // lane t: steps KPF + t, KPF + t + 4, ... of the quad's rows
+        for (int s = KPF + t; s < steps; s += 4) {  // lane t: steps KPF + t, KPF + t + 4, ... of the quad's rows
           prefetch_l2(st.wa - t * 16 + s * 128);
           prefetch_l2(st.wb - t * 16 + s * 128);
         }
@@ -322,18 +285,13 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
       filled = false;
       const int p = g & 1;
       const bool active = (g >> 1) == t && p < np;
-      const char* xl = xsm + (active ? p * L.rowpitch : L.zero_off) + (grp0 + t) * kGroupPitch;
-      float acc[4] = {0.f, 0.f, 0.f, 0.f}, lo[4] = {0.f, 0.f, 0.f, 0.f};
-      st.template pass<kQ>(smem, lane_off, xl, t, acc, lo, split);
+      const char* xl = xsm + (active ? p * L.rowpitch : L.zero_off) + (half * (a.K / 64) + t) * kGroupPitch;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      st.pass(smem, lane_off, xl, t, acc);
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         acc[v] += __shfl_xor_sync(0xffffffffu, acc[v], 1);
         acc[v] += __shfl_xor_sync(0xffffffffu, acc[v], 2);
-        if (split >= 0) {  // the half's first quarter, reduced the same way, then + the second
-          lo[v] += __shfl_xor_sync(0xffffffffu, lo[v], 1);
-          lo[v] += __shfl_xor_sync(0xffffffffu, lo[v], 2);
-          acc[v] = lo[v] + acc[v];
-        }
       }
       float* rb = red + (blk * 32 + lane) * 4;
       if (half == 1) {
@@ -345,59 +303,27 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
         float total[4];
 #pragma unroll
         for (int v = 0; v < 4; ++v) total[v] = acc[v] + rb[v];
-        if (split_k) {  // this K half's sums, one lane of the quad (the 4 hold the same)
-          if (t == 0) {
-#pragma unroll
-            for (int v = 0; v < 4; ++v)
-              if ((v & 1) < np)
-                __stcg(a.part + ((long long)kpart * a.npairs + a.pair_ptr[start + c0 + (v & 1)]) * a.nrows +
-                           (v < 2 ? r0 : r1), total[v]);
-          }
-        } else {
-          epi(Item{start, cnt, tile}, c0, np, r0, r1, total);
-        }
+        epi(Item{start, cnt, tile}, c0, np, r0, r1, total);
       }
       __syncthreads();
-      if (!split_k) post(Item{start, cnt, tile}, c0, np);
-    }
-    if (split_k && cnt > 0) {  // the item's second CTA to arrive adds the halves in order, then epi / post
-      __threadfence();  // this thread's partials are issued before the count
-      __syncthreads();
-      if (threadIdx.x == 0) is_last = atomicAdd(a.kcnt + item, 1) == ks - 1;
-      __syncthreads();
-      if (is_last) {
-        __threadfence();
-        for (int c0 = 0; c0 < cnt; c0 += 2) {
-          const int np = min(2, cnt - c0);
-          if (half == 0) {
-            float total[4];
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-              total[v] = 0.f;
-              if ((v & 1) < np) {
-                const long long at = (long long)a.pair_ptr[start + c0 + (v & 1)] * a.nrows + (v < 2 ? r0 : r1);
-                total[v] = __ldcg(a.part + at);
-                for (int k = 1; k < ks; ++k) total[v] += __ldcg(a.part + (long long)k * a.npairs * a.nrows + at);
-              }
-            }
-            epi(Item{start, cnt, tile}, c0, np, r0, r1, total);
-          }
-          __syncthreads();
-          post(Item{start, cnt, tile}, c0, np);
-        }
-        if (threadIdx.x == 0) a.kcnt[item] = 0;  // ready for the next launch (and graph replay)
-      }
+      post(Item{start, cnt, tile}, c0, np);
     }
   }
 }
 
+}  // namespace
+
+// grid: <= 2 CTAs per SM, 256 threads, Layout(D).bytes + 64 KB dynamic shared memory.
 // act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
-template <int kKS>
-__device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
-                                        int I, float limit, int round_out) {
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(
+    const __nv_bfloat16* xq, long long stride_q, const long long* tab, const float* rw, const int* pair_ptr,
+    const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,
+    long long stride_a, int D, int I, long long stride_w, long long stride_s, float limit, int round_out, int topk,
+    int sparse) {
+  const Args a{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, I, topk, sparse, 0,
+               stride_w, stride_s};
   const int t = threadIdx.x & 3;
-  const int* pair_ptr = a.pair_ptr;
-  run<kKS>(a, I / 32, [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
+  run(a, I / 32, [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
     if (t < np) {  // lane t of the quad: pair c0 + t of channel r0
       const int pair = pair_ptr[it.start + c0 + t];
       float gv = t ? total[1] : total[0], uv = t ? total[3] : total[2];  // (no local-memory indexing)
@@ -417,14 +343,16 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
 // y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 64-row tile) of
 // all its topk pairs sums them in slot order into out (fp32), then resets the counter; with
 // shared (bf16 [M, D], the shared expert's output) out is bf16 and receives rnd(sum + shared).
-template <int kKS>
-__device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
-                                     long long stride_o, int* counters, int D, int combine,
-                                     const __nv_bfloat16* shared, long long stride_sh) {
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(
+    const __nv_bfloat16* aq, long long stride_q, const long long* tab, const int* pair_ptr, const int* slot_e,
+    const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* y, long long stride_y, void* out,
+    long long stride_o, int* counters, int D, int I, long long stride_w, long long stride_s, int topk, int sparse,
+    int combine, const __nv_bfloat16* shared, long long stride_sh) {
+  const Args a{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1,
+               stride_w, stride_s};
   __shared__ int last[2];
-  const int t = threadIdx.x & 3, tiles = D / 64, topk = a.topk;
-  const int* pair_ptr = a.pair_ptr;
-  run<kKS>(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  const int t = threadIdx.x & 3, tiles = D / 64;
+  run(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
     const int p = t & 1;
     if (p < np) {  // lane t: row r0 (t < 2) or r1, pair c0 + t % 2
       const int pair = pair_ptr[it.start + c0 + p];
@@ -460,60 +388,4 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
       if (threadIdx.x == 0) counters[row * tiles + it.tile] = 0;
     }
   });
-}
-
-}  // namespace
-
-// grid: <= 2 CTAs per SM, 256 threads, Layout(D).bytes + 64 KB dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(
-    const __nv_bfloat16* xq, long long stride_q, const long long* tab, const float* rw, const int* pair_ptr,
-    const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,
-    long long stride_a, int D, int I, long long stride_w, long long stride_s, float limit, int round_out, int topk,
-    int sparse) {
-  const Args a{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, I, topk, sparse, 0,
-               stride_w, stride_s};
-  gate_up<0>(a, rw, act, stride_a, I, limit, round_out);
-}
-
-// grid: as moe_gate_up_lut's.
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(
-    const __nv_bfloat16* aq, long long stride_q, const long long* tab, const int* pair_ptr, const int* slot_e,
-    const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* y, long long stride_y, void* out,
-    long long stride_o, int* counters, int D, int I, long long stride_w, long long stride_s, int topk, int sparse,
-    int combine, const __nv_bfloat16* shared, long long stride_sh) {
-  const Args a{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1,
-               stride_w, stride_s};
-  down<0>(a, y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh);
-}
-
-// The quarter kernels (run's kKS > 0; to be measured against the two above before any use): the
-// same arguments, then part (fp32 [2, npairs, nrows]: nrows 2 I for gate-up, D for down; unused
-// when ks = 1), kcnt (int32 per (slot, tile) item, at zero; left at zero), npairs and ks (1 or 2:
-// CTAs per item along K; the same bits).
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut_q(
-    const __nv_bfloat16* xq, long long stride_q, const long long* tab, const float* rw, const int* pair_ptr,
-    const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,
-    long long stride_a, int D, int I, long long stride_w, long long stride_s, float limit, int round_out, int topk,
-    int sparse, float* part, int* kcnt, int npairs, int ks) {
-  const Args a{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, I, topk, sparse, 0,
-               stride_w, stride_s, part, kcnt, npairs, 2 * I};
-  if (ks == 2) {
-    gate_up<2>(a, rw, act, stride_a, I, limit, round_out);
-  } else {
-    gate_up<1>(a, rw, act, stride_a, I, limit, round_out);
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut_q(
-    const __nv_bfloat16* aq, long long stride_q, const long long* tab, const int* pair_ptr, const int* slot_e,
-    const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* y, long long stride_y, void* out,
-    long long stride_o, int* counters, int D, int I, long long stride_w, long long stride_s, int topk, int sparse,
-    int combine, const __nv_bfloat16* shared, long long stride_sh, float* part, int* kcnt, int npairs, int ks) {
-  const Args a{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1,
-               stride_w, stride_s, part, kcnt, npairs, D};
-  if (ks == 2) {
-    down<2>(a, y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh);
-  } else {
-    down<1>(a, y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh);
-  }
 }

@@ -30,23 +30,13 @@ import os
 
 import torch
 
-from megastep.kernels.common import pdl_enabled, workspace
+from megastep.kernels.common import pdl_enabled
 from megastep.kernels.cuda_module import CudaModule, find_nvcc
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_lut.cu")
 _MODULE = CudaModule(SOURCE)
 _GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
-# The quarter kernels (the .cu's run with kKS > 0): K's four quarters summed apart, added as
-# (q0 + q1) + (q2 + q3), with ks = 1 or 2 CTAs per item along K (the same bits for either; other
-# bits than the kernels above). An experiment, not used by the runtime: at 1 row the 384 items
-# fill 264 CTA slots in two rounds, the second at 45 % occupancy, and ks = 2 spreads half-size
-# items over ~2.9 rounds instead (docs/PERFORMANCE.md, thirteenth measurement, "where batch 1
-# stands"). KSPLIT = 1 or 2 routes this module's calls to them (benchmarks/kernels/moe_cuda_variants.py
-# --engines lut_q1,lut_q2); 0 keeps the kernels above.
-_GATE_UP_Q = _MODULE.kernel("moe_gate_up_lut_q", _GATE_UP.signature + "ppii")
-_DOWN_Q = _MODULE.kernel("moe_down_lut_q", _DOWN.signature + "ppii")
-KSPLIT = 0
 THREADS = 256
 CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
@@ -81,31 +71,15 @@ def _grid(items: int, device: torch.device) -> tuple[int, int, int]:
     return (max(1, min(items, CTAS_PER_SM * _sms(device.index))), 1, 1)
 
 
-def _quarters(pairs: torch.Tensor, slots: int, tiles: int, nrows: int, K: int) -> tuple:
-    """The quarter kernels' extra arguments under KSPLIT (part, kcnt, npairs, ks) and their items."""
-    ks = KSPLIT
-    assert ks in (1, 2) and K % 1024 == 0, (ks, K)  # a quarter of a row: whole 128-byte steps
-    dev = pairs.device
-    part = workspace(dev, "moe_lut_part", 2 * pairs.numel() * nrows, torch.float32) if ks == 2 else 0
-    kcnt = workspace(dev, "counters_moe_lut_q", slots * tiles, torch.int32) if ks == 2 else 0
-    return (part, kcnt, pairs.numel(), ks), slots * tiles * ks
-
-
 def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I, strides, limit, topk,
             round_bf16, sparse) -> None:
     """act[p] = rnd(r_p * silu(min(rnd(w1 . xq[p // topk]), limit)) * clamp(rnd(w3 . xq), +-limit));
     strides: the table's (w13 row, w13 scale row) strides."""
     assert xq.dtype == act.dtype == torch.bfloat16 and xq.stride(1) == 1 and act.stride(1) == 1
-    slots = min(pairs.numel(), addr.shape[0])
-    items = slots * (I // 32)  # (slot, 32-channel tile)
-    kernel, extra = _GATE_UP, ()
-    if KSPLIT:
-        kernel = _GATE_UP_Q
-        extra, items = _quarters(pairs, slots, I // 32, 2 * I, D)
-    kernel.launch(_grid(items, xq.device), (THREADS, 1, 1), shared_bytes(D), None,
-                  xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
-                  D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse), *extra,
-                  pdl=pdl_enabled())
+    items = min(pairs.numel(), addr.shape[0]) * (I // 32)  # (slot, 32-channel tile)
+    _GATE_UP.launch(_grid(items, xq.device), (THREADS, 1, 1), shared_bytes(D), None,
+                    xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
+                    D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse), pdl=pdl_enabled())
 
 
 def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
@@ -120,14 +94,8 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
                                                                                                     out.dtype)
     else:
         assert out.dtype == torch.float32, out.dtype
-    slots = min(pairs.numel(), addr.shape[0])
-    items = slots * (D // 64)  # (slot, 64-row tile)
-    kernel, extra = _DOWN, ()
-    if KSPLIT:
-        kernel = _DOWN_Q
-        extra, items = _quarters(pairs, slots, D // 64, D, I)
-    kernel.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
-                  aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,
-                  out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
-                  0 if shared is None else shared, 0 if shared is None else shared.stride(0), *extra,
-                  pdl=pdl_enabled())
+    items = min(pairs.numel(), addr.shape[0]) * (D // 64)  # (slot, 64-row tile)
+    _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
+                 aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,
+                 out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
+                 0 if shared is None else shared, 0 if shared is None else shared.stride(0), pdl=pdl_enabled())

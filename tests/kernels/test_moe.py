@@ -488,39 +488,12 @@ def test_lut_kernels_build_for_sm90():
     a spill would put loads in the experts' inner loop."""
     from megastep.kernels import moe_lut
 
-    assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_q",
-                                                  "moe_down_lut_q"))
+    assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut"))
 
 
 def test_lut_signatures_match_the_kernels():
     """moe_lut.py passes as many arguments as each kernel in moe_lut.cu declares, typed by position."""
     from megastep.kernels import moe_lut
 
-    for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_Q, moe_lut._DOWN_Q):
+    for kernel in (moe_lut._GATE_UP, moe_lut._DOWN):
         assert_signature_matches(moe_lut.SOURCE, kernel)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 4, 16, 64])
-def test_gpu_lut_quarter_kernels(M, monkeypatch):
-    """The experiment of moe_lut.KSPLIT (K in quarters, 1 or 2 CTAs per item along K) at V4-Flash
-    expert shapes: the same bits with 1 and 2 CTAs per item, three calls in a row (the item
-    counters reset themselves), row 0 alone as in the batch, within the tests' tolerance of the
-    reference, with the routed sum combined in the kernel and without."""
-    from megastep.kernels import moe_lut
-
-    ex = random_stacked_experts(32, 4096, 2048, seed=9, dev="cuda")
-    x, ids, wts = make_inputs(M, 4096, 32, 6, seed=M + 5, dev="cuda")
-    cfg = pick_config(M, 6, 32, 4096, 2048, mode="lut")
-    cfg1 = pick_config(1, 6, 32, 4096, 2048, mode="lut")
-    tab = stacked_table(**ex)  # addresses of ex's tensors: ex stays alive below
-    outs, pairs = {}, {}
-    for ks in (1, 2):
-        monkeypatch.setattr(moe_lut, "KSPLIT", ks)
-        outs[ks] = [moe_experts_table(x, ids, wts, tab, config=cfg) for _ in range(3)]
-        alone = moe_experts_table(x[:1], ids[:1], wts[:1], tab, config=cfg1)
-        assert all(torch.equal(y, outs[ks][0]) for y in outs[ks]) and torch.equal(alone[0], outs[ks][0][0]), ks
-        pairs[ks] = moe_experts_table(x, ids, wts, tab, config=cfg, return_pairs=True)
-    assert torch.equal(outs[1][0], outs[2][0]) and torch.equal(pairs[1], pairs[2])
-    check(outs[2][0], moe_experts_mxfp4_ref(x, ids, wts, **ex))
