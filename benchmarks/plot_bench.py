@@ -1,7 +1,10 @@
 """Plot a `megastep bench --json` result: ms/step against batch, next to the roofline; other
 results of the same model (e.g. another experts mode) overlaid.
 
-python benchmarks/plot_bench.py RESULT.json OUT.png [OTHER.json ...]
+python benchmarks/plot_bench.py RESULT.json OUT.png [OTHER.json[=LABEL] ...]
+
+An overlaid result is labelled by what sets it apart in its JSON (experts mode, MoE launch
+options), or by LABEL where the difference is not recorded there (e.g. a kernel experiment).
 """
 
 import json
@@ -27,10 +30,11 @@ def main(src: str, dst: str, others: list[str]) -> None:
     b = [r["batch"] for r in rs]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ax.plot(b, [r["ms_p50"] for r in rs], "o-", label=f"megastep fast path (CUDA graph, p50), experts {d['moe_mode']}")
-    for path in others:
+    for other in others:
+        path, _, label = other.partition("=")
         o = json.load(open(path))
         ax.plot([r["batch"] for r in o["results"]], [r["ms_p50"] for r in o["results"]], "^:",
-                label=f"the same, {_differs(d, o)}")
+                label=f"the same, {label or _differs(d, o)}")
     ax.plot(b, [r["roofline_ms"] for r in rs], "s--", label=f"roofline: bytes / {d['stream_read_GBps']:.0f} GB/s")
     if d.get("peer") and d["peer"].get("ms_per_layer"):
         ax.plot([1], [d["peer"]["ms_per_layer"] * d["layers"]], "x", ms=10,

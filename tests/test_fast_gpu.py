@@ -22,7 +22,7 @@ print("HASH", hashlib.sha256(b"".join(t.cpu().numpy().tobytes() for t in greedy_
 """
 
 
-def build(layers=2, max_seqs=16, experts="triton", router=None):
+def build(layers=2, max_seqs=16, experts="triton", router=None, overlap=None):
     """experts: "triton" (the small preset: its I = 256 keeps the CUDA "lut" kernels out) or "lut"
     (I = 512, so the decoder picks the CUDA experts kernels, as it does at V4-Flash shapes).
     router: FastDecoder's (None: by the step's rows, its MOE_PLAN)."""
@@ -36,7 +36,7 @@ def build(layers=2, max_seqs=16, experts="triton", router=None):
     if experts == "lut":
         cfg = dataclasses.replace(cfg, moe_intermediate_size=512)
     dec = FastDecoder(cfg, synthesize_weights(cfg, seed=0, device="cuda", include_mtp=False),
-                      max_seqs=max_seqs, max_ctx=512, device="cuda", router=router)
+                      max_seqs=max_seqs, max_ctx=512, device="cuda", router=router, overlap=overlap)
     assert dec.moe_mode == ("lut" if experts == "lut" else None), dec.moe_mode
     assert dec.router == router and dec.route_cuda_ok, (dec.router, dec.route_cuda_ok)
     return cfg, dec, StepRunner(dec.step, dec.device, dec.pools.dummy_slot, buckets=(1, 16))
@@ -62,6 +62,20 @@ def test_same_input_same_bits(experts):
     a, b = greedy_logits(built=built), greedy_logits(built=built)
     assert a[0] == b[0]
     assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+@pytest.mark.parametrize("experts", ["triton", "lut"])
+def test_side_stream_changes_no_bits(experts):
+    """The second stream (the compressors and the kv store beside the q path, the shared expert
+    beside the routed experts) against one stream: the same tokens and logits. The small
+    preset's layer 1 is a CSA layer (compressors and the indexer)."""
+    from megastep.checkpoint.synthetic import preset
+
+    assert preset("small", layers=2).ratio(1) == 4
+    one = greedy_logits(built=build(experts=experts, overlap=False))
+    two = greedy_logits(built=build(experts=experts, overlap=True))
+    assert one[0] == two[0]
+    assert all(torch.equal(x, y) for x, y in zip(one[1], two[1]))
 
 
 def test_same_bits_after_relaunch():

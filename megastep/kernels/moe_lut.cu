@@ -16,10 +16,11 @@
 // MMA layout (mma.m16n8k16, bf16 in, fp32 out). A warp owns 16 MMA rows: gate-up 8 channels of w1
 // (rows 0-7) and the same channels of w3 (rows 8-15), so a lane ends with w1's and w3's sums of
 // one channel; down 16 rows of w2. Lane (g, t) of the warp (g = lane / 4, t = lane % 4) reads rows
-// g and g + 8 over one half of K (warp / 4). A step covers 128 contiguous bytes of each row (8
-// MXFP4 groups) and lane t takes groups t and t + 4 of them, so each L2 line is consumed whole by
-// the step that loads it (a first version gave each lane its own 256-byte range, 32 B a step: the
-// L2 evicted the prefetched rest before its use and DRAM read each byte ~2.6 times).
+// g and g + 8 over the whole of K, its two halves summed apart. A step covers 128 contiguous bytes
+// of each row (8 MXFP4 groups) and lane t takes groups t and t + 4 of them, so each L2 line is
+// consumed whole by the step that loads it (a first version gave each lane its own 256-byte range,
+// 32 B a step: the L2 evicted the prefetched rest before its use and DRAM read each byte ~2.6
+// times).
 // The scale of a group must multiply only that group's sum, and each lane brings its own group to
 // an MMA: so the B operand is block-diagonal, column 2t + p holds pair p's x only in the K slots
 // of lane t (zeros elsewhere: 8 lanes of 32 load x, the others read a zero row). Then
@@ -28,13 +29,18 @@
 // product). Two pairs per MMA; more pairs of an expert run further passes over its rows.
 //
 // Order of sums, fixed whatever the batch or the routing of other rows: per (row, pair) a group's
-// 32 products in one MMA chain (8 MMAs, fp32), the groups of a lane in order (t, t + 4, t + 8,
-// ...), the 4 lanes of a quad by a butterfly ((q0 + q1) + (q2 + q3)), then half 0 + half 1.
-// Deterministic and batch invariant (a pair's column never meets another pair's values).
+// 32 products in one MMA chain (8 MMAs, fp32), the groups of each K half of a lane in order (t,
+// t + 4, t + 8, ...), the 4 lanes of a quad by a butterfly ((q0 + q1) + (q2 + q3)) per half, then
+// half 0 + half 1. Deterministic and batch invariant (a pair's column never meets another pair's
+// values).
 //
-// Work: a CTA (8 warps: 4 row blocks x 2 K halves) takes items (slot, 64 MMA rows) in turn over a
-// grid of at most 2 CTAs per SM; x of the item's pairs is staged in shared memory, padded so that
-// the 8 lanes loading x hit distinct banks (and the zero row's reads distinct ones again).
+// Work: a CTA (8 warps: 8 row blocks, each streaming its rows' whole K) takes items (slot, 128 MMA
+// rows) in turn over a grid of at most 2 CTAs per SM; x of the item's pairs is staged in shared
+// memory, padded so that the 8 lanes loading x hit distinct banks (and the zero row's reads
+// distinct ones again). Until 2026-11-30 a CTA was 4 row blocks x 2 K halves (items of 64 MMA rows,
+// twice as many, the halves added through shared memory): the same sums in the same order, so the
+// same bits (GPU-tested against each other), and 3-12 % slower per call on one H200 at 1-64 rows,
+// 4 % per 30-layer step at 4-64 rows, 1 % at 1 row (docs/PERFORMANCE.md, fourteenth measurement).
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -94,18 +100,17 @@ using megastep::pdl_wait;
 
 __device__ __forceinline__ float scale_f(uint32_t s) { return __uint_as_float(s << 23); }  // 2^(s-127), s >= 1
 
-// Shared memory after the table: x of 2 pairs, a zero row, the halves' partial sums. A group of x
+// Shared memory after the table: x of 2 pairs and a zero row. A group of x
 // (32 bf16) takes 80 B, so the 4 lanes reading groups t of one pair hit banks 20t apart; pair 1
 // sits 64 B further (mod 128) and the zero row 8 B (mod 128): the 8 loading lanes and the 4
 // addresses of the zero row's readers never share a bank.
 struct Layout {
-  int rowpitch, zero_off, red_off, bytes;
+  int rowpitch, zero_off, bytes;
   __device__ __host__ explicit Layout(int K) {
     const int row = K / 32 * 80;
     rowpitch = (row + 63) / 128 * 128 + 64;
     zero_off = 2 * rowpitch + 8;
-    red_off = (zero_off + row + 15) / 16 * 16;
-    bytes = red_off + 4 * 32 * 4 * 4;  // 4 row blocks x 32 lanes x 4 sums
+    bytes = (zero_off + row + 15) / 16 * 16;
   }
 };
 constexpr int kGroupPitch = 80;
@@ -121,7 +126,7 @@ struct Args {
 
 // A warp's weight stream over its 16 rows: the ring of KPF steps in flight. fill() issues the
 // first steps, pass() consumes the ring and refills it.
-// wa / wb: the lane's first group of rows g / g + 8; sa_p / sb_p: the half's scale bytes of those
+// wa / wb: the lane's first group of rows g / g + 8; sa_p / sb_p: the scale bytes of those
 // rows.
 struct Stream {
   const uint8_t *wa, *wb, *sa_p, *sb_p;
@@ -144,15 +149,24 @@ struct Stream {
       if (i < steps) load(i, i);
   }
 
-  // One pass (2 pairs at most): acc = per-lane partial sums (row g, pair 0), (row g, pair 1),
-  // (row g + 8, pair 0), (row g + 8, pair 1) over the lane's groups. t: the lane's group within 4;
-  // xl: the lane's x (or zeros) at its first group.
-  __device__ __forceinline__ void pass(const char* table, uint32_t lane_off, const char* xl, int t, float (&acc)[4]) {
+  // One pass (2 pairs at most): per-lane partial sums (row g, pair 0), (row g, pair 1), (row g + 8,
+  // pair 0), (row g + 8, pair 1) over the lane's groups, of K half 0 in lo and of half 1 in acc
+  // (at step steps / 2 the sums so far move to lo and acc starts again from zero). t: the lane's
+  // group within 4; xl: the lane's x (or zeros) at its first group.
+  __device__ __forceinline__ void pass(const char* table, uint32_t lane_off, const char* xl, int t, float (&acc)[4],
+                                       float (&lo)[4]) {
     for (int s0 = 0; s0 < steps; s0 += KPF) {
 #pragma unroll
       for (int i = 0; i < KPF; ++i) {
         const int s = s0 + i;
         if (s >= steps) break;
+        if (2 * s == steps) {
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            lo[v] = acc[v];
+            acc[v] = 0.f;
+          }
+        }
         const uint4 a0 = ra[i][0], a1 = ra[i][1], b0 = rb[i][0], b1 = rb[i][1];
         const uint2 fa = sa[i], fb = sb[i];
         if (s + KPF < steps) load(i, s + KPF);
@@ -203,7 +217,7 @@ __device__ __forceinline__ void prologue(char* smem, const Layout& L) {
     table[v * 64 + (i & 31)] = e2m1_bf16(v & 15) | (e2m1_bf16(v >> 4) << 16);
   }
   uint32_t* zero = reinterpret_cast<uint32_t*>(smem + kLutBytes + L.zero_off);
-  for (int i = threadIdx.x; i < (L.red_off - L.zero_off) / 4; i += kThreads) zero[i] = 0u;
+  for (int i = threadIdx.x; i < (L.bytes - L.zero_off) / 4; i += kThreads) zero[i] = 0u;
 }
 
 // x rows of pairs c0, c0 + 1 (those < cnt) into the padded layout: element e of pair p at
@@ -220,17 +234,15 @@ __device__ __forceinline__ void stage_x(char* xsm, const Args& a, const Layout& 
 }
 
 // Runs every (slot, tile) item of this CTA; for each pass calls epi(item, c0, np, r0, r1, total) in
-// the half-0 warps with total[v] = the full sums of the lane's rows r0 / r1 (the order of pass()),
-// then post(item, c0, np) in every thread after a barrier.
+// every warp with total[v] = the full sums of the lane's rows r0 / r1 (half 0 + half 1), then
+// post(item, c0, np) in every thread after a barrier.
 template <typename Epi, typename Post>
 __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
   const Layout L(a.K);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int blk = warp & 3, half = warp >> 2;
+  const int lane = threadIdx.x & 31, blk = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const uint32_t lane_off = lane * 4;
   char* xsm = smem + kLutBytes;
-  float* red = reinterpret_cast<float*>(xsm + L.red_off);
   prologue(smem, L);
   // Under PDL gate-up waits here: x and the routing are its predecessor's (the router's) outputs;
   // then it releases its dependents (the activation quantization, which releases down at once).
@@ -243,7 +255,7 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
     pdl_release();
   }
   const int items = __ldcg(a.nslot) * tiles;
-  const int steps = a.K / 512;  // a half's 128-byte steps
+  const int steps = a.K / 256;  // a row's 128-byte steps
   for (int it = blockIdx.x; it < items; it += gridDim.x) {
     const int slot = it / tiles, tile = it % tiles;
     const int e = __ldcg(a.slot_e + slot);
@@ -253,13 +265,13 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
     const int cnt = a.sparse && wbase == nullptr ? 0 : __ldcg(a.slot_cnt + slot);
     const int start = __ldcg(a.slot_start + slot);
     // rows g and g + 8 of this warp's 16: gate-up channel c of w1 and of w3; down rows r and r + 8
-    const int r0 = a.down ? tile * 64 + blk * 16 + g : tile * 32 + blk * 8 + g;
+    const int r0 = a.down ? tile * (kWarps * 16) + blk * 16 + g : tile * (kWarps * 8) + blk * 8 + g;
     const int r1 = a.down ? r0 + 8 : r0 + a.w3_rows;
     Stream st;
-    st.wa = wbase + r0 * a.stride_w + half * (a.K / 4) + t * 16;
-    st.wb = wbase + r1 * a.stride_w + half * (a.K / 4) + t * 16;
-    st.sa_p = sbase + r0 * a.stride_s + half * (a.K / 64);
-    st.sb_p = sbase + r1 * a.stride_s + half * (a.K / 64);
+    st.wa = wbase + r0 * a.stride_w + t * 16;
+    st.wb = wbase + r1 * a.stride_w + t * 16;
+    st.sa_p = sbase + r0 * a.stride_s;
+    st.sb_p = sbase + r1 * a.stride_s;
     st.steps = steps;
     bool filled = false;
     if (waiting) {  // down's first item: the ring filled, and the rest of its rows asked of L2
@@ -278,33 +290,25 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
     }
     for (int c0 = 0; c0 < cnt; c0 += 2) {
       const int np = min(2, cnt - c0);
-      __syncthreads();  // the previous pass's readers of x and red are done
+      __syncthreads();  // the previous pass's readers of x are done
       stage_x(xsm, a, L, start, c0, np);
       __syncthreads();
       if (!filled) st.fill();
       filled = false;
       const int p = g & 1;
       const bool active = (g >> 1) == t && p < np;
-      const char* xl = xsm + (active ? p * L.rowpitch : L.zero_off) + (half * (a.K / 64) + t) * kGroupPitch;
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      st.pass(smem, lane_off, xl, t, acc);
+      const char* xl = xsm + (active ? p * L.rowpitch : L.zero_off) + t * kGroupPitch;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f}, lo[4], total[4];
+      st.pass(smem, lane_off, xl, t, acc, lo);
 #pragma unroll
-      for (int v = 0; v < 4; ++v) {
+      for (int v = 0; v < 4; ++v) {  // each half's quad butterfly, then half 0 + half 1
         acc[v] += __shfl_xor_sync(0xffffffffu, acc[v], 1);
         acc[v] += __shfl_xor_sync(0xffffffffu, acc[v], 2);
+        lo[v] += __shfl_xor_sync(0xffffffffu, lo[v], 1);
+        lo[v] += __shfl_xor_sync(0xffffffffu, lo[v], 2);
+        total[v] = lo[v] + acc[v];
       }
-      float* rb = red + (blk * 32 + lane) * 4;
-      if (half == 1) {
-#pragma unroll
-        for (int v = 0; v < 4; ++v) rb[v] = acc[v];
-      }
-      __syncthreads();
-      if (half == 0) {
-        float total[4];
-#pragma unroll
-        for (int v = 0; v < 4; ++v) total[v] = acc[v] + rb[v];
-        epi(Item{start, cnt, tile}, c0, np, r0, r1, total);
-      }
+      epi(Item{start, cnt, tile}, c0, np, r0, r1, total);
       __syncthreads();
       post(Item{start, cnt, tile}, c0, np);
     }
@@ -323,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(
   const Args a{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, I, topk, sparse, 0,
                stride_w, stride_s};
   const int t = threadIdx.x & 3;
-  run(a, I / 32, [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
+  run(a, I / (kWarps * 8), [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
     if (t < np) {  // lane t of the quad: pair c0 + t of channel r0
       const int pair = pair_ptr[it.start + c0 + t];
       float gv = t ? total[1] : total[0], uv = t ? total[3] : total[2];  // (no local-memory indexing)
@@ -340,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(
   }, [](const Item&, int, int) {});
 }
 
-// y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 64-row tile) of
+// y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 128-row tile) of
 // all its topk pairs sums them in slot order into out (fp32), then resets the counter; with
 // shared (bf16 [M, D], the shared expert's output) out is bf16 and receives rnd(sum + shared).
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(
@@ -351,7 +355,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(
   const Args a{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1,
                stride_w, stride_s};
   __shared__ int last[2];
-  const int t = threadIdx.x & 3, tiles = D / 64;
+  constexpr int kTile = kWarps * 16;  // output rows of an item
+  const int t = threadIdx.x & 3, tiles = D / kTile;
   run(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
     const int p = t & 1;
     if (p < np) {  // lane t: row r0 (t < 2) or r1, pair c0 + t % 2
@@ -373,8 +378,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(
     for (int p = 0; p < np; ++p) {
       const int row = last[p];
       if (row < 0) continue;
-      if (threadIdx.x < 64) {  // the row's topk pairs, slot order, fp32
-        const int d = it.tile * 64 + threadIdx.x;
+      if (threadIdx.x < kTile) {  // the row's topk pairs, slot order, fp32
+        const int d = it.tile * kTile + threadIdx.x;
         const unsigned short* yp = reinterpret_cast<const unsigned short*>(y) + (long long)row * topk * stride_y + d;
         float tot = __uint_as_float((uint32_t)__ldcg(yp) << 16);
         for (int j = 1; j < topk; ++j) tot += __uint_as_float((uint32_t)__ldcg(yp + j * stride_y) << 16);

@@ -13,9 +13,10 @@ with a block-diagonal B so every MXFP4 group's scale multiplies only its own sum
 explains both); Triton expresses neither. Measured against the Triton "dot_asm" kernels in
 docs/PERFORMANCE.md (tenth measurement).
 
-Grids are static (at most 2 CTAs of 256 threads per SM, each taking (expert slot, 64 weight rows)
-items in turn), so launches are captured by CUDA graphs; build and load happen at the first
-call (`cuda_module`), which must come before any capture (the runtime's warm-up steps do it).
+Grids are static (at most 2 CTAs of 256 threads per SM, each taking (expert slot, 128 weight rows)
+items in turn, each warp streaming whole rows), so launches are captured by CUDA graphs; build and
+load happen at the first call (`cuda_module`), which must come before any capture (the runtime's
+warm-up steps do it).
 When the step uses PDL (`common.pdl_enabled()`, read at launch) both launch with programmatic
 stream serialization: gate-up builds its decode table while the router drains, down also
 requests its first weights before the activation quantization has finished (the .cu's `run`
@@ -58,8 +59,7 @@ def shared_bytes(K: int) -> int:
     row = K // 32 * 80
     rowpitch = (row + 63) // 128 * 128 + 64
     zero_off = 2 * rowpitch + 8
-    red_off = (zero_off + row + 15) // 16 * 16
-    return LUT_BYTES + red_off + 4 * 32 * 4 * 4
+    return LUT_BYTES + (zero_off + row + 15) // 16 * 16
 
 
 @functools.cache
@@ -76,7 +76,7 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     """act[p] = rnd(r_p * silu(min(rnd(w1 . xq[p // topk]), limit)) * clamp(rnd(w3 . xq), +-limit));
     strides: the table's (w13 row, w13 scale row) strides."""
     assert xq.dtype == act.dtype == torch.bfloat16 and xq.stride(1) == 1 and act.stride(1) == 1
-    items = min(pairs.numel(), addr.shape[0]) * (I // 32)  # (slot, 32-channel tile)
+    items = min(pairs.numel(), addr.shape[0]) * (I // 64)  # (slot, 64-channel tile: 128 rows of w13)
     _GATE_UP.launch(_grid(items, xq.device), (THREADS, 1, 1), shared_bytes(D), None,
                     xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
                     D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse), pdl=pdl_enabled())
@@ -85,7 +85,7 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
 def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
          combine, shared=None) -> None:
     """y[p] = rnd(w2 . aq[p]); with combine out[m] = sum over slots j of y[m * topk + j] (fp32,
-    slot order) by the last CTA to finish each (row, 64-row tile), counters [M, D / 64] int32 at
+    slot order) by the last CTA to finish each (row, 128-row tile), counters [M, D / 64] int32 at
     zero (left at zero). shared (bf16 [M, D]): out is bf16 and receives rnd(that sum + shared).
     strides: the table's (w2 row, w2 scale row) strides."""
     assert aq.dtype == y.dtype == torch.bfloat16 and aq.stride(1) == 1 and y.stride(1) == 1
@@ -94,7 +94,7 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
                                                                                                     out.dtype)
     else:
         assert out.dtype == torch.float32, out.dtype
-    items = min(pairs.numel(), addr.shape[0]) * (D // 64)  # (slot, 64-row tile)
+    items = min(pairs.numel(), addr.shape[0]) * (D // 128)  # (slot, 128-row tile)
     _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
                  aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,
                  out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
