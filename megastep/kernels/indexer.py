@@ -135,7 +135,9 @@ def _ordered_key(s_ptr, offs, vis, m):
     s = tl.load(s_ptr + offs, mask=offs < vis, other=0.0)
     s = tl.where(s == 0.0, 0.0, s)
     u = s.to(tl.uint32, bitcast=True)
-    key = tl.where((u >> 31) != 0, ~u, u | 0x80000000)
+    # (u ^ 0xFFFFFFFF is ~u: the uint32 literal keeps the type, and Triton 3.8's interpreter
+    # fails on ~ of an unsigned tensor with numpy 2, filling its all-ones value from -1)
+    key = tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)
     return tl.where(offs < vis, key, tl.zeros_like(key)), offs < m
 
 
