@@ -1,9 +1,10 @@
 """The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's
 Triton kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels,
-kernels/moe_lut.py). (An earlier CUDA C++ gate-up experiment, moe_gate_up_cuda, measured in
+kernels/moe_lut.py), or "lut" built with moe_lut.L2_AHEAD = d ("lut_l2a<d>": each warp asks L2 for
+its rows' line d steps past its ring; the outputs must equal "lut"'s bit for bit). (An earlier CUDA C++ gate-up experiment, moe_gate_up_cuda, measured in
 docs/PERFORMANCE.md's eighth measurement, was removed when "lut" superseded it.)
 
-    python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut]
+    python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut,lut_l2a4]
 
 For each M and engine: the output against moe_experts_mxfp4_ref (the tests' tolerance: rel L2 <=
 4e-3, max <= 2e-2 of max |ref|), two runs bit-identical, row 0 alone bit-identical to row 0 of the
@@ -34,12 +35,14 @@ from megastep.kernels import moe_lut as LUTK  # noqa: E402
 
 
 def run(engine, fn):
-    if engine == "lut":  # the runtime's mode "lut" (kernels/moe_lut.py) as the kernels' default
-        saved, MOE.DEFAULT_MODE = MOE.DEFAULT_MODE, "lut"
+    if engine.startswith("lut"):  # mode "lut" (kernels/moe_lut.py) as the kernels' default
+        ahead = int(engine[len("lut_l2a"):]) if engine.startswith("lut_l2a") else 0
+        saved = MOE.DEFAULT_MODE, LUTK.L2_AHEAD
+        MOE.DEFAULT_MODE, LUTK.L2_AHEAD = "lut", ahead
         try:
             return fn()
         finally:
-            MOE.DEFAULT_MODE = saved
+            MOE.DEFAULT_MODE, LUTK.L2_AHEAD = saved
     return fn()
 
 
@@ -80,6 +83,7 @@ def main() -> None:
         distinct = statistics.mean(len(torch.unique(ids)) for ids, _ in routes)
         nbytes = distinct * MV.expert_bytes()
         ref = MOE.moe_experts_mxfp4_ref(x, *routes[0], **copies[0])
+        first_lut = None  # the first lut engine's output: the others must equal it bit for bit
         for engine in args.engines.split(","):
             r = dict(M=M, engine=engine, distinct_experts=distinct, mbytes=nbytes / 1e6)
             try:
@@ -89,6 +93,9 @@ def main() -> None:
                 ok, rel, mx = MV.compare(y, ref)
                 r.update(ok=ok, rel_l2=rel, max_err_rel=mx, deterministic=torch.equal(y, y2),
                          batch_invariant=torch.equal(alone[0], y[0]))
+                if engine.startswith("lut"):
+                    first_lut = y if first_lut is None else first_lut
+                    r.update(same_bits_as_first_lut=torch.equal(y, first_lut))
                 calls = [lambda ids=ids, wts=wts, ex=copies[i % len(copies)]: MOE.moe_experts_mxfp4(x, ids, wts, **ex)
                          for i, (ids, wts) in enumerate(routes)]
                 med, _ = run(engine, lambda: BK.graph_time(calls))
@@ -100,11 +107,12 @@ def main() -> None:
             BK.log(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}))
     with open(os.path.join(args.out, "moe_cuda_variants.json"), "w") as f:
         json.dump(dict(bandwidth_read=bw, rows=rows), f, indent=1)
-    print(f"\n{'M':>3} {'engine':7} {'us':>8} {'GB/s':>6} {'rel':>8} ok det inv  kernels (us)")
+    print(f"\n{'M':>3} {'engine':8} {'us':>8} {'GB/s':>6} {'rel':>8} ok det inv same  kernels (us)")
     for r in rows:
         ks = " ".join(f"{k.split('(')[0][-18:]}={v}" for k, v in r.get("kernels_us", {}).items())
-        print(f"{r['M']:3} {r['engine']:7} {r.get('us', float('nan')):8.1f} {r.get('gbps', 0):6.0f} "
+        print(f"{r['M']:3} {r['engine']:8} {r.get('us', float('nan')):8.1f} {r.get('gbps', 0):6.0f} "
               f"{r.get('rel_l2', float('nan')):8.1e} {r['ok']} {r.get('deterministic')} {r.get('batch_invariant')}"
+              f" {r.get('same_bits_as_first_lut', '-')}"
               f"  {ks}{'  ' + r['error'][:80] if 'error' in r else ''}")
 
 

@@ -52,6 +52,14 @@
 // pass's first loads before its x is staged (to overlap the staging) was 1-4 % slower.
 constexpr int KPF = 2;
 
+// An experiment (moe_lut.py's L2_AHEAD, not yet measured; 0 builds the kernels as measured): with
+// L2_AHEAD = d > 0 a warp also asks L2 for its rows' line of step s + KPF + d as it loads step
+// s + KPF, so the ring's loads find their lines in L2 instead of waiting for DRAM. Prefetches hold
+// no registers (the ring's depth is register-bound: KPF = 3 spills).
+#ifndef L2_AHEAD
+#define L2_AHEAD 0
+#endif
+
 namespace {
 
 constexpr int kWarps = 8;
@@ -170,6 +178,10 @@ struct Stream {
         const uint4 a0 = ra[i][0], a1 = ra[i][1], b0 = rb[i][0], b1 = rb[i][1];
         const uint2 fa = sa[i], fb = sb[i];
         if (s + KPF < steps) load(i, s + KPF);
+        if (L2_AHEAD > 0 && s + KPF + L2_AHEAD < steps) {  // the quad's 4 lanes name one line: one request
+          prefetch_l2(wa - t * 16 + (s + KPF + L2_AHEAD) * 128);
+          prefetch_l2(wb - t * 16 + (s + KPF + L2_AHEAD) * 128);
+        }
         float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
         const char* xs = xl + s * 8 * kGroupPitch;  // the step's groups t and t + 4 of x
 #pragma unroll

@@ -38,6 +38,10 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_lut.cu")
 _MODULE = CudaModule(SOURCE)
 _GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
+# An experiment, not yet measured: the .cu's L2_AHEAD (each warp asks L2 for its rows' line that
+# many steps past the ring). 0 (the default) launches the kernels as measured;
+# benchmarks/kernels/moe_cuda_variants.py's engines lut_l2a<d> set it. The same bits either way.
+L2_AHEAD = 0
 THREADS = 256
 CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
@@ -63,6 +67,15 @@ def shared_bytes(K: int) -> int:
 
 
 @functools.cache
+def _kernels(l2_ahead: int):
+    """(gate-up, down) built with the .cu's L2_AHEAD (0: the default build)."""
+    if l2_ahead == 0:
+        return _GATE_UP, _DOWN
+    mod = CudaModule(SOURCE, extra_flags=(f"-DL2_AHEAD={int(l2_ahead)}",))
+    return mod.kernel(_GATE_UP.name, _GATE_UP.signature), mod.kernel(_DOWN.name, _DOWN.signature)
+
+
+@functools.cache
 def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -77,7 +90,7 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     strides: the table's (w13 row, w13 scale row) strides."""
     assert xq.dtype == act.dtype == torch.bfloat16 and xq.stride(1) == 1 and act.stride(1) == 1
     items = min(pairs.numel(), addr.shape[0]) * (I // 64)  # (slot, 64-channel tile: 128 rows of w13)
-    _GATE_UP.launch(_grid(items, xq.device), (THREADS, 1, 1), shared_bytes(D), None,
+    _kernels(L2_AHEAD)[0].launch(_grid(items, xq.device), (THREADS, 1, 1), shared_bytes(D), None,
                     xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
                     D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse), pdl=pdl_enabled())
 
@@ -95,7 +108,7 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     else:
         assert out.dtype == torch.float32, out.dtype
     items = min(pairs.numel(), addr.shape[0]) * (D // 128)  # (slot, 128-row tile)
-    _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
+    _kernels(L2_AHEAD)[1].launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
                  aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,
                  out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
                  0 if shared is None else shared, 0 if shared is None else shared.stride(0), pdl=pdl_enabled())

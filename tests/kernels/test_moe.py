@@ -482,6 +482,31 @@ def test_gpu_lut_expert_parallel_and_host_memory_tables(M):
     assert got.dtype == torch.bfloat16 and torch.equal(got, (want + s.float()).bfloat16())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 4, 64])
+def test_gpu_lut_l2_ahead_gives_the_same_bits(M, monkeypatch):
+    """moe_lut.L2_AHEAD (the experiment: L2 prefetches ahead of each warp's ring) changes no bit:
+    per-pair outputs, the combine, the combine with the shared expert's output, at V4-Flash
+    expert shapes; three calls."""
+    from megastep.kernels import moe_lut
+
+    ex = random_stacked_experts(32, 4096, 2048, seed=11, dev="cuda")
+    x, ids, wts = make_inputs(M, 4096, 32, 6, seed=M + 13, dev="cuda")
+    cfg = pick_config(M, 6, 32, 4096, 2048, mode="lut")
+    full = ExpertTable.from_stacked(*(ex[n] for n in ("w13", "w13_scale", "w2", "w2_scale")))
+    s = (torch.randn(M, 4096, generator=torch.Generator().manual_seed(M)) * 4).bfloat16().cuda()
+
+    def outputs():
+        return (moe_experts_table(x, ids, wts, full, config=cfg, return_pairs=True),
+                moe_experts_table(x, ids, wts, full, config=cfg), moe_experts_table(x, ids, wts, full, config=cfg, shared=s))
+
+    want = outputs()
+    monkeypatch.setattr(moe_lut, "L2_AHEAD", 4)
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(outputs(), want))
+
+
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
 def test_lut_kernels_build_for_sm90():
     """The "lut" kernels compile (nvcc, sm_90) with the header they include, with no local memory:
@@ -489,6 +514,8 @@ def test_lut_kernels_build_for_sm90():
     from megastep.kernels import moe_lut
 
     assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut"))
+    # the L2_AHEAD experiment's build too
+    assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut"), flags=("-DL2_AHEAD=4",))
 
 
 def test_lut_signatures_match_the_kernels():
