@@ -23,6 +23,7 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh l2ahead    # the experts' L2 prefetch ahead of the ring (moe_lut.L2_AHEAD): GPU bits test, the kernels at d = 0 / 2 / 4 / 8, the step at 0 / 4 / 0 / 4 (~5 min)
+#   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
@@ -151,6 +152,8 @@ for group in "$@"; do
       bench l2a_step0_b 60 --layers 30 --batch 1,4,16,64
       step l2a_step4_b 60 python3 -c "$l2a" bench --preset v4-flash --context 4096 --iters 20 --json "$OUT/l2a_step4_b.json" \
         --layers 30 --batch 1,4,16,64 ;;
+    linsplit)
+      step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)
@@ -166,7 +169,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | l2ahead | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | l2ahead | linsplit | ep)"
       exit 2 ;;
   esac
 done
