@@ -1,8 +1,9 @@
 """The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's
 Triton kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels,
 kernels/moe_lut.py), or "lut" built with moe_lut.L2_AHEAD = d ("lut_l2a<d>": each warp asks L2 for
-its rows' line d steps past its ring; the outputs must equal "lut"'s bit for bit). (An earlier CUDA C++ gate-up experiment, moe_gate_up_cuda, measured in
-docs/PERFORMANCE.md's eighth measurement, was removed when "lut" superseded it.)
+its rows' line d steps past its ring; the outputs must equal "lut"'s bit for bit). (An earlier CUDA
+C++ gate-up experiment, moe_gate_up_cuda, measured in docs/PERFORMANCE.md's eighth measurement, was
+removed when "lut" superseded it.)
 
     python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut,lut_l2a4]
 

@@ -90,9 +90,10 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     strides: the table's (w13 row, w13 scale row) strides."""
     assert xq.dtype == act.dtype == torch.bfloat16 and xq.stride(1) == 1 and act.stride(1) == 1
     items = min(pairs.numel(), addr.shape[0]) * (I // 64)  # (slot, 64-channel tile: 128 rows of w13)
-    _kernels(L2_AHEAD)[0].launch(_grid(items, xq.device), (THREADS, 1, 1), shared_bytes(D), None,
-                    xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
-                    D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse), pdl=pdl_enabled())
+    kernel = _kernels(L2_AHEAD)[0]
+    kernel.launch(_grid(items, xq.device), (THREADS, 1, 1), shared_bytes(D), None,
+                  xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
+                  D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse), pdl=pdl_enabled())
 
 
 def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
@@ -108,7 +109,8 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     else:
         assert out.dtype == torch.float32, out.dtype
     items = min(pairs.numel(), addr.shape[0]) * (D // 128)  # (slot, 128-row tile)
-    _kernels(L2_AHEAD)[1].launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
-                 aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,
-                 out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
-                 0 if shared is None else shared, 0 if shared is None else shared.stride(0), pdl=pdl_enabled())
+    kernel = _kernels(L2_AHEAD)[1]
+    kernel.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
+                  aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,
+                  out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
+                  0 if shared is None else shared, 0 if shared is None else shared.stride(0), pdl=pdl_enabled())
