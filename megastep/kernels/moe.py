@@ -167,8 +167,8 @@ def pick_config(M: int, topk: int, E: int, D: int, I: int, mode: str | None = No
     tiles and 8 warps; "fma" 80.0 / 3757."""
     mode = mode or DEFAULT_MODE
     slots = min(M * topk, E)
-    if mode == "lut":  # the CUDA kernels' tiles (64 channels of I, 128 rows of D); they size their own grids
-        return MoeConfig(64, 128, 16, 128, 1, 1, mode=mode)
+    if mode == "lut":  # the CUDA kernels' items (channels of I, rows of D); they size their own grids
+        return MoeConfig(_lut.ITEM_CHANNELS, _lut.ITEM_ROWS, 16, 128, 1, 1, mode=mode)
     if mode == "fma":
         bi, bd, bp, bk, ns, per_sm = 16, 32, 1, 128, 3, 8
     else:

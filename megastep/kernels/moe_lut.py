@@ -43,6 +43,9 @@ _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
 # benchmarks/kernels/moe_cuda_variants.py's engines lut_l2a<d> set it. The same bits either way.
 L2_AHEAD = 0
 THREADS = 256
+# an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
+# channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
+ITEM_CHANNELS, ITEM_ROWS = 64, 128
 CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
 
@@ -89,7 +92,7 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     """act[p] = rnd(r_p * silu(min(rnd(w1 . xq[p // topk]), limit)) * clamp(rnd(w3 . xq), +-limit));
     strides: the table's (w13 row, w13 scale row) strides."""
     assert xq.dtype == act.dtype == torch.bfloat16 and xq.stride(1) == 1 and act.stride(1) == 1
-    items = min(pairs.numel(), addr.shape[0]) * (I // 64)  # (slot, 64-channel tile: 128 rows of w13)
+    items = min(pairs.numel(), addr.shape[0]) * (I // ITEM_CHANNELS)  # (slot, channel tile)
     kernel = _kernels(L2_AHEAD)[0]
     kernel.launch(_grid(items, xq.device), (THREADS, 1, 1), shared_bytes(D), None,
                   xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
@@ -99,7 +102,7 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
 def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
          combine, shared=None) -> None:
     """y[p] = rnd(w2 . aq[p]); with combine out[m] = sum over slots j of y[m * topk + j] (fp32,
-    slot order) by the last CTA to finish each (row, 128-row tile), counters [M, D / 64] int32 at
+    slot order) by the last CTA to finish each (row, ITEM_ROWS tile), counters [M, D / ITEM_ROWS] int32 at
     zero (left at zero). shared (bf16 [M, D]): out is bf16 and receives rnd(that sum + shared).
     strides: the table's (w2 row, w2 scale row) strides."""
     assert aq.dtype == y.dtype == torch.bfloat16 and aq.stride(1) == 1 and y.stride(1) == 1
@@ -108,7 +111,7 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
                                                                                                     out.dtype)
     else:
         assert out.dtype == torch.float32, out.dtype
-    items = min(pairs.numel(), addr.shape[0]) * (D // 128)  # (slot, 128-row tile)
+    items = min(pairs.numel(), addr.shape[0]) * (D // ITEM_ROWS)  # (slot, row tile)
     kernel = _kernels(L2_AHEAD)[1]
     kernel.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
                   aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,

@@ -14,6 +14,8 @@ local: we require rel. L2 error <= 4e-3 and |y - ref| <= 2e-2 * max|ref| element
 activations there is no rounding point but fp8 quantization: rel. L2 <= 1e-3.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -524,3 +526,6 @@ def test_lut_signatures_match_the_kernels():
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN):
         assert_signature_matches(moe_lut.SOURCE, kernel)
+    # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
+    warps = int(re.search(r"constexpr int kWarps = (\d+);", open(moe_lut.SOURCE).read()).group(1))
+    assert (moe_lut.ITEM_CHANNELS, moe_lut.ITEM_ROWS) == (8 * warps, 16 * warps)
