@@ -62,10 +62,10 @@ def candidates(M: int, N: int, K: int, kind: str) -> list[LIN.LinearFp8Config]:
     # (though stream_floor.py reads wo_b's bytes in this pattern in 12.9 us with 256 programs and
     # 10.5 us with 512), 256-wide steps forming two 128-blocks' dots before adding them (bit-identical
     # on the GPU, 10-25 % slower: Triton waits for the first block's MMAs before the second's)
-    # (2026-11-30, docs/PERFORMANCE.md, ninth measurement). Half the programs (target 132: each
-    # streams twice the K) is the experts' finding of the fourteenth measurement (fewer, longer
-    # items were faster at every batch), not yet measured here.
-    specs = [(64, 4, 3, 264), (64, 4, 4, 264), (64, 4, 3, 528), (32, 4, 3, 264), (64, 4, 3, 132), (64, 4, 4, 132)]
+    # (2026-11-30, docs/PERFORMANCE.md, ninth measurement); half the programs (target 132, each
+    # streaming twice the K: the experts' whole-K finding), 8-35 % slower at 1 and 4 rows for every
+    # split linear and at 64 rows but for the shared w1/w3 (30.2 against 36.1 us) (fifteenth).
+    specs = [(64, 4, 3, 264), (64, 4, 4, 264), (64, 4, 3, 528), (32, 4, 3, 264)]
     for bn, nw, ns, target in specs:
         out.append(C("f16", bn, bm, 128, BK.auto_split(-(-N // bn), K, 128, target), nw, ns))
     return list(dict.fromkeys(out))

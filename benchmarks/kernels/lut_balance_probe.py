@@ -1,7 +1,8 @@
 """Are the "lut" experts' launches at one row bound per warp (latency) or per SM (shared issue and
 memory resources)? One row, n distinct experts (top-n routing, n = 1..8: 32n items of 128 rows per
-launch, all resident at once on an H200's 264 CTA slots), each kernel's device time against n, with
-the kernels' grid of 2 CTAs per SM and with 1 (then n > 4 takes two rounds).
+launch, all resident at once on an H200's 264 CTA slots), each kernel's device time against n:
+whole items per CTA ("items", moe_lut.SPREAD_ROWS = 0) with the kernels' grid of 2 CTAs per SM and
+with 1 (then n > 4 takes two rounds), and the spread kernels (the default at 1-2 rows).
 
     python benchmarks/kernels/lut_balance_probe.py --out DIR
 
@@ -24,7 +25,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
-import bench_kernels as BK  # noqa: E402
 import moe_cuda_variants as MCV  # noqa: E402
 import moe_variants as MV  # noqa: E402
 from megastep.kernels import moe as MOE  # noqa: E402
@@ -43,7 +43,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(1, D, generator=g).bfloat16().cuda()
     rows = []
-    for per_sm in (2, 1):
+    for schedule, per_sm in (("spread", 2), ("items", 2), ("items", 1)):
         for n in [int(v) for v in args.ns.split(",")]:
             routes = [(torch.randperm(E, generator=g)[:n].to(torch.int32).view(1, n).cuda(),
                        (torch.rand(1, n, generator=g) + 0.1).cuda()) for _ in range(MV.N_CALLS)]
@@ -52,19 +52,20 @@ def main() -> None:
             saved = LUTK.CTAS_PER_SM
             LUTK.CTAS_PER_SM = per_sm
             try:
-                ks = MCV.kernel_times("lut", calls)
+                ks = MCV.kernel_times("lut" if schedule == "spread" else "lut_items", calls)
             finally:
                 LUTK.CTAS_PER_SM = saved
-            r = dict(ctas_per_sm=per_sm, n=n, items=32 * n,
+            r = dict(schedule=schedule, ctas_per_sm=per_sm, n=n, items=32 * n,
                      gate_up_us=next((v for k, v in ks.items() if "gate_up_lut" in k), None),
                      down_us=next((v for k, v in ks.items() if "down_lut" in k), None), kernels_us=ks)
             rows.append(r)
             print(json.dumps(r), flush=True)
     with open(os.path.join(args.out, "lut_balance_probe.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(0), rows=rows), f, indent=1)
-    print(f"\n{'CTAs/SM':>7} {'n':>2} {'items':>5} {'gate-up us':>10} {'down us':>8}")
+    print(f"\n{'schedule':8} {'CTAs/SM':>7} {'n':>2} {'items':>5} {'gate-up us':>10} {'down us':>8}")
     for r in rows:
-        print(f"{r['ctas_per_sm']:7} {r['n']:2} {r['items']:5} {r['gate_up_us'] or 0:10.2f} {r['down_us'] or 0:8.2f}")
+        print(f"{r['schedule']:8} {r['ctas_per_sm']:7} {r['n']:2} {r['items']:5} {r['gate_up_us'] or 0:10.2f} "
+              f"{r['down_us'] or 0:8.2f}")
 
 
 if __name__ == "__main__":

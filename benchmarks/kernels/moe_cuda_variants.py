@@ -1,11 +1,11 @@
 """The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's
 Triton kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels,
-kernels/moe_lut.py), or "lut" built with moe_lut.L2_AHEAD = d ("lut_l2a<d>": each warp asks L2 for
-its rows' line d steps past its ring; the outputs must equal "lut"'s bit for bit). (An earlier CUDA
-C++ gate-up experiment, moe_gate_up_cuda, measured in docs/PERFORMANCE.md's eighth measurement, was
-removed when "lut" superseded it.)
+kernels/moe_lut.py), or "lut" without the spread kernels at 1-2 rows ("lut_items": moe_lut.SPREAD_ROWS
+= 0, whole items per CTA at every M; the outputs must equal "lut"'s bit for bit). (Earlier
+experiments measured with it and removed: a CUDA C++ gate-up, docs/PERFORMANCE.md's eighth
+measurement; L2 prefetches ahead of each warp's ring, the fifteenth.)
 
-    python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut,lut_l2a4]
+    python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut,lut_items]
 
 For each M and engine: the output against moe_experts_mxfp4_ref (the tests' tolerance: rel L2 <=
 4e-3, max <= 2e-2 of max |ref|), two runs bit-identical, row 0 alone bit-identical to row 0 of the
@@ -37,13 +37,12 @@ from megastep.kernels import moe_lut as LUTK  # noqa: E402
 
 def run(engine, fn):
     if engine.startswith("lut"):  # mode "lut" (kernels/moe_lut.py) as the kernels' default
-        ahead = int(engine[len("lut_l2a"):]) if engine.startswith("lut_l2a") else 0
-        saved = MOE.DEFAULT_MODE, LUTK.L2_AHEAD
-        MOE.DEFAULT_MODE, LUTK.L2_AHEAD = "lut", ahead
+        saved = MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS
+        MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS = "lut", (0 if engine == "lut_items" else saved[1])
         try:
             return fn()
         finally:
-            MOE.DEFAULT_MODE, LUTK.L2_AHEAD = saved
+            MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS = saved
     return fn()
 
 
@@ -72,7 +71,7 @@ def main() -> None:
     BK.LOG = open(os.path.join(args.out, "moe_cuda_variants.log"), "w")
     bw = BK.measure_bandwidth()["read"]
     BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; "
-           f"lut kernels: {LUTK._GATE_UP.attributes()}, {LUTK._DOWN.attributes()}")
+           f"lut kernels: {[k.attributes() for k in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD, LUTK._DOWN_SPREAD)]}")
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)
     copies = [MV.random_experts(E, D, I, gen) for _ in range(MV.N_COPIES)]

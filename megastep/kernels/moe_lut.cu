@@ -49,16 +49,10 @@
 
 // Steps of weight bytes in flight per lane (64 B a step). Measured on one H200 at V4-Flash shapes
 // (benchmarks/kernels/moe_cuda_variants.py): 3 spills registers and is 15-25 % slower; issuing a
-// pass's first loads before its x is staged (to overlap the staging) was 1-4 % slower.
+// pass's first loads before its x is staged (to overlap the staging) was 1-4 % slower; L2
+// prefetches of each warp's line 2, 4 or 8 steps past the ring were 1-7 % slower
+// (docs/PERFORMANCE.md, fifteenth measurement).
 constexpr int KPF = 2;
-
-// An experiment (moe_lut.py's L2_AHEAD, not yet measured; 0 builds the kernels as measured): with
-// L2_AHEAD = d > 0 a warp also asks L2 for its rows' line of step s + KPF + d as it loads step
-// s + KPF, so the ring's loads find their lines in L2 instead of waiting for DRAM. Prefetches hold
-// no registers (the ring's depth is register-bound: KPF = 3 spills).
-#ifndef L2_AHEAD
-#define L2_AHEAD 0
-#endif
 
 namespace {
 
@@ -108,16 +102,17 @@ using megastep::pdl_wait;
 
 __device__ __forceinline__ float scale_f(uint32_t s) { return __uint_as_float(s << 23); }  // 2^(s-127), s >= 1
 
-// Shared memory after the table: x of 2 pairs and a zero row. A group of x
-// (32 bf16) takes 80 B, so the 4 lanes reading groups t of one pair hit banks 20t apart; pair 1
-// sits 64 B further (mod 128) and the zero row 8 B (mod 128): the 8 loading lanes and the 4
+// Shared memory after the table: `rows` x rows (2: a pass's 2 pairs; 4 in down's spread schedule:
+// 2 slots' pairs) and a zero row. A group of x (32 bf16) takes 80 B, so the 4 lanes reading groups
+// t of one row hit banks 20t apart; rows alternate by 64 B (mod 128), the zero row sits 8 B (mod
+// 128) after an even number of rows: a warp's 8 loading lanes (rows 2k and 2k + 1) and the 4
 // addresses of the zero row's readers never share a bank.
 struct Layout {
   int rowpitch, zero_off, bytes;
-  __device__ __host__ explicit Layout(int K) {
+  __device__ __host__ Layout(int K, int rows) {
     const int row = K / 32 * 80;
     rowpitch = (row + 63) / 128 * 128 + 64;
-    zero_off = 2 * rowpitch + 8;
+    zero_off = rows * rowpitch + 8;
     bytes = (zero_off + row + 15) / 16 * 16;
   }
 };
@@ -130,6 +125,7 @@ struct Args {
   const int *pair_ptr, *slot_e, *slot_start, *slot_cnt, *nslot;
   int K, w3_rows, topk, sparse, down;  // w3_rows: gate-up I (w3 follows w1); down 0
   long long stride_w, stride_s;
+  int spread;  // the spread schedule (run_spread): gate-up the rows of x (1 or 2), down 1; 0: run
 };
 
 // A warp's weight stream over its 16 rows: the ring of KPF steps in flight. fill() issues the
@@ -178,10 +174,6 @@ struct Stream {
         const uint4 a0 = ra[i][0], a1 = ra[i][1], b0 = rb[i][0], b1 = rb[i][1];
         const uint2 fa = sa[i], fb = sb[i];
         if (s + KPF < steps) load(i, s + KPF);
-        if (L2_AHEAD > 0 && s + KPF + L2_AHEAD < steps) {  // the quad's 4 lanes name one line: one request
-          prefetch_l2(wa - t * 16 + (s + KPF + L2_AHEAD) * 128);
-          prefetch_l2(wb - t * 16 + (s + KPF + L2_AHEAD) * 128);
-        }
         float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
         const char* xs = xl + s * 8 * kGroupPitch;  // the step's groups t and t + 4 of x
 #pragma unroll
@@ -232,17 +224,65 @@ __device__ __forceinline__ void prologue(char* smem, const Layout& L) {
   for (int i = threadIdx.x; i < (L.bytes - L.zero_off) / 4; i += kThreads) zero[i] = 0u;
 }
 
-// x rows of pairs c0, c0 + 1 (those < cnt) into the padded layout: element e of pair p at
-// p * rowpitch + (e / 32) * kGroupPitch + (e % 32) * 2
+// x row `src` into row slot r of the padded layout: element e at r * rowpitch + (e / 32) *
+// kGroupPitch + (e % 32) * 2; unit u (16 bytes) of it by the calling thread
+__device__ __forceinline__ void stage_unit(char* xsm, const Args& a, const Layout& L, int r, int src, int u) {
+  const uint4 v = *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
+  *reinterpret_cast<uint4*>(xsm + r * L.rowpitch + (u >> 2) * kGroupPitch + (u & 3) * 16) = v;
+}
+
+// x rows of pairs c0, c0 + 1 (those < cnt) into row slots 0 and 1
 __device__ __forceinline__ void stage_x(char* xsm, const Args& a, const Layout& L, int start, int c0, int np) {
   const int units = a.K / 8;  // 16-byte units of a row
   for (int i = threadIdx.x; i < np * units; i += kThreads) {
-    const int p = i / units, u = i % units;
+    const int p = i / units;
     const int pair = a.pair_ptr[start + c0 + p];
-    const int row = a.down ? pair : pair / a.topk;
-    const uint4 v = *reinterpret_cast<const uint4*>(a.x + row * a.stride_x + u * 8);
-    *reinterpret_cast<uint4*>(xsm + p * L.rowpitch + (u >> 2) * kGroupPitch + (u & 3) * 16) = v;
+    stage_unit(xsm, a, L, p, a.down ? pair : pair / a.topk, i % units);
   }
+}
+
+// A warp's sums over its 16 rows for the pass's pairs (pair p of the pass in row slot xrow[p] of
+// the staged x): total[v] = half 0 + half 1 of the lane's rows g / g + 8 and pairs 0 / 1, each
+// half's quad butterfly first. The ring must be filled.
+__device__ __forceinline__ void warp_sums(Stream& st, const char* smem, const Layout& L, int np, const int (&xrow)[2],
+                                          float (&total)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, p = g & 1;
+  const bool active = (g >> 1) == t && p < np;
+  const int xr = p ? xrow[1] : xrow[0];  // (no local-memory indexing)
+  const char* xl = smem + kLutBytes + (active ? xr * L.rowpitch : L.zero_off) + t * kGroupPitch;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, lo[4];
+  st.pass(smem, lane * 4, xl, t, acc, lo);
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {  // each half's quad butterfly, then half 0 + half 1
+    acc[v] += __shfl_xor_sync(0xffffffffu, acc[v], 1);
+    acc[v] += __shfl_xor_sync(0xffffffffu, acc[v], 2);
+    lo[v] += __shfl_xor_sync(0xffffffffu, lo[v], 1);
+    lo[v] += __shfl_xor_sync(0xffffffffu, lo[v], 2);
+    total[v] = lo[v] + acc[v];
+  }
+}
+
+// The weight stream of a warp's 16 rows of slot `slot`, row block `rb` (gate-up: channels rb * 8
+// + g of w1 and of w3; down: rows rb * 16 + g and + 8 of w2); cnt: the slot's pairs, 0 for an
+// expert absent from a sparse table.
+__device__ __forceinline__ Stream warp_stream(const Args& a, int slot, int rb, int& r0, int& r1, int& cnt,
+                                              int& start) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int e = __ldcg(a.slot_e + slot);
+  const long long* ent = a.tab + 4LL * e + (a.down ? 2 : 0);  // (w13, scale) or (w2, scale)
+  const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
+  const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
+  cnt = a.sparse && wbase == nullptr ? 0 : __ldcg(a.slot_cnt + slot);
+  start = __ldcg(a.slot_start + slot);
+  r0 = a.down ? rb * 16 + g : rb * 8 + g;
+  r1 = a.down ? r0 + 8 : r0 + a.w3_rows;
+  Stream st;
+  st.wa = wbase + r0 * a.stride_w + t * 16;
+  st.wb = wbase + r1 * a.stride_w + t * 16;
+  st.sa_p = sbase + r0 * a.stride_s;
+  st.sb_p = sbase + r1 * a.stride_s;
+  st.steps = a.K / 256;  // a row's 128-byte steps
+  return st;
 }
 
 // Runs every (slot, tile) item of this CTA; for each pass calls epi(item, c0, np, r0, r1, total) in
@@ -251,9 +291,8 @@ __device__ __forceinline__ void stage_x(char* xsm, const Args& a, const Layout& 
 template <typename Epi, typename Post>
 __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
-  const Layout L(a.K);
-  const int lane = threadIdx.x & 31, blk = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const uint32_t lane_off = lane * 4;
+  const Layout L(a.K, 2);
+  const int lane = threadIdx.x & 31, blk = threadIdx.x >> 5, t = lane & 3;
   char* xsm = smem + kLutBytes;
   prologue(smem, L);
   // Under PDL gate-up waits here: x and the routing are its predecessor's (the router's) outputs;
@@ -267,31 +306,18 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
     pdl_release();
   }
   const int items = __ldcg(a.nslot) * tiles;
-  const int steps = a.K / 256;  // a row's 128-byte steps
+  const int xrow[2] = {0, 1};  // a pass's pairs in row slots 0 and 1
   for (int it = blockIdx.x; it < items; it += gridDim.x) {
     const int slot = it / tiles, tile = it % tiles;
-    const int e = __ldcg(a.slot_e + slot);
-    const long long* ent = a.tab + 4LL * e + (a.down ? 2 : 0);  // (w13, scale) or (w2, scale)
-    const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
-    const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
-    const int cnt = a.sparse && wbase == nullptr ? 0 : __ldcg(a.slot_cnt + slot);
-    const int start = __ldcg(a.slot_start + slot);
-    // rows g and g + 8 of this warp's 16: gate-up channel c of w1 and of w3; down rows r and r + 8
-    const int r0 = a.down ? tile * (kWarps * 16) + blk * 16 + g : tile * (kWarps * 8) + blk * 8 + g;
-    const int r1 = a.down ? r0 + 8 : r0 + a.w3_rows;
-    Stream st;
-    st.wa = wbase + r0 * a.stride_w + t * 16;
-    st.wb = wbase + r1 * a.stride_w + t * 16;
-    st.sa_p = sbase + r0 * a.stride_s;
-    st.sb_p = sbase + r1 * a.stride_s;
-    st.steps = steps;
+    int r0, r1, cnt, start;
+    Stream st = warp_stream(a, slot, tile * kWarps + blk, r0, r1, cnt, start);
     bool filled = false;
     if (waiting) {  // down's first item: the ring filled, and the rest of its rows asked of L2
       // (also the rows of the CTA's next 1 or 3 items: no faster on one H200, docs/PERFORMANCE.md)
       if (cnt > 0) {
         st.fill();
         filled = true;
-        for (int s = KPF + t; s < steps; s += 4) {  // lane t: steps KPF + t, KPF + t + 4, ... of the quad's rows
+        for (int s = KPF + t; s < st.steps; s += 4) {  // lane t: steps KPF + t, KPF + t + 4, ... of the quad's rows
           prefetch_l2(st.wa - t * 16 + s * 128);
           prefetch_l2(st.wb - t * 16 + s * 128);
         }
@@ -307,19 +333,8 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
       __syncthreads();
       if (!filled) st.fill();
       filled = false;
-      const int p = g & 1;
-      const bool active = (g >> 1) == t && p < np;
-      const char* xl = xsm + (active ? p * L.rowpitch : L.zero_off) + t * kGroupPitch;
-      float acc[4] = {0.f, 0.f, 0.f, 0.f}, lo[4], total[4];
-      st.pass(smem, lane_off, xl, t, acc, lo);
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {  // each half's quad butterfly, then half 0 + half 1
-        acc[v] += __shfl_xor_sync(0xffffffffu, acc[v], 1);
-        acc[v] += __shfl_xor_sync(0xffffffffu, acc[v], 2);
-        lo[v] += __shfl_xor_sync(0xffffffffu, lo[v], 1);
-        lo[v] += __shfl_xor_sync(0xffffffffu, lo[v], 2);
-        total[v] = lo[v] + acc[v];
-      }
+      float total[4];
+      warp_sums(st, smem, L, np, xrow, total);
       epi(Item{start, cnt, tile}, c0, np, r0, r1, total);
       __syncthreads();
       post(Item{start, cnt, tile}, c0, np);
@@ -327,21 +342,81 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
   }
 }
 
-}  // namespace
+// The spread schedule, for launches in which every slot has at most 2 pairs (M <= 2: one pass per
+// slot). run() gives a CTA whole items (slot, 8 row blocks): at one row the 6 slots' 192 items
+// leave 72 of an H200's 132 SMs with one CTA and 60 with two, and the launch lasts as long as the
+// SMs with two (gate-up 31 us, against 21 us when no SM has two: docs/PERFORMANCE.md, fifteenth
+// measurement). Here the launch's T = slots x blocks warp tasks (slot, row block) are dealt out
+// evenly: CTA c takes tasks [c T / G, (c + 1) T / G), its warp w tasks lo + w, lo + w + 8, ..., so
+// every SM streams about as many rows as any other. A warp's sums are run()'s (warp_sums, same
+// order): the same bits.
+// x is staged once per CTA: gate-up the a.spread rows of x (row slots 0, 1), down the pairs of
+// the CTA's first slot (slots 0, 1) and of its second (2, 3): T / G <= blocks (slots <= G) keeps a
+// CTA within two slots. warp_post(start, np, r0, rb) runs in each warp after its epi (no CTA
+// barrier: the warps' tasks differ).
+template <typename Epi, typename WarpPost>
+__device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi, WarpPost warp_post) {
+  extern __shared__ __align__(16) char smem[];
+  const Layout L(a.K, a.down ? 4 : 2);
+  const int blk = threadIdx.x >> 5;
+  char* xsm = smem + kLutBytes;
+  prologue(smem, L);
+  if (!a.down) {  // (run's PDL order; down waits below, after its first loads)
+    pdl_wait();
+    pdl_release();
+  }
+  const int T = __ldcg(a.nslot) * blocks;
+  const int lo = (int)((long long)blockIdx.x * T / gridDim.x), hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
+  const int slot0 = lo / blocks;
+  int r0 = 0, r1 = 0, cnt = 0, start = 0;
+  Stream st;
+  if (a.down && lo + blk < hi) {  // the first task's weights do not depend on aq
+    st = warp_stream(a, (lo + blk) / blocks, (lo + blk) % blocks, r0, r1, cnt, start);
+    if (cnt > 0) st.fill();
+  }
+  if (a.down) {
+    pdl_wait();
+    pdl_release();
+  }
+  const int units = a.K / 8;
+  if (a.down) {  // the pairs of slots slot0 and slot0 + 1 (those the CTA's tasks reach)
+    const int last = hi > lo ? (hi - 1) / blocks : slot0;
+    for (int i = threadIdx.x; i < 4 * units; i += kThreads) {
+      const int r = i / units, s = slot0 + r / 2;
+      if (s > last || r % 2 >= __ldcg(a.slot_cnt + s)) continue;
+      stage_unit(xsm, a, L, r, __ldcg(a.pair_ptr + __ldcg(a.slot_start + s) + r % 2), i % units);
+    }
+  } else {
+    for (int i = threadIdx.x; i < a.spread * units; i += kThreads) stage_unit(xsm, a, L, i / units, i / units, i % units);
+  }
+  __syncthreads();
+  for (int task = lo + blk; task < hi; task += kWarps) {
+    const int slot = task / blocks;
+    if (task != lo + blk || !a.down) {
+      st = warp_stream(a, slot, task % blocks, r0, r1, cnt, start);
+      if (cnt > 0) st.fill();
+    }
+    if (cnt == 0) continue;
+    int xrow[2];
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+      xrow[p] = a.down ? 2 * (slot - slot0) + p : p < cnt ? __ldcg(a.pair_ptr + start + p) / a.topk : 0;
+    float total[4];
+    warp_sums(st, smem, L, cnt, xrow, total);
+    epi(Item{start, cnt, 0}, 0, cnt, r0, r1, total);
+    warp_post(start, cnt, r0, task % blocks);
+  }
+}
 
-// grid: <= 2 CTAs per SM, 256 threads, Layout(D).bytes + 64 KB dynamic shared memory.
+// The kernels' bodies: kSpread picks run_spread's schedule (the *_spread kernels) or run's.
 // act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(
-    const __nv_bfloat16* xq, long long stride_q, const long long* tab, const float* rw, const int* pair_ptr,
-    const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,
-    long long stride_a, int D, int I, long long stride_w, long long stride_s, float limit, int round_out, int topk,
-    int sparse) {
-  const Args a{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, I, topk, sparse, 0,
-               stride_w, stride_s};
+template <bool kSpread>
+__device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
+                                        float limit, int round_out) {
   const int t = threadIdx.x & 3;
-  run(a, I / (kWarps * 8), [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
+  auto epi = [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
     if (t < np) {  // lane t of the quad: pair c0 + t of channel r0
-      const int pair = pair_ptr[it.start + c0 + t];
+      const int pair = a.pair_ptr[it.start + c0 + t];
       float gv = t ? total[1] : total[0], uv = t ? total[3] : total[2];  // (no local-memory indexing)
       if (round_out) {
         gv = round_bf16(gv);
@@ -353,56 +428,119 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(
       v = __fmul_rn(v, rw[pair]);
       act[pair * stride_a + r0] = __float2bfloat16_rn(v);
     }
-  }, [](const Item&, int, int) {});
+  };
+  if constexpr (kSpread)
+    run_spread(a, a.w3_rows / 8, epi, [](int, int, int, int) {});
+  else
+    run(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
 }
 
-// y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 128-row tile) of
-// all its topk pairs sums them in slot order into out (fp32), then resets the counter; with
-// shared (bf16 [M, D], the shared expert's output) out is bf16 and receives rnd(sum + shared).
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(
-    const __nv_bfloat16* aq, long long stride_q, const long long* tab, const int* pair_ptr, const int* slot_e,
-    const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* y, long long stride_y, void* out,
-    long long stride_o, int* counters, int D, int I, long long stride_w, long long stride_s, int topk, int sparse,
-    int combine, const __nv_bfloat16* shared, long long stride_sh) {
-  const Args a{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1,
-               stride_w, stride_s};
-  __shared__ int last[2];
+// y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA (spread: warp) to finish a (row,
+// 128-row tile) of all its topk pairs sums them in slot order into out (fp32), then resets the
+// counter; with shared (bf16 [M, D], the shared expert's output) out is bf16 and receives
+// rnd(sum + shared).
+template <bool kSpread>
+__device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
+                                     long long stride_o, int* counters, int D, int combine,
+                                     const __nv_bfloat16* shared, long long stride_sh) {
   constexpr int kTile = kWarps * 16;  // output rows of an item
-  const int t = threadIdx.x & 3, tiles = D / kTile;
-  run(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  const int lane = threadIdx.x & 31, t = lane & 3, tiles = D / kTile, topk = a.topk;
+  auto epi = [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
     const int p = t & 1;
     if (p < np) {  // lane t: row r0 (t < 2) or r1, pair c0 + t % 2
-      const int pair = pair_ptr[it.start + c0 + p];
+      const int pair = a.pair_ptr[it.start + c0 + p];
       const float v = t == 0 ? total[0] : t == 1 ? total[1] : t == 2 ? total[2] : total[3];
       y[pair * stride_y + (t < 2 ? r0 : r1)] = __float2bfloat16_rn(v);
     }
-  }, [&](const Item& it, int c0, int np) {
-    if (!combine) return;
-    // every y of the pass is issued (the barrier before post); count this tile of each pair's row
-    if (threadIdx.x < np) {  // (a fence on each side of the count: the last CTA sees every y)
-      const int row = pair_ptr[it.start + c0 + threadIdx.x] / topk;
-      __threadfence();
-      const int arrived = atomicAdd(counters + row * tiles + it.tile, 1);
-      __threadfence();
-      last[threadIdx.x] = arrived == topk - 1 ? row : -1;
+  };
+  auto sum_row = [&](int row, int d) {  // the row's topk pairs at d, slot order, fp32
+    const unsigned short* yp = reinterpret_cast<const unsigned short*>(y) + (long long)row * topk * stride_y + d;
+    float tot = __uint_as_float((uint32_t)__ldcg(yp) << 16);
+    for (int j = 1; j < topk; ++j) tot += __uint_as_float((uint32_t)__ldcg(yp + j * stride_y) << 16);
+    if (shared) {
+      tot += __bfloat162float(shared[row * stride_sh + d]);
+      static_cast<__nv_bfloat16*>(out)[row * stride_o + d] = __float2bfloat16_rn(tot);
+    } else {
+      static_cast<float*>(out)[row * stride_o + d] = tot;
     }
-    __syncthreads();
-    for (int p = 0; p < np; ++p) {
-      const int row = last[p];
-      if (row < 0) continue;
-      if (threadIdx.x < kTile) {  // the row's topk pairs, slot order, fp32
-        const int d = it.tile * kTile + threadIdx.x;
-        const unsigned short* yp = reinterpret_cast<const unsigned short*>(y) + (long long)row * topk * stride_y + d;
-        float tot = __uint_as_float((uint32_t)__ldcg(yp) << 16);
-        for (int j = 1; j < topk; ++j) tot += __uint_as_float((uint32_t)__ldcg(yp + j * stride_y) << 16);
-        if (shared) {
-          tot += __bfloat162float(shared[row * stride_sh + d]);
-          static_cast<__nv_bfloat16*>(out)[row * stride_o + d] = __float2bfloat16_rn(tot);
-        } else {
-          static_cast<float*>(out)[row * stride_o + d] = tot;
-        }
+  };
+  if constexpr (kSpread) {
+    // a warp's task is 16 rows of a tile: a (row, tile) is complete after topk x kWarps of them
+    run_spread(a, D / 16, epi, [&](int start, int np, int, int rb) {
+      if (!combine) return;
+      const int tile = rb / kWarps;
+      __threadfence();  // each lane's y, then the count (a fence on each side: the last warp sees every y)
+      __syncwarp();
+      int row = -1;
+      if (lane < np) {
+        row = a.pair_ptr[start + lane] / topk;
+        const int arrived = atomicAdd(counters + row * tiles + tile, 1);
+        __threadfence();
+        if (arrived != topk * kWarps - 1) row = -1;
       }
-      if (threadIdx.x == 0) counters[row * tiles + it.tile] = 0;
-    }
-  });
+      for (int p = 0; p < np; ++p) {
+        const int r = __shfl_sync(0xffffffffu, row, p);
+        if (r < 0) continue;
+        for (int d = tile * kTile + lane; d < (tile + 1) * kTile; d += 32) sum_row(r, d);
+        if (lane == 0) counters[r * tiles + tile] = 0;
+      }
+    });
+  } else {
+    __shared__ int last[2];
+    run(a, tiles, epi, [&](const Item& it, int c0, int np) {
+      if (!combine) return;
+      // every y of the pass is issued (the barrier before post); count this tile of each pair's row
+      if (threadIdx.x < np) {  // (a fence on each side of the count: the last CTA sees every y)
+        const int row = a.pair_ptr[it.start + c0 + threadIdx.x] / topk;
+        __threadfence();
+        const int arrived = atomicAdd(counters + row * tiles + it.tile, 1);
+        __threadfence();
+        last[threadIdx.x] = arrived == topk - 1 ? row : -1;
+      }
+      __syncthreads();
+      for (int p = 0; p < np; ++p) {
+        const int row = last[p];
+        if (row < 0) continue;
+        if (threadIdx.x < kTile) sum_row(row, it.tile * kTile + threadIdx.x);
+        if (threadIdx.x == 0) counters[row * tiles + it.tile] = 0;
+      }
+    });
+  }
+}
+
+}  // namespace
+
+// The launches (moe_lut.py): grid <= 2 CTAs per SM, 256 threads, 64 KB + Layout(K, rows).bytes of
+// dynamic shared memory (rows 2; 4 for moe_down_lut_spread). The *_spread kernels take launches
+// of M <= 2 rows (run_spread; gate-up's `rows` = M).
+#define GATE_UP_PARAMS                                                                                             \
+  const __nv_bfloat16 *xq, long long stride_q, const long long *tab, const float *rw, const int *pair_ptr,        \
+      const int *slot_e, const int *slot_start, const int *slot_cnt, const int *nslot, __nv_bfloat16 *act,          \
+      long long stride_a, int D, int I, long long stride_w, long long stride_s, float limit, int round_out, int topk, \
+      int sparse
+#define GATE_UP_ARGS(rows)                                                                                          \
+  Args{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, I, topk, sparse, 0, stride_w, stride_s, \
+       rows}, rw, act, stride_a, limit, round_out
+
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(GATE_UP_PARAMS) {
+  gate_up<false>(GATE_UP_ARGS(0));
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut_spread(GATE_UP_PARAMS, int rows) {
+  gate_up<true>(GATE_UP_ARGS(rows));
+}
+
+#define DOWN_PARAMS                                                                                                 \
+  const __nv_bfloat16 *aq, long long stride_q, const long long *tab, const int *pair_ptr, const int *slot_e,        \
+      const int *slot_start, const int *slot_cnt, const int *nslot, __nv_bfloat16 *y, long long stride_y, void *out, \
+      long long stride_o, int *counters, int D, int I, long long stride_w, long long stride_s, int topk, int sparse, \
+      int combine, const __nv_bfloat16 *shared, long long stride_sh
+#define DOWN_ARGS(spread)                                                                                           \
+  Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s, \
+       spread}, y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh
+
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down<false>(DOWN_ARGS(0)); }
+
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut_spread(DOWN_PARAMS) {
+  down<true>(DOWN_ARGS(1));
 }

@@ -14,7 +14,8 @@ explains both); Triton expresses neither. Measured against the Triton "dot_asm" 
 docs/PERFORMANCE.md (tenth measurement).
 
 Grids are static (at most 2 CTAs of 256 threads per SM, each taking (expert slot, 128 weight rows)
-items in turn, each warp streaming whole rows), so launches are captured by CUDA graphs; build and
+items in turn, each warp streaming whole rows; launches of M <= SPREAD_ROWS rows deal the warps'
+16-row tasks out evenly instead: the *_spread kernels, the same bits), so launches are captured by CUDA graphs; build and
 load happen at the first call (`cuda_module`), which must come before any capture (the runtime's
 warm-up steps do it).
 When the step uses PDL (`common.pdl_enabled()`, read at launch) both launch with programmatic
@@ -37,17 +38,20 @@ from megastep.kernels.cuda_module import CudaModule, find_nvcc
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_lut.cu")
 _MODULE = CudaModule(SOURCE)
 _GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
+_GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiii")
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
-# An experiment, not yet measured: the .cu's L2_AHEAD (each warp asks L2 for its rows' line that
-# many steps past the ring). 0 (the default) launches the kernels as measured;
-# benchmarks/kernels/moe_cuda_variants.py's engines lut_l2a<d> set it. The same bits either way.
-L2_AHEAD = 0
+_DOWN_SPREAD = _MODULE.kernel("moe_down_lut_spread", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
 ITEM_CHANNELS, ITEM_ROWS = 64, 128
 CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
+# Launches of at most this many rows (every expert slot then has at most 2 pairs) take the
+# *_spread kernels: the warps' (slot, row block) tasks dealt out evenly over the CTAs instead of
+# whole items per CTA (the .cu's run_spread). The same bits; 0 turns them off
+# (benchmarks/kernels/moe_cuda_variants.py's engine "lut_items").
+SPREAD_ROWS = 2
 
 
 @functools.cache
@@ -61,21 +65,18 @@ def supported(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:
     return device.type == "cuda" and dtype == torch.bfloat16 and D % 512 == 0 and I % 512 == 0 and _have_nvcc()
 
 
-def shared_bytes(K: int) -> int:
-    """Dynamic shared memory of a launch over K: the table, then the .cu's Layout(K)."""
+def shared_bytes(K: int, rows: int = 2) -> int:
+    """Dynamic shared memory of a launch over K: the table, then the .cu's Layout(K, rows)."""
     row = K // 32 * 80
     rowpitch = (row + 63) // 128 * 128 + 64
-    zero_off = 2 * rowpitch + 8
+    zero_off = rows * rowpitch + 8
     return LUT_BYTES + (zero_off + row + 15) // 16 * 16
 
 
-@functools.cache
-def _kernels(l2_ahead: int):
-    """(gate-up, down) built with the .cu's L2_AHEAD (0: the default build)."""
-    if l2_ahead == 0:
-        return _GATE_UP, _DOWN
-    mod = CudaModule(SOURCE, extra_flags=(f"-DL2_AHEAD={int(l2_ahead)}",))
-    return mod.kernel(_GATE_UP.name, _GATE_UP.signature), mod.kernel(_DOWN.name, _DOWN.signature)
+def spread_rows(pairs: torch.Tensor, topk: int) -> int:
+    """M when a launch over these pairs (M rows) takes the *_spread kernels, else 0."""
+    M = pairs.numel() // topk
+    return M if M <= SPREAD_ROWS else 0
 
 
 @functools.cache
@@ -84,6 +85,7 @@ def _sms(index: int) -> int:
 
 
 def _grid(items: int, device: torch.device) -> tuple[int, int, int]:
+    """run's grid (items: CTA items), or run_spread's (items: warp tasks): at most 2 CTAs per SM."""
     return (max(1, min(items, CTAS_PER_SM * _sms(device.index))), 1, 1)
 
 
@@ -92,11 +94,12 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     """act[p] = rnd(r_p * silu(min(rnd(w1 . xq[p // topk]), limit)) * clamp(rnd(w3 . xq), +-limit));
     strides: the table's (w13 row, w13 scale row) strides."""
     assert xq.dtype == act.dtype == torch.bfloat16 and xq.stride(1) == 1 and act.stride(1) == 1
-    items = min(pairs.numel(), addr.shape[0]) * (I // ITEM_CHANNELS)  # (slot, channel tile)
-    kernel = _kernels(L2_AHEAD)[0]
-    kernel.launch(_grid(items, xq.device), (THREADS, 1, 1), shared_bytes(D), None,
-                  xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
-                  D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse), pdl=pdl_enabled())
+    slots, spread = min(pairs.numel(), addr.shape[0]), spread_rows(pairs, topk)
+    items = slots * (I // 8 if spread else I // ITEM_CHANNELS)  # (slot, 8 channels) or (slot, channel tile)
+    args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
+            D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse)) + ((spread,) if spread else ())
+    (_GATE_UP_SPREAD if spread else _GATE_UP).launch(_grid(items, xq.device), (THREADS, 1, 1), shared_bytes(D), None,
+                                                     *args, pdl=pdl_enabled())
 
 
 def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
@@ -111,9 +114,10 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
                                                                                                     out.dtype)
     else:
         assert out.dtype == torch.float32, out.dtype
-    items = min(pairs.numel(), addr.shape[0]) * (D // ITEM_ROWS)  # (slot, row tile)
-    kernel = _kernels(L2_AHEAD)[1]
-    kernel.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
-                  aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,
-                  out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
-                  0 if shared is None else shared, 0 if shared is None else shared.stride(0), pdl=pdl_enabled())
+    slots, spread = min(pairs.numel(), addr.shape[0]), spread_rows(pairs, topk) > 0
+    items = slots * (D // 16 if spread else D // ITEM_ROWS)  # (slot, 16 rows) or (slot, row tile)
+    (_DOWN_SPREAD if spread else _DOWN).launch(
+        _grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, 4 if spread else 2), None,
+        aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
+        counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine), 0 if shared is None else shared,
+        0 if shared is None else shared.stride(0), pdl=pdl_enabled())

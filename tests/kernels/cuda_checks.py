@@ -28,7 +28,11 @@ def assert_signature_matches(source: str, kernel) -> None:
     src = open(source).read()
     kinds = {"p": r".*\*\s*\w+", "q": r"long long \w+", "i": r"int \w+", "f": r"float \w+"}
     head = src[src.index(f"{kernel.name}(") + len(kernel.name) + 1:]
-    params = [p.strip() for p in head[:head.index(")")].split(",")]
+    params = []
+    for p in (p.strip() for p in head[:head.index(")")].split(",")):
+        macro = re.search(rf"#define {p}((?:.*\\\n)*.*)", src) if re.fullmatch(r"[A-Z_]+", p) else None
+        # a parameter list shared by kernels (a #define, its lines joined by backslashes)
+        params += [q.strip() for q in macro.group(1).replace("\\\n", " ").split(",")] if macro else [p]
     assert len(params) == len(kernel.signature), kernel.name
     for p, c in zip(params, kernel.signature):
         assert re.fullmatch(kinds[c], p), (kernel.name, p, c)

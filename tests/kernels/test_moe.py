@@ -486,27 +486,37 @@ def test_gpu_lut_expert_parallel_and_host_memory_tables(M):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 4, 64])
-def test_gpu_lut_l2_ahead_gives_the_same_bits(M, monkeypatch):
-    """moe_lut.L2_AHEAD (the experiment: L2 prefetches ahead of each warp's ring) changes no bit:
-    per-pair outputs, the combine, the combine with the shared expert's output, at V4-Flash
-    expert shapes; three calls."""
+@pytest.mark.parametrize("M", [1, 2])
+def test_gpu_lut_spread_kernels_give_the_same_bits(M, monkeypatch):
+    """The spread kernels (M <= moe_lut.SPREAD_ROWS: warp tasks dealt out evenly) give the bits of
+    the whole-item kernels: per-pair outputs, the combine, the combine with the shared expert's
+    output, a sparse table's pairs (expert parallelism), at V4-Flash expert shapes; three calls.
+    At M = 2 a slot holds both rows' pairs (two x rows staged)."""
     from megastep.kernels import moe_lut
 
     ex = random_stacked_experts(32, 4096, 2048, seed=11, dev="cuda")
     x, ids, wts = make_inputs(M, 4096, 32, 6, seed=M + 13, dev="cuda")
+    if M == 2:
+        ids[1, 0] = ids[0, 2]  # a slot with two pairs, one from each row
+        assert len(set(ids[1].tolist())) == 6
     cfg = pick_config(M, 6, 32, 4096, 2048, mode="lut")
     full = ExpertTable.from_stacked(*(ex[n] for n in ("w13", "w13_scale", "w2", "w2_scale")))
+    half = ExpertTable.from_experts([p if e % 2 else None for e, p in enumerate(_parts(ex))], device="cuda")
     s = (torch.randn(M, 4096, generator=torch.Generator().manual_seed(M)) * 4).bfloat16().cuda()
 
     def outputs():
         return (moe_experts_table(x, ids, wts, full, config=cfg, return_pairs=True),
-                moe_experts_table(x, ids, wts, full, config=cfg), moe_experts_table(x, ids, wts, full, config=cfg, shared=s))
+                moe_experts_table(x, ids, wts, full, config=cfg), moe_experts_table(x, ids, wts, full, config=cfg, shared=s),
+                moe_experts_table(x, ids, wts, half, config=cfg, return_pairs=True))
 
+    assert moe_lut.spread_rows(torch.zeros(M * 6), 6) == M
+    got = [outputs() for _ in range(3)]
+    monkeypatch.setattr(moe_lut, "SPREAD_ROWS", 0)
+    assert moe_lut.spread_rows(torch.zeros(M * 6), 6) == 0
     want = outputs()
-    monkeypatch.setattr(moe_lut, "L2_AHEAD", 4)
-    for _ in range(3):
-        assert all(torch.equal(a, b) for a, b in zip(outputs(), want))
+    check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
+    for g in got:
+        assert all(torch.equal(a, b) for a, b in zip(g, want))
 
 
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
@@ -515,16 +525,15 @@ def test_lut_kernels_build_for_sm90():
     a spill would put loads in the experts' inner loop."""
     from megastep.kernels import moe_lut
 
-    assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut"))
-    # the L2_AHEAD experiment's build too
-    assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut"), flags=("-DL2_AHEAD=4",))
+    assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread",
+                                                  "moe_down_lut_spread"))
 
 
 def test_lut_signatures_match_the_kernels():
     """moe_lut.py passes as many arguments as each kernel in moe_lut.cu declares, typed by position."""
     from megastep.kernels import moe_lut
 
-    for kernel in (moe_lut._GATE_UP, moe_lut._DOWN):
+    for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._DOWN_SPREAD):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     warps = int(re.search(r"constexpr int kWarps = (\d+);", open(moe_lut.SOURCE).read()).group(1))
