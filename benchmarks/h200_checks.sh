@@ -22,7 +22,7 @@
 #   bash benchmarks/h200_checks.sh route      # the one-launch CUDA routing: its GPU tests, the router alone and the step against router.py's launches, A/B/A (~6 min)
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
-#   bash benchmarks/h200_checks.sh spread     # the experts' spread kernels at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~6 min)
+#   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
@@ -144,13 +144,13 @@ for group in "$@"; do
     spread)  # built on 2026-11-30 (docs/PERFORMANCE.md, fifteenth measurement): bits first, then time, A/B/A/B
       step spread_tests 200 python3 -m pytest -q --timeout 150 -m gpu tests/kernels/test_moe.py -k "lut"
       step spread_probe 100 python3 benchmarks/kernels/lut_balance_probe.py --out "$OUT"
-      step spread_variants 120 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,2,4,16,64 \
+      step spread_variants 120 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,2,4 \
         --engines lut,lut_items
       items='import sys, megastep.kernels.moe_lut as m; m.SPREAD_ROWS = 0; from megastep.cli import main; sys.exit(main(sys.argv[1:]))'
       for arm in a b; do
-        bench "spread_step_$arm" 100 --layers 30 --batch 1,4
+        bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         step "items_step_$arm" 60 python3 -c "$items" bench --preset v4-flash --context 4096 --iters 20 \
-          --json "$OUT/items_step_$arm.json" --layers 30 --batch 1,4
+          --json "$OUT/items_step_$arm.json" --layers 30 --batch 1,2
       done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;

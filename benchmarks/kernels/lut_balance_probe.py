@@ -2,7 +2,7 @@
 memory resources)? One row, n distinct experts (top-n routing, n = 1..8: 32n items of 128 rows per
 launch, all resident at once on an H200's 264 CTA slots), each kernel's device time against n:
 whole items per CTA ("items", moe_lut.SPREAD_ROWS = 0) with the kernels' grid of 2 CTAs per SM and
-with 1 (then n > 4 takes two rounds), and the spread kernels (the default at 1-2 rows).
+with 1 (then n > 4 takes two rounds), and the spread gate-up (the default at 1-2 rows).
 
     python benchmarks/kernels/lut_balance_probe.py --out DIR
 

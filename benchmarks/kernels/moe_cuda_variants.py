@@ -1,6 +1,6 @@
 """The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's
 Triton kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels,
-kernels/moe_lut.py), or "lut" without the spread kernels at 1-2 rows ("lut_items": moe_lut.SPREAD_ROWS
+kernels/moe_lut.py), or "lut" without the spread gate-up at 1-2 rows ("lut_items": moe_lut.SPREAD_ROWS
 = 0, whole items per CTA at every M; the outputs must equal "lut"'s bit for bit). (Earlier
 experiments measured with it and removed: a CUDA C++ gate-up, docs/PERFORMANCE.md's eighth
 measurement; L2 prefetches ahead of each warp's ring, the fifteenth.)
@@ -71,7 +71,7 @@ def main() -> None:
     BK.LOG = open(os.path.join(args.out, "moe_cuda_variants.log"), "w")
     bw = BK.measure_bandwidth()["read"]
     BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; "
-           f"lut kernels: {[k.attributes() for k in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD, LUTK._DOWN_SPREAD)]}")
+           f"lut kernels: {[k.attributes() for k in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD)]}")
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)
     copies = [MV.random_experts(E, D, I, gen) for _ in range(MV.N_COPIES)]

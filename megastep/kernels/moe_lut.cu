@@ -102,17 +102,16 @@ using megastep::pdl_wait;
 
 __device__ __forceinline__ float scale_f(uint32_t s) { return __uint_as_float(s << 23); }  // 2^(s-127), s >= 1
 
-// Shared memory after the table: `rows` x rows (2: a pass's 2 pairs; 4 in down's spread schedule:
-// 2 slots' pairs) and a zero row. A group of x (32 bf16) takes 80 B, so the 4 lanes reading groups
-// t of one row hit banks 20t apart; rows alternate by 64 B (mod 128), the zero row sits 8 B (mod
-// 128) after an even number of rows: a warp's 8 loading lanes (rows 2k and 2k + 1) and the 4
+// Shared memory after the table: x of 2 pairs and a zero row. A group of x
+// (32 bf16) takes 80 B, so the 4 lanes reading groups t of one pair hit banks 20t apart; pair 1
+// sits 64 B further (mod 128) and the zero row 8 B (mod 128): the 8 loading lanes and the 4
 // addresses of the zero row's readers never share a bank.
 struct Layout {
   int rowpitch, zero_off, bytes;
-  __device__ __host__ Layout(int K, int rows) {
+  __device__ __host__ explicit Layout(int K) {
     const int row = K / 32 * 80;
     rowpitch = (row + 63) / 128 * 128 + 64;
-    zero_off = rows * rowpitch + 8;
+    zero_off = 2 * rowpitch + 8;
     bytes = (zero_off + row + 15) / 16 * 16;
   }
 };
@@ -125,7 +124,7 @@ struct Args {
   const int *pair_ptr, *slot_e, *slot_start, *slot_cnt, *nslot;
   int K, w3_rows, topk, sparse, down;  // w3_rows: gate-up I (w3 follows w1); down 0
   long long stride_w, stride_s;
-  int spread;  // the spread schedule (run_spread): gate-up the rows of x (1 or 2), down 1; 0: run
+  int spread;  // gate-up's spread schedule (run_spread): the rows of x (1 or 2); 0: run
 };
 
 // A warp's weight stream over its 16 rows: the ring of KPF steps in flight. fill() issues the
@@ -214,14 +213,15 @@ struct Item {  // the item (expert slot, tile) of a pass: its pairs start at `st
   int start, cnt, tile;
 };
 
+template <int kThreadsT = kThreads>
 __device__ __forceinline__ void prologue(char* smem, const Layout& L) {
   uint32_t* table = reinterpret_cast<uint32_t*>(smem);
-  for (int i = threadIdx.x; i < 256 * 32; i += kThreads) {
+  for (int i = threadIdx.x; i < 256 * 32; i += kThreadsT) {
     const uint32_t v = i >> 5;
     table[v * 64 + (i & 31)] = e2m1_bf16(v & 15) | (e2m1_bf16(v >> 4) << 16);
   }
   uint32_t* zero = reinterpret_cast<uint32_t*>(smem + kLutBytes + L.zero_off);
-  for (int i = threadIdx.x; i < (L.bytes - L.zero_off) / 4; i += kThreads) zero[i] = 0u;
+  for (int i = threadIdx.x; i < (L.bytes - L.zero_off) / 4; i += kThreadsT) zero[i] = 0u;
 }
 
 // x row `src` into row slot r of the padded layout: element e at r * rowpitch + (e / 32) *
@@ -291,7 +291,7 @@ __device__ __forceinline__ Stream warp_stream(const Args& a, int slot, int rb, i
 template <typename Epi, typename Post>
 __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
-  const Layout L(a.K, 2);
+  const Layout L(a.K);
   const int lane = threadIdx.x & 31, blk = threadIdx.x >> 5, t = lane & 3;
   char* xsm = smem + kLutBytes;
   prologue(smem, L);
@@ -342,73 +342,48 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
   }
 }
 
-// The spread schedule, for launches in which every slot has at most 2 pairs (M <= 2: one pass per
-// slot). run() gives a CTA whole items (slot, 8 row blocks): at one row the 6 slots' 192 items
-// leave 72 of an H200's 132 SMs with one CTA and 60 with two, and the launch lasts as long as the
-// SMs with two (gate-up 31 us, against 21 us when no SM has two: docs/PERFORMANCE.md, fifteenth
-// measurement). Here the launch's T = slots x blocks warp tasks (slot, row block) are dealt out
-// evenly: CTA c takes tasks [c T / G, (c + 1) T / G), its warp w tasks lo + w, lo + w + 8, ..., so
-// every SM streams about as many rows as any other. A warp's sums are run()'s (warp_sums, same
-// order): the same bits.
-// x is staged once per CTA: gate-up the a.spread rows of x (row slots 0, 1), down the pairs of
-// the CTA's first slot (slots 0, 1) and of its second (2, 3): T / G <= blocks (slots <= G) keeps a
-// CTA within two slots. warp_post(start, np, r0, rb) runs in each warp after its epi (no CTA
-// barrier: the warps' tasks differ).
-template <typename Epi, typename WarpPost>
-__device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi, WarpPost warp_post) {
+// The spread schedule of gate-up, for launches in which every slot has at most 2 pairs (M <= 2:
+// one pass per slot). run() gives a CTA whole items (slot, 8 row blocks): at one row the 6 slots'
+// 192 items leave 72 of an H200's 132 SMs with one CTA and 60 with two, and the launch lasts as
+// long as the SMs with two (31 us, against 21 us when no SM has two: docs/PERFORMANCE.md, fifteenth
+// measurement). Here one CTA of kSpreadWarps warps per SM takes the launch's T = slots x blocks
+// warp tasks (slot, 8 channels) in an even share: CTA c tasks [c T / G, (c + 1) T / G), its warp w
+// tasks lo + w, lo + w + kSpreadWarps, ... So every SM streams about as many rows as any other,
+// and the quarter of each SM's registers left free takes the shared expert's w1/w3 launch on the
+// side stream (a grid of 2 CTAs of 8 warps per SM filled the SMs: the step lost what gate-up
+// gained). A warp's sums are run()'s (warp_sums, same order): the same bits. x's a.spread rows
+// are staged once per CTA (row slots 0, 1).
+constexpr int kSpreadWarps = 12;
+
+template <typename Epi>
+__device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
   extern __shared__ __align__(16) char smem[];
-  const Layout L(a.K, a.down ? 4 : 2);
+  const Layout L(a.K);
   const int blk = threadIdx.x >> 5;
-  char* xsm = smem + kLutBytes;
-  prologue(smem, L);
-  if (!a.down) {  // (run's PDL order; down waits below, after its first loads)
-    pdl_wait();
-    pdl_release();
-  }
+  prologue<kSpreadWarps * 32>(smem, L);
+  pdl_wait();  // (run's PDL order)
+  pdl_release();
   const int T = __ldcg(a.nslot) * blocks;
   const int lo = (int)((long long)blockIdx.x * T / gridDim.x), hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
-  const int slot0 = lo / blocks;
-  int r0 = 0, r1 = 0, cnt = 0, start = 0;
-  Stream st;
-  if (a.down && lo + blk < hi) {  // the first task's weights do not depend on aq
-    st = warp_stream(a, (lo + blk) / blocks, (lo + blk) % blocks, r0, r1, cnt, start);
-    if (cnt > 0) st.fill();
-  }
-  if (a.down) {
-    pdl_wait();
-    pdl_release();
-  }
   const int units = a.K / 8;
-  if (a.down) {  // the pairs of slots slot0 and slot0 + 1 (those the CTA's tasks reach)
-    const int last = hi > lo ? (hi - 1) / blocks : slot0;
-    for (int i = threadIdx.x; i < 4 * units; i += kThreads) {
-      const int r = i / units, s = slot0 + r / 2;
-      if (s > last || r % 2 >= __ldcg(a.slot_cnt + s)) continue;
-      stage_unit(xsm, a, L, r, __ldcg(a.pair_ptr + __ldcg(a.slot_start + s) + r % 2), i % units);
-    }
-  } else {
-    for (int i = threadIdx.x; i < a.spread * units; i += kThreads) stage_unit(xsm, a, L, i / units, i / units, i % units);
-  }
+  for (int i = threadIdx.x; i < a.spread * units; i += kSpreadWarps * 32)
+    stage_unit(smem + kLutBytes, a, L, i / units, i / units, i % units);
   __syncthreads();
-  for (int task = lo + blk; task < hi; task += kWarps) {
-    const int slot = task / blocks;
-    if (task != lo + blk || !a.down) {
-      st = warp_stream(a, slot, task % blocks, r0, r1, cnt, start);
-      if (cnt > 0) st.fill();
-    }
+  for (int task = lo + blk; task < hi; task += kSpreadWarps) {
+    int r0, r1, cnt, start;
+    Stream st = warp_stream(a, task / blocks, task % blocks, r0, r1, cnt, start);
     if (cnt == 0) continue;
+    st.fill();
     int xrow[2];
 #pragma unroll
-    for (int p = 0; p < 2; ++p)
-      xrow[p] = a.down ? 2 * (slot - slot0) + p : p < cnt ? __ldcg(a.pair_ptr + start + p) / a.topk : 0;
+    for (int p = 0; p < 2; ++p) xrow[p] = p < cnt ? __ldcg(a.pair_ptr + start + p) / a.topk : 0;
     float total[4];
     warp_sums(st, smem, L, cnt, xrow, total);
     epi(Item{start, cnt, 0}, 0, cnt, r0, r1, total);
-    warp_post(start, cnt, r0, task % blocks);
   }
 }
 
-// The kernels' bodies: kSpread picks run_spread's schedule (the *_spread kernels) or run's.
+// gate-up's body: kSpread picks run_spread's schedule (moe_gate_up_lut_spread) or run's.
 // act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
 template <bool kSpread>
 __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
@@ -430,89 +405,65 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
     }
   };
   if constexpr (kSpread)
-    run_spread(a, a.w3_rows / 8, epi, [](int, int, int, int) {});
+    run_spread(a, a.w3_rows / 8, epi);
   else
     run(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
 }
 
-// y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA (spread: warp) to finish a (row,
-// 128-row tile) of all its topk pairs sums them in slot order into out (fp32), then resets the
-// counter; with shared (bf16 [M, D], the shared expert's output) out is bf16 and receives
-// rnd(sum + shared).
-template <bool kSpread>
+// y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 128-row tile) of
+// all its topk pairs sums them in slot order into out (fp32), then resets the counter; with
+// shared (bf16 [M, D], the shared expert's output) out is bf16 and receives rnd(sum + shared).
+// (A spread schedule for down, one warp's task per 16 rows and the combine by the last warp, was
+// 1.5-3 us slower at 1-8 experts of one row: docs/PERFORMANCE.md, fifteenth measurement.)
 __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                      long long stride_o, int* counters, int D, int combine,
                                      const __nv_bfloat16* shared, long long stride_sh) {
+  __shared__ int last[2];
   constexpr int kTile = kWarps * 16;  // output rows of an item
-  const int lane = threadIdx.x & 31, t = lane & 3, tiles = D / kTile, topk = a.topk;
-  auto epi = [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  const int t = threadIdx.x & 3, tiles = D / kTile, topk = a.topk;
+  run(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
     const int p = t & 1;
     if (p < np) {  // lane t: row r0 (t < 2) or r1, pair c0 + t % 2
       const int pair = a.pair_ptr[it.start + c0 + p];
       const float v = t == 0 ? total[0] : t == 1 ? total[1] : t == 2 ? total[2] : total[3];
       y[pair * stride_y + (t < 2 ? r0 : r1)] = __float2bfloat16_rn(v);
     }
-  };
-  auto sum_row = [&](int row, int d) {  // the row's topk pairs at d, slot order, fp32
-    const unsigned short* yp = reinterpret_cast<const unsigned short*>(y) + (long long)row * topk * stride_y + d;
-    float tot = __uint_as_float((uint32_t)__ldcg(yp) << 16);
-    for (int j = 1; j < topk; ++j) tot += __uint_as_float((uint32_t)__ldcg(yp + j * stride_y) << 16);
-    if (shared) {
-      tot += __bfloat162float(shared[row * stride_sh + d]);
-      static_cast<__nv_bfloat16*>(out)[row * stride_o + d] = __float2bfloat16_rn(tot);
-    } else {
-      static_cast<float*>(out)[row * stride_o + d] = tot;
+  }, [&](const Item& it, int c0, int np) {
+    if (!combine) return;
+    // every y of the pass is issued (the barrier before post); count this tile of each pair's row
+    if (threadIdx.x < np) {  // (a fence on each side of the count: the last CTA sees every y)
+      const int row = a.pair_ptr[it.start + c0 + threadIdx.x] / topk;
+      __threadfence();
+      const int arrived = atomicAdd(counters + row * tiles + it.tile, 1);
+      __threadfence();
+      last[threadIdx.x] = arrived == topk - 1 ? row : -1;
     }
-  };
-  if constexpr (kSpread) {
-    // a warp's task is 16 rows of a tile: a (row, tile) is complete after topk x kWarps of them
-    run_spread(a, D / 16, epi, [&](int start, int np, int, int rb) {
-      if (!combine) return;
-      const int tile = rb / kWarps;
-      __threadfence();  // each lane's y, then the count (a fence on each side: the last warp sees every y)
-      __syncwarp();
-      int row = -1;
-      if (lane < np) {
-        row = a.pair_ptr[start + lane] / topk;
-        const int arrived = atomicAdd(counters + row * tiles + tile, 1);
-        __threadfence();
-        if (arrived != topk * kWarps - 1) row = -1;
+    __syncthreads();
+    for (int p = 0; p < np; ++p) {
+      const int row = last[p];
+      if (row < 0) continue;
+      if (threadIdx.x < kTile) {  // the row's topk pairs, slot order, fp32
+        const int d = it.tile * kTile + threadIdx.x;
+        const unsigned short* yp = reinterpret_cast<const unsigned short*>(y) + (long long)row * topk * stride_y + d;
+        float tot = __uint_as_float((uint32_t)__ldcg(yp) << 16);
+        for (int j = 1; j < topk; ++j) tot += __uint_as_float((uint32_t)__ldcg(yp + j * stride_y) << 16);
+        if (shared) {
+          tot += __bfloat162float(shared[row * stride_sh + d]);
+          static_cast<__nv_bfloat16*>(out)[row * stride_o + d] = __float2bfloat16_rn(tot);
+        } else {
+          static_cast<float*>(out)[row * stride_o + d] = tot;
+        }
       }
-      for (int p = 0; p < np; ++p) {
-        const int r = __shfl_sync(0xffffffffu, row, p);
-        if (r < 0) continue;
-        for (int d = tile * kTile + lane; d < (tile + 1) * kTile; d += 32) sum_row(r, d);
-        if (lane == 0) counters[r * tiles + tile] = 0;
-      }
-    });
-  } else {
-    __shared__ int last[2];
-    run(a, tiles, epi, [&](const Item& it, int c0, int np) {
-      if (!combine) return;
-      // every y of the pass is issued (the barrier before post); count this tile of each pair's row
-      if (threadIdx.x < np) {  // (a fence on each side of the count: the last CTA sees every y)
-        const int row = a.pair_ptr[it.start + c0 + threadIdx.x] / topk;
-        __threadfence();
-        const int arrived = atomicAdd(counters + row * tiles + it.tile, 1);
-        __threadfence();
-        last[threadIdx.x] = arrived == topk - 1 ? row : -1;
-      }
-      __syncthreads();
-      for (int p = 0; p < np; ++p) {
-        const int row = last[p];
-        if (row < 0) continue;
-        if (threadIdx.x < kTile) sum_row(row, it.tile * kTile + threadIdx.x);
-        if (threadIdx.x == 0) counters[row * tiles + it.tile] = 0;
-      }
-    });
-  }
+      if (threadIdx.x == 0) counters[row * tiles + it.tile] = 0;
+    }
+  });
 }
 
 }  // namespace
 
-// The launches (moe_lut.py): grid <= 2 CTAs per SM, 256 threads, 64 KB + Layout(K, rows).bytes of
-// dynamic shared memory (rows 2; 4 for moe_down_lut_spread). The *_spread kernels take launches
-// of M <= 2 rows (run_spread; gate-up's `rows` = M).
+// The launches (moe_lut.py): grid <= 2 CTAs per SM, 256 threads, 64 KB + Layout(K).bytes of
+// dynamic shared memory; moe_gate_up_lut_spread (launches of M <= 2 rows, `rows` = M): one CTA of
+// kSpreadWarps warps per SM, at most 128 registers a thread (a quarter of the SM's left free).
 #define GATE_UP_PARAMS                                                                                             \
   const __nv_bfloat16 *xq, long long stride_q, const long long *tab, const float *rw, const int *pair_ptr,        \
       const int *slot_e, const int *slot_start, const int *slot_cnt, const int *nslot, __nv_bfloat16 *act,          \
@@ -526,21 +477,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(GATE_U
   gate_up<false>(GATE_UP_ARGS(0));
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut_spread(GATE_UP_PARAMS, int rows) {
+extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread(GATE_UP_PARAMS, int rows) {
   gate_up<true>(GATE_UP_ARGS(rows));
 }
 
-#define DOWN_PARAMS                                                                                                 \
-  const __nv_bfloat16 *aq, long long stride_q, const long long *tab, const int *pair_ptr, const int *slot_e,        \
-      const int *slot_start, const int *slot_cnt, const int *nslot, __nv_bfloat16 *y, long long stride_y, void *out, \
-      long long stride_o, int *counters, int D, int I, long long stride_w, long long stride_s, int topk, int sparse, \
-      int combine, const __nv_bfloat16 *shared, long long stride_sh
-#define DOWN_ARGS(spread)                                                                                           \
-  Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s, \
-       spread}, y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh
-
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down<false>(DOWN_ARGS(0)); }
-
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut_spread(DOWN_PARAMS) {
-  down<true>(DOWN_ARGS(1));
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(
+    const __nv_bfloat16* aq, long long stride_q, const long long* tab, const int* pair_ptr, const int* slot_e,
+    const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* y, long long stride_y, void* out,
+    long long stride_o, int* counters, int D, int I, long long stride_w, long long stride_s, int topk, int sparse,
+    int combine, const __nv_bfloat16* shared, long long stride_sh) {
+  down(Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w,
+            stride_s, 0},
+       y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh);
 }

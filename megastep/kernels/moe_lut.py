@@ -14,9 +14,9 @@ explains both); Triton expresses neither. Measured against the Triton "dot_asm" 
 docs/PERFORMANCE.md (tenth measurement).
 
 Grids are static (at most 2 CTAs of 256 threads per SM, each taking (expert slot, 128 weight rows)
-items in turn, each warp streaming whole rows; launches of M <= SPREAD_ROWS rows deal the warps'
-16-row tasks out evenly instead: the *_spread kernels, the same bits), so launches are captured by CUDA graphs; build and
-load happen at the first call (`cuda_module`), which must come before any capture (the runtime's
+items in turn, each warp streaming whole rows; gate-up launches of M <= SPREAD_ROWS rows deal the
+warps' tasks out evenly over one CTA per SM instead, the same bits), so launches are captured by
+CUDA graphs; build and load happen at the first call (`cuda_module`), which must come before any capture (the runtime's
 warm-up steps do it).
 When the step uses PDL (`common.pdl_enabled()`, read at launch) both launch with programmatic
 stream serialization: gate-up builds its decode table while the router drains, down also
@@ -40,18 +40,18 @@ _MODULE = CudaModule(SOURCE)
 _GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiii")
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
-_DOWN_SPREAD = _MODULE.kernel("moe_down_lut_spread", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
 ITEM_CHANNELS, ITEM_ROWS = 64, 128
 CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
-# Launches of at most this many rows (every expert slot then has at most 2 pairs) take the
-# *_spread kernels: the warps' (slot, row block) tasks dealt out evenly over the CTAs instead of
-# whole items per CTA (the .cu's run_spread). The same bits; 0 turns them off
+# Gate-up launches of at most this many rows (every expert slot then has at most 2 pairs) take
+# moe_gate_up_lut_spread: one CTA of SPREAD_WARPS warps per SM, the warps' (slot, 8 channels)
+# tasks dealt out evenly (the .cu's run_spread). The same bits; 0 turns it off
 # (benchmarks/kernels/moe_cuda_variants.py's engine "lut_items").
 SPREAD_ROWS = 2
+SPREAD_WARPS = 12  # the .cu's kSpreadWarps
 
 
 @functools.cache
@@ -65,16 +65,16 @@ def supported(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:
     return device.type == "cuda" and dtype == torch.bfloat16 and D % 512 == 0 and I % 512 == 0 and _have_nvcc()
 
 
-def shared_bytes(K: int, rows: int = 2) -> int:
-    """Dynamic shared memory of a launch over K: the table, then the .cu's Layout(K, rows)."""
+def shared_bytes(K: int) -> int:
+    """Dynamic shared memory of a launch over K: the table, then the .cu's Layout(K)."""
     row = K // 32 * 80
     rowpitch = (row + 63) // 128 * 128 + 64
-    zero_off = rows * rowpitch + 8
+    zero_off = 2 * rowpitch + 8
     return LUT_BYTES + (zero_off + row + 15) // 16 * 16
 
 
 def spread_rows(pairs: torch.Tensor, topk: int) -> int:
-    """M when a launch over these pairs (M rows) takes the *_spread kernels, else 0."""
+    """M when a gate-up launch over these pairs (M rows) takes moe_gate_up_lut_spread, else 0."""
     M = pairs.numel() // topk
     return M if M <= SPREAD_ROWS else 0
 
@@ -84,9 +84,8 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _grid(items: int, device: torch.device) -> tuple[int, int, int]:
-    """run's grid (items: CTA items), or run_spread's (items: warp tasks): at most 2 CTAs per SM."""
-    return (max(1, min(items, CTAS_PER_SM * _sms(device.index))), 1, 1)
+def _grid(items: int, device: torch.device, per_sm: int = CTAS_PER_SM) -> tuple[int, int, int]:
+    return (max(1, min(items, per_sm * _sms(device.index))), 1, 1)
 
 
 def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I, strides, limit, topk,
@@ -95,11 +94,14 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     strides: the table's (w13 row, w13 scale row) strides."""
     assert xq.dtype == act.dtype == torch.bfloat16 and xq.stride(1) == 1 and act.stride(1) == 1
     slots, spread = min(pairs.numel(), addr.shape[0]), spread_rows(pairs, topk)
-    items = slots * (I // 8 if spread else I // ITEM_CHANNELS)  # (slot, 8 channels) or (slot, channel tile)
     args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
-            D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse)) + ((spread,) if spread else ())
-    (_GATE_UP_SPREAD if spread else _GATE_UP).launch(_grid(items, xq.device), (THREADS, 1, 1), shared_bytes(D), None,
-                                                     *args, pdl=pdl_enabled())
+            D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
+    if spread:  # warp tasks (slot, 8 channels), one CTA per SM
+        _GATE_UP_SPREAD.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), shared_bytes(D),
+                               None, *args, spread, pdl=pdl_enabled())
+    else:  # items (slot, channel tile)
+        _GATE_UP.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None,
+                        *args, pdl=pdl_enabled())
 
 
 def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
@@ -114,10 +116,8 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
                                                                                                     out.dtype)
     else:
         assert out.dtype == torch.float32, out.dtype
-    slots, spread = min(pairs.numel(), addr.shape[0]), spread_rows(pairs, topk) > 0
-    items = slots * (D // 16 if spread else D // ITEM_ROWS)  # (slot, 16 rows) or (slot, row tile)
-    (_DOWN_SPREAD if spread else _DOWN).launch(
-        _grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, 4 if spread else 2), None,
-        aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
-        counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine), 0 if shared is None else shared,
-        0 if shared is None else shared.stride(0), pdl=pdl_enabled())
+    items = min(pairs.numel(), addr.shape[0]) * (D // ITEM_ROWS)  # (slot, row tile)
+    _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
+                 aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,
+                 out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
+                 0 if shared is None else shared, 0 if shared is None else shared.stride(0), pdl=pdl_enabled())

@@ -487,9 +487,9 @@ def test_gpu_lut_expert_parallel_and_host_memory_tables(M):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 2])
-def test_gpu_lut_spread_kernels_give_the_same_bits(M, monkeypatch):
-    """The spread kernels (M <= moe_lut.SPREAD_ROWS: warp tasks dealt out evenly) give the bits of
-    the whole-item kernels: per-pair outputs, the combine, the combine with the shared expert's
+def test_gpu_lut_spread_gate_up_gives_the_same_bits(M, monkeypatch):
+    """The spread gate-up (M <= moe_lut.SPREAD_ROWS: warp tasks dealt out evenly over one CTA per
+    SM) gives the bits of the whole-item kernel: per-pair outputs, the combine, the combine with the shared expert's
     output, a sparse table's pairs (expert parallelism), at V4-Flash expert shapes; three calls.
     At M = 2 a slot holds both rows' pairs (two x rows staged)."""
     from megastep.kernels import moe_lut
@@ -525,15 +525,14 @@ def test_lut_kernels_build_for_sm90():
     a spill would put loads in the experts' inner loop."""
     from megastep.kernels import moe_lut
 
-    assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread",
-                                                  "moe_down_lut_spread"))
+    assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread"))
 
 
 def test_lut_signatures_match_the_kernels():
     """moe_lut.py passes as many arguments as each kernel in moe_lut.cu declares, typed by position."""
     from megastep.kernels import moe_lut
 
-    for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._DOWN_SPREAD):
+    for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     warps = int(re.search(r"constexpr int kWarps = (\d+);", open(moe_lut.SOURCE).read()).group(1))
