@@ -145,8 +145,8 @@ for group in "$@"; do
       step spread_tests 200 python3 -m pytest -q --timeout 150 -m gpu tests/kernels/test_moe.py -k "lut"
       step spread_probe 100 python3 benchmarks/kernels/lut_balance_probe.py --out "$OUT"
       step spread_variants 120 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,2,4 \
-        --engines lut,lut_items
-      items='import sys, megastep.kernels.moe_lut as m; m.SPREAD_ROWS = 0; from megastep.cli import main; sys.exit(main(sys.argv[1:]))'
+        --engines lut,lut_items,lut_spread
+      items='import sys, megastep.kernels.moe_lut as m; m.SPREAD_ROWS = (); from megastep.cli import main; sys.exit(main(sys.argv[1:]))'
       for arm in a b; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         step "items_step_$arm" 60 python3 -c "$items" bench --preset v4-flash --context 4096 --iters 20 \

@@ -1,8 +1,8 @@
 """Are the "lut" experts' launches at one row bound per warp (latency) or per SM (shared issue and
 memory resources)? One row, n distinct experts (top-n routing, n = 1..8: 32n items of 128 rows per
 launch, all resident at once on an H200's 264 CTA slots), each kernel's device time against n:
-whole items per CTA ("items", moe_lut.SPREAD_ROWS = 0) with the kernels' grid of 2 CTAs per SM and
-with 1 (then n > 4 takes two rounds), and the spread gate-up (the default at 1-2 rows).
+whole items per CTA ("items", moe_lut.SPREAD_ROWS = ()) with the kernels' grid of 2 CTAs per SM and
+with 1 (then n > 4 takes two rounds), and the spread gate-up ("spread", engine lut_spread).
 
     python benchmarks/kernels/lut_balance_probe.py --out DIR
 
@@ -52,7 +52,7 @@ def main() -> None:
             saved = LUTK.CTAS_PER_SM
             LUTK.CTAS_PER_SM = per_sm
             try:
-                ks = MCV.kernel_times("lut" if schedule == "spread" else "lut_items", calls)
+                ks = MCV.kernel_times("lut_spread" if schedule == "spread" else "lut_items", calls)
             finally:
                 LUTK.CTAS_PER_SM = saved
             r = dict(schedule=schedule, ctas_per_sm=per_sm, n=n, items=32 * n,

@@ -1,7 +1,8 @@
 """The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's
 Triton kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels,
-kernels/moe_lut.py), or "lut" without the spread gate-up at 1-2 rows ("lut_items": moe_lut.SPREAD_ROWS
-= 0, whole items per CTA at every M; the outputs must equal "lut"'s bit for bit). (Earlier
+kernels/moe_lut.py), or "lut" with whole items per CTA at every M ("lut_items": moe_lut.SPREAD_ROWS
+= ()), or with the spread gate-up at 1 and 2 rows ("lut_spread": (1, 2)); the outputs must equal the
+first lut engine's bit for bit. (Earlier
 experiments measured with it and removed: a CUDA C++ gate-up, docs/PERFORMANCE.md's eighth
 measurement; L2 prefetches ahead of each warp's ring, the fifteenth.)
 
@@ -38,7 +39,7 @@ from megastep.kernels import moe_lut as LUTK  # noqa: E402
 def run(engine, fn):
     if engine.startswith("lut"):  # mode "lut" (kernels/moe_lut.py) as the kernels' default
         saved = MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS
-        MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS = "lut", (0 if engine == "lut_items" else saved[1])
+        MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS = "lut", {"lut_items": (), "lut_spread": (1, 2)}.get(engine, saved[1])
         try:
             return fn()
         finally:

@@ -14,7 +14,7 @@ explains both); Triton expresses neither. Measured against the Triton "dot_asm" 
 docs/PERFORMANCE.md (tenth measurement).
 
 Grids are static (at most 2 CTAs of 256 threads per SM, each taking (expert slot, 128 weight rows)
-items in turn, each warp streaming whole rows; gate-up launches of M <= SPREAD_ROWS rows deal the
+items in turn, each warp streaming whole rows; gate-up launches of M in SPREAD_ROWS rows deal the
 warps' tasks out evenly over one CTA per SM instead, the same bits), so launches are captured by
 CUDA graphs; build and load happen at the first call (`cuda_module`), which must come before any capture (the runtime's
 warm-up steps do it).
@@ -46,11 +46,14 @@ THREADS = 256
 ITEM_CHANNELS, ITEM_ROWS = 64, 128
 CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
-# Gate-up launches of at most this many rows (every expert slot then has at most 2 pairs) take
-# moe_gate_up_lut_spread: one CTA of SPREAD_WARPS warps per SM, the warps' (slot, 8 channels)
-# tasks dealt out evenly (the .cu's run_spread). The same bits; 0 turns it off
-# (benchmarks/kernels/moe_cuda_variants.py's engine "lut_items").
-SPREAD_ROWS = 2
+# Gate-up launches of these row counts (at most 2: every expert slot then has at most 2 pairs)
+# take moe_gate_up_lut_spread: one CTA of SPREAD_WARPS warps per SM, the warps' (slot, 8
+# channels) tasks dealt out evenly (the .cu's run_spread). The same bits. Measured on one H200
+# (docs/PERFORMANCE.md, fifteenth measurement), 30-layer step: 2 rows 6.23-6.24 ms against
+# 6.34-6.38 with whole items; 1 row no faster (5.034-5.037 against 5.017-5.033): there the launch
+# takes the SM room the shared expert's w1/w3 ran in beside it, which then runs beside down. ()
+# turns it off (benchmarks/kernels/moe_cuda_variants.py's engine "lut_items").
+SPREAD_ROWS = (2,)
 SPREAD_WARPS = 12  # the .cu's kSpreadWarps
 
 
@@ -76,7 +79,8 @@ def shared_bytes(K: int) -> int:
 def spread_rows(pairs: torch.Tensor, topk: int) -> int:
     """M when a gate-up launch over these pairs (M rows) takes moe_gate_up_lut_spread, else 0."""
     M = pairs.numel() // topk
-    return M if M <= SPREAD_ROWS else 0
+    assert all(0 < m <= 2 for m in SPREAD_ROWS), SPREAD_ROWS  # the .cu stages at most 2 rows of x
+    return M if M in SPREAD_ROWS else 0
 
 
 @functools.cache

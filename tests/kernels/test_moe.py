@@ -488,7 +488,7 @@ def test_gpu_lut_expert_parallel_and_host_memory_tables(M):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 2])
 def test_gpu_lut_spread_gate_up_gives_the_same_bits(M, monkeypatch):
-    """The spread gate-up (M <= moe_lut.SPREAD_ROWS: warp tasks dealt out evenly over one CTA per
+    """The spread gate-up (M in moe_lut.SPREAD_ROWS: warp tasks dealt out evenly over one CTA per
     SM) gives the bits of the whole-item kernel: per-pair outputs, the combine, the combine with the shared expert's
     output, a sparse table's pairs (expert parallelism), at V4-Flash expert shapes; three calls.
     At M = 2 a slot holds both rows' pairs (two x rows staged)."""
@@ -509,9 +509,10 @@ def test_gpu_lut_spread_gate_up_gives_the_same_bits(M, monkeypatch):
                 moe_experts_table(x, ids, wts, full, config=cfg), moe_experts_table(x, ids, wts, full, config=cfg, shared=s),
                 moe_experts_table(x, ids, wts, half, config=cfg, return_pairs=True))
 
+    monkeypatch.setattr(moe_lut, "SPREAD_ROWS", (M,))
     assert moe_lut.spread_rows(torch.zeros(M * 6), 6) == M
     got = [outputs() for _ in range(3)]
-    monkeypatch.setattr(moe_lut, "SPREAD_ROWS", 0)
+    monkeypatch.setattr(moe_lut, "SPREAD_ROWS", ())
     assert moe_lut.spread_rows(torch.zeros(M * 6), 6) == 0
     want = outputs()
     check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
