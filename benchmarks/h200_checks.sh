@@ -23,6 +23,7 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
+#   bash benchmarks/h200_checks.sh sharedroom # the shared w1/w3 in 2-warp programs: their bits against the picked ones, the step with them (and the spread gate-up at 1 row too), A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
@@ -152,6 +153,19 @@ for group in "$@"; do
         step "items_step_$arm" 60 python3 -c "$items" bench --preset v4-flash --context 4096 --iters 20 \
           --json "$OUT/items_step_$arm.json" --layers 30 --batch 1,2
       done ;;
+    sharedroom)  # built on 2026-11-30 (docs/PERFORMANCE.md, fifteenth measurement): the shared expert's w1/w3
+      # in 2-warp programs (same bits as the picked 4-warp ones?), small enough to run beside the spread gate-up
+      step room_variants 150 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,2,4,16 --shapes shared_w13
+      w13x2='import megastep.kernels.linear_fp8 as L; L._PINNED_SWIGLU[(2048, 4096, 16)] = L.LinearFp8Config("f16", 64, 16, 128, 8, num_warps=2, num_stages=3)'
+      spread1='import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = (1, 2)'
+      cli='import sys; from megastep.cli import main; sys.exit(main(sys.argv[1:]))'
+      args=(bench --preset v4-flash --context 4096 --iters 20 --layers 30)
+      for arm in a b; do
+        bench "room_default_$arm" 100 --layers 30 --batch 1,2,4,16
+        step "room_w13x2_$arm" 60 python3 -c "$w13x2; $cli" "${args[@]}" --json "$OUT/room_w13x2_$arm.json" --batch 1,2,4,16
+        step "room_w13x2_spread1_$arm" 40 python3 -c "$w13x2; $spread1; $cli" "${args[@]}" \
+          --json "$OUT/room_w13x2_spread1_$arm.json" --batch 1,2
+      done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep)
@@ -169,7 +183,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | linsplit | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sharedroom | linsplit | ep)"
       exit 2 ;;
   esac
 done

@@ -1,17 +1,19 @@
 """FP8 linear modes and tiles at the shapes the V4-Flash decode step launches: each candidate
-checked against linear_fp8_ref (one bf16 step, as tests/kernels/test_linear_fp8.py) and for
-determinism, then timed (CUDA graph of calls on rotated weight copies, nothing from L2); the
-picked "f16" configuration also with x's activation codes given ("f16+c": x_codes, the
-quantization that x's producer writes beside x).
+checked against linear_fp8_ref (one bf16 step, as tests/kernels/test_linear_fp8.py), for
+determinism and against the picked configuration's bits (a runtime choice by rows keeps batch
+invariance only with the same bits), then timed (CUDA graph of calls on rotated weight copies,
+nothing from L2); the picked "f16" configuration also with x's activation codes given ("f16+c":
+x_codes, the quantization that x's producer writes beside x).
 
-    python benchmarks/kernels/linear_variants.py --out DIR [--ms 1,64]
+    python benchmarks/kernels/linear_variants.py --out DIR [--ms 1,64] [--shapes shared_w13,wo_b]
     python benchmarks/kernels/linear_variants.py --smoke --out DIR   (CPU interpreter, tiny shapes)
 
 Shapes are the fused launches of one layer (model/fast.py): the x group (wq_a + wkv, 1536 x
 4096), the qr group (wq_b + the indexer's wq_b, 40960 x 1024), wo_a (8 groups of 1024 x 4096,
 bf16 activation: "dot16" only), wo_b (4096 x 8192), the shared expert's gated w1/w3
 (2 x 2048 x 4096) and its w2 (4096 x 2048). Prints a table last (µs per
-call, GB/s of the bytes that must be read) and writes linear_variants.json under --out.
+call, GB/s of the bytes that must be read; "=" where a candidate gives the picked one's bits) and
+writes linear_variants.json under --out.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def candidates(M: int, N: int, K: int, kind: str) -> list[LIN.LinearFp8Config]:
     # streaming twice the K: the experts' whole-K finding), 8-35 % slower at 1 and 4 rows for every
     # split linear and at 64 rows but for the shared w1/w3 (30.2 against 36.1 us) (fifteenth).
     specs = [(64, 4, 3, 264), (64, 4, 4, 264), (64, 4, 3, 528), (32, 4, 3, 264)]
+    if kind == "gated":  # 2 warps: a program small enough to run beside the experts' spread gate-up
+        # (one 12-warp CTA per SM leaves 16k registers; the 4-warp program takes 128 x 168)
+        specs += [(64, 2, 3, 264), (32, 2, 3, 264)]
     for bn, nw, ns, target in specs:
         out.append(C("f16", bn, bm, 128, BK.auto_split(-(-N // bn), K, 128, target), nw, ns))
     return list(dict.fromkeys(out))
@@ -76,6 +81,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out/linear_variants"))
     ap.add_argument("--ms", default="1,64")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     BK.LOG = open(os.path.join(args.out, "linear_variants.log"), "w")
@@ -87,6 +93,8 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for name, (N, K, kind) in (SMOKE_SHAPES if args.smoke else SHAPES).items():
+        if args.shapes and name not in args.shapes.split(","):
+            continue
         R = 2 * N if kind == "gated" else N
         nbytes = R * K + triton.cdiv(R, 128) * triton.cdiv(K, 128)
         copies = 2 if args.smoke else max(1, min(128, math.ceil(BK.L2_FLUSH_BYTES / nbytes)))
@@ -104,6 +112,7 @@ def main() -> None:
             cands = [(c, None) for c in candidates(M, N, K, kind)]
             if codes is not None and kind != "wo_a":  # the picked configuration with x's codes
                 cands += [(cands[0][0], codes)]
+            picked_y = None  # the picked configuration's output: same_bits compares each candidate's
             for i, (c, xc) in enumerate(cands):
                 r = dict(shape=name, N=N, K=K, M=M, config=asdict(c), picked=i == 0, codes=xc is not None)
                 if kind == "gated":
@@ -114,6 +123,9 @@ def main() -> None:
                     call = (lambda c, w, s, xc=xc: fn(x, w, s, config=c, x_codes=xc))  # noqa: E731
                 try:
                     y = call(c, *ws[0])
+                    picked_y = y if i == 0 else picked_y
+                    r.update(same_bits_as_picked=picked_y is not None and torch.equal(y.view(torch.int16),
+                                                                                       picked_y.view(torch.int16)))
                     ok, msg = BK.check_linear(y, ref)
                     same = all(torch.equal(y.view(torch.int16), call(c, *ws[0]).view(torch.int16)) for _ in range(3))
                     med, best = BK.graph_time([lambda w=w, s=s, c=c, call=call: call(c, w, s) for (w, s) in ws])
@@ -130,7 +142,8 @@ def main() -> None:
         mode = c["mode"] + ("+c" if r["codes"] else "")
         print(f"{r['shape']:11} {r['M']:3} {mode:5} {c['block_n']:3} {c['block_m']:3} {c['block_k']:3} {c['split_k']:3} "
               f"{c['num_warps']:2} {c['num_stages']:2} {r.get('us', float('nan')):7.2f} {r.get('gbps', 0):6.0f} "
-              f"{'ok' if r['ok'] else 'FAIL ' + r.get('check', r.get('error', ''))[:60]}{' *' if r['picked'] else ''}")
+              f"{'ok' if r['ok'] else 'FAIL ' + r.get('check', r.get('error', ''))[:60]}"
+              f"{' =' if r.get('same_bits_as_picked') else ' !='}{' *' if r['picked'] else ''}")
 
 
 if __name__ == "__main__":

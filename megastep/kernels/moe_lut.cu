@@ -35,9 +35,10 @@
 // values).
 //
 // Work: a CTA (8 warps: 8 row blocks, each streaming its rows' whole K) takes items (slot, 128 MMA
-// rows) in turn over a grid of at most 2 CTAs per SM; x of the item's pairs is staged in shared
-// memory, padded so that the 8 lanes loading x hit distinct banks (and the zero row's reads
-// distinct ones again). Until 2026-11-30 a CTA was 4 row blocks x 2 K halves (items of 64 MMA rows,
+// rows) in turn over a grid of at most 2 CTAs per SM (gate-up at 1-2 rows may instead deal the
+// warps' 16-row tasks out over one 12-warp CTA per SM: run_spread); x of the item's pairs is
+// staged in shared memory, padded so that the 8 lanes loading x hit distinct banks (and the zero
+// row's reads distinct ones again). Until 2026-11-30 a CTA was 4 row blocks x 2 K halves (items of 64 MMA rows,
 // twice as many, the halves added through shared memory): the same sums in the same order, so the
 // same bits (GPU-tested against each other), and 3-12 % slower per call on one H200 at 1-64 rows,
 // 4 % per 30-layer step at 4-64 rows, 1 % at 1 row (docs/PERFORMANCE.md, fourteenth measurement).
@@ -349,10 +350,12 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
 // measurement). Here one CTA of kSpreadWarps warps per SM takes the launch's T = slots x blocks
 // warp tasks (slot, 8 channels) in an even share: CTA c tasks [c T / G, (c + 1) T / G), its warp w
 // tasks lo + w, lo + w + kSpreadWarps, ... So every SM streams about as many rows as any other,
-// and the quarter of each SM's registers left free takes the shared expert's w1/w3 launch on the
-// side stream (a grid of 2 CTAs of 8 warps per SM filled the SMs: the step lost what gate-up
-// gained). A warp's sums are run()'s (warp_sums, same order): the same bits. x's a.spread rows
-// are staged once per CTA (row slots 0, 1).
+// and a quarter of each SM's registers stays free for the side stream's launches (2 CTAs of 8
+// warps per SM left none: the step at 1 row lost 0.18 ms). That quarter is still too small for
+// the shared expert's w1/w3 program (128 threads x 168 registers), which then runs beside down
+// instead of beside gate-up: at 1 row the step gains nothing, at 2 rows 2 % (moe_lut.py's
+// SPREAD_ROWS). A warp's sums are run()'s (warp_sums, same order): the same bits. x's a.spread
+// rows are staged once per CTA (row slots 0, 1).
 constexpr int kSpreadWarps = 12;
 
 template <typename Epi>
@@ -462,11 +465,11 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
 }  // namespace
 
 // The launches (moe_lut.py): grid <= 2 CTAs per SM, 256 threads, 64 KB + Layout(K).bytes of
-// dynamic shared memory; moe_gate_up_lut_spread (launches of M <= 2 rows, `rows` = M): one CTA of
-// kSpreadWarps warps per SM, at most 128 registers a thread (a quarter of the SM's left free).
-#define GATE_UP_PARAMS                                                                                             \
-  const __nv_bfloat16 *xq, long long stride_q, const long long *tab, const float *rw, const int *pair_ptr,        \
-      const int *slot_e, const int *slot_start, const int *slot_cnt, const int *nslot, __nv_bfloat16 *act,          \
+// dynamic shared memory; moe_gate_up_lut_spread (launches of M = 1 or 2 rows, `rows` = M): one CTA
+// of kSpreadWarps warps per SM, at most 128 registers a thread (a quarter of the SM's left free).
+#define GATE_UP_PARAMS                                                                                              \
+  const __nv_bfloat16* xq, long long stride_q, const long long* tab, const float* rw, const int* pair_ptr,        \
+      const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,          \
       long long stride_a, int D, int I, long long stride_w, long long stride_s, float limit, int round_out, int topk, \
       int sparse
 #define GATE_UP_ARGS(rows)                                                                                          \

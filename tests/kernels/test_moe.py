@@ -529,6 +529,19 @@ def test_lut_kernels_build_for_sm90():
     assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread"))
 
 
+def test_lut_spread_gate_up_is_taken_by_rows(monkeypatch):
+    """moe_lut.spread_rows: the spread gate-up for the row counts in SPREAD_ROWS (2 measured to gain,
+    1 not), whole items elsewhere; a SPREAD_ROWS entry above 2 is refused (the kernel stages 2 x rows)."""
+    from megastep.kernels import moe_lut
+
+    assert [moe_lut.spread_rows(torch.zeros(m * 6), 6) for m in (1, 2, 4, 16)] == [0, 2, 0, 0]
+    monkeypatch.setattr(moe_lut, "SPREAD_ROWS", (1, 2))
+    assert [moe_lut.spread_rows(torch.zeros(m * 8), 8) for m in (1, 2, 3)] == [1, 2, 0]
+    monkeypatch.setattr(moe_lut, "SPREAD_ROWS", (4,))
+    with pytest.raises(AssertionError):
+        moe_lut.spread_rows(torch.zeros(24), 6)
+
+
 def test_lut_signatures_match_the_kernels():
     """moe_lut.py passes as many arguments as each kernel in moe_lut.cu declares, typed by position."""
     from megastep.kernels import moe_lut
