@@ -44,7 +44,8 @@ def _type_of(v) -> str:
 
 
 def record() -> list[dict]:
-    """Run the decode steps under the interpreter; one record per distinct (kernel, signature)."""
+    """Run the decode steps under the interpreter, the kernels' launches recorded and skipped; one
+    record per distinct (kernel, signature)."""
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
@@ -82,7 +83,10 @@ def record() -> list[dict]:
                            aligned=aligned)
                 key = json.dumps([self.module, self.name, sig, sorted(const.items())], default=str)
                 seen.setdefault(key, rec)
-                return launch(*args, **kwargs)
+                # recorded, not run: a step's launches and their arguments never depend on a kernel's
+                # output (the step is captured in a CUDA graph), so the steps below issue the same
+                # launches with the kernels skipped (the same 35 records, in 2 s instead of 30 s)
+                return None
             return run
 
     for mod in ("attention", "compressor", "dense", "indexer", "linear_fp8", "mhc", "moe", "moe_route",
