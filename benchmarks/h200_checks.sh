@@ -24,6 +24,7 @@
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh sharedroom # the shared w1/w3 in 2-warp programs: their bits against the picked ones, the step with them (and the spread gate-up at 1 row too), A/B/A/B (~5 min)
+#   bash benchmarks/h200_checks.sh priority   # the step's graphs captured on a high-priority stream (the side stream below it), late and early fork, A/B/A/B, then its GPU tests (~6 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
@@ -166,6 +167,19 @@ for group in "$@"; do
         step "room_w13x2_spread1_$arm" 40 python3 -c "$w13x2; $spread1; $cli" "${args[@]}" \
           --json "$OUT/room_w13x2_spread1_$arm.json" --batch 1,2
       done ;;
+    priority)  # built on 2026-11-30 (docs/PERFORMANCE.md, fifteenth measurement): the graphs captured on a
+      # high-priority stream (step.CAPTURE_PRIORITY = -1), the side stream below it; late and early fork, A/B/A/B
+      prio='import megastep.runtime.step as S; S.CAPTURE_PRIORITY = -1'
+      cli='import sys; from megastep.cli import main; sys.exit(main(sys.argv[1:]))'
+      args=(bench --preset v4-flash --context 4096 --iters 20 --layers 30 --batch 1,2,4,16)
+      for arm in a b; do
+        bench "prio_default_$arm" 100 --layers 30 --batch 1,2,4,16
+        step "prio_high_$arm" 60 python3 -c "$prio; $cli" "${args[@]}" --json "$OUT/prio_high_$arm.json"
+        step "prio_high_early_$arm" 60 python3 -c "$prio; $cli" "${args[@]}" --json "$OUT/prio_high_early_$arm.json" \
+          --shared-after-router off
+      done
+      step prio_tests 150 python3 -c "$prio; import sys, pytest; sys.exit(pytest.main(['-q', '-m', 'gpu', \
+        'tests/test_fast_gpu.py', '-k', 'same_input or graph_replay or alone or side_stream']))" ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep)
@@ -183,7 +197,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sharedroom | linsplit | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sharedroom | priority | linsplit | ep)"
       exit 2 ;;
   esac
 done

@@ -18,6 +18,13 @@ from megastep.runtime.sampling import sample
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# An experiment, not yet measured (docs/PERFORMANCE.md, fifteenth measurement): the priority of the
+# stream the graphs are captured on (None: torch's capture stream, priority 0, the lowest). A
+# negative value ranks the step's main stream above its side stream (FastDecoder's, priority 0):
+# the kernel nodes keep their stream's priority in the graph (torch instantiates graphs with
+# cudaGraphInstantiateFlagUseNodePriority), so the block scheduler would place the main stream's
+# pending CTAs first. The same launches and bits either way.
+CAPTURE_PRIORITY: int | None = None
 
 
 class _Bucket:
@@ -73,7 +80,8 @@ class StepRunner:
                 self._body(b)
         torch.cuda.current_stream().wait_stream(s)
         b.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(b.graph):
+        capture = None if CAPTURE_PRIORITY is None else torch.cuda.Stream(self.device, priority=CAPTURE_PRIORITY)
+        with torch.cuda.graph(b.graph, stream=capture):
             self._body(b)
         for dst, src in zip((b.tokens, b.pos, b.slots), saved):
             dst.copy_(src)
