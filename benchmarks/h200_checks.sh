@@ -29,8 +29,12 @@
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
+# Logs and JSON are written under $OUT/h200_checks_run, then packed into one archive in $OUT,
+# h200_checks-<date>.tgz, with summary.txt (the table printed last): the device brings back only a
+# few files of its $OUT (on 2026-11-30 a group's 13 files did not come back).
 set -u
-OUT=${OUT:-/tmp/h200_checks}
+FINAL=${OUT:-/tmp/h200_checks}
+OUT=$FINAL/h200_checks_run
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
 python3 -m pip install -e . --no-deps --no-build-isolation -q >/dev/null 2>&1 || true
@@ -201,4 +205,5 @@ for group in "$@"; do
       exit 2 ;;
   esac
 done
-printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+tar czf "$FINAL/h200_checks-$(date +%Y%m%d-%H%M%S).tgz" -C "$OUT" . && rm -rf "$OUT"
