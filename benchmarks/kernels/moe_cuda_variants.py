@@ -2,9 +2,9 @@
 Triton kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels,
 kernels/moe_lut.py), or "lut" with whole items per CTA at every M ("lut_items": moe_lut.SPREAD_ROWS
 = ()), or with the spread gate-up at 1 and 2 rows ("lut_spread": (1, 2)); the outputs must equal the
-first lut engine's bit for bit. (Earlier
-experiments measured with it and removed: a CUDA C++ gate-up, docs/PERFORMANCE.md's eighth
-measurement; L2 prefetches ahead of each warp's ring, the fifteenth.)
+first lut engine's bit for bit. (Earlier experiments measured with it and removed: a CUDA C++
+gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the
+fifteenth.)
 
     python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut,lut_items]
 

@@ -16,8 +16,8 @@ docs/PERFORMANCE.md (tenth measurement).
 Grids are static (at most 2 CTAs of 256 threads per SM, each taking (expert slot, 128 weight rows)
 items in turn, each warp streaming whole rows; gate-up launches of M in SPREAD_ROWS rows deal the
 warps' tasks out evenly over one CTA per SM instead, the same bits), so launches are captured by
-CUDA graphs; build and load happen at the first call (`cuda_module`), which must come before any capture (the runtime's
-warm-up steps do it).
+CUDA graphs; build and load happen at the first call (`cuda_module`), which must come before any
+capture (the runtime's warm-up steps do it).
 When the step uses PDL (`common.pdl_enabled()`, read at launch) both launch with programmatic
 stream serialization: gate-up builds its decode table while the router drains, down also
 requests its first weights before the activation quantization has finished (the .cu's `run`

@@ -492,9 +492,9 @@ def test_gpu_lut_expert_parallel_and_host_memory_tables(M):
 @pytest.mark.parametrize("M", [1, 2])
 def test_gpu_lut_spread_gate_up_gives_the_same_bits(M, monkeypatch):
     """The spread gate-up (M in moe_lut.SPREAD_ROWS: warp tasks dealt out evenly over one CTA per
-    SM) gives the bits of the whole-item kernel: per-pair outputs, the combine, the combine with the shared expert's
-    output, a sparse table's pairs (expert parallelism), at V4-Flash expert shapes; three calls.
-    At M = 2 a slot holds both rows' pairs (two x rows staged)."""
+    SM) gives the bits of the whole-item kernel: per-pair outputs, the combine, the combine with
+    the shared expert's output, a sparse table's pairs (expert parallelism), at V4-Flash expert
+    shapes; three calls. At M = 2 a slot holds both rows' pairs (two x rows staged)."""
     from megastep.kernels import moe_lut
 
     ex = random_stacked_experts(32, 4096, 2048, seed=11, dev="cuda")
@@ -552,5 +552,8 @@ def test_lut_signatures_match_the_kernels():
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
-    warps = int(re.search(r"constexpr int kWarps = (\d+);", open(moe_lut.SOURCE).read()).group(1))
+    src = open(moe_lut.SOURCE).read()
+    warps = int(re.search(r"constexpr int kWarps = (\d+);", src).group(1))
     assert (moe_lut.ITEM_CHANNELS, moe_lut.ITEM_ROWS) == (8 * warps, 16 * warps)
+    # the spread gate-up's CTA: as many warps as the launch gives threads
+    assert moe_lut.SPREAD_WARPS == int(re.search(r"constexpr int kSpreadWarps = (\d+);", src).group(1))
