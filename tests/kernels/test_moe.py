@@ -509,7 +509,8 @@ def test_gpu_lut_spread_gate_up_gives_the_same_bits(M, monkeypatch):
 
     def outputs():
         return (moe_experts_table(x, ids, wts, full, config=cfg, return_pairs=True),
-                moe_experts_table(x, ids, wts, full, config=cfg), moe_experts_table(x, ids, wts, full, config=cfg, shared=s),
+                moe_experts_table(x, ids, wts, full, config=cfg),
+                moe_experts_table(x, ids, wts, full, config=cfg, shared=s),
                 moe_experts_table(x, ids, wts, half, config=cfg, return_pairs=True))
 
     monkeypatch.setattr(moe_lut, "SPREAD_ROWS", (M,))
