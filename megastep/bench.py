@@ -358,6 +358,8 @@ def _placement(cfg: ModelConfig, weights, hbm_budget_gb: float | None):
 
 
 def print_report(out: dict) -> None:
+    from megastep.runtime.trace import timeline_phases
+
     L = out["layers"]
     ep = f" (experts split, {out['ep_combine']} combine)" if out.get("ep_combine") else ""
     print(f"\n{out['device']} x{out.get('gpus', 1)}{ep}  preset {out['preset']}  layers {L}  context {out['context']}  "
@@ -388,6 +390,12 @@ def print_report(out: dict) -> None:
               f"{sm['sum_us'] / 1e3:.3f} ms of kernel time, covered {sm['busy_us'] / 1e3:.3f} ms, idle "
               f"{sm['idle_us'] / 1e3:.3f} ms; largest idle stretches (us, after): "
               + ", ".join(f"{g['us']:.1f} {g['after'][:30]}" for g in sm["largest_gaps"][:4]))
+        ph = timeline_phases(tl["activities"])
+        if ph["moe_phase_median_us"] is not None:
+            print(f"  MoE sublayer (routing's end to the experts' end) median {ph['moe_phase_median_us']:.1f} us, "
+                  f"layer period median {ph['layer_period_median_us'] or 0:.1f} us")
+        print("  the span by the kernel that ends each stretch, us: "
+              + ", ".join(f"{name[:28]} {us:.0f}" for name, us in list(ph["on_path_us"].items())[:6]))
     for B, tr in (out.get("trace") or {}).items():
         tot = sum(tr["by_stage_us"].values())
         print(f"\ntrace batch {B}: eager wall {tr['eager_wall_ms']:.2f} ms, sum of stages {tot / 1e3:.2f} ms")

@@ -96,3 +96,26 @@ def test_replay_timeline_summary_counts_overlaps_once():
     assert sm["idle_us"] == 16.0
     assert sm["largest_gaps"] == [{"us": 8.0, "after": "side"}, {"us": 8.0, "after": "fill"}]
     assert T.timeline_summary([])["activities"] == 0
+
+
+def test_timeline_phases_charge_the_path_and_time_the_moe_sublayer():
+    """timeline_phases: the span cut at every end, each stretch charged to the activity that ends it
+    (a kernel beside a longer one, here on a second stream, only for the stretch it closes); the MoE
+    sublayer runs from the routing launch's end to the experts' last launch's end, the period from
+    one such end to the next."""
+    def act(name, start, dur):
+        return {"name": name, "start_us": float(start), "dur_us": float(dur), "stream": 7}
+
+    acts = [act("attn", 0, 10), act("route_group", 10, 5), act("moe_gate_up_lut", 12, 20),  # PDL: starts early
+            act("shared_w13", 14, 10), act("moe_down_lut", 32, 8),  # layer 0: MoE 15 .. 40
+            act("attn", 40, 10), act("route_group", 50, 4), act("moe_gate_up_lut", 54, 16),
+            act("moe_down_lut", 70, 6)]  # layer 1: MoE 54 .. 76
+    ph = T.timeline_phases(acts)
+    # ends in order: attn 10, route 15, shared_w13 24, gate-up 32, down 40, attn 50, route 54, gate-up 70, down 76
+    assert ph["on_path_us"] == {"moe_gate_up_lut": 8.0 + 16.0, "attn": 10.0 + 10.0, "moe_down_lut": 8.0 + 6.0,
+                                "shared_w13": 9.0, "route_group": 5.0 + 4.0}
+    assert list(ph["on_path_us"])[:3] == ["moe_gate_up_lut", "attn", "moe_down_lut"]
+    assert sum(ph["on_path_us"].values()) == 76.0  # the span
+    assert ph["moe_phase_us"] == [25.0, 22.0] and ph["moe_phase_median_us"] == 23.5
+    assert ph["layer_period_us"] == [36.0] and ph["layer_period_median_us"] == 36.0
+    assert T.timeline_phases([])["moe_phase_median_us"] is None

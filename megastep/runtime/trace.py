@@ -16,6 +16,7 @@ runs them, with PDL's overlaps and the second stream (`megastep bench --timeline
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -160,6 +161,38 @@ def timeline_summary(acts: list[dict], gaps: int = 8) -> dict:
     holes.sort(key=lambda h: -h[0])
     return {"activities": len(acts), "span_us": span, "sum_us": sum(a["dur_us"] for a in acts), "busy_us": busy,
             "idle_us": span - busy, "largest_gaps": [{"us": us, "after": name} for us, name in holes[:gaps]]}
+
+
+def timeline_phases(acts: list[dict]) -> dict:
+    """Where a device timeline's span goes, across streams: the span, cut at every activity's end,
+    each stretch charged to the activity that ends it, summed by name ("on_path_us", largest first;
+    the charges add up to the span). A kernel running beside a longer one is charged only for the
+    stretch it closes, and a PDL launch placed early only from the previous end on. Per MoE layer:
+    the MoE sublayer's weight phase, from the end of its routing launch (a name with "route") to
+    the end of its experts' last launch (a name with "moe" and "down"), and the period from one
+    such end to the next (all values and medians, us; the first layer has no period)."""
+    on_path: dict[str, float] = {}
+    frontier = acts[0]["start_us"] if acts else 0.0
+    for a in sorted(acts, key=lambda a: a["start_us"] + a["dur_us"]):
+        e = a["start_us"] + a["dur_us"]
+        on_path[a["name"]] = on_path.get(a["name"], 0.0) + max(0.0, e - frontier)
+        frontier = max(frontier, e)
+    route_end, downs, moe = None, [], []
+    for a in acts:  # in start order: a layer's routing launch comes before its experts' last one
+        e = a["start_us"] + a["dur_us"]
+        if "route" in a["name"]:
+            route_end = e
+        elif "moe" in a["name"] and "down" in a["name"] and route_end is not None:
+            moe.append(e - route_end)
+            downs.append(e)
+            route_end = None
+    period = [b - a for a, b in zip(downs, downs[1:])]
+
+    def median(v):
+        return statistics.median(v) if v else None
+
+    return {"on_path_us": dict(sorted(on_path.items(), key=lambda kv: -kv[1])), "moe_phase_us": moe,
+            "moe_phase_median_us": median(moe), "layer_period_us": period, "layer_period_median_us": median(period)}
 
 
 def replay_timeline(replay: Callable[[], object], device: torch.device) -> list[dict]:
