@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from megastep.kernels.argmax import argmax_rows
 from megastep.runtime.sampling import sample
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -65,6 +66,8 @@ class StepRunner:
         b.logits = self.step(b.tokens, b.pos, b.slots)
         if self.sampling:
             b.next_tokens = sample(b.logits, b.temperature, b.top_k, b.top_p, b.seed, b.pos)
+        elif b.logits.is_cuda and b.logits.dtype == torch.float32:  # torch.argmax's bits, one launch
+            b.next_tokens = argmax_rows(b.logits)
         else:
             b.next_tokens = torch.argmax(b.logits, dim=-1)
 
