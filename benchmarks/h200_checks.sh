@@ -25,7 +25,7 @@
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh sharedroom # the shared w1/w3 in 2-warp programs: their bits against the picked ones, the step with them (and the spread gate-up at 1 row too), A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh priority   # the step's graphs captured on a high-priority stream (the side stream below it), late and early fork, A/B/A/B, then its GPU tests (~6 min)
-#   bash benchmarks/h200_checks.sh argmax     # the greedy argmax kernel (kernels/argmax.py): its tests on the GPU, the step, a timeline at 1 row (~3 min)
+#   bash benchmarks/h200_checks.sh argmax     # the greedy argmax kernel (step.FAST_ARGMAX): its GPU tests, the step with and without it A/B/A/B, a timeline, the step's GPU tests with it (~6 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
@@ -186,9 +186,18 @@ for group in "$@"; do
       step prio_tests 150 python3 -c "$prio; import sys, pytest; sys.exit(pytest.main(['-q', '-m', 'gpu', \
         'tests/test_fast_gpu.py', '-k', 'same_input or graph_replay or alone or side_stream']))" ;;
     argmax)  # built on 2026-11-30 (docs/PERFORMANCE.md, fifteenth measurement): the greedy argmax in one launch
+      # (step.FAST_ARGMAX, off until this passes): its GPU tests, then the step with and without it, A/B/A/B
       step argmax_tests 120 python3 -m pytest -q --timeout 100 tests/kernels/test_argmax.py
-      bench argmax_step 120 --layers 30 --batch 1,4,16,64
-      bench argmax_timeline 60 --layers 30 --batch 1 --timeline ;;
+      fast='import megastep.runtime.step as S; S.FAST_ARGMAX = True'
+      cli='import sys; from megastep.cli import main; sys.exit(main(sys.argv[1:]))'
+      args=(bench --preset v4-flash --context 4096 --iters 20 --layers 30 --batch 1,4,16,64)
+      for arm in a b; do
+        bench "argmax_torch_$arm" 100 --layers 30 --batch 1,4,16,64
+        step "argmax_fast_$arm" 60 python3 -c "$fast; $cli" "${args[@]}" --json "$OUT/argmax_fast_$arm.json"
+      done
+      step argmax_timeline 60 python3 -c "$fast; $cli" "${args[@]:0:9}" --batch 1 --timeline --json "$OUT/argmax_timeline.json"
+      step argmax_gpu_tests 150 python3 -c "$fast; import sys, pytest; sys.exit(pytest.main(['-q', '-m', 'gpu', \
+        'tests/test_fast_gpu.py', '-k', 'same_input or graph_replay or alone']))" ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep)

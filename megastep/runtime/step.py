@@ -26,6 +26,9 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # cudaGraphInstantiateFlagUseNodePriority), so the block scheduler would place the main stream's
 # pending CTAs first. The same launches and bits either way.
 CAPTURE_PRIORITY: int | None = None
+# Greedy tokens by kernels/argmax.py's one launch instead of torch.argmax (the same bits; CPU-tested,
+# not yet run on a GPU: off until `bash benchmarks/h200_checks.sh argmax` has passed and timed it).
+FAST_ARGMAX = False
 
 
 class _Bucket:
@@ -66,7 +69,7 @@ class StepRunner:
         b.logits = self.step(b.tokens, b.pos, b.slots)
         if self.sampling:
             b.next_tokens = sample(b.logits, b.temperature, b.top_k, b.top_p, b.seed, b.pos)
-        elif b.logits.is_cuda and b.logits.dtype == torch.float32:  # torch.argmax's bits, one launch
+        elif FAST_ARGMAX and b.logits.is_cuda and b.logits.dtype == torch.float32:  # torch.argmax's bits
             b.next_tokens = argmax_rows(b.logits)
         else:
             b.next_tokens = torch.argmax(b.logits, dim=-1)
