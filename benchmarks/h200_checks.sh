@@ -57,6 +57,21 @@ bench() {  # bench NAME SECONDS bench-args...
     --json "$OUT/$name.json" "$@"
 }
 
+# An experiment's arm in the same tree: python statements PRE (module settings, e.g.
+# 'import megastep.runtime.step as S; S.FAST_ARGMAX = True') run first in the process.
+bench_with() {  # bench_with NAME SECONDS PRE bench-args...
+  local name=$1 limit=$2 pre=$3
+  shift 3
+  step "$name" "$limit" python3 -c "$pre; import sys; from megastep.cli import main; sys.exit(main(sys.argv[1:]))" \
+    bench --preset v4-flash --context 4096 --iters 20 --json "$OUT/$name.json" "$@"
+}
+
+pytest_with() {  # pytest_with NAME SECONDS PRE pytest-args...
+  local name=$1 limit=$2 pre=$3
+  shift 3
+  step "$name" "$limit" python3 -c "$pre; import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))" "$@"
+}
+
 for group in "$@"; do
   case $group in
     tests)
@@ -153,51 +168,39 @@ for group in "$@"; do
       step spread_probe 100 python3 benchmarks/kernels/lut_balance_probe.py --out "$OUT"
       step spread_variants 120 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,2,4 \
         --engines lut,lut_items,lut_spread
-      items='import sys, megastep.kernels.moe_lut as m; m.SPREAD_ROWS = (); from megastep.cli import main; sys.exit(main(sys.argv[1:]))'
       for arm in a b; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
-        step "items_step_$arm" 60 python3 -c "$items" bench --preset v4-flash --context 4096 --iters 20 \
-          --json "$OUT/items_step_$arm.json" --layers 30 --batch 1,2
+        bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
     sharedroom)  # built on 2026-11-30 (docs/PERFORMANCE.md, fifteenth measurement): the shared expert's w1/w3
       # in 2-warp programs (same bits as the picked 4-warp ones?), small enough to run beside the spread gate-up
       step room_variants 150 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,2,4,16 --shapes shared_w13
       w13x2='import megastep.kernels.linear_fp8 as L; L._PINNED_SWIGLU[(2048, 4096, 16)] = L.LinearFp8Config("f16", 64, 16, 128, 8, num_warps=2, num_stages=3)'
       spread1='import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = (1, 2)'
-      cli='import sys; from megastep.cli import main; sys.exit(main(sys.argv[1:]))'
-      args=(bench --preset v4-flash --context 4096 --iters 20 --layers 30)
       for arm in a b; do
         bench "room_default_$arm" 100 --layers 30 --batch 1,2,4,16
-        step "room_w13x2_$arm" 60 python3 -c "$w13x2; $cli" "${args[@]}" --json "$OUT/room_w13x2_$arm.json" --batch 1,2,4,16
-        step "room_w13x2_spread1_$arm" 40 python3 -c "$w13x2; $spread1; $cli" "${args[@]}" \
-          --json "$OUT/room_w13x2_spread1_$arm.json" --batch 1,2
+        bench_with "room_w13x2_$arm" 60 "$w13x2" --layers 30 --batch 1,2,4,16
+        bench_with "room_w13x2_spread1_$arm" 40 "$w13x2; $spread1" --layers 30 --batch 1,2
       done ;;
     priority)  # built on 2026-11-30 (docs/PERFORMANCE.md, fifteenth measurement): the graphs captured on a
       # high-priority stream (step.CAPTURE_PRIORITY = -1), the side stream below it; late and early fork, A/B/A/B
       prio='import megastep.runtime.step as S; S.CAPTURE_PRIORITY = -1'
-      cli='import sys; from megastep.cli import main; sys.exit(main(sys.argv[1:]))'
-      args=(bench --preset v4-flash --context 4096 --iters 20 --layers 30 --batch 1,2,4,16)
       for arm in a b; do
         bench "prio_default_$arm" 100 --layers 30 --batch 1,2,4,16
-        step "prio_high_$arm" 60 python3 -c "$prio; $cli" "${args[@]}" --json "$OUT/prio_high_$arm.json"
-        step "prio_high_early_$arm" 60 python3 -c "$prio; $cli" "${args[@]}" --json "$OUT/prio_high_early_$arm.json" \
-          --shared-after-router off
+        bench_with "prio_high_$arm" 60 "$prio" --layers 30 --batch 1,2,4,16
+        bench_with "prio_high_early_$arm" 60 "$prio" --layers 30 --batch 1,2,4,16 --shared-after-router off
       done
-      step prio_tests 150 python3 -c "$prio; import sys, pytest; sys.exit(pytest.main(['-q', '-m', 'gpu', \
-        'tests/test_fast_gpu.py', '-k', 'same_input or graph_replay or alone or side_stream']))" ;;
+      pytest_with prio_tests 150 "$prio" -q -m gpu tests/test_fast_gpu.py -k "same_input or graph_replay or alone or side_stream" ;;
     argmax)  # built on 2026-11-30 (docs/PERFORMANCE.md, fifteenth measurement): the greedy argmax in one launch
       # (step.FAST_ARGMAX, off until this passes): its GPU tests, then the step with and without it, A/B/A/B
       step argmax_tests 120 python3 -m pytest -q --timeout 100 tests/kernels/test_argmax.py
       fast='import megastep.runtime.step as S; S.FAST_ARGMAX = True'
-      cli='import sys; from megastep.cli import main; sys.exit(main(sys.argv[1:]))'
-      args=(bench --preset v4-flash --context 4096 --iters 20 --layers 30 --batch 1,4,16,64)
       for arm in a b; do
         bench "argmax_torch_$arm" 100 --layers 30 --batch 1,4,16,64
-        step "argmax_fast_$arm" 60 python3 -c "$fast; $cli" "${args[@]}" --json "$OUT/argmax_fast_$arm.json"
+        bench_with "argmax_fast_$arm" 60 "$fast" --layers 30 --batch 1,4,16,64
       done
-      step argmax_timeline 60 python3 -c "$fast; $cli" "${args[@]:0:9}" --batch 1 --timeline --json "$OUT/argmax_timeline.json"
-      step argmax_gpu_tests 150 python3 -c "$fast; import sys, pytest; sys.exit(pytest.main(['-q', '-m', 'gpu', \
-        'tests/test_fast_gpu.py', '-k', 'same_input or graph_replay or alone']))" ;;
+      bench_with argmax_timeline 60 "$fast" --layers 30 --batch 1 --timeline
+      pytest_with argmax_gpu_tests 150 "$fast" -q -m gpu tests/test_fast_gpu.py -k "same_input or graph_replay or alone" ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep)

@@ -65,8 +65,6 @@ def record() -> list[dict]:
             self.module, self.name, self.kernel = module, name, kernel
 
         def __getitem__(self, grid):
-            launch = self.kernel[grid]
-
             def run(*args, **kwargs):
                 fn = getattr(self.kernel, "fn", self.kernel)
                 names = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
