@@ -757,7 +757,8 @@ class FastDecoder:
             dummy = torch.full_like(slots, self.pools.dummy_slot)
             passes = [torch.where(rank == t, slots, dummy) for t in range(block)]
         with stage(T, "embed"):
-            h = self.embed[tokens].to(self.dtype)[:, None, :].expand(-1, hc, -1).contiguous()
+            # each row's embedding in its hc streams by one gather (an expanded index: no copy launch)
+            h = self.embed[tokens[:, None].expand(-1, hc)].to(self.dtype)
         # sublayers in order (attention, then FFN, of each layer); each one's update of the streams
         # shares a launch with the next one's mixes (mhc_post_pre), the last one's stands alone
         subs = [(L, kind) for L in range(len(self.layers)) for kind in ("attn", "ffn")]
