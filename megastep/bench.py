@@ -395,7 +395,7 @@ def print_report(out: dict) -> None:
             print(f"  MoE sublayer (routing's end to the experts' end) median {ph['moe_phase_median_us']:.1f} us, "
                   f"layer period median {ph['layer_period_median_us'] or 0:.1f} us")
         print("  the span by the kernel that ends each stretch, us: "
-              + ", ".join(f"{name[:28]} {us:.0f}" for name, us in list(ph["on_path_us"].items())[:6]))
+              + ", ".join(f"{name[:28]} {us:.0f}" for name, us in list(ph["span_by_kernel_us"].items())[:6]))
     for B, tr in (out.get("trace") or {}).items():
         tot = sum(tr["by_stage_us"].values())
         print(f"\ntrace batch {B}: eager wall {tr['eager_wall_ms']:.2f} ms, sum of stages {tot / 1e3:.2f} ms")

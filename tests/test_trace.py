@@ -112,10 +112,10 @@ def test_timeline_phases_charge_the_path_and_time_the_moe_sublayer():
             act("moe_down_lut", 70, 6)]  # layer 1: MoE 54 .. 76
     ph = T.timeline_phases(acts)
     # ends in order: attn 10, route 15, shared_w13 24, gate-up 32, down 40, attn 50, route 54, gate-up 70, down 76
-    assert ph["on_path_us"] == {"moe_gate_up_lut": 8.0 + 16.0, "attn": 10.0 + 10.0, "moe_down_lut": 8.0 + 6.0,
-                                "shared_w13": 9.0, "route_group": 5.0 + 4.0}
-    assert list(ph["on_path_us"])[:3] == ["moe_gate_up_lut", "attn", "moe_down_lut"]
-    assert sum(ph["on_path_us"].values()) == 76.0  # the span
+    assert ph["span_by_kernel_us"] == {"moe_gate_up_lut": 8.0 + 16.0, "attn": 10.0 + 10.0,
+                                       "moe_down_lut": 8.0 + 6.0, "shared_w13": 9.0, "route_group": 5.0 + 4.0}
+    assert list(ph["span_by_kernel_us"])[:3] == ["moe_gate_up_lut", "attn", "moe_down_lut"]
+    assert sum(ph["span_by_kernel_us"].values()) == 76.0  # the span
     assert ph["moe_phase_us"] == [25.0, 22.0] and ph["moe_phase_median_us"] == 23.5
     assert ph["layer_period_us"] == [36.0] and ph["layer_period_median_us"] == 36.0
     assert T.timeline_phases([])["moe_phase_median_us"] is None

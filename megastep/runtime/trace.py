@@ -165,17 +165,17 @@ def timeline_summary(acts: list[dict], gaps: int = 8) -> dict:
 
 def timeline_phases(acts: list[dict]) -> dict:
     """Where a device timeline's span goes, across streams: the span, cut at every activity's end,
-    each stretch charged to the activity that ends it, summed by name ("on_path_us", largest first;
-    the charges add up to the span). A kernel running beside a longer one is charged only for the
+    each stretch charged to the activity that ends it, summed by name ("span_by_kernel_us", largest
+    first; the charges add up to the span). A kernel running beside a longer one is charged only for the
     stretch it closes, and a PDL launch placed early only from the previous end on. Per MoE layer:
     the MoE sublayer's weight phase, from the end of its routing launch (a name with "route") to
     the end of its experts' last launch (a name with "moe" and "down"), and the period from one
     such end to the next (all values and medians, us; the first layer has no period)."""
-    on_path: dict[str, float] = {}
+    by_kernel: dict[str, float] = {}
     frontier = acts[0]["start_us"] if acts else 0.0
     for a in sorted(acts, key=lambda a: a["start_us"] + a["dur_us"]):
         e = a["start_us"] + a["dur_us"]
-        on_path[a["name"]] = on_path.get(a["name"], 0.0) + max(0.0, e - frontier)
+        by_kernel[a["name"]] = by_kernel.get(a["name"], 0.0) + max(0.0, e - frontier)
         frontier = max(frontier, e)
     route_end, downs, moe = None, [], []
     for a in acts:  # in start order: a layer's routing launch comes before its experts' last one
@@ -191,7 +191,7 @@ def timeline_phases(acts: list[dict]) -> dict:
     def median(v):
         return statistics.median(v) if v else None
 
-    return {"on_path_us": dict(sorted(on_path.items(), key=lambda kv: -kv[1])), "moe_phase_us": moe,
+    return {"span_by_kernel_us": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])), "moe_phase_us": moe,
             "moe_phase_median_us": median(moe), "layer_period_us": period, "layer_period_median_us": median(period)}
 
 
