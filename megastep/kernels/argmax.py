@@ -11,8 +11,8 @@ step on the H200 (docs/PERFORMANCE.md, fifteenth measurement's timeline), on the
 the lm head. Here CHUNK-wide programs of each row reduce their slice to (key, first index) and the
 last program of the row to arrive (an int32 arrival counter that it resets) reduces the row's
 partials: the largest key, then the smallest index holding it, so the result depends on no
-arrival order. A float's key is an int32 ordered like the float under torch's comparison: its
-bits, the magnitude bits flipped for negatives, -0 as +0, NaN as the largest int32.
+arrival order. A float's key is common.f32_order_key's uint32 (ordered like the floats, -0 as +0),
+NaN's the largest uint32: torch's comparison.
 """
 
 from __future__ import annotations
@@ -21,18 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from megastep.kernels.common import launch_opts, pdl_enter, pdl_release, workspace
+from megastep.kernels.common import f32_order_key, launch_opts, pdl_enter, pdl_release, workspace
 
 CHUNK = 4096  # logits per program: the V4 vocabulary in 32 programs per row
-
-
-@triton.jit
-def _key(x):
-    """int32 keys ordered as torch orders x (fp32): NaN largest, -0 == +0."""
-    b = x.to(tl.int32, bitcast=True)
-    b = tl.where(b == -2147483648, 0, b)  # -0 -> +0
-    k = tl.where(b < 0, b ^ 0x7FFFFFFF, b)  # negatives: larger magnitude, smaller key
-    return tl.where(x != x, 2147483647, k)
 
 
 @triton.jit
@@ -44,7 +35,8 @@ def _argmax_kernel(x_ptr, out_ptr, key_ptr, idx_ptr, cnt_ptr, V, stride_x,
     offs = c * CHUNK + tl.arange(0, CHUNK)
     ok = offs < V
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=ok, other=float("-inf"))
-    key = tl.where(ok, _key(x), -2147483648)  # below every float's key (-inf's is -2139095041)
+    key = tl.where(x != x, 0xFFFFFFFF, f32_order_key(x))  # NaN above every number
+    key = tl.where(ok, key, tl.zeros_like(key))  # below every number's key (-inf's is 0x007FFFFF)
     best = tl.max(key, axis=0)
     first = tl.min(tl.where(key == best, offs, V), axis=0)
     pdl_release(PDL)
@@ -55,7 +47,7 @@ def _argmax_kernel(x_ptr, out_ptr, key_ptr, idx_ptr, cnt_ptr, V, stride_x,
     if arrived == NCHUNK - 1:  # the row's last program: every partial is visible
         cs = tl.arange(0, NCHUNK_P2)
         cm = cs < NCHUNK
-        keys = tl.load(key_ptr + row * NCHUNK + cs, mask=cm, other=-2147483648, cache_modifier=".cg")
+        keys = tl.load(key_ptr + row * NCHUNK + cs, mask=cm, other=0, cache_modifier=".cg")
         idxs = tl.load(idx_ptr + row * NCHUNK + cs, mask=cm, other=V, cache_modifier=".cg")
         top = tl.max(keys, axis=0)
         tl.store(out_ptr + row, tl.min(tl.where(keys == top, idxs, V), axis=0).to(tl.int64))
@@ -71,7 +63,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     if M == 0:
         return out
     nchunk = triton.cdiv(V, CHUNK)
-    keys = workspace(logits.device, "argmax_keys", M * nchunk, torch.int32)
+    keys = workspace(logits.device, "argmax_keys", M * nchunk, torch.uint32)
     idxs = workspace(logits.device, "argmax_idx", M * nchunk, torch.int32)
     cnt = workspace(logits.device, "counters_argmax", M, torch.int32)
     grid = (M, nchunk)

@@ -136,6 +136,16 @@ def l2_prefetch_rows(w_ptr, n0, N, stride_wn, pid_k, K_PER_SPLIT, K, ROWS: tl.co
 
 
 @triton.jit
+def f32_order_key(x):
+    """fp32 -> uint32 keys in the order of the values, -0.0 counted as +0.0 (-inf: 0x007FFFFF, so
+    0 stays below every number; NaN is left where its bits fall: callers that meet NaN place it).
+    (u ^ 0xFFFFFFFF is ~u: the uint32 literal keeps the type, and Triton 3.8's interpreter fails on
+    ~ of an unsigned tensor with numpy 2, filling its all-ones value from -1.)"""
+    u = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)
+    return tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)
+
+
+@triton.jit
 def fp8_pow2_scale(amax):
     """amax (fp32, any shape) -> (s, 1/s) with s = 2^ceil(log2(max(amax, 1e-4) / 448))."""
     amax = tl.maximum(amax, 1e-4)

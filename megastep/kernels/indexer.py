@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
+from megastep.kernels.common import f32_order_key, launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
 
 CSA_RATIO = 4
 
@@ -132,12 +132,7 @@ def _score_kernel(
 def _ordered_key(s_ptr, offs, vis, m):
     """Scores -> (uint32 keys in the order of the fp32 values, -0.0 counted as +0.0; candidate
     mask offs < m). Entries at or past `vis` get the key 0, below every score (-inf: 0x007FFFFF)."""
-    s = tl.load(s_ptr + offs, mask=offs < vis, other=0.0)
-    s = tl.where(s == 0.0, 0.0, s)
-    u = s.to(tl.uint32, bitcast=True)
-    # (u ^ 0xFFFFFFFF is ~u: the uint32 literal keeps the type, and Triton 3.8's interpreter
-    # fails on ~ of an unsigned tensor with numpy 2, filling its all-ones value from -1)
-    key = tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)
+    key = f32_order_key(tl.load(s_ptr + offs, mask=offs < vis, other=0.0))
     return tl.where(offs < vis, key, tl.zeros_like(key)), offs < m
 
 
