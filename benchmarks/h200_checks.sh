@@ -23,9 +23,6 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh sharedroom # the shared w1/w3 in 2-warp programs: their bits against the picked ones, the step with them (and the spread gate-up at 1 row too), A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh priority   # the step's graphs captured on a high-priority stream (the side stream below it), late and early fork, A/B/A/B, then its GPU tests (~6 min)
-#   bash benchmarks/h200_checks.sh argmax     # the greedy argmax kernel (step.FAST_ARGMAX): its GPU tests, the step with and without it A/B/A/B, a timeline, the step's GPU tests with it (~6 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
@@ -172,35 +169,6 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
-    sharedroom)  # built on 2026-11-30 (docs/PERFORMANCE.md, fifteenth measurement): the shared expert's w1/w3
-      # in 2-warp programs (same bits as the picked 4-warp ones?), small enough to run beside the spread gate-up
-      step room_variants 150 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,2,4,16 --shapes shared_w13
-      w13x2='import megastep.kernels.linear_fp8 as L; L._PINNED_SWIGLU[(2048, 4096, 16)] = L.LinearFp8Config("f16", 64, 16, 128, 8, num_warps=2, num_stages=3)'
-      spread1='import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = (1, 2)'
-      for arm in a b; do
-        bench "room_default_$arm" 100 --layers 30 --batch 1,2,4,16
-        bench_with "room_w13x2_$arm" 60 "$w13x2" --layers 30 --batch 1,2,4,16
-        bench_with "room_w13x2_spread1_$arm" 40 "$w13x2; $spread1" --layers 30 --batch 1,2
-      done ;;
-    priority)  # built on 2026-11-30 (docs/PERFORMANCE.md, fifteenth measurement): the graphs captured on a
-      # high-priority stream (step.CAPTURE_PRIORITY = -1), the side stream below it; late and early fork, A/B/A/B
-      prio='import megastep.runtime.step as S; S.CAPTURE_PRIORITY = -1'
-      for arm in a b; do
-        bench "prio_default_$arm" 100 --layers 30 --batch 1,2,4,16
-        bench_with "prio_high_$arm" 60 "$prio" --layers 30 --batch 1,2,4,16
-        bench_with "prio_high_early_$arm" 60 "$prio" --layers 30 --batch 1,2,4,16 --shared-after-router off
-      done
-      pytest_with prio_tests 150 "$prio" -q -m gpu tests/test_fast_gpu.py -k "same_input or graph_replay or alone or side_stream" ;;
-    argmax)  # built on 2026-11-30 (docs/PERFORMANCE.md, fifteenth measurement): the greedy argmax in one launch
-      # (step.FAST_ARGMAX, off until this passes): its GPU tests, then the step with and without it, A/B/A/B
-      step argmax_tests 120 python3 -m pytest -q --timeout 100 tests/kernels/test_argmax.py
-      fast='import megastep.runtime.step as S; S.FAST_ARGMAX = True'
-      for arm in a b; do
-        bench "argmax_torch_$arm" 100 --layers 30 --batch 1,4,16,64
-        bench_with "argmax_fast_$arm" 60 "$fast" --layers 30 --batch 1,4,16,64
-      done
-      bench_with argmax_timeline 60 "$fast" --layers 30 --batch 1 --timeline
-      pytest_with argmax_gpu_tests 150 "$fast" -q -m gpu tests/test_fast_gpu.py -k "same_input or graph_replay or alone" ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep)
@@ -218,7 +186,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sharedroom | priority | argmax | linsplit | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | linsplit | ep)"
       exit 2 ;;
   esac
 done

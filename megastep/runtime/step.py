@@ -19,16 +19,6 @@ from megastep.runtime.sampling import sample
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# An experiment, not yet measured (docs/PERFORMANCE.md, fifteenth measurement): the priority of the
-# stream the graphs are captured on (None: torch's capture stream, priority 0, the lowest). A
-# negative value ranks the step's main stream above its side stream (FastDecoder's, priority 0):
-# the kernel nodes keep their stream's priority in the graph (torch instantiates graphs with
-# cudaGraphInstantiateFlagUseNodePriority), so the block scheduler would place the main stream's
-# pending CTAs first. The same launches and bits either way.
-CAPTURE_PRIORITY: int | None = None
-# Greedy tokens by kernels/argmax.py's one launch instead of torch.argmax (the same bits; CPU-tested,
-# not yet run on a GPU: off until `bash benchmarks/h200_checks.sh argmax` has passed and timed it).
-FAST_ARGMAX = False
 
 
 class _Bucket:
@@ -69,7 +59,9 @@ class StepRunner:
         b.logits = self.step(b.tokens, b.pos, b.slots)
         if self.sampling:
             b.next_tokens = sample(b.logits, b.temperature, b.top_k, b.top_p, b.seed, b.pos)
-        elif FAST_ARGMAX and b.logits.is_cuda and b.logits.dtype == torch.float32:  # torch.argmax's bits
+        elif b.logits.is_cuda and b.logits.dtype == torch.float32:
+            # torch.argmax's bits in one launch: -35 to -55 us per step on an H200 (docs/PERFORMANCE.md,
+            # sixteenth measurement); the CPU keeps torch's
             b.next_tokens = argmax_rows(b.logits)
         else:
             b.next_tokens = torch.argmax(b.logits, dim=-1)
@@ -86,8 +78,7 @@ class StepRunner:
                 self._body(b)
         torch.cuda.current_stream().wait_stream(s)
         b.graph = torch.cuda.CUDAGraph()
-        capture = None if CAPTURE_PRIORITY is None else torch.cuda.Stream(self.device, priority=CAPTURE_PRIORITY)
-        with torch.cuda.graph(b.graph, stream=capture):
+        with torch.cuda.graph(b.graph):
             self._body(b)
         for dst, src in zip((b.tokens, b.pos, b.slots), saved):
             dst.copy_(src)
