@@ -1,7 +1,9 @@
 """Expert parallelism on two GPUs (skipped otherwise): the fast decoder with its routed experts
 split over the ranks gives the 1-GPU decoder's logits bit for bit, eagerly and replayed from CUDA
 graphs, at batch 1 and 4, with either combine: the peer-to-peer gather (arrival flags and NVLink
-loads inside the graph, kernels/pair_combine.py) and the integer all-reduce through NCCL."""
+loads inside the graph, kernels/pair_combine.py) and the integer all-reduce through NCCL; and with the
+one-GPU step's MoE order at few rows (CUDA routing, the shared expert forked after the router), which
+the ranks do not take by default (FastDecoder.MOE_PLAN_ABOVE)."""
 
 import pytest
 import torch
@@ -52,13 +54,13 @@ def _run(dec, batches):
     return {b: _greedy_rows(dec, runner, b, STEPS) for b in batches}
 
 
-def _ep_rank(r: D.Rank, batches, ep_combine):
+def _ep_rank(r: D.Rank, batches, ep_combine, plan):
     from megastep.model.fast import FastDecoder
 
     cfg = _cfg()
     w = D.synthesize_rank_weights(cfg, SEED, r.rank, r.world_size, device=r.device)
     dec = FastDecoder(cfg, w, max_seqs=max(batches), max_ctx=64, device=r.device,
-                      rank=r.rank, world_size=r.world_size, ep_combine=ep_combine)
+                      rank=r.rank, world_size=r.world_size, ep_combine=ep_combine, **plan)
     assert (dec.peer is not None) == (ep_combine == "p2p")
     return _run(dec, batches)
 
@@ -80,10 +82,14 @@ def one_gpu():
     return want
 
 
-@pytest.mark.parametrize("ep_combine", ["p2p", "allreduce"])
-def test_expert_parallel_matches_one_gpu(one_gpu, ep_combine):
+# FastDecoder's MoE order on the ranks: their default, and the one-GPU plan's at 1-4 rows
+PLANS = {"default": {}, "cuda_late": {"router": "cuda", "shared_after_router": True}}
+
+
+@pytest.mark.parametrize("ep_combine,plan", [("p2p", "default"), ("allreduce", "default"), ("p2p", "cuda_late")])
+def test_expert_parallel_matches_one_gpu(one_gpu, ep_combine, plan):
     want = one_gpu
-    outs = D.launch(_ep_rank, 2, (BATCHES, ep_combine), backend="nccl", gpus=[0, 1], timeout_s=600)
+    outs = D.launch(_ep_rank, 2, (BATCHES, ep_combine, PLANS[plan]), backend="nccl", gpus=[0, 1], timeout_s=600)
     for b in BATCHES:
         assert torch.equal(want[b]["graph"], want[b]["eager"]), f"batch {b}: 1 GPU graph != eager"
         for rank, o in enumerate(outs):

@@ -172,8 +172,9 @@ def test_cuda_routing_only_where_it_runs(tiny):
 
 def test_moe_plan_by_rows(tiny):
     """router=None / shared_after_router=None / shared_w2=None follow MOE_PLAN by a step's rows on
-    one GPU (with several ranks MOE_PLAN_ABOVE); explicit choices hold for every row count."""
-    from megastep.model.fast import MOE_PLAN, MOE_PLAN_ABOVE
+    one GPU (with several ranks MOE_PLAN_EP under the peer-to-peer combine, else MOE_PLAN_ABOVE);
+    explicit choices hold for every row count."""
+    from megastep.model.fast import MOE_PLAN, MOE_PLAN_ABOVE, MOE_PLAN_EP
 
     cfg, w = tiny
     d = FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu")
@@ -185,8 +186,14 @@ def test_moe_plan_by_rows(tiny):
     d.route_cuda_ok = False  # where the CUDA routing does not run: router.py's, the rest of the plan kept
     assert d._moe_plan(1) == ("triton", True, "mhc")
     d.route_cuda_ok = True
-    d.world_size = 2  # expert parallelism: the order measured there, whatever the rows
-    assert {d._moe_plan(n) for n in (1, 4, 16, 64)} == {MOE_PLAN_ABOVE}
+    d.world_size = 2  # expert parallelism, the all-reduce combine: the order measured there, whatever the rows
+    assert d.peer is None and {d._moe_plan(n) for n in (1, 4, 16, 64)} == {MOE_PLAN_ABOVE}
+    d.peer = object()  # the peer-to-peer combine: the CUDA routing and the late fork at 1 row only
+    assert MOE_PLAN_EP == ((1, "cuda", True, "residual"),)
+    assert [d._moe_plan(n) for n in (1, 2, 6, 64)] == [("cuda", True, "residual")] + [MOE_PLAN_ABOVE] * 3
+    d.route_cuda_ok = False
+    assert d._moe_plan(1) == ("triton", True, "residual")
+    d.route_cuda_ok = True
     d.router, d.shared_after_router, d.shared_w2 = "cuda", False, "combine"
     assert {d._moe_plan(n) for n in (1, 4, 64)} == {("cuda", False, "combine")}
     with pytest.raises(ValueError, match="shared_w2 must be residual, combine or mhc"):

@@ -63,10 +63,16 @@ PDL_MAX_ROWS = 4  # FastDecoder(pdl=None): programmatic dependent launch for ste
 # - the routing, CUDA (its launch built for the expert count, redux argmax) against Triton: 1 row
 #   5.06-5.09 / 5.15-5.16, 16 rows 19.62 / 19.92-19.93, 64 rows 55.00 / 55.05-55.11 (A/B/A; at 64
 #   rows 384 pairs are too many for its grouping: moe_route's launches group them).
-# Above 64 rows (not measured) and with several ranks: MOE_PLAN_ABOVE.
+# Above 64 rows (not measured): MOE_PLAN_ABOVE.
 MOE_PLAN = ((1, "cuda", True, "mhc"), (4, "cuda", True, "mhc"), (16, "cuda", False, "mhc"),
             (64, "cuda", False, "residual"))
 MOE_PLAN_ABOVE = ("triton", False, "residual")
+# With several ranks and the peer-to-peer combine (the whole shared expert beside the routed experts,
+# so the shared w2 entry does not apply): 1 row takes the CUDA routing and the late fork, measured
+# on 2 x H200, all 43 layers, p50 ms A/B/A/B: 7.497 / 7.500 against MOE_PLAN_ABOVE's 8.274 / 8.286
+# (docs/PERFORMANCE.md, sixteenth measurement). More rows, and the all-reduce combine, are not
+# measured yet (`bash benchmarks/h200_checks.sh ep_plan`): MOE_PLAN_ABOVE.
+MOE_PLAN_EP = ((1, "cuda", True, "residual"),)
 
 
 @dataclass
@@ -631,10 +637,10 @@ class FastDecoder:
 
     def _moe_plan(self, rows: int) -> tuple[str, bool, str]:
         """(router, shared_after_router, shared_w2) of a step of `rows` rows: the constructor's
-        choices, or MOE_PLAN's for that many rows ("triton" where the CUDA routing does not run).
-        With several ranks, where the plan was not measured, MOE_PLAN_ABOVE (the order measured
-        there)."""
-        plan = MOE_PLAN if self.world_size == 1 else ()
+        choices, or the plan's for that many rows ("triton" where the CUDA routing does not run):
+        MOE_PLAN on one GPU, MOE_PLAN_EP with several ranks and the peer-to-peer combine, else
+        MOE_PLAN_ABOVE."""
+        plan = MOE_PLAN if self.world_size == 1 else MOE_PLAN_EP if self.peer is not None else ()
         router, after, w2 = next((tuple(p[1:]) for p in plan if rows <= p[0]), MOE_PLAN_ABOVE)
         router = self.router or (router if self.route_cuda_ok else "triton")
         return (router, after if self.shared_after_router is None else self.shared_after_router,
