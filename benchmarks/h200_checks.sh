@@ -23,8 +23,9 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
+#   bash benchmarks/h200_checks.sh replan     # the one-GPU MoE order at 1, 2 and 4 rows against its alternatives on today's kernels, A/B; the spread gate-up at 1 row with a timeline (~6 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
-#   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the ranks' MoE order (default) against the one-GPU plan's (CUDA routing, late fork) at 1 and 6 rows, A/B/A/B; its EP GPU test; the trace at 1 row (~8 min)
+#   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the ranks' MoE order (default) against the other orders (routing x fork) at 1 and 6 rows; the EP GPU tests; the trace at 1 row (~9 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
@@ -170,10 +171,22 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
+    replan)  # MOE_PLAN was measured in the twelfth and thirteenth measurements, before the whole-K items, the
+      # spread gate-up at 2 rows and the 2-warp shared w1/w3; on 2 x H200 its order was worth 0.78 ms at 1 row (sixteenth)
+      for arm in a b; do
+        bench "replan_default_$arm" 100 --layers 30 --batch 1,2,4
+        bench "replan_early_$arm" 60 --layers 30 --batch 1,2,4 --shared-after-router off
+        bench "replan_combine_$arm" 60 --layers 30 --batch 1,2,4 --shared-w2 combine
+        bench "replan_residual_$arm" 60 --layers 30 --batch 1,2,4 --shared-w2 residual
+      done
+      # the spread gate-up is 7 us faster alone at 1 row, yet the step does not move (fifteenth, sixteenth): where it waits
+      bench_with replan_spread1_timeline 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = (1, 2)' \
+        --layers 30 --batch 1 --timeline
+      bench replan_default_timeline 60 --layers 30 --batch 1 --timeline ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
-    ep_plan)  # the EP step at 1 row was 8.28 ms on 2026-11-30 (sixteenth measurement) against 7.87 in the tenth:
-      # the ranks take MOE_PLAN_ABOVE (Triton routing, early fork), the one-GPU plan is measured here
+    ep_plan)  # the ranks' MoE order (FastDecoder.MOE_PLAN_EP: 1 row CUDA routing and late fork, sixteenth
+      # measurement; more rows MOE_PLAN_ABOVE, Triton routing and early fork) against the other orders at 1 and 6 rows
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
       n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       gpus=$(seq -s, 0 $((n - 1)))
@@ -181,9 +194,10 @@ for group in "$@"; do
         bench "ep${n}_plan_default_$arm" 100 --gpus "$gpus" --batch 1,6
         bench "ep${n}_plan_cuda_late_$arm" 100 --gpus "$gpus" --batch 1,6 --router cuda --shared-after-router on
       done
+      bench "ep${n}_plan_triton_early" 100 --gpus "$gpus" --batch 1,6 --router triton --shared-after-router off
       bench "ep${n}_plan_triton_late" 100 --gpus "$gpus" --batch 1,6 --router triton --shared-after-router on
       bench "ep${n}_plan_cuda_early" 100 --gpus "$gpus" --batch 1,6 --router cuda --shared-after-router off
-      step ep_plan_tests 200 python3 -m pytest -q --timeout 180 tests/test_distributed_gpu.py -k cuda_late
+      step ep_plan_tests 200 python3 -m pytest -q --timeout 180 tests/test_distributed_gpu.py
       bench "ep${n}_trace" 150 --gpus "$gpus" --batch 1 --trace ;;
     ep)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
@@ -200,7 +214,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | replan | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done
