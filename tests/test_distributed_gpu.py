@@ -2,8 +2,8 @@
 split over the ranks gives the 1-GPU decoder's logits bit for bit, eagerly and replayed from CUDA
 graphs, at batch 1 and 4, with either combine: the peer-to-peer gather (arrival flags and NVLink
 loads inside the graph, kernels/pair_combine.py) and the integer all-reduce through NCCL; and with the
-one-GPU step's MoE order at few rows (CUDA routing, the shared expert forked after the router), which
-the ranks do not take by default (FastDecoder.MOE_PLAN_ABOVE)."""
+one-GPU step's MoE order at few rows (CUDA routing, the shared expert forked after the router) at
+both batches, which the ranks take by default at 1 row only (FastDecoder.MOE_PLAN_EP)."""
 
 import pytest
 import torch
@@ -82,7 +82,7 @@ def one_gpu():
     return want
 
 
-# FastDecoder's MoE order on the ranks: their default, and the one-GPU plan's at 1-4 rows
+# FastDecoder's MoE order on the ranks: their default (by rows), and the one-GPU plan's at 1-4 rows for every row count
 PLANS = {"default": {}, "cuda_late": {"router": "cuda", "shared_after_router": True}}
 
 
