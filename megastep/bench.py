@@ -396,6 +396,12 @@ def print_report(out: dict) -> None:
                   f"layer period median {ph['layer_period_median_us'] or 0:.1f} us")
         print("  the span by the kernel that ends each stretch, us: "
               + ", ".join(f"{name[:28]} {us:.0f}" for name, us in list(ph["span_by_kernel_us"].items())[:6]))
+        an = ph["anatomy"]
+        for k in an["kinds"]:  # a layer's path: what each part of its period closes
+            period = sum(p["charge_us"] for p in k["parts"])
+            print(f"  {k['periods']} of {an['periods']} layer periods alike ({period:.1f} us), the stretch each part "
+                  "closes, us: " + ", ".join(f"{p['name'].strip('_').replace('_kernel', '')[:26]} {p['charge_us']:.1f}"
+                                            for p in k["parts"]))
     for B, tr in (out.get("trace") or {}).items():
         tot = sum(tr["by_stage_us"].values())
         print(f"\ntrace batch {B}: eager wall {tr['eager_wall_ms']:.2f} ms, sum of stages {tot / 1e3:.2f} ms")

@@ -119,3 +119,27 @@ def test_timeline_phases_charge_the_path_and_time_the_moe_sublayer():
     assert ph["moe_phase_us"] == [25.0, 22.0] and ph["moe_phase_median_us"] == 23.5
     assert ph["layer_period_us"] == [36.0] and ph["layer_period_median_us"] == 36.0
     assert T.timeline_phases([])["moe_phase_median_us"] is None
+
+
+def test_layer_anatomy_parts_of_alike_periods():
+    """timeline_phases' anatomy: the periods between the experts' last ends, each activity in the
+    period its end falls in, recurring names numbered in start order; alike periods (the same parts)
+    grouped, the most common first, each part's median charge in end order; a period's charges add
+    up to it."""
+    def layer(t0, side=False):
+        parts = [("attn", 0, 10), ("lin", 10, 5), ("lin", 15, 5), ("route_group", 20, 2), ("moe_down_lut", 22, 8)]
+        parts += [("side", 5, 3)] if side else []  # a second stream's launch
+        return [{"name": n, "start_us": t0 + s, "dur_us": float(d)} for n, s, d in parts]
+
+    acts = sorted(layer(0.0) + layer(30.0) + layer(60.0) + layer(90.0, side=True), key=lambda a: a["start_us"])
+    an = T.timeline_phases(acts)["anatomy"]
+    assert an["periods"] == 3 and [k["periods"] for k in an["kinds"]] == [2, 1]
+    first, second = an["kinds"]
+    assert [(p["name"], p["charge_us"], p["end_us"]) for p in first["parts"]] == [
+        ("attn", 10.0, 10.0), ("lin#1", 5.0, 15.0), ("lin#2", 5.0, 20.0), ("route_group", 2.0, 22.0),
+        ("moe_down_lut", 8.0, 30.0)]
+    # the side launch closes 90 .. 98 (start 95): attn then only 98 .. 100
+    assert [(p["name"], p["charge_us"]) for p in second["parts"]] == [
+        ("side", 8.0), ("attn", 2.0), ("lin#1", 5.0), ("lin#2", 5.0), ("route_group", 2.0), ("moe_down_lut", 8.0)]
+    assert sum(p["charge_us"] for p in second["parts"]) == 30.0
+    assert T.timeline_phases([])["anatomy"] == {"periods": 0, "kinds": []}

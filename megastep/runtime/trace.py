@@ -16,9 +16,10 @@ runs them, with PDL's overlaps and the second stream (`megastep bench --timeline
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
@@ -170,12 +171,15 @@ def timeline_phases(acts: list[dict]) -> dict:
     stretch it closes, and a PDL launch placed early only from the previous end on. Per MoE layer:
     the MoE sublayer's weight phase, from the end of its routing launch (a name with "route") to
     the end of its experts' last launch (a name with "moe" and "down"), and the period from one
-    such end to the next (all values and medians, us; the first layer has no period)."""
+    such end to the next (all values and medians, us; the first layer has no period). "anatomy":
+    `layer_anatomy` of those periods."""
     by_kernel: dict[str, float] = {}
+    charge: dict[int, float] = {}  # id(activity) -> the stretch it closes
     frontier = acts[0]["start_us"] if acts else 0.0
     for a in sorted(acts, key=lambda a: a["start_us"] + a["dur_us"]):
         e = a["start_us"] + a["dur_us"]
-        by_kernel[a["name"]] = by_kernel.get(a["name"], 0.0) + max(0.0, e - frontier)
+        charge[id(a)] = max(0.0, e - frontier)
+        by_kernel[a["name"]] = by_kernel.get(a["name"], 0.0) + charge[id(a)]
         frontier = max(frontier, e)
     route_end, downs, moe = None, [], []
     for a in acts:  # in start order: a layer's routing launch comes before its experts' last one
@@ -192,7 +196,40 @@ def timeline_phases(acts: list[dict]) -> dict:
         return statistics.median(v) if v else None
 
     return {"span_by_kernel_us": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])), "moe_phase_us": moe,
-            "moe_phase_median_us": median(moe), "layer_period_us": period, "layer_period_median_us": median(period)}
+            "moe_phase_median_us": median(moe), "layer_period_us": period, "layer_period_median_us": median(period),
+            "anatomy": layer_anatomy(acts, downs, charge)}
+
+
+def layer_anatomy(acts: list[dict], bounds: list[float], charge: dict[int, float], kinds: int = 2) -> dict:
+    """What a layer's period is made of (`timeline_phases` passes its layers' bounds, the experts'
+    last ends, and each activity's charge: the stretch it closes). The activities that end in a
+    period are its parts, each named by its kernel and, where the name recurs, its place among them
+    in start order ("_linear_fp8_kernel#3": the period's third FP8 linear to start). Periods with the
+    same parts are alike (attention kinds differ in launches, and a side stream's last launch may
+    end in the next period). For the `kinds` most common: how many periods, and per part in the
+    order of its median end within the period, the median charge and duration (us). The charges of
+    a period add up to it."""
+    periods: list[list[dict]] = [[] for _ in bounds[1:]]
+    for a in acts:
+        i = bisect.bisect_left(bounds, a["start_us"] + a["dur_us"])  # (bounds[i-1], bounds[i]] holds the end
+        if 1 <= i < len(bounds):
+            periods[i - 1].append(a)
+    alike: dict[tuple[str, ...], list[tuple[float, list[dict]]]] = {}
+    for lo, parts in zip(bounds, periods):
+        parts.sort(key=lambda a: a["start_us"])
+        count, seen, labels = Counter(a["name"] for a in parts), Counter(), []
+        for a in parts:
+            seen[a["name"]] += 1
+            labels.append(a["name"] if count[a["name"]] == 1 else f"{a['name']}#{seen[a['name']]}")
+        alike.setdefault(tuple(labels), []).append((lo, parts))
+    out = []
+    for labels, layers in sorted(alike.items(), key=lambda kv: -len(kv[1]))[:kinds]:
+        parts = [{"name": name,
+                  "end_us": statistics.median(ps[j]["start_us"] + ps[j]["dur_us"] - lo for lo, ps in layers),
+                  "charge_us": statistics.median(charge[id(ps[j])] for _, ps in layers),
+                  "dur_us": statistics.median(ps[j]["dur_us"] for _, ps in layers)} for j, name in enumerate(labels)]
+        out.append({"periods": len(layers), "parts": sorted(parts, key=lambda p: p["end_us"])})
+    return {"periods": len(periods), "kinds": out}
 
 
 def replay_timeline(replay: Callable[[], object], device: torch.device) -> list[dict]:
