@@ -155,10 +155,10 @@ def pick_config(M: int, N: int, K: int, quantize_act: bool = True) -> LinearFp8C
 # (the earlier rule) 15.9 / 37.8; 4 stages 13.2; BLOCK_N 128 15.1 / 50.8; split 16 17.0 / 52.1.
 # Pinned: the shared expert's w1/w3 at 1-16 rows in 2-warp programs (the rule's tiles and split, so
 # the same sums and bits: linear_variants.py checked them equal at 1, 2, 4 and 16 rows). Alone it is
-# slower (12.5 against 11.7 us at 1 row, 14.5 against 12.2 at 2), but it runs beside the routed
-# experts' gate-up, and its programs (64 threads instead of 128) fit beside the spread gate-up's
-# CTAs: the step at 2 rows 6.15-6.16 against 6.25-6.31 ms, 1, 4 and 16 rows unchanged (one H200,
-# 2026-11-30, docs/PERFORMANCE.md, sixteenth measurement).
+# slower (12.5 against 11.7 us at 1 row, 14.5 against 12.2 at 2), but in the step, beside the routed
+# experts, 2 rows take 6.15-6.16 ms against 6.25-6.31; 1, 4 and 16 rows unchanged (one H200,
+# 2026-11-30, docs/PERFORMANCE.md, sixteenth measurement). Why is open: it was built to fit beside
+# the spread gate-up's CTAs, yet in the 2-row timeline it still starts as they retire.
 _PINNED_SWIGLU: dict[tuple[int, int, int], LinearFp8Config] = {
     (2048, 4096, 16): LinearFp8Config("f16", 64, 16, 128, 8, num_warps=2, num_stages=3),
 }
