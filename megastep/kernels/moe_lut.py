@@ -51,9 +51,8 @@ LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B
 # channels) tasks dealt out evenly (the .cu's run_spread). The same bits. Measured on one H200
 # (docs/PERFORMANCE.md, fifteenth measurement), 30-layer step: 2 rows 6.23-6.24 ms against
 # 6.34-6.38 with whole items; 1 row no faster (5.034-5.037 against 5.017-5.033), also with the
-# shared expert's w1/w3 in 2-warp programs that fit beside it (5.026-5.034 against 5.002-5.038,
-# sixteenth measurement). () turns it off (benchmarks/kernels/moe_cuda_variants.py's engine
-# "lut_items").
+# shared expert's w1/w3 in 2-warp programs (5.026-5.034 against 5.002-5.038, sixteenth
+# measurement). () turns it off (benchmarks/kernels/moe_cuda_variants.py's engine "lut_items").
 SPREAD_ROWS = (2,)
 SPREAD_WARPS = 12  # the .cu's kSpreadWarps
 
