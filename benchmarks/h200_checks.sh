@@ -57,7 +57,7 @@ bench() {  # bench NAME SECONDS bench-args...
 }
 
 # An experiment's arm in the same tree: python statements PRE (module settings, e.g.
-# 'import megastep.runtime.step as S; S.FAST_ARGMAX = True') run first in the process.
+# 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()') run first in the process.
 bench_with() {  # bench_with NAME SECONDS PRE bench-args...
   local name=$1 limit=$2 pre=$3
   shift 3
@@ -65,10 +65,10 @@ bench_with() {  # bench_with NAME SECONDS PRE bench-args...
     bench --preset v4-flash --context 4096 --iters 20 --json "$OUT/$name.json" "$@"
 }
 
-pytest_with() {  # pytest_with NAME SECONDS PRE pytest-args...
-  local name=$1 limit=$2 pre=$3
-  shift 3
-  step "$name" "$limit" python3 -c "$pre; import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))" "$@"
+all_gpus() {  # the lent machines' NCCL settings; n = the GPUs, gpus = their ids for --gpus
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
+  n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  gpus=$(seq -s, 0 $((n - 1)))
 }
 
 for group in "$@"; do
@@ -187,9 +187,7 @@ for group in "$@"; do
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # the ranks' MoE order (FastDecoder.MOE_PLAN_EP: 1 row CUDA routing and late fork, sixteenth
       # measurement; more rows MOE_PLAN_ABOVE, Triton routing and early fork) against the other orders at 1 and 6 rows
-      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
-      n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-      gpus=$(seq -s, 0 $((n - 1)))
+      all_gpus
       for arm in a b; do
         bench "ep${n}_plan_default_$arm" 100 --gpus "$gpus" --batch 1,6
         bench "ep${n}_plan_cuda_late_$arm" 100 --gpus "$gpus" --batch 1,6 --router cuda --shared-after-router on
@@ -200,13 +198,11 @@ for group in "$@"; do
       step ep_plan_tests 200 python3 -m pytest -q --timeout 180 tests/test_distributed_gpu.py -k p2p
       bench "ep${n}_trace" 150 --gpus "$gpus" --batch 1 --trace ;;
     ep)
-      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
+      all_gpus
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
           && export PYTHONPATH=/tmp/site:$PYTHONPATH
       fi
-      n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-      gpus=$(seq -s, 0 $((n - 1)))
       step ep_gpu_tests 240 python3 -m pytest -q --timeout 200 tests/test_distributed_gpu.py \
         tests/kernels/test_pair_combine.py tests/server/test_server_gpus.py
       step ep_combine 90 python3 benchmarks/kernels/ep_combine.py --json "$OUT/ep_combine.json"
