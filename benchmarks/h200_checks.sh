@@ -24,6 +24,7 @@
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh replan     # the one-GPU MoE order at 1, 2 and 4 rows against its alternatives on today's kernels, A/B; the spread gate-up at 1 row with a timeline (~6 min)
+#   bash benchmarks/h200_checks.sh placement  # the large FP8 linears placed plainly under PDL (common.PLAIN_PLACEMENT_BYTES) against the default, A/B/A/B at 1, 2, 4 rows; its GPU tests; a timeline (~5 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the ranks' MoE order (default) against the other orders (routing x fork) at 1 and 6 rows; the EP GPU tests; the trace at 1 row (~9 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -183,6 +184,17 @@ for group in "$@"; do
       bench_with replan_spread1_timeline 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = (1, 2)' \
         --layers 30 --batch 1 --timeline
       bench replan_default_timeline 60 --layers 30 --batch 1 --timeline ;;
+    placement)  # under PDL the FP8 linear streamed at 2.62 TB/s against 3.04 without (eighth measurement)
+      step placement_tests 150 python3 -m pytest -q --timeout 120 tests/kernels/test_pdl.py tests/test_fast_gpu.py -k pdl
+      for arm in a b; do
+        bench "placement_default_$arm" 100 --layers 30 --batch 1,2,4
+        bench_with "placement_16M_$arm" 60 'import megastep.kernels.common as c; c.PLAIN_PLACEMENT_BYTES = 16 << 20' \
+          --layers 30 --batch 1,2,4
+        bench_with "placement_4M_$arm" 60 'import megastep.kernels.common as c; c.PLAIN_PLACEMENT_BYTES = 4 << 20' \
+          --layers 30 --batch 1,2,4
+      done
+      bench_with placement_16M_timeline 60 'import megastep.kernels.common as c; c.PLAIN_PLACEMENT_BYTES = 16 << 20' \
+        --layers 30 --batch 1 --timeline ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # the ranks' MoE order (FastDecoder.MOE_PLAN_EP: 1 row CUDA routing and late fork, sixteenth
@@ -210,7 +222,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | replan | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | replan | placement | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done

@@ -99,15 +99,18 @@ def test_graph_replay_equals_eager_step(experts):
     assert torch.equal(g, e)
 
 
-@pytest.mark.parametrize("sms,experts", [(None, "triton"), (4, "triton"), (None, "lut")])
-def test_pdl_changes_no_bits(sms, experts, monkeypatch):
+@pytest.mark.parametrize("sms,experts,plain", [(None, "triton", None), (4, "triton", None), (None, "lut", None),
+                                               (4, "lut", 0)])
+def test_pdl_changes_no_bits(sms, experts, plain, monkeypatch):
     """Programmatic dependent launch only moves when kernels start: 16 rows, then 1, through
     graphs captured with PDL give the bits of the graphs without it, step after step. sms=4: the
     launches believe the GPU has 4 SMs, so nearly every grid takes the late release (PDL_LATE)
     and the weight prefetch, as the full-size model's linears do. "lut": the CUDA experts kernels
-    launched with PDL too (down requests its first weights before it waits)."""
+    launched with PDL too (down requests its first weights before it waits). plain=0: every FP8
+    linear placed plainly and releasing its dependents (PDL_PLAIN) between kernels placed early."""
     if sms is not None:
         monkeypatch.setitem(_common._SMS, torch.cuda.current_device(), sms)
+    monkeypatch.setattr(_common, "PLAIN_PLACEMENT_BYTES", plain)
     cfg, dec, runner = build(experts=experts)
     _, dec2, runner2 = build(experts=experts)
     dec.pdl, dec2.pdl = False, True

@@ -55,7 +55,7 @@ def linear(a) -> tuple[object, int]:
         ["fp32"] + ["i32"] * 7
     const = dict(MODE=LIN._MODES[a.mode], BLOCK_N=a.block_n, BLOCK_M=a.block_m, BLOCK_K=a.block_k, SPLIT_K=2,
                  OUT_BF16=True, INTERPRET=False, QUANT_ACT=True, GROUP_N=4096, GATED=a.gated, CLAMP=a.gated,
-                 HAS_RES=False, CODES=a.codes, PDL=1 if a.pdl else 0, PREFETCH_LINES=4 if a.pdl else 0)
+                 HAS_RES=False, CODES=a.codes, PDL=a.pdl, PREFETCH_LINES=4 if a.pdl == 1 else 0)
     aligned = {"N", "K", "K_PER_SPLIT", "stride_xm", "stride_wn", "stride_om", "stride_rm", "stride_cm"}
     k = _compile(LIN._linear_fp8_kernel, list(zip(names, types)), const, aligned, a.warps, a.stages)
     return k, a.block_n * a.block_k * (2 if a.gated else 1)
@@ -77,7 +77,7 @@ def _moe(a, fn, rows_name: str) -> tuple[object, int]:
         types = ["*bf16", "*i64", "*i32", "*i32", "*i32", "*i32", "*i32", "*fp32", "*fp32", "*i32"] + ["i32"] * 8
         rows = a.block
     const = {rows_name: a.block, "TOPK": 6, "BLOCK_P": 16, "BLOCK_K": 128, "ROUND_BF16": True, "INTERPRET": False,
-             "MODE": MOE.MODES[a.mode], "ALIGN": 16, "SPARSE": False, "PDL": 1 if a.pdl else 0}
+             "MODE": MOE.MODES[a.mode], "ALIGN": 16, "SPARSE": False, "PDL": a.pdl}
     if fn is MOE._moe_down_kernel:
         const["COMBINE"] = True
     else:  # the activation quantization in gate-up's epilogue, as the runtime launches it
@@ -158,7 +158,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--gated", action="store_true", help="linear: the shared expert's w1/w3 epilogue")
     ap.add_argument("--codes", action="store_true", help="linear: x's activation codes loaded (x_codes)")
     ap.add_argument("--dv", type=int, default=1, help="attention: programs per value-column split (dv_split)")
-    ap.add_argument("--pdl", action="store_true", help="with PDL_LATE (and the linear's L2 prefetch of 4 lines)")
+    ap.add_argument("--pdl", type=int, default=0, choices=[0, 1, 2, 3],
+                    help="the kernels' PDL constexpr (common.PDL_*; 1 = PDL_LATE, with the linear's L2 prefetch of 4 lines)")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")

@@ -46,12 +46,20 @@ def on_interpreter(t: torch.Tensor) -> bool:
 #   (the weight streams, attention's KV loop), or at exit. Placed early, the next kernel's
 #   waiting CTAs would hold slots that this grid's later programs need (the first PDL
 #   measurement, 2026-11-29: every batch slower).
+# - PDL_PLAIN (a kernel streaming more than PLAIN_PLACEMENT_BYTES of weights): launched without
+#   the attribute, so it is placed once its predecessor has completed, on empty SMs, and its
+#   CTAs spread over the SMs as a plain launch's do; it still releases its dependents after its
+#   main loop, so the next kernel is placed early. Why: under PDL the FP8 linear streamed at
+#   2.62 TB/s against 3.04 without it (docs/PERFORMANCE.md, eighth measurement). A reading not yet
+#   checked: CTAs placed into the slots a draining predecessor frees land unevenly over the SMs,
+#   and the SMs holding the most set the pace.
 # A weight-streaming kernel asks L2 for its first weight lines before it waits
 # (`l2_prefetch_rows`): weights never depend on the predecessor, so that DRAM latency overlaps
 # the predecessor's tail (its split-K combine). Only the first lines: prefetching whole weight
 # tiles with evict_last halved the streaming rate (docs/PERFORMANCE.md, seventh measurement).
 _PDL = False
-PDL_OFF, PDL_LATE, PDL_EARLY = 0, 1, 2
+PDL_OFF, PDL_LATE, PDL_EARLY, PDL_PLAIN = 0, 1, 2, 3
+PLAIN_PLACEMENT_BYTES: int | None = None  # None: every kernel placed early (PDL_PLAIN never taken)
 PREFETCH_BYTES = 512  # per weight row and program: the first 4 steps of an FP8 linear
 _SMS: dict[int, int] = {}
 
@@ -74,12 +82,15 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[i]
 
 
-def launch_opts(t: torch.Tensor, grid: tuple[int, ...]) -> dict:
+def launch_opts(t: torch.Tensor, grid: tuple[int, ...], stream_bytes: int = 0) -> dict:
     """Launch keywords for a kernel whose inputs live where `t` lives and whose grid is `grid`:
-    the kernel's `PDL` constexpr (PDL_OFF, PDL_LATE or PDL_EARLY) and Triton's `launch_pdl`.
-    Always off under the interpreter, where the gdc_* instructions raise."""
+    the kernel's `PDL` constexpr (PDL_OFF, PDL_LATE, PDL_EARLY or PDL_PLAIN) and Triton's
+    `launch_pdl`. stream_bytes: the weight bytes the launch streams (PDL_PLAIN above
+    PLAIN_PLACEMENT_BYTES). Always off under the interpreter, where the gdc_* instructions raise."""
     if not _PDL or on_interpreter(t):
         return {"PDL": PDL_OFF, "launch_pdl": False}
+    if PLAIN_PLACEMENT_BYTES is not None and stream_bytes > PLAIN_PLACEMENT_BYTES:
+        return {"PDL": PDL_PLAIN, "launch_pdl": False}
     programs = 1
     for g in grid:
         programs *= g
@@ -88,8 +99,8 @@ def launch_opts(t: torch.Tensor, grid: tuple[int, ...]) -> dict:
 
 def prefetch_lines(opts: dict, k_bytes: int) -> int:
     """LINES of `l2_prefetch_rows` for a program that streams `k_bytes` bytes of each weight row,
-    under the launch options `opts`: the first PREFETCH_BYTES of the row with PDL, 0 without."""
-    if not opts["PDL"]:
+    under the launch options `opts`: the first PREFETCH_BYTES of the row when placed early, else 0."""
+    if not opts["launch_pdl"]:
         return 0
     return next_pow2(-(-min(k_bytes, PREFETCH_BYTES) // 128))
 
@@ -103,10 +114,11 @@ def pdl_enter(PDL: tl.constexpr):
     predecessor may still be writing what we read or reading what we overwrite. The guarantee is
     transitive: the predecessor itself completed only after its own predecessor did. A
     predecessor that never releases (a torch op) lets this kernel start only once it completes,
-    as without PDL. PDL_EARLY releases the next kernel first (see above)."""
+    as without PDL. PDL_EARLY releases the next kernel first (see above). PDL_PLAIN was placed after
+    its predecessor completed: nothing to wait for."""
     if PDL == 2:  # PDL_EARLY
         tlc.gdc_launch_dependents()
-    if PDL:
+    if PDL == 1 or PDL == 2:
         tlc.gdc_wait()
 
 
@@ -114,7 +126,7 @@ def pdl_enter(PDL: tl.constexpr):
 def pdl_release(PDL: tl.constexpr):
     """A PDL_LATE kernel's release point, after its main loop: the next kernel's CTAs may be
     placed (they wait in pdl_enter until this grid completes). No-op otherwise."""
-    if PDL == 1:  # PDL_LATE
+    if PDL == 1 or PDL == 3:  # PDL_LATE, PDL_PLAIN
         tlc.gdc_launch_dependents()
 
 

@@ -351,7 +351,7 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     res = out if residual is None else residual  # unused without a residual
     codes = x_codes is not None and cfg.mode == "f16"  # "dot16" quantizes x itself (the same values)
     xc, xs = x_codes if codes else (out, out)
-    opts = launch_opts(x, grid)
+    opts = launch_opts(x, grid, w.numel() * w.element_size())
     _linear_fp8_kernel[grid](
         x, w, w_scale.view(torch.uint8), out, part, cnt, res, xc, xs,
         M, N, K, k_per_split, float(limit),

@@ -117,6 +117,29 @@ def test_launch_mode_follows_the_grid(pdl_restore, monkeypatch):
     assert common.prefetch_lines(common.launch_opts(t, (4,)), 4096) == 0
 
 
+def test_large_weight_streams_placed_plainly(pdl_restore, monkeypatch):
+    """Above PLAIN_PLACEMENT_BYTES a launch goes without the PDL attribute (placed once its
+    predecessor completed) and still releases its dependents (PDL_PLAIN); at or below it, and
+    with the limit None, nothing changes; with PDL off, nothing at all. No prefetch when plain."""
+    from megastep.kernels import common
+
+    monkeypatch.setattr(common, "on_interpreter", lambda t: False)
+    monkeypatch.setitem(common._SMS, 0, 132)
+    t_dev = type("T", (), {"device": torch.device("cuda", 0)})()
+    set_pdl(True)
+    monkeypatch.setattr(common, "PLAIN_PLACEMENT_BYTES", None)
+    assert common.launch_opts(t_dev, (4, 10, 4), 1 << 30) == {"PDL": common.PDL_LATE, "launch_pdl": True}
+    monkeypatch.setattr(common, "PLAIN_PLACEMENT_BYTES", 16 << 20)
+    assert common.launch_opts(t_dev, (4, 10, 4), 16 << 20) == {"PDL": common.PDL_LATE, "launch_pdl": True}
+    assert common.launch_opts(t_dev, (132,), 16 << 20) == {"PDL": common.PDL_EARLY, "launch_pdl": True}
+    plain = common.launch_opts(t_dev, (4, 10, 4), (16 << 20) + 1)
+    assert plain == {"PDL": common.PDL_PLAIN, "launch_pdl": False}
+    assert common.launch_opts(t_dev, (1,), 1 << 30) == plain  # whatever the grid
+    assert common.prefetch_lines(plain, 4096) == 0
+    set_pdl(False)
+    assert common.launch_opts(t_dev, (4, 10, 4), 1 << 30) == {"PDL": common.PDL_OFF, "launch_pdl": False}
+
+
 def _run_kernels():
     g = torch.Generator(device="cpu").manual_seed(7)
     x = (torch.randn(3, 96, generator=g) * 3).bfloat16().to(DEV)
