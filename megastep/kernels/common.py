@@ -46,20 +46,25 @@ def on_interpreter(t: torch.Tensor) -> bool:
 #   (the weight streams, attention's KV loop), or at exit. Placed early, the next kernel's
 #   waiting CTAs would hold slots that this grid's later programs need (the first PDL
 #   measurement, 2026-11-29: every batch slower).
-# - PDL_PLAIN (a kernel streaming more than PLAIN_PLACEMENT_BYTES of weights): launched without
-#   the attribute, so it is placed once its predecessor has completed, on empty SMs, and its
-#   CTAs spread over the SMs as a plain launch's do; it still releases its dependents after its
-#   main loop, so the next kernel is placed early. Why: under PDL the FP8 linear streamed at
-#   2.62 TB/s against 3.04 without it (docs/PERFORMANCE.md, eighth measurement). A reading not yet
-#   checked: CTAs placed into the slots a draining predecessor frees land unevenly over the SMs,
-#   and the SMs holding the most set the pace.
+# - PDL_PLAIN (an FP8 linear streaming more than PLAIN_PLACEMENT_BYTES of weights): launched
+#   without the attribute, so it is placed once its predecessor has completed, on empty SMs, and
+#   its CTAs spread over the SMs as a plain launch's do; it still releases its dependents after
+#   its main loop, so the next kernel is placed early. Why: under PDL the FP8 linear streamed at
+#   2.62 TB/s against 3.04 without it (docs/PERFORMANCE.md, eighth measurement). Measured in the
+#   30-layer step on one H200 (seventeenth measurement), A/B/A/B, p50 ms at 1 / 2 / 4 rows: all
+#   placed early 4.977 / 6.130 / 8.068 and 4.978 / 6.121 / 8.082; above 16 MiB (the qr group, wo_a,
+#   wo_b) 4.779 / 5.974 / 7.956 and 4.760 / 5.974 / 7.955; above 4 MiB (also the x group and the
+#   shared expert's) 4.885 / 5.953 / 7.990 and 4.882 / 5.945 / 7.996. In the 1-row timeline wo_a and
+#   wo_b close 14.9 and 15.9 us of a layer against 18.8 and 17.6. A reading not yet checked: CTAs
+#   placed into the slots a draining predecessor frees land unevenly over the SMs, and the SMs
+#   holding the most set the pace.
 # A weight-streaming kernel asks L2 for its first weight lines before it waits
 # (`l2_prefetch_rows`): weights never depend on the predecessor, so that DRAM latency overlaps
 # the predecessor's tail (its split-K combine). Only the first lines: prefetching whole weight
 # tiles with evict_last halved the streaming rate (docs/PERFORMANCE.md, seventh measurement).
 _PDL = False
 PDL_OFF, PDL_LATE, PDL_EARLY, PDL_PLAIN = 0, 1, 2, 3
-PLAIN_PLACEMENT_BYTES: int | None = None  # None: every kernel placed early (PDL_PLAIN never taken)
+PLAIN_PLACEMENT_BYTES: int | None = 16 << 20  # None: every kernel placed early (PDL_PLAIN never taken)
 PREFETCH_BYTES = 512  # per weight row and program: the first 4 steps of an FP8 linear
 _SMS: dict[int, int] = {}
 
