@@ -23,19 +23,28 @@ Kernels:
    program makes one round trip to memory, and the bf16 row is never stored and re-read. With
    block_d < D it walks the row in chunks and re-reads the stored unnormalized row (large D).
 3. `_hc_post_kernel`, grid (B, cdiv(D, BLOCK_D)): elementwise over D.
+4. `_hc_mix_finish_kernel` (`one_launch`): 1 and 2 in one launch, grid (S + NF * min(B, BLOCK_M),
+   cdiv(B, BLOCK_M)) with NF = 2 finish programs per row (1 without `sinkhorn_apart` or Sinkhorn).
+   Programs s < S of row tile mt are its mixes programs; each publishes its partials with a
+   release increment of the tile's counter. Program S + NF r + role waits for the counter to reach
+   S (acquire) and runs the finish's program (row mt * BLOCK_M + r, role), then the tile's last
+   finish program zeroes the counters for the next launch. The waiting programs have higher ids
+   than the ones they wait for, which the GPU places first (and the interpreter runs first), so
+   the wait ends. One launch boundary less per call: the finish starts as the last partial lands.
 `mhc_post_pre` (a sublayer's post followed by the next one's pre, as the step runs them) folds 3
 into 1: each mixes program first makes its slice of the updated streams from the previous ones
 (the post kernel's arithmetic, products rounded on their own, `_mul_rn`), stores it for the finish
 and the next post, and mixes it: one launch per sublayer fewer, the same bits.
 
-Rounding points follow ops exactly: every product is rounded before it is summed (the finish and
-post kernels are compiled with enable_fp_fusion=False, so no FMA contraction), sums over streams
+Rounding points follow ops exactly: every product is rounded before it is summed (every kernel here
+is compiled with enable_fp_fusion=False, so no FMA contraction), sums over streams
 run j = 0..hc-1 in order like torch's reduction over a non-inner dim (and the 4-long row and
 column sums of Sinkhorn too), the collapsed x is rounded to bf16 before the norm and the norm
 output again. What differs from torch: the fp32 summation order of the hc*D-long mixes dot
-products (inside a mixes program the order, and any FMA contraction, follows Triton's layout for
-(KC, num_warps)) and of the sums of squares, and the exp/sigmoid/sqrt implementations (a few fp32
-ulps).
+products (inside a mixes program the order follows Triton's layout for (KC, num_warps)) and of the
+sums of squares, and the exp/sigmoid/sqrt implementations (a few fp32 ulps). (The mixes kernel
+was compiled with FMA contraction until 2026-11-30, when the one-launch kernel, which must be
+compiled without it for the finish, came: the mixes' last bits changed once.)
 
 Fixed trees in the finish: the S partials of a row (each column alike) and the RMSNorm's sum of
 squares over the row are summed by one pairwise tree (elements 2i and 2i+1 at every level,
@@ -44,13 +53,14 @@ does not depend on the order, so the result does not depend on how Triton lays t
 threads and warps (a plain tl.sum's order does). A block_d chunk is an aligned subtree of the
 row's tree, and zero padding adds exact zeros, so the chunked and the one-pass collapse give the
 same bits. Hence the outputs depend on (kc, num_warps) only (the mixes kernel's sums), never on
-block_m, block_d, finish_warps, sinkhorn_apart, sinkhorn_scalar or post_block_d; tests/kernels/test_mhc.py and
+block_m, block_d, finish_warps, sinkhorn_apart, sinkhorn_scalar, one_launch or post_block_d; tests/kernels/test_mhc.py and
 benchmarks/kernels/tune_mhc.py check this. (These two trees replaced tl.sum reductions on
 2026-11-29: the fp32 order of those two sums, and so the last bits of the outputs, changed once
 against the earlier kernel; every per-element operation is as before.)
 
 Batch invariance: a row's result never depends on B (fixed S, fixed BLOCK_M with independent
-rows, the finish's programs per row); no atomics, no host syncs, outputs from torch.empty.
+rows, the finish's programs per row); no atomics on data (one_launch: an arrival counter per row
+tile), no host syncs, outputs from torch.empty.
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ import triton
 import triton.language as tl
 
 from megastep.config import ModelConfig
-from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
+from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16, workspace
 from megastep.model import ops
 
 
@@ -79,6 +89,11 @@ class MhcConfig:
     # the same operations on the same values: the same bits), not on a [4, 4] tile spread over
     # the program's warps. Pinned for V4-Flash below (measured on one H200).
     sinkhorn_scalar: bool = False
+    # the mixes and the finish in one launch (`_hc_mix_finish_kernel`): the finish programs come
+    # after the mixes programs in the grid and wait for them on a counter, so the finish needs no
+    # launch of its own. The same bits; num_warps then sets the finish's warps too (they change
+    # no bit).
+    one_launch: bool = False
 
     def check(self) -> None:
         for v in (self.kc, self.block_m, self.block_d, self.post_block_d, self.num_warps, self.finish_warps):
@@ -144,23 +159,27 @@ def _post_slice(y_ptr, y2_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, row, j, d, ma
 
 
 @triton.jit
-def _hc_mix_partial_kernel(
-    h_ptr, fn_ptr, part_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, hout_ptr,
-    B, D, K, stride_hb, stride_hj, stride_fn, stride_yb, stride_y2b, stride_ob, stride_oj,
-    MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr,
-    UPDATE: tl.constexpr, Y2: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-):
-    s = tl.program_id(0)
-    mt = tl.program_id(1)
+def _mix_weight(fn_ptr, s, K, stride_fn, MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr):
+    """The mixes program s's slice of fn [MIXP, KC] (zero past MIX and past K: nothing for a finish
+    program of the one-launch kernel, whose s * KC >= K). A weight: loaded before the wait."""
+    offs_k = s * KC + tl.arange(0, KC)
+    cols = tl.arange(0, MIXP)
+    return tl.load(fn_ptr + cols[:, None] * stride_fn + offs_k[None, :],
+                   mask=(cols < MIX)[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _mix_rows(fn, s, mt, h_ptr, part_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, hout_ptr,
+              B, D, K, stride_hb, stride_hj, stride_yb, stride_y2b, stride_ob, stride_oj,
+              MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr,
+              UPDATE: tl.constexpr, Y2: tl.constexpr, INTERPRET: tl.constexpr):
+    """Mixes program (s, mt): the partial mixes and sum of squares of flat(h)'s slice s for the
+    rows of tile mt (with UPDATE, of that slice of the updated streams, made and stored first)."""
     offs_k = s * KC + tl.arange(0, KC)  # index into flat(h) = h[j, d] at j * D + d
     k_mask = offs_k < K
     j = offs_k // D
     h_off = j * stride_hj + (offs_k - j * D)
     cols = tl.arange(0, MIXP)
-    # a weight: loaded before the wait (with PDL), while the previous kernel drains
-    fn = tl.load(fn_ptr + cols[:, None] * stride_fn + offs_k[None, :],
-                 mask=(cols < MIX)[:, None] & k_mask[None, :], other=0.0)
-    pdl_enter(PDL)
     for r in tl.static_range(BLOCK_M):
         if mt * BLOCK_M + r < B:  # rows past B (a partial last tile, B = 1): skip their reductions
             # row index as a tensor: the interpreter mishandles a scalar boolean in a mask
@@ -176,6 +195,21 @@ def _hc_mix_partial_kernel(
             part = tl.where(cols == MIX, tl.sum(x * x, axis=0), part)
             prow = tl.zeros([MIXP], dtype=tl.int32) + (mt * BLOCK_M + r)
             tl.store(part_ptr + (s * B + prow).to(tl.int64) * MIXP + cols, part, mask=prow < B)
+
+
+@triton.jit
+def _hc_mix_partial_kernel(
+    h_ptr, fn_ptr, part_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, hout_ptr,
+    B, D, K, stride_hb, stride_hj, stride_fn, stride_yb, stride_y2b, stride_ob, stride_oj,
+    MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr,
+    UPDATE: tl.constexpr, Y2: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+):
+    s = tl.program_id(0)
+    mt = tl.program_id(1)
+    fn = _mix_weight(fn_ptr, s, K, stride_fn, MIX, MIXP, KC)  # before the wait (with PDL): a weight
+    pdl_enter(PDL)
+    _mix_rows(fn, s, mt, h_ptr, part_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, hout_ptr, B, D, K, stride_hb, stride_hj,
+              stride_yb, stride_y2b, stride_ob, stride_oj, MIX, MIXP, KC, BLOCK_M, HC, UPDATE, Y2, INTERPRET)
 
 
 @triton.jit
@@ -400,18 +434,13 @@ def _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc
 
 
 @triton.jit
-def _hc_finish_kernel(
-    part_ptr, h_ptr, scale_ptr, base_ptr, w_ptr, x_ptr, post_ptr, comb_ptr,
-    B, D, K, S, iters, hc_eps, norm_eps,
-    stride_hb, stride_hj, stride_xb,
-    HC: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, SP: tl.constexpr,
-    BLOCK_D: tl.constexpr, NCHP: tl.constexpr, SINKHORN: tl.constexpr, APART: tl.constexpr,
-    SCALAR: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-):
-    # program (b, 0): collapse + RMSNorm of row b; with SINKHORN the post and comb mixes too, done
-    # by program (b, 1) when APART (the two run side by side), else before the collapse
-    pdl_enter(PDL)
-    b = tl.program_id(0)
+def _finish_row(part_ptr, h_ptr, scale_ptr, base_ptr, w_ptr, x_ptr, post_ptr, comb_ptr, b, role,
+                B, D, K, S, iters, hc_eps, norm_eps, stride_hb, stride_hj, stride_xb,
+                HC: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, SP: tl.constexpr,
+                BLOCK_D: tl.constexpr, NCHP: tl.constexpr, SINKHORN: tl.constexpr, APART: tl.constexpr,
+                SCALAR: tl.constexpr, INTERPRET: tl.constexpr):
+    """Row b's finish: collapse + RMSNorm; with SINKHORN the post and comb mixes too, done by role
+    1 when APART (the two side by side, role 0 collapsing), else before the collapse."""
     b64 = b.to(tl.int64)
     sidx = tl.arange(0, SP)
     s_ok = sidx < S
@@ -420,7 +449,7 @@ def _hc_finish_kernel(
     x_row = x_ptr + b64 * stride_xb
     if SINKHORN:
         if APART:
-            if tl.program_id(1) == 0:
+            if role == 0:
                 _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
                               stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
             else:
@@ -434,6 +463,66 @@ def _hc_finish_kernel(
     else:
         _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
                       stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
+
+
+@triton.jit
+def _hc_finish_kernel(
+    part_ptr, h_ptr, scale_ptr, base_ptr, w_ptr, x_ptr, post_ptr, comb_ptr,
+    B, D, K, S, iters, hc_eps, norm_eps,
+    stride_hb, stride_hj, stride_xb,
+    HC: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, SP: tl.constexpr,
+    BLOCK_D: tl.constexpr, NCHP: tl.constexpr, SINKHORN: tl.constexpr, APART: tl.constexpr,
+    SCALAR: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+):
+    # program (b, role): `_finish_row`
+    pdl_enter(PDL)
+    _finish_row(part_ptr, h_ptr, scale_ptr, base_ptr, w_ptr, x_ptr, post_ptr, comb_ptr, tl.program_id(0),
+                tl.program_id(1), B, D, K, S, iters, hc_eps, norm_eps, stride_hb, stride_hj, stride_xb,
+                HC, MIX, MIXP, SP, BLOCK_D, NCHP, SINKHORN, APART, SCALAR, INTERPRET)
+
+
+@triton.jit
+def _hc_mix_finish_kernel(
+    h_ptr, fn_ptr, part_ptr, y_ptr, y2_ptr, post_in_ptr, comb_in_ptr, hout_ptr,
+    scale_ptr, base_ptr, w_ptr, x_ptr, post_ptr, comb_ptr, cnt_ptr,
+    B, D, K, S, iters, hc_eps, norm_eps,
+    stride_hb, stride_hj, stride_fn, stride_yb, stride_y2b, stride_ob, stride_oj, stride_xb,
+    MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr,
+    UPDATE: tl.constexpr, Y2: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr, NCHP: tl.constexpr,
+    SINKHORN: tl.constexpr, APART: tl.constexpr, SCALAR: tl.constexpr, NF: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr,
+):
+    # grid (S + NF * min(B, BLOCK_M), row tiles): programs s < S of tile mt are its mixes programs;
+    # program S + NF * r + role finishes row mt * BLOCK_M + r once all S have published (module doc)
+    s = tl.program_id(0)
+    mt = tl.program_id(1)
+    fn = _mix_weight(fn_ptr, s, K, stride_fn, MIX, MIXP, KC)  # before the wait (with PDL): a weight
+    pdl_enter(PDL)
+    cnt = cnt_ptr + 2 * mt  # [arrived mixes programs, departed finish programs] of this tile
+    if s < S:
+        _mix_rows(fn, s, mt, h_ptr, part_ptr, y_ptr, y2_ptr, post_in_ptr, comb_in_ptr, hout_ptr, B, D, K,
+                  stride_hb, stride_hj, stride_yb, stride_y2b, stride_ob, stride_oj, MIX, MIXP, KC, BLOCK_M, HC,
+                  UPDATE, Y2, INTERPRET)
+        tl.debug_barrier()  # every thread's partials (and stream slices) are issued before the release
+        tl.atomic_add(cnt, 1, sem="release", scope="gpu")
+    else:
+        f = s - S
+        b = mt * BLOCK_M + f // NF
+        if b < B:
+            # the tile's mixes programs have lower ids: already placed, so this wait ends (and
+            # under the interpreter, which runs programs in id order, at once)
+            while tl.atomic_add(cnt, 0, sem="acquire", scope="gpu") < S:
+                pass
+            tl.debug_barrier()  # no thread reads a partial before the acquire above
+            _finish_row(part_ptr, hout_ptr, scale_ptr, base_ptr, w_ptr, x_ptr, post_ptr, comb_ptr, b, f % NF,
+                        B, D, K, S, iters, hc_eps, norm_eps, stride_ob, stride_oj, stride_xb,
+                        HC, MIX, MIXP, SP, BLOCK_D, NCHP, SINKHORN, APART, SCALAR, INTERPRET)
+            tl.debug_barrier()
+            # the last finish program of the tile leaves both counters at zero for the next launch
+            done = tl.atomic_add(cnt + 1, 1, sem="acq_rel", scope="gpu")
+            if done == NF * tl.minimum(B - mt * BLOCK_M, BLOCK_M) - 1:
+                tl.store(cnt, 0)
+                tl.store(cnt + 1, 0)
 
 
 @triton.jit
@@ -515,29 +604,39 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
     part = torch.empty(S, B, mixp, dtype=torch.float32, device=dev)
     interp = on_interpreter(h)
     y, post_in, comb_in, y2 = update if update is not None else (h, h, h, None)  # unused without update
-    grid = (S, -(-B // cfg.block_m))
     y2_ptr, y2_stride = _y2_operand(y, y2)
+    block_d = min(cfg.block_d, max(16, next_pow2(D)))
+    apart = sinkhorn and cfg.sinkhorn_apart
+    fin = dict(HC=hc, MIX=mix, MIXP=mixp, SP=next_pow2(S), BLOCK_D=block_d, NCHP=next_pow2(-(-D // block_d)),
+               SINKHORN=sinkhorn, APART=apart, SCALAR=cfg.sinkhorn_scalar and hc == 4, INTERPRET=interp)
+    if cfg.one_launch:
+        nf = 2 if apart else 1
+        tiles = -(-B // cfg.block_m)
+        grid = (S + nf * min(B, cfg.block_m), tiles)
+        cnt = workspace(dev, "counters_mhc", 2 * tiles, torch.int32)
+        _hc_mix_finish_kernel[grid](
+            h, fn, part, y, y2_ptr, post_in, comb_in, hout, scale, base, norm_w, x, post, comb, cnt,
+            B, D, K, S, iters, hc_eps, norm_eps,
+            h.stride(0), h.stride(1), fn.stride(0), y.stride(0), y2_stride, hout.stride(0), hout.stride(1),
+            x.stride(0), KC=cfg.kc, BLOCK_M=cfg.block_m, UPDATE=update is not None, Y2=y2 is not None, NF=nf,
+            **fin, num_warps=cfg.num_warps, enable_fp_fusion=False, **launch_opts(h, grid),
+        )
+        return x, post, comb, hout
+    grid = (S, -(-B // cfg.block_m))
     _hc_mix_partial_kernel[grid](
         h, fn, part, y, y2_ptr, post_in, comb_in, hout, B, D, K, h.stride(0), h.stride(1),
         fn.stride(0), y.stride(0), y2_stride, hout.stride(0), hout.stride(1),
         MIX=mix, MIXP=mixp, KC=cfg.kc, BLOCK_M=cfg.block_m, HC=hc, UPDATE=update is not None, Y2=y2 is not None,
-        INTERPRET=interp,
-        num_warps=cfg.num_warps, **launch_opts(h, grid),
+        INTERPRET=interp, num_warps=cfg.num_warps, enable_fp_fusion=False, **launch_opts(h, grid),
     )
-    h = hout
-    block_d = min(cfg.block_d, max(16, next_pow2(D)))
-    apart = sinkhorn and cfg.sinkhorn_apart
     grid = (B, 2 if apart else 1)
     _hc_finish_kernel[grid](
-        part, h, scale, base, norm_w, x, post, comb,
+        part, hout, scale, base, norm_w, x, post, comb,
         B, D, K, S, iters, hc_eps, norm_eps,
-        h.stride(0), h.stride(1), x.stride(0),
-        HC=hc, MIX=mix, MIXP=mixp, SP=next_pow2(S), BLOCK_D=block_d, NCHP=next_pow2(-(-D // block_d)),
-        SINKHORN=sinkhorn, APART=apart, SCALAR=cfg.sinkhorn_scalar and hc == 4, INTERPRET=interp,
-        num_warps=cfg.finish_warps, enable_fp_fusion=False,
-        **launch_opts(h, grid),
+        hout.stride(0), hout.stride(1), x.stride(0),
+        **fin, num_warps=cfg.finish_warps, enable_fp_fusion=False, **launch_opts(h, grid),
     )
-    return x, post, comb, h
+    return x, post, comb, hout
 
 
 def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor,
