@@ -9,7 +9,7 @@ most one bf16 step from the ref (or within 1e-5 max|ref| where a sum cancels), a
 at least 99% of the elements. hc_post has no long sum: bit-equal on CPU.
 
 The finish kernel sums in fixed trees, so configurations that differ only in the finish (block_d,
-finish_warps, sinkhorn_apart, sinkhorn_scalar, one_launch), in block_m or in post_block_d must give the same
+finish_warps, sinkhorn_apart, sinkhorn_scalar, one_launch_rows), in block_m or in post_block_d must give the same
 bits (on the GPU too, where the thread layout changes with them).
 """
 
@@ -73,7 +73,7 @@ def check_pre(args, cfg=None):
 
 
 SMALL = [MhcConfig(32, 2, 16, 16, 4, 2, False), MhcConfig(64, 4, 32, 64, 2, 1, True), MhcConfig(16, 1, 64, 16, 1, 8, True),
-         MhcConfig(32, 2, 16, 16, 4, 4, True, one_launch=True), MhcConfig(64, 4, 32, 64, 2, 2, False, one_launch=True)]
+         MhcConfig(32, 2, 16, 16, 4, 4, True, one_launch_rows=64), MhcConfig(64, 4, 32, 64, 2, 2, False, one_launch_rows=3)]
 
 
 def picked_configs():
@@ -114,7 +114,7 @@ def test_expanded_streams_and_fp32_y():
     assert torch.equal(mhc_post(y, he, post, comb).float(), mhc_post_ref(y, he, post, comb).float())
 
 
-@pytest.mark.parametrize("cfg", [None, MhcConfig(32, 2, 16, 16, 4), MhcConfig(32, 2, 16, 16, 4, one_launch=True)], ids=str)
+@pytest.mark.parametrize("cfg", [None, MhcConfig(32, 2, 16, 16, 4), MhcConfig(32, 2, 16, 16, 4, one_launch_rows=64)], ids=str)
 def test_batch_invariant_and_deterministic(cfg):
     h, fn, scale, base, w = make(6, 72, seed=11)
     full = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg)
@@ -156,8 +156,9 @@ def finish_variants(base: MhcConfig, D: int) -> list[MhcConfig]:
     out += [replace(base, finish_warps=fw, sinkhorn_apart=ap) for fw, ap in ((1, True), (2, False), (8, True))]
     out += [replace(base, block_m=2 * base.block_m, post_block_d=max(16, base.post_block_d // 2))]
     out += [replace(base, sinkhorn_scalar=True), replace(base, sinkhorn_scalar=True, sinkhorn_apart=False)]
-    out += [replace(base, one_launch=not base.one_launch),
-            replace(base, one_launch=not base.one_launch, sinkhorn_apart=False, finish_warps=2 * base.finish_warps)]
+    other = 0 if base.one_launch_rows else 1 << 20  # the other path at every row count
+    out += [replace(base, one_launch_rows=other),
+            replace(base, one_launch_rows=other, sinkhorn_apart=False, finish_warps=2 * base.finish_warps)]
     return out
 
 
@@ -271,8 +272,8 @@ def test_one_launch_leaves_counters_at_zero(B, apart):
     in a row give the same bits; the two-launch path's bits, for pre, post_pre and head."""
     from megastep.kernels import common
 
-    one = MhcConfig(32, 4, 32, 32, 4, 4, apart, one_launch=True)
-    two = replace(one, one_launch=False)
+    one = MhcConfig(32, 4, 32, 32, 4, 4, apart, one_launch_rows=B)
+    two = replace(one, one_launch_rows=B - 1)
     args = make(B, 40, seed=B + 30)
     head_args = make(B, 40, seed=B + 31, head=True)
     y = (torch.randn(B, 40, device=DEV) * 3).bfloat16()
