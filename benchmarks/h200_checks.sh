@@ -25,7 +25,7 @@
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh replan     # the one-GPU MoE order at 1, 2 and 4 rows against its alternatives on today's kernels, A/B; the spread gate-up at 1 row with a timeline (~6 min)
 #   bash benchmarks/h200_checks.sh placement  # the large FP8 linears placed plainly under PDL (common.PLAIN_PLACEMENT_BYTES) against the default, A/B/A/B at 1, 2, 4 rows; its GPU tests; a timeline (~5 min)
-#   bash benchmarks/h200_checks.sh onelaunch  # the mHC mixes and finish in one launch at 1-4 rows, more FP8 linears or the experts' gate-up placed plainly, A/B/A/B; their GPU tests (~6 min)
+#   bash benchmarks/h200_checks.sh final17    # the defaults at 1-64 rows, PDL at 16 and 64 rows now that large linears are placed plainly (A/B), the MoE orders at 1-4 rows, a timeline, the step's GPU tests (~9.5 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the ranks' MoE order (default) against the other orders (routing x fork) at 1 and 6 rows; the EP GPU tests; the trace at 1 row (~9 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -196,20 +196,17 @@ for group in "$@"; do
       done
       bench_with placement_16M_timeline 60 'import megastep.kernels.common as c; c.PLAIN_PLACEMENT_BYTES = 16 << 20' \
         --layers 30 --batch 1 --timeline ;;
-    onelaunch)  # mhc.MhcConfig.one_launch_rows, common.PLAIN_PLACEMENT_BYTES below 16 MiB, moe_lut.PLAIN_GATE_UP
-      step onelaunch_tests 150 python3 -m pytest -q --timeout 120 tests/kernels/test_mhc.py -k "gpu or counters"
-      mhc1='import dataclasses, megastep.kernels.mhc as m; f = m.pick_config; m.pick_config = lambda hc, D: dataclasses.replace(f(hc, D), one_launch_rows=4)'
+    final17)  # PDL stayed off above 4 rows (eighth measurement: +0.8 % at 16 rows, +12 % at 64), before PDL_PLAIN
+      bench final17_a 100 --layers 30 --batch 1,2,4,16,64
       for arm in a b; do
-        bench "onelaunch_default_$arm" 100 --layers 30 --batch 1,2,4
-        bench_with "onelaunch_mhc1_$arm" 60 "$mhc1" --layers 30 --batch 1,2,4
-        bench_with "onelaunch_12M_$arm" 60 'import megastep.kernels.common as c; c.PLAIN_PLACEMENT_BYTES = 12 << 20' \
-          --layers 30 --batch 1,2,4
-        bench_with "onelaunch_gateup_$arm" 60 'import megastep.kernels.moe_lut as m; m.PLAIN_GATE_UP = True' \
-          --layers 30 --batch 1,2,4
+        bench "final17_pdl_on_$arm" 60 --layers 30 --batch 16,64 --pdl on
+        [ "$arm" = b ] && bench final17_16_64_b 60 --layers 30 --batch 16,64
       done
-      step onelaunch_step_tests 200 python3 -c "$mhc1; import sys, pytest; sys.exit(pytest.main(['-q', '--timeout', '150', \
-        'tests/test_fast_gpu.py', '-k', 'pdl or alone']))"
-      bench_with onelaunch_mhc1_timeline 60 "$mhc1" --layers 30 --batch 1 --timeline ;;
+      bench final17_early 45 --layers 30 --batch 1,2,4 --shared-after-router off
+      bench final17_combine 45 --layers 30 --batch 1,2,4 --shared-w2 combine
+      bench final17_residual 45 --layers 30 --batch 1,2,4 --shared-w2 residual
+      bench final17_timeline 45 --layers 30 --batch 1 --timeline
+      step final17_tests 200 python3 -m pytest -q --timeout 150 tests/test_fast_gpu.py -k "not cold_expert" ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # the ranks' MoE order (FastDecoder.MOE_PLAN_EP: 1 row CUDA routing and late fork, sixteenth
@@ -237,7 +234,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | replan | placement | onelaunch | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | replan | placement | final17 | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done

@@ -54,17 +54,20 @@ def on_interpreter(t: torch.Tensor) -> bool:
 #   30-layer step on one H200 (seventeenth measurement), A/B/A/B, p50 ms at 1 / 2 / 4 rows: all
 #   placed early 4.977 / 6.130 / 8.068 and 4.978 / 6.121 / 8.082; above 16 MiB (the qr group, wo_a,
 #   wo_b) 4.779 / 5.974 / 7.956 and 4.760 / 5.974 / 7.955; above 4 MiB (also the x group and the
-#   shared expert's) 4.885 / 5.953 / 7.990 and 4.882 / 5.945 / 7.996. In the 1-row timeline wo_a and
-#   wo_b close 14.9 and 15.9 us of a layer against 18.8 and 17.6. A reading not yet checked: CTAs
-#   placed into the slots a draining predecessor frees land unevenly over the SMs, and the SMs
-#   holding the most set the pace.
+#   shared expert's) 4.885 / 5.953 / 7.990 and 4.882 / 5.945 / 7.996. In a second call, above
+#   12 MiB (16 MiB's and the shared expert's w1/w3) 4.768 / 5.960 / 8.000 and 4.760 / 5.967 / 7.987
+#   against 16 MiB's 4.764 / 6.027 / 7.999 and 4.761 / 6.019 / 8.004: the default. In the 1-row
+#   timeline wo_a and wo_b close 14.9 and 15.9 us of a layer against 18.8 and 17.6. A reading not
+#   yet checked: CTAs placed into the slots a draining predecessor frees land unevenly over the
+#   SMs, and the SMs holding the most set the pace. (The experts' gate-up placed plainly was slower:
+#   1 row +0.29 ms, 2 rows +0.5; it keeps its early placement.)
 # A weight-streaming kernel asks L2 for its first weight lines before it waits
 # (`l2_prefetch_rows`): weights never depend on the predecessor, so that DRAM latency overlaps
 # the predecessor's tail (its split-K combine). Only the first lines: prefetching whole weight
 # tiles with evict_last halved the streaming rate (docs/PERFORMANCE.md, seventh measurement).
 _PDL = False
 PDL_OFF, PDL_LATE, PDL_EARLY, PDL_PLAIN = 0, 1, 2, 3
-PLAIN_PLACEMENT_BYTES: int | None = 16 << 20  # None: every kernel placed early (PDL_PLAIN never taken)
+PLAIN_PLACEMENT_BYTES: int | None = 12 << 20  # None: every kernel placed early (PDL_PLAIN never taken)
 PREFETCH_BYTES = 512  # per weight row and program: the first 4 steps of an FP8 linear
 _SMS: dict[int, int] = {}
 

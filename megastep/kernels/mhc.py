@@ -23,23 +23,13 @@ Kernels:
    program makes one round trip to memory, and the bf16 row is never stored and re-read. With
    block_d < D it walks the row in chunks and re-reads the stored unnormalized row (large D).
 3. `_hc_post_kernel`, grid (B, cdiv(D, BLOCK_D)): elementwise over D.
-4. `_hc_mix_finish_kernel` (calls of at most `one_launch_rows` rows): 1 and 2 in one launch, grid (S + NF * min(B, BLOCK_M),
-   cdiv(B, BLOCK_M)) with NF = 2 finish programs per row (1 without `sinkhorn_apart` or Sinkhorn).
-   Programs s < S of row tile mt are its mixes programs; each publishes its partials with a
-   release increment of the tile's counter. Program S + NF r + role waits for the counter to reach
-   S (acquire) and runs the finish's program (row mt * BLOCK_M + r, role), then the tile's last
-   finish program zeroes the counters for the next launch. The waiting programs have higher ids
-   than the ones they wait for, which the GPU places first (and the interpreter runs first), so
-   the wait ends. One launch boundary less per call: the finish starts as the last partial lands.
 `mhc_post_pre` (a sublayer's post followed by the next one's pre, as the step runs them) folds 3
 into 1: each mixes program first makes its slice of the updated streams from the previous ones
 (the post kernel's arithmetic, products rounded on their own, `_mul_rn`), stores it for the finish
 and the next post, and mixes it: one launch per sublayer fewer, the same bits.
 
 Rounding points follow ops exactly: every product is rounded before it is summed (the finish and
-post kernels are compiled with enable_fp_fusion=False, so no FMA contraction, and the finish's
-products that meet an addition are rounded on their own by `_mul_rn`, so the one-launch kernel,
-compiled with contraction for its mixes programs, gives the finish's bits too), sums over streams
+post kernels are compiled with enable_fp_fusion=False, so no FMA contraction), sums over streams
 run j = 0..hc-1 in order like torch's reduction over a non-inner dim (and the 4-long row and
 column sums of Sinkhorn too), the collapsed x is rounded to bf16 before the norm and the norm
 output again. What differs from torch: the fp32 summation order of the hc*D-long mixes dot
@@ -54,14 +44,13 @@ does not depend on the order, so the result does not depend on how Triton lays t
 threads and warps (a plain tl.sum's order does). A block_d chunk is an aligned subtree of the
 row's tree, and zero padding adds exact zeros, so the chunked and the one-pass collapse give the
 same bits. Hence the outputs depend on (kc, num_warps) only (the mixes kernel's sums), never on
-block_m, block_d, finish_warps, sinkhorn_apart, sinkhorn_scalar, one_launch_rows or post_block_d; tests/kernels/test_mhc.py and
+block_m, block_d, finish_warps, sinkhorn_apart, sinkhorn_scalar or post_block_d; tests/kernels/test_mhc.py and
 benchmarks/kernels/tune_mhc.py check this. (These two trees replaced tl.sum reductions on
 2026-11-29: the fp32 order of those two sums, and so the last bits of the outputs, changed once
 against the earlier kernel; every per-element operation is as before.)
 
 Batch invariance: a row's result never depends on B (fixed S, fixed BLOCK_M with independent
-rows, the finish's programs per row); no atomics on data (the one launch: an arrival counter per
-row tile), no host syncs, outputs from torch.empty.
+rows, the finish's programs per row); no atomics, no host syncs, outputs from torch.empty.
 """
 
 from __future__ import annotations
@@ -73,7 +62,7 @@ import triton
 import triton.language as tl
 
 from megastep.config import ModelConfig
-from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16, workspace
+from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
 from megastep.model import ops
 
 
@@ -90,14 +79,6 @@ class MhcConfig:
     # the same operations on the same values: the same bits), not on a [4, 4] tile spread over
     # the program's warps. Pinned for V4-Flash below (measured on one H200).
     sinkhorn_scalar: bool = False
-    # calls of at most this many rows run the mixes and the finish in one launch
-    # (`_hc_mix_finish_kernel`): the finish programs come after the mixes programs in the grid and
-    # wait for them on a counter, so the finish needs no launch of its own. The same bits (so the
-    # choice by rows keeps batch invariance); num_warps then sets the finish's warps too (they
-    # change no bit). Not for many rows: the one launch takes the finish's registers (~220 per
-    # thread, the whole row of the collapse) for every program, and its waiting programs hold SM
-    # slots the later row tiles' mixes programs need.
-    one_launch_rows: int = 0
 
     def check(self) -> None:
         for v in (self.kc, self.block_m, self.block_d, self.post_block_d, self.num_warps, self.finish_warps):
@@ -135,18 +116,6 @@ def _mul_rn(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _add_rn(a, b, INTERPRET: tl.constexpr):
-    """a + b rounded on its own: a quotient (div.full) or a sigmoid plus eps stays a rounded
-    quotient plus eps in a kernel compiled with FP fusion on (ptxas would otherwise fold the
-    quotient's last multiply into an FMA with the add), as the finish kernel, compiled without
-    fusion, computes it."""
-    if INTERPRET:
-        return a + b
-    return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
 def _sublayer_out(y_ptr, y2_ptr, row, d, mask, stride_yb, stride_y2b, Y2: tl.constexpr, INTERPRET: tl.constexpr):
     """The sublayer output y at (row, d) as fp32; with Y2, rnd(y + y2) (y fp32, y2 bf16: the bits
     of linear_fp8's residual epilogue rnd(y + rnd(acc)), its second addend computed apart)."""
@@ -175,27 +144,23 @@ def _post_slice(y_ptr, y2_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, row, j, d, ma
 
 
 @triton.jit
-def _mix_weight(fn_ptr, s, K, stride_fn, MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr):
-    """The mixes program s's slice of fn [MIXP, KC] (zero past MIX and past K: nothing for a finish
-    program of the one-launch kernel, whose s * KC >= K). A weight: loaded before the wait."""
-    offs_k = s * KC + tl.arange(0, KC)
-    cols = tl.arange(0, MIXP)
-    return tl.load(fn_ptr + cols[:, None] * stride_fn + offs_k[None, :],
-                   mask=(cols < MIX)[:, None] & (offs_k < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _mix_rows(fn, s, mt, h_ptr, part_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, hout_ptr,
-              B, D, K, stride_hb, stride_hj, stride_yb, stride_y2b, stride_ob, stride_oj,
-              MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr,
-              UPDATE: tl.constexpr, Y2: tl.constexpr, INTERPRET: tl.constexpr):
-    """Mixes program (s, mt): the partial mixes and sum of squares of flat(h)'s slice s for the
-    rows of tile mt (with UPDATE, of that slice of the updated streams, made and stored first)."""
+def _hc_mix_partial_kernel(
+    h_ptr, fn_ptr, part_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, hout_ptr,
+    B, D, K, stride_hb, stride_hj, stride_fn, stride_yb, stride_y2b, stride_ob, stride_oj,
+    MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr,
+    UPDATE: tl.constexpr, Y2: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+):
+    s = tl.program_id(0)
+    mt = tl.program_id(1)
     offs_k = s * KC + tl.arange(0, KC)  # index into flat(h) = h[j, d] at j * D + d
     k_mask = offs_k < K
     j = offs_k // D
     h_off = j * stride_hj + (offs_k - j * D)
     cols = tl.arange(0, MIXP)
+    # a weight: loaded before the wait (with PDL), while the previous kernel drains
+    fn = tl.load(fn_ptr + cols[:, None] * stride_fn + offs_k[None, :],
+                 mask=(cols < MIX)[:, None] & k_mask[None, :], other=0.0)
+    pdl_enter(PDL)
     for r in tl.static_range(BLOCK_M):
         if mt * BLOCK_M + r < B:  # rows past B (a partial last tile, B = 1): skip their reductions
             # row index as a tensor: the interpreter mishandles a scalar boolean in a mask
@@ -211,21 +176,6 @@ def _mix_rows(fn, s, mt, h_ptr, part_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, hou
             part = tl.where(cols == MIX, tl.sum(x * x, axis=0), part)
             prow = tl.zeros([MIXP], dtype=tl.int32) + (mt * BLOCK_M + r)
             tl.store(part_ptr + (s * B + prow).to(tl.int64) * MIXP + cols, part, mask=prow < B)
-
-
-@triton.jit
-def _hc_mix_partial_kernel(
-    h_ptr, fn_ptr, part_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, hout_ptr,
-    B, D, K, stride_hb, stride_hj, stride_fn, stride_yb, stride_y2b, stride_ob, stride_oj,
-    MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr,
-    UPDATE: tl.constexpr, Y2: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-):
-    s = tl.program_id(0)
-    mt = tl.program_id(1)
-    fn = _mix_weight(fn_ptr, s, K, stride_fn, MIX, MIXP, KC)  # before the wait (with PDL): a weight
-    pdl_enter(PDL)
-    _mix_rows(fn, s, mt, h_ptr, part_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, hout_ptr, B, D, K, stride_hb, stride_hj,
-              stride_yb, stride_y2b, stride_ob, stride_oj, MIX, MIXP, KC, BLOCK_M, HC, UPDATE, Y2, INTERPRET)
 
 
 @triton.jit
@@ -276,13 +226,13 @@ def _load_mix_sq(prow, s_ok, COL: tl.constexpr, HC: tl.constexpr, MIX: tl.conste
 
 
 @triton.jit
-def _mix_rs(part, K, norm_eps, HC: tl.constexpr, SP: tl.constexpr, INTERPRET: tl.constexpr):
+def _mix_rs(part, K, norm_eps, HC: tl.constexpr, SP: tl.constexpr):
     """From `_load_mix_sq`'s tile: (the HC mixes [HC], rsqrt(mean(flat(h)^2) + eps) [HC], the
     same value HC times: a vector keeps it where the mixes are, with no cross-warp reduction)."""
     v = tl.reshape(_tree_rows(part, SP, 2 * HC), (2, HC))
     r = tl.arange(0, 2)[:, None]
     sq = _take(v, r, 1, 0)
-    return _take(v, r, 0, 0), tl.div_rn(1.0, tl.sqrt_rn(_add_rn(sq / K, norm_eps, INTERPRET)))
+    return _take(v, r, 0, 0), tl.div_rn(1.0, tl.sqrt_rn(sq / K + norm_eps))
 
 
 @triton.jit
@@ -298,7 +248,7 @@ def _rows4(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, eps):
 
 
 @triton.jit
-def _softmax_row4(p, eps, INTERPRET: tl.constexpr):
+def _softmax_row4(p, eps):
     """softmax over the row of 4 at p, plus eps: the tile path's operations (max, exp of the
     difference, the in-order sum, one division per element) on scalars."""
     x0 = tl.load(p)
@@ -311,20 +261,19 @@ def _softmax_row4(p, eps, INTERPRET: tl.constexpr):
     e2 = tl.exp(x2 - m)
     e3 = tl.exp(x3 - m)
     r = ((e0 + e1) + e2) + e3
-    return (_add_rn(e0 / r, eps, INTERPRET), _add_rn(e1 / r, eps, INTERPRET), _add_rn(e2 / r, eps, INTERPRET),
-            _add_rn(e3 / r, eps, INTERPRET))
+    return e0 / r + eps, e1 / r + eps, e2 / r + eps, e3 / r + eps
 
 
 @triton.jit
-def _sinkhorn4(comb_row, iters, eps, INTERPRET: tl.constexpr):
+def _sinkhorn4(comb_row, iters, eps):
     """Sinkhorn of the 4 x 4 matrix at comb_row (row-major fp32), in place: a row softmax + eps,
     a column normalization, then iters - 1 rounds of row and column normalization (+ eps in each
     denominator), on 16 scalars that every thread holds: `sinkhorn_mixes`' operations in
     `_sinkhorn_row`'s order, so its bits, with no sum across threads or warps."""
-    a0, a1, a2, a3 = _softmax_row4(comb_row, eps, INTERPRET)
-    b0, b1, b2, b3 = _softmax_row4(comb_row + 4, eps, INTERPRET)
-    c0, c1, c2, c3 = _softmax_row4(comb_row + 8, eps, INTERPRET)
-    d0, d1, d2, d3 = _softmax_row4(comb_row + 12, eps, INTERPRET)
+    a0, a1, a2, a3 = _softmax_row4(comb_row, eps)
+    b0, b1, b2, b3 = _softmax_row4(comb_row + 4, eps)
+    c0, c1, c2, c3 = _softmax_row4(comb_row + 8, eps)
+    d0, d1, d2, d3 = _softmax_row4(comb_row + 12, eps)
     a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3 = _rows4(  # the columns
         a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3, eps)
     for _ in range(iters - 1):
@@ -353,7 +302,7 @@ def _sinkhorn4(comb_row, iters, eps, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_row, comb_row, K, iters, hc_eps, norm_eps,
-                  HC: tl.constexpr, MIX: tl.constexpr, SP: tl.constexpr, SCALAR: tl.constexpr, INTERPRET: tl.constexpr):
+                  HC: tl.constexpr, MIX: tl.constexpr, SP: tl.constexpr, SCALAR: tl.constexpr):
     """post = 2 sigmoid(post mixes), comb = Sinkhorn(comb mixes) of one row, stored."""
     jj = tl.arange(0, HC)
     # every load first: nothing waits for another round trip
@@ -364,16 +313,16 @@ def _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_row, comb_row, K, iters,
     scale2 = tl.load(scale_ptr + 2)
     post_base = tl.load(base_ptr + HC + jj)
     c_base = tl.load(base_ptr + 2 * HC + ci)
-    post_mix, rs = _mix_rs(post_part, K, norm_eps, HC, SP, INTERPRET)
+    post_mix, rs = _mix_rs(post_part, K, norm_eps, HC, SP)
     post_mix = post_mix * rs
-    post = 2.0 * tl.sigmoid(_mul_rn(post_mix, scale1, INTERPRET) + post_base)
+    post = 2.0 * tl.sigmoid(post_mix * scale1 + post_base)
     tl.store(post_row + jj, post)
     c_mix = tl.reshape(_tree_rows(c_part, SP, HC * HC), (HC, HC)) * rs[None, :]
-    c = _mul_rn(c_mix, scale2, INTERPRET) + c_base
+    c = c_mix * scale2 + c_base
     if SCALAR:  # HC == 4: the tile's 16 values to every thread, once, through the output row
         tl.store(comb_row + ci, c)
         tl.debug_barrier()
-        _sinkhorn4(comb_row, iters, hc_eps, INTERPRET)
+        _sinkhorn4(comb_row, iters, hc_eps)
         return
     rows = tl.broadcast_to(jj[:, None], (HC, HC))
     colsi = tl.broadcast_to(jj[None, :], (HC, HC))
@@ -382,7 +331,7 @@ def _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_row, comb_row, K, iters,
     rsum = _take(e, colsi, 0, 1)
     for i in tl.static_range(1, HC):
         rsum = rsum + _take(e, colsi, i, 1)
-    c = _add_rn(e / rsum[:, None], hc_eps, INTERPRET)
+    c = e / rsum[:, None] + hc_eps
     csum = _take(c, rows, 0, 0)
     for i in tl.static_range(1, HC):
         csum = csum + _take(c, rows, i, 0)
@@ -415,17 +364,17 @@ def _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc
         m = offs < D
         hv = tl.load(h_row + jj[:, None] * stride_hj + offs[None, :], mask=m[None, :], other=0.0)  # [HC, BLOCK_D]
         wv = tl.load(w_ptr + offs, mask=m, other=0.0)
-    pre_mix, rs = _mix_rs(pre_part, K, norm_eps, HC, SP, INTERPRET)
+    pre_mix, rs = _mix_rs(pre_part, K, norm_eps, HC, SP)
     pre_mix = pre_mix * rs
-    pre = _add_rn(tl.sigmoid(_mul_rn(pre_mix, scale0, INTERPRET) + pre_base), hc_eps, INTERPRET)  # [HC]
+    pre = tl.sigmoid(pre_mix * scale0 + pre_base) + hc_eps  # [HC]
     # x = sum_j pre_j h_j (in order), bf16 round; the sum of squares by `_tree_1d` over the row
     if NCHP == 1:
-        prod = _mul_rn(pre[:, None], hv.to(tl.float32), INTERPRET)  # [HC, BLOCK_D]: pre_j h_j, in registers
+        prod = pre[:, None] * hv.to(tl.float32)  # [HC, BLOCK_D]: pre_j h_j, the streams in registers
         acc = _take(prod, jj[:, None], 0, 0)
         for j in tl.static_range(1, HC):
             acc = acc + _take(prod, jj[:, None], j, 0)
         xr = round_bf16(acc, INTERPRET)
-        rn = tl.div_rn(1.0, tl.sqrt_rn(_add_rn(_tree_1d(_mul_rn(xr, xr, INTERPRET), BLOCK_D) / D, norm_eps, INTERPRET)))
+        rn = tl.div_rn(1.0, tl.sqrt_rn(_tree_1d(xr * xr, BLOCK_D) / D + norm_eps))
         y = wv * (xr * rn)
         tl.store(x_row + offs, round_bf16(y, INTERPRET).to(x_row.dtype.element_ty), mask=m)
     else:
@@ -434,14 +383,13 @@ def _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc
         for d0 in range(0, D, BLOCK_D):
             offs = d0 + tl.arange(0, BLOCK_D)
             m = offs < D
-            acc = _mul_rn(_take(pre, jj, 0, 0), tl.load(h_row + offs, mask=m, other=0.0).to(tl.float32), INTERPRET)
+            acc = _take(pre, jj, 0, 0) * tl.load(h_row + offs, mask=m, other=0.0).to(tl.float32)
             for j in tl.static_range(1, HC):
-                acc = acc + _mul_rn(_take(pre, jj, j, 0),
-                                    tl.load(h_row + j * stride_hj + offs, mask=m, other=0.0).to(tl.float32), INTERPRET)
+                acc = acc + _take(pre, jj, j, 0) * tl.load(h_row + j * stride_hj + offs, mask=m, other=0.0).to(tl.float32)
             xr = round_bf16(acc, INTERPRET)
-            csq = tl.where(cidx == d0 // BLOCK_D, _tree_1d(_mul_rn(xr, xr, INTERPRET), BLOCK_D), csq)
+            csq = tl.where(cidx == d0 // BLOCK_D, _tree_1d(xr * xr, BLOCK_D), csq)
             tl.store(x_row + offs, xr.to(x_row.dtype.element_ty), mask=m)
-        rn = tl.div_rn(1.0, tl.sqrt_rn(_add_rn(_tree_1d(csq, NCHP) / D, norm_eps, INTERPRET)))
+        rn = tl.div_rn(1.0, tl.sqrt_rn(_tree_1d(csq, NCHP) / D + norm_eps))
         tl.debug_barrier()  # the unnormalized row is re-read below by other threads of this program
         for d0 in range(0, D, BLOCK_D):
             offs = d0 + tl.arange(0, BLOCK_D)
@@ -449,38 +397,6 @@ def _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc
             xr = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
             y = tl.load(w_ptr + offs, mask=m, other=0.0) * (xr * rn)
             tl.store(x_row + offs, round_bf16(y, INTERPRET).to(x_row.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _finish_row(part_ptr, h_ptr, scale_ptr, base_ptr, w_ptr, x_ptr, post_ptr, comb_ptr, b, role,
-                B, D, K, S, iters, hc_eps, norm_eps, stride_hb, stride_hj, stride_xb,
-                HC: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, SP: tl.constexpr,
-                BLOCK_D: tl.constexpr, NCHP: tl.constexpr, SINKHORN: tl.constexpr, APART: tl.constexpr,
-                SCALAR: tl.constexpr, INTERPRET: tl.constexpr):
-    """Row b's finish: collapse + RMSNorm; with SINKHORN the post and comb mixes too, done by role
-    1 when APART (the two side by side, role 0 collapsing), else before the collapse."""
-    b64 = b.to(tl.int64)
-    sidx = tl.arange(0, SP)
-    s_ok = sidx < S
-    prow = part_ptr + (sidx.to(tl.int64) * B + b) * MIXP  # [SP] row starts of this row's partials
-    h_row = h_ptr + b64 * stride_hb
-    x_row = x_ptr + b64 * stride_xb
-    if SINKHORN:
-        if APART:
-            if role == 0:
-                _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
-                              stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
-            else:
-                _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_ptr + b64 * HC, comb_ptr + b64 * HC * HC,
-                              K, iters, hc_eps, norm_eps, HC, MIX, SP, SCALAR, INTERPRET)
-        else:
-            _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_ptr + b64 * HC, comb_ptr + b64 * HC * HC,
-                          K, iters, hc_eps, norm_eps, HC, MIX, SP, SCALAR, INTERPRET)
-            _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
-                          stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
-    else:
-        _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
-                      stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
 
 
 @triton.jit
@@ -492,55 +408,32 @@ def _hc_finish_kernel(
     BLOCK_D: tl.constexpr, NCHP: tl.constexpr, SINKHORN: tl.constexpr, APART: tl.constexpr,
     SCALAR: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
-    # program (b, role): `_finish_row`
+    # program (b, 0): collapse + RMSNorm of row b; with SINKHORN the post and comb mixes too, done
+    # by program (b, 1) when APART (the two run side by side), else before the collapse
     pdl_enter(PDL)
-    _finish_row(part_ptr, h_ptr, scale_ptr, base_ptr, w_ptr, x_ptr, post_ptr, comb_ptr, tl.program_id(0),
-                tl.program_id(1), B, D, K, S, iters, hc_eps, norm_eps, stride_hb, stride_hj, stride_xb,
-                HC, MIX, MIXP, SP, BLOCK_D, NCHP, SINKHORN, APART, SCALAR, INTERPRET)
-
-
-@triton.jit
-def _hc_mix_finish_kernel(
-    h_ptr, fn_ptr, part_ptr, y_ptr, y2_ptr, post_in_ptr, comb_in_ptr, hout_ptr,
-    scale_ptr, base_ptr, w_ptr, x_ptr, post_ptr, comb_ptr, cnt_ptr,
-    B, D, K, S, iters, hc_eps, norm_eps,
-    stride_hb, stride_hj, stride_fn, stride_yb, stride_y2b, stride_ob, stride_oj, stride_xb,
-    MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr,
-    UPDATE: tl.constexpr, Y2: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr, NCHP: tl.constexpr,
-    SINKHORN: tl.constexpr, APART: tl.constexpr, SCALAR: tl.constexpr, NF: tl.constexpr,
-    INTERPRET: tl.constexpr, PDL: tl.constexpr,
-):
-    # grid (S + NF * min(B, BLOCK_M), row tiles): programs s < S of tile mt are its mixes programs;
-    # program S + NF * r + role finishes row mt * BLOCK_M + r once all S have published (module doc)
-    s = tl.program_id(0)
-    mt = tl.program_id(1)
-    fn = _mix_weight(fn_ptr, s, K, stride_fn, MIX, MIXP, KC)  # before the wait (with PDL): a weight
-    pdl_enter(PDL)
-    cnt = cnt_ptr + 2 * mt  # [arrived mixes programs, departed finish programs] of this tile
-    if s < S:
-        _mix_rows(fn, s, mt, h_ptr, part_ptr, y_ptr, y2_ptr, post_in_ptr, comb_in_ptr, hout_ptr, B, D, K,
-                  stride_hb, stride_hj, stride_yb, stride_y2b, stride_ob, stride_oj, MIX, MIXP, KC, BLOCK_M, HC,
-                  UPDATE, Y2, INTERPRET)
-        tl.debug_barrier()  # every thread's partials (and stream slices) are issued before the release
-        tl.atomic_add(cnt, 1, sem="release", scope="gpu")
+    b = tl.program_id(0)
+    b64 = b.to(tl.int64)
+    sidx = tl.arange(0, SP)
+    s_ok = sidx < S
+    prow = part_ptr + (sidx.to(tl.int64) * B + b) * MIXP  # [SP] row starts of this row's partials
+    h_row = h_ptr + b64 * stride_hb
+    x_row = x_ptr + b64 * stride_xb
+    if SINKHORN:
+        if APART:
+            if tl.program_id(1) == 0:
+                _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
+                              stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
+            else:
+                _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_ptr + b64 * HC, comb_ptr + b64 * HC * HC,
+                              K, iters, hc_eps, norm_eps, HC, MIX, SP, SCALAR)
+        else:
+            _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_ptr + b64 * HC, comb_ptr + b64 * HC * HC,
+                          K, iters, hc_eps, norm_eps, HC, MIX, SP, SCALAR)
+            _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
+                          stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
     else:
-        f = s - S
-        b = mt * BLOCK_M + f // NF
-        if b < B:
-            # the tile's mixes programs have lower ids: already placed, so this wait ends (and
-            # under the interpreter, which runs programs in id order, at once)
-            while tl.atomic_add(cnt, 0, sem="acquire", scope="gpu") < S:
-                pass
-            tl.debug_barrier()  # no thread reads a partial before the acquire above
-            _finish_row(part_ptr, hout_ptr, scale_ptr, base_ptr, w_ptr, x_ptr, post_ptr, comb_ptr, b, f % NF,
-                        B, D, K, S, iters, hc_eps, norm_eps, stride_ob, stride_oj, stride_xb,
-                        HC, MIX, MIXP, SP, BLOCK_D, NCHP, SINKHORN, APART, SCALAR, INTERPRET)
-            tl.debug_barrier()
-            # the last finish program of the tile leaves both counters at zero for the next launch
-            done = tl.atomic_add(cnt + 1, 1, sem="acq_rel", scope="gpu")
-            if done == NF * tl.minimum(B - mt * BLOCK_M, BLOCK_M) - 1:
-                tl.store(cnt, 0)
-                tl.store(cnt + 1, 0)
+        _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
+                      stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
 
 
 @triton.jit
@@ -622,39 +515,29 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
     part = torch.empty(S, B, mixp, dtype=torch.float32, device=dev)
     interp = on_interpreter(h)
     y, post_in, comb_in, y2 = update if update is not None else (h, h, h, None)  # unused without update
-    y2_ptr, y2_stride = _y2_operand(y, y2)
-    block_d = min(cfg.block_d, max(16, next_pow2(D)))
-    apart = sinkhorn and cfg.sinkhorn_apart
-    fin = dict(HC=hc, MIX=mix, MIXP=mixp, SP=next_pow2(S), BLOCK_D=block_d, NCHP=next_pow2(-(-D // block_d)),
-               SINKHORN=sinkhorn, APART=apart, SCALAR=cfg.sinkhorn_scalar and hc == 4, INTERPRET=interp)
-    if B <= cfg.one_launch_rows:
-        nf = 2 if apart else 1
-        tiles = -(-B // cfg.block_m)
-        grid = (S + nf * min(B, cfg.block_m), tiles)
-        cnt = workspace(dev, "counters_mhc", 2 * tiles, torch.int32)
-        _hc_mix_finish_kernel[grid](
-            h, fn, part, y, y2_ptr, post_in, comb_in, hout, scale, base, norm_w, x, post, comb, cnt,
-            B, D, K, S, iters, hc_eps, norm_eps,
-            h.stride(0), h.stride(1), fn.stride(0), y.stride(0), y2_stride, hout.stride(0), hout.stride(1),
-            x.stride(0), KC=cfg.kc, BLOCK_M=cfg.block_m, UPDATE=update is not None, Y2=y2 is not None, NF=nf,
-            **fin, num_warps=cfg.num_warps, **launch_opts(h, grid),
-        )
-        return x, post, comb, hout
     grid = (S, -(-B // cfg.block_m))
+    y2_ptr, y2_stride = _y2_operand(y, y2)
     _hc_mix_partial_kernel[grid](
         h, fn, part, y, y2_ptr, post_in, comb_in, hout, B, D, K, h.stride(0), h.stride(1),
         fn.stride(0), y.stride(0), y2_stride, hout.stride(0), hout.stride(1),
         MIX=mix, MIXP=mixp, KC=cfg.kc, BLOCK_M=cfg.block_m, HC=hc, UPDATE=update is not None, Y2=y2 is not None,
-        INTERPRET=interp, num_warps=cfg.num_warps, **launch_opts(h, grid),
+        INTERPRET=interp,
+        num_warps=cfg.num_warps, **launch_opts(h, grid),
     )
+    h = hout
+    block_d = min(cfg.block_d, max(16, next_pow2(D)))
+    apart = sinkhorn and cfg.sinkhorn_apart
     grid = (B, 2 if apart else 1)
     _hc_finish_kernel[grid](
-        part, hout, scale, base, norm_w, x, post, comb,
+        part, h, scale, base, norm_w, x, post, comb,
         B, D, K, S, iters, hc_eps, norm_eps,
-        hout.stride(0), hout.stride(1), x.stride(0),
-        **fin, num_warps=cfg.finish_warps, enable_fp_fusion=False, **launch_opts(h, grid),
+        h.stride(0), h.stride(1), x.stride(0),
+        HC=hc, MIX=mix, MIXP=mixp, SP=next_pow2(S), BLOCK_D=block_d, NCHP=next_pow2(-(-D // block_d)),
+        SINKHORN=sinkhorn, APART=apart, SCALAR=cfg.sinkhorn_scalar and hc == 4, INTERPRET=interp,
+        num_warps=cfg.finish_warps, enable_fp_fusion=False,
+        **launch_opts(h, grid),
     )
-    return x, post, comb, hout
+    return x, post, comb, h
 
 
 def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor,

@@ -55,10 +55,6 @@ LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B
 # measurement). () turns it off (benchmarks/kernels/moe_cuda_variants.py's engine "lut_items").
 SPREAD_ROWS = (2,)
 SPREAD_WARPS = 12  # the .cu's kSpreadWarps
-# Gate-up launched without PDL (placed once the routing has completed, on empty SMs, as the large
-# FP8 linears are: common.PLAIN_PLACEMENT_BYTES); its wait is then a no-op and it still releases
-# down early. An experiment (h200_checks.sh placement2), off.
-PLAIN_GATE_UP = False
 
 
 @functools.cache
@@ -106,10 +102,10 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
         _GATE_UP_SPREAD.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), shared_bytes(D),
-                               None, *args, spread, pdl=pdl_enabled() and not PLAIN_GATE_UP)
+                               None, *args, spread, pdl=pdl_enabled())
     else:  # items (slot, channel tile)
         _GATE_UP.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None,
-                        *args, pdl=pdl_enabled() and not PLAIN_GATE_UP)
+                        *args, pdl=pdl_enabled())
 
 
 def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,

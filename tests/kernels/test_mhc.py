@@ -9,7 +9,7 @@ most one bf16 step from the ref (or within 1e-5 max|ref| where a sum cancels), a
 at least 99% of the elements. hc_post has no long sum: bit-equal on CPU.
 
 The finish kernel sums in fixed trees, so configurations that differ only in the finish (block_d,
-finish_warps, sinkhorn_apart, sinkhorn_scalar, one_launch_rows), in block_m or in post_block_d must give the same
+finish_warps, sinkhorn_apart, sinkhorn_scalar), in block_m or in post_block_d must give the same
 bits (on the GPU too, where the thread layout changes with them).
 """
 
@@ -72,8 +72,7 @@ def check_pre(args, cfg=None):
     return x, post, comb
 
 
-SMALL = [MhcConfig(32, 2, 16, 16, 4, 2, False), MhcConfig(64, 4, 32, 64, 2, 1, True), MhcConfig(16, 1, 64, 16, 1, 8, True),
-         MhcConfig(32, 2, 16, 16, 4, 4, True, one_launch_rows=64), MhcConfig(64, 4, 32, 64, 2, 2, False, one_launch_rows=3)]
+SMALL = [MhcConfig(32, 2, 16, 16, 4, 2, False), MhcConfig(64, 4, 32, 64, 2, 1, True), MhcConfig(16, 1, 64, 16, 1, 8, True)]
 
 
 def picked_configs():
@@ -114,7 +113,7 @@ def test_expanded_streams_and_fp32_y():
     assert torch.equal(mhc_post(y, he, post, comb).float(), mhc_post_ref(y, he, post, comb).float())
 
 
-@pytest.mark.parametrize("cfg", [None, MhcConfig(32, 2, 16, 16, 4), MhcConfig(32, 2, 16, 16, 4, one_launch_rows=64)], ids=str)
+@pytest.mark.parametrize("cfg", [None, MhcConfig(32, 2, 16, 16, 4)], ids=str)
 def test_batch_invariant_and_deterministic(cfg):
     h, fn, scale, base, w = make(6, 72, seed=11)
     full = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg)
@@ -141,12 +140,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def run_all(args, head_args, y, cfg):
-    """(x, post, comb) of mhc_pre, z of mhc_head, mhc_post's output and mhc_post_pre's four under cfg."""
+    """(x, post, comb) of mhc_pre, z of mhc_head and mhc_post's output under cfg."""
     h, fn, scale, base, w = args
     x, post, comb = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg)
     z = mhc_head(*head_args, HC_EPS, EPS, config=cfg)
-    fused = mhc.mhc_post_pre(y, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg)
-    return (x, post, comb, z, mhc_post(y, h, post, comb, config=cfg), *fused)
+    return x, post, comb, z, mhc_post(y, h, post, comb, config=cfg)
 
 
 def finish_variants(base: MhcConfig, D: int) -> list[MhcConfig]:
@@ -156,9 +154,6 @@ def finish_variants(base: MhcConfig, D: int) -> list[MhcConfig]:
     out += [replace(base, finish_warps=fw, sinkhorn_apart=ap) for fw, ap in ((1, True), (2, False), (8, True))]
     out += [replace(base, block_m=2 * base.block_m, post_block_d=max(16, base.post_block_d // 2))]
     out += [replace(base, sinkhorn_scalar=True), replace(base, sinkhorn_scalar=True, sinkhorn_apart=False)]
-    other = 0 if base.one_launch_rows else 1 << 20  # the other path at every row count
-    out += [replace(base, one_launch_rows=other),
-            replace(base, one_launch_rows=other, sinkhorn_apart=False, finish_warps=2 * base.finish_warps)]
     return out
 
 
@@ -264,34 +259,13 @@ def test_second_addend_is_the_residual_sum(B, D):
         mhc_post(summed, h, post, comb, y2=y2)
 
 
-@pytest.mark.parametrize("apart", [True, False])
-@pytest.mark.parametrize("B", [1, 3, 9])
-def test_one_launch_leaves_counters_at_zero(B, apart):
-    """The one-launch kernel's arrival counters (one pair per row tile of block_m rows) are zero
-    after every call, so the next call (or graph replay) waits for its own mixes programs; calls
-    in a row give the same bits; the two-launch path's bits, for pre, post_pre and head."""
-    from megastep.kernels import common
-
-    one = MhcConfig(32, 4, 32, 32, 4, 4, apart, one_launch_rows=B)
-    two = replace(one, one_launch_rows=B - 1)
-    args = make(B, 40, seed=B + 30)
-    head_args = make(B, 40, seed=B + 31, head=True)
-    y = (torch.randn(B, 40, device=DEV) * 3).bfloat16()
-    ref = run_all(args, head_args, y, two)
-    for _ in range(3):
-        for a, b in zip(run_all(args, head_args, y, one), ref):
-            assert same_bits(a, b)
-        cnt = common.workspace(torch.device(DEV), "counters_mhc", 2 * -(-B // one.block_m), torch.int32)
-        assert not cnt.any()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("B", [1, 16, 64])
 def test_gpu_post_pre_fused_same_bits(B):
-    """At V4 shapes on the GPU: the fused launch gives the bits of mhc_post then mhc_pre (its post
-    products are rounded on their own, like the post kernel's; every kernel compiled without FP
-    fusion)."""
+    """At V4 shapes on the GPU, where the mixes kernel contracts FMAs: the fused launch gives the
+    bits of mhc_post then mhc_pre (its post products are rounded on their own, like the post
+    kernel's, compiled without FP fusion)."""
     h, fn, scale, base, w = make(B, 4096, seed=B + 9, dev="cuda")
     _, post, comb = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
     y = (torch.randn(B, 4096, device="cuda") * 3).bfloat16()
