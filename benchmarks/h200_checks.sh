@@ -109,7 +109,7 @@ for group in "$@"; do
         bench "offload_skewed_$path" 150 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path "$path"
       done ;;
     offload_a)  # recipe A alone (the winner of the offload group)
-      bench offload_skewed_gpu 150 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;
+      bench offload_skewed_gpu 280 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;
     ncu)  # why the weight-streaming kernels reach 1.1-1.5 TB/s and attention takes 20-30 us at batch 1:
       # throughput, memory, occupancy, warp stalls of each kind's launches in a 4-layer eager step
       step ncu 240 ncu --clock-control none --target-processes all --launch-skip 40 --launch-count 40 \
