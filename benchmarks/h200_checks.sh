@@ -27,7 +27,7 @@
 #   bash benchmarks/h200_checks.sh placement  # the large FP8 linears placed plainly under PDL (common.PLAIN_PLACEMENT_BYTES) against the default, A/B/A/B at 1, 2, 4 rows; its GPU tests; a timeline (~5 min)
 #   bash benchmarks/h200_checks.sh final17    # the defaults at 1-64 rows, PDL at 16 and 64 rows now that large linears are placed plainly (A/B), the MoE orders at 1-4 rows, a timeline, the step's GPU tests (~9.5 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
-#   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the ranks' MoE order (default) against the other orders (routing x fork) at 1 and 6 rows; the EP GPU tests; the trace at 1 row (~9 min)
+#   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the ranks' MoE order (default) against the one-GPU order at 1 and 6 rows, PDL on the ranks, A/B; the EP GPU tests with p2p (~9 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
@@ -210,17 +210,16 @@ for group in "$@"; do
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # the ranks' MoE order (FastDecoder.MOE_PLAN_EP: 1 row CUDA routing and late fork, sixteenth
-      # measurement; more rows MOE_PLAN_ABOVE, Triton routing and early fork) against the other orders at 1 and 6 rows
+      # measurement; more rows MOE_PLAN_ABOVE) against the one-GPU order at 6 rows too; and PDL on the ranks, never
+      # measured there (off with several ranks), which with the large linears placed plainly is worth 0.2 ms at 1 row on
+      # one GPU (seventeenth measurement)
       all_gpus
       for arm in a b; do
         bench "ep${n}_plan_default_$arm" 100 --gpus "$gpus" --batch 1,6
         bench "ep${n}_plan_cuda_late_$arm" 100 --gpus "$gpus" --batch 1,6 --router cuda --shared-after-router on
+        bench "ep${n}_pdl_on_$arm" 100 --gpus "$gpus" --batch 1,6 --pdl on
       done
-      # (6 rows' default is the old order, Triton routing and early fork: measured above)
-      bench "ep${n}_plan_triton_late" 100 --gpus "$gpus" --batch 1,6 --router triton --shared-after-router on
-      bench "ep${n}_plan_cuda_early" 100 --gpus "$gpus" --batch 1,6 --router cuda --shared-after-router off
-      step ep_plan_tests 200 python3 -m pytest -q --timeout 180 tests/test_distributed_gpu.py -k p2p
-      bench "ep${n}_trace" 150 --gpus "$gpus" --batch 1 --trace ;;
+      step ep_plan_tests 200 python3 -m pytest -q --timeout 180 tests/test_distributed_gpu.py -k p2p ;;
     ep)
       all_gpus
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)

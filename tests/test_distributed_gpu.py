@@ -3,7 +3,8 @@ split over the ranks gives the 1-GPU decoder's logits bit for bit, eagerly and r
 graphs, at batch 1 and 4, with either combine: the peer-to-peer gather (arrival flags and NVLink
 loads inside the graph, kernels/pair_combine.py) and the integer all-reduce through NCCL; and with the
 one-GPU step's MoE order at few rows (CUDA routing, the shared expert forked after the router) at
-both batches, which the ranks take by default at 1 row only (FastDecoder.MOE_PLAN_EP)."""
+both batches, which the ranks take by default at 1 row only (FastDecoder.MOE_PLAN_EP); and with
+programmatic dependent launch on the ranks (not their default)."""
 
 import pytest
 import torch
@@ -82,11 +83,13 @@ def one_gpu():
     return want
 
 
-# FastDecoder's MoE order on the ranks: their default (by rows), and the one-GPU plan's at 1-4 rows for every row count
-PLANS = {"default": {}, "cuda_late": {"router": "cuda", "shared_after_router": True}}
+# FastDecoder's MoE order on the ranks: their default (by rows), and the one-GPU plan's at 1-4 rows for every row
+# count; "pdl": the ranks' kernels with programmatic dependent launch (off by default with several ranks)
+PLANS = {"default": {}, "cuda_late": {"router": "cuda", "shared_after_router": True}, "pdl": {"pdl": True}}
 
 
-@pytest.mark.parametrize("ep_combine,plan", [("p2p", "default"), ("allreduce", "default"), ("p2p", "cuda_late")])
+@pytest.mark.parametrize("ep_combine,plan", [("p2p", "default"), ("allreduce", "default"), ("p2p", "cuda_late"),
+                                             ("p2p", "pdl"), ("allreduce", "pdl")])
 def test_expert_parallel_matches_one_gpu(one_gpu, ep_combine, plan):
     want = one_gpu
     outs = D.launch(_ep_rank, 2, (BATCHES, ep_combine, PLANS[plan]), backend="nccl", gpus=[0, 1], timeout_s=600)

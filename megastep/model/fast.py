@@ -214,11 +214,13 @@ class FastDecoder:
         between the two, the CPU taking about `cpu_share` of their expected bytes; None: the CPU
         path's share of the two paths' bandwidths, measured here by runtime.bandwidth).
         pdl: launch the Triton kernels of a step with programmatic dependent launch
-        (kernels.common, pdl_enter): each kernel's CTAs are placed while its predecessor drains.
-        It changes no bits. None: on for steps of at most PDL_MAX_ROWS rows on one GPU without the
-        CPU sidecar, where it was measured faster (30 V4-Flash layers, one H200: 6.443 against
-        6.501 ms at 1 row, 11.82 against 11.88 at 4), off above (28.71 against 28.48 ms at 16,
-        69.8 against 62.1 at 64).
+        (kernels.common, pdl_enter): each kernel's CTAs are placed while its predecessor drains
+        (the large FP8 linears excepted: common.PLAIN_PLACEMENT_BYTES). It changes no bits. None:
+        on for steps of at most PDL_MAX_ROWS rows on one GPU without the CPU sidecar, where it was
+        measured faster (30 V4-Flash layers, one H200: 6.443 against 6.501 ms at 1 row, 11.82
+        against 11.88 at 4), off above (28.71 against 28.48 ms at 16, 69.8 against 62.1 at 64;
+        with the large linears placed plainly still 21.39 against 18.43 at 16 and 60.4 against
+        51.9 at 64, seventeenth measurement).
         overlap: run the independent parts of a layer on a second CUDA stream (a fork and a
         join inside the step's graph): the shared expert's gated half beside the router and the
         routed experts, the compressors' projections and updates beside the q/kv projections, the kv
