@@ -26,6 +26,7 @@
 #   bash benchmarks/h200_checks.sh replan     # the one-GPU MoE order at 1, 2 and 4 rows against its alternatives on today's kernels, A/B; the spread gate-up at 1 row with a timeline (~6 min)
 #   bash benchmarks/h200_checks.sh placement  # the large FP8 linears placed plainly under PDL (common.PLAIN_PLACEMENT_BYTES) against the default, A/B/A/B at 1, 2, 4 rows; its GPU tests; a timeline (~5 min)
 #   bash benchmarks/h200_checks.sh final17    # the defaults at 1-64 rows, PDL at 16 and 64 rows now that large linears are placed plainly (A/B), the MoE orders at 1-4 rows, a timeline, the step's GPU tests (~9.5 min)
+#   bash benchmarks/h200_checks.sh lintile    # the large FP8 linears' grids now that they are placed plainly: the qr group in 128-row tiles (one round of CTAs), wo_a / wo_b with twice the split, A/B/A/B at 1, 2, 4 rows (~4 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the ranks' MoE order (default) against the one-GPU order at 1 and 6 rows, PDL on the ranks, A/B; the EP GPU tests with p2p (~9 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -196,6 +197,17 @@ for group in "$@"; do
       done
       bench_with placement_16M_timeline 60 'import megastep.kernels.common as c; c.PLAIN_PLACEMENT_BYTES = 16 << 20' \
         --layers 30 --batch 1 --timeline ;;
+    lintile)  # seventeenth measurement: placed plainly, wo_a / wo_b take in the step what they take alone; their grids
+      # were measured alone only (ninth). The qr group's 640 CTAs fill ~1.2 rounds of the SMs' slots; 128-row tiles
+      # (the same sums per channel) make 320. Twice the split changes the sums: pinned for every row bucket.
+      local L='import megastep.kernels.linear_fp8 as l; C = l.LinearFp8Config'
+      for arm in a b; do
+        bench "lintile_default_$arm" 100 --layers 30 --batch 1,2,4
+        bench_with "lintile_qr128_$arm" 60 "$L; l._PINNED.update({(40960, 1024, mb): C('f16', 128, mb, 128, 1) for mb in (16, 32, 64)})" \
+          --layers 30 --batch 1,2,4
+        bench_with "lintile_wo_split2x_$arm" 60 "$L; l._PINNED.update({(4096, 8192, mb): C('f16', 64, mb, 128, 8) for mb in (16, 32, 64)}); l._PINNED.update({(8192, 4096, mb): C('f16', 64, mb, 128, 4) for mb in (16, 32, 64)})" \
+          --layers 30 --batch 1,2,4
+      done ;;
     final17)  # PDL stayed off above 4 rows (eighth measurement: +0.8 % at 16 rows, +12 % at 64), before PDL_PLAIN
       bench final17_a 100 --layers 30 --batch 1,2,4,16,64
       for arm in a b; do
@@ -233,7 +245,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | replan | placement | final17 | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | replan | placement | lintile | final17 | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done
