@@ -23,9 +23,6 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh replan     # the one-GPU MoE order at 1, 2 and 4 rows against its alternatives on today's kernels, A/B; the spread gate-up at 1 row with a timeline (~6 min)
-#   bash benchmarks/h200_checks.sh placement  # the large FP8 linears placed plainly under PDL (common.PLAIN_PLACEMENT_BYTES) against the default, A/B/A/B at 1, 2, 4 rows; its GPU tests; a timeline (~5 min)
-#   bash benchmarks/h200_checks.sh final17    # the defaults at 1-64 rows, PDL at 16 and 64 rows now that large linears are placed plainly (A/B), the MoE orders at 1-4 rows, a timeline, the step's GPU tests (~9.5 min)
 #   bash benchmarks/h200_checks.sh lintile    # the large FP8 linears' grids now that they are placed plainly: the qr group in 128-row tiles (one round of CTAs), wo_a / wo_b with twice the split, A/B/A/B at 1, 2, 4 rows (~4 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the ranks' MoE order (default) against the one-GPU order at 1 and 6 rows, PDL on the ranks, A/B; the EP GPU tests with p2p (~9 min)
@@ -174,33 +171,10 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
-    replan)  # MOE_PLAN was measured in the twelfth and thirteenth measurements, before the whole-K items, the
-      # spread gate-up at 2 rows and the 2-warp shared w1/w3; on 2 x H200 its order was worth 0.78 ms at 1 row (sixteenth)
-      for arm in a b; do
-        bench "replan_default_$arm" 100 --layers 30 --batch 1,2,4
-        bench "replan_early_$arm" 60 --layers 30 --batch 1,2,4 --shared-after-router off
-        bench "replan_combine_$arm" 60 --layers 30 --batch 1,2,4 --shared-w2 combine
-        bench "replan_residual_$arm" 60 --layers 30 --batch 1,2,4 --shared-w2 residual
-      done
-      # the spread gate-up is 7 us faster alone at 1 row, yet the step does not move (fifteenth, sixteenth): where it waits
-      bench_with replan_spread1_timeline 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = (1, 2)' \
-        --layers 30 --batch 1 --timeline
-      bench replan_default_timeline 60 --layers 30 --batch 1 --timeline ;;
-    placement)  # under PDL the FP8 linear streamed at 2.62 TB/s against 3.04 without (eighth measurement)
-      step placement_tests 150 python3 -m pytest -q --timeout 120 tests/kernels/test_pdl.py tests/test_fast_gpu.py -k pdl
-      for arm in a b; do
-        bench "placement_default_$arm" 100 --layers 30 --batch 1,2,4
-        bench_with "placement_16M_$arm" 60 'import megastep.kernels.common as c; c.PLAIN_PLACEMENT_BYTES = 16 << 20' \
-          --layers 30 --batch 1,2,4
-        bench_with "placement_4M_$arm" 60 'import megastep.kernels.common as c; c.PLAIN_PLACEMENT_BYTES = 4 << 20' \
-          --layers 30 --batch 1,2,4
-      done
-      bench_with placement_16M_timeline 60 'import megastep.kernels.common as c; c.PLAIN_PLACEMENT_BYTES = 16 << 20' \
-        --layers 30 --batch 1 --timeline ;;
     lintile)  # seventeenth measurement: placed plainly, wo_a / wo_b take in the step what they take alone; their grids
       # were measured alone only (ninth). The qr group's 640 CTAs fill ~1.2 rounds of the SMs' slots; 128-row tiles
       # (the same sums per channel) make 320. Twice the split changes the sums: pinned for every row bucket.
-      local L='import megastep.kernels.linear_fp8 as l; C = l.LinearFp8Config'
+      L='import megastep.kernels.linear_fp8 as l; C = l.LinearFp8Config'
       for arm in a b; do
         bench "lintile_default_$arm" 100 --layers 30 --batch 1,2,4
         bench_with "lintile_qr128_$arm" 60 "$L; l._PINNED.update({(40960, 1024, mb): C('f16', 128, mb, 128, 1) for mb in (16, 32, 64)})" \
@@ -208,17 +182,6 @@ for group in "$@"; do
         bench_with "lintile_wo_split2x_$arm" 60 "$L; l._PINNED.update({(4096, 8192, mb): C('f16', 64, mb, 128, 8) for mb in (16, 32, 64)}); l._PINNED.update({(8192, 4096, mb): C('f16', 64, mb, 128, 4) for mb in (16, 32, 64)})" \
           --layers 30 --batch 1,2,4
       done ;;
-    final17)  # PDL stayed off above 4 rows (eighth measurement: +0.8 % at 16 rows, +12 % at 64), before PDL_PLAIN
-      bench final17_a 100 --layers 30 --batch 1,2,4,16,64
-      for arm in a b; do
-        bench "final17_pdl_on_$arm" 60 --layers 30 --batch 16,64 --pdl on
-        [ "$arm" = b ] && bench final17_16_64_b 60 --layers 30 --batch 16,64
-      done
-      bench final17_early 45 --layers 30 --batch 1,2,4 --shared-after-router off
-      bench final17_combine 45 --layers 30 --batch 1,2,4 --shared-w2 combine
-      bench final17_residual 45 --layers 30 --batch 1,2,4 --shared-w2 residual
-      bench final17_timeline 45 --layers 30 --batch 1 --timeline
-      step final17_tests 200 python3 -m pytest -q --timeout 150 tests/test_fast_gpu.py -k "not cold_expert" ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # the ranks' MoE order (FastDecoder.MOE_PLAN_EP: 1 row CUDA routing and late fork, sixteenth
@@ -245,7 +208,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | replan | placement | lintile | final17 | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lintile | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done
