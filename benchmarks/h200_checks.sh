@@ -23,7 +23,7 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh lintile    # the large FP8 linears' grids now that they are placed plainly: the qr group in 128-row tiles (one round of CTAs), wo_a / wo_b with twice the split, A/B/A/B at 1, 2, 4 rows (~4 min)
+#   bash benchmarks/h200_checks.sh lintile    # now that the large FP8 linears are placed plainly: the qr group in 128-row tiles (one round of CTAs), wo_a / wo_b with twice the split, the spread gate-up at 1 row, A/B/A/B at 1, 2, 4 rows (~5 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the ranks' MoE order (default) against the one-GPU order at 1 and 6 rows, PDL on the ranks, A/B; the EP GPU tests with p2p (~9 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -181,6 +181,10 @@ for group in "$@"; do
           --layers 30 --batch 1,2,4
         bench_with "lintile_wo_split2x_$arm" 60 "$L; l._PINNED.update({(4096, 8192, mb): C('f16', 64, mb, 128, 8) for mb in (16, 32, 64)}); l._PINNED.update({(8192, 4096, mb): C('f16', 64, mb, 128, 4) for mb in (16, 32, 64)})" \
           --layers 30 --batch 1,2,4
+        # the spread gate-up lost nothing and gained nothing at 1 row beside the shared w1/w3 placed early (fifteenth,
+        # sixteenth); that expert is now placed plainly
+        bench_with "lintile_spread1_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = (1, 2)' \
+          --layers 30 --batch 1,2
       done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
