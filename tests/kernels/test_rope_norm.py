@@ -335,3 +335,23 @@ def test_gpu_v4_shapes(B):
         y = rn.indexer_q(qi, f, pos)
         check(y, rn.indexer_q_ref(qi, f, pos), grid_step=0.5, min_equal=0.995)
         assert torch.equal(y, rn.indexer_q(qi, f, pos)) and torch.equal(y[:1], rn.indexer_q(qi[:1], f, pos[:1]))
+
+
+# ---- the heads kernels' configurations at V4-Flash width (GPU) ------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("B", [1, 4])
+def test_gpu_heads_configs_change_no_bit(B):
+    """At V4 width (64 heads of 512 for q, of 128 for the indexer) every heads configuration gives the
+    pinned one's bits: a head's sums never span programs, and the layout of one head's 256 pairs
+    over a program's threads must not change them either (what a pin change, say for one row,
+    relies on; h200_checks.sh heads measures these configurations in the step)."""
+    rope = rn.rope_table(inv_freq(64, True).to("cuda"), POS[4] + 1)
+    pos = positions(B, seed=B, table=True, dev="cuda")
+    for H, d, fn in ((64, 512, rn.q_norm_rope), (64, 128, rn.indexer_q)):
+        q = rand((B, H, d), seed=B + d, dev="cuda")
+        args = (q, rope, pos, EPS) if fn is rn.q_norm_rope else (q, rope, pos)
+        want = fn(*args)
+        for cfg in (rn.HeadsConfig(1, 1), rn.HeadsConfig(1, 4), rn.HeadsConfig(2, 2), rn.HeadsConfig(4, 4),
+                    rn.HeadsConfig(8, 4), rn.HeadsConfig(16, 4)):
+            assert torch.equal(fn(*args, config=cfg), want), (H, d, cfg)
