@@ -24,7 +24,7 @@
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh lintile    # now that the large FP8 linears are placed plainly: the qr group in 128-row tiles (one round of CTAs), wo_a / wo_b with twice the split, the spread gate-up at 1 row, A/B/A/B at 1, 2, 4 rows (~5 min)
-#   bash benchmarks/h200_checks.sh heads      # the heads kernels' configurations (never measured): indexer_q in 16 / 64 programs at 1 row, q_norm_rope in 64; their GPU bit test; A/B/A/B at 1, 2, 4 rows (~4 min)
+#   bash benchmarks/h200_checks.sh heads      # the heads kernels' configurations (never measured): indexer_q in 16 / 64 programs at 1 row, q_norm_rope in 64; q's norm and RoPE beside the CSA indexer (fast.Q_ROPE_BESIDE_INDEXER); their GPU tests; A/B/A/B at 1, 2, 4 rows (~8 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the ranks' MoE order (default) against the one-GPU order at 1 and 6 rows, PDL on the ranks, A/B; the EP GPU tests with p2p (~9 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -196,7 +196,10 @@ for group in "$@"; do
         bench_with "heads_idx4_$arm" 60 "$H; P[(64, 128)] = C(4, 4)" --layers 30 --batch 1,2,4
         bench_with "heads_idx1_$arm" 60 "$H; P[(64, 128)] = C(1, 2)" --layers 30 --batch 1,2,4
         bench_with "heads_idx4_q1_$arm" 60 "$H; P[(64, 128)] = C(4, 4); P[(64, 512)] = C(1, 4)" --layers 30 --batch 1,2,4
-      done ;;
+        bench_with "heads_q_beside_$arm" 60 'import megastep.model.fast as f; f.Q_ROPE_BESIDE_INDEXER = True' \
+          --layers 30 --batch 1,2,4
+      done
+      step heads_step_tests 150 python3 -m pytest -q --timeout 120 tests/test_fast_gpu.py -k side_stream ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # the ranks' MoE order (FastDecoder.MOE_PLAN_EP: 1 row CUDA routing and late fork, sixteenth

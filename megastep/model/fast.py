@@ -73,6 +73,12 @@ MOE_PLAN_ABOVE = ("triton", False, "residual")
 # (docs/PERFORMANCE.md, sixteenth measurement). More rows, and the all-reduce combine, are not
 # measured yet (`bash benchmarks/h200_checks.sh ep_plan`): MOE_PLAN_ABOVE.
 MOE_PLAN_EP = ((1, "cuda", True, "residual"),)
+# CSA layers: q's norm and RoPE on the side stream, beside the indexer's chain (its q transform,
+# scores, top-k), which attention also waits for; the main stream then runs the indexer's
+# launches one after another. The same kernels on the same inputs: the same bits. Built without
+# a GPU (2026-11-30); off until `bash benchmarks/h200_checks.sh heads` measures it. In the
+# seventeenth measurement's 1-row timeline q norm + RoPE closed 2.1-2.5 us of every CSA layer.
+Q_ROPE_BESIDE_INDEXER = False
 
 
 @dataclass
@@ -569,11 +575,18 @@ class FastDecoder:
             else:
                 qr, qrq = _rn.rms_norm_ref(qa, lw["q_norm"], eps), None
             qb = lw["qr_fp8"](qr, tr, codes=qrq)
-            q = self._kernel(_rn, "q_norm_rope")(qb[0].view(B, H, hd), inv_freq, pos, eps)
+            beside = r == CSA_RATIO and Q_ROPE_BESIDE_INDEXER and self.side_stream is not None
+            if not beside:
+                q = self._kernel(_rn, "q_norm_rope")(qb[0].view(B, H, hd), inv_freq, pos, eps)
         self._join(*([xd_all] if r else []))  # the side stream's work of this layer so far
         if r == CSA_RATIO:
+            if beside:
+                with self._on_side(), stage(T, "attn_proj", L):
+                    q = self._kernel(_rn, "q_norm_rope")(qb[0].view(B, H, hd), inv_freq, pos, eps)
             with stage(T, "indexer", L):
                 kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)
+            if beside:
+                self._join(q)
         with stage(T, "attention", L):
             # window ring + selected / visible compressed entries read in place from the pools,
             # sinks, and the inverse RoPE of the output, in one kernel
