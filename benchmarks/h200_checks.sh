@@ -187,8 +187,8 @@ for group in "$@"; do
         bench_with "lintile_spread1_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = (1, 2)' \
           --layers 30 --batch 1,2
       done ;;
-    heads)  # rope_norm._PINNED_HEADS was never measured: at 1 row indexer_q runs 4 programs (16 heads each) and closes
-      # ~5 us after the qr group on every CSA layer; q_norm_rope runs 16. heads_tests checks that none changes a bit.
+    heads)  # rope_norm._PINNED_HEADS was never measured: at 1 row indexer_q runs 4 programs (16 heads each) and ends
+      # ~5 us after its predecessor in every CSA layer; q_norm_rope runs 16. heads_tests checks that none changes a bit.
       step heads_tests 120 python3 -m pytest -q --timeout 100 tests/kernels/test_rope_norm.py -k gpu_heads
       H='import megastep.kernels.rope_norm as r; P = r._PINNED_HEADS; C = r.HeadsConfig'
       for arm in a b; do
