@@ -575,14 +575,18 @@ class FastDecoder:
             else:
                 qr, qrq = _rn.rms_norm_ref(qa, lw["q_norm"], eps), None
             qb = lw["qr_fp8"](qr, tr, codes=qrq)
+
+            def q_rope() -> torch.Tensor:  # q's per-head norm and RoPE
+                return self._kernel(_rn, "q_norm_rope")(qb[0].view(B, H, hd), inv_freq, pos, eps)
+
             beside = r == CSA_RATIO and Q_ROPE_BESIDE_INDEXER and self.side_stream is not None
             if not beside:
-                q = self._kernel(_rn, "q_norm_rope")(qb[0].view(B, H, hd), inv_freq, pos, eps)
+                q = q_rope()
         self._join(*([xd_all] if r else []))  # the side stream's work of this layer so far
         if r == CSA_RATIO:
             if beside:
                 with self._on_side(), stage(T, "attn_proj", L):
-                    q = self._kernel(_rn, "q_norm_rope")(qb[0].view(B, H, hd), inv_freq, pos, eps)
+                    q = q_rope()
             with stage(T, "indexer", L):
                 kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)
             if beside:
