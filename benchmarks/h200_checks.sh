@@ -13,6 +13,7 @@
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget, recipes A / B / hybrid (~7 min)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
+#   bash benchmarks/h200_checks.sh small_ncu  # the 1-row step's small launches (attention, indexer, q norm + RoPE, mHC, norms): per-instruction stall samples from ncu (~3 min)
 #   bash benchmarks/h200_checks.sh stalls     # why the weight-streaming loops stall: every raw counter (warp stall reasons included) of the experts and FP8 linear at batch 1 (~3 min)
 #   bash benchmarks/h200_checks.sh floor      # what one decode launch costs (launch_floor.py), the CUDA GEMV against Triton, the experts' Triton and lut kernels (~3 min)
 #   bash benchmarks/h200_checks.sh stream     # what one launch can stream (XOR-only reads), L2-prefetched linears, the experts without their decode (~3 min)
@@ -116,6 +117,19 @@ for group in "$@"; do
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
         --section WarpStateStats --csv --page details \
         python3 -m megastep.cli bench --preset v4-flash --layers 4 --batch 1 --context 4096 --iters 2 ;;
+    small_ncu)  # the 1-row layer's small launches take ~64 us of its 160 (seventeenth measurement): attention alone
+      # closes 13-16 us for < 1 MB. Where each one's time goes, by SASS instruction (sampled stall reasons), one report
+      # (-> .ncu-rep) read out as the details and source pages; a 4-layer step has one layer of each attention kind
+      step small_ncu 200 ncu --clock-control none --target-processes all --launch-skip 62 --launch-count 31 \
+        --kernel-name 'regex:_sparse_attn_kernel|_indexer_q_kernel|_score_kernel|_select_kernel|_q_norm_rope_kernel|_hc_finish_kernel|_hc_mix_partial_kernel|_rms_norm_kernel' \
+        --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SourceCounters \
+        --import-source yes --export "$OUT/small_ncu" \
+        python3 -m megastep.cli bench --preset v4-flash --layers 4 --batch 1 --context 4096 --iters 2
+      step small_ncu_details 60 ncu --import "$OUT/small_ncu.ncu-rep" --csv --page details
+      step small_ncu_source 120 bash -c "ncu --import '$OUT/small_ncu.ncu-rep' --csv --page source --print-source sass \
+        || ncu --import '$OUT/small_ncu.ncu-rep' --csv --page source"
+      rm -f "$OUT/small_ncu.ncu-rep"  # read out above; no ncu here to open it
+      gzip -f "$OUT/small_ncu_source.log" ;;
     stalls)  # the raw page carries the per-reason stall counters behind WarpStateStats' summary
       step ncu_stalls 240 ncu --clock-control none --target-processes all --launch-skip 40 --launch-count 12 \
         --kernel-name 'regex:_linear_fp8_kernel|_moe_gate_up_kernel|_moe_down_kernel' \
@@ -226,7 +240,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lintile | heads | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lintile | heads | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done
