@@ -153,7 +153,9 @@ def lint(recs: list[dict]) -> list[dict]:
             regs = re.search(r"REG:(\d+)", res)
             stack = re.search(r"STACK:(\d+)", res)
             out.append(dict(kernel=f"{r['module']}.{r['kernel']}", **calls(sass),
-                            spill_stores=len(re.findall(r"\bSTL\b", sass)), registers=int(regs.group(1)) if regs else None,
+                            spill_stores=len(re.findall(r"\bSTL\b", sass)),
+                            narrow_loads=len(re.findall(r"\bLDG\.E(?:\.EL|\.EF|\.LU)?\.[US](?:8|16)\b", sass)),
+                            loads=len(re.findall(r"\bLDG\b", sass)), registers=int(regs.group(1)) if regs else None,
                             stack=int(stack.group(1)) if stack else None,
                             instructions=len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass)),
                             constexprs={k: v for k, v in r["constexprs"].items() if k.isupper()}))
@@ -186,13 +188,15 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"{'kernel':42} {'calls':>5} {'loop':>4} {'i64/':>4} {'STL':>4} {'regs':>4} {'stack':>5} {'instr':>6}")
+    print(f"{'kernel':42} {'calls':>5} {'loop':>4} {'i64/':>4} {'STL':>4} {'regs':>4} {'stack':>5} {'instr':>6} "
+          f"{'LDG':>5} {'<4B':>5}")
     for r in rows:
         if "error" in r:
             print(f"{r['kernel']:42} error: {r['error']}")
         else:
             print(f"{r['kernel']:42} {r['calls']:5} {r['calls_in_loops']:4} {r['int64_division_calls']:4} "
-                  f"{r['spill_stores']:4} {r['registers']:4} {r['stack']:5} {r['instructions']:6}")
+                  f"{r['spill_stores']:4} {r['registers']:4} {r['stack']:5} {r['instructions']:6} {r['loads']:5} "
+                  f"{r['narrow_loads']:5}")
 
 
 if __name__ == "__main__":

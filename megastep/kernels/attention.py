@@ -162,11 +162,14 @@ def pick_config(H: int, N: int, d: int, rows: int | None = None) -> AttnConfig:
 
 @triton.jit
 def _entry_rows(offs_n, n_in, b, pos_w, age_lim, nvis, win_row, comp_row, idx_ptr, ok_ptr, W,
-                stride_wr, stride_cr, stride_ib, stride_kb, SRC: tl.constexpr):
+                stride_wr, stride_cr, stride_ib, stride_kb, SRC: tl.constexpr, ROWS16: tl.constexpr):
     """The KV row pointers [BLOCK_N] of the entries offs_n, their validity and the mask to load
     them with (`_load_rows`). From the pools, masked rows are not read (0 instead); dense kv rows
     are loaded whatever the mask says (no load waits for another there: the faster form when every
-    row is finite anyway). pos_w = pos % W and age_lim = min(pos, WA - 1), int32 (the kernel's)."""
+    row is finite anyway). pos_w = pos % W and age_lim = min(pos, WA - 1), int32 (the kernel's).
+    ROWS16: every KV row starts on a 16-byte boundary (checked by the launcher). Triton's alignment
+    analysis loses that through the select between window and compressed rows and then loads the
+    tile 2 bytes per instruction: 8x the loads and address arithmetic (sass_loop.py attention)."""
     if SRC == 0:  # dense: row b of kv, validity from the mask; the rows load alongside the mask
         ok = n_in & (tl.load(ok_ptr + b * stride_kb + offs_n, mask=n_in, other=0) != 0)
         rows = comp_row + offs_n.to(tl.int64) * stride_cr
@@ -193,6 +196,8 @@ def _entry_rows(offs_n, n_in, b, pos_w, age_lim, nvis, win_row, comp_row, idx_pt
                 e = tl.load(idx_ptr + b * stride_ib + t, mask=in_c, other=0).to(tl.int64)  # beside the mask
             ok = ok | ok_c
             rows = tl.where(in_win, rows, comp_row + e * stride_cr)
+            if ROWS16:
+                rows = tl.multiple_of(rows, 16)
         ld = ok  # masked rows: never read
     return rows, ok, ld
 
@@ -230,7 +235,8 @@ def _sparse_attn_kernel(
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PIECES: tl.constexpr, INTERPRET: tl.constexpr,
     DC: tl.constexpr, GROUP: tl.constexpr, SRC: tl.constexpr,
-    NOPE_P: tl.constexpr, ROPE_P: tl.constexpr, TABLE: tl.constexpr, DSPLIT: tl.constexpr, PDL: tl.constexpr,
+    NOPE_P: tl.constexpr, ROPE_P: tl.constexpr, TABLE: tl.constexpr, DSPLIT: tl.constexpr, ROWS16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     DV: tl.constexpr = D // DSPLIT  # value columns of this program
@@ -274,7 +280,7 @@ def _sparse_attn_kernel(
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         rows, ok, ld = _entry_rows(offs_n, offs_n < n_hi, b, pos_w, age_lim, nvis, win_row, comp_row, idx_ptr,
-                                   ok_ptr, W, stride_wr, stride_cr, stride_ib, stride_kb, SRC)
+                                   ok_ptr, W, stride_wr, stride_cr, stride_ib, stride_kb, SRC, ROWS16)
         kv = _load_rows(rows, ld, offs_d)
         if DSPLIT == 1:
             vv = kv
@@ -370,6 +376,7 @@ def _launch(src: int, q, H: int, N: int, cfg: AttnConfig | None, sink, scale, *,
     else:
         pacc = pml = cnt = out  # unused
     grid = (n_hb * dsplit, split, B)
+    row_starts = (win.data_ptr(), comp.data_ptr(), *(st * win.element_size() for st in strides[:4]))
     _sparse_attn_kernel[grid](
         q, win, comp, idx, ok, slots, pos, rope, sink, out, pacc, pml, cnt,
         H, W, W if WA is None else WA, N, ratio, float(scale),
@@ -377,7 +384,8 @@ def _launch(src: int, q, H: int, N: int, cfg: AttnConfig | None, sink, scale, *,
         D=d, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, SPLIT=split, SPLIT_P2=next_pow2(split),
         PIECES=cfg.pv_pieces, INTERPRET=on_interpreter(q), DC=min(d // dsplit, cfg.combine_cols),
         GROUP=min(cfg.combine_group, split), SRC=src,
-        NOPE_P=nope_p, ROPE_P=rope_p, TABLE=table, DSPLIT=dsplit, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **TORCH_MATH,
+        NOPE_P=nope_p, ROPE_P=rope_p, TABLE=table, DSPLIT=dsplit, ROWS16=all(a % 16 == 0 for a in row_starts),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **TORCH_MATH,
         **launch_opts(q, grid),
     )
     return out
