@@ -121,13 +121,13 @@ for group in "$@"; do
     small_ncu)  # the 1-row layer's small launches take ~64 us of its 160 (seventeenth measurement): attention alone
       # closes 13-16 us for < 1 MB. Where each one's time goes, by SASS instruction (sampled stall reasons), one report
       # (-> .ncu-rep) read out as the details and source pages; a 4-layer step has one layer of each attention kind
-      step small_ncu 200 ncu --clock-control none --target-processes all --launch-skip 62 --launch-count 31 \
+      step small_ncu 150 ncu --clock-control none --target-processes all --launch-skip 62 --launch-count 31 \
         --kernel-name 'regex:_sparse_attn_kernel|_indexer_q_kernel|_score_kernel|_select_kernel|_q_norm_rope_kernel|_hc_finish_kernel|_hc_mix_partial_kernel|_rms_norm_kernel' \
         --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SourceCounters \
         --import-source yes --export "$OUT/small_ncu" \
         python3 -m megastep.cli bench --preset v4-flash --layers 4 --batch 1 --context 4096 --iters 2
-      step small_ncu_details 60 ncu --import "$OUT/small_ncu.ncu-rep" --csv --page details
-      step small_ncu_source 120 bash -c "ncu --import '$OUT/small_ncu.ncu-rep' --csv --page source --print-source sass \
+      step small_ncu_details 40 ncu --import "$OUT/small_ncu.ncu-rep" --csv --page details
+      step small_ncu_source 60 bash -c "ncu --import '$OUT/small_ncu.ncu-rep' --csv --page source --print-source sass \
         || ncu --import '$OUT/small_ncu.ncu-rep' --csv --page source"
       rm -f "$OUT/small_ncu.ncu-rep"  # read out above; no ncu here to open it
       gzip -f "$OUT/small_ncu_source.log" ;;
