@@ -167,9 +167,11 @@ def _entry_rows(offs_n, n_in, b, pos_w, age_lim, nvis, win_row, comp_row, idx_pt
     them with (`_load_rows`). From the pools, masked rows are not read (0 instead); dense kv rows
     are loaded whatever the mask says (no load waits for another there: the faster form when every
     row is finite anyway). pos_w = pos % W and age_lim = min(pos, WA - 1), int32 (the kernel's).
-    ROWS16: every KV row starts on a 16-byte boundary (checked by the launcher). Triton's alignment
-    analysis loses that through the select between window and compressed rows and then loads the
-    tile 2 bytes per instruction: 8x the loads and address arithmetic (sass_loop.py attention)."""
+    ROWS16: every KV row starts on a 16-byte boundary (checked by the launcher). Triton 3.9's
+    alignment analysis loses that through the select between window and compressed rows and then
+    loads the tile 2 bytes per instruction: 3646 instead of 1099 SASS instructions per thread per
+    KV step at the CSA pin, with spills (sass_loop.py attention). Triton 3.6 (the device's) keeps
+    it: the same SASS with or without the hint, and the same time on one H200 (2026-11-30)."""
     if SRC == 0:  # dense: row b of kv, validity from the mask; the rows load alongside the mask
         ok = n_in & (tl.load(ok_ptr + b * stride_kb + offs_n, mask=n_in, other=0) != 0)
         rows = comp_row + offs_n.to(tl.int64) * stride_cr

@@ -322,6 +322,34 @@ def test_pools_strided_pools_and_int32_ids():
     assert torch.equal(o, sparse_attention_pools(*args, **kw))
 
 
+def test_pools_rows_off_16_bytes_take_no_alignment_hint(monkeypatch):
+    """The launcher states the KV rows' 16-byte alignment (ROWS16) only when every row starts on
+    16 bytes: pool views at odd element offsets are launched without it (on the GPU the hint would
+    make them load 16 bytes at a time from misaligned rows) and give the same bits."""
+    import megastep.kernels.attention as A
+
+    kernel, seen = A._sparse_attn_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                seen.append(k["ROWS16"])
+                return kernel[grid](*a, **k)
+            return launch
+
+    monkeypatch.setattr(A, "_sparse_attn_kernel", Spy())
+    args, kw = make_pools("csa", seed=17)
+    q, window, slots, pos, sink, scale, rope = args
+    aligned = sparse_attention_pools(*args, **kw)
+    wb = torch.zeros(*window.shape[:2], 72, dtype=window.dtype, device=window.device)
+    wb[..., 1:65] = window
+    cb = torch.zeros(*kw["comp"].shape[:2], 80, dtype=window.dtype, device=window.device)
+    cb[..., 3:67] = kw["comp"]
+    o = sparse_attention_pools(q, wb[..., 1:65], slots, pos, sink, scale, rope, **dict(kw, comp=cb[..., 3:67]))
+    assert seen == [True, False]
+    assert torch.equal(o, aligned)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("N", [128, 640, 128 + 2048])
