@@ -26,7 +26,6 @@
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh lintile    # now that the large FP8 linears are placed plainly: the qr group in 128-row tiles (one round of CTAs), wo_a / wo_b with twice the split, the spread gate-up at 1 row, A/B/A/B at 1, 2, 4 rows (~5 min)
 #   bash benchmarks/h200_checks.sh heads      # the heads kernels' configurations (never measured): indexer_q in 16 / 64 programs at 1 row, q_norm_rope in 64; q's norm and RoPE beside the CSA indexer (fast.Q_ROPE_BESIDE_INDEXER); their GPU tests; A/B/A/B at 1, 2, 4 rows (~8 min)
-#   bash benchmarks/h200_checks.sh attn16     # attention's 16-byte row hint (ROWS16): its GPU tests and the step's, the kernel with / without it, the step A/B/A/B at 1, 2, 4, 64 rows (~8 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the ranks' MoE order (default) against the one-GPU order at 1 and 6 rows, PDL on the ranks, A/B; the EP GPU tests with p2p (~9 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -215,18 +214,6 @@ for group in "$@"; do
           --layers 30 --batch 1,2,4
       done
       step heads_step_tests 150 python3 -m pytest -q --timeout 120 tests/test_fast_gpu.py -k side_stream ;;
-    attn16)  # the attention kernel's 16-byte row hint (ROWS16, built offline 2026-11-30: 3646 -> 1099 SASS instructions per
-      # thread per KV step at the CSA pin, no spills): its GPU tests and the step's; the kernel at 1 / 4 / 64 rows with
-      # and without it (the same bits); the step A/B/A/B at 1, 2, 4, 64 rows (the arm without: attn_aligned.rows16_off)
-      step attn16_tests 150 python3 -m pytest -q --timeout 120 -m gpu tests/kernels/test_attention.py
-      step attn16_step_tests 200 python3 -m pytest -q --timeout 150 tests/test_fast_gpu.py tests/kernels/test_fast_step_triton.py \
-        -k "same_input or alone_equals or graph_replay or step_matches"
-      step attn16_kernel 120 python3 benchmarks/kernels/attn_aligned.py --json "$OUT/attn_aligned.json"
-      OFF='import sys; sys.path.insert(0, "benchmarks/kernels"); import attn_aligned; attn_aligned.rows16_off()'
-      for arm in a b; do
-        bench "attn16_on_$arm" 100 --layers 30 --batch 1,2,4,64
-        bench_with "attn16_off_$arm" 60 "$OFF" --layers 30 --batch 1,2,4,64
-      done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # the ranks' MoE order (FastDecoder.MOE_PLAN_EP: 1 row CUDA routing and late fork, sixteenth
@@ -253,7 +240,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lintile | heads | attn16 | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lintile | heads | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done

@@ -3,13 +3,15 @@ V4-Flash shapes of each attention kind.
 
     python benchmarks/kernels/attn_aligned.py [--rows 1,4,64] [--json FILE]     (one H200, ~1 min)
 
-Without the hint Triton loads the CSA and HCA KV tiles 2 bytes per instruction (the select between
+Without the hint Triton 3.9 loads the CSA and HCA KV tiles 2 bytes per instruction (the select between
 window and compressed rows hides their alignment): 3646 SASS instructions per thread per 32-entry
 step and 255 registers with spills at the pinned CSA configuration, against 1099 and 107 with it
 (`sass_loop.py attention --dv 4`, Triton 3.9). For each kind and row count: both outputs bit for bit
 (they must be equal: the same loads, sums and order), then us per call of each (tune_attention's
-inputs and timing). `rows16_off()` is also the step benchmark's arm without the hint
-(h200_checks.sh attn16).
+inputs and timing). `rows16_off()` was also the step benchmark's arm without the hint
+(h200_checks.sh attn16 at fadb572). On one H200 with Triton 3.6 both were the same (2026-11-30,
+docs/PERFORMANCE.md eighteenth measurement): 3.6 keeps the alignment without the hint; rerun this
+when the device's Triton changes.
 """
 
 from __future__ import annotations
