@@ -25,7 +25,7 @@
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh lintile    # now that the large FP8 linears are placed plainly: the qr group in 128-row tiles (one round of CTAs), wo_a / wo_b with twice the split, the spread gate-up at 1 row, A/B/A/B at 1, 2, 4 rows (~5 min)
-#   bash benchmarks/h200_checks.sh heads      # the heads kernels' configurations (never measured): indexer_q in 16 / 64 programs at 1 row, q_norm_rope in 64; q's norm and RoPE beside the CSA indexer (fast.Q_ROPE_BESIDE_INDEXER); their GPU tests; A/B/A/B at 1, 2, 4 rows (~8 min)
+#   bash benchmarks/h200_checks.sh sinkhorn   # every mHC finish's Sinkhorn in its own launch on the side stream (fast.MHC_SINKHORN_BESIDE): its GPU tests, the step A/B/A/B at 1-64 rows (~5 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the ranks' MoE order (default) against the one-GPU order at 1 and 6 rows, PDL on the ranks, A/B; the EP GPU tests with p2p (~9 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -201,19 +201,16 @@ for group in "$@"; do
         bench_with "lintile_spread1_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = (1, 2)' \
           --layers 30 --batch 1,2
       done ;;
-    heads)  # rope_norm._PINNED_HEADS was never measured: at 1 row indexer_q runs 4 programs (16 heads each) and ends
-      # ~5 us after its predecessor in every CSA layer; q_norm_rope runs 16. heads_tests checks that none changes a bit.
-      step heads_tests 120 python3 -m pytest -q --timeout 100 tests/kernels/test_rope_norm.py -k gpu_heads
-      H='import megastep.kernels.rope_norm as r; P = r._PINNED_HEADS; C = r.HeadsConfig'
+    sinkhorn)  # every mHC finish's Sinkhorn in its own launch beside the sublayer (fast.MHC_SINKHORN_BESIDE, built
+      # 2026-11-30): ncu at 1 row, the finish with its Sinkhorn program 5.6-6.2 us, the collapse alone 4.6 (eighteenth
+      # measurement); the bits (kernel and step GPU tests), then the step A/B/A/B at 1-64 rows
+      step sinkhorn_tests 150 python3 -m pytest -q --timeout 120 tests/kernels/test_mhc.py tests/test_fast_gpu.py \
+        -k "sinkhorn or side_stream"
       for arm in a b; do
-        bench "heads_default_$arm" 100 --layers 30 --batch 1,2,4
-        bench_with "heads_idx4_$arm" 60 "$H; P[(64, 128)] = C(4, 4)" --layers 30 --batch 1,2,4
-        bench_with "heads_idx1_$arm" 60 "$H; P[(64, 128)] = C(1, 2)" --layers 30 --batch 1,2,4
-        bench_with "heads_idx4_q1_$arm" 60 "$H; P[(64, 128)] = C(4, 4); P[(64, 512)] = C(1, 4)" --layers 30 --batch 1,2,4
-        bench_with "heads_q_beside_$arm" 60 'import megastep.model.fast as f; f.Q_ROPE_BESIDE_INDEXER = True' \
-          --layers 30 --batch 1,2,4
-      done
-      step heads_step_tests 150 python3 -m pytest -q --timeout 120 tests/test_fast_gpu.py -k side_stream ;;
+        bench "sinkhorn_default_$arm" 100 --layers 30 --batch 1,2,4,16,64
+        bench_with "sinkhorn_beside_$arm" 70 'import megastep.model.fast as f; f.MHC_SINKHORN_BESIDE = True' \
+          --layers 30 --batch 1,2,4,16,64
+      done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # the ranks' MoE order (FastDecoder.MOE_PLAN_EP: 1 row CUDA routing and late fork, sixteenth
@@ -240,7 +237,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lintile | heads | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lintile | sinkhorn | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done

@@ -18,7 +18,10 @@ Kernels:
    computes post and runs the Sinkhorn on the hc x hc tile in registers (or, `sinkhorn_scalar`
    with hc = 4, on 16 scalars that every thread holds: no shuffles). The two are independent
    (each sums the S partials it needs), so at B = 1 the 20 Sinkhorn rounds no longer sit in
-   front of the collapse. With block_d >= D (the pinned V4 case) the collapse program keeps the
+   front of the collapse. With `sinkhorn_stream` the Sinkhorn program is a launch of its own on
+   that stream (a fork after the mixes), so the next launch on the caller's stream waits for the
+   collapse only: its output (post, comb) is needed by the next stream update, a sublayer later,
+   not by the sublayer's input x. With block_d >= D (the pinned V4 case) the collapse program keeps the
    whole row in registers: h, the norm weight and the partials are all loaded first, so the
    program makes one round trip to memory, and the bf16 row is never stored and re-read. With
    block_d < D it walks the row in chunks and re-reads the stored unnormalized row (large D).
@@ -406,10 +409,11 @@ def _hc_finish_kernel(
     stride_hb, stride_hj, stride_xb,
     HC: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, SP: tl.constexpr,
     BLOCK_D: tl.constexpr, NCHP: tl.constexpr, SINKHORN: tl.constexpr, APART: tl.constexpr,
-    SCALAR: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    SCALAR: tl.constexpr, ROLE0: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (b, 0): collapse + RMSNorm of row b; with SINKHORN the post and comb mixes too, done
-    # by program (b, 1) when APART (the two run side by side), else before the collapse
+    # by program (b, 1) when APART (the two run side by side), else before the collapse. ROLE0 = 1
+    # (APART, grid (B, 1)): this launch runs the Sinkhorn programs only, the collapse has its own
     pdl_enter(PDL)
     b = tl.program_id(0)
     b64 = b.to(tl.int64)
@@ -420,7 +424,7 @@ def _hc_finish_kernel(
     x_row = x_ptr + b64 * stride_xb
     if SINKHORN:
         if APART:
-            if tl.program_id(1) == 0:
+            if tl.program_id(1) + ROLE0 == 0:
                 _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
                               stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
             else:
@@ -485,10 +489,18 @@ def _y2_operand(y: torch.Tensor, y2: torch.Tensor | None) -> tuple[torch.Tensor,
     return (y, 0) if y2 is None else (y2, y2.stride(0))
 
 
-def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn, config, update=None):
+# `sinkhorn_stream` value: the Sinkhorn's own launch on the caller's current stream (the CPU tests)
+CURRENT_STREAM = "current"
+
+
+def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn, config, update=None,
+              sinkhorn_stream=None):
     """The mixes and finish launches -> (x, post, comb, the streams collapsed). With update =
     (y, post, comb, y2) the mixes launch first makes the updated streams h' = hc_post(y, h, post,
-    comb) (y2: see mhc_post), stores them and collapses those (returned last); else h itself."""
+    comb) (y2: see mhc_post), stores them and collapses those (returned last); else h itself.
+    sinkhorn_stream: None, the Sinkhorn in the finish launch; a CUDA stream, its own launch on that
+    stream after the mixes (the caller's stream must wait for that stream before it reads post or
+    comb); CURRENT_STREAM, its own launch after the collapse on the current stream."""
     B, D = _check_h(h, hc)
     mix = (2 + hc) * hc if sinkhorn else hc
     K = hc * D
@@ -526,35 +538,52 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
     )
     h = hout
     block_d = min(cfg.block_d, max(16, next_pow2(D)))
-    apart = sinkhorn and cfg.sinkhorn_apart
-    grid = (B, 2 if apart else 1)
-    _hc_finish_kernel[grid](
-        part, h, scale, base, norm_w, x, post, comb,
-        B, D, K, S, iters, hc_eps, norm_eps,
-        h.stride(0), h.stride(1), x.stride(0),
-        HC=hc, MIX=mix, MIXP=mixp, SP=next_pow2(S), BLOCK_D=block_d, NCHP=next_pow2(-(-D // block_d)),
-        SINKHORN=sinkhorn, APART=apart, SCALAR=cfg.sinkhorn_scalar and hc == 4, INTERPRET=interp,
-        num_warps=cfg.finish_warps, enable_fp_fusion=False,
-        **launch_opts(h, grid),
-    )
+    own = sinkhorn and sinkhorn_stream is not None  # the Sinkhorn programs in a launch of their own
+    apart = own or (sinkhorn and cfg.sinkhorn_apart)
+
+    def finish(grid: tuple[int, int], role0: int) -> None:
+        _hc_finish_kernel[grid](
+            part, h, scale, base, norm_w, x, post, comb,
+            B, D, K, S, iters, hc_eps, norm_eps,
+            h.stride(0), h.stride(1), x.stride(0),
+            HC=hc, MIX=mix, MIXP=mixp, SP=next_pow2(S), BLOCK_D=block_d, NCHP=next_pow2(-(-D // block_d)),
+            SINKHORN=sinkhorn, APART=apart, SCALAR=cfg.sinkhorn_scalar and hc == 4, ROLE0=role0, INTERPRET=interp,
+            num_warps=cfg.finish_warps, enable_fp_fusion=False,
+            **launch_opts(h, grid),
+        )
+
+    finish((B, 1 if own or not apart else 2), 0)
+    if own and isinstance(sinkhorn_stream, str):
+        assert sinkhorn_stream == CURRENT_STREAM, sinkhorn_stream
+        finish((B, 1), 1)
+    elif own:
+        sinkhorn_stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(sinkhorn_stream):
+            finish((B, 1), 1)
+        part.record_stream(sinkhorn_stream)  # read there after this function has let it go
     return x, post, comb, h
 
 
 def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor,
-            hc: int, iters: int, hc_eps: float, norm_eps: float, config: MhcConfig | None = None):
+            hc: int, iters: int, hc_eps: float, norm_eps: float, config: MhcConfig | None = None,
+            sinkhorn_stream=None):
     """h [B, hc, D] bf16, fn [(2+hc)*hc, hc*D] f32, scale [3], base [(2+hc)*hc], norm_w [D] f32
-    -> (x [B, D] bf16 (collapsed and normed), post [B, hc] f32, comb [B, hc, hc] f32)."""
-    return _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, True, config)[:3]
+    -> (x [B, D] bf16 (collapsed and normed), post [B, hc] f32, comb [B, hc, hc] f32).
+    sinkhorn_stream: where post and comb are made (`_collapse`); the same bits wherever."""
+    return _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, True, config,
+                     sinkhorn_stream=sinkhorn_stream)[:3]
 
 
 def mhc_post_pre(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                  scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor, hc: int, iters: int, hc_eps: float,
-                 norm_eps: float, config: MhcConfig | None = None, y2: torch.Tensor | None = None):
+                 norm_eps: float, config: MhcConfig | None = None, y2: torch.Tensor | None = None,
+                 sinkhorn_stream=None):
     """`mhc_post` then `mhc_pre` of the next sublayer with one launch fewer: the mixes launch makes the
     updated streams itself (the post kernel's arithmetic, rounded product by product) and stores
-    them. -> (h' [B, hc, D] bf16, x, post', comb'), the bits of the two calls (y2: as mhc_post's)."""
+    them. -> (h' [B, hc, D] bf16, x, post', comb'), the bits of the two calls (y2: as mhc_post's;
+    sinkhorn_stream: as mhc_pre's)."""
     x, post2, comb2, h2 = _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, True, config,
-                                    update=(y, post, comb, y2))
+                                    update=(y, post, comb, y2), sinkhorn_stream=sinkhorn_stream)
     return h2, x, post2, comb2
 
 
@@ -594,8 +623,8 @@ def _cfg(hc: int, iters: int, hc_eps: float, norm_eps: float):
     return ModelConfig().replace(hc_mult=hc, hc_sinkhorn_iters=iters, hc_eps=hc_eps, rms_norm_eps=norm_eps)
 
 
-def mhc_pre_ref(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, config=None):
-    del config
+def mhc_pre_ref(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, config=None, sinkhorn_stream=None):
+    del config, sinkhorn_stream
     x, post, comb = ops.hc_pre(h, fn, scale, base, _cfg(hc, iters, hc_eps, norm_eps))
     return ops.rms_norm(x, norm_w, norm_eps), post, comb
 
@@ -612,7 +641,8 @@ def mhc_post_ref(y, h, post, comb, config=None, y2=None):
     return ops.hc_post(y, h, post, comb)
 
 
-def mhc_post_pre_ref(y, h, post, comb, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, config=None, y2=None):
-    del config
+def mhc_post_pre_ref(y, h, post, comb, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, config=None, y2=None,
+                     sinkhorn_stream=None):
+    del config, sinkhorn_stream
     h2 = mhc_post_ref(y, h, post, comb, y2=y2)
     return (h2, *mhc_pre_ref(h2, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps))

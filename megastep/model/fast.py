@@ -73,12 +73,13 @@ MOE_PLAN_ABOVE = ("triton", False, "residual")
 # (docs/PERFORMANCE.md, sixteenth measurement). More rows, and the all-reduce combine, are not
 # measured yet (`bash benchmarks/h200_checks.sh ep_plan`): MOE_PLAN_ABOVE.
 MOE_PLAN_EP = ((1, "cuda", True, "residual"),)
-# CSA layers: q's norm and RoPE on the side stream, beside the indexer's chain (its q transform,
-# scores, top-k), which attention also waits for; the main stream then runs the indexer's
-# launches one after another. The same kernels on the same inputs: the same bits. Built without
-# a GPU (2026-11-30); off until `bash benchmarks/h200_checks.sh heads` measures it. In the
-# seventeenth measurement's 1-row timeline q norm + RoPE closed 2.1-2.5 us of every CSA layer.
-Q_ROPE_BESIDE_INDEXER = False
+# Every mHC finish's Sinkhorn (the stream update's post and comb) in a launch of its own on the side
+# stream, forked after the mixes: the sublayer's input x waits for the collapse only, and the main
+# stream joins the side stream before the next stream update reads post and comb. The same kernel
+# programs: the same bits. In ncu at one row (docs/PERFORMANCE.md, eighteenth measurement) the
+# finish with its Sinkhorn program takes 5.6-6.2 us, the collapse alone 4.6. Built without a GPU
+# (2026-11-30); off until measured (bench_with arm in h200_checks.sh sinkhorn).
+MHC_SINKHORN_BESIDE = False
 
 
 @dataclass
@@ -575,22 +576,11 @@ class FastDecoder:
             else:
                 qr, qrq = _rn.rms_norm_ref(qa, lw["q_norm"], eps), None
             qb = lw["qr_fp8"](qr, tr, codes=qrq)
-
-            def q_rope() -> torch.Tensor:  # q's per-head norm and RoPE
-                return self._kernel(_rn, "q_norm_rope")(qb[0].view(B, H, hd), inv_freq, pos, eps)
-
-            beside = r == CSA_RATIO and Q_ROPE_BESIDE_INDEXER and self.side_stream is not None
-            if not beside:
-                q = q_rope()
+            q = self._kernel(_rn, "q_norm_rope")(qb[0].view(B, H, hd), inv_freq, pos, eps)
         self._join(*([xd_all] if r else []))  # the side stream's work of this layer so far
         if r == CSA_RATIO:
-            if beside:
-                with self._on_side(), stage(T, "attn_proj", L):
-                    q = q_rope()
             with stage(T, "indexer", L):
                 kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)
-            if beside:
-                self._join(q)
         with stage(T, "attention", L):
             # window ring + selected / visible compressed entries read in place from the pools,
             # sinks, and the inverse RoPE of the output, in one kernel
@@ -792,14 +782,19 @@ class FastDecoder:
             lw = self.layers[subs[i][0]]
             return (*lw[f"hc_{subs[i][1]}"], lw[f"{subs[i][1]}_norm"], hc, iters, hc_eps, eps)
 
+        # MHC_SINKHORN_BESIDE: post and comb are made on the side stream, joined before their use
+        beside = MHC_SINKHORN_BESIDE and self.triton and self.side_stream is not None
+        sk = {"sinkhorn_stream": self.side_stream} if beside else {}
         with stage(T, "mhc_pre", 0):
-            x, post, comb = mhc_pre(h, *mixes(0))
+            x, post, comb = mhc_pre(h, *mixes(0), **sk)
         for i, (L, kind) in enumerate(subs):
             y = self._attention(x, pos, slots, passes, L) if kind == "attn" else self._moe(x, tokens, L)
             y, y2 = y if isinstance(y, tuple) else (y, None)  # (routed sum, shared output): shared_w2 "mhc"
+            if beside:
+                self._join()
             if i + 1 < len(subs):
                 with stage(T, "mhc_pre", subs[i + 1][0]):
-                    h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *mixes(i + 1), y2=y2)
+                    h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *mixes(i + 1), y2=y2, **sk)
             else:
                 with stage(T, "mhc_post", L):
                     h = mhc_post(y.contiguous(), h, post, comb, y2=y2)

@@ -274,3 +274,40 @@ def test_gpu_post_pre_fused_same_bits(B):
     got = mhc.mhc_post_pre(y, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def sinkhorn_elsewhere(args, y, cfg, where):
+    """mhc_pre and mhc_post_pre with the Sinkhorn launched `where` (mhc_pre's sinkhorn_stream),
+    the caller's stream joined before the outputs are read."""
+    h, fn, scale, base, w = args
+    pre = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg, sinkhorn_stream=where)
+    fused = mhc.mhc_post_pre(y, h, pre[1], pre[2], fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg,
+                             sinkhorn_stream=where)
+    if isinstance(where, torch.cuda.Stream):
+        torch.cuda.current_stream().wait_stream(where)
+    return (*pre, *fused)
+
+
+@pytest.mark.parametrize("cfg", [None, MhcConfig(64, 2, 32, 32, 4, 2, False)], ids=str)
+@pytest.mark.parametrize("B,D", [(1, 64), (3, 300)])
+def test_sinkhorn_in_its_own_launch_same_bits(cfg, B, D):
+    """The Sinkhorn programs launched apart from the collapse (mhc.CURRENT_STREAM) give the bits of
+    the one finish launch, with the Sinkhorn beside or before the collapse (sinkhorn_apart)."""
+    args = make(B, D, seed=B + D + 3)
+    y = (torch.randn(B, D, generator=torch.Generator().manual_seed(B)) * 3).bfloat16().to(DEV)
+    one = sinkhorn_elsewhere(args, y, cfg, None)
+    for a, b in zip(sinkhorn_elsewhere(args, y, cfg, mhc.CURRENT_STREAM), one):
+        assert same_bits(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("B", [1, 64])
+def test_gpu_sinkhorn_on_another_stream_same_bits(B):
+    """At V4 shapes, the Sinkhorn on a second stream (FastDecoder's MHC_SINKHORN_BESIDE): the bits
+    of the one finish launch."""
+    args = make(B, 4096, seed=B + 21, dev="cuda")
+    y = (torch.randn(B, 4096, device="cuda") * 3).bfloat16()
+    one = sinkhorn_elsewhere(args, y, None, None)
+    for a, b in zip(sinkhorn_elsewhere(args, y, None, torch.cuda.Stream()), one):
+        assert same_bits(a, b)
