@@ -27,7 +27,7 @@
 #   bash benchmarks/h200_checks.sh lintile    # now that the large FP8 linears are placed plainly: the qr group in 128-row tiles (one round of CTAs), wo_a / wo_b with twice the split, the spread gate-up at 1 row, A/B/A/B at 1, 2, 4 rows (~5 min)
 #   bash benchmarks/h200_checks.sh final18    # the Sinkhorn beside the sublayer (fast.MHC_SINKHORN_BESIDE) and wo_a / wo_b with twice the split: GPU tests, A/B/A/B at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
-#   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the ranks' MoE order (default) against the one-GPU order at 1 and 6 rows, PDL on the ranks, A/B; the EP GPU tests with p2p (~9 min)
+#   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the one-GPU MoE order with PDL at 6 rows, PDL at 8 and 16 rows on the ranks, A/B; the EP GPU tests with p2p (~6 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
@@ -217,15 +217,14 @@ for group in "$@"; do
       done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
-    ep_plan)  # the ranks' MoE order (FastDecoder.MOE_PLAN_EP: 1 row CUDA routing and late fork, sixteenth
-      # measurement; more rows MOE_PLAN_ABOVE) against the one-GPU order at 6 rows too; and PDL on the ranks, never
-      # measured there (off with several ranks), which with the large linears placed plainly is worth 0.2 ms at 1 row on
-      # one GPU (seventeenth measurement)
+    ep_plan)  # eighteenth measurement: PDL on the ranks (now their default up to PDL_MAX_ROWS_EP = 6 rows) took 0.79 ms
+      # off 1 row and 0.77 off 6; without PDL the one-GPU MoE order (CUDA routing, late fork) beat the ranks' 6-row
+      # order by 0.58 ms. Open: that order with PDL at 6 rows, and PDL at 8 and 16 rows
       all_gpus
       for arm in a b; do
-        bench "ep${n}_plan_default_$arm" 100 --gpus "$gpus" --batch 1,6
-        bench "ep${n}_plan_cuda_late_$arm" 100 --gpus "$gpus" --batch 1,6 --router cuda --shared-after-router on
-        bench "ep${n}_pdl_on_$arm" 100 --gpus "$gpus" --batch 1,6 --pdl on
+        bench "ep${n}_default_$arm" 100 --gpus "$gpus" --batch 1,6,8,16
+        bench "ep${n}_cuda_late_$arm" 100 --gpus "$gpus" --batch 6,8,16 --router cuda --shared-after-router on
+        bench "ep${n}_pdl_on_$arm" 100 --gpus "$gpus" --batch 8,16 --pdl on
       done
       step ep_plan_tests 200 python3 -m pytest -q --timeout 180 tests/test_distributed_gpu.py -k p2p ;;
     ep)

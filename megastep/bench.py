@@ -472,7 +472,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "same bits); default: by the step's rows (FastDecoder's MOE_PLAN)")
     p.add_argument("--pdl", default="auto", choices=["auto", "on", "off"],
                    help="programmatic dependent launch of the step's kernels: on, off, or auto (on for steps of "
-                        "at most FastDecoder's PDL_MAX_ROWS rows on one GPU, where it was measured faster)")
+                        "at most FastDecoder's PDL_MAX_ROWS rows on one GPU, PDL_MAX_ROWS_EP on several, where it "
+                        "was measured faster)")
     p.add_argument("--no-overlap", action="store_true",
                    help="run every kernel of a layer on one stream (default: the independent parts on a second one)")
     p.add_argument("--cold-path", default="gpu", choices=["gpu", "cpu", "hybrid"],
