@@ -24,8 +24,6 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh lintile    # now that the large FP8 linears are placed plainly: the qr group in 128-row tiles (one round of CTAs), wo_a / wo_b with twice the split, the spread gate-up at 1 row, A/B/A/B at 1, 2, 4 rows (~5 min)
-#   bash benchmarks/h200_checks.sh final18    # the Sinkhorn beside the sublayer (fast.MHC_SINKHORN_BESIDE) and wo_a / wo_b with twice the split: GPU tests, A/B/A/B at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the one-GPU MoE order with PDL at 6 rows, PDL at 8 and 16 rows on the ranks, A/B; the EP GPU tests with p2p (~6 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -186,35 +184,6 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
-    lintile)  # seventeenth measurement: placed plainly, wo_a / wo_b take in the step what they take alone; their grids
-      # were measured alone only (ninth). The qr group's 640 CTAs fill ~1.2 rounds of the SMs' slots; 128-row tiles
-      # (the same sums per channel) make 320. Twice the split changes the sums: pinned for every row bucket.
-      L='import megastep.kernels.linear_fp8 as l; C = l.LinearFp8Config'
-      for arm in a b; do
-        bench "lintile_default_$arm" 100 --layers 30 --batch 1,2,4
-        bench_with "lintile_qr128_$arm" 60 "$L; l._PINNED.update({(40960, 1024, mb): C('f16', 128, mb, 128, 1) for mb in (16, 32, 64)})" \
-          --layers 30 --batch 1,2,4
-        bench_with "lintile_wo_split2x_$arm" 60 "$L; l._PINNED.update({(4096, 8192, mb): C('f16', 64, mb, 128, 8) for mb in (16, 32, 64)}); l._PINNED.update({(8192, 4096, mb): C('f16', 64, mb, 128, 4) for mb in (16, 32, 64)})" \
-          --layers 30 --batch 1,2,4
-        # the spread gate-up lost nothing and gained nothing at 1 row beside the shared w1/w3 placed early (fifteenth,
-        # sixteenth); that expert is now placed plainly
-        bench_with "lintile_spread1_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = (1, 2)' \
-          --layers 30 --batch 1,2
-      done ;;
-    final18)  # the session's last call: every mHC finish's Sinkhorn in its own launch on the side stream
-      # (fast.MHC_SINKHORN_BESIDE, built 2026-11-30; ncu at 1 row: the finish with its Sinkhorn program 5.6-6.2 us, the
-      # collapse alone 4.6), its bits (kernel and step GPU tests); wo_a / wo_b with twice the split (lintile: -0.04 /
-      # -0.07 / -0.09 ms at 1 / 2 / 4 rows; a pin holds for every row tile, so 16 and 64 rows decide); A/B/A/B, 1-64 rows
-      step sinkhorn_tests 150 python3 -m pytest -q --timeout 120 tests/kernels/test_mhc.py tests/test_fast_gpu.py \
-        -k "sinkhorn or side_stream"
-      L='import megastep.kernels.linear_fp8 as l; C = l.LinearFp8Config'
-      for arm in a b; do
-        bench "final18_default_$arm" 100 --layers 30 --batch 1,2,4,16,64
-        bench_with "final18_sinkhorn_$arm" 70 'import megastep.model.fast as f; f.MHC_SINKHORN_BESIDE = True' \
-          --layers 30 --batch 1,2,4,16,64
-        bench_with "final18_wo_split2x_$arm" 70 "$L; l._PINNED.update({(4096, 8192, mb): C('f16', 64, mb, 128, 8) for mb in (16, 32, 64)}); l._PINNED.update({(8192, 4096, mb): C('f16', 64, mb, 128, 4) for mb in (16, 32, 64)})" \
-          --layers 30 --batch 1,2,4,16,64
-      done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # eighteenth measurement: PDL on the ranks (now their default up to PDL_MAX_ROWS_EP = 6 rows) took 0.79 ms
@@ -240,7 +209,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lintile | final18 | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done

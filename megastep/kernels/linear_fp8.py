@@ -102,7 +102,7 @@ class LinearFp8Config:
 
 
 # Pinned configurations for the V4-Flash decode shapes where the rule below is not the best
-# measured one, keyed by (N, K, M bucket); none at present. The rule's measurements on one H200
+# measured one, keyed by (N, K, M bucket). The rule's measurements on one H200
 # (benchmarks/kernels/linear_variants.py, CUDA-graph replay, weights rotated past L2,
 # 2026-11-29), µs per call at M = 1 / 64, "f16" rule against the earlier "dot16" rule:
 #   x group (wq_a + wkv) 1536x4096    6.4 / 16.5   against  8.0 / 17.2
@@ -113,7 +113,17 @@ class LinearFp8Config:
 # (BLOCK_N 128, 6 stages, or twice the split were slower at every shape; on 2026-11-30 also
 # BLOCK_N 32 and 16, twice the programs at 3 or 2 stages, and 256-wide steps with both 128-blocks'
 # dots formed before either is added: docs/PERFORMANCE.md, ninth measurement.)
-_PINNED: dict[tuple[int, int, int], LinearFp8Config] = {}
+# Pinned: wo_b (N 4096, K 8192) in 8 K-splits and wo_a (8 groups, N 8192, K 4096) in 4, twice the
+# rule's. Alone that was no faster (above), but in the step, where they are placed plainly since the
+# seventeenth measurement: 30 V4-Flash layers on one H200, p50 ms A/B against the rule (eighteenth
+# measurement): 1 row 4.694 / 4.666 against 4.723 / 4.724, 2 rows 5.797 / 5.800 against 5.867 /
+# 5.865, 4 rows 7.817 / 7.814 against 7.927 / 7.929, 16 rows 18.309 / 18.277 against 18.376 /
+# 18.343, but 64 rows 52.29 / 52.41 against 52.11 / 51.88. The split sets the sums, so every row
+# tile takes it (a row's bits must not depend on its batch): 64 rows pay 0.4 ms for the rest.
+_PINNED: dict[tuple[int, int, int], LinearFp8Config] = {
+    **{(4096, 8192, mb): LinearFp8Config("f16", 64, mb, 128, 8) for mb in (16, 32, 64)},
+    **{(8192, 4096, mb): LinearFp8Config("f16", 64, mb, 128, 4) for mb in (16, 32, 64)},
+}
 
 
 def _m_bucket(M: int) -> int:

@@ -78,13 +78,16 @@ MOE_PLAN_ABOVE = ("triton", False, "residual")
 # (docs/PERFORMANCE.md, sixteenth measurement). More rows, and the all-reduce combine, are not
 # measured yet (`bash benchmarks/h200_checks.sh ep_plan`): MOE_PLAN_ABOVE.
 MOE_PLAN_EP = ((1, "cuda", True, "residual"),)
-# Every mHC finish's Sinkhorn (the stream update's post and comb) in a launch of its own on the side
-# stream, forked after the mixes: the sublayer's input x waits for the collapse only, and the main
-# stream joins the side stream before the next stream update reads post and comb. The same kernel
-# programs: the same bits. In ncu at one row (docs/PERFORMANCE.md, eighteenth measurement) the
-# finish with its Sinkhorn program takes 5.6-6.2 us, the collapse alone 4.6. Built without a GPU
-# (2026-11-30); off until measured (bench_with arm in h200_checks.sh sinkhorn).
-MHC_SINKHORN_BESIDE = False
+# For steps of at most this many rows, every mHC finish's Sinkhorn (the stream update's post and
+# comb) runs in a launch of its own on the side stream, forked after the mixes: the sublayer's input
+# x waits for the collapse only, and the main stream joins the side stream before the next stream
+# update reads post and comb. The same kernel programs: the same bits. In ncu at one row the finish
+# with its Sinkhorn program takes 5.6-6.2 us, the collapse alone 4.6. 30 V4-Flash layers on one
+# H200, p50 ms A/B (docs/PERFORMANCE.md, eighteenth measurement), beside against in the finish:
+# 1 row 4.695 / 4.691 against 4.723 / 4.724, 2 rows 5.875 / 5.861 against 5.867 / 5.865, 4 rows
+# 7.920 / 7.921 against 7.927 / 7.929, 16 rows 18.122 / 18.092 against 18.376 / 18.343, but 64 rows
+# 54.46 / 54.50 against 52.11 / 51.88 (there it delays the shared expert's early fork, a reading).
+MHC_SINKHORN_BESIDE_ROWS = 16
 
 
 @dataclass
@@ -788,8 +791,8 @@ class FastDecoder:
             lw = self.layers[subs[i][0]]
             return (*lw[f"hc_{subs[i][1]}"], lw[f"{subs[i][1]}_norm"], hc, iters, hc_eps, eps)
 
-        # MHC_SINKHORN_BESIDE: post and comb are made on the side stream, joined before their use
-        beside = MHC_SINKHORN_BESIDE and self.triton and self.side_stream is not None
+        # MHC_SINKHORN_BESIDE_ROWS: post and comb are made on the side stream, joined before their use
+        beside = self.triton and self.side_stream is not None and tokens.shape[0] <= MHC_SINKHORN_BESIDE_ROWS
         sk = {"sinkhorn_stream": self.side_stream} if beside else {}
         with stage(T, "mhc_pre", 0):
             x, post, comb = mhc_pre(h, *mixes(0), **sk)

@@ -109,6 +109,16 @@ def test_fp32_input_and_strided_rows():
     check(linear_fp8(xs, w, s, out_dtype=torch.float32), linear_fp8_ref(x, w, s, out_dtype=torch.float32))
 
 
+def test_every_row_tile_of_a_shape_takes_the_same_sums():
+    """A row's bits must not depend on its batch: the configurations picked for one weight shape
+    differ in the row tile only (mode, K step and split set the sums), pinned ones included."""
+    for N, K in V4_SHAPES + [(4096, 8192), (8192, 4096), (2048, 4096)]:
+        sums = {(c.mode, c.block_k, c.split_k) for c in (pick_config(M, N, K) for M in range(1, 65))}
+        assert len(sums) == 1, (N, K, sums)
+    for I, K in [(2048, 4096)]:
+        assert len({(c.mode, c.block_k, c.split_k) for c in (pick_config_swiglu(M, I, K) for M in range(1, 65))}) == 1
+
+
 def test_f16_is_picked_with_and_without_activation_quantization():
     assert pick_config(1, 4096, 8192).mode == "f16" and pick_config(64, 4096, 8192).mode == "f16"
     assert pick_config(1, 8192, 4096, quantize_act=False).mode == "f16"

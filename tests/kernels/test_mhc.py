@@ -304,8 +304,8 @@ def test_sinkhorn_in_its_own_launch_same_bits(cfg, B, D):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("B", [1, 64])
 def test_gpu_sinkhorn_on_another_stream_same_bits(B):
-    """At V4 shapes, the Sinkhorn on a second stream (FastDecoder's MHC_SINKHORN_BESIDE): the bits
-    of the one finish launch."""
+    """At V4 shapes, the Sinkhorn on a second stream (FastDecoder's MHC_SINKHORN_BESIDE_ROWS): the
+    bits of the one finish launch."""
     args = make(B, 4096, seed=B + 21, dev="cuda")
     y = (torch.randn(B, 4096, device="cuda") * 3).bfloat16()
     one = sinkhorn_elsewhere(args, y, None, None)
