@@ -188,7 +188,7 @@ for group in "$@"; do
     check18)  # the code of 2026-11-30's last commit (wo_a / wo_b in twice the split, the Sinkhorn beside the sublayer
       # up to 16 rows): the GPU tests that cover them, the step at 1-64 rows, its 1-row timeline
       step check18_tests 170 python3 -m pytest -q --timeout 120 -m gpu tests/kernels/test_linear_fp8.py tests/test_fast_gpu.py \
-        -k "v4_shapes or wo_a or side_stream or alone_equals or same_input"
+        -k "v4_shapes or wo_a or side_stream or alone_equals"
       bench check18 120 --layers 30 --batch 1,2,4,16,64
       bench check18_timeline 60 --layers 30 --batch 1 --timeline ;;
     linsplit)
