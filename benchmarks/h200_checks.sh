@@ -24,7 +24,7 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh check18    # the final code of 2026-11-30: its GPU tests (linear, side stream, batch invariance), the step at 1-64 rows, the 1-row timeline (~4 min)
+#   bash benchmarks/h200_checks.sh sinkhorn_stream  # the mHC Sinkhorn on a stream of its own (fast.MHC_SINKHORN_OWN_STREAM) against the side stream: its GPU test, A/B/A/B at 1-16 rows (~4 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the one-GPU MoE order with PDL at 6 rows, PDL at 8 and 16 rows on the ranks, A/B; the EP GPU tests with p2p (~6 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -185,12 +185,17 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
-    check18)  # the code of 2026-11-30's last commit (wo_a / wo_b in twice the split, the Sinkhorn beside the sublayer
-      # up to 16 rows): the GPU tests that cover them, the step at 1-64 rows, its 1-row timeline
-      step check18_tests 170 python3 -m pytest -q --timeout 120 -m gpu tests/kernels/test_linear_fp8.py tests/test_fast_gpu.py \
-        -k "v4_shapes or wo_a or side_stream or alone_equals"
-      bench check18 120 --layers 30 --batch 1,2,4,16,64
-      bench check18_timeline 60 --layers 30 --batch 1 --timeline ;;
+    sinkhorn_stream)  # the mHC Sinkhorn beside the sublayer on a stream of its own (fast.MHC_SINKHORN_OWN_STREAM, built
+      # 2026-11-30): on the side stream the compressors' bf16 projection queues behind it and closed 12.1 us of a CSA
+      # layer in the eighteenth measurement's 1-row timeline. Its step GPU test, then A/B/A/B at 1-16 rows
+      step sinkhorn_stream_tests 150 python3 -m pytest -q --timeout 120 tests/test_fast_gpu.py -k side_stream
+      for arm in a b; do
+        bench "sinkhorn_side_$arm" 100 --layers 30 --batch 1,2,4,16
+        bench_with "sinkhorn_own_$arm" 60 'import megastep.model.fast as f; f.MHC_SINKHORN_OWN_STREAM = True' \
+          --layers 30 --batch 1,2,4,16
+      done
+      bench_with sinkhorn_own_timeline 60 'import megastep.model.fast as f; f.MHC_SINKHORN_OWN_STREAM = True' \
+        --layers 30 --batch 1 --timeline ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # eighteenth measurement: PDL on the ranks (now their default up to PDL_MAX_ROWS_EP = 6 rows) took 0.79 ms
@@ -216,7 +221,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | check18 | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sinkhorn_stream | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done

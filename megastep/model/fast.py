@@ -88,6 +88,10 @@ MOE_PLAN_EP = ((1, "cuda", True, "residual"),)
 # 7.920 / 7.921 against 7.927 / 7.929, 16 rows 18.122 / 18.092 against 18.376 / 18.343, but 64 rows
 # 54.46 / 54.50 against 52.11 / 51.88 (there it delays the shared expert's early fork, a reading).
 MHC_SINKHORN_BESIDE_ROWS = 16
+# The Sinkhorn beside on a third stream of its own instead of the side stream, where the compressors'
+# bf16 projection queues behind it (it closed 12.1 us of a CSA layer in the eighteenth measurement's
+# 1-row timeline). Built without a GPU (2026-11-30); off until `h200_checks.sh sinkhorn_stream`.
+MHC_SINKHORN_OWN_STREAM = False
 
 
 @dataclass
@@ -299,6 +303,8 @@ class FastDecoder:
         if overlap and not on_cuda:
             raise ValueError("overlap needs the Triton kernels on a CUDA device")
         self.side_stream = torch.cuda.Stream(self.device) if (on_cuda if overlap is None else overlap) else None
+        # MHC_SINKHORN_OWN_STREAM's stream (made here: a graph captures the streams it is given)
+        self.hc_stream = torch.cuda.Stream(self.device) if self.side_stream is not None else None
         if shared_w2 not in (None, "residual", "combine", "mhc"):
             raise ValueError(f"shared_w2 must be residual, combine or mhc, got {shared_w2!r}")
         self.shared_w2 = shared_w2
@@ -791,16 +797,17 @@ class FastDecoder:
             lw = self.layers[subs[i][0]]
             return (*lw[f"hc_{subs[i][1]}"], lw[f"{subs[i][1]}_norm"], hc, iters, hc_eps, eps)
 
-        # MHC_SINKHORN_BESIDE_ROWS: post and comb are made on the side stream, joined before their use
+        # MHC_SINKHORN_BESIDE_ROWS: post and comb are made on another stream, joined before their use
         beside = self.triton and self.side_stream is not None and tokens.shape[0] <= MHC_SINKHORN_BESIDE_ROWS
-        sk = {"sinkhorn_stream": self.side_stream} if beside else {}
+        hc_stream = self.hc_stream if MHC_SINKHORN_OWN_STREAM else self.side_stream
+        sk = {"sinkhorn_stream": hc_stream} if beside else {}
         with stage(T, "mhc_pre", 0):
             x, post, comb = mhc_pre(h, *mixes(0), **sk)
         for i, (L, kind) in enumerate(subs):
             y = self._attention(x, pos, slots, passes, L) if kind == "attn" else self._moe(x, tokens, L)
             y, y2 = y if isinstance(y, tuple) else (y, None)  # (routed sum, shared output): shared_w2 "mhc"
             if beside:
-                self._join()
+                torch.cuda.current_stream(self.device).wait_stream(hc_stream)
             if i + 1 < len(subs):
                 with stage(T, "mhc_pre", subs[i + 1][0]):
                     h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *mixes(i + 1), y2=y2, **sk)
