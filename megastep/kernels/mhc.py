@@ -21,9 +21,9 @@ Kernels:
    front of the collapse. With `sinkhorn_stream` the Sinkhorn program is a launch of its own on
    that stream (a fork after the mixes), so the next launch on the caller's stream waits for the
    collapse only: its output (post, comb) is needed by the next stream update, a sublayer later,
-   not by the sublayer's input x. With block_d >= D (the pinned V4 case) the collapse program keeps the
-   whole row in registers: h, the norm weight and the partials are all loaded first, so the
-   program makes one round trip to memory, and the bf16 row is never stored and re-read. With
+   not by the sublayer's input x. With block_d >= D (the pinned V4 case) the collapse program
+   keeps the whole row in registers: h, the norm weight and the partials are all loaded first, so
+   the program makes one round trip to memory, and the bf16 row is never stored and re-read. With
    block_d < D it walks the row in chunks and re-reads the stored unnormalized row (large D).
 3. `_hc_post_kernel`, grid (B, cdiv(D, BLOCK_D)): elementwise over D.
 `mhc_post_pre` (a sublayer's post followed by the next one's pre, as the step runs them) folds 3

@@ -49,7 +49,7 @@ from megastep.runtime.sidecar import CpuSidecar, add_pairs
 from megastep.runtime.trace import StepTrace, stage
 
 PDL_MAX_ROWS = 4  # FastDecoder(pdl=None): programmatic dependent launch for steps up to this many rows
-# ... and with several ranks (expert parallelism). Measured on 2 x H200, all 43 V4-Flash layers, the
+# The same with several ranks (expert parallelism). Measured on 2 x H200, all 43 V4-Flash layers, the
 # peer-to-peer combine, p50 ms A/B (docs/PERFORMANCE.md, eighteenth measurement): 1 row 6.755 / 6.735
 # with PDL against 7.547 / 7.529 without, 6 rows 11.790 / 11.792 against 12.512 / 12.610. 8 and more
 # rows are not measured on the ranks; on one GPU PDL is slower from 16 rows on.
@@ -87,6 +87,8 @@ MOE_PLAN_EP = ((1, "cuda", True, "residual"),)
 # 1 row 4.695 / 4.691 against 4.723 / 4.724, 2 rows 5.875 / 5.861 against 5.867 / 5.865, 4 rows
 # 7.920 / 7.921 against 7.927 / 7.929, 16 rows 18.122 / 18.092 against 18.376 / 18.343, but 64 rows
 # 54.46 / 54.50 against 52.11 / 51.88 (there it delays the shared expert's early fork, a reading).
+# One GPU without the CPU sidecar only: the ranks and the sidecar use the side stream otherwise and
+# were not measured with it.
 MHC_SINKHORN_BESIDE_ROWS = 16
 # The Sinkhorn beside on a third stream of its own instead of the side stream, where the compressors'
 # bf16 projection queues behind it (it closed 12.1 us of a CSA layer in the eighteenth measurement's
@@ -798,7 +800,8 @@ class FastDecoder:
             return (*lw[f"hc_{subs[i][1]}"], lw[f"{subs[i][1]}_norm"], hc, iters, hc_eps, eps)
 
         # MHC_SINKHORN_BESIDE_ROWS: post and comb are made on another stream, joined before their use
-        beside = self.triton and self.side_stream is not None and tokens.shape[0] <= MHC_SINKHORN_BESIDE_ROWS
+        beside = (self.triton and self.side_stream is not None and self.world_size == 1 and self.sidecar is None
+                  and tokens.shape[0] <= MHC_SINKHORN_BESIDE_ROWS)
         hc_stream = self.hc_stream if MHC_SINKHORN_OWN_STREAM else self.side_stream
         sk = {"sinkhorn_stream": hc_stream} if beside else {}
         with stage(T, "mhc_pre", 0):
