@@ -115,6 +115,8 @@ def main() -> None:
                "triton_vs_mma_natural": differ(d_tri, nat),
                **{f"mma_{name}_vs_natural": differ(d, nat) for name, d in got.items() if name != "natural"},
                "mma_natural_vs_exact": differ(nat, exact(a, b, c)),
+               # a wrong fragment layout would show here: far more than fp32 rounding
+               "mma_natural_max_err_rel": ((nat - exact(a, b, c)).abs().max() / exact(a, b, c).abs().max()).item(),
                "mma_natural_vs_left_to_right": differ(nat, left_to_right(a, b, c)),
                "exact_vs_left_to_right": differ(exact(a, b, c), left_to_right(a, b, c))}
         out.append(row)
@@ -129,6 +131,7 @@ def main() -> None:
         for k, v in r.items():
             if k.startswith("mma_") and k.endswith("_vs_natural"):
                 print(f"  mma.sync {k[4:-11]} order against natural {v:.2e}")
+        print(f"  mma.sync natural order: largest error {r['mma_natural_max_err_rel']:.1e} of max|exact|")
         print(f"  power: natural against exact {r['mma_natural_vs_exact']:.2e}, against left-to-right fp32 "
               f"{r['mma_natural_vs_left_to_right']:.2e} (exact against left-to-right {r['exact_vs_left_to_right']:.2e})")
 
