@@ -25,6 +25,7 @@
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh sinkhorn_stream  # the mHC Sinkhorn on a stream of its own (fast.MHC_SINKHORN_OWN_STREAM) against the side stream: its GPU test, A/B/A/B at 1-16 rows (~4 min)
+#   bash benchmarks/h200_checks.sh select_sort  # the CSA indexer's top-k threshold from one sort (indexer.SELECT_BY_SORT): the indexer GPU tests, the kernel sweep, the step A/B/A/B at 1, 2, 4 rows (~7 min)
 #   bash benchmarks/h200_checks.sh mma_probe  # does a k16 tensor-core step's fp32 result depend on the order of its products, or on mma.sync against wgmma (mma_order_probe.py, ~1 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the one-GPU MoE order with PDL at 6 rows, PDL at 8 and 16 rows on the ranks, A/B; the EP GPU tests with p2p (~6 min)
@@ -197,6 +198,18 @@ for group in "$@"; do
       done
       bench_with sinkhorn_own_timeline 60 'import megastep.model.fast as f; f.MHC_SINKHORN_OWN_STREAM = True' \
         --layers 30 --batch 1 --timeline ;;
+    select_sort)  # the CSA indexer's top-k threshold from one sort (indexer.SELECT_BY_SORT, built 2026-11-30): ncu had the
+      # radix select at ~2700 instructions per warp and 9.4 us alone at 1 row, 5.8 us of every CSA layer; the sort's
+      # straight-line code is ~1300 per warp at 8 warps, ~1080 at 16 (Triton 3.6 SASS). The same ids (GPU tests),
+      # the kernels (indexer_check.py --sweep has sort candidates), then the step A/B/A/B at 1, 2, 4 rows
+      step select_sort_tests 150 python3 -m pytest -q --timeout 120 tests/kernels/test_indexer.py
+      step select_sort_kernels 150 python3 benchmarks/kernels/indexer_check.py --sweep --short
+      S='import megastep.kernels.indexer as ix; ix.SELECT_BY_SORT = True'
+      for arm in a b; do
+        bench "select_radix_$arm" 100 --layers 30 --batch 1,2,4
+        bench_with "select_sort16_$arm" 60 "$S" --layers 30 --batch 1,2,4
+        bench_with "select_sort8_$arm" 60 "$S; ix.SORT_WARPS = 8" --layers 30 --batch 1,2,4
+      done ;;
     mma_probe)  # can a hand-written small-M FP8 loop keep the Triton linear's bits? Whether a k16 tensor-core step's
       # fp32 result depends on the order of its products or on the instruction (mma.sync against Triton's wgmma)
       step mma_probe 120 python3 benchmarks/kernels/mma_order_probe.py --json "$OUT/mma_probe.json" ;;
@@ -225,7 +238,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sinkhorn_stream | mma_probe | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sinkhorn_stream | select_sort | mma_probe | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done
