@@ -1,7 +1,9 @@
 """Every Triton kernel a decode step launches, compiled for sm_90 on this CPU machine and checked for
 what costs a latency-bound decode kernel dearly without showing in its source: calls to
 subroutines (a 64-bit integer division or modulo is a ~100-instruction call per element; one in
-attention's KV loop was found this way), register spills to local memory, and its register count.
+attention's KV loop was found this way), register spills to local memory, its register count, and
+its global loads narrower than 4 bytes (a tile loaded 2 bytes at a time: Triton 3.9 lost the KV
+rows' alignment in attention's select between window and compressed rows).
 
     python benchmarks/kernels/kernel_lint.py [--json FILE]
 
