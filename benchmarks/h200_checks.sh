@@ -25,6 +25,7 @@
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh sinkhorn_stream  # the mHC Sinkhorn on a stream of its own (fast.MHC_SINKHORN_OWN_STREAM) against the side stream: its GPU test, A/B/A/B at 1-16 rows (~4 min)
+#   bash benchmarks/h200_checks.sh attn_ok    # CSA attention's top-k validity from the ids (fast.ATTN_OK_FROM_IDS, off) against the loaded flags: GPU tests, the kernel, the step A/B/A/B at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh select_sort  # the CSA indexer's top-k threshold from one sort (indexer.SELECT_BY_SORT): the indexer GPU tests, the kernel sweep, the step A/B/A/B at 1, 2, 4 rows (~7 min)
 #   bash benchmarks/h200_checks.sh mma_probe  # does a k16 tensor-core step's fp32 result depend on the order of its products, or on mma.sync against wgmma (mma_order_probe.py, ~1 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
@@ -198,6 +199,20 @@ for group in "$@"; do
       done
       bench_with sinkhorn_own_timeline 60 'import megastep.model.fast as f; f.MHC_SINKHORN_OWN_STREAM = True' \
         --layers 30 --batch 1 --timeline ;;
+    attn_ok)  # CSA attention takes a top-k entry as valid iff its id < (pos + 1) // ratio, the indexer's ok, instead of
+      # loading the flags (fast.ATTN_OK_FROM_IDS, built 2026-11-30 without a GPU, off: 1124 -> 866 SASS instructions
+      # per thread per KV step at the CSA pin, Triton 3.6). The bits (kernel GPU tests; the step's with it on), the
+      # kernel at 1 / 4 / 64 rows against the flags, then the step A/B/A/B at 1-64 rows
+      F='import megastep.model.fast as f; f.ATTN_OK_FROM_IDS = True'
+      step attn_ok_tests 150 python3 -m pytest -q --timeout 120 tests/kernels/test_attention.py -k "pools_v4 or ids_give"
+      step attn_ok_step_tests 150 python3 -c "$F; import sys, pytest; sys.exit(pytest.main(['-q', '--timeout', '120', \
+        'tests/test_fast_gpu.py', '-k', 'alone_equals or same_input or side_stream']))"
+      step attn_ok_kernel 120 python3 benchmarks/kernels/attn_few_rows.py --compare ok --rows 1,4,64 \
+        --json "$OUT/attn_ok.json"
+      for arm in a b; do
+        bench "attn_ok_flags_$arm" 100 --layers 30 --batch 1,2,4,16,64
+        bench_with "attn_ok_ids_$arm" 70 "$F" --layers 30 --batch 1,2,4,16,64
+      done ;;
     select_sort)  # the CSA indexer's top-k threshold from one sort (indexer.SELECT_BY_SORT, built 2026-11-30): ncu had the
       # radix select at ~2700 instructions per warp and 9.4 us alone at 1 row, 5.8 us of every CSA layer; the sort's
       # straight-line code is ~1300 per warp at 8 warps, ~1080 at 16 (Triton 3.6 SASS). The same ids (GPU tests),
@@ -238,7 +253,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sinkhorn_stream | select_sort | mma_probe | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sinkhorn_stream | attn_ok | select_sort | mma_probe | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done

@@ -94,6 +94,12 @@ MHC_SINKHORN_BESIDE_ROWS = 16
 # bf16 projection queues behind it (it closed 12.1 us of a CSA layer in the eighteenth measurement's
 # 1-row timeline). Built without a GPU (2026-11-30); off until `h200_checks.sh sinkhorn_stream`.
 MHC_SINKHORN_OWN_STREAM = False
+# CSA attention takes a top-k entry as valid iff its id < (pos + 1) // ratio, which is how the
+# indexer makes its ok flags, instead of loading the flags (sparse_attention_pools with idx_ok
+# None): the same mask, so the same bits, and ~23 % fewer SASS instructions per KV step at the CSA
+# pin (Triton 3.6: 1124 -> 866; the flag loads also kept the value operand out of ldmatrix). Built
+# without a GPU (2026-11-30); off until `bash benchmarks/h200_checks.sh attn_ok` measures it.
+ATTN_OK_FROM_IDS = False
 
 
 @dataclass
@@ -596,7 +602,9 @@ class FastDecoder:
         self._join(*([xd_all] if r else []))  # the side stream's work of this layer so far
         if r == CSA_RATIO:
             with stage(T, "indexer", L):
-                kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)
+                kw["idx"], ok = self._indexer(qb[1], xd[4], pos, slots, L)
+                if not ATTN_OK_FROM_IDS:
+                    kw["idx_ok"] = ok
         with stage(T, "attention", L):
             # window ring + selected / visible compressed entries read in place from the pools,
             # sinks, and the inverse RoPE of the output, in one kernel
