@@ -24,7 +24,7 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh sinkhorn_stream  # the mHC Sinkhorn on a stream of its own (fast.MHC_SINKHORN_OWN_STREAM) against the side stream: its GPU test, A/B/A/B at 1-16 rows (~4 min)
+#   bash benchmarks/h200_checks.sh sinkhorn_stream  # the mHC Sinkhorn on a stream of its own (fast.MHC_SINKHORN_OWN_STREAM) against the side stream, the collapse in 8 / 16 warps: its GPU test, A/B/A/B at 1-16 rows (~6 min)
 #   bash benchmarks/h200_checks.sh attn_ok    # CSA attention's top-k validity from the ids (fast.ATTN_OK_FROM_IDS, off) against the loaded flags: GPU tests, the kernel, the step A/B/A/B at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh select_sort  # the CSA indexer's top-k threshold from one sort (indexer.SELECT_BY_SORT): the indexer GPU tests, the kernel sweep, the step A/B/A/B at 1, 2, 4 rows (~7 min)
 #   bash benchmarks/h200_checks.sh mma_probe  # does a k16 tensor-core step's fp32 result depend on the order of its products, or on mma.sync against wgmma (mma_order_probe.py, ~1 min)
@@ -191,11 +191,17 @@ for group in "$@"; do
     sinkhorn_stream)  # the mHC Sinkhorn beside the sublayer on a stream of its own (fast.MHC_SINKHORN_OWN_STREAM, built
       # 2026-11-30): on the side stream the compressors' bf16 projection queues behind it and closed 12.1 us of a CSA
       # layer in the eighteenth measurement's 1-row timeline. Its step GPU test, then A/B/A/B at 1-16 rows
+      # With the Sinkhorn in its own launch the collapse alone sits before the sublayer: its warps (mhc finish_warps,
+      # pinned at 4 when the Sinkhorn program beside it was the long pole; no count of warps changes a bit) are
+      # measured again, 8 and 16 (the collapse's straight-line SASS: 2160 / 1584 / 1440 with 4 / 8 / 16, Triton 3.6)
       step sinkhorn_stream_tests 150 python3 -m pytest -q --timeout 120 tests/test_fast_gpu.py -k side_stream
+      W='import megastep.kernels.mhc as m; from dataclasses import replace; k = (4, 4096); m._PINNED[k] = replace(m._PINNED[k]'
       for arm in a b; do
         bench "sinkhorn_side_$arm" 100 --layers 30 --batch 1,2,4,16
         bench_with "sinkhorn_own_$arm" 60 'import megastep.model.fast as f; f.MHC_SINKHORN_OWN_STREAM = True' \
           --layers 30 --batch 1,2,4,16
+        bench_with "sinkhorn_fw8_$arm" 60 "$W, finish_warps=8)" --layers 30 --batch 1,2,4,16
+        bench_with "sinkhorn_fw16_$arm" 60 "$W, finish_warps=16)" --layers 30 --batch 1,2,4,16
       done
       bench_with sinkhorn_own_timeline 60 'import megastep.model.fast as f; f.MHC_SINKHORN_OWN_STREAM = True' \
         --layers 30 --batch 1 --timeline ;;
