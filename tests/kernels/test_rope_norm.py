@@ -345,7 +345,7 @@ def test_gpu_heads_configs_change_no_bit(B):
     """At V4 width (64 heads of 512 for q, of 128 for the indexer) every heads configuration gives the
     pinned one's bits: a head's sums never span programs, and the layout of one head's 256 pairs
     over a program's threads must not change them either (what a pin change, say for one row,
-    relies on; h200_checks.sh heads measures these configurations in the step)."""
+    relies on; the step measured them in docs/PERFORMANCE.md's eighteenth measurement)."""
     rope = rn.rope_table(inv_freq(64, True).to("cuda"), POS[4] + 1)
     pos = positions(B, seed=B, table=True, dev="cuda")
     for H, d, fn in ((64, 512, rn.q_norm_rope), (64, 128, rn.indexer_q)):
