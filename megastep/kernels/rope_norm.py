@@ -340,10 +340,10 @@ class HeadsConfig:
 
 # Pinned per (H, head dim); B never enters (no configuration changes a bit: GPU-tested). The
 # indexer's q transform (64 x 128) in 16 programs per row, measured in the 30-layer step on one
-# H200 (2026-11-30, h200_checks.sh heads, A/B, p50 ms at 1 / 2 / 4 rows): 4.711 / 5.869 / 7.901
-# against 16 heads per program's 4.767 / 5.950 / 7.967; 64 programs 4.721 / 5.889 / 7.927. q's
-# norm + RoPE (64 x 512) in 64 programs beside it: 4.695 / 5.916 / 7.889, slower at 2 rows: not
-# taken.
+# H200 (2026-11-30, the `heads` group of h200_checks.sh at d01987c, A/B, p50 ms at 1 / 2 / 4 rows):
+# 4.711 / 5.869 / 7.901 against 16 heads per program's 4.767 / 5.950 / 7.967; 64 programs 4.721 /
+# 5.889 / 7.927. q's norm + RoPE (64 x 512) in 64 programs beside it: 4.695 / 5.916 / 7.889,
+# slower at 2 rows: not taken (docs/PERFORMANCE.md, eighteenth measurement).
 _PINNED_HEADS: dict[tuple[int, int], HeadsConfig] = {(64, 512): HeadsConfig(4, 4), (64, 128): HeadsConfig(4, 4)}
 
 
