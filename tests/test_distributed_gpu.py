@@ -84,13 +84,14 @@ def one_gpu():
 
 
 # FastDecoder's MoE order on the ranks: their default (by rows), and the one-GPU plan's at 1-4 rows for every row
-# count; "no_pdl": the ranks' kernels without programmatic dependent launch (on by default up to PDL_MAX_ROWS_EP
-# rows since the eighteenth measurement, so "default" runs them with it)
-PLANS = {"default": {}, "cuda_late": {"router": "cuda", "shared_after_router": True}, "no_pdl": {"pdl": False}}
+# count; programmatic dependent launch off ("no_pdl") and on ("pdl"): by default it is on up to PDL_MAX_ROWS_EP
+# rows with the p2p combine (so "default" runs it there) and off with the all-reduce one
+PLANS = {"default": {}, "cuda_late": {"router": "cuda", "shared_after_router": True}, "no_pdl": {"pdl": False},
+         "pdl": {"pdl": True}}
 
 
 @pytest.mark.parametrize("ep_combine,plan", [("p2p", "default"), ("allreduce", "default"), ("p2p", "cuda_late"),
-                                             ("p2p", "no_pdl"), ("allreduce", "no_pdl")])
+                                             ("p2p", "no_pdl"), ("allreduce", "pdl")])
 def test_expert_parallel_matches_one_gpu(one_gpu, ep_combine, plan):
     want = one_gpu
     outs = D.launch(_ep_rank, 2, (BATCHES, ep_combine, PLANS[plan]), backend="nccl", gpus=[0, 1], timeout_s=600)

@@ -52,7 +52,8 @@ PDL_MAX_ROWS = 4  # FastDecoder(pdl=None): programmatic dependent launch for ste
 # The same with several ranks (expert parallelism). Measured on 2 x H200, all 43 V4-Flash layers, the
 # peer-to-peer combine, p50 ms A/B (docs/PERFORMANCE.md, eighteenth measurement): 1 row 6.755 / 6.735
 # with PDL against 7.547 / 7.529 without, 6 rows 11.790 / 11.792 against 12.512 / 12.610. 8 and more
-# rows are not measured on the ranks; on one GPU PDL is slower from 16 rows on.
+# rows are not measured on the ranks; on one GPU PDL is slower from 16 rows on. The all-reduce combine
+# was not measured with PDL: it stays without.
 PDL_MAX_ROWS_EP = 6
 # FastDecoder(router=None, shared_after_router=None, shared_w2=None) on one GPU: by a step's rows
 # (up to the first entry's count), which launches route ("triton": router.py's; "cuda": the gate
@@ -243,8 +244,8 @@ class FastDecoder:
         pdl: launch the Triton kernels of a step with programmatic dependent launch
         (kernels.common, pdl_enter): each kernel's CTAs are placed while its predecessor drains
         (the large FP8 linears excepted: common.PLAIN_PLACEMENT_BYTES). It changes no bits. None:
-        on for steps of at most PDL_MAX_ROWS rows on one GPU (PDL_MAX_ROWS_EP with several ranks)
-        without the CPU sidecar, where it was measured faster (30 V4-Flash layers, one H200: 6.443
+        on for steps of at most PDL_MAX_ROWS rows on one GPU (PDL_MAX_ROWS_EP with several ranks and
+        the peer-to-peer combine) without the CPU sidecar, where it was measured faster (30 V4-Flash layers, one H200: 6.443
         against 6.501 ms at 1 row, 11.82 against 11.88 at 4), off above (28.71 against 28.48 ms at
         16, 69.8 against 62.1 at 64; with the large linears placed plainly still 21.39 against
         18.43 at 16 and 60.4 against 51.9 at 64, seventeenth measurement).
@@ -762,8 +763,8 @@ class FastDecoder:
         """One decode step (see `_step`), its kernels launched with this decoder's PDL setting."""
         pdl = self.pdl
         if pdl is None:
-            # (not with the CPU sidecar in the step: never measured there)
-            limit = PDL_MAX_ROWS if self.world_size == 1 else PDL_MAX_ROWS_EP
+            # (not with the CPU sidecar or the all-reduce combine: never measured there)
+            limit = PDL_MAX_ROWS if self.world_size == 1 else PDL_MAX_ROWS_EP if self.peer is not None else 0
             pdl = self.triton and self.sidecar is None and tokens.shape[0] <= limit
         old = _common.set_pdl(pdl)
         try:
