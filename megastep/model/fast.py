@@ -245,8 +245,8 @@ class FastDecoder:
         (kernels.common, pdl_enter): each kernel's CTAs are placed while its predecessor drains
         (the large FP8 linears excepted: common.PLAIN_PLACEMENT_BYTES). It changes no bits. None:
         on for steps of at most PDL_MAX_ROWS rows on one GPU (PDL_MAX_ROWS_EP with several ranks and
-        the peer-to-peer combine) without the CPU sidecar, where it was measured faster (30 V4-Flash layers, one H200: 6.443
-        against 6.501 ms at 1 row, 11.82 against 11.88 at 4), off above (28.71 against 28.48 ms at
+        the peer-to-peer combine) without the CPU sidecar, where it was measured faster (30 V4-Flash
+        layers, one H200: 6.443 against 6.501 ms at 1 row, 11.82 against 11.88 at 4), off above (28.71 against 28.48 ms at
         16, 69.8 against 62.1 at 64; with the large linears placed plainly still 21.39 against
         18.43 at 16 and 60.4 against 51.9 at 64, seventeenth measurement).
         overlap: run the independent parts of a layer on a second CUDA stream (a fork and a
@@ -506,14 +506,15 @@ class FastDecoder:
         with torch.cuda.stream(self.side_stream), _common.lane("side"):
             yield
 
-    def _join(self, *made_on_side: torch.Tensor) -> None:
-        """The main (current) stream waits for the side stream; tensors the side stream allocated
-        are marked as used by the main stream, so the allocator does not hand their memory back to
-        the side stream before the main stream's kernels that read them have run."""
-        if self.side_stream is None:
+    def _join(self, *made_on_side: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+        """The main (current) stream waits for the side stream (or `stream`); tensors that stream
+        allocated are marked as used by the main stream, so the allocator does not hand their memory
+        back to it before the main stream's kernels that read them have run."""
+        stream = stream or self.side_stream
+        if stream is None:
             return
         main = torch.cuda.current_stream(self.device)
-        main.wait_stream(self.side_stream)
+        main.wait_stream(stream)
         for t in made_on_side:
             t.record_stream(main)
 
@@ -819,7 +820,7 @@ class FastDecoder:
             y = self._attention(x, pos, slots, passes, L) if kind == "attn" else self._moe(x, tokens, L)
             y, y2 = y if isinstance(y, tuple) else (y, None)  # (routed sum, shared output): shared_w2 "mhc"
             if beside:
-                torch.cuda.current_stream(self.device).wait_stream(hc_stream)
+                self._join(stream=hc_stream)
             if i + 1 < len(subs):
                 with stage(T, "mhc_pre", subs[i + 1][0]):
                     h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *mixes(i + 1), y2=y2, **sk)
