@@ -24,10 +24,8 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh sinkhorn_stream  # the mHC Sinkhorn on a stream of its own (fast.MHC_SINKHORN_OWN_STREAM) against the side stream, the collapse in 8 / 16 warps: its GPU test, A/B/A/B at 1-16 rows (~6 min)
 #   bash benchmarks/h200_checks.sh attn_ok    # CSA attention's top-k validity from the ids (fast.ATTN_OK_FROM_IDS, off) against the loaded flags: GPU tests, the kernel, the step A/B/A/B at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh select_sort  # the CSA indexer's top-k threshold from one sort (indexer.SELECT_BY_SORT): the indexer GPU tests, the kernel sweep, the step A/B/A/B at 1, 2, 4 rows (~7 min)
-#   bash benchmarks/h200_checks.sh mma_probe  # does a k16 tensor-core step's fp32 result depend on the order of its products, or on mma.sync against wgmma (mma_order_probe.py, ~1 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the one-GPU MoE order with PDL at 6 rows, PDL at 8 and 16 rows on the ranks, A/B; the EP GPU tests with p2p (~6 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -188,23 +186,6 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
-    sinkhorn_stream)  # the mHC Sinkhorn beside the sublayer on a stream of its own (fast.MHC_SINKHORN_OWN_STREAM, built
-      # 2026-11-30): on the side stream the compressors' bf16 projection queues behind it and closed 12.1 us of a CSA
-      # layer in the eighteenth measurement's 1-row timeline. Its step GPU test, then A/B/A/B at 1-16 rows
-      # With the Sinkhorn in its own launch the collapse alone sits before the sublayer: its warps (mhc finish_warps,
-      # pinned at 4 when the Sinkhorn program beside it was the long pole; no count of warps changes a bit) are
-      # measured again, 8 and 16 (the collapse's straight-line SASS: 2160 / 1584 / 1440 with 4 / 8 / 16, Triton 3.6)
-      step sinkhorn_stream_tests 150 python3 -m pytest -q --timeout 120 tests/test_fast_gpu.py -k side_stream
-      W='import megastep.kernels.mhc as m; from dataclasses import replace; k = (4, 4096); m._PINNED[k] = replace(m._PINNED[k]'
-      for arm in a b; do
-        bench "sinkhorn_side_$arm" 100 --layers 30 --batch 1,2,4,16
-        bench_with "sinkhorn_own_$arm" 60 'import megastep.model.fast as f; f.MHC_SINKHORN_OWN_STREAM = True' \
-          --layers 30 --batch 1,2,4,16
-        bench_with "sinkhorn_fw8_$arm" 60 "$W, finish_warps=8)" --layers 30 --batch 1,2,4,16
-        bench_with "sinkhorn_fw16_$arm" 60 "$W, finish_warps=16)" --layers 30 --batch 1,2,4,16
-      done
-      bench_with sinkhorn_own_timeline 60 'import megastep.model.fast as f; f.MHC_SINKHORN_OWN_STREAM = True' \
-        --layers 30 --batch 1 --timeline ;;
     attn_ok)  # CSA attention takes a top-k entry as valid iff its id < (pos + 1) // ratio, the indexer's ok, instead of
       # loading the flags (fast.ATTN_OK_FROM_IDS, built 2026-11-30 without a GPU, off: 1124 -> 866 SASS instructions
       # per thread per KV step at the CSA pin, Triton 3.6). The bits (kernel GPU tests; the step's with it on), the
@@ -231,9 +212,6 @@ for group in "$@"; do
         bench_with "select_sort16_$arm" 60 "$S" --layers 30 --batch 1,2,4
         bench_with "select_sort8_$arm" 60 "$S; ix.SORT_WARPS = 8" --layers 30 --batch 1,2,4
       done ;;
-    mma_probe)  # can a hand-written small-M FP8 loop keep the Triton linear's bits? Whether a k16 tensor-core step's
-      # fp32 result depends on the order of its products or on the instruction (mma.sync against Triton's wgmma)
-      step mma_probe 120 python3 benchmarks/kernels/mma_order_probe.py --json "$OUT/mma_probe.json" ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # eighteenth measurement: PDL on the ranks (now their default up to PDL_MAX_ROWS_EP = 6 rows) took 0.79 ms
@@ -259,7 +237,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sinkhorn_stream | attn_ok | select_sort | mma_probe | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | attn_ok | select_sort | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done

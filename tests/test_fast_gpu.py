@@ -69,13 +69,13 @@ def test_side_stream_changes_no_bits(experts, sinkhorn, monkeypatch):
     """The second stream (the compressors and the kv store beside the q path, the shared expert
     beside the routed experts; sinkhorn: every mHC finish's Sinkhorn beside the sublayer, as
     fast.MHC_SINKHORN_BESIDE_ROWS has it at 1 row, on the side stream or on a stream of its own,
-    MHC_SINKHORN_OWN_STREAM) against one stream: the same tokens and logits. The small preset's
+    MHC_SINKHORN_OWN_STREAM_ROWS) against one stream: the same tokens and logits. The small preset's
     layer 1 is a CSA layer (compressors and the indexer)."""
     from megastep.checkpoint.synthetic import preset
     from megastep.model import fast
 
     monkeypatch.setattr(fast, "MHC_SINKHORN_BESIDE_ROWS", 16 if sinkhorn else 0)
-    monkeypatch.setattr(fast, "MHC_SINKHORN_OWN_STREAM", sinkhorn == "own")
+    monkeypatch.setattr(fast, "MHC_SINKHORN_OWN_STREAM_ROWS", (1, 16) if sinkhorn == "own" else (0, 0))
     assert preset("small", layers=2).ratio(1) == 4
     one = greedy_logits(built=build(experts=experts, overlap=False))
     two = greedy_logits(built=build(experts=experts, overlap=True))

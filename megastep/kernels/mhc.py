@@ -92,7 +92,10 @@ class MhcConfig:
 # Pinned per (hc, D); other shapes use the same rule. V4-Flash's, from
 # benchmarks/kernels/tune_mhc.py on one H200 (2026-11-30, docs/PERFORMANCE.md eleventh measurement):
 # the Sinkhorn on scalars and 256-wide hc_post chunks, mhc_pre + mhc_post 8.7 / 21.7 us at B = 1 / 64
-# against 9.1 / 22.4 for the rule (the same bits: every candidate was checked against it).
+# against 9.1 / 22.4 for the rule (the same bits: every candidate was checked against it). The
+# collapse's finish_warps measured again with the Sinkhorn in a launch of its own (nineteenth
+# measurement, 30 layers p50 ms A/B at 1 row): 4 warps 4.643 / 4.610, 8 warps 4.638 / 4.663,
+# 16 warps 5.094 / 5.135; at 2-16 rows 8 was no faster either. 4 stays.
 _PINNED: dict[tuple[int, int], MhcConfig] = {
     (4, 4096): MhcConfig(kc=256, block_m=8, block_d=4096, post_block_d=256, num_warps=4, finish_warps=4,
                          sinkhorn_apart=True, sinkhorn_scalar=True),

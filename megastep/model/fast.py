@@ -91,10 +91,15 @@ MOE_PLAN_EP = ((1, "cuda", True, "residual"),)
 # One GPU without the CPU sidecar only: the ranks and the sidecar use the side stream otherwise and
 # were not measured with it.
 MHC_SINKHORN_BESIDE_ROWS = 16
-# The Sinkhorn beside on a third stream of its own instead of the side stream, where the compressors'
-# bf16 projection queues behind it (it closed 12.1 us of a CSA layer in the eighteenth measurement's
-# 1-row timeline). Built without a GPU (2026-11-30); off until `h200_checks.sh sinkhorn_stream`.
-MHC_SINKHORN_OWN_STREAM = False
+# Steps of (lo, hi) rows, lo..hi inclusive, put the Sinkhorn beside on a third stream of its own
+# instead of the side stream, where the compressors' bf16 projection queues behind it (it closed
+# 12.1 us of a CSA layer in the eighteenth measurement's 1-row timeline). The same kernel programs:
+# the same bits. 30 V4-Flash layers on one H200, p50 ms A/B/A/B against the side stream
+# (docs/PERFORMANCE.md, nineteenth measurement): 2 rows 5.729 / 5.714 against 5.831 / 5.784, 4 rows
+# 7.744 / 7.717 against 7.779 / 7.777; but 1 row 4.751 / 4.723 against 4.643 / 4.610 (the x group's
+# launch then waits: its stretch grew 0.3 -> 5.3 us) and 16 rows 18.234 / 18.202 against 17.962 /
+# 17.927.
+MHC_SINKHORN_OWN_STREAM_ROWS = (2, 4)
 # CSA attention takes a top-k entry as valid iff its id < (pos + 1) // ratio, which is how the
 # indexer makes its ok flags, instead of loading the flags (sparse_attention_pools with idx_ok
 # None): the same mask, so the same bits, and ~23 % fewer SASS instructions per KV step at the CSA
@@ -312,7 +317,7 @@ class FastDecoder:
         if overlap and not on_cuda:
             raise ValueError("overlap needs the Triton kernels on a CUDA device")
         self.side_stream = torch.cuda.Stream(self.device) if (on_cuda if overlap is None else overlap) else None
-        # MHC_SINKHORN_OWN_STREAM's stream (made here: a graph captures the streams it is given)
+        # MHC_SINKHORN_OWN_STREAM_ROWS' stream (made here: a graph captures the streams it is given)
         self.hc_stream = torch.cuda.Stream(self.device) if self.side_stream is not None else None
         if shared_w2 not in (None, "residual", "combine", "mhc"):
             raise ValueError(f"shared_w2 must be residual, combine or mhc, got {shared_w2!r}")
@@ -812,7 +817,8 @@ class FastDecoder:
         # MHC_SINKHORN_BESIDE_ROWS: post and comb are made on another stream, joined before their use
         beside = (self.triton and self.side_stream is not None and self.world_size == 1 and self.sidecar is None
                   and tokens.shape[0] <= MHC_SINKHORN_BESIDE_ROWS)
-        hc_stream = self.hc_stream if MHC_SINKHORN_OWN_STREAM else self.side_stream
+        lo, hi = MHC_SINKHORN_OWN_STREAM_ROWS
+        hc_stream = self.hc_stream if lo <= tokens.shape[0] <= hi else self.side_stream
         sk = {"sinkhorn_stream": hc_stream} if beside else {}
         with stage(T, "mhc_pre", 0):
             x, post, comb = mhc_pre(h, *mixes(0), **sk)
