@@ -24,6 +24,7 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
+#   bash benchmarks/h200_checks.sh small_linear  # the FP8 linear's CUDA loop for 1-16 rows (linear_fp8_small.ROWS, off): its GPU tests (the Triton loop's bits), the kernels per shape, the step A/B/A/B at 1-16 rows (~8 min)
 #   bash benchmarks/h200_checks.sh attn_ok    # CSA attention's top-k validity from the ids (fast.ATTN_OK_FROM_IDS, off) against the loaded flags: GPU tests, the kernel, the step A/B/A/B at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh select_sort  # the CSA indexer's top-k threshold from one sort (indexer.SELECT_BY_SORT): the indexer GPU tests, the kernel sweep, the step A/B/A/B at 1, 2, 4 rows (~7 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
@@ -186,6 +187,17 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
+    small_linear)  # the FP8 linear's CUDA loop for 1-16 rows (linear_fp8_small, built 2026-11-30 without a GPU, off:
+      # linear_fp8_small.ROWS = 0), the Triton loop's bits through the same k16 column sets. Bits first (its GPU
+      # tests, the step's with it), the kernels against Triton per shape, then the step A/B/A/B at 1-16 rows
+      step small_tests 200 python3 -m pytest -q --timeout 150 tests/kernels/test_linear_fp8_small.py
+      step small_step_tests 150 python3 -m pytest -q --timeout 120 tests/test_fast_gpu.py -k "cuda_small"
+      step small_kernels 150 python3 benchmarks/kernels/gemv_variants.py --out "$OUT" --ms 1,2,4,16
+      C='import megastep.kernels.linear_fp8_small as s; s.ROWS = 16'
+      for arm in a b; do
+        bench "small_triton_$arm" 100 --layers 30 --batch 1,2,4,16
+        bench_with "small_cuda_$arm" 70 "$C" --layers 30 --batch 1,2,4,16
+      done ;;
     attn_ok)  # CSA attention takes a top-k entry as valid iff its id < (pos + 1) // ratio, the indexer's ok, instead of
       # loading the flags (fast.ATTN_OK_FROM_IDS, built 2026-11-30 without a GPU, off: 1124 -> 866 SASS instructions
       # per thread per KV step at the CSA pin, Triton 3.6). The bits (kernel GPU tests; the step's with it on), the
@@ -237,7 +249,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | attn_ok | select_sort | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | small_linear | attn_ok | select_sort | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done
