@@ -25,7 +25,6 @@
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh small_linear  # the FP8 linear's CUDA loop for 1-16 rows (linear_fp8_small.ROWS, off): its GPU tests (the Triton loop's bits), the kernels per shape, the step A/B/A/B at 1-16 rows (~8 min)
-#   bash benchmarks/h200_checks.sh attn_ok    # CSA attention's top-k validity from the ids (fast.ATTN_OK_FROM_IDS, off) against the loaded flags: GPU tests, the kernel, the step A/B/A/B at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh select_sort  # the CSA indexer's top-k threshold from one sort (indexer.SELECT_BY_SORT): the indexer GPU tests, the kernel sweep, the step A/B/A/B at 1, 2, 4 rows (~7 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the one-GPU MoE order with PDL at 6 rows, PDL at 8 and 16 rows on the ranks, A/B; the EP GPU tests with p2p (~6 min)
@@ -198,20 +197,6 @@ for group in "$@"; do
         bench "small_triton_$arm" 100 --layers 30 --batch 1,2,4,16
         bench_with "small_cuda_$arm" 70 "$C" --layers 30 --batch 1,2,4,16
       done ;;
-    attn_ok)  # CSA attention takes a top-k entry as valid iff its id < (pos + 1) // ratio, the indexer's ok, instead of
-      # loading the flags (fast.ATTN_OK_FROM_IDS, built 2026-11-30 without a GPU, off: 1124 -> 866 SASS instructions
-      # per thread per KV step at the CSA pin, Triton 3.6). The bits (kernel GPU tests; the step's with it on), the
-      # kernel at 1 / 4 / 64 rows against the flags, then the step A/B/A/B at 1-64 rows
-      F='import megastep.model.fast as f; f.ATTN_OK_FROM_IDS = True'
-      step attn_ok_tests 150 python3 -m pytest -q --timeout 120 tests/kernels/test_attention.py -k "pools_v4 or ids_give"
-      step attn_ok_step_tests 150 python3 -c "$F; import sys, pytest; sys.exit(pytest.main(['-q', '--timeout', '120', \
-        'tests/test_fast_gpu.py', '-k', 'alone_equals or same_input or side_stream']))"
-      step attn_ok_kernel 120 python3 benchmarks/kernels/attn_few_rows.py --compare ok --rows 1,4,64 \
-        --json "$OUT/attn_ok.json"
-      for arm in a b; do
-        bench "attn_ok_flags_$arm" 100 --layers 30 --batch 1,2,4,16,64
-        bench_with "attn_ok_ids_$arm" 70 "$F" --layers 30 --batch 1,2,4,16,64
-      done ;;
     select_sort)  # the CSA indexer's top-k threshold from one sort (indexer.SELECT_BY_SORT, built 2026-11-30): ncu had the
       # radix select at ~2700 instructions per warp and 9.4 us alone at 1 row, 5.8 us of every CSA layer; the sort's
       # straight-line code is ~1300 per warp at 8 warps, ~1080 at 16 (Triton 3.6 SASS). The same ids (GPU tests),
@@ -249,7 +234,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | small_linear | attn_ok | select_sort | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | small_linear | select_sort | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done

@@ -1,7 +1,7 @@
 """Decode attention launched two ways that must give the same sums, at V4-Flash shapes: bit for bit,
 then timed.
 
-    python benchmarks/kernels/attn_few_rows.py [--compare few|hint|ok] [--rows 1,2,4,8,16] [--json FILE]
+    python benchmarks/kernels/attn_few_rows.py [--compare few|hint] [--rows 1,2,4,8,16] [--json FILE]
                                                                                    (one H200, ~1 min)
 
 --compare few (the default): each planned shape's configuration against its few-rows plan
@@ -14,9 +14,6 @@ at the CSA pin, against 1099 and 107 with it (`sass_loop.py attention --dv 4`). 
 Triton 3.6 both took the same time (2026-11-30, docs/PERFORMANCE.md eighteenth measurement): 3.6
 keeps the alignment without the hint. Run this again when the device's Triton changes;
 `rows16_off()` is also a step benchmark's arm without the hint (h200_checks.sh `bench_with`).
---compare ok: CSA with the top-k flags loaded (idx_ok given) against the validity taken from the ids
-(idx_ok None, as FastDecoder's ATTN_OK_FROM_IDS has it): 1124 against 866 SASS instructions per
-thread per KV step at the CSA pin (Triton 3.6).
 
 For each shape and row count: the two outputs bit for bit (they must be equal), then us per call
 of each (tune_attention's inputs and timing: CUDA graph of back-to-back calls on rotated pool
@@ -65,31 +62,23 @@ def rows16_on() -> None:
 
 
 def arms(compare: str, rows: list[int]):
-    """(kind, B, note, [(name, config, switch, call keywords), twice]) to compare."""
+    """(kind, B, note, [(name, config, switch), (name, config, switch)]) to compare."""
     kinds = {k.key: k for k in T.model_kinds()}
     if compare == "few":
         for key, (limit, few) in sorted(A._PINNED_FEW_ROWS.items()):
             base = A.pick_config(*key)
             for B in rows:
-                yield (kinds[key], B, f"plan used up to {limit} rows",
-                       [("base", base, rows16_on, {}), ("few", few, rows16_on, {})])
-    elif compare == "hint":
-        for kind in kinds.values():
-            for B in rows:
-                cfg = A.pick_config(*kind.key, B)
-                yield kind, B, "", [("hint", cfg, rows16_on, {}), ("no_hint", cfg, rows16_off, {})]
+                yield kinds[key], B, f"plan used up to {limit} rows", [("base", base, rows16_on), ("few", few, rows16_on)]
     else:
         for kind in kinds.values():
-            if kind.ratio != T.CSA_RATIO:
-                continue
             for B in rows:
                 cfg = A.pick_config(*kind.key, B)
-                yield kind, B, "", [("flags", cfg, rows16_on, {}), ("ids", cfg, rows16_on, {"idx_ok": None})]
+                yield kind, B, "", [("hint", cfg, rows16_on), ("no_hint", cfg, rows16_off)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--compare", default="few", choices=["few", "hint", "ok"])
+    ap.add_argument("--compare", default="few", choices=["few", "hint"])
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -99,15 +88,13 @@ def main() -> None:
         copies, n1, nb = T.copies_for(kind, B)
         inp = T.Inputs(kind, dev, B, copies, n1, nb)
         y, t = {}, {}
-        for name, cfg, switch, extra in two:
+        for name, cfg, switch in two:
             switch()
-            a0, kw0 = inp.calls[B][0]
-            y[name] = A.sparse_attention_pools(*a0, **{**kw0, **extra}, config=cfg)
-            fns = [lambda a=a, kw=kw, cfg=cfg, extra=extra: A.sparse_attention_pools(*a, **{**kw, **extra}, config=cfg)
-                   for a, kw in inp.calls[B]]
+            y[name] = inp.run(B, cfg)
+            fns = [lambda a=a, kw=kw, cfg=cfg: A.sparse_attention_pools(*a, **kw, config=cfg) for a, kw in inp.calls[B]]
             t[name] = BK.graph_time(fns, reps=T.REPS)[0]
         rows16_on()
-        (na, ca, _, _), (nb_, cb, _, _) = two
+        (na, ca, _), (nb_, cb, _) = two
         out.append({"kind": kind.name, "key": list(kind.key), "B": B, "note": note, "same_bits": torch.equal(y[na], y[nb_]),
                     "arms": [na, nb_], f"{na}_us": t[na], f"{nb_}_us": t[nb_], na: T.short(ca), nb_: T.short(cb)})
         print(json.dumps(out[-1]), flush=True)

@@ -104,7 +104,7 @@ def attention(a) -> tuple[object, int]:
     split = -(-640 // c.chunk)
     const = dict(D=512, BLOCK_H=c.block_h, BLOCK_N=c.block_n, CHUNK=c.chunk, SPLIT=split, SPLIT_P2=1 << (split - 1).bit_length(),
                  PIECES=c.pv_pieces, INTERPRET=False, DC=min(512 // a.dv, c.combine_cols), GROUP=min(c.combine_group, split),
-                 SRC=3, NOPE_P=224, ROPE_P=32, TABLE=True, DSPLIT=a.dv, ROWS16=True, OK_IDX=True, PDL=0)
+                 SRC=3, NOPE_P=224, ROPE_P=32, TABLE=True, DSPLIT=a.dv, ROWS16=True, PDL=0)
     aligned = {"H", "stride_qb", "stride_qh", "stride_ws", "stride_wr", "stride_cs", "stride_cr", "stride_ob", "stride_oh"}
     a.warps = c.num_warps
     k = _compile(ATT._sparse_attn_kernel, list(zip(names, types)), const, aligned, c.num_warps, c.num_stages,

@@ -7,8 +7,7 @@ Two entry points share one kernel body:
   the decode step's attention, reading the per-sequence pools in place (no gathers, no cats) and
   undoing the RoPE of the output in its final store. Its entries, per row b, in this order:
     window[slots[b], j] for j in 0..W-1,                valid iff j <= pos[b] (the ring's filled slots);
-    ratio > 0, idx given (CSA): comp[slots[b], idx[b, t]] for t in 0..k-1, valid iff idx_ok[b, t]
-                                (idx_ok None: iff idx[b, t] < (pos[b] + 1) // ratio, the indexer's ok);
+    ratio > 0, idx given (CSA): comp[slots[b], idx[b, t]] for t in 0..k-1, valid iff idx_ok[b, t];
     ratio > 0, no idx (HCA):    comp[slots[b], j] for j in 0..n-1, valid iff j < (pos[b] + 1) // ratio;
   (comp [S, n+1, d]: its last row is the compressors' discard row, never read). Then
   o = ops.sparse_attention(q, entries, sink, scale, valid), rounded to bf16, and the inverse RoPE of
@@ -163,8 +162,7 @@ def pick_config(H: int, N: int, d: int, rows: int | None = None) -> AttnConfig:
 
 @triton.jit
 def _entry_rows(offs_n, n_in, b, pos_w, age_lim, nvis, win_row, comp_row, idx_ptr, ok_ptr, W,
-                stride_wr, stride_cr, stride_ib, stride_kb, SRC: tl.constexpr, ROWS16: tl.constexpr,
-                OK_IDX: tl.constexpr):
+                stride_wr, stride_cr, stride_ib, stride_kb, SRC: tl.constexpr, ROWS16: tl.constexpr):
     """The KV row pointers [BLOCK_N] of the entries offs_n, their validity and the mask to load
     them with (`_load_rows`). From the pools, masked rows are not read (0 instead); dense kv rows
     are loaded whatever the mask says (no load waits for another there: the faster form when every
@@ -173,11 +171,7 @@ def _entry_rows(offs_n, n_in, b, pos_w, age_lim, nvis, win_row, comp_row, idx_pt
     alignment analysis loses that through the select between window and compressed rows and then
     loads the tile 2 bytes per instruction: 3646 instead of 1099 SASS instructions per thread per
     KV step at the CSA pin, with spills (sass_loop.py attention). Triton 3.6 (the device's) keeps
-    it: the same SASS with or without the hint, and the same time on one H200 (2026-11-30).
-    OK_IDX (CSA): a top-k entry is valid iff its id < nvis = (pos + 1) // ratio, the indexer's own
-    ok, instead of a loaded flag. The flag byte, loaded in each of the three layouts the tile's uses
-    take, cost ~260 SASS instructions per thread per KV step (Triton 3.6, CSA pin: 1124 -> 866) and
-    kept the value operand out of ldmatrix."""
+    it: the same SASS with or without the hint, and the same time on one H200 (2026-11-30)."""
     if SRC == 0:  # dense: row b of kv, validity from the mask; the rows load alongside the mask
         ok = n_in & (tl.load(ok_ptr + b * stride_kb + offs_n, mask=n_in, other=0) != 0)
         rows = comp_row + offs_n.to(tl.int64) * stride_cr
@@ -199,11 +193,7 @@ def _entry_rows(offs_n, n_in, b, pos_w, age_lim, nvis, win_row, comp_row, idx_pt
             if SRC == 2:  # HCA: every visible entry
                 ok_c = in_c & (t < nvis)
                 e = t.to(tl.int64)
-            elif OK_IDX:  # CSA, valid ids below nvis (ids < n < 2^31)
-                e32 = tl.load(idx_ptr + b * stride_ib + t, mask=in_c, other=0).to(tl.int32)
-                ok_c = in_c & (e32 < nvis)
-                e = e32.to(tl.int64)
-            else:  # CSA: the top-k entries and their flags
+            else:  # CSA: the top-k entries
                 ok_c = in_c & (tl.load(ok_ptr + b * stride_kb + t, mask=in_c, other=0) != 0)
                 e = tl.load(idx_ptr + b * stride_ib + t, mask=in_c, other=0).to(tl.int64)  # beside the mask
             ok = ok | ok_c
@@ -248,7 +238,7 @@ def _sparse_attn_kernel(
     SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PIECES: tl.constexpr, INTERPRET: tl.constexpr,
     DC: tl.constexpr, GROUP: tl.constexpr, SRC: tl.constexpr,
     NOPE_P: tl.constexpr, ROPE_P: tl.constexpr, TABLE: tl.constexpr, DSPLIT: tl.constexpr, ROWS16: tl.constexpr,
-    OK_IDX: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     DV: tl.constexpr = D // DSPLIT  # value columns of this program
@@ -280,9 +270,8 @@ def _sparse_attn_kernel(
         win_row = win_ptr + slot * stride_ws
         comp_row = comp_ptr + slot * stride_cs
         nvis = 0
-        if SRC == 2 or OK_IDX:
-            nvis = ((pos + 1) // ratio).to(tl.int32)
         if SRC == 2:
+            nvis = (pos + 1) // ratio
             n_hi = tl.minimum(n_hi, W + nvis)  # nothing visible past there
     q = tl.load(q_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :], mask=h_mask[:, None], other=0.0)
     if INTERPRET:
@@ -293,7 +282,7 @@ def _sparse_attn_kernel(
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         rows, ok, ld = _entry_rows(offs_n, offs_n < n_hi, b, pos_w, age_lim, nvis, win_row, comp_row, idx_ptr,
-                                   ok_ptr, W, stride_wr, stride_cr, stride_ib, stride_kb, SRC, ROWS16, OK_IDX)
+                                   ok_ptr, W, stride_wr, stride_cr, stride_ib, stride_kb, SRC, ROWS16)
         kv = _load_rows(rows, ld, offs_d)
         if DSPLIT == 1:
             vv = kv
@@ -371,7 +360,7 @@ def _sparse_attn_kernel(
 
 def _launch(src: int, q, H: int, N: int, cfg: AttnConfig | None, sink, scale, *, win, comp, idx, ok, slots, pos,
             rope, W: int, ratio: int, strides: tuple[int, ...], nope_p: int, rope_p: int, table: bool,
-            WA: int | None = None, ok_idx: bool = False) -> torch.Tensor:
+            WA: int | None = None) -> torch.Tensor:
     B, _, d = q.shape
     cfg = cfg or pick_config(H, N, d, B)
     cfg.check()
@@ -398,7 +387,7 @@ def _launch(src: int, q, H: int, N: int, cfg: AttnConfig | None, sink, scale, *,
         PIECES=cfg.pv_pieces, INTERPRET=on_interpreter(q), DC=min(d // dsplit, cfg.combine_cols),
         GROUP=min(cfg.combine_group, split), SRC=src,
         NOPE_P=nope_p, ROPE_P=rope_p, TABLE=table, DSPLIT=dsplit, ROWS16=all(a % 16 == 0 for a in row_starts),
-        OK_IDX=ok_idx, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **TORCH_MATH,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **TORCH_MATH,
         **launch_opts(q, grid),
     )
     return out
@@ -441,8 +430,6 @@ def sparse_attention_pools(q: torch.Tensor, window: torch.Tensor, slots: torch.T
     also comp [S, n+1, d] bf16 (compressed entries; row n is the discard row, never read); with
     idx [B, k] int64/int32 and idx_ok [B, k] bool (CSA: the top-k entry ids, in [0, n) where
     idx_ok) the selected entries, without (HCA) the (pos+1)//ratio visible ones. -> [B, H, d] bf16.
-    idx_ok None with idx: an id is valid iff it is below (pos+1)//ratio (ids in [0, n)), the
-    indexer's own ok: the kernel compares instead of loading flags (fewer instructions).
     window_size: the model's sliding window (default: the ring's length W); a ring longer than
     the window serves multi-token blocks (ring slot j holds the latest position = j mod W, and
     positions pos - window_size + 1 .. pos are seen). Exactly `sparse_attention_pools_ref` up to
@@ -475,19 +462,15 @@ def sparse_attention_pools(q: torch.Tensor, window: torch.Tensor, slots: torch.T
             src, M = _CSA, idx.shape[1]
             assert idx.shape == (B, M) and idx.dtype in (torch.int64, torch.int32) and idx.stride(1) == 1, (
                 idx.shape, idx.dtype)
-            assert idx_ok is None or (idx_ok.shape == (B, M) and idx_ok.dtype == torch.bool), idx_ok
-            assert idx_ok is None or (idx_ok.stride(1) == 1 and idx_ok.device == dev)
-            assert idx.device == dev
-    ok_idx = src == _CSA and idx_ok is None
+            assert idx_ok is not None and idx_ok.shape == (B, M) and idx_ok.dtype == torch.bool, idx_ok
+            assert idx_ok.stride(1) == 1 and idx.device == idx_ok.device == dev
     if src != _CSA:
         idx = idx_ok = slots  # unused
-    elif ok_idx:
-        idx_ok = idx  # unused: the flags follow from the ids
     ok8 = idx_ok.view(torch.uint8) if idx_ok.dtype == torch.bool else idx_ok
     return _launch(src, q, H, W + M, config, sink, scale, win=window, comp=comp, idx=idx, ok=ok8, slots=slots,
                    pos=pos, rope=rope, W=W, ratio=max(ratio, 1),
                    strides=(window.stride(0), window.stride(1), *cs, idx.stride(0), idx_ok.stride(0)),
-                   nope_p=d // 2 - rp, rope_p=rp, table=table, WA=WA, ok_idx=ok_idx)
+                   nope_p=d // 2 - rp, rope_p=rp, table=table, WA=WA)
 
 
 # ---- references ---------------------------------------------------------------------------------
@@ -525,7 +508,7 @@ def sparse_attention_pools_ref(q, window, slots, pos, sink, scale, rope, *, comp
         ent = comp[slots, :n]
         if idx is not None:
             kvs.append(ent.gather(1, idx.long()[..., None].expand(-1, -1, d)))
-            valid.append(idx_ok if idx_ok is not None else idx.long() < ((pos + 1) // ratio)[:, None])
+            valid.append(idx_ok)
         else:
             kvs.append(ent)
             valid.append(torch.arange(n, device=q.device)[None] < ((pos + 1) // ratio)[:, None])

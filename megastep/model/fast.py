@@ -100,12 +100,6 @@ MHC_SINKHORN_BESIDE_ROWS = 16
 # launch then waits: its stretch grew 0.3 -> 5.3 us) and 16 rows 18.234 / 18.202 against 17.962 /
 # 17.927.
 MHC_SINKHORN_OWN_STREAM_ROWS = (2, 4)
-# CSA attention takes a top-k entry as valid iff its id < (pos + 1) // ratio, which is how the
-# indexer makes its ok flags, instead of loading the flags (sparse_attention_pools with idx_ok
-# None): the same mask, so the same bits, and ~23 % fewer SASS instructions per KV step at the CSA
-# pin (Triton 3.6: 1124 -> 866; the flag loads also kept the value operand out of ldmatrix). Built
-# without a GPU (2026-11-30); off until `bash benchmarks/h200_checks.sh attn_ok` measures it.
-ATTN_OK_FROM_IDS = False
 
 
 @dataclass
@@ -609,9 +603,7 @@ class FastDecoder:
         self._join(*([xd_all] if r else []))  # the side stream's work of this layer so far
         if r == CSA_RATIO:
             with stage(T, "indexer", L):
-                kw["idx"], ok = self._indexer(qb[1], xd[4], pos, slots, L)
-                if not ATTN_OK_FROM_IDS:
-                    kw["idx_ok"] = ok
+                kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)
         with stage(T, "attention", L):
             # window ring + selected / visible compressed entries read in place from the pools,
             # sinks, and the inverse RoPE of the output, in one kernel

@@ -411,26 +411,8 @@ def test_gpu_pools_v4_shapes(B, kind):
             a1, k1 = rows_of(args, kw, slice(0, 1))
             assert torch.equal(o[:1], sparse_attention_pools(*a1, **k1))
             check_out(o, sparse_attention_pools_ref(*args, **kw), 64)
-            if kind == "csa":  # the validity from the ids (FastDecoder's ATTN_OK_FROM_IDS): the same bits
-                assert torch.equal(o, sparse_attention_pools(*args, **dict(kw, idx_ok=None)))
     finally:
         LAYERS[kind] = old
-
-
-@pytest.mark.parametrize("cfg", [None, SPLIT_CFG, AttnConfig(16, 16, 32, dv_split=2)], ids=["picked", "split", "dv2"])
-@pytest.mark.parametrize("int32", [False, True], ids=["i64", "i32"])
-def test_pools_ids_give_the_flags(cfg, int32):
-    """CSA with idx_ok None (the kernel takes an id as valid iff it is below (pos + 1) // ratio, as
-    the indexer makes its flags) gives the bits of the explicit flags, and so does the ref; every
-    position of POS: no, some and all compressed entries visible."""
-    args, kw = make_pools("csa", seed=23)
-    if int32:
-        kw["idx"] = kw["idx"].int()
-    assert torch.equal(kw["idx_ok"], kw["idx"] < ((args[3] + 1) // kw["ratio"])[:, None])
-    derived = dict(kw, idx_ok=None)
-    assert torch.equal(sparse_attention_pools(*args, **derived, config=cfg),
-                       sparse_attention_pools(*args, **kw, config=cfg))
-    assert torch.equal(sparse_attention_pools_ref(*args, **derived), sparse_attention_pools_ref(*args, **kw))
 
 
 @pytest.mark.parametrize("cfg", [None, SPLIT_CFG], ids=["picked", "split"])

@@ -46,28 +46,6 @@ def test_triton_step_matches_torch_step():
             assert torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1] > 0.9
 
 
-def test_csa_validity_from_the_ids_gives_the_flags_bits(monkeypatch):
-    """FastDecoder's ATTN_OK_FROM_IDS (CSA attention takes a top-k id as valid iff it is below
-    (pos + 1) // ratio instead of loading the indexer's flags): the same logits, bit for bit, with
-    rows whose visible compressed entries are fewer and more than the top-k (tiny: k = 4, ratio 4)."""
-    from megastep.model import fast
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = tiny_cfg(o_lora_rank=128)
-    assert cfg.ratio(1) == 4 and cfg.index_topk == 4
-    dec = FastDecoder(cfg, synthesize_weights(cfg, seed=3, device=dev, include_mtp=False), max_seqs=3, max_ctx=64,
-                      device=dev, triton=True)
-    ids = torch.tensor([7, 100, 5], device=dev)
-    slots = torch.tensor([0, 1, dec.pools.dummy_slot], device=dev)
-    out = []
-    for from_ids in (False, True):
-        monkeypatch.setattr(fast, "ATTN_OK_FROM_IDS", from_ids)
-        dec.pools.reset(0), dec.pools.reset(1)
-        out.append([dec.step(ids, torch.tensor([p, 41 + p, 0], device=dev), slots)[:2].clone() for p in (9, 10)])
-    for a, b in zip(*out):
-        assert torch.equal(a, b)
-
-
 def test_other_fp8_blocks_take_the_torch_linear():
     """A checkpoint whose FP8 blocks are not V4's 128 (the built-in tiny model's 32): the step on
     the kernel path runs (its FP8 linears through the torch twin, the other kernels as usual) and
