@@ -192,22 +192,22 @@ for group in "$@"; do
       step small_tests 200 python3 -m pytest -q --timeout 150 tests/kernels/test_linear_fp8_small.py
       step small_step_tests 150 python3 -m pytest -q --timeout 120 tests/test_fast_gpu.py -k "cuda_small"
       step small_kernels 150 python3 benchmarks/kernels/gemv_variants.py --out "$OUT" --ms 1,2,4,16
-      C='import megastep.kernels.linear_fp8_small as s; s.ROWS'
+      C='import megastep.kernels.linear_fp8_small as s; s.ROWS = 16'
       for arm in a b; do
         bench "small_triton_$arm" 100 --layers 30 --batch 1,2,4,16
-        bench_with "small_cuda1_$arm" 60 "$C = 1" --layers 30 --batch 1,2,4
-        bench_with "small_cuda2_$arm" 60 "$C = 2" --layers 30 --batch 1,2,4
-        bench_with "small_cuda16_$arm" 60 "$C = 16" --layers 30 --batch 1,2,4,16
+        bench_with "small_cuda_$arm" 70 "$C" --layers 30 --batch 1,2,4,16
       done ;;
     select_sort)  # the CSA indexer's top-k threshold from one sort (indexer.SELECT_BY_SORT, built 2026-11-30): ncu had the
       # radix select at ~2700 instructions per warp and 9.4 us alone at 1 row, 5.8 us of every CSA layer; the sort's
       # straight-line code is ~1300 per warp at 8 warps, ~1080 at 16 (Triton 3.6 SASS). The same ids (GPU tests),
-      # then the step A/B/A/B at 1, 2, 4 rows (the kernels alone: indexer_check.py --sweep --short)
+      # the kernels (indexer_check.py --sweep has sort candidates), then the step A/B/A/B at 1, 2, 4 rows
       step select_sort_tests 150 python3 -m pytest -q --timeout 120 tests/kernels/test_indexer.py
+      step select_sort_kernels 150 python3 benchmarks/kernels/indexer_check.py --sweep --short
       S='import megastep.kernels.indexer as ix; ix.SELECT_BY_SORT = True'
       for arm in a b; do
         bench "select_radix_$arm" 100 --layers 30 --batch 1,2,4
         bench_with "select_sort16_$arm" 60 "$S" --layers 30 --batch 1,2,4
+        bench_with "select_sort8_$arm" 60 "$S; ix.SORT_WARPS = 8" --layers 30 --batch 1,2,4
       done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;

@@ -3,14 +3,13 @@
 // why it is bit-compatible: linear_fp8_small.py beside this file.
 //
 // One warp owns a 16-row tile of w and one split's K range (the Triton launch's split, so the same
-// partial sums); it streams the e4m3 bytes from HBM into the A operand of mma.m16n8k16 (fp16 in,
-// fp32 accumulate). MMA j of a 128-block takes the block's columns [16j, 16j + 16), as Triton's k16
-// steps do, in the same order: a lane of quad index q loads word q (4 bytes) of each 16-byte
-// segment of its two rows, which its A fragment holds as the k slots (2q, 2q+1, 2q+8, 2q+9), and
-// the activation's columns 16j + 4q .. +3 in the same slots of B. A k16 step's fp32 result depends
-// on the set of its products only, not on their order inside the instruction nor on mma.sync
-// against wgmma (mma_order_probe.py, one H200), so every 128-block's dot has Triton's bits.
-// e4m3 -> fp16x2 is one instruction per two elements.
+// partial sums); it streams the e4m3 bytes straight from HBM into the A operand of mma.m16n8k16
+// (fp16 in, fp32 accumulate). A lane loads 16 contiguous bytes of its row per 64-byte chunk c and
+// uses word j of them in the chunk's MMA j: MMA (c, j) takes columns {64c + 16q + 4j + r} (q the
+// lane's quad index, r < 4), the very sets linear_fp8's `_k16_sets` hands Triton's k16 steps, in the
+// same order (c, j). A k16 step's fp32 result depends on the set of its products only, not on their
+// order inside the instruction nor on mma.sync against wgmma (mma_order_probe.py, one H200), so
+// every 128-block's dot has Triton's bits; e4m3 -> fp16x2 is one instruction per two elements.
 // The activation codes of the CTA's K range are made once per CTA (or copied from x_codes) into
 // shared memory as fp16 and enter as the B operand (8 rows of x per n-tile). Per 128-block the
 // warp's fp32 MMA sum times (activation scale x weight scale) is added to its accumulator, in block
@@ -28,6 +27,7 @@
 
 namespace {
 
+using megastep::ld_stream;
 using megastep::pdl_release;
 using megastep::pdl_wait;
 using megastep::round_bf16;
@@ -54,32 +54,6 @@ __device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t w, uint32_t& lo, uint32
 
 __device__ __forceinline__ float e8m0_to_f32(uint8_t b) {  // common.e8m0_to_f32
   return b == 0 ? __int_as_float(0x00400000) : __int_as_float(int(b) << 23);
-}
-
-// a 4-byte word of weights: read once, through L1 (a warp's load covers half of each 32-byte sector,
-// the next segment's load the other half), L2 fetching the neighbouring 256 bytes
-__device__ __forceinline__ uint32_t ld_word(const uint8_t* p) {
-  uint32_t v;
-  asm volatile("ld.global.nc.L2::256B.b32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-// libdevice's __nv_expf as Triton compiles it (the same PTX), so the SwiGLU has the Triton loop's bits
-__device__ __forceinline__ float expf_libdevice(float x) {
-  float y;
-  asm("{.reg .b32 t, j, k, r, e, s;\n\t"
-      "fma.rn.ftz.f32 t, %1, 0f3BBB989D, 0f3F000000;\n\t"
-      "cvt.ftz.sat.f32.f32 t, t;\n\t"
-      "fma.rm.ftz.f32 j, t, 0f437C0000, 0f4B400001;\n\t"
-      "add.f32 k, j, 0fCB40007F;\n\t"
-      "neg.f32 k, k;\n\t"
-      "fma.rn.ftz.f32 r, %1, 0f3FB8AA3B, k;\n\t"
-      "fma.rn.ftz.f32 r, %1, 0f32A57060, r;\n\t"
-      "shl.b32 s, j, 23;\n\t"
-      "ex2.approx.ftz.f32 e, r;\n\t"
-      "mul.f32 %0, e, s;}"
-      : "=f"(y) : "f"(x));
-  return y;
 }
 
 // fp32 a, b -> their e4m3 codes (round to nearest even, saturating: common.fp8_round) as fp16x2
@@ -139,23 +113,21 @@ __device__ __forceinline__ void linear_small(const Args& a) {
   const int k_lo = blockIdx.z * KC;
 
   // ---- the warp's 16 rows: the first PF blocks of weight bytes are requested before anything else
-  // (they depend on nothing, so also before the PDL wait), PF x 64 bytes per lane, refilled as used:
-  // per block, word q of each of the 8 segments of row g (wr[.][0..7]) and of row g + 8 ([8..15])
+  // (they depend on nothing, so also before the PDL wait), PF x 64 bytes per lane, refilled as used
   const int tile = blockIdx.y * R + warp / G;  // output tile (16 output channels)
   const bool active = tile * 16 < a.N;
   const int row0 = tile * 16 + (warp % G) * a.N;  // w3's rows follow w1's
-  const uint8_t* w0 = a.w + (long long)(row0 + g) * a.stride_wn + k_lo + q * 4;
+  const uint8_t* w0 = a.w + (long long)(row0 + g) * a.stride_wn + k_lo + q * 16;
   const uint8_t* w1 = w0 + 8 * a.stride_wn;
   constexpr int PF = NB < 4 ? NB : 4;
-  uint32_t wr[PF][16];
+  uint4 wr[PF][4];
   if (active) {
 #pragma unroll
     for (int b = 0; b < PF; ++b) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        wr[b][j] = ld_word(w0 + b * 128 + 16 * j);
-        wr[b][8 + j] = ld_word(w1 + b * 128 + 16 * j);
-      }
+      wr[b][0] = ld_stream(w0 + b * 128);
+      wr[b][1] = ld_stream(w1 + b * 128);
+      wr[b][2] = ld_stream(w0 + b * 128 + 64);
+      wr[b][3] = ld_stream(w1 + b * 128 + 64);
     }
   }
   if (a.pdl == kPdlEarly) pdl_release();
@@ -209,31 +181,42 @@ __device__ __forceinline__ void linear_small(const Args& a) {
     const uint8_t* wsr = a.ws + (long long)(row0 / 128) * a.stride_wsn + k_lo / 128;
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
-      uint32_t cur[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) cur[i] = wr[b % PF][i];
+      const uint4 cur[4] = {wr[b % PF][0], wr[b % PF][1], wr[b % PF][2], wr[b % PF][3]};
       if (b + PF < NB) {
         const int nb = (b + PF) * 128;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          wr[b % PF][j] = ld_word(w0 + nb + 16 * j);
-          wr[b % PF][8 + j] = ld_word(w1 + nb + 16 * j);
-        }
+        wr[b % PF][0] = ld_stream(w0 + nb);
+        wr[b % PF][1] = ld_stream(w1 + nb);
+        wr[b % PF][2] = ld_stream(w0 + nb + 64);
+        wr[b % PF][3] = ld_stream(w1 + nb + 64);
       }
       float blk[NT][4];  // the block's dot, from zero, as Triton's per-block tl.dot
 #pragma unroll
       for (int t = 0; t < NT; ++t) blk[t][0] = blk[t][1] = blk[t][2] = blk[t][3] = 0.f;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {  // MMA j: the block's columns [16j, 16j + 16)
-        uint32_t a0, a2, a1, a3;
-        e4m3x4_to_f16x2(cur[j], a0, a2);      // row g: columns 16j + 4q, +1 and +2, +3
-        e4m3x4_to_f16x2(cur[8 + j], a1, a3);  // row g + 8
+      for (int c = 0; c < 2; ++c) {
+        const uint4 r0 = cur[2 * c], r1 = cur[2 * c + 1];
+        const uint32_t w0w[4] = {r0.x, r0.y, r0.z, r0.w}, w1w[4] = {r1.x, r1.y, r1.z, r1.w};
+        uint32_t xa[NT][8];  // B fragments: 16 fp16 of row m = 8t + g at this lane's 16 positions
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-          const int m = 8 * t + g;  // B: x row m at the same four columns
-          uint2 xb = make_uint2(0u, 0u);
-          if (m < mv) xb = *reinterpret_cast<const uint2*>(xsh + m * XS + b * 128 + 16 * j + 4 * q);
-          mma_f16(blk[t], a0, a1, a2, a3, xb.x, xb.y);
+          const int m = 8 * t + g;
+          if (m < mv) {
+            const uint4* p = reinterpret_cast<const uint4*>(xsh + m * XS + b * 128 + c * 64 + q * 16);
+            const uint4 u = p[0], v = p[1];
+            xa[t][0] = u.x; xa[t][1] = u.y; xa[t][2] = u.z; xa[t][3] = u.w;
+            xa[t][4] = v.x; xa[t][5] = v.y; xa[t][6] = v.z; xa[t][7] = v.w;
+          } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) xa[t][i] = 0u;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // MMA (c, j): columns 64c + 16q' + 4j + r of the block
+          uint32_t a0, a2, a1, a3;
+          e4m3x4_to_f16x2(w0w[j], a0, a2);  // row g
+          e4m3x4_to_f16x2(w1w[j], a1, a3);  // row g + 8
+#pragma unroll
+          for (int t = 0; t < NT; ++t) mma_f16(blk[t], a0, a1, a2, a3, xa[t][2 * j], xa[t][2 * j + 1]);
         }
       }
       const float sw = e8m0_to_f32(wsr[b]);
@@ -309,7 +292,7 @@ __device__ __forceinline__ void linear_small(const Args& a) {
         y = fminf(y, a.limit);
         u = fminf(fmaxf(u, -a.limit), a.limit);
       }
-      y = __fmul_rn(__fdiv_rn(y, __fadd_rn(1.f, expf_libdevice(__fsub_rn(0.f, y)))), u);  // Triton's _swiglu
+      y = __fmul_rn(__fdiv_rn(y, __fadd_rn(1.f, expf(-y))), u);  // libdevice expf, IEEE division
     }
     const long long mm = m0 + m;
     if (a.res_mode) {

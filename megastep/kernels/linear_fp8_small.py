@@ -9,20 +9,20 @@ residual epilogues, with or without the activation quantization (wo_a), as `line
 
 Why it exists: at batch 1 the Triton loop issues ~146 warp-instructions per KB of weight (~110 with
 x_codes; SASS of Triton 3.6, benchmarks/kernels/sass_loop.py) and streams at ~3.0 TB/s past a ~4.5
-us fixed cost. A hand-written loop that feeds the weight bytes straight from its loads into
-mma.sync (benchmarks/kernels/gemv_fp8_cuda.py, seventh measurement) issues far fewer, but took a K
-order of its own, so its bits were not Triton's and it could not serve one batch size beside
-Triton at another. This one keeps Triton's order:
-- each 128-block's dot is 8 k16 tensor-core steps over the columns [16j, 16j + 16), j in order,
-  from zero, as Triton's tl.dot of the block; inside a step the products sit in other slots, which
-  changes no bit: a k16 step's fp32 result depends on the set of its products only, and mma.sync
-  gives wgmma's bits (benchmarks/kernels/mma_order_probe.py, one H200, 2026-11-30: 0 of 262144
-  outputs differ over random and reversed orders, fp16 and e4m3 operands);
-- the same split of K (Triton's `k_per_split`), acc += dot * (activation scale * weight scale) in
-  block order, the splits summed in split order 0..S-1, and the epilogue's operations one by one
-  (`_epilogue`; the SwiGLU's exp is libdevice's, as Triton compiles it).
-GPU tests compare the two loops bit for bit at every V4-Flash shape and 1..16 rows
-(tests/kernels/test_linear_fp8_small.py).
+us fixed cost; a hand-written loop whose lanes feed 16 contiguous weight bytes straight into
+mma.sync issues ~28 and streamed at 3.8 TB/s (benchmarks/kernels/gemv_fp8_cuda.py, seventh
+measurement), but took its own K order, so its bits were not Triton's and it could not serve one
+batch size beside Triton at another. Two facts make the orders the same:
+- the K order inside a k16 tensor-core step does not change its fp32 result, nor does mma.sync
+  against Triton's wgmma (benchmarks/kernels/mma_order_probe.py, one H200, 2026-11-30: 0 of
+  262144 outputs differ over random and reversed orders, fp16 and e4m3 operands);
+- Triton's loop permutes each 128-block's columns (`linear_fp8._k16_sets`) so that its k16 steps
+  take exactly the column sets this kernel's lanes load, {64c + 16q + 4j + r}, in the same order;
+  the permutation costs Triton nothing (288 against 291 SASS instructions per step).
+The rest is kept equal by construction: the same split of K (Triton's `k_per_split`), each block's
+dot from zero, acc += dot * (activation scale * weight scale) in block order, the splits summed in
+split order 0..S-1, and the epilogue's operations one by one (`_epilogue`). GPU tests compare the
+two kernels bit for bit at every V4-Flash shape and 1..16 rows (tests/kernels/test_linear_fp8.py).
 
 Tiling: a warp owns 16 output channels over one split's K range (gated: a w1 tile and, in the next
 warp, the same w3 tile); R tiles per CTA, R halved until the grid has TARGET_CTAS CTAs or R is 1;

@@ -1,9 +1,11 @@
 """linear_fp8_small (the CUDA C++ loop for a few rows) against linear_fp8's Triton loop: the same
-bits at every V4-Flash shape, row count 1..16, epilogue and activation path (GPU); the launch rules
-and the build (CPU)."""
+bits at every V4-Flash shape, row count 1..16, epilogue and activation path (GPU); the column sets
+that make them the same, and the launch rules (CPU)."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from megastep.checkpoint import formats as F
 from megastep.kernels import linear_fp8 as L
@@ -13,6 +15,25 @@ from megastep.kernels.cuda_module import find_nvcc
 from test_linear_fp8 import LIMIT, V4_SHAPES, check, codes_of, make, make_w13, same_bits
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@triton.jit
+def _sets_kernel(out_ptr, R: tl.constexpr):
+    cols = tl.zeros([R, 128], dtype=tl.int32) + tl.arange(0, 128)[None, :]
+    perm = L._k16_sets(cols, R)
+    tl.store(out_ptr + tl.arange(0, R)[:, None] * 128 + tl.arange(0, 128)[None, :], perm)
+
+
+def test_triton_k16_steps_take_the_cuda_lanes_column_sets():
+    """After `_k16_sets`, Triton's k16 step i of a 128-block holds the columns that the CUDA loop's
+    MMA (c, j) = divmod(i, 4) takes: 64c + 16q + 4j + r over its lanes' quad index q and r < 4."""
+    out = torch.empty(4, 128, dtype=torch.int32)
+    _sets_kernel[(1,)](out, R=4)
+    assert (out == out[:1]).all()  # every row alike
+    for i in range(8):
+        c, j = divmod(i, 4)
+        want = sorted(64 * c + 16 * q + 4 * j + r for q in range(4) for r in range(4))
+        assert sorted(out[0, 16 * i:16 * (i + 1)].tolist()) == want, i
 
 
 def test_launch_rules():
