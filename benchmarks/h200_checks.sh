@@ -24,8 +24,6 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh small_linear  # the FP8 linear's CUDA loop for 1-16 rows (linear_fp8_small.ROWS, off): its GPU tests (the Triton loop's bits), the kernels per shape, the step A/B/A/B at 1-16 rows (~8 min)
-#   bash benchmarks/h200_checks.sh select_sort  # the CSA indexer's top-k threshold from one sort (indexer.SELECT_BY_SORT): the indexer GPU tests, the kernel sweep, the step A/B/A/B at 1, 2, 4 rows (~7 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the one-GPU MoE order with PDL at 6 rows, PDL at 8 and 16 rows on the ranks, A/B; the EP GPU tests with p2p (~6 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -186,29 +184,6 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
-    small_linear)  # the FP8 linear's CUDA loop for 1-16 rows (linear_fp8_small, built 2026-11-30 without a GPU, off:
-      # linear_fp8_small.ROWS = 0), the Triton loop's bits through the same k16 column sets. Bits first (its GPU
-      # tests, the step's with it), the kernels against Triton per shape, then the step A/B/A/B at 1-16 rows
-      step small_tests 200 python3 -m pytest -q --timeout 150 tests/kernels/test_linear_fp8_small.py
-      step small_step_tests 150 python3 -m pytest -q --timeout 120 tests/test_fast_gpu.py -k "cuda_small"
-      step small_kernels 150 python3 benchmarks/kernels/gemv_variants.py --out "$OUT" --ms 1,2,4,16
-      C='import megastep.kernels.linear_fp8_small as s; s.ROWS = 16'
-      for arm in a b; do
-        bench "small_triton_$arm" 100 --layers 30 --batch 1,2,4,16
-        bench_with "small_cuda_$arm" 70 "$C" --layers 30 --batch 1,2,4,16
-      done ;;
-    select_sort)  # the CSA indexer's top-k threshold from one sort (indexer.SELECT_BY_SORT, built 2026-11-30): ncu had the
-      # radix select at ~2700 instructions per warp and 9.4 us alone at 1 row, 5.8 us of every CSA layer; the sort's
-      # straight-line code is ~1300 per warp at 8 warps, ~1080 at 16 (Triton 3.6 SASS). The same ids (GPU tests),
-      # the kernels (indexer_check.py --sweep has sort candidates), then the step A/B/A/B at 1, 2, 4 rows
-      step select_sort_tests 150 python3 -m pytest -q --timeout 120 tests/kernels/test_indexer.py
-      step select_sort_kernels 150 python3 benchmarks/kernels/indexer_check.py --sweep --short
-      S='import megastep.kernels.indexer as ix; ix.SELECT_BY_SORT = True'
-      for arm in a b; do
-        bench "select_radix_$arm" 100 --layers 30 --batch 1,2,4
-        bench_with "select_sort16_$arm" 60 "$S" --layers 30 --batch 1,2,4
-        bench_with "select_sort8_$arm" 60 "$S; ix.SORT_WARPS = 8" --layers 30 --batch 1,2,4
-      done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # eighteenth measurement: PDL on the ranks (now their default up to PDL_MAX_ROWS_EP = 6 rows) took 0.79 ms
@@ -234,7 +209,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | small_linear | select_sort | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done

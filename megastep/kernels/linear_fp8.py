@@ -61,7 +61,6 @@ from triton.language.extra import libdevice
 
 from megastep.checkpoint import formats
 from megastep.model import ops
-from megastep.kernels import linear_fp8_small as _small
 from megastep.kernels.common import (
     e8m0_to_f32,
     f16_pow2_scale,
@@ -216,17 +215,6 @@ def _epilogue(acc, acc3, res_ptrs, mask, limit, OUT_BF16: tl.constexpr, INTERPRE
 
 
 @triton.jit
-def _k16_sets(t, R: tl.constexpr):
-    """A [R, 128] tile's columns reordered so that the dot's k16 steps take the column sets of the
-    CUDA loop (`linear_fp8_small.cu`): column 64c + 16q + 4j + r moves to 64c + 16j + 4q + r. A
-    k16 step's fp32 result depends on the set of its 16 products, not on their order or on the
-    instruction (mma.sync or wgmma: benchmarks/kernels/mma_order_probe.py, one H200), so both
-    kernels make the same bits."""
-    t = tl.reshape(t, [R, 2, 4, 4, 4])
-    return tl.reshape(tl.permute(t, [0, 1, 3, 2, 4]), [R, 128])
-
-
-@triton.jit
 def _code_dot(w, q, INTERPRET: tl.constexpr):
     """e4m3 weight tile [N, 128] times activation codes [M, 128] (e4m3, or fp16 for wo_a) -> fp32 [N, M]: fp16
     operands on tensor cores (every e4m3 value is exact in fp16, whose conversion is one
@@ -293,12 +281,10 @@ def _linear_fp8_kernel(
                 else:  # wo_a: the bf16 activation itself, scaled into fp16's range (module doc)
                     s, inv = f16_pow2_scale(tl.max(tl.abs(xt), axis=1))
                     q = (xt * inv[:, None]).to(tl.float16)
-            q = _k16_sets(q, BLOCK_M)
-            acc += _code_dot(_k16_sets(w, BLOCK_N), q, INTERPRET) * (s * e8m0_to_f32(tl.load(ws_row + k0 // 128)))[None, :]
+            acc += _code_dot(w, q, INTERPRET) * (s * e8m0_to_f32(tl.load(ws_row + k0 // 128)))[None, :]
             if GATED:  # the same codes against w3's rows (their own weight scale)
                 w3 = tl.load(w3_rows + offs_k[None, :], mask=w_mask, other=0.0)
-                acc3 += _code_dot(_k16_sets(w3, BLOCK_N), q, INTERPRET) * \
-                    (s * e8m0_to_f32(tl.load(ws3_row + k0 // 128)))[None, :]
+                acc3 += _code_dot(w3, q, INTERPRET) * (s * e8m0_to_f32(tl.load(ws3_row + k0 // 128)))[None, :]
         else:  # "dot16": scales folded into the (exact) bf16 activation operand
             sw = e8m0_to_f32(tl.load(ws_row + offs_k // 128, mask=k_mask, other=127))  # [BLOCK_K]
             xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
@@ -364,8 +350,6 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     k_per_split = -(-kb // split) * BLOCK
     k_per_split = -(-k_per_split // cfg.block_k) * cfg.block_k
     split = -(-K // k_per_split)
-    if _small.supported(x, w, M, N, K, k_per_split, cfg.mode, x_codes=x_codes):  # the same bits in CUDA C++ (its module doc)
-        return _small.launch(x, w, w_scale, out, k_per_split, quantize_act, groups, gated, limit, residual, x_codes)
     grid = (-(-N // cfg.block_n), split, -(-M // cfg.block_m))
     tiles = grid[0] * grid[2]
     if split > 1:
