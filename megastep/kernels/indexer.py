@@ -57,8 +57,10 @@ SORT_MAX_BLOCK = 4096  # IndexerConfig.sel_sort: the largest row sorted in regis
 # pick_config's sel_sort for rows up to SORT_MAX_BLOCK. The sort's straight-line SASS (Triton 3.6,
 # sm_90, 1024 keys) is ~1300 instructions per warp at 8 warps and ~870 at 16, against ~2700 executed
 # per warp by the radix select at n = 1024 (ncu, 9.4 us alone, 5.8 us of every CSA layer at 1 row:
-# docs/PERFORMANCE.md, eighteenth measurement). Built without a GPU (2026-11-30); off until
-# `bash benchmarks/h200_checks.sh select_sort` measures it.
+# docs/PERFORMANCE.md, eighteenth measurement). Measured and not taken (nineteenth measurement): the
+# same ids (the indexer's GPU tests), but the 30-layer step on one H200 was slower with it, p50 ms
+# A/B at 1 / 2 / 4 rows: 4.729 / 5.831 / 7.852 and 4.729 / 5.833 / 7.843 against the radix select's
+# 4.650 / 5.793 / 7.828 and 4.621 / 5.767 / 7.794. Off; to be removed unless a use turns up.
 SELECT_BY_SORT = False
 SORT_WARPS = 16  # the sort's warps (its straight-line code is shorter per warp with more of them)
 
