@@ -24,7 +24,6 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh small_linear  # the FP8 linear's CUDA loop for few rows (linear_fp8_small, off), three load modes: GPU tests (the Triton loop's bits), the kernels, the step at 1 row A/B/A (~4.5 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the one-GPU MoE order with PDL at 6 rows, PDL at 8 and 16 rows on the ranks, A/B; the EP GPU tests with p2p (~6 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -185,16 +184,6 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
-    small_linear)  # the FP8 linear's CUDA loop for few rows (linear_fp8_small, off: ROWS = 0) with the Triton loop's bits,
-      # three ways of loading its weight words (LOADS). Bits first (GPU tests), the kernels against Triton per shape,
-      # then the step at 1 row A/B/A (each step's limit keeps the call under ~4.5 min)
-      step small_tests 75 python3 -m pytest -q --timeout 60 tests/kernels/test_linear_fp8_small.py
-      step small_kernels 45 python3 benchmarks/kernels/gemv_variants.py --out "$OUT" --ms 1,2,4
-      C='import megastep.kernels.linear_fp8_small as s; s.ROWS = 1; s.LOAD'
-      bench small_triton_a 70 --layers 30 --batch 1
-      bench_with small_shfl_a 25 "$C = 'shfl'" --layers 30 --batch 1
-      bench_with small_ldsm_a 25 "$C = 'ldsm'" --layers 30 --batch 1
-      bench small_triton_b 25 --layers 30 --batch 1 ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # eighteenth measurement: PDL on the ranks (now their default up to PDL_MAX_ROWS_EP = 6 rows) took 0.79 ms
@@ -220,7 +209,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | small_linear | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done

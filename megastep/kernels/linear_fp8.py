@@ -61,7 +61,6 @@ from triton.language.extra import libdevice
 
 from megastep.checkpoint import formats
 from megastep.model import ops
-from megastep.kernels import linear_fp8_small as _small
 from megastep.kernels.common import (
     e8m0_to_f32,
     f16_pow2_scale,
@@ -351,8 +350,6 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     k_per_split = -(-kb // split) * BLOCK
     k_per_split = -(-k_per_split // cfg.block_k) * cfg.block_k
     split = -(-K // k_per_split)
-    if _small.supported(x, w, M, N, K, k_per_split, cfg.mode, x_codes=x_codes):  # the same bits in CUDA C++ (its module doc)
-        return _small.launch(x, w, w_scale, out, k_per_split, quantize_act, groups, gated, limit, residual, x_codes)
     grid = (-(-N // cfg.block_n), split, -(-M // cfg.block_m))
     tiles = grid[0] * grid[2]
     if split > 1:
