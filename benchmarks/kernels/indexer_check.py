@@ -1,7 +1,7 @@
 """CSA indexer at V4-Flash shapes (H 64, di 128, top-k 512): indexer_topk (score + select, two
 launches) against indexer_topk_ref (FastDecoder._indexer's torch code): agreement and time.
 
-    python benchmarks/kernels/indexer_check.py [--sweep] [--short]
+    python benchmarks/kernels/indexer_check.py [--sweep]
 
 Data: q and keys fp4-simulated per 32 (as the model's), or plain bf16 normals; head-weight logits
 normal. Positions: row 0 sees the whole context, the others random (some below k = 512).
@@ -9,8 +9,7 @@ Agreement per row: "same" = identical idx and ok; "tie" = the selected sets diff
 whose ref score is within 1e-5 x the row's largest |score| of the ref's k-th score (the kernel's
 documented tie rule and its different fp32 summation order); "BAD" = anything else. Also 5 runs
 bit-identical and batch invariance (row 0 alone).
-With --sweep, other configurations are timed too (the score and select kernels' tile and warps, the
-select by sort). --short: only the decode rows of context 4K (B 1 and 16).
+With --sweep, other configurations are timed too (the score and select kernels' tile and warps).
 Timing: a CUDA graph of back-to-back calls, each on another copy of the key pool (so the keys come
 from HBM, as in decode where each layer has its own pool), median of 20 replays, µs per call.
 """
@@ -25,8 +24,8 @@ import torch
 from bench_kernels import graph_time  # same folder: the kernels' shared graph-replay timer
 
 from megastep.checkpoint import formats as F
-from megastep.kernels.indexer import (SORT_MAX_BLOCK, indexer_scores, indexer_scores_ref, indexer_topk,
-                                      indexer_topk_ref, pick_config)
+from megastep.kernels.indexer import (indexer_scores, indexer_scores_ref, indexer_topk, indexer_topk_ref,
+                                      pick_config)
 
 H, DI, TOPK, RATIO = 64, 128, 512, 4
 DEV = "cuda"
@@ -88,8 +87,6 @@ def sweep(q, wl, pools, slots, pos, n):
         for r in (4, 5, 6, 8):
             if w * 32 <= base.sel_block:
                 cands.add(replace(base, sel_warps=w, radix_bits=r))
-        if w * 32 <= base.sel_block <= SORT_MAX_BLOCK:  # the threshold from one sort (the same ids)
-            cands.add(replace(base, sel_warps=w, sel_sort=True))
     out = []
     for c in sorted(cands, key=str):
         us = graph_time([lambda p=p: indexer_topk(q, wl, p, slots, pos, TOPK, RATIO, c) for p in pools])[0]
@@ -106,8 +103,7 @@ def main():
         a @ a
     torch.cuda.synchronize()
     rows = []
-    cases = [(1, 4096), (16, 4096)] if "--short" in sys.argv else [(1, 4096), (16, 4096), (64, 4096), (1, 65536),
-                                                                    (16, 65536)]
+    cases = [(1, 4096), (16, 4096), (64, 4096), (1, 65536), (16, 65536)]
     for B, ctx in cases:
         copies = 8 if B * ctx <= 64 * 4096 else 2
         for data in ("fp4", "randn"):

@@ -25,10 +25,7 @@ passes). One ordered pass then writes every entry above P plus the lowest-index 
 P until k are taken, compacted in ascending order by one packed prefix count (`tl.cumsum`). Up to
 n = 16384 the row stays in registers (one load); longer rows are walked in blocks. O(n) per pass.
 When visible <= k the answer is exactly 0..k-1: all visible entries, then the smallest invisible
-ids (ok False). When visible > k no invisible entry is chosen. With `IndexerConfig.sel_sort` (one
-block of at most SORT_MAX_BLOCK) P is instead the k-th largest candidate key of one descending
-`tl.sort` of the row (non-candidates as 0), and the same ordered pass writes the selection: the same
-definition, so the same ids, with no data-dependent passes.
+ids (ok False). When visible > k no invisible entry is chosen.
 
 What differs from torch:
 - ties: among equal scores the lower entry id wins (torch.topk's choice among equal values is
@@ -53,16 +50,6 @@ import triton.language as tl
 from megastep.kernels.common import f32_order_key, launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
 
 CSA_RATIO = 4
-SORT_MAX_BLOCK = 4096  # IndexerConfig.sel_sort: the largest row sorted in registers
-# pick_config's sel_sort for rows up to SORT_MAX_BLOCK. The sort's straight-line SASS (Triton 3.6,
-# sm_90, 1024 keys) is ~1300 instructions per warp at 8 warps and ~870 at 16, against ~2700 executed
-# per warp by the radix select at n = 1024 (ncu, 9.4 us alone, 5.8 us of every CSA layer at 1 row:
-# docs/PERFORMANCE.md, eighteenth measurement). Measured and not taken (nineteenth measurement): the
-# same ids (the indexer's GPU tests), but the 30-layer step on one H200 was slower with it, p50 ms
-# A/B at 1 / 2 / 4 rows: 4.729 / 5.831 / 7.852 and 4.729 / 5.833 / 7.843 against the radix select's
-# 4.650 / 5.793 / 7.828 and 4.621 / 5.767 / 7.794. Off; to be removed unless a use turns up.
-SELECT_BY_SORT = False
-SORT_WARPS = 16  # the sort's warps (its straight-line code is shorter per warp with more of them)
 
 
 @dataclass(frozen=True)
@@ -73,17 +60,12 @@ class IndexerConfig:
     sel_block: int = 1024  # entries per step of the selection passes
     sel_warps: int = 4
     radix_bits: int = 5  # key bits resolved per selection pass (32 bins cost the same as 16)
-    # the selection's threshold from one sort of the row's keys (tl.sort, a bitonic network: no
-    # data-dependent passes) instead of the radix passes; the same definition, so the same ids.
-    # One block only (sel_block >= n) and at most SORT_MAX_BLOCK entries.
-    sel_sort: bool = False
 
     def check(self) -> None:
         assert self.block_n in (16, 32, 64, 128), self
         assert self.blocks_per_prog >= 1, self
         assert 16 <= self.sel_block <= 16384 and self.sel_block & (self.sel_block - 1) == 0, self
         assert 1 <= self.radix_bits <= 8, self
-        assert not self.sel_sort or self.sel_block <= SORT_MAX_BLOCK, self
 
 
 def pick_config(n: int, H: int, di: int) -> IndexerConfig:
@@ -99,8 +81,6 @@ def pick_config(n: int, H: int, di: int) -> IndexerConfig:
     # H200 sweep (benchmarks/kernels/indexer_check.py --sweep): n 1024 best at 8 warps (8.1 vs
     # 8.6 µs at 4, B = 1), n 16384 at 16; radix 5 bits best or within noise of 4 and 6
     warps = 4 if sel <= 256 else 8 if sel <= 8192 else 16
-    if SELECT_BY_SORT and sel <= SORT_MAX_BLOCK:
-        return IndexerConfig(64, per, 4, sel, min(SORT_WARPS, max(1, sel // 32)), 5, sel_sort=True)
     return IndexerConfig(64, per, 4, sel, warps, 5)
 
 
@@ -202,7 +182,7 @@ def _compact(idx_row, ok_row, key, live, offs, vis, P, s, rem, taken, eq_seen):
 @triton.jit
 def _select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, n, K, stride_sb, stride_ib, stride_okb,
                    RATIO: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, RADIX: tl.constexpr,
-                   SORT: tl.constexpr, PDL: tl.constexpr):
+                   PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     vis = tl.minimum(tl.maximum((tl.load(pos_ptr + b) + 1) // RATIO, 0), n).to(tl.int32)
@@ -211,13 +191,6 @@ def _select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, n, K, stride_sb, stride_ib, 
     idx_row = idx_ptr + b * stride_ib
     ok_row = ok_ptr + b * stride_okb
     offs0 = tl.arange(0, BLOCK)
-    if SORT:  # ONE_BLOCK: the K-th largest candidate key from one sort; ties are taken by _compact
-        key0, live0 = _ordered_key(s_row, offs0, vis, m)
-        srt = tl.sort(tl.where(live0, key0, 0), descending=True)  # non-candidates: 0, below every candidate
-        P = tl.sum(tl.where(offs0 == K - 1, srt, 0), axis=0)
-        rem = K - tl.sum((live0 & (key0 > P)).to(tl.int32), axis=0)
-        _compact(idx_row, ok_row, key0, live0, offs0, vis, P, 0, rem, 0, 0)
-        return
     # the common prefix of all candidate keys: the bits above the highest bit where min and max differ
     if ONE_BLOCK:  # the row stays in registers for every pass
         key0, live0 = _ordered_key(s_row, offs0, vis, m)
@@ -329,7 +302,7 @@ def indexer_topk(q: torch.Tensor, wl: torch.Tensor, keys_pool: torch.Tensor, slo
     _select_kernel[grid](
         scores, pos.contiguous(), idx, ok.view(torch.uint8), n, k, scores.stride(0), idx.stride(0), ok.stride(0),
         RATIO=ratio, BLOCK=cfg.sel_block, ONE_BLOCK=cfg.sel_block >= n, RADIX=cfg.radix_bits,
-        SORT=cfg.sel_sort and cfg.sel_block >= n, num_warps=cfg.sel_warps, **launch_opts(scores, grid),
+        num_warps=cfg.sel_warps, **launch_opts(scores, grid),
     )
     return idx, ok
 

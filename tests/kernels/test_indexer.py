@@ -181,21 +181,3 @@ def test_int32_index_inputs_and_fp32_operands():
     pos = positions(n, topk, B)
     got = indexer_topk(q, wl, pool, slots.int(), pos.int(), topk)
     check_topk(got, indexer_topk_ref(q, wl, pool, slots, pos, topk), pos, n, topk)
-
-
-@pytest.mark.parametrize("n,topk,warps", [(5, 8, 4), (37, 16, 4), (300, 12, 8), (1024, 512, 8)])
-def test_sort_select_takes_the_radix_selects_ids(n, topk, warps):
-    """IndexerConfig.sel_sort (the threshold from one sort) picks exactly the radix select's ids:
-    random scores, integer scores with many ties, every visible count of `positions`."""
-    from dataclasses import replace
-
-    B, H, di, S = 10, 4, 32, 3
-    for integer in (False, True):
-        q, wl, pool, slots = make(B, H, di, n, S, seed=n + topk + integer, integer=integer)
-        pos = positions(n, min(topk, n), B)
-        radix = pick_config(n, H, di)
-        assert not radix.sel_sort
-        srt = replace(radix, sel_sort=True, sel_warps=warps)
-        want = indexer_topk(q, wl, pool, slots, pos, topk, RATIO, radix)
-        got = indexer_topk(q, wl, pool, slots, pos, topk, RATIO, srt)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
