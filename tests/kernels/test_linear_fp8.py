@@ -395,3 +395,29 @@ def test_x_codes_of_the_wrong_shape_are_refused():
         linear_fp8(x, w, s, x_codes=(q[:, :128], sc))
     with pytest.raises(AssertionError):
         linear_fp8(x, w, s, x_codes=(q, sc.double()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["x_group", "qr_group", "wo_a", "wo_b", "shared_w13", "shared_w2"])
+@pytest.mark.parametrize("od", [torch.float32, torch.bfloat16], ids=str)
+def test_gpu_a_row_gets_the_same_bits_in_every_row_tile(kind, od):
+    """The V4-Flash FP8 linears with their picked (pinned) configurations: a row computed in a step
+    of 1, 16, 17 or 64 rows (row tiles of 16, 32 and 64, and the shared w1/w3's 2-warp pin at 16)
+    gives the bits it gets in a batch of 64; fp32 output shows every bit of the sums."""
+    N, K = {"x_group": (1536, 4096), "qr_group": (40960, 1024), "wo_a": (8192, 4096), "wo_b": (4096, 8192),
+            "shared_w13": (2048, 4096), "shared_w2": (4096, 2048)}[kind]
+    if kind == "shared_w13":
+        x, w, s = make_w13(64, N, K, seed=5, dev="cuda")
+        fn = lambda xs: linear_fp8_swiglu(xs, w, s, LIMIT, out_dtype=od)  # noqa: E731
+    elif kind == "wo_a":
+        G = 8
+        x, w, s = make(64, N, G * K, seed=5, dev="cuda")
+        w, s = F.quantize_fp8_weight(F.dequantize_fp8_weight(w, s, 128)[:, :K], 128)
+        fn = lambda xs: linear_fp8(xs, w, s, out_dtype=od, quantize_act=False, groups=G)  # noqa: E731
+    else:
+        x, w, s = make(64, N, K, seed=5, dev="cuda")
+        fn = lambda xs: linear_fp8(xs, w, s, out_dtype=od)  # noqa: E731
+    full = fn(x)
+    for m in (1, 16, 17):
+        assert same_bits(fn(x[:m].contiguous()), full[:m]), m
