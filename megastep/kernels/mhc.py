@@ -19,9 +19,9 @@ Kernels:
    with hc = 4, on 16 scalars that every thread holds: no shuffles). The two are independent
    (each sums the S partials it needs), so at B = 1 the 20 Sinkhorn rounds no longer sit in
    front of the collapse. With `sinkhorn_stream` the Sinkhorn program is a launch of its own on
-   that stream (a fork after the mixes), so the next launch on the caller's stream waits for the
-   collapse only: its output (post, comb) is needed by the next stream update, a sublayer later,
-   not by the sublayer's input x. With block_d >= D (the pinned V4 case) the collapse program
+   that stream (forked after the collapse launch), so the next launch on the caller's stream waits
+   for the collapse only: its output (post, comb) is needed by the next stream update, a
+   sublayer later, not by the sublayer's input x. With block_d >= D (the pinned V4 case) the collapse program
    keeps the whole row in registers: h, the norm weight and the partials are all loaded first, so
    the program makes one round trip to memory, and the bf16 row is never stored and re-read. With
    block_d < D it walks the row in chunks and re-reads the stored unnormalized row (large D).
@@ -502,8 +502,9 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
     (y, post, comb, y2) the mixes launch first makes the updated streams h' = hc_post(y, h, post,
     comb) (y2: see mhc_post), stores them and collapses those (returned last); else h itself.
     sinkhorn_stream: None, the Sinkhorn in the finish launch; a CUDA stream, its own launch on that
-    stream after the mixes (the caller's stream must wait for that stream before it reads post or
-    comb); CURRENT_STREAM, its own launch after the collapse on the current stream."""
+    stream, forked after the collapse launch (it needs only the mixes' partials; a fork right after
+    the mixes is not measured), and the caller's stream must wait for that stream before it reads
+    post or comb; CURRENT_STREAM, its own launch after the collapse on the current stream."""
     B, D = _check_h(h, hc)
     mix = (2 + hc) * hc if sinkhorn else hc
     K = hc * D

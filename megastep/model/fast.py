@@ -80,9 +80,10 @@ MOE_PLAN_ABOVE = ("triton", False, "residual")
 # measured yet (`bash benchmarks/h200_checks.sh ep_plan`): MOE_PLAN_ABOVE.
 MOE_PLAN_EP = ((1, "cuda", True, "residual"),)
 # For steps of at most this many rows, every mHC finish's Sinkhorn (the stream update's post and
-# comb) runs in a launch of its own on the side stream, forked after the mixes: the sublayer's input
-# x waits for the collapse only, and the main stream joins the side stream before the next stream
-# update reads post and comb. The same kernel programs: the same bits. In ncu at one row the finish
+# comb) runs in a launch of its own on the side stream, forked after the collapse launch (it reads
+# only the mixes' partials, but waits for the collapse too): the sublayer's input x waits for the
+# collapse only, and the main stream joins the side stream before the next stream update reads post
+# and comb. The same kernel programs: the same bits. In ncu at one row the finish
 # with its Sinkhorn program takes 5.6-6.2 us, the collapse alone 4.6. 30 V4-Flash layers on one
 # H200, p50 ms A/B (docs/PERFORMANCE.md, eighteenth measurement), beside against in the finish:
 # 1 row 4.695 / 4.691 against 4.723 / 4.724, 2 rows 5.875 / 5.861 against 5.867 / 5.865, 4 rows
@@ -245,9 +246,10 @@ class FastDecoder:
         (the large FP8 linears excepted: common.PLAIN_PLACEMENT_BYTES). It changes no bits. None:
         on for steps of at most PDL_MAX_ROWS rows on one GPU (PDL_MAX_ROWS_EP with several ranks and
         the peer-to-peer combine) without the CPU sidecar, where it was measured faster (30 V4-Flash
-        layers, one H200: 6.443 against 6.501 ms at 1 row, 11.82 against 11.88 at 4), off above (28.71 against 28.48 ms at
-        16, 69.8 against 62.1 at 64; with the large linears placed plainly still 21.39 against
-        18.43 at 16 and 60.4 against 51.9 at 64, seventeenth measurement).
+        layers, one H200: 6.443 against 6.501 ms at 1 row, 11.82 against 11.88 at 4), off above
+        (28.71 against 28.48 ms at 16, 69.8 against 62.1 at 64; with the large linears placed
+        plainly still 21.39 against 18.43 at 16 and 60.4 against 51.9 at 64, seventeenth
+        measurement).
         overlap: run the independent parts of a layer on a second CUDA stream (a fork and a
         join inside the step's graph): the shared expert's gated half beside the router and the
         routed experts, the compressors' projections and updates beside the q/kv projections, the kv
