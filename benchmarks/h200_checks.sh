@@ -29,7 +29,6 @@
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the one-GPU MoE order with PDL at 6 rows, PDL at 8 and 16 rows on the ranks, A/B; the EP GPU tests with p2p (~6 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
-# (one device call runs at most 10 minutes: give each group its own call, or two small ones together)
 # Logs and JSON are written under $OUT/h200_checks_run, then packed into one archive in $OUT,
 # h200_checks-<date>.tgz, with summary.txt (the table printed last): the device brings back only a
 # few files of its $OUT (on 2026-11-30 a group's 13 files did not come back).
@@ -41,10 +40,20 @@ export PYTHONPATH=$PWD
 python3 -m pip install -e . --no-deps --no-build-isolation -q >/dev/null 2>&1 || true
 summary=()
 
+# One device call runs at most 600 s and brings back nothing when killed, so the steps together stop at
+# 560 s: a step's limit is cut to what is left, a step with under 20 s left is skipped, and the archive
+# below is always written.
+DEADLINE=$((SECONDS + 560))
+
 step() {  # step NAME SECONDS command...
   local name=$1 limit=$2
   shift 2
-  local t0=$SECONDS
+  local t0=$SECONDS left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    summary+=("$(printf '%-26s skipped: the call has %ss left' "$name" "$left")")
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   summary+=("$(printf '%-26s rc=%-3s %4ss  ' "$name" "$rc" "$((SECONDS - t0))")$(tail -1 "$OUT/$name.log" | cut -c1-90)")
