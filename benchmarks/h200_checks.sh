@@ -25,6 +25,7 @@
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh check19   # the shared w1/w3 without its 2-warp pin: the GPU tests of a row in every row tile, the step A/B/A/B against the old pin (~7 min)
+#   bash benchmarks/h200_checks.sh fp8        # EXPERIMENT: the FP8 linears on e4m3 x e4m3 MMAs: alone, then the step A/B/A/B (~8 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the one-GPU MoE order with PDL at 6 rows, PDL at 8 and 16 rows on the ranks, A/B; the EP GPU tests with p2p (~6 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -212,6 +213,17 @@ print('w1/w3 at 1 row, 2 against 4 warps: fp32 outputs that differ', (y[0] != y[
         bench "check19_rule_$arm" 100 --layers 30 --batch 1,2,4,16,64
         bench_with "check19_pin_$arm" 70 "$P" --layers 30 --batch 1,2,4,16
       done ;;
+    fp8)  # EXPERIMENT: e4m3 x e4m3 MMAs per 128-block (the official kernel's arithmetic) against the f16 codes:
+      # the linears alone (error against the exact ref, batch invariance, us), then the step A/B/A/B
+      step fp8_linears 200 python3 benchmarks/kernels/linear_variants.py --out "$OUT/fp8_linears" --ms 1,64 --fp8 \
+        --shapes x_group,qr_group,wo_b,shared_w13,shared_w2
+      P='import megastep.kernels.linear_fp8 as L; L.CODE_MODE = "fp8"'
+      for arm in a b; do
+        bench "fp8_f16_$arm" 100 --layers 30 --batch 1,2,4,16,64
+        bench_with "fp8_fp8_$arm" 100 "$P" --layers 30 --batch 1,2,4,16,64
+      done
+      step fp8_step_tests 150 python3 -c "$P; import sys, pytest
+sys.exit(pytest.main(['-q', '--timeout', '120', 'tests/test_fast_gpu.py', '-k', 'alone_equals or same_input']))" ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # eighteenth measurement: PDL on the ranks (now their default up to PDL_MAX_ROWS_EP = 6 rows) took 0.79 ms
@@ -237,7 +249,7 @@ print('w1/w3 at 1 row, 2 against 4 warps: fp32 outputs that differ', (y[0] != y[
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | check19 | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | check19 | fp8 | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done

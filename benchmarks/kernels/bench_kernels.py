@@ -237,7 +237,8 @@ def check_linear(y, ref):
     y, ref = y.float(), ref.float()
     tol = 2.0**-7 * ref.abs() + 1e-5 * ref.abs().max()  # one bf16 step (tests/kernels/test_linear_fp8.py)
     bad = int(((y - ref).abs() > tol).sum())
-    return bad == 0 and bool(torch.isfinite(y).all()), f"bad={bad} maxerr={(y - ref).abs().max().item():.3g}"
+    rel = ((y - ref).norm() / ref.norm()).item()
+    return bad == 0 and bool(torch.isfinite(y).all()), f"bad={bad} maxerr={(y - ref).abs().max().item():.3g} rel={rel:.2e}"
 
 
 def check_moe(y, ref):

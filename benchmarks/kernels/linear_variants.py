@@ -19,6 +19,7 @@ writes linear_variants.json under --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -48,7 +49,7 @@ SHAPES = {  # name: (N, K, kind); kind "gated": w13 = 2 x N rows; "wo_a": groupe
 SMOKE_SHAPES = {"x_group": (256, 512, "plain"), "wo_a": (1024, 256, "wo_a"), "shared_w13": (128, 512, "gated")}
 
 
-def candidates(M: int, N: int, K: int, kind: str) -> list[LIN.LinearFp8Config]:
+def candidates(M: int, N: int, K: int, kind: str, fp8_only: bool = False) -> list[LIN.LinearFp8Config]:
     C = LIN.LinearFp8Config
     picked = (LIN.pick_config_swiglu(M, N, K) if kind == "gated" else
               LIN.pick_config(M, N, K, quantize_act=kind != "wo_a"))
@@ -68,11 +69,19 @@ def candidates(M: int, N: int, K: int, kind: str) -> list[LIN.LinearFp8Config]:
     # streaming twice the K: the experts' whole-K finding), 8-35 % slower at 1 and 4 rows for every
     # split linear and at 64 rows but for the shared w1/w3 (30.2 against 36.1 us) (fifteenth).
     specs = [(64, 4, 3, 264), (64, 4, 4, 264), (64, 4, 3, 528), (32, 4, 3, 264)]
-    if kind == "gated":  # 2 warps: a program small enough to run beside the experts' spread gate-up
+    if fp8_only:  # the picked configuration, then the e4m3 MMA's candidates alone
+        specs = []
+    elif kind == "gated":  # 2 warps: a program small enough to run beside the experts' spread gate-up
         # (one 12-warp CTA per SM leaves 16k registers; the 4-warp program takes 128 x 168)
         specs += [(64, 2, 3, 264), (32, 2, 3, 264)]
     for bn, nw, ns, target in specs:
         out.append(C("f16", bn, bm, 128, BK.auto_split(-(-N // bn), K, 128, target), nw, ns))
+    # e4m3 x e4m3 MMAs (the official kernel's arithmetic: fp8 tensor cores per 128-block, fp32 across
+    # blocks): no conversion of the weight in registers. "fp8p" adds each k32 MMA in fp32 registers.
+    for mode in ("fp8", "fp8p"):
+        out.append(dataclasses.replace(picked, mode=mode))
+        for bn, nw, ns, target in [(128, 4, 3, 264), (64, 4, 3, 528)] + ([] if fp8_only else [(64, 4, 4, 264)]):
+            out.append(C(mode, bn, bm, 128, BK.auto_split(-(-N // bn), K, 128, target), nw, ns))
     return list(dict.fromkeys(out))
 
 
@@ -82,6 +91,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,64")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
+    ap.add_argument("--fp8", action="store_true", help="the picked configuration and the e4m3 MMA's candidates only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     BK.LOG = open(os.path.join(args.out, "linear_variants.log"), "w")
@@ -100,8 +110,11 @@ def main() -> None:
         copies = 2 if args.smoke else max(1, min(128, math.ceil(BK.L2_FLUSH_BYTES / nbytes)))
         ws = [BK.fp8_weight(R, K, g) for _ in range(copies)]
         G = WO_A_GROUPS if kind == "wo_a" else 1
-        for M in [int(m) for m in args.ms.split(",")]:
-            x = torch.randn(M, G * K, device=dev, generator=g).bfloat16()
+        ms = [int(m) for m in args.ms.split(",")]
+        x_all = torch.randn(max(ms), G * K, device=dev, generator=g).bfloat16()
+        row0 = {}  # (config but its row tile, codes) -> row 0's output at the first M: batch invariance
+        for M in ms:
+            x = x_all[:M]
             if kind == "gated":
                 fn, ref = LIN.linear_fp8_swiglu, LIN.linear_fp8_swiglu_ref(x, *ws[0], 10.0)
             elif kind == "wo_a":
@@ -109,9 +122,11 @@ def main() -> None:
             else:
                 fn, ref = LIN.linear_fp8, LIN.linear_fp8_ref(x, *ws[0])
             codes = formats.fp8_act_quant(x.float(), 128) if K % 128 == 0 and kind != "wo_a" else None
-            cands = [(c, None) for c in candidates(M, N, K, kind)]
+            cands = [(c, None) for c in candidates(M, N, K, kind, args.fp8)]
             if codes is not None and kind != "wo_a":  # the picked configuration with x's codes
                 cands += [(cands[0][0], codes)]
+                cands += [(c, codes) for c, _ in cands if c.mode.startswith("fp8") and c.block_n == 64
+                          and c.num_stages == 3 and c.split_k == cands[0][0].split_k]
             picked_y = None  # the picked configuration's output: same_bits compares each candidate's
             for i, (c, xc) in enumerate(cands):
                 r = dict(shape=name, N=N, K=K, M=M, config=asdict(c), picked=i == 0, codes=xc is not None)
@@ -127,6 +142,8 @@ def main() -> None:
                     r.update(same_bits_as_picked=picked_y is not None and torch.equal(y.view(torch.int16),
                                                                                        picked_y.view(torch.int16)))
                     ok, msg = BK.check_linear(y, ref)
+                    key = (dataclasses.replace(c, block_m=0), xc is not None)
+                    r.update(row0_same=torch.equal(row0.setdefault(key, y[:1]).view(torch.int16), y[:1].view(torch.int16)))
                     same = all(torch.equal(y.view(torch.int16), call(c, *ws[0]).view(torch.int16)) for _ in range(3))
                     med, best = BK.graph_time([lambda w=w, s=s, c=c, call=call: call(c, w, s) for (w, s) in ws])
                     r.update(ok=ok and same, check=msg, us=med, gbps=(nbytes + M * G * K * 2) / med / 1e3)
@@ -142,7 +159,7 @@ def main() -> None:
         mode = c["mode"] + ("+c" if r["codes"] else "")
         print(f"{r['shape']:11} {r['M']:3} {mode:5} {c['block_n']:3} {c['block_m']:3} {c['block_k']:3} {c['split_k']:3} "
               f"{c['num_warps']:2} {c['num_stages']:2} {r.get('us', float('nan')):7.2f} {r.get('gbps', 0):6.0f} "
-              f"{'ok' if r['ok'] else 'FAIL ' + r.get('check', r.get('error', ''))[:60]}"
+              f"{'ok' if r['ok'] else 'FAIL'} {r.get('check', r.get('error', ''))[:70]}{'' if r.get('row0_same') else ' ROW0!'}"
               f"{' =' if r.get('same_bits_as_picked') else ' !='}{' *' if r['picked'] else ''}")
 
 

@@ -52,7 +52,7 @@ tiles in "f16" (fewer instructions per byte, but slower: half the programs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -79,7 +79,7 @@ from megastep.kernels.common import (
 )
 
 BLOCK = 128
-_MODES = {"dot16": 2, "f16": 3}
+_MODES = {"dot16": 2, "f16": 3, "fp8": 4, "fp8p": 5}
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class LinearFp8Config:
         assert self.block_k in (128, 256, 512), self.block_k
         assert self.split_k >= 1
         assert self.block_m in (16, 32, 64), self.block_m
-        assert self.mode != "f16" or self.block_k == 128, "f16 steps one 128-block at a time"
+        assert self.mode == "dot16" or self.block_k == 128, "f16 / fp8 step one 128-block at a time"
 
 
 # Pinned configurations for the V4-Flash decode shapes where the rule below is not the best
@@ -142,20 +142,27 @@ def _auto_split(tiles: int, K: int, block_k: int, target: int = 264) -> int:
     return split
 
 
+# EXPERIMENT: the code mode of every quantized-activation linear ("f16", or "fp8" / "fp8p").
+CODE_MODE = "f16"
+
+
+def _with_code_mode(cfg: LinearFp8Config, quantize_act: bool) -> LinearFp8Config:
+    return replace(cfg, mode=CODE_MODE) if quantize_act and cfg.mode == "f16" else cfg
+
+
 def pick_config(M: int, N: int, K: int, quantize_act: bool = True) -> LinearFp8Config:
     """The one configuration the wrapper uses for this shape (deterministic, no autotuning).
     Every M bucket takes the same mode, K step and split (only the row tile differs), so a
     row's sums do not depend on the batch. With or without the activation quantization the
     mode is "f16" (module doc)."""
-    del quantize_act
     mb = _m_bucket(M)
     cfg = _PINNED.get((N, K, mb))
     if cfg is not None:
-        return cfg
+        return _with_code_mode(cfg, quantize_act)
     bn = 64
     tiles = -(-N // bn)
     split = _auto_split(tiles, K, 128)
-    return LinearFp8Config("f16", bn, mb, 128, split, num_warps=4, num_stages=3)
+    return _with_code_mode(LinearFp8Config("f16", bn, mb, 128, split, num_warps=4, num_stages=3), quantize_act)
 
 
 # Gated (w13 = cat(w1, w3)) configurations keyed by (I, K, M bucket). Rule: "f16", BLOCK_N 64 (a
@@ -180,7 +187,8 @@ def pick_config_swiglu(M: int, I: int, K: int) -> LinearFp8Config:
     cfg = _PINNED_SWIGLU.get((I, K, mb))
     if cfg is not None:
         return cfg
-    return LinearFp8Config("f16", 64, mb, 128, _auto_split(-(-I // 64), K, 128), num_warps=4, num_stages=3)
+    return _with_code_mode(LinearFp8Config("f16", 64, mb, 128, _auto_split(-(-I // 64), K, 128), num_warps=4,
+                                           num_stages=3), True)
 
 
 @triton.jit
@@ -215,12 +223,16 @@ def _epilogue(acc, acc3, res_ptrs, mask, limit, OUT_BF16: tl.constexpr, INTERPRE
 
 
 @triton.jit
-def _code_dot(w, q, INTERPRET: tl.constexpr):
+def _code_dot(w, q, INTERPRET: tl.constexpr, MODE: tl.constexpr = 3):
     """e4m3 weight tile [N, 128] times activation codes [M, 128] (e4m3, or fp16 for wo_a) -> fp32 [N, M]: fp16
     operands on tensor cores (every e4m3 value is exact in fp16, whose conversion is one
     instruction per two elements; fp32 accumulation), fp32 operands under the interpreter."""
     if INTERPRET:
         return tl.dot(w.to(tl.float32), tl.trans(q.to(tl.float32)))
+    if MODE == 4:  # EXPERIMENT: e4m3 x e4m3 wgmma, the tensor cores' own accumulation over the 128-block
+        return tl.dot(w, tl.trans(q))
+    if MODE == 5:  # EXPERIMENT: e4m3 x e4m3, each k32 MMA's result added in fp32 registers
+        return tl.dot(w, tl.trans(q), max_num_imprecise_acc=32)
     return tl.dot(w.to(tl.float16), tl.trans(q.to(tl.float16)))
 
 
@@ -268,7 +280,7 @@ def _linear_fp8_kernel(
         k_mask = offs_k < K
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-        if MODE == 3:  # "f16": one 128-block per step, its codes on tensor cores, scales after
+        if MODE >= 3:  # "f16" / "fp8": one 128-block per step, its codes on tensor cores, scales after
             if CODES:  # quantized where x was made (x_codes): the same codes and scales, loaded
                 q = tl.load(xc_ptr + offs_m[:, None] * stride_cm + offs_k[None, :],
                             mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -281,10 +293,10 @@ def _linear_fp8_kernel(
                 else:  # wo_a: the bf16 activation itself, scaled into fp16's range (module doc)
                     s, inv = f16_pow2_scale(tl.max(tl.abs(xt), axis=1))
                     q = (xt * inv[:, None]).to(tl.float16)
-            acc += _code_dot(w, q, INTERPRET) * (s * e8m0_to_f32(tl.load(ws_row + k0 // 128)))[None, :]
+            acc += _code_dot(w, q, INTERPRET, MODE) * (s * e8m0_to_f32(tl.load(ws_row + k0 // 128)))[None, :]
             if GATED:  # the same codes against w3's rows (their own weight scale)
                 w3 = tl.load(w3_rows + offs_k[None, :], mask=w_mask, other=0.0)
-                acc3 += _code_dot(w3, q, INTERPRET) * (s * e8m0_to_f32(tl.load(ws3_row + k0 // 128)))[None, :]
+                acc3 += _code_dot(w3, q, INTERPRET, MODE) * (s * e8m0_to_f32(tl.load(ws3_row + k0 // 128)))[None, :]
         else:  # "dot16": scales folded into the (exact) bf16 activation operand
             sw = e8m0_to_f32(tl.load(ws_row + offs_k // 128, mask=k_mask, other=127))  # [BLOCK_K]
             xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
@@ -359,7 +371,8 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     else:
         part = cnt = out  # unused
     res = out if residual is None else residual  # unused without a residual
-    codes = x_codes is not None and cfg.mode == "f16"  # "dot16" quantizes x itself (the same values)
+    assert quantize_act or not cfg.mode.startswith("fp8"), "an e4m3 MMA needs the quantized activation"
+    codes = x_codes is not None and cfg.mode != "dot16"  # "dot16" quantizes x itself (the same values)
     xc, xs = x_codes if codes else (out, out)
     opts = launch_opts(x, grid, w.numel() * w.element_size())
     _linear_fp8_kernel[grid](
