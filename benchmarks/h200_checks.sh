@@ -218,9 +218,13 @@ print('w1/w3 at 1 row, 2 against 4 warps: fp32 outputs that differ', (y[0] != y[
       step fp8_linears 200 python3 benchmarks/kernels/linear_variants.py --out "$OUT/fp8_linears" --ms 1,64 --fp8 \
         --shapes x_group,qr_group,wo_b,shared_w13,shared_w2
       P='import megastep.kernels.linear_fp8 as L; L.CODE_MODE = "fp8"'
+      # and the shared w1/w3 in 2-warp programs at every row tile (the sums of all batches alike)
+      W='import megastep.kernels.linear_fp8 as L
+for mb in (16, 32, 64): L._PINNED_SWIGLU[(2048, 4096, mb)] = L.LinearFp8Config("f16", 64, mb, 128, 8, num_warps=2)'
       for arm in a b; do
         bench "fp8_f16_$arm" 100 --layers 30 --batch 1,2,4,16,64
         bench_with "fp8_fp8_$arm" 100 "$P" --layers 30 --batch 1,2,4,16,64
+        bench_with "fp8_w13x2_$arm" 60 "$W" --layers 30 --batch 2,16,64
       done
       step fp8_step_tests 150 python3 -c "$P; import sys, pytest
 sys.exit(pytest.main(['-q', '--timeout', '120', 'tests/test_fast_gpu.py', '-k', 'alone_equals or same_input']))" ;;

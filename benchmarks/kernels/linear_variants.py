@@ -69,8 +69,8 @@ def candidates(M: int, N: int, K: int, kind: str, fp8_only: bool = False) -> lis
     # streaming twice the K: the experts' whole-K finding), 8-35 % slower at 1 and 4 rows for every
     # split linear and at 64 rows but for the shared w1/w3 (30.2 against 36.1 us) (fifteenth).
     specs = [(64, 4, 3, 264), (64, 4, 4, 264), (64, 4, 3, 528), (32, 4, 3, 264)]
-    if fp8_only:  # the picked configuration, then the e4m3 MMA's candidates alone
-        specs = []
+    if fp8_only:  # the picked configuration, then the e4m3 MMA's candidates alone (and 2-warp w1/w3)
+        specs = [(64, 2, 3, 264)] if kind == "gated" else []
     elif kind == "gated":  # 2 warps: a program small enough to run beside the experts' spread gate-up
         # (one 12-warp CTA per SM leaves 16k registers; the 4-warp program takes 128 x 168)
         specs += [(64, 2, 3, 264), (32, 2, 3, 264)]
