@@ -24,8 +24,7 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh check19   # the shared w1/w3 without its 2-warp pin: the GPU tests of a row in every row tile, the step A/B/A/B against the old pin (~7 min)
-#   bash benchmarks/h200_checks.sh fp8        # EXPERIMENT: the FP8 linears on e4m3 x e4m3 MMAs: alone, then the step A/B/A/B (~8 min)
+#   bash benchmarks/h200_checks.sh final20    # the shared w1/w3 in 2 warps at every row tile against 4, the Sinkhorn forked after the mixes: GPU tests, A/B/A/B (~8 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the one-GPU MoE order with PDL at 6 rows, PDL at 8 and 16 rows on the ranks, A/B; the EP GPU tests with p2p (~6 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -195,39 +194,17 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
-    check19)  # after the nineteenth measurement: the shared w1/w3's 2-warp pin was removed offline (it changed a row's
-      # bits between batches of <= 16 and > 16 rows). Its GPU tests (a row in every row tile of every V4-Flash FP8
-      # linear, fp32 and bf16; the fast step's), then the step's cost A/B/A/B against the old pin as an arm
-      step check19_pin_bits 90 python3 -c "import torch; from megastep.kernels import linear_fp8 as L
-from megastep.checkpoint import formats as F
-g = torch.Generator(device='cuda').manual_seed(0)
-x = torch.randn(1, 4096, device='cuda', generator=g).bfloat16()
-w, s = F.quantize_fp8_weight(torch.randn(4096, 4096, device='cuda', generator=g) * 0.05, 128)
-y = [L.linear_fp8_swiglu(x, w, s, 10.0, out_dtype=torch.float32, config=L.LinearFp8Config('f16', 64, 16, 128, 8, num_warps=n))
-     for n in (2, 4)]
-print('w1/w3 at 1 row, 2 against 4 warps: fp32 outputs that differ', (y[0] != y[1]).float().mean().item())"
-      step check19_tests 200 python3 -m pytest -q --timeout 120 tests/kernels/test_linear_fp8.py -k "gpu"
-      step check19_step_tests 200 python3 -m pytest -q --timeout 150 tests/test_fast_gpu.py -k "alone_equals or same_input or side_stream"
-      P='import megastep.kernels.linear_fp8 as L; L._PINNED_SWIGLU[(2048, 4096, 16)] = L.LinearFp8Config("f16", 64, 16, 128, 8, num_warps=2, num_stages=3)'
+    final20)  # the shared w1/w3 in 2-warp programs at every row tile (now pinned) against the rule (4 warps), and
+      # the mHC Sinkhorn's launch forked right after the mixes instead of after the collapse: GPU tests, A/B/A/B
+      step final20_tests 150 python3 -m pytest -q --timeout 120 tests/kernels/test_linear_fp8.py -k "gpu and (row_tile or shared_expert)"
+      step final20_step_tests 150 python3 -m pytest -q --timeout 120 tests/test_fast_gpu.py -k "alone_equals or same_input or side_stream"
+      R='import megastep.kernels.linear_fp8 as L; L._PINNED_SWIGLU.clear()'
+      F='import megastep.kernels.mhc as m; m.SINKHORN_FORK_AFTER_MIXES = True'
       for arm in a b; do
-        bench "check19_rule_$arm" 100 --layers 30 --batch 1,2,4,16,64
-        bench_with "check19_pin_$arm" 70 "$P" --layers 30 --batch 1,2,4,16
+        bench "final20_w13x2_$arm" 100 --layers 30 --batch 1,2,4,16,64
+        bench_with "final20_rule_$arm" 60 "$R" --layers 30 --batch 1,2,4,16,64
+        bench_with "final20_fork_$arm" 60 "$F" --layers 30 --batch 1,2,4,16
       done ;;
-    fp8)  # EXPERIMENT: e4m3 x e4m3 MMAs per 128-block (the official kernel's arithmetic) against the f16 codes:
-      # the linears alone (error against the exact ref, batch invariance, us), then the step A/B/A/B
-      step fp8_linears 200 python3 benchmarks/kernels/linear_variants.py --out "$OUT/fp8_linears" --ms 1,64 --fp8 \
-        --shapes x_group,qr_group,wo_b,shared_w13,shared_w2
-      P='import megastep.kernels.linear_fp8 as L; L.CODE_MODE = "fp8"'
-      # and the shared w1/w3 in 2-warp programs at every row tile (the sums of all batches alike)
-      W='import megastep.kernels.linear_fp8 as L
-for mb in (16, 32, 64): L._PINNED_SWIGLU[(2048, 4096, mb)] = L.LinearFp8Config("f16", 64, mb, 128, 8, num_warps=2)'
-      for arm in a b; do
-        bench "fp8_f16_$arm" 100 --layers 30 --batch 1,2,4,16,64
-        bench_with "fp8_fp8_$arm" 100 "$P" --layers 30 --batch 1,2,4,16,64
-        bench_with "fp8_w13x2_$arm" 60 "$W" --layers 30 --batch 2,16,64
-      done
-      step fp8_step_tests 150 python3 -c "$P; import sys, pytest
-sys.exit(pytest.main(['-q', '--timeout', '120', 'tests/test_fast_gpu.py', '-k', 'alone_equals or same_input']))" ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_plan)  # eighteenth measurement: PDL on the ranks (now their default up to PDL_MAX_ROWS_EP = 6 rows) took 0.79 ms
@@ -253,7 +230,7 @@ sys.exit(pytest.main(['-q', '--timeout', '120', 'tests/test_fast_gpu.py', '-k', 
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | check19 | fp8 | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | final20 | linsplit | ep_plan | ep)"
       exit 2 ;;
   esac
 done

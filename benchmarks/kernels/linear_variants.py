@@ -49,7 +49,7 @@ SHAPES = {  # name: (N, K, kind); kind "gated": w13 = 2 x N rows; "wo_a": groupe
 SMOKE_SHAPES = {"x_group": (256, 512, "plain"), "wo_a": (1024, 256, "wo_a"), "shared_w13": (128, 512, "gated")}
 
 
-def candidates(M: int, N: int, K: int, kind: str, fp8_only: bool = False) -> list[LIN.LinearFp8Config]:
+def candidates(M: int, N: int, K: int, kind: str) -> list[LIN.LinearFp8Config]:
     C = LIN.LinearFp8Config
     picked = (LIN.pick_config_swiglu(M, N, K) if kind == "gated" else
               LIN.pick_config(M, N, K, quantize_act=kind != "wo_a"))
@@ -69,19 +69,11 @@ def candidates(M: int, N: int, K: int, kind: str, fp8_only: bool = False) -> lis
     # streaming twice the K: the experts' whole-K finding), 8-35 % slower at 1 and 4 rows for every
     # split linear and at 64 rows but for the shared w1/w3 (30.2 against 36.1 us) (fifteenth).
     specs = [(64, 4, 3, 264), (64, 4, 4, 264), (64, 4, 3, 528), (32, 4, 3, 264)]
-    if fp8_only:  # the picked configuration, then the e4m3 MMA's candidates alone (and 2-warp w1/w3)
-        specs = [(64, 2, 3, 264)] if kind == "gated" else []
-    elif kind == "gated":  # 2 warps: a program small enough to run beside the experts' spread gate-up
+    if kind == "gated":  # 2 warps: a program small enough to run beside the experts' spread gate-up
         # (one 12-warp CTA per SM leaves 16k registers; the 4-warp program takes 128 x 168)
         specs += [(64, 2, 3, 264), (32, 2, 3, 264)]
     for bn, nw, ns, target in specs:
         out.append(C("f16", bn, bm, 128, BK.auto_split(-(-N // bn), K, 128, target), nw, ns))
-    # e4m3 x e4m3 MMAs (the official kernel's arithmetic: fp8 tensor cores per 128-block, fp32 across
-    # blocks): no conversion of the weight in registers. "fp8p" adds each k32 MMA in fp32 registers.
-    for mode in ("fp8", "fp8p"):
-        out.append(dataclasses.replace(picked, mode=mode))
-        for bn, nw, ns, target in [(128, 4, 3, 264), (64, 4, 3, 528)] + ([] if fp8_only else [(64, 4, 4, 264)]):
-            out.append(C(mode, bn, bm, 128, BK.auto_split(-(-N // bn), K, 128, target), nw, ns))
     return list(dict.fromkeys(out))
 
 
@@ -91,7 +83,6 @@ def main() -> None:
     ap.add_argument("--ms", default="1,64")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
-    ap.add_argument("--fp8", action="store_true", help="the picked configuration and the e4m3 MMA's candidates only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     BK.LOG = open(os.path.join(args.out, "linear_variants.log"), "w")
@@ -122,11 +113,9 @@ def main() -> None:
             else:
                 fn, ref = LIN.linear_fp8, LIN.linear_fp8_ref(x, *ws[0])
             codes = formats.fp8_act_quant(x.float(), 128) if K % 128 == 0 and kind != "wo_a" else None
-            cands = [(c, None) for c in candidates(M, N, K, kind, args.fp8)]
+            cands = [(c, None) for c in candidates(M, N, K, kind)]
             if codes is not None and kind != "wo_a":  # the picked configuration with x's codes
                 cands += [(cands[0][0], codes)]
-                cands += [(c, codes) for c, _ in cands if c.mode.startswith("fp8") and c.block_n == 64
-                          and c.num_stages == 3 and c.split_k == cands[0][0].split_k]
             picked_y = None  # the picked configuration's output: same_bits compares each candidate's
             for i, (c, xc) in enumerate(cands):
                 r = dict(shape=name, N=N, K=K, M=M, config=asdict(c), picked=i == 0, codes=xc is not None)

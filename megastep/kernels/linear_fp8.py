@@ -45,14 +45,16 @@ Both use fp32 operands under the interpreter. M is padded to a 16-row tile: the 
 next to the weight bytes. The two modes differ from the ref (and from each other) in the order of
 fp32 sums only.
 Measured on one H200 and dropped: an fp8 x fp8 dot (Hopper's fp8 MMA accumulates with fewer
-bits than fp32: several bf16 steps off the ref), a CUDA-core fp32 GEMV for M <= 4 (never faster
+bits than fp32: several bf16 steps off the ref; measured again on 2026-11-30 as e4m3 x e4m3 wgmma per
+128-block, the official kernel's arithmetic: 4-22 % faster alone at 1 row, but the step only 1 %
+faster at 1 row and 11 % slower at 16, for a relative error of 3-9e-4 against ~1e-5), a CUDA-core fp32 GEMV for M <= 4 (never faster
 than dot16), one K step per program with many programs (slower than a pipelined K loop), 128-row
 tiles in "f16" (fewer instructions per byte, but slower: half the programs).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -79,7 +81,7 @@ from megastep.kernels.common import (
 )
 
 BLOCK = 128
-_MODES = {"dot16": 2, "f16": 3, "fp8": 4, "fp8p": 5}
+_MODES = {"dot16": 2, "f16": 3}
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class LinearFp8Config:
         assert self.block_k in (128, 256, 512), self.block_k
         assert self.split_k >= 1
         assert self.block_m in (16, 32, 64), self.block_m
-        assert self.mode == "dot16" or self.block_k == 128, "f16 / fp8 step one 128-block at a time"
+        assert self.mode != "f16" or self.block_k == 128, "f16 steps one 128-block at a time"
 
 
 # Pinned configurations for the V4-Flash decode shapes where the rule below is not the best
@@ -142,27 +144,20 @@ def _auto_split(tiles: int, K: int, block_k: int, target: int = 264) -> int:
     return split
 
 
-# EXPERIMENT: the code mode of every quantized-activation linear ("f16", or "fp8" / "fp8p").
-CODE_MODE = "f16"
-
-
-def _with_code_mode(cfg: LinearFp8Config, quantize_act: bool) -> LinearFp8Config:
-    return replace(cfg, mode=CODE_MODE) if quantize_act and cfg.mode == "f16" else cfg
-
-
 def pick_config(M: int, N: int, K: int, quantize_act: bool = True) -> LinearFp8Config:
     """The one configuration the wrapper uses for this shape (deterministic, no autotuning).
     Every M bucket takes the same mode, K step and split (only the row tile differs), so a
     row's sums do not depend on the batch. With or without the activation quantization the
     mode is "f16" (module doc)."""
+    del quantize_act
     mb = _m_bucket(M)
     cfg = _PINNED.get((N, K, mb))
     if cfg is not None:
-        return _with_code_mode(cfg, quantize_act)
+        return cfg
     bn = 64
     tiles = -(-N // bn)
     split = _auto_split(tiles, K, 128)
-    return _with_code_mode(LinearFp8Config("f16", bn, mb, 128, split, num_warps=4, num_stages=3), quantize_act)
+    return LinearFp8Config("f16", bn, mb, 128, split, num_warps=4, num_stages=3)
 
 
 # Gated (w13 = cat(w1, w3)) configurations keyed by (I, K, M bucket). Rule: "f16", BLOCK_N 64 (a
@@ -177,8 +172,10 @@ def pick_config(M: int, N: int, K: int, quantize_act: bool = True) -> LinearFp8C
 # interleaved sets such as {0,1,4,5,...,28,29}. 4 warps run wgmma over contiguous [16j, 16j + 16)
 # (Triton 3.6 PTX). A k16 step's result depends on its set of products (docs/PERFORMANCE.md,
 # nineteenth measurement), so a row's w1/w3 bits depended on whether its batch had more than 16
-# rows. Every row tile now takes the rule.
-_PINNED_SWIGLU: dict[tuple[int, int, int], LinearFp8Config] = {}
+# rows. Every row tile took the rule. Then (twentieth measurement) 2-warp programs at every row tile:
+# the same sums for every batch again. MEASURING against the rule.
+_PINNED_SWIGLU: dict[tuple[int, int, int], LinearFp8Config] = {
+    (2048, 4096, mb): LinearFp8Config("f16", 64, mb, 128, 8, num_warps=2) for mb in (16, 32, 64)}
 
 
 def pick_config_swiglu(M: int, I: int, K: int) -> LinearFp8Config:
@@ -187,8 +184,7 @@ def pick_config_swiglu(M: int, I: int, K: int) -> LinearFp8Config:
     cfg = _PINNED_SWIGLU.get((I, K, mb))
     if cfg is not None:
         return cfg
-    return _with_code_mode(LinearFp8Config("f16", 64, mb, 128, _auto_split(-(-I // 64), K, 128), num_warps=4,
-                                           num_stages=3), True)
+    return LinearFp8Config("f16", 64, mb, 128, _auto_split(-(-I // 64), K, 128), num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -223,16 +219,12 @@ def _epilogue(acc, acc3, res_ptrs, mask, limit, OUT_BF16: tl.constexpr, INTERPRE
 
 
 @triton.jit
-def _code_dot(w, q, INTERPRET: tl.constexpr, MODE: tl.constexpr = 3):
+def _code_dot(w, q, INTERPRET: tl.constexpr):
     """e4m3 weight tile [N, 128] times activation codes [M, 128] (e4m3, or fp16 for wo_a) -> fp32 [N, M]: fp16
     operands on tensor cores (every e4m3 value is exact in fp16, whose conversion is one
     instruction per two elements; fp32 accumulation), fp32 operands under the interpreter."""
     if INTERPRET:
         return tl.dot(w.to(tl.float32), tl.trans(q.to(tl.float32)))
-    if MODE == 4:  # EXPERIMENT: e4m3 x e4m3 wgmma, the tensor cores' own accumulation over the 128-block
-        return tl.dot(w, tl.trans(q))
-    if MODE == 5:  # EXPERIMENT: e4m3 x e4m3, each k32 MMA's result added in fp32 registers
-        return tl.dot(w, tl.trans(q), max_num_imprecise_acc=32)
     return tl.dot(w.to(tl.float16), tl.trans(q.to(tl.float16)))
 
 
@@ -280,7 +272,7 @@ def _linear_fp8_kernel(
         k_mask = offs_k < K
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-        if MODE >= 3:  # "f16" / "fp8": one 128-block per step, its codes on tensor cores, scales after
+        if MODE == 3:  # "f16": one 128-block per step, its codes on tensor cores, scales after
             if CODES:  # quantized where x was made (x_codes): the same codes and scales, loaded
                 q = tl.load(xc_ptr + offs_m[:, None] * stride_cm + offs_k[None, :],
                             mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -293,10 +285,10 @@ def _linear_fp8_kernel(
                 else:  # wo_a: the bf16 activation itself, scaled into fp16's range (module doc)
                     s, inv = f16_pow2_scale(tl.max(tl.abs(xt), axis=1))
                     q = (xt * inv[:, None]).to(tl.float16)
-            acc += _code_dot(w, q, INTERPRET, MODE) * (s * e8m0_to_f32(tl.load(ws_row + k0 // 128)))[None, :]
+            acc += _code_dot(w, q, INTERPRET) * (s * e8m0_to_f32(tl.load(ws_row + k0 // 128)))[None, :]
             if GATED:  # the same codes against w3's rows (their own weight scale)
                 w3 = tl.load(w3_rows + offs_k[None, :], mask=w_mask, other=0.0)
-                acc3 += _code_dot(w3, q, INTERPRET, MODE) * (s * e8m0_to_f32(tl.load(ws3_row + k0 // 128)))[None, :]
+                acc3 += _code_dot(w3, q, INTERPRET) * (s * e8m0_to_f32(tl.load(ws3_row + k0 // 128)))[None, :]
         else:  # "dot16": scales folded into the (exact) bf16 activation operand
             sw = e8m0_to_f32(tl.load(ws_row + offs_k // 128, mask=k_mask, other=127))  # [BLOCK_K]
             xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
@@ -371,8 +363,7 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     else:
         part = cnt = out  # unused
     res = out if residual is None else residual  # unused without a residual
-    assert quantize_act or not cfg.mode.startswith("fp8"), "an e4m3 MMA needs the quantized activation"
-    codes = x_codes is not None and cfg.mode != "dot16"  # "dot16" quantizes x itself (the same values)
+    codes = x_codes is not None and cfg.mode == "f16"  # "dot16" quantizes x itself (the same values)
     xc, xs = x_codes if codes else (out, out)
     opts = launch_opts(x, grid, w.numel() * w.element_size())
     _linear_fp8_kernel[grid](
