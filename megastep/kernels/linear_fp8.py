@@ -172,10 +172,11 @@ def pick_config(M: int, N: int, K: int, quantize_act: bool = True) -> LinearFp8C
 # interleaved sets such as {0,1,4,5,...,28,29}. 4 warps run wgmma over contiguous [16j, 16j + 16)
 # (Triton 3.6 PTX). A k16 step's result depends on its set of products (docs/PERFORMANCE.md,
 # nineteenth measurement), so a row's w1/w3 bits depended on whether its batch had more than 16
-# rows. Every row tile took the rule. Then (twentieth measurement) 2-warp programs at every row tile:
-# the same sums for every batch again. MEASURING against the rule.
-_PINNED_SWIGLU: dict[tuple[int, int, int], LinearFp8Config] = {
-    (2048, 4096, mb): LinearFp8Config("f16", 64, mb, 128, 8, num_warps=2) for mb in (16, 32, 64)}
+# rows. Every row tile takes the rule. 2-warp programs at every row tile (the same sums for every batch)
+# were measured in the step (twentieth measurement), p50 ms against the rule: 1 row 4.659 / 4.639 against
+# 4.626 / 4.624, 2 rows 5.754 / 5.734 against 5.827 / 5.830, 16 rows 17.98 / 17.99 against 18.50 /
+# 18.53, but 64 rows 60.7 / 60.8 against 52.6 / 52.5. Not kept.
+_PINNED_SWIGLU: dict[tuple[int, int, int], LinearFp8Config] = {}
 
 
 def pick_config_swiglu(M: int, I: int, K: int) -> LinearFp8Config:

@@ -496,11 +496,6 @@ def _y2_operand(y: torch.Tensor, y2: torch.Tensor | None) -> tuple[torch.Tensor,
 CURRENT_STREAM = "current"
 
 
-# EXPERIMENT: with a sinkhorn_stream, fork the Sinkhorn's launch right after the mixes launch (before
-# the collapse's) instead of after the collapse's.
-SINKHORN_FORK_AFTER_MIXES = False
-
-
 def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn, config, update=None,
               sinkhorn_stream=None):
     """The mixes and finish launches -> (x, post, comb, the streams collapsed). With update =
@@ -561,21 +556,15 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
             **launch_opts(h, grid),
         )
 
-    def fork() -> None:  # the Sinkhorn's launch on sinkhorn_stream, after what the current stream holds
-        sinkhorn_stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(sinkhorn_stream):
-            finish((B, 1), 1)
-        part.record_stream(sinkhorn_stream)  # read there after this function has let it go
-
-    forked = own and not isinstance(sinkhorn_stream, str)
-    if forked and SINKHORN_FORK_AFTER_MIXES:
-        fork()
     finish((B, 1 if own or not apart else 2), 0)
     if own and isinstance(sinkhorn_stream, str):
         assert sinkhorn_stream == CURRENT_STREAM, sinkhorn_stream
         finish((B, 1), 1)
-    elif forked and not SINKHORN_FORK_AFTER_MIXES:
-        fork()
+    elif own:
+        sinkhorn_stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(sinkhorn_stream):
+            finish((B, 1), 1)
+        part.record_stream(sinkhorn_stream)  # read there after this function has let it go
     return x, post, comb, h
 
 
