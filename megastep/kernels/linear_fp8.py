@@ -172,11 +172,14 @@ def pick_config(M: int, N: int, K: int, quantize_act: bool = True) -> LinearFp8C
 # interleaved sets such as {0,1,4,5,...,28,29}. 4 warps run wgmma over contiguous [16j, 16j + 16)
 # (Triton 3.6 PTX). A k16 step's result depends on its set of products (docs/PERFORMANCE.md,
 # nineteenth measurement), so a row's w1/w3 bits depended on whether its batch had more than 16
-# rows. Every row tile takes the rule. 2-warp programs at every row tile (the same sums for every batch)
-# were measured in the step (twentieth measurement), p50 ms against the rule: 1 row 4.659 / 4.639 against
-# 4.626 / 4.624, 2 rows 5.754 / 5.734 against 5.827 / 5.830, 16 rows 17.98 / 17.99 against 18.50 /
-# 18.53, but 64 rows 60.7 / 60.8 against 52.6 / 52.5. Not kept.
-_PINNED_SWIGLU: dict[tuple[int, int, int], LinearFp8Config] = {}
+# rows. Pinned since the twentieth measurement: 2-warp programs with 16-row tiles at every batch (more
+# than 16 rows take several tiles, each streaming w13 again, mostly from L2), so every row gets the
+# same sums. 30 V4-Flash layers on one H200, p50 ms A/B against the rule (4 warps): 1 row 4.637 / 4.645
+# against 4.612 / 4.633, 2 rows 5.784 / 5.759 against 5.822 / 5.841, 16 rows 18.06 / 18.02 against
+# 18.62 / 18.66, 64 rows 52.78 / 52.78 against 52.71 / 52.69. (2 warps with 64-row tiles at 64 rows:
+# 60.7 ms.) At 1-16 rows the 2-warp program fits beside the routed experts' gate-up.
+_PINNED_SWIGLU: dict[tuple[int, int, int], LinearFp8Config] = {
+    (2048, 4096, mb): LinearFp8Config("f16", 64, 16, 128, 8, num_warps=2) for mb in (16, 32, 64)}
 
 
 def pick_config_swiglu(M: int, I: int, K: int) -> LinearFp8Config:
