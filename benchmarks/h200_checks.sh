@@ -24,8 +24,9 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
+#   bash benchmarks/h200_checks.sh w2tile     # the shared w2 in 2-warp programs with 16-row tiles at every batch against the rule: GPU tests, A/B/A/B (~4 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
-#   bash benchmarks/h200_checks.sh ep_plan    # 2+ GPUs, 43 layers: the one-GPU MoE order with PDL at 6 rows, PDL at 8 and 16 rows on the ranks, A/B; the EP GPU tests with p2p (~6 min)
+#   bash benchmarks/h200_checks.sh ep16       # 2+ GPUs, 43 layers: PDL and the one-GPU MoE order together at 8 and 16 rows, against each alone (~3 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # Logs and JSON are written under $OUT/h200_checks_run, then packed into one archive in $OUT,
@@ -193,20 +194,24 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
+    w2tile)  # the shared w2 in 2-warp programs with 16-row tiles at every batch (the same sums for every row), as
+      # the shared w1/w3 since the twentieth measurement (16 rows -0.6 ms: the 2-warp program fits beside the routed
+      # experts), against the rule: the linears' row-tile GPU tests with it, then the step A/B/A/B
+      W='import megastep.kernels.linear_fp8 as L; L._PINNED.update({(4096, 2048, mb): L.LinearFp8Config("f16", 64, 16, 128, 4, num_warps=2) for mb in (16, 32, 64)})'
+      step w2tile_tests 120 python3 -c "$W; import sys, pytest
+sys.exit(pytest.main(['-q', '--timeout', '100', 'tests/kernels/test_linear_fp8.py', '-k', 'gpu and (row_tile or v4_shapes)']))"
+      for arm in a b; do
+        bench "w2tile_rule_$arm" 100 --layers 30 --batch 1,2,4,16,64
+        bench_with "w2tile_x2_$arm" 70 "$W" --layers 30 --batch 1,2,4,16,64
+      done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
-    ep_plan)  # eighteenth measurement: PDL on the ranks (now their default up to PDL_MAX_ROWS_EP = 6 rows) took 0.79 ms
-      # off 1 row and 0.77 off 6; without PDL the one-GPU MoE order (CUDA routing, late fork) beat the ranks' 6-row
-      # order by 0.58 ms. Open: that order with PDL at 6 rows, and PDL at 8 and 16 rows. First the one-GPU step's
-      # GPU tests on GPU 0 (the shared w1/w3's 2-warp pin, twentieth measurement)
-      step step_tests 120 python3 -m pytest -q --timeout 100 tests/test_fast_gpu.py -k "alone_equals or same_input"
+    ep16)  # 2+ GPUs, 43 layers: at 8 and 16 rows the ranks now take PDL and the one-GPU MoE order (CUDA routing, late
+      # fork) together; each alone took ~0.5 ms off (twentieth measurement). The two arms: each alone again
       all_gpus
-      for arm in a b; do
-        bench "ep${n}_default_$arm" 100 --gpus "$gpus" --batch 1,6,8,16
-        bench "ep${n}_cuda_late_$arm" 100 --gpus "$gpus" --batch 6,8,16 --router cuda --shared-after-router on
-        bench "ep${n}_pdl_on_$arm" 100 --gpus "$gpus" --batch 8,16 --pdl on
-      done
-      step ep_plan_tests 200 python3 -m pytest -q --timeout 180 tests/test_distributed_gpu.py -k p2p ;;
+      bench "ep${n}_both" 100 --gpus "$gpus" --batch 8,16
+      bench_with "ep${n}_pdl_only" 60 'import megastep.model.fast as f; f.MOE_PLAN_EP = f.MOE_PLAN_EP[:2]' --gpus "$gpus" --batch 8,16
+      bench_with "ep${n}_order_only" 60 'import megastep.model.fast as f; f.PDL_MAX_ROWS_EP = 6' --gpus "$gpus" --batch 8,16 ;;
     ep)
       all_gpus
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)
@@ -220,7 +225,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | linsplit | ep_plan | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | w2tile | linsplit | ep16 | ep)"
       exit 2 ;;
   esac
 done

@@ -3,8 +3,8 @@ split over the ranks gives the 1-GPU decoder's logits bit for bit, eagerly and r
 graphs, at batch 1 and 4, with either combine: the peer-to-peer gather (arrival flags and NVLink
 loads inside the graph, kernels/pair_combine.py) and the integer all-reduce through NCCL; and with the
 one-GPU step's MoE order at few rows (CUDA routing, the shared expert forked after the router) at
-both batches, which the ranks take by default at 1 row only (FastDecoder.MOE_PLAN_EP); and with
-programmatic dependent launch on the ranks (not their default)."""
+both batches, which the ranks take by default at 1 and 7-16 rows (FastDecoder.MOE_PLAN_EP); and with
+programmatic dependent launch on the ranks and off."""
 
 import pytest
 import torch

@@ -188,9 +188,11 @@ def test_moe_plan_by_rows(tiny):
     d.route_cuda_ok = True
     d.world_size = 2  # expert parallelism, the all-reduce combine: the order measured there, whatever the rows
     assert d.peer is None and {d._moe_plan(n) for n in (1, 4, 16, 64)} == {MOE_PLAN_ABOVE}
-    d.peer = object()  # the peer-to-peer combine: the CUDA routing and the late fork at 1 row only
-    assert MOE_PLAN_EP == ((1, "cuda", True, "residual"),)
-    assert [d._moe_plan(n) for n in (1, 2, 6, 64)] == [("cuda", True, "residual")] + [MOE_PLAN_ABOVE] * 3
+    d.peer = object()  # the peer-to-peer combine: the CUDA routing and the late fork at 1 and 7-16 rows
+    assert MOE_PLAN_EP == ((1, "cuda", True, "residual"), (6, *MOE_PLAN_ABOVE), (16, "cuda", True, "residual"))
+    late = ("cuda", True, "residual")
+    assert [d._moe_plan(n) for n in (1, 2, 6, 7, 16, 17, 64)] == [late, MOE_PLAN_ABOVE, MOE_PLAN_ABOVE, late, late,
+                                                                  MOE_PLAN_ABOVE, MOE_PLAN_ABOVE]
     d.route_cuda_ok = False
     assert d._moe_plan(1) == ("triton", True, "residual")
     d.route_cuda_ok = True

@@ -53,8 +53,9 @@ PDL_MAX_ROWS = 4  # FastDecoder(pdl=None): programmatic dependent launch for ste
 # peer-to-peer combine, p50 ms A/B (docs/PERFORMANCE.md, eighteenth measurement): 1 row 6.755 / 6.735
 # with PDL against 7.547 / 7.529 without, 6 rows 11.790 / 11.792 against 12.512 / 12.610. 8 and more
 # rows are not measured on the ranks; on one GPU PDL is slower from 16 rows on. The all-reduce combine
-# was not measured with PDL: it stays without.
-PDL_MAX_ROWS_EP = 6
+# was not measured with PDL: it stays without. Twentieth measurement (same setting): 8 rows 13.403 /
+# 13.344 with PDL against 13.900 / 13.910 without, 16 rows 18.864 / 18.840 against 19.377 / 19.357.
+PDL_MAX_ROWS_EP = 16
 # FastDecoder(router=None, shared_after_router=None, shared_w2=None) on one GPU: by a step's rows
 # (up to the first entry's count), which launches route ("triton": router.py's; "cuda": the gate
 # GEMV, then route_cuda's), whether the shared expert's side stream forks after the router (else
@@ -76,9 +77,11 @@ MOE_PLAN_ABOVE = ("triton", False, "residual")
 # With several ranks and the peer-to-peer combine (the whole shared expert beside the routed experts,
 # so the shared w2 entry does not apply): 1 row takes the CUDA routing and the late fork, measured
 # on 2 x H200, all 43 layers, p50 ms A/B/A/B: 7.497 / 7.500 against MOE_PLAN_ABOVE's 8.274 / 8.286
-# (docs/PERFORMANCE.md, sixteenth measurement). More rows, and the all-reduce combine, are not
-# measured yet (`bash benchmarks/h200_checks.sh ep_plan`): MOE_PLAN_ABOVE.
-MOE_PLAN_EP = ((1, "cuda", True, "residual"),)
+# (docs/PERFORMANCE.md, sixteenth measurement). Twentieth measurement, the same A/B/A/B: 6 rows (PDL
+# on) 11.644 / 11.748 against 11.616 / 11.617, so MOE_PLAN_ABOVE; 8 and 16 rows (PDL off then) 13.417 /
+# 13.423 against 13.900 / 13.910 and 18.766 / 18.767 against 19.377 / 19.357. 2-5 rows and the
+# all-reduce combine are not measured: MOE_PLAN_ABOVE.
+MOE_PLAN_EP = ((1, "cuda", True, "residual"), (6, *MOE_PLAN_ABOVE), (16, "cuda", True, "residual"))
 # For steps of at most this many rows, every mHC finish's Sinkhorn (the stream update's post and
 # comb) runs in a launch of its own on the side stream, forked after the collapse launch (it reads
 # only the mixes' partials, but waits for the collapse too): the sublayer's input x waits for the
