@@ -51,10 +51,10 @@ from megastep.runtime.trace import StepTrace, stage
 PDL_MAX_ROWS = 4  # FastDecoder(pdl=None): programmatic dependent launch for steps up to this many rows
 # The same with several ranks (expert parallelism). Measured on 2 x H200, all 43 V4-Flash layers, the
 # peer-to-peer combine, p50 ms A/B (docs/PERFORMANCE.md, eighteenth measurement): 1 row 6.755 / 6.735
-# with PDL against 7.547 / 7.529 without, 6 rows 11.790 / 11.792 against 12.512 / 12.610. 8 and more
-# rows are not measured on the ranks; on one GPU PDL is slower from 16 rows on. The all-reduce combine
-# was not measured with PDL: it stays without. Twentieth measurement (same setting): 8 rows 13.403 /
-# 13.344 with PDL against 13.900 / 13.910 without, 16 rows 18.864 / 18.840 against 19.377 / 19.357.
+# with PDL against 7.547 / 7.529 without, 6 rows 11.790 / 11.792 against 12.512 / 12.610; twentieth
+# measurement: 8 rows 13.403 / 13.344 against 13.900 / 13.910, 16 rows 18.864 / 18.840 against 19.377 /
+# 19.357 (on one GPU PDL is slower from 16 rows on). More rows are not measured on the ranks. The
+# all-reduce combine was not measured with PDL: it stays without.
 PDL_MAX_ROWS_EP = 16
 # FastDecoder(router=None, shared_after_router=None, shared_w2=None) on one GPU: by a step's rows
 # (up to the first entry's count), which launches route ("triton": router.py's; "cuda": the gate
