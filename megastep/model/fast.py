@@ -24,11 +24,9 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from megastep.checkpoint import formats
 from megastep.config import CSA_RATIO, ModelConfig
 from megastep.kernels import attention as _attn
 from megastep.kernels import common as _common
@@ -44,6 +42,8 @@ from megastep.kernels import rope_norm as _rn
 from megastep.kernels import route_cuda as _route_cuda
 from megastep.kernels import router as _router
 from megastep.model import ops
+from megastep.model.linears import Linear, LinearGroup
+from megastep.model.state_pools import StatePools
 from megastep.runtime.distributed import experts_of, ordered_combine
 from megastep.runtime.sidecar import CpuSidecar, add_pairs
 from megastep.runtime.trace import StepTrace, stage
@@ -104,111 +104,6 @@ MHC_SINKHORN_BESIDE_ROWS = 16
 # launch then waits: its stretch grew 0.3 -> 5.3 us) and 16 rows 18.234 / 18.202 against 17.962 /
 # 17.927.
 MHC_SINKHORN_OWN_STREAM_ROWS = (2, 4)
-
-
-@dataclass
-class Linear:
-    """A linear layer in its checkpoint format: FP8 (weight e4m3 + scale) or plain (bf16/f32)."""
-
-    w: torch.Tensor
-    scale: torch.Tensor | None
-    block: int
-    act_quant: bool  # fp8-quantize the activation first (every FP8 linear but wo_a)
-
-    @property
-    def kernel_block(self) -> bool:
-        """The FP8 kernel takes V4's 128x128 blocks only; a checkpoint with other blocks (the
-        built-in tiny model's 32) runs its FP8 linears through the torch twin."""
-        return self.block == _lin.BLOCK
-
-    def __call__(self, x: torch.Tensor, triton: bool, out_dtype: torch.dtype | None = None,
-                 codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """codes: x's fp8 activation quantization made beside x (linear_fp8's x_codes), or None."""
-        out_dtype = out_dtype or x.dtype
-        if self.scale is None:  # unquantized checkpoint: plain fp32-accumulated matmul
-            return (x.float() @ self.w.float().T).to(out_dtype)
-        if self.act_quant:
-            fn = _lin.linear_fp8 if triton and self.kernel_block else _lin.linear_fp8_ref
-            return fn(x.contiguous(), self.w, self.scale, block=self.block, out_dtype=out_dtype, x_codes=codes)
-        raise ValueError("a linear without activation quantization is grouped (wo_a): call grouped()")
-
-    def grouped(self, x: torch.Tensor, groups: int, rank: int, triton: bool) -> torch.Tensor:
-        """wo_a: x [B, G, d] -> [B, G*rank], group g through weight rows [g*rank, (g+1)*rank).
-        The official code dequantizes wo_a to a plain weight: no activation quantization."""
-        if triton and self.kernel_block and self.scale is not None and rank % self.block == 0:  # one launch
-            return _lin.linear_fp8(x.reshape(x.shape[0], -1).contiguous(), self.w, self.scale, block=self.block,
-                                   quantize_act=False, groups=groups)
-        w = self.w.float() if self.scale is None else formats.dequantize_fp8_weight(self.w, self.scale, self.block)
-        return torch.einsum("bgd,grd->bgr", x.float(), w.view(groups, rank, -1)).to(x.dtype).flatten(1)
-
-
-class LinearGroup:
-    """Linears that read the same input, run as one launch over their rows concatenated at load:
-    one weight stream instead of several small ones, each of which pays a launch and a ramp-up.
-    Every output element is the same dot product either way, so only the split-K summation
-    order (chosen per weight shape) can differ. FP8 parts are fused when each part's rows are
-    whole 128-row scale blocks (always at V4 shapes); otherwise they run one by one."""
-
-    def __init__(self, parts: list[Linear]):
-        self.sizes = [p.w.shape[0] for p in parts]
-        first = parts[0]
-        same = all(p.act_quant == first.act_quant and p.block == first.block and (p.scale is None) == (first.scale is None)
-                   for p in parts)
-        whole = first.scale is None or all(n % first.block == 0 for n in self.sizes)
-        if len(parts) > 1 and same and whole:
-            sc = None if first.scale is None else torch.cat([p.scale for p in parts])
-            self.fused, self.parts = Linear(torch.cat([p.w for p in parts]), sc, first.block, first.act_quant), []
-        else:
-            self.fused, self.parts = None, parts
-
-    def __call__(self, x: torch.Tensor, triton: bool, codes=None) -> list[torch.Tensor]:
-        if self.fused is None:
-            return [p(x, triton, codes=codes) for p in self.parts]
-        return list(self.fused(x, triton, codes=codes).split(self.sizes, dim=1))
-
-
-class StatePools:
-    """Per-sequence state of every layer in fixed pools indexed by slot; the last slot is the
-    dummy that padding rows write to. Compressed-entry pools have one extra discard row. The
-    window ring holds sliding_window + max_block - 1 rows: a step that advances a sequence by a
-    block of up to max_block tokens writes them all before attending, and the block's first row
-    must still find its sliding_window - 1 predecessors."""
-
-    def __init__(self, cfg: ModelConfig, max_seqs: int, max_ctx: int, dtype: torch.dtype, device, max_block: int = 1):
-        self.cfg, self.max_ctx, self.max_block = cfg, max_ctx, max_block
-        S = max_seqs + 1
-        self.dummy_slot = max_seqs
-        self.win, self.ckv, self.csc, self.cent, self.ikv, self.isc, self.ikeys = ([] for _ in range(7))
-        for L in range(cfg.num_hidden_layers):
-            r = cfg.ratio(L)
-            self.win.append(torch.zeros(S, cfg.sliding_window + max_block - 1, cfg.head_dim, dtype=dtype, device=device))
-            ckv = csc = cent = ikv = isc = ikeys = None
-            if r:
-                coff = 2 if r == CSA_RATIO else 1
-                ckv = torch.zeros(S, coff * r, coff * cfg.head_dim, dtype=torch.float32, device=device)
-                csc = torch.full_like(ckv, float("-inf"))
-                cent = torch.zeros(S, max_ctx // r + 1, cfg.head_dim, dtype=dtype, device=device)
-                if r == CSA_RATIO:
-                    ikv = torch.zeros(S, 2 * r, 2 * cfg.index_head_dim, dtype=torch.float32, device=device)
-                    isc = torch.full_like(ikv, float("-inf"))
-                    ikeys = torch.zeros(S, max_ctx // r + 1, cfg.index_head_dim, dtype=dtype, device=device)
-            for lst, t in zip((self.ckv, self.csc, self.cent, self.ikv, self.isc, self.ikeys), (ckv, csc, cent, ikv, isc, ikeys)):
-                lst.append(t)
-
-    def reset(self, slot: int) -> None:
-        """Make a slot a fresh sequence: compressor scores -inf (no rows stored), values zero."""
-        for lst in (self.win, self.ckv, self.cent, self.ikv, self.ikeys):
-            for t in lst:
-                if t is not None:
-                    t[slot].zero_()
-        for lst in (self.csc, self.isc):
-            for t in lst:
-                if t is not None:
-                    t[slot].fill_(float("-inf"))
-
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for lst in (self.win, self.ckv, self.csc, self.cent, self.ikv, self.isc, self.ikeys)
-                   for t in lst if t is not None)
 
 
 class FastDecoder:

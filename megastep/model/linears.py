@@ -1,0 +1,73 @@
+"""The fast path's linears in their checkpoint formats: one weight (`Linear`), or several that read
+the same input run as one launch (`LinearGroup`). On CUDA with V4's 128x128 blocks the FP8 ones run
+in kernels/linear_fp8.py, elsewhere in its torch twin."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megastep.checkpoint import formats
+from megastep.kernels import linear_fp8 as _lin
+
+
+@dataclass
+class Linear:
+    """A linear layer in its checkpoint format: FP8 (weight e4m3 + scale) or plain (bf16/f32)."""
+
+    w: torch.Tensor
+    scale: torch.Tensor | None
+    block: int
+    act_quant: bool  # fp8-quantize the activation first (every FP8 linear but wo_a)
+
+    @property
+    def kernel_block(self) -> bool:
+        """The FP8 kernel takes V4's 128x128 blocks only; a checkpoint with other blocks (the
+        built-in tiny model's 32) runs its FP8 linears through the torch twin."""
+        return self.block == _lin.BLOCK
+
+    def __call__(self, x: torch.Tensor, triton: bool, out_dtype: torch.dtype | None = None,
+                 codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """codes: x's fp8 activation quantization made beside x (linear_fp8's x_codes), or None."""
+        out_dtype = out_dtype or x.dtype
+        if self.scale is None:  # unquantized checkpoint: plain fp32-accumulated matmul
+            return (x.float() @ self.w.float().T).to(out_dtype)
+        if self.act_quant:
+            fn = _lin.linear_fp8 if triton and self.kernel_block else _lin.linear_fp8_ref
+            return fn(x.contiguous(), self.w, self.scale, block=self.block, out_dtype=out_dtype, x_codes=codes)
+        raise ValueError("a linear without activation quantization is grouped (wo_a): call grouped()")
+
+    def grouped(self, x: torch.Tensor, groups: int, rank: int, triton: bool) -> torch.Tensor:
+        """wo_a: x [B, G, d] -> [B, G*rank], group g through weight rows [g*rank, (g+1)*rank).
+        The official code dequantizes wo_a to a plain weight: no activation quantization."""
+        if triton and self.kernel_block and self.scale is not None and rank % self.block == 0:  # one launch
+            return _lin.linear_fp8(x.reshape(x.shape[0], -1).contiguous(), self.w, self.scale, block=self.block,
+                                   quantize_act=False, groups=groups)
+        w = self.w.float() if self.scale is None else formats.dequantize_fp8_weight(self.w, self.scale, self.block)
+        return torch.einsum("bgd,grd->bgr", x.float(), w.view(groups, rank, -1)).to(x.dtype).flatten(1)
+
+
+class LinearGroup:
+    """Linears that read the same input, run as one launch over their rows concatenated at load:
+    one weight stream instead of several small ones, each of which pays a launch and a ramp-up.
+    Every output element is the same dot product either way, so only the split-K summation
+    order (chosen per weight shape) can differ. FP8 parts are fused when each part's rows are
+    whole 128-row scale blocks (always at V4 shapes); otherwise they run one by one."""
+
+    def __init__(self, parts: list[Linear]):
+        self.sizes = [p.w.shape[0] for p in parts]
+        first = parts[0]
+        same = all(p.act_quant == first.act_quant and p.block == first.block and (p.scale is None) == (first.scale is None)
+                   for p in parts)
+        whole = first.scale is None or all(n % first.block == 0 for n in self.sizes)
+        if len(parts) > 1 and same and whole:
+            sc = None if first.scale is None else torch.cat([p.scale for p in parts])
+            self.fused, self.parts = Linear(torch.cat([p.w for p in parts]), sc, first.block, first.act_quant), []
+        else:
+            self.fused, self.parts = None, parts
+
+    def __call__(self, x: torch.Tensor, triton: bool, codes=None) -> list[torch.Tensor]:
+        if self.fused is None:
+            return [p(x, triton, codes=codes) for p in self.parts]
+        return list(self.fused(x, triton, codes=codes).split(self.sizes, dim=1))
