@@ -40,9 +40,9 @@ export PYTHONPATH=$PWD
 python3 -m pip install -e . --no-deps --no-build-isolation -q >/dev/null 2>&1 || true
 summary=()
 
-# One device call runs at most 600 s and brings back nothing when killed, so the steps together stop at
-# 560 s: a step's limit is cut to what is left, a step with under 20 s left is skipped, and the archive
-# below is always written.
+# One device call runs at most 600 s, and a killed call brings back only a few of its files (not the
+# archive), so the steps together stop at 560 s: a step's limit is cut to what is left, a step with
+# under 20 s left is skipped, and the archive below is always written.
 DEADLINE=$((SECONDS + 560))
 
 step() {  # step NAME SECONDS command...

@@ -45,11 +45,12 @@ Both use fp32 operands under the interpreter. M is padded to a 16-row tile: the 
 next to the weight bytes. The two modes differ from the ref (and from each other) in the order of
 fp32 sums only.
 Measured on one H200 and dropped: an fp8 x fp8 dot (Hopper's fp8 MMA accumulates with fewer
-bits than fp32: several bf16 steps off the ref; measured again on 2026-11-30 as e4m3 x e4m3 wgmma per
-128-block, the official kernel's arithmetic: 4-22 % faster alone at 1 row, but the step only 1 %
-faster at 1 row and 11 % slower at 16, for a relative error of 3-9e-4 against ~1e-5), a CUDA-core fp32 GEMV for M <= 4 (never faster
-than dot16), one K step per program with many programs (slower than a pipelined K loop), 128-row
-tiles in "f16" (fewer instructions per byte, but slower: half the programs).
+bits than fp32: several bf16 steps off the ref; measured again on 2026-11-30 as e4m3 x e4m3 wgmma
+per 128-block, the official kernel's arithmetic: 4-22 % faster alone at 1 row, but the step only
+1 % faster at 1 row and 11 % slower at 16, for a relative error of 3-9e-4 against ~1e-5), a
+CUDA-core fp32 GEMV for M <= 4 (never faster than dot16), one K step per program with many
+programs (slower than a pipelined K loop), 128-row tiles in "f16" (fewer instructions per byte,
+but slower: half the programs).
 """
 
 from __future__ import annotations

@@ -503,9 +503,9 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
     comb) (y2: see mhc_post), stores them and collapses those (returned last); else h itself.
     sinkhorn_stream: None, the Sinkhorn in the finish launch; a CUDA stream, its own launch on that
     stream, forked after the collapse launch (it needs only the mixes' partials; a fork right after
-    the mixes was slower at 2-16 rows: docs/PERFORMANCE.md, twentieth measurement), and the caller's
-    stream must wait for that stream before it reads
-    post or comb; CURRENT_STREAM, its own launch after the collapse on the current stream."""
+    the mixes was slower at 2-16 rows: docs/PERFORMANCE.md, twentieth measurement), and the
+    caller's stream must wait for that stream before it reads post or comb; CURRENT_STREAM, its own
+    launch after the collapse on the current stream."""
     B, D = _check_h(h, hc)
     mix = (2 + hc) * hc if sinkhorn else hc
     K = hc * D
