@@ -288,6 +288,17 @@ def test_swiglu_every_config(cfg):
     check_swiglu(linear_fp8_swiglu(x, w, s, LIMIT, config=cfg), x, w, s, LIMIT, cfg)
 
 
+def test_swiglu_rows_past_one_row_tile():
+    """The shared w1/w3's pin runs more than 16 rows in several 16-row tiles (a grid of row tiles,
+    each streaming the weight again): every tile's rows right, and a row's bits those it gets alone."""
+    cfg = LinearFp8Config("f16", 64, 16, 128, 2, num_warps=2)
+    x, w, s = make_w13(40, 128, 2 * 128 + 96, seed=40)
+    y = linear_fp8_swiglu(x, w, s, LIMIT, config=cfg)
+    check_swiglu(y, x, w, s, LIMIT, cfg)
+    for r in (0, 17, 39):  # rows of the first, second and last (ragged) tile
+        assert same_bits(linear_fp8_swiglu(x[r:r + 1].contiguous(), w, s, LIMIT, config=cfg), y[r:r + 1]), r
+
+
 @pytest.mark.parametrize("M,I,K,limit,od", [(3, 256, 384, LIMIT, torch.bfloat16), (5, 128, 300, 0.0, torch.bfloat16),
                                             (17, 128, 256, LIMIT, torch.float32), (1, 256, 512, 2.5, torch.bfloat16)])
 def test_swiglu_picked_config_odd_rows_and_limits(M, I, K, limit, od):
