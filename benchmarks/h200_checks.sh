@@ -24,7 +24,7 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh w2tile     # the shared w2 in 2-warp programs with 16-row tiles at every batch against the rule: GPU tests, A/B/A/B (~4 min)
+#   bash benchmarks/h200_checks.sh sideroom   # 2-warp programs for the shared w2 (16-row tiles) and the compressors' bf16 projection against the rule: GPU tests, A/B/A/B (~6 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep16       # 2+ GPUs, 43 layers: PDL and the one-GPU MoE order together at 8 and 16 rows, against each alone (~3 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -194,15 +194,18 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
-    w2tile)  # the shared w2 in 2-warp programs with 16-row tiles at every batch (the same sums for every row), as
-      # the shared w1/w3 since the twentieth measurement (16 rows -0.6 ms: the 2-warp program fits beside the routed
-      # experts), against the rule: the linears' row-tile GPU tests with it, then the step A/B/A/B
+    sideroom)  # 2-warp programs for two launches that run beside others (the shared w1/w3's finding, twentieth
+      # measurement: 16 rows -0.6 ms): the shared w2 with 16-row tiles at every batch (beside the routed experts' down),
+      # and the compressors' bf16 projection (beside the qr group; dense.py's row tile is 16 at every batch). The
+      # linears' row-tile GPU tests with the w2 pin, then the step A/B/A/B
       W='import megastep.kernels.linear_fp8 as L; L._PINNED.update({(4096, 2048, mb): L.LinearFp8Config("f16", 64, 16, 128, 4, num_warps=2) for mb in (16, 32, 64)})'
-      step w2tile_tests 120 python3 -c "$W; import sys, pytest
+      C='import megastep.kernels.dense as d; d._PINNED.update({(2560, 4096): d.DenseConfig(64, 128, 4, num_warps=2), (1024, 4096): d.DenseConfig(64, 128, 16, num_warps=2)})'
+      step sideroom_tests 120 python3 -c "$W; import sys, pytest
 sys.exit(pytest.main(['-q', '--timeout', '100', 'tests/kernels/test_linear_fp8.py', '-k', 'gpu and (row_tile or v4_shapes)']))"
       for arm in a b; do
-        bench "w2tile_rule_$arm" 100 --layers 30 --batch 1,2,4,16,64
-        bench_with "w2tile_x2_$arm" 70 "$W" --layers 30 --batch 1,2,4,16,64
+        bench "sideroom_rule_$arm" 100 --layers 30 --batch 1,2,4,16,64
+        bench_with "sideroom_w2_$arm" 70 "$W" --layers 30 --batch 1,2,4,16,64
+        bench_with "sideroom_dense_$arm" 70 "$C" --layers 30 --batch 1,2,4,16,64
       done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
@@ -225,7 +228,7 @@ sys.exit(pytest.main(['-q', '--timeout', '100', 'tests/kernels/test_linear_fp8.p
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | w2tile | linsplit | ep16 | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sideroom | linsplit | ep16 | ep)"
       exit 2 ;;
   esac
 done
