@@ -26,7 +26,6 @@
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh sideroom   # 2-warp programs for the shared w2 (16-row tiles) and the compressors' bf16 projection against the rule: GPU tests, A/B/A/B (~6 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
-#   bash benchmarks/h200_checks.sh ep16       # 2+ GPUs, 43 layers: PDL and the one-GPU MoE order together at 8 and 16 rows, against each alone (~3 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # Logs and JSON are written under $OUT/h200_checks_run, then packed into one archive in $OUT,
@@ -209,12 +208,6 @@ sys.exit(pytest.main(['-q', '--timeout', '100', 'tests/kernels/test_linear_fp8.p
       done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
-    ep16)  # 2+ GPUs, 43 layers: at 8 and 16 rows the ranks now take PDL and the one-GPU MoE order (CUDA routing, late
-      # fork) together; each alone took ~0.5 ms off (twentieth measurement). The two arms: each alone again
-      all_gpus
-      bench "ep${n}_both" 100 --gpus "$gpus" --batch 8,16
-      bench_with "ep${n}_pdl_only" 60 'import megastep.model.fast as f; f.MOE_PLAN_EP = f.MOE_PLAN_EP[:2]' --gpus "$gpus" --batch 8,16
-      bench_with "ep${n}_order_only" 60 'import megastep.model.fast as f; f.PDL_MAX_ROWS_EP = 6' --gpus "$gpus" --batch 8,16 ;;
     ep)
       all_gpus
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)
@@ -228,7 +221,7 @@ sys.exit(pytest.main(['-q', '--timeout', '100', 'tests/kernels/test_linear_fp8.p
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sideroom | linsplit | ep16 | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sideroom | linsplit | ep)"
       exit 2 ;;
   esac
 done

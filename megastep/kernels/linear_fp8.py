@@ -166,7 +166,7 @@ def pick_config(M: int, N: int, K: int, quantize_act: bool = True) -> LinearFp8C
 # Measured on one H200 (benchmarks/kernels/linear_variants.py, 2026-11-29), V4-Flash shared expert
 # I 2048, K 4096 (16 MB), µs per call at M = 1 / 64: the rule 11.8 / 34.2; "dot16" with 4 stages
 # (the earlier rule) 15.9 / 37.8; 4 stages 13.2; BLOCK_N 128 15.1 / 50.8; split 16 17.0 / 52.1.
-# No pins. Until 2026-11-30 the shared expert's w1/w3 at 1-16 rows ran in 2-warp programs
+# Until the nineteenth measurement the shared expert's w1/w3 at 1-16 rows ran in 2-warp programs
 # (sixteenth measurement: 2 rows 6.15-6.16 ms against 6.25-6.31 in the step; 1, 4 and 16 rows
 # unchanged). That changed the sums. With 2 warps Triton runs the dot on mma.sync (its MMAv2 path,
 # kWidth 4 for the e4m3 operand), whose k16 steps take two of each lane's four consecutive columns:
