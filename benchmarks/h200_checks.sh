@@ -3,7 +3,7 @@
 # sidecar, the experts-kernel modes end to end) and the measurements that follow. Each step has its
 # own time limit and log under $OUT; a short table of results is printed last.
 #
-#   bash benchmarks/h200_checks.sh tests      # the GPU tests: fast step, then the kernels (~5 min)
+#   bash benchmarks/h200_checks.sh tests      # the GPU tests: fast step, then the kernels (~8 min on a cold machine)
 #   bash benchmarks/h200_checks.sh resident   # 30-layer step: fma vs dot_asm experts, a 6-token block (~4 min)
 #   bash benchmarks/h200_checks.sh trace      # 30-layer step at 1-64 rows with the per-stage kernel table (~1 min)
 #   bash benchmarks/h200_checks.sh overlap    # the 30-layer step with and without the second stream, and its GPU tests (~7 min)
@@ -26,6 +26,7 @@
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh sideroom   # 2-warp programs for the shared w2 (16-row tiles) and the compressors' bf16 projection against the rule: GPU tests, A/B/A/B (~6 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
+#   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # Logs and JSON are written under $OUT/h200_checks_run, then packed into one archive in $OUT,
@@ -83,8 +84,8 @@ all_gpus() {  # the lent machines' NCCL settings; n = the GPUs, gpus = their ids
 for group in "$@"; do
   case $group in
     tests)
-      step gpu_tests 200 python3 -m pytest -q --timeout 120 -m gpu tests/test_fast_gpu.py tests/kernels/test_fast_step_triton.py
-      step gpu_kernel_tests 240 python3 -m pytest -q --timeout 100 -m gpu tests/kernels/test_linear_fp8.py \
+      step gpu_tests 330 python3 -m pytest -q --timeout 120 -m gpu tests/test_fast_gpu.py
+      step gpu_kernel_tests 220 python3 -m pytest -q --timeout 100 -m gpu tests/kernels/test_linear_fp8.py \
         tests/kernels/test_moe.py tests/kernels/test_mhc.py tests/kernels/test_rope_norm.py tests/kernels/test_attention.py \
         tests/kernels/test_router.py ;;
     resident)
@@ -208,6 +209,9 @@ sys.exit(pytest.main(['-q', '--timeout', '100', 'tests/kernels/test_linear_fp8.p
       done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
+    ep_tests)
+      all_gpus
+      step ep_gpu_tests 500 python3 -m pytest -q -rfE --timeout 300 tests/test_distributed_gpu.py tests/kernels/test_pair_combine.py ;;
     ep)
       all_gpus
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)
@@ -221,7 +225,7 @@ sys.exit(pytest.main(['-q', '--timeout', '100', 'tests/kernels/test_linear_fp8.p
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sideroom | linsplit | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sideroom | linsplit | ep_tests | ep)"
       exit 2 ;;
   esac
 done

@@ -1,9 +1,10 @@
 """Expert parallelism on two GPUs (skipped otherwise): the fast decoder with its routed experts
 split over the ranks gives the 1-GPU decoder's logits bit for bit, eagerly and replayed from CUDA
-graphs, at batch 1 and 4, with either combine: the peer-to-peer gather (arrival flags and NVLink
+graphs, at batch 1, 4 and 8, with either combine: the peer-to-peer gather (arrival flags and NVLink
 loads inside the graph, kernels/pair_combine.py) and the integer all-reduce through NCCL; and with the
 one-GPU step's MoE order at few rows (CUDA routing, the shared expert forked after the router) at
-both batches, which the ranks take by default at 1 and 7-16 rows (FastDecoder.MOE_PLAN_EP); and with
+every batch, which the ranks take by default at 1 and 7-16 rows (FastDecoder.MOE_PLAN_EP: batch 8 runs
+it with PDL, on up to 16 rows with the p2p combine); and with
 programmatic dependent launch on the ranks and off."""
 
 import pytest
@@ -66,7 +67,7 @@ def _ep_rank(r: D.Rank, batches, ep_combine, plan):
     return _run(dec, batches)
 
 
-BATCHES = (1, 4)
+BATCHES = (1, 4, 8)  # 8: the ranks' 7-16 row plan (MOE_PLAN_EP) and PDL there (PDL_MAX_ROWS_EP)
 
 
 @pytest.fixture(scope="module")
