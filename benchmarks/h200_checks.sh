@@ -10,7 +10,7 @@
 #   bash benchmarks/h200_checks.sh pdl        # the 30-layer step with and without programmatic dependent launch, PDL's GPU tests (~4 min)
 #   bash benchmarks/h200_checks.sh tune       # measure and pin attention / mHC configs, then their GPU tests (~5 min)
 #   bash benchmarks/h200_checks.sh attn       # attention only: sweep and pin, the few-rows plan at 1-4 rows, its GPU tests (~7 min)
-#   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget, recipes A / B / hybrid (~7 min)
+#   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget: B, hybrid (skewed), A (uniform, skewed) (~9 min)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
 #   bash benchmarks/h200_checks.sh small_ncu  # the 1-row step's small launches (attention, indexer, q norm + RoPE, mHC, norms): per-instruction stall samples from ncu (~3 min)
@@ -24,7 +24,6 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh sideroom   # 2-warp programs for the shared w2 (16-row tiles) and the compressors' bf16 projection against the rule: GPU tests, A/B/A/B (~6 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -41,9 +40,15 @@ python3 -m pip install -e . --no-deps --no-build-isolation -q >/dev/null 2>&1 ||
 summary=()
 
 # One device call runs at most 600 s, and a killed call brings back only a few of its files (not the
-# archive), so the steps together stop at 560 s: a step's limit is cut to what is left, a step with
-# under 20 s left is skipped, and the archive below is always written.
-DEADLINE=$((SECONDS + 560))
+# archive), so the steps together stop at 560 s (or at `--deadline SECONDS`, given first, for a call
+# with a shorter limit): a step's limit is cut to what is left, a step with under 20 s left is
+# skipped, and the archive below is always written.
+budget=560
+if [ "${1:-}" = "--deadline" ]; then
+  budget=$2
+  shift 2
+fi
+DEADLINE=$((SECONDS + budget))
 
 step() {  # step NAME SECONDS command...
   local name=$1 limit=$2
@@ -112,10 +117,12 @@ for group in "$@"; do
       bench resident_pdl 120 --layers 30 --batch 1,4,16,64 --pdl on
       bench resident_no_pdl 120 --layers 30 --batch 1,4,16,64 --pdl off
       step pdl_tests 200 python3 -m pytest -q --timeout 150 tests/kernels/test_pdl.py tests/test_fast_gpu.py -k pdl ;;
-    offload)
-      for path in hybrid cpu gpu; do
+    offload)  # recipes B and hybrid under skewed routing, A under uniform, then A under skewed (~2.3 min each)
+      for path in cpu hybrid; do
         bench "offload_skewed_$path" 150 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path "$path"
-      done ;;
+      done
+      bench offload_uniform_gpu 150 --batch 1,6 --routing uniform --hbm-budget 125 --cold-path gpu
+      bench offload_skewed_gpu 150 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;
     offload_a)  # recipe A alone (the winner of the offload group)
       bench offload_skewed_gpu 280 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;
     ncu)  # why the weight-streaming kernels reach 1.1-1.5 TB/s and attention takes 20-30 us at batch 1:
@@ -194,19 +201,6 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
-    sideroom)  # 2-warp programs for two launches that run beside others (the shared w1/w3's finding, twentieth
-      # measurement: 16 rows -0.6 ms): the shared w2 with 16-row tiles at every batch (beside the routed experts' down),
-      # and the compressors' bf16 projection (beside the qr group; dense.py's row tile is 16 at every batch). The
-      # linears' row-tile GPU tests with the w2 pin, then the step A/B/A/B
-      W='import megastep.kernels.linear_fp8 as L; L._PINNED.update({(4096, 2048, mb): L.LinearFp8Config("f16", 64, 16, 128, 4, num_warps=2) for mb in (16, 32, 64)})'
-      C='import megastep.kernels.dense as d; d._PINNED.update({(2560, 4096): d.DenseConfig(64, 128, 4, num_warps=2), (1024, 4096): d.DenseConfig(64, 128, 16, num_warps=2)})'
-      step sideroom_tests 120 python3 -c "$W; import sys, pytest
-sys.exit(pytest.main(['-q', '--timeout', '100', 'tests/kernels/test_linear_fp8.py', '-k', 'gpu and (row_tile or v4_shapes)']))"
-      for arm in a b; do
-        bench "sideroom_rule_$arm" 100 --layers 30 --batch 1,2,4,16,64
-        bench_with "sideroom_w2_$arm" 70 "$W" --layers 30 --batch 1,2,4,16,64
-        bench_with "sideroom_dense_$arm" 70 "$C" --layers 30 --batch 1,2,4,16,64
-      done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_tests)
@@ -225,7 +219,7 @@ sys.exit(pytest.main(['-q', '--timeout', '100', 'tests/kernels/test_linear_fp8.p
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | sideroom | linsplit | ep_tests | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | linsplit | ep_tests | ep)"
       exit 2 ;;
   esac
 done
