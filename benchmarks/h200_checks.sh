@@ -24,7 +24,6 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh tiles16    # the FP8 linears in 16-row tiles at 32-64 rows (the same sums), A/B at 32 and 64 rows (~3.5 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -202,16 +201,6 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
-    tiles16)  # the FP8 linears' 16-row tiles at 32 and 64 rows with 4 warps: the same sums as every bucket's rule
-      # (a row tile is not among what sets the sums), so a free pick if faster. The twenty-first measurement's 2-warp
-      # shared w2 at 16-row tiles was 0.7 ms faster at 64 rows (and 0.11 slower at 1 row, its sums differ there)
-      W='import megastep.kernels.linear_fp8 as L; L._PINNED.update({(4096, 2048, mb): L.LinearFp8Config("f16", 64, 16, 128, 4) for mb in (32, 64)})'
-      T='import megastep.kernels.linear_fp8 as L; L._m_bucket = lambda M: 16'
-      for arm in a b; do
-        bench "tiles16_rule_$arm" 90 --layers 30 --batch 32,64
-        bench_with "tiles16_w2_$arm" 45 "$W" --layers 30 --batch 32,64
-        bench_with "tiles16_all_$arm" 45 "$T" --layers 30 --batch 32,64
-      done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_tests)
@@ -230,7 +219,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | tiles16 | linsplit | ep_tests | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | linsplit | ep_tests | ep)"
       exit 2 ;;
   esac
 done
