@@ -524,13 +524,48 @@ def test_gpu_lut_spread_gate_up_gives_the_same_bits(M, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(g, want))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 2, 3, 16, 64])
+def test_gpu_lut_pair_major_columns_give_the_same_bits(M, monkeypatch):
+    """moe_lut.PAIR_MAJOR (the .cu's pair-major MMA columns: other lanes load x, the same sums in
+    the same order) gives the default kernels' bits at V4-Flash expert shapes: per-pair outputs, the
+    combine, the combine with the shared expert's output, a sparse table's pairs; whole items, and the
+    spread gate-up at M = 2 (SPREAD_ROWS); slots of one, two and several pairs (several passes)."""
+    from megastep.kernels import moe_lut
+
+    ex = random_stacked_experts(32, 4096, 2048, seed=17, dev="cuda")
+    x, ids, wts = make_inputs(M, 4096, 32, 6, seed=M + 19, dev="cuda")
+    if M >= 3:  # expert 0 in every row: a slot of M pairs
+        ids[:, 0] = torch.where((ids == 0).any(1), ids[:, 0], 0)
+        assert (ids == 0).any(1).all()
+    cfg = pick_config(M, 6, 32, 4096, 2048, mode="lut")
+    full = ExpertTable.from_stacked(*(ex[n] for n in ("w13", "w13_scale", "w2", "w2_scale")))
+    half = ExpertTable.from_experts([p if e % 2 else None for e, p in enumerate(_parts(ex))], device="cuda")
+    s = (torch.randn(M, 4096, generator=torch.Generator().manual_seed(M)) * 4).bfloat16().cuda()
+
+    def outputs():
+        return (moe_experts_table(x, ids, wts, full, config=cfg, return_pairs=True),
+                moe_experts_table(x, ids, wts, full, config=cfg),
+                moe_experts_table(x, ids, wts, full, config=cfg, shared=s),
+                moe_experts_table(x, ids, wts, half, config=cfg, return_pairs=True))
+
+    want = outputs()
+    check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
+    monkeypatch.setattr(moe_lut, "PAIR_MAJOR", True)
+    for _ in range(2):
+        got = outputs()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
 def test_lut_kernels_build_for_sm90():
     """The "lut" kernels compile (nvcc, sm_90) with the header they include, with no local memory:
     a spill would put loads in the experts' inner loop."""
     from megastep.kernels import moe_lut
 
-    assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread"))
+    names = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread")
+    assert_builds_without_spills(moe_lut.SOURCE, names + tuple(n + "_pm" for n in names))
 
 
 def test_lut_spread_gate_up_is_taken_by_rows(monkeypatch):
@@ -550,8 +585,9 @@ def test_lut_signatures_match_the_kernels():
     """moe_lut.py passes as many arguments as each kernel in moe_lut.cu declares, typed by position."""
     from megastep.kernels import moe_lut
 
-    for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD):
-        assert_signature_matches(moe_lut.SOURCE, kernel)
+    for kernels in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD):
+        for kernel in kernels.values():  # and the pair-major entries
+            assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
     warps = int(re.search(r"constexpr int kWarps = (\d+);", src).group(1))
