@@ -71,8 +71,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     BK.LOG = open(os.path.join(args.out, "moe_cuda_variants.log"), "w")
     bw = BK.measure_bandwidth()["read"]
-    BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; "
-           f"lut kernels: {[k.attributes() for k in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD)]}")
+    lut = [k.attributes() for ks in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD) for k in ks.values()]
+    BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; lut kernels: {lut}")
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)
     copies = [MV.random_experts(E, D, I, gen) for _ in range(MV.N_COPIES)]
