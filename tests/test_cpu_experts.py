@@ -166,6 +166,58 @@ def test_same_bits_any_thread_count_and_batch():
         assert torch.equal(alone[0], y1[2]), isa
 
 
+@pytest.mark.skipif(not ce.available_isas(), reason="compiled kernel unavailable")
+def test_poller_thread_runs_posted_jobs():
+    """The polling sidecar's CPU thread (cpu.experts.Poller): a job runs only once its flag is 1,
+    then its flag reads 2 and y holds the job's outputs (the bits of running it directly; y zeroed
+    first); posted again with new inputs, it runs again; two jobs' flags are scanned apart."""
+    import time
+
+    g = torch.Generator().manual_seed(5)
+    D, I, E, M, k = 512, 256, 4, 3, 2
+    st = _stack(D, I, E, g)
+    stacked = (st["w13"], st["w13_scale"], st["w2"], st["w2_scale"])
+    jobs = []
+    for _ in range(2):
+        x, ids = _x(M, D, g), torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32)
+        ids[0, 0] = -1  # a slot of another path: zero in y
+        w, y = torch.rand(M, k, generator=g) + 0.05, torch.full((M, k, D), 7.0, dtype=torch.bfloat16)
+        job = ce.sidecar_job(x, ids, w, *stacked, y, num_threads=2)
+        jobs.append((x, ids, w, y, job, torch.zeros(1, dtype=torch.int32)))
+
+    def want(x, ids, w):
+        y = torch.empty(M, k, D, dtype=torch.bfloat16)
+        ce.run_sidecar_job(ce.sidecar_job(x, ids, w, *stacked, y, num_threads=1))
+        return y
+
+    def wait_done(flag):
+        t0 = time.monotonic()
+        while int(flag[0]) != 2:
+            assert time.monotonic() - t0 < 30, "the poller never finished the job"
+            time.sleep(0.001)
+
+    poller = ce.Poller()
+    try:
+        for *_, job, flag in jobs:
+            poller.add(job, flag)
+        time.sleep(0.05)
+        assert all(int(j[5][0]) == 0 and bool((j[3] == 7.0).all()) for j in jobs)  # nothing posted, nothing run
+        x, ids, w, y, _, flag = jobs[1]
+        flag[0] = 1
+        wait_done(flag)
+        assert torch.equal(y, want(x, ids, w)) and bool((y[0, 0] == 0).all())
+        assert int(jobs[0][5][0]) == 0 and bool((jobs[0][3] == 7.0).all())  # the other job untouched
+        x.copy_(_x(M, D, g))  # new inputs, posted again after the reset
+        flag[0] = 0
+        flag[0] = 1
+        wait_done(flag)
+        assert torch.equal(y, want(x, ids, w))
+    finally:
+        poller.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        poller.add(jobs[0][4], jobs[0][5])
+
+
 def test_build_failure_falls_back_to_torch(monkeypatch):
     from torch.utils import cpp_extension
 

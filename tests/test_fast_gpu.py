@@ -233,6 +233,41 @@ def test_cold_expert_recipes_in_a_graph(cold_path):
             assert torch.corrcoef(torch.stack([e[0], want[0]]))[0, 1] > 0.99
 
 
+@pytest.mark.parametrize("cold_path", ["cpu", "hybrid"])
+def test_polling_sidecar_gives_the_host_functions_bits(cold_path, monkeypatch):
+    """sidecar.POLL (a flag word per job in page-locked memory, written and awaited by the side
+    stream, and a CPU thread that scans them, instead of a host node per layer) gives the host-
+    function sidecar's logits bit for bit, replayed from a CUDA graph (bucket 2: a padded row) and
+    eagerly, over 6 steps of one sequence."""
+    from megastep.checkpoint.synthetic import preset, synthesize_weights
+    from megastep.model.fast import FastDecoder
+    from megastep.runtime import sidecar
+    from megastep.runtime.experts import plan_placement, resident_bytes, routed_expert_bytes
+    from megastep.runtime.step import StepRunner
+
+    cfg = preset("small", layers=2)
+    w = synthesize_weights(cfg, seed=0, device="cuda", include_mtp=False)
+    half = cfg.num_hidden_layers * cfg.n_routed_experts // 2
+    plan = plan_placement(cfg, None, resident_bytes(cfg) + half * routed_expert_bytes(cfg))
+    out = {}
+    for poll in (False, True):
+        monkeypatch.setattr(sidecar, "POLL", poll)
+        dec = FastDecoder(cfg, w, max_seqs=2, max_ctx=512, device="cuda", placement=plan, cold_path=cold_path)
+        assert dec.sidecar is not None and dec.sidecar.poll == poll
+        runner = StepRunner(dec.step, dec.device, dec.pools.dummy_slot, buckets=(2,))
+        dec.pools.reset(0), dec.pools.reset(1)
+        rows = []
+        for t in range(6):  # slot 0 through the graph, slot 1 eagerly
+            tok = torch.randint(0, cfg.vocab_size, (1,), generator=torch.Generator().manual_seed(t)).cuda()
+            pos = torch.full((1,), t, device="cuda")
+            g, _ = runner.run(tok, pos, torch.zeros(1, dtype=torch.long, device="cuda"))
+            rows.append((g[0].clone(), dec.step(tok, pos, torch.ones(1, dtype=torch.long, device="cuda"))[0].clone()))
+        out[poll] = rows
+        del runner, dec
+    for (g0, e0), (g1, e1) in zip(out[False], out[True]):
+        assert torch.equal(g0, e0) and torch.equal(g1, e1) and torch.equal(g0, g1)
+
+
 def test_lut_experts_agree_with_the_triton_kernels():
     """The CUDA "lut" experts and the Triton "dot_asm" ones sum in different orders: the same
     model's logits agree to rounding (docs/NUMERICS.md) for 4 rows over 4 steps."""

@@ -81,6 +81,9 @@ def _load() -> ctypes.CDLL | None:
             lib.ms_experts_forward.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, p, p, f32, p, i32, i32]
             lib.ms_experts_forward.restype = i32
             lib.ms_sidecar_run.argtypes, lib.ms_sidecar_run.restype = [p], None
+            lib.ms_poller_start.argtypes, lib.ms_poller_start.restype = [], p
+            lib.ms_poller_add.argtypes, lib.ms_poller_add.restype = [p, p, p], i32
+            lib.ms_poller_stop.argtypes, lib.ms_poller_stop.restype = [p], None
             _lib = lib
         except Exception as e:  # noqa: BLE001 - any build/load failure means: use torch
             _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
@@ -298,3 +301,34 @@ def run_sidecar_job(job: SidecarJob) -> None:
     _load().ms_sidecar_run(ctypes.byref(job))
     if job.status != 0:
         raise ValueError("sidecar job: bad arguments (expert id >= E?)")
+
+
+class Poller:
+    """A CPU thread that runs sidecar jobs when their flag words say so (`ms_poller_*` in
+    mxfp4_gemv.cpp): a job's flag (one int32, page-locked on a GPU host) is set to 1 by its poster
+    once the inputs are in place; the thread runs the job, then stores 2. The poster resets it to
+    0. `close()` stops and joins the thread; no job may be posted after it."""
+
+    def __init__(self):
+        lib = _load()
+        if lib is None:
+            raise RuntimeError(f"the compiled CPU expert kernel is unavailable: {_error}")
+        self._lib, self._handle = lib, lib.ms_poller_start()
+        self._held: list = []  # the registered jobs and flags: alive while the thread may read them
+
+    def add(self, job: SidecarJob, flag: torch.Tensor) -> None:
+        if flag.dtype != torch.int32 or flag.numel() != 1 or flag.device.type != "cpu":
+            raise ValueError("a poller flag is one int32 in host memory")
+        if self._handle is None:
+            raise RuntimeError("the poller is closed")
+        if self._lib.ms_poller_add(self._handle, ctypes.addressof(job), flag.data_ptr()) != 0:
+            raise RuntimeError("the poller holds its maximum number of jobs")
+        self._held.append((job, flag))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._lib.ms_poller_stop(self._handle)
+            self._handle = None
+
+    def __del__(self):
+        self.close()

@@ -29,9 +29,12 @@
 // fp32 sums. Determinism: each output is summed by one thread, per SIMD lane in K order then in a
 // fixed lane order; tasks, chunks and R never change what a sum contains, so the bits are the
 // same for any thread count and for a row alone or among others (batch invariance).
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include <immintrin.h>
@@ -526,6 +529,73 @@ void ms_sidecar_run(void* job) {
   std::memset(j->y, 0, sizeof(uint16_t) * j->M * j->k * j->D);
   j->status = ms_experts_forward(j->x, j->M, j->D, j->I, j->k, j->ids, j->rw, j->E, j->w13, j->w13s, j->w2, j->w2s,
                                  j->limit, j->y, j->isa, j->nthreads);
+}
+
+// The polling worker: recipe B without a host node per layer. A host node makes the GPU stream
+// wait for a driver thread in every MoE sublayer with CPU experts, routed to or not (~0.12 ms a
+// layer on the H200 host, docs/PERFORMANCE.md twenty-first measurement). Instead each job has a
+// flag word in page-locked memory: the GPU stream writes 1 after copying the job's inputs
+// (cuStreamWriteValue32, which orders after the copies), this thread runs the job and stores 2,
+// the GPU stream waits for 2 (cuStreamWaitValue32) before copying y back and then writes 0. The
+// thread scans every registered flag; between jobs it spins (pause), and after kSpinIdle empty
+// scans it sleeps kSleepUs between scans, so an idle engine does not hold a core.
+constexpr int kMaxPollJobs = 4096;
+constexpr int kSpinIdle = 20000;
+constexpr int kSleepUs = 50;
+
+struct MsPoller {
+  std::atomic<int> n{0};
+  std::atomic<bool> stop{false};
+  MsSidecarJob* jobs[kMaxPollJobs];
+  volatile uint32_t* flags[kMaxPollJobs];
+  std::thread worker;
+};
+
+static void ms_poller_loop(MsPoller* p) {
+  int idle = 0;
+  while (!p->stop.load(std::memory_order_relaxed)) {
+    bool ran = false;
+    const int n = p->n.load(std::memory_order_acquire);
+    for (int i = 0; i < n; ++i) {
+      if (*p->flags[i] != 1u) continue;
+      std::atomic_thread_fence(std::memory_order_acquire);  // the inputs were written before the flag
+      ms_sidecar_run(p->jobs[i]);
+      std::atomic_thread_fence(std::memory_order_release);  // y before the flag
+      *p->flags[i] = 2u;
+      ran = true;
+    }
+    if (ran) {
+      idle = 0;
+    } else if (++idle < kSpinIdle) {
+      _mm_pause();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(kSleepUs));
+    }
+  }
+}
+
+void* ms_poller_start() {
+  MsPoller* p = new MsPoller();
+  p->worker = std::thread(ms_poller_loop, p);
+  return p;
+}
+
+// Registers a job and its flag word (0 until the GPU posts it). Returns 0, or -1 when full.
+int ms_poller_add(void* poller, void* job, uint32_t* flag) {
+  MsPoller* p = static_cast<MsPoller*>(poller);
+  const int i = p->n.load(std::memory_order_relaxed);
+  if (i >= kMaxPollJobs) return -1;
+  p->jobs[i] = static_cast<MsSidecarJob*>(job);
+  p->flags[i] = flag;
+  p->n.store(i + 1, std::memory_order_release);  // the worker sees the entry complete
+  return 0;
+}
+
+void ms_poller_stop(void* poller) {
+  MsPoller* p = static_cast<MsPoller*>(poller);
+  p->stop.store(true);
+  p->worker.join();
+  delete p;
 }
 
 }  // extern "C"

@@ -16,6 +16,15 @@ the CPU only at the combine: the hot experts kernel runs meanwhile.
 
 On a CPU device (tests, the reference machine) the same job runs synchronously.
 
+With POLL the host function is replaced by flags (`cpu.experts.Poller`): after the staging copies
+the side stream writes 1 into the job's page-locked flag word (cuStreamWriteValue32), a CPU thread
+that scans the flags runs the job and stores 2, and the side stream waits for 2
+(cuStreamWaitValue32) before copying y back, then writes 0. No host node: the GPU does not hand
+control to a driver thread in every layer, and a layer whose rows are routed to none of its CPU
+experts costs the CPU a zeroed y only, well before the GPU joins. Built after the twenty-first
+measurement (docs/PERFORMANCE.md: the host nodes cost ~0.12 ms a layer); off until measured on
+the GPU (`bash benchmarks/h200_checks.sh poll`).
+
 Staging buffers and jobs are made per (layer, rows) on first use and kept: a captured graph
 points at them. The CPU experts' weights stay where the caller put them (host memory); the job
 holds their addresses.
@@ -31,14 +40,30 @@ import torch
 from megastep.cpu import experts as cpu_experts
 from megastep.runtime.distributed import bit_words
 
+POLL = False  # the flags instead of a host function (module doc)
+
 _CUDA_SUCCESS = 0
+_WAIT_VALUE_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
+_WRITE_VALUE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: ordered after the stream's earlier writes
 
 
 def _driver() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.cuLaunchHostFunc.restype = ctypes.c_int
+    # the _v2 stream memory operations need no driver module option
+    for name in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+    lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    lib.cuMemHostGetDevicePointer_v2.restype = ctypes.c_int
     return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != _CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed (CUresult {rc})")
 
 
 @dataclass
@@ -56,6 +81,8 @@ class _Staging:
     ids_dev: torch.Tensor  # [M, k] int32, device: the mapped ids before their copy
     y_dev: torch.Tensor  # [M, k, D] bf16, device
     job: cpu_experts.SidecarJob | None
+    flag: torch.Tensor | None = None  # POLL: the job's flag word, int32 [1], page-locked
+    flag_dev: int = 0  # its device address
 
 
 class CpuSidecar:
@@ -72,10 +99,12 @@ class CpuSidecar:
         self.layers: dict[int, _Layer] = {}
         self._staging: dict[tuple[int, int], _Staging] = {}
         self._cuda = self.device.type == "cuda"
+        self.poll = POLL and self._cuda
         if self._cuda:
             self._driver = _driver()
             self._fn = cpu_experts.sidecar_host_fn()
             self._side = torch.cuda.Stream(self.device)
+        self._poller = cpu_experts.Poller() if self.poll else None
 
     def add_layer(self, L: int, stacked: dict[str, torch.Tensor], expert_ids: list[int], n_experts: int) -> None:
         """Layer L's CPU experts: `stacked` (w13, w13_scale, w2, w2_scale, host tensors) holds
@@ -100,6 +129,13 @@ class CpuSidecar:
                 raise RuntimeError("the CPU sidecar needs the compiled CPU expert kernel (megastep.cpu)")
             st = _Staging(x, ids, rw, y, torch.empty(M, k, dtype=torch.int32, device=self.device),
                           torch.empty(M, k, D, dtype=torch.bfloat16, device=self.device), job)
+            if self._poller is not None:
+                st.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+                dev = ctypes.c_uint64()
+                _check(self._driver.cuMemHostGetDevicePointer_v2(ctypes.byref(dev), st.flag.data_ptr(), 0),
+                       "cuMemHostGetDevicePointer")
+                st.flag_dev = dev.value
+                self._poller.add(job, st.flag)
             self._staging[key] = st
         return st
 
@@ -128,11 +164,17 @@ class CpuSidecar:
             st.x.copy_(x, non_blocking=True)
             st.ids.copy_(st.ids_dev, non_blocking=True)
             st.rw.copy_(w, non_blocking=True)
-            rc = self._driver.cuLaunchHostFunc(ctypes.c_void_p(self._side.cuda_stream), ctypes.c_void_p(self._fn),
-                                               ctypes.addressof(st.job))
-            if rc != _CUDA_SUCCESS:
-                raise RuntimeError(f"cuLaunchHostFunc failed (CUresult {rc})")
-            st.y_dev.copy_(st.y, non_blocking=True)
+            side = ctypes.c_void_p(self._side.cuda_stream)
+            if self.poll:  # post the job, wait for the CPU thread's 2, then y and the reset
+                d = self._driver
+                _check(d.cuStreamWriteValue32_v2(side, st.flag_dev, 1, _WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
+                _check(d.cuStreamWaitValue32_v2(side, st.flag_dev, 2, _WAIT_VALUE_EQ), "cuStreamWaitValue32")
+                st.y_dev.copy_(st.y, non_blocking=True)
+                _check(d.cuStreamWriteValue32_v2(side, st.flag_dev, 0, _WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
+            else:
+                _check(self._driver.cuLaunchHostFunc(side, ctypes.c_void_p(self._fn), ctypes.addressof(st.job)),
+                       "cuLaunchHostFunc")
+                st.y_dev.copy_(st.y, non_blocking=True)
         return st
 
     def finish(self, st: _Staging) -> torch.Tensor:
