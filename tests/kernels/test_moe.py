@@ -487,6 +487,25 @@ def test_gpu_lut_expert_parallel_and_host_memory_tables(M):
     assert got.dtype == torch.bfloat16 and torch.equal(got, (want + s.float()).bfloat16())
 
 
+def _lut_outputs(ex, x, ids, wts):
+    """What a "lut" kernel variant must give bit for bit, at V4-Flash expert shapes (32 experts):
+    a function returning the per-pair outputs, the combine, the combine with a shared expert's
+    output, and a sparse table's pairs (every other expert: expert parallelism)."""
+    M = x.shape[0]
+    cfg = pick_config(M, 6, 32, 4096, 2048, mode="lut")
+    full = ExpertTable.from_stacked(*(ex[n] for n in ("w13", "w13_scale", "w2", "w2_scale")))
+    half = ExpertTable.from_experts([p if e % 2 else None for e, p in enumerate(_parts(ex))], device="cuda")
+    s = (torch.randn(M, 4096, generator=torch.Generator().manual_seed(M)) * 4).bfloat16().cuda()
+
+    def outputs():
+        return (moe_experts_table(x, ids, wts, full, config=cfg, return_pairs=True),
+                moe_experts_table(x, ids, wts, full, config=cfg),
+                moe_experts_table(x, ids, wts, full, config=cfg, shared=s),
+                moe_experts_table(x, ids, wts, half, config=cfg, return_pairs=True))
+
+    return outputs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 2])
@@ -502,16 +521,7 @@ def test_gpu_lut_spread_gate_up_gives_the_same_bits(M, monkeypatch):
     if M == 2:
         ids[1, 0] = ids[0, 2]  # a slot with two pairs, one from each row
         assert len(set(ids[1].tolist())) == 6
-    cfg = pick_config(M, 6, 32, 4096, 2048, mode="lut")
-    full = ExpertTable.from_stacked(*(ex[n] for n in ("w13", "w13_scale", "w2", "w2_scale")))
-    half = ExpertTable.from_experts([p if e % 2 else None for e, p in enumerate(_parts(ex))], device="cuda")
-    s = (torch.randn(M, 4096, generator=torch.Generator().manual_seed(M)) * 4).bfloat16().cuda()
-
-    def outputs():
-        return (moe_experts_table(x, ids, wts, full, config=cfg, return_pairs=True),
-                moe_experts_table(x, ids, wts, full, config=cfg),
-                moe_experts_table(x, ids, wts, full, config=cfg, shared=s),
-                moe_experts_table(x, ids, wts, half, config=cfg, return_pairs=True))
+    outputs = _lut_outputs(ex, x, ids, wts)
 
     monkeypatch.setattr(moe_lut, "SPREAD_ROWS", (M,))
     assert moe_lut.spread_rows(torch.zeros(M * 6), 6) == M
@@ -539,16 +549,7 @@ def test_gpu_lut_pair_major_columns_give_the_same_bits(M, monkeypatch):
     if M >= 3:  # expert 0 in every row: a slot of M pairs
         ids[:, 0] = torch.where((ids == 0).any(1), ids[:, 0], 0)
         assert (ids == 0).any(1).all()
-    cfg = pick_config(M, 6, 32, 4096, 2048, mode="lut")
-    full = ExpertTable.from_stacked(*(ex[n] for n in ("w13", "w13_scale", "w2", "w2_scale")))
-    half = ExpertTable.from_experts([p if e % 2 else None for e, p in enumerate(_parts(ex))], device="cuda")
-    s = (torch.randn(M, 4096, generator=torch.Generator().manual_seed(M)) * 4).bfloat16().cuda()
-
-    def outputs():
-        return (moe_experts_table(x, ids, wts, full, config=cfg, return_pairs=True),
-                moe_experts_table(x, ids, wts, full, config=cfg),
-                moe_experts_table(x, ids, wts, full, config=cfg, shared=s),
-                moe_experts_table(x, ids, wts, half, config=cfg, return_pairs=True))
+    outputs = _lut_outputs(ex, x, ids, wts)
 
     want = outputs()
     check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
