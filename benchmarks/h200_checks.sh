@@ -24,7 +24,7 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh pairmajor  # the experts' kernels with pair-major MMA columns: GPU tests, the step A/B/A/B (~6 min)
+#   bash benchmarks/h200_checks.sh pairmajor  # the experts' kernels with pair-major MMA columns: GPU tests, the kernels alone, the step A/B/A/B (~8 min)
 #   bash benchmarks/h200_checks.sh poll       # the CPU sidecar by flags instead of host nodes: GPU tests, B and hybrid on all 43 layers (~8 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
@@ -204,9 +204,11 @@ for group in "$@"; do
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
     pairmajor)  # the experts' pair-major MMA columns (moe_lut.PAIR_MAJOR, built 2026-12-01): its GPU tests (the same
-      # bits as the default kernels), then the 30-layer step A/B/A/B
+      # bits as the default kernels), the experts calls alone, then the 30-layer step A/B/A/B
       P='import megastep.kernels.moe_lut as m; m.PAIR_MAJOR = True'
       step pairmajor_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py -k lut
+      step pairmajor_kernels 150 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,2,4,16,64 \
+        --engines lut,lut_pm
       for arm in a b; do
         bench "pairmajor_default_$arm" 100 --layers 30 --batch 1,2,4,16,64
         bench_with "pairmajor_on_$arm" 70 "$P" --layers 30 --batch 1,2,4,16,64
