@@ -207,11 +207,11 @@ for group in "$@"; do
       # bits as the default kernels), the experts calls alone, then the 30-layer step A/B/A/B
       P='import megastep.kernels.moe_lut as m; m.PAIR_MAJOR = True'
       step pairmajor_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py -k lut
-      step pairmajor_kernels 150 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,2,4,16,64 \
+      step pairmajor_kernels 120 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,2,4,16,64 \
         --engines lut,lut_pm
       for arm in a b; do
         bench "pairmajor_default_$arm" 100 --layers 30 --batch 1,2,4,16,64
-        bench_with "pairmajor_on_$arm" 70 "$P" --layers 30 --batch 1,2,4,16,64
+        bench_with "pairmajor_on_$arm" 60 "$P" --layers 30 --batch 1,2,4,16,64
       done ;;
     poll)  # the polling CPU sidecar (runtime/sidecar.POLL, built 2026-12-01): its GPU tests (the host function's
       # bits), then recipes B and hybrid with it, all 43 layers (the host-function numbers: twenty-first measurement)
