@@ -320,7 +320,9 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers, "gpus": W,
         "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": cpu_share,
-        "cpu_read_GBps": cpu_bw, "moe_mode": dec.moe_mode or "default", "pdl": args.pdl, "overlap": dec.side_stream is not None,
+        "cpu_read_GBps": cpu_bw,
+        "sidecar": None if dec.sidecar is None else "poll" if dec.sidecar.poll else "host_fn",
+        "moe_mode": dec.moe_mode or "default", "pdl": args.pdl, "overlap": dec.side_stream is not None,
         "shared_w2": args.shared_w2, "shared_after_router": args.shared_after_router,
         "router": args.router or "auto",
         "ep_combine": None if W == 1 else "p2p" if dec.peer is not None else "allreduce", "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
@@ -371,7 +373,8 @@ def print_report(out: dict) -> None:
               f"{out['host_read_GBps']:.1f} GB/s; roofline = HBM bytes / HBM bw + host bytes / host bw")
         if out["cpu_read_GBps"]:
             share = f" (CPU share {out['cpu_share']:.2f})" if out["cold_path"] == "hybrid" else ""
-            print(f"cold experts: {out['cold_path']}{share}, CPU read {out['cpu_read_GBps']:.1f} "
+            sidecar = f", sidecar {out['sidecar']}" if out.get("sidecar") else ""  # (older results lack it)
+            print(f"cold experts: {out['cold_path']}{share}{sidecar}, CPU read {out['cpu_read_GBps']:.1f} "
                   "GB/s; host bw of the roofline: " + {"cpu": "the CPU's", "hybrid": "GPU + CPU"}[out["cold_path"]])
     print(f"{'batch':>5} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'tok/s':>9} {'GB/step':>8} {'roof ms':>8} {'%roof':>6} "
           f"{'ms/layer':>8} {'x43 ms':>8}")

@@ -9,6 +9,7 @@ def _out(cold_path):
     return {
         "device": "GPU", "gpus": 1, "preset": "v4-flash", "layers": 2, "context": 4096, "stream_read_GBps": 4000.0,
         "routing": "skewed", "cold_path": cold_path, "cpu_share": 0.73, "cpu_read_GBps": 140.0, "host_read_GBps": 51.0,
+        "sidecar": "poll",
         "placement": {"hbm_budget_GB": 125.0, "n_hot": 10, "n_cold": 2, "cold_slot_fraction": 0.016},
         "results": [{"batch": 1, "ms_p50": 4.0, "ms_p90": 4.1, "ms_p99": 4.2, "tokens_per_s": 250.0, "bytes": nb,
                      "roofline_ms": 2.0, "pct_of_roofline": 50.0}],
@@ -25,7 +26,7 @@ def _out(cold_path):
 def test_report_lines(capsys):
     print_report(_out("hybrid"))
     text = capsys.readouterr().out
-    assert "cold experts: hybrid (CPU share 0.73), CPU read 140.0 GB/s" in text
+    assert "cold experts: hybrid (CPU share 0.73), sidecar poll, CPU read 140.0 GB/s" in text
     row = next(line for line in text.splitlines() if line.split()[:2] == ["1", "4.000"])
     assert row.split()[-2:] == ["2.000", "86.00"]  # ms per layer, x43
     # kernels: 80 us of device time in 6 launches against a 4 ms replay
@@ -36,10 +37,12 @@ def test_report_lines(capsys):
 
 
 def test_cpu_share_only_for_hybrid(capsys):
-    print_report(_out("cpu"))
+    out = _out("cpu")
+    del out["sidecar"]  # a result from before the field
+    print_report(out)
     text = capsys.readouterr().out
     assert "cold experts: cpu, CPU read 140.0 GB/s; host bw of the roofline: the CPU's" in text
-    assert "CPU share" not in text
+    assert "CPU share" not in text and "sidecar" not in text
 
 
 def test_lut_experts_on_a_preset_they_cannot_run_is_one_clear_error(monkeypatch):
