@@ -566,7 +566,8 @@ static void ms_poller_loop(MsPoller* p) {
     }
     if (ran) {
       idle = 0;
-    } else if (++idle < kSpinIdle) {
+    } else if (idle < kSpinIdle) {
+      ++idle;
       _mm_pause();
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(kSleepUs));
