@@ -51,8 +51,17 @@ def _driver() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.cuLaunchHostFunc.restype = ctypes.c_int
-    # the _v2 stream memory operations need no driver module option
-    for name in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2"):
+    return lib
+
+
+def _memop_driver(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with the stream memory operations POLL uses typed (the _v2 ones need no driver module
+    option; a driver without them is one clear error)."""
+    names = ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2", "cuMemHostGetDevicePointer_v2")
+    missing = [n for n in names if not hasattr(lib, n)]
+    if missing:
+        raise RuntimeError(f"the polling CPU sidecar needs {', '.join(missing)} (a newer CUDA driver)")
+    for name in names[:2]:
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         fn.restype = ctypes.c_int
@@ -101,7 +110,7 @@ class CpuSidecar:
         self._cuda = self.device.type == "cuda"
         self.poll = POLL and self._cuda
         if self._cuda:
-            self._driver = _driver()
+            self._driver = _memop_driver(_driver()) if self.poll else _driver()
             self._fn = cpu_experts.sidecar_host_fn()
             self._side = torch.cuda.Stream(self.device)
         self._poller = cpu_experts.Poller() if self.poll else None
