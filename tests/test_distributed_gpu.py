@@ -4,8 +4,8 @@ graphs, at batch 1, 4 and 8, with either combine: the peer-to-peer gather (arriv
 loads inside the graph, kernels/pair_combine.py) and the integer all-reduce through NCCL; and with the
 one-GPU step's MoE order at few rows (CUDA routing, the shared expert forked after the router) at
 every batch, which the ranks take by default at 1 and 7-16 rows (FastDecoder.MOE_PLAN_EP: batch 8 runs
-it with PDL, on up to 16 rows with the p2p combine); and with
-programmatic dependent launch on the ranks and off."""
+it with PDL, on up to 16 rows with the p2p combine); and with programmatic dependent launch on the
+ranks and off."""
 
 import pytest
 import torch

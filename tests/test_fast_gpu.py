@@ -201,20 +201,27 @@ def test_block_step_in_a_graph_matches_eager_and_single_rows():
             assert torch.corrcoef(torch.stack([g[i], s[0]]))[0, 1] > 0.99  # rounding apart (docs/NUMERICS.md)
 
 
+def _half_cold():
+    """The small preset (2 layers, synthetic weights on the GPU) and a placement that keeps half of
+    its routed experts cold (host memory): (cfg, weights, plan)."""
+    from megastep.checkpoint.synthetic import preset, synthesize_weights
+    from megastep.runtime.experts import plan_placement, resident_bytes, routed_expert_bytes
+
+    cfg = preset("small", layers=2)
+    w = synthesize_weights(cfg, seed=0, device="cuda", include_mtp=False)
+    half = cfg.num_hidden_layers * cfg.n_routed_experts // 2
+    return cfg, w, plan_placement(cfg, None, resident_bytes(cfg) + half * routed_expert_bytes(cfg))
+
+
 @pytest.mark.parametrize("cold_path", ["gpu", "cpu", "hybrid"])
 def test_cold_expert_recipes_in_a_graph(cold_path):
     """Cold experts in page-locked host memory, read by the GPU (A), computed by the CPU sidecar as a
     CUDA host function (B) or split (hybrid): graph replay equals the eager step bit for bit; A
     equals every expert in HBM bit for bit, B and hybrid to rounding."""
-    from megastep.checkpoint.synthetic import preset, synthesize_weights
     from megastep.model.fast import FastDecoder
-    from megastep.runtime.experts import plan_placement, resident_bytes, routed_expert_bytes
     from megastep.runtime.step import StepRunner
 
-    cfg = preset("small", layers=2)
-    w = synthesize_weights(cfg, seed=0, device="cuda", include_mtp=False)
-    half = cfg.num_hidden_layers * cfg.n_routed_experts // 2
-    plan = plan_placement(cfg, None, resident_bytes(cfg) + half * routed_expert_bytes(cfg))
+    cfg, w, plan = _half_cold()
     dec = FastDecoder(cfg, w, max_seqs=2, max_ctx=512, device="cuda", placement=plan, cold_path=cold_path)
     hot = FastDecoder(cfg, w, max_seqs=2, max_ctx=512, device="cuda")
     runner = StepRunner(dec.step, dec.device, dec.pools.dummy_slot, buckets=(2,))
@@ -239,16 +246,11 @@ def test_polling_sidecar_gives_the_host_functions_bits(cold_path, monkeypatch):
     stream, and a CPU thread that scans them, instead of a host node per layer) gives the host-
     function sidecar's logits bit for bit, replayed from a CUDA graph (bucket 2: a padded row) and
     eagerly, over 6 steps of one sequence."""
-    from megastep.checkpoint.synthetic import preset, synthesize_weights
     from megastep.model.fast import FastDecoder
     from megastep.runtime import sidecar
-    from megastep.runtime.experts import plan_placement, resident_bytes, routed_expert_bytes
     from megastep.runtime.step import StepRunner
 
-    cfg = preset("small", layers=2)
-    w = synthesize_weights(cfg, seed=0, device="cuda", include_mtp=False)
-    half = cfg.num_hidden_layers * cfg.n_routed_experts // 2
-    plan = plan_placement(cfg, None, resident_bytes(cfg) + half * routed_expert_bytes(cfg))
+    cfg, w, plan = _half_cold()
     out = {}
     for poll in (False, True):
         monkeypatch.setattr(sidecar, "POLL", poll)

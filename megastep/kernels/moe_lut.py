@@ -64,6 +64,11 @@ SPREAD_WARPS = 12  # the .cu's kSpreadWarps
 PAIR_MAJOR = False
 
 
+def _variant() -> str:
+    """The kernels' name suffix of this launch: "_pm" with PAIR_MAJOR (read at launch), else ""."""
+    return "_pm" if PAIR_MAJOR else ""
+
+
 @functools.cache
 def _have_nvcc() -> bool:  # looked up once: `supported` runs on every eager experts call
     return find_nvcc() is not None
@@ -107,7 +112,7 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     slots, spread = min(pairs.numel(), addr.shape[0]), spread_rows(pairs, topk)
     args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
-    pm = "_pm" if PAIR_MAJOR else ""
+    pm = _variant()
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
         _GATE_UP_SPREAD[pm].launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), shared_bytes(D),
                                None, *args, spread, pdl=pdl_enabled())
@@ -129,7 +134,7 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     else:
         assert out.dtype == torch.float32, out.dtype
     items = min(pairs.numel(), addr.shape[0]) * (D // ITEM_ROWS)  # (slot, row tile)
-    _DOWN["_pm" if PAIR_MAJOR else ""].launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
+    _DOWN[_variant()].launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
                  aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,
                  out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
                  0 if shared is None else shared, 0 if shared is None else shared.stride(0), pdl=pdl_enabled())
