@@ -24,7 +24,7 @@
 #   bash benchmarks/h200_checks.sh plan       # the step with FastDecoder's MOE_PLAN (the default) against the order before it, A/B/A, with the trace; Triton routing in the plan; the CUDA routing's probes (~6 min)
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
-#   bash benchmarks/h200_checks.sh pairmajor  # the experts' kernels with pair-major MMA columns: GPU tests, the kernels alone, the step A/B/A/B (~8 min)
+#   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh poll       # the CPU sidecar by flags instead of host nodes: GPU tests, B and hybrid on all 43 layers (~8 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
@@ -203,15 +203,22 @@ for group in "$@"; do
         bench "spread_step_$arm" 100 --layers 30 --batch 1,2
         bench_with "items_step_$arm" 60 'import megastep.kernels.moe_lut as m; m.SPREAD_ROWS = ()' --layers 30 --batch 1,2
       done ;;
-    pairmajor)  # the experts' pair-major MMA columns (moe_lut.PAIR_MAJOR, built 2026-12-01): its GPU tests (the same
-      # bits as the default kernels), the experts calls alone, then the 30-layer step A/B/A/B
-      P='import megastep.kernels.moe_lut as m; m.PAIR_MAJOR = True'
-      step pairmajor_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py -k lut
-      step pairmajor_kernels 120 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,2,4,16,64 \
-        --engines lut,lut_pm
-      for arm in a b; do
-        bench "pairmajor_default_$arm" 100 --layers 30 --batch 1,2,4,16,64
-        bench_with "pairmajor_on_$arm" 60 "$P" --layers 30 --batch 1,2,4,16,64
+    lut_ncu)  # where the experts' loop waits: their GPU tests, then per SASS instruction the sampled stall reasons
+      # of gate-up and down at 1 and 16 rows (one report each, read out as the details and source pages)
+      step lut_tests 100 python3 -m pytest -q -rfE --timeout 90 -m gpu tests/kernels/test_moe.py -k lut
+      for m in 1 16; do
+        step "lut_ncu_m$m" 150 ncu --clock-control none --launch-skip 4 --launch-count 2 \
+          --kernel-name 'regex:^moe_(gate_up|down)_lut$' --section SpeedOfLight --section Occupancy \
+          --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters \
+          --import-source yes --export "$OUT/lut_ncu_m$m" \
+          python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/ncu_m$m" --ms "$m" --engines lut
+        step "lut_ncu_m${m}_details" 40 ncu --import "$OUT/lut_ncu_m$m.ncu-rep" --csv --page details
+        step "lut_ncu_m${m}_source" 60 bash -c "ncu --import '$OUT/lut_ncu_m$m.ncu-rep' --csv --page source \
+          --print-source sass || ncu --import '$OUT/lut_ncu_m$m.ncu-rep' --csv --page source"
+        step "lut_ncu_m${m}_read" 30 python3 benchmarks/kernels/ncu_source.py "$OUT/lut_ncu_m${m}_source.log" \
+          --details "$OUT/lut_ncu_m${m}_details.log" --top 30
+        rm -f "$OUT/lut_ncu_m$m.ncu-rep"
+        gzip -f "$OUT/lut_ncu_m${m}_source.log"
       done ;;
     poll)  # the polling CPU sidecar (runtime/sidecar.POLL, built 2026-12-01): its GPU tests (the host function's
       # bits), then recipes B and hybrid with it, all 43 layers (the host-function numbers: twenty-first measurement)

@@ -1,10 +1,10 @@
 """The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's
 Triton kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels,
 kernels/moe_lut.py), or "lut" with whole items per CTA at every M ("lut_items": moe_lut.SPREAD_ROWS
-= ()), or with the spread gate-up at 1 and 2 rows ("lut_spread": (1, 2)), or with pair-major MMA
-columns ("lut_pm": moe_lut.PAIR_MAJOR); the outputs must equal the first lut engine's bit for bit.
-(Earlier experiments measured with it and removed: a CUDA C++ gate-up, docs/PERFORMANCE.md's
-eighth measurement; L2 prefetches ahead of each warp's ring, the fifteenth.)
+= ()), or with the spread gate-up at 1 and 2 rows ("lut_spread": (1, 2)); the outputs must equal the first
+lut engine's bit for bit. (Earlier experiments measured with it and removed: a CUDA C++ gate-up,
+docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the fifteenth;
+the MMA columns in lane-major order, the twenty-second.)
 
     python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut,lut_items]
 
@@ -38,14 +38,13 @@ from megastep.kernels import moe_lut as LUTK  # noqa: E402
 
 def run(engine, fn):
     if engine.startswith("lut"):  # mode "lut" (kernels/moe_lut.py) as the kernels' default
-        saved = MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.PAIR_MAJOR
+        saved = MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS
         MOE.DEFAULT_MODE = "lut"
         LUTK.SPREAD_ROWS = {"lut_items": (), "lut_spread": (1, 2)}.get(engine, saved[1])
-        LUTK.PAIR_MAJOR = engine == "lut_pm" or saved[2]
         try:
             return fn()
         finally:
-            MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.PAIR_MAJOR = saved
+            MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS = saved
     return fn()
 
 

@@ -22,14 +22,17 @@
 // 32 B a step: the L2 evicted the prefetched rest before its use and DRAM read each byte ~2.6
 // times).
 // The scale of a group must multiply only that group's sum, and each lane brings its own group to
-// an MMA: so the B operand is block-diagonal, column 2t + p holds pair p's x only in the K slots
-// of lane t (zeros elsewhere: 8 lanes of 32 load x, the others read a zero row). Then
-// C[g][2t + p] is exactly lane (g, t)'s group sum for pair p, it sits in lane (g, t)'s own c0/c1,
-// and the lane applies the group's E8M0 scale it loaded itself: acc += C * 2^(s - 127) (exact
-// product). Two pairs per MMA; more pairs of an expert run further passes over its rows.
-// (The "_pm" kernels order the columns by pair instead, 4p + t, so that at one pair per pass the
-// lanes that load x lie in one half-warp; a lane then scales sums of its quad neighbours' groups,
-// whose scale bytes it has loaded too: the same sums, see warp_sums.)
+// an MMA: so the B operand is block-diagonal, column 4p + o holds pair p's x only in the K slots
+// of lane o of a quad (zeros elsewhere: 4 lanes per pair load x, the others keep zero registers).
+// Then C[g][4p + o] is exactly lane (g, o)'s group sum for pair p. It sits in lane (g, 2p + o / 2)'s
+// c0/c1, which applies the group's E8M0 scale (its quad neighbour o's scale byte: a lane loads
+// all 8 of a step's scale bytes of its rows): acc += C * 2^(s - 127) (exact product). Two pairs
+// per MMA; more pairs of an expert run further passes over its rows. The columns are pair-major
+// so that at one pair per pass (every pass at 1 row, most at 16) the lanes that load x lie in one
+// half-warp: one shared-memory wavefront per x load. Until 2026-12-01 column 2t + p held (owner t,
+// pair p), whose 8 loading lanes spanned both halves: the same sums in the same order (the same
+// bits, GPU-tested), 2-4 % slower per experts call and 1.6-2.4 % per 30-layer step at 1, 4, 16
+// and 64 rows on one H200 (docs/PERFORMANCE.md, twenty-second measurement).
 //
 // Order of sums, fixed whatever the batch or the routing of other rows: per (row, pair) a group's
 // 32 products in one MMA chain (8 MMAs, fp32), the groups of each K half of a lane in order (t,
@@ -40,8 +43,8 @@
 // Work: a CTA (8 warps: 8 row blocks, each streaming its rows' whole K) takes items (slot, 128 MMA
 // rows) in turn over a grid of at most 2 CTAs per SM (gate-up at 1-2 rows may instead deal the
 // warps' 16-row tasks out over one 12-warp CTA per SM: run_spread); x of the item's pairs is
-// staged in shared memory, padded so that the 8 lanes loading x hit distinct banks (and the zero
-// row's reads distinct ones again). Until 2026-11-30 a CTA was 4 row blocks x 2 K halves (items of 64 MMA rows,
+// staged in shared memory, padded so that the 4 lanes loading a pair's x hit distinct banks.
+// Until 2026-11-30 a CTA was 4 row blocks x 2 K halves (items of 64 MMA rows,
 // twice as many, the halves added through shared memory): the same sums in the same order, so the
 // same bits (GPU-tested against each other), and 3-12 % slower per call on one H200 at 1-64 rows,
 // 4 % per 30-layer step at 4-64 rows, 1 % at 1 row (docs/PERFORMANCE.md, fourteenth measurement).
@@ -106,17 +109,14 @@ using megastep::pdl_wait;
 
 __device__ __forceinline__ float scale_f(uint32_t s) { return __uint_as_float(s << 23); }  // 2^(s-127), s >= 1
 
-// Shared memory after the table: x of 2 pairs and a zero row. A group of x
-// (32 bf16) takes 80 B, so the 4 lanes reading groups t of one pair hit banks 20t apart; pair 1
-// sits 64 B further (mod 128) and the zero row 8 B (mod 128): the 8 loading lanes and the 4
-// addresses of the zero row's readers never share a bank.
+// Shared memory after the table: x of 2 pairs. A group of x (32 bf16) takes 80 B, so the 4 lanes
+// reading groups t of one pair hit banks 20t apart (pair 1's readers are in the other half-warp).
 struct Layout {
-  int rowpitch, zero_off, bytes;
+  int rowpitch, bytes;
   __device__ __host__ explicit Layout(int K) {
     const int row = K / 32 * 80;
-    rowpitch = (row + 63) / 128 * 128 + 64;
-    zero_off = 2 * rowpitch + 8;
-    bytes = (zero_off + row + 15) / 16 * 16;
+    rowpitch = (row + 15) / 16 * 16;
+    bytes = rowpitch + row;
   }
 };
 constexpr int kGroupPitch = 80;
@@ -159,16 +159,13 @@ struct Stream {
   // One pass (2 pairs at most): per-lane partial sums of the lane's four MMA outputs c[0..3] =
   // (row g, column 2t), (row g, 2t + 1), (row g + 8, 2t), (row g + 8, 2t + 1), each over the
   // groups of its column's owner, of K half 0 in lo and of half 1 in acc (at step steps / 2 the
-  // sums so far move to lo and acc starts again from zero). Column 2t + p is (owner t, pair p),
-  // or with kPM (pair-major) column 4p + o is (owner o, pair p): lane t's columns are then owners
-  // 2(t & 1) and 2(t & 1) + 1 of pair t / 2, and it scales each by its owner's group. t: the
-  // lane's group within 4; xl: the lane's x at its first group (without kPM, zeros for an
-  // inactive lane; with kPM only an active lane loads, the others keep zeros).
-  template <bool kPM>
+  // sums so far move to lo and acc starts again from zero). Column 4p + o is (owner o, pair p):
+  // lane t's columns are owners 2(t & 1) and 2(t & 1) + 1 of pair t / 2, and it scales each by
+  // its owner's group. t: the lane's group within 4; xl: the lane's x at its first group, read
+  // only by an active lane (the others keep zero registers).
   __device__ __forceinline__ void pass(const char* table, uint32_t lane_off, const char* xl, int t, bool active,
                                        float (&acc)[4], float (&lo)[4]) {
-    // bit offsets of the scale bytes of the lane's two columns' owners (the same owner without kPM)
-    const int sha = kPM ? 16 * (t & 1) : 8 * t, shb = kPM ? sha + 8 : sha;
+    const int sha = 16 * (t & 1), shb = sha + 8;  // bit offsets of the scale bytes of the two owners
     uint2 x0 = make_uint2(0u, 0u), x1 = make_uint2(0u, 0u);
     for (int s0 = 0; s0 < steps; s0 += KPF) {
 #pragma unroll
@@ -190,7 +187,7 @@ struct Stream {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {  // bytes 2j, 2j + 1 of each group: elements 4j .. 4j + 3
           // (16-byte x loads for two j at once: 128 registers, spills, 10-20 % slower on the H200)
-          if (!kPM || active) {  // (kPM, one pair: the loading lanes lie in one half-warp)
+          if (active) {
             x0 = *reinterpret_cast<const uint2*>(xs + j * 8);
             x1 = *reinterpret_cast<const uint2*>(xs + 4 * kGroupPitch + j * 8);
           }
@@ -230,14 +227,12 @@ struct Item {  // the item (expert slot, tile) of a pass: its pairs start at `st
 };
 
 template <int kThreadsT = kThreads>
-__device__ __forceinline__ void prologue(char* smem, const Layout& L) {
+__device__ __forceinline__ void prologue(char* smem) {
   uint32_t* table = reinterpret_cast<uint32_t*>(smem);
   for (int i = threadIdx.x; i < 256 * 32; i += kThreadsT) {
     const uint32_t v = i >> 5;
     table[v * 64 + (i & 31)] = e2m1_bf16(v & 15) | (e2m1_bf16(v >> 4) << 16);
   }
-  uint32_t* zero = reinterpret_cast<uint32_t*>(smem + kLutBytes + L.zero_off);
-  for (int i = threadIdx.x; i < (L.bytes - L.zero_off) / 4; i += kThreadsT) zero[i] = 0u;
 }
 
 // x row `src` into row slot r of the padded layout: element e at r * rowpitch + (e / 32) *
@@ -260,45 +255,30 @@ __device__ __forceinline__ void stage_x(char* xsm, const Args& a, const Layout& 
 // A warp's sums over its 16 rows for the pass's pairs (pair p of the pass in row slot xrow[p] of
 // the staged x): total[v] = half 0 + half 1 of the lane's rows g / g + 8 and pairs 0 / 1 (v = 0:
 // (g, 0), 1: (g, 1), 2: (g + 8, 0), 3: (g + 8, 1)), each half's sum over the 4 owners as
-// (o0 + o1) + (o2 + o3) first. The ring must be filled.
-// Pair-major columns (kPM) give the same bits: a column's MMA sums are the same products (its
-// owner's k slots, zeros elsewhere), each owner's chain over the steps is the same, and the owners
-// are added in the same pairs. What differs is which lanes load x: at one pair per pass, 4 lanes of
-// one half-warp instead of 8 over both halves (one shared-memory wavefront per x load instead of
-// two: ~1/3 of the loop's wavefronts, docs/PERFORMANCE.md twenty-first measurement).
-template <bool kPM>
+// (o0 + o1) + (o2 + o3) first. The ring must be filled. The x loaders: lane (g, t) with
+// g = 4p + t for the pass's pair p.
 __device__ __forceinline__ void warp_sums(Stream& st, const char* smem, const Layout& L, int np, const int (&xrow)[2],
                                           float (&total)[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, p = kPM ? g >> 2 : g & 1;
-  const bool active = (kPM ? (g & 3) : (g >> 1)) == t && p < np;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, p = g >> 2;
+  const bool active = (g & 3) == t && p < np;
   const int xr = p ? xrow[1] : xrow[0];  // (no local-memory indexing)
-  const char* xl = smem + kLutBytes + (active || kPM ? xr * L.rowpitch : L.zero_off) + t * kGroupPitch;
+  const char* xl = smem + kLutBytes + xr * L.rowpitch + t * kGroupPitch;
   float acc[4] = {0.f, 0.f, 0.f, 0.f}, lo[4];
-  st.pass<kPM>(smem, lane * 4, xl, t, active, acc, lo);
-  if constexpr (kPM) {  // lane t: owners 2(t & 1), 2(t & 1) + 1 of pair t / 2, rows g (v = 0) and g + 8 (v = 1)
-    float tv[2];
+  st.pass(smem, lane * 4, xl, t, active, acc, lo);
+  // lane t: owners 2(t & 1), 2(t & 1) + 1 of pair t / 2, rows g (v = 0) and g + 8 (v = 1)
+  float tv[2];
 #pragma unroll
-    for (int v = 0; v < 2; ++v) {
-      float a = acc[2 * v] + acc[2 * v + 1], l = lo[2 * v] + lo[2 * v + 1];
-      a += __shfl_xor_sync(0xffffffffu, a, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      tv[v] = l + a;
-    }
-    const int q = lane & ~3;  // lanes q, q + 1 hold pair 0's totals, q + 2, q + 3 pair 1's
-    total[0] = __shfl_sync(0xffffffffu, tv[0], q);
-    total[1] = __shfl_sync(0xffffffffu, tv[0], q + 2);
-    total[2] = __shfl_sync(0xffffffffu, tv[1], q);
-    total[3] = __shfl_sync(0xffffffffu, tv[1], q + 2);
-  } else {
-#pragma unroll
-    for (int v = 0; v < 4; ++v) {  // each half's quad butterfly, then half 0 + half 1
-      acc[v] += __shfl_xor_sync(0xffffffffu, acc[v], 1);
-      acc[v] += __shfl_xor_sync(0xffffffffu, acc[v], 2);
-      lo[v] += __shfl_xor_sync(0xffffffffu, lo[v], 1);
-      lo[v] += __shfl_xor_sync(0xffffffffu, lo[v], 2);
-      total[v] = lo[v] + acc[v];
-    }
+  for (int v = 0; v < 2; ++v) {
+    float a = acc[2 * v] + acc[2 * v + 1], l = lo[2 * v] + lo[2 * v + 1];
+    a += __shfl_xor_sync(0xffffffffu, a, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    tv[v] = l + a;
   }
+  const int q = lane & ~3;  // lanes q, q + 1 hold pair 0's totals, q + 2, q + 3 pair 1's
+  total[0] = __shfl_sync(0xffffffffu, tv[0], q);
+  total[1] = __shfl_sync(0xffffffffu, tv[0], q + 2);
+  total[2] = __shfl_sync(0xffffffffu, tv[1], q);
+  total[3] = __shfl_sync(0xffffffffu, tv[1], q + 2);
 }
 
 // The weight stream of a warp's 16 rows of slot `slot`, row block `rb` (gate-up: channels rb * 8
@@ -327,13 +307,13 @@ __device__ __forceinline__ Stream warp_stream(const Args& a, int slot, int rb, i
 // Runs every (slot, tile) item of this CTA; for each pass calls epi(item, c0, np, r0, r1, total) in
 // every warp with total[v] = the full sums of the lane's rows r0 / r1 (half 0 + half 1), then
 // post(item, c0, np) in every thread after a barrier.
-template <bool kPM, typename Epi, typename Post>
+template <typename Epi, typename Post>
 __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
   const Layout L(a.K);
   const int lane = threadIdx.x & 31, blk = threadIdx.x >> 5, t = lane & 3;
   char* xsm = smem + kLutBytes;
-  prologue(smem, L);
+  prologue(smem);
   // Under PDL gate-up waits here: x and the routing are its predecessor's (the router's) outputs;
   // then it releases its dependents (the activation quantization, which releases down at once).
   // down reads the routing and requests its first item's weights before it waits for aq (the
@@ -373,7 +353,7 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
       if (!filled) st.fill();
       filled = false;
       float total[4];
-      warp_sums<kPM>(st, smem, L, np, xrow, total);
+      warp_sums(st, smem, L, np, xrow, total);
       epi(Item{start, cnt, tile}, c0, np, r0, r1, total);
       __syncthreads();
       post(Item{start, cnt, tile}, c0, np);
@@ -396,12 +376,12 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
 // rows are staged once per CTA (row slots 0, 1).
 constexpr int kSpreadWarps = 12;
 
-template <bool kPM, typename Epi>
+template <typename Epi>
 __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
   extern __shared__ __align__(16) char smem[];
   const Layout L(a.K);
   const int blk = threadIdx.x >> 5;
-  prologue<kSpreadWarps * 32>(smem, L);
+  prologue<kSpreadWarps * 32>(smem);
   pdl_wait();  // (run's PDL order)
   pdl_release();
   const int T = __ldcg(a.nslot) * blocks;
@@ -419,15 +399,14 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
 #pragma unroll
     for (int p = 0; p < 2; ++p) xrow[p] = p < cnt ? __ldcg(a.pair_ptr + start + p) / a.topk : 0;
     float total[4];
-    warp_sums<kPM>(st, smem, L, cnt, xrow, total);
+    warp_sums(st, smem, L, cnt, xrow, total);
     epi(Item{start, cnt, 0}, 0, cnt, r0, r1, total);
   }
 }
 
-// gate-up's body: kSpread picks run_spread's schedule (moe_gate_up_lut_spread) or run's, kPM
-// the pair-major columns (warp_sums).
+// gate-up's body: kSpread picks run_spread's schedule (moe_gate_up_lut_spread) or run's.
 // act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
-template <bool kSpread, bool kPM>
+template <bool kSpread>
 __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                         float limit, int round_out) {
   const int t = threadIdx.x & 3;
@@ -447,9 +426,9 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
     }
   };
   if constexpr (kSpread)
-    run_spread<kPM>(a, a.w3_rows / 8, epi);
+    run_spread(a, a.w3_rows / 8, epi);
   else
-    run<kPM>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
+    run(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
 }
 
 // y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 128-row tile) of
@@ -457,14 +436,13 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
 // shared (bf16 [M, D], the shared expert's output) out is bf16 and receives rnd(sum + shared).
 // (A spread schedule for down, one warp's task per 16 rows and the combine by the last warp, was
 // 1.5-3 us slower at 1-8 experts of one row: docs/PERFORMANCE.md, fifteenth measurement.)
-template <bool kPM>
 __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                      long long stride_o, int* counters, int D, int combine,
                                      const __nv_bfloat16* shared, long long stride_sh) {
   __shared__ int last[2];
   constexpr int kTile = kWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile, topk = a.topk;
-  run<kPM>(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  run(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
     const int p = t & 1;
     if (p < np) {  // lane t: row r0 (t < 2) or r1, pair c0 + t % 2
       const int pair = a.pair_ptr[it.start + c0 + p];
@@ -507,7 +485,6 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
 // The launches (moe_lut.py): grid <= 2 CTAs per SM, 256 threads, 64 KB + Layout(K).bytes of
 // dynamic shared memory; moe_gate_up_lut_spread (launches of M = 1 or 2 rows, `rows` = M): one CTA
 // of kSpreadWarps warps per SM, at most 128 registers a thread (a quarter of the SM's left free).
-// The _pm entries: the same with pair-major columns (warp_sums; moe_lut.py's PAIR_MAJOR).
 #define GATE_UP_PARAMS                                                                                              \
   const __nv_bfloat16* xq, long long stride_q, const long long* tab, const float* rw, const int* pair_ptr,        \
       const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,          \
@@ -517,32 +494,21 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
   Args{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, I, topk, sparse, 0, stride_w, stride_s, \
        rows}, rw, act, stride_a, limit, round_out
 
-#define DOWN_PARAMS                                                                                                  \
-  const __nv_bfloat16 *aq, long long stride_q, const long long *tab, const int *pair_ptr, const int *slot_e,         \
-      const int *slot_start, const int *slot_cnt, const int *nslot, __nv_bfloat16 *y, long long stride_y, void *out, \
-      long long stride_o, int *counters, int D, int I, long long stride_w, long long stride_s, int topk, int sparse,   \
-      int combine, const __nv_bfloat16 *shared, long long stride_sh
-#define DOWN_ARGS                                                                                                 \
-  Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s, \
-       0},                                                                                                        \
-      y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh
-
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(GATE_UP_PARAMS) {
-  gate_up<false, false>(GATE_UP_ARGS(0));
+  gate_up<false>(GATE_UP_ARGS(0));
 }
 
 extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread(GATE_UP_PARAMS, int rows) {
-  gate_up<true, false>(GATE_UP_ARGS(rows));
+  gate_up<true>(GATE_UP_ARGS(rows));
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down<false>(DOWN_ARGS); }
-
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut_pm(GATE_UP_PARAMS) {
-  gate_up<false, true>(GATE_UP_ARGS(0));
+extern "C" __global__ void __launch_bounds__(kThreads, 2)
+    moe_down_lut(const __nv_bfloat16* aq, long long stride_q, const long long* tab, const int* pair_ptr,
+                 const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* y,
+                 long long stride_y, void* out, long long stride_o, int* counters, int D, int I, long long stride_w,
+                 long long stride_s, int topk, int sparse, int combine, const __nv_bfloat16* shared,
+                 long long stride_sh) {
+  down(Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s,
+            0},
+       y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh);
 }
-
-extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_pm(GATE_UP_PARAMS, int rows) {
-  gate_up<true, true>(GATE_UP_ARGS(rows));
-}
-
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut_pm(DOWN_PARAMS) { down<true>(DOWN_ARGS); }

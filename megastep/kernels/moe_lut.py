@@ -37,10 +37,9 @@ from megastep.kernels.cuda_module import CudaModule, find_nvcc
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_lut.cu")
 _MODULE = CudaModule(SOURCE)
-# (name suffix "" or "_pm": the pair-major columns, PAIR_MAJOR) -> kernel
-_GATE_UP = {pm: _MODULE.kernel("moe_gate_up_lut" + pm, "pqppppppppqiiqqfiii") for pm in ("", "_pm")}
-_GATE_UP_SPREAD = {pm: _MODULE.kernel("moe_gate_up_lut_spread" + pm, "pqppppppppqiiqqfiiii") for pm in ("", "_pm")}
-_DOWN = {pm: _MODULE.kernel("moe_down_lut" + pm, "pqpppppppqpqpiiqqiiipq") for pm in ("", "_pm")}
+_GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
+_GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiii")
+_DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -56,18 +55,6 @@ LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B
 # measurement). () turns it off (benchmarks/kernels/moe_cuda_variants.py's engine "lut_items").
 SPREAD_ROWS = (2,)
 SPREAD_WARPS = 12  # the .cu's kSpreadWarps
-# The kernels with pair-major MMA columns (the .cu's warp_sums, entries "_pm"): the same bits; at
-# one pair per pass (every pass at 1 row, most at 16) the lanes that load x lie in one half-warp,
-# one shared-memory wavefront per x load instead of two. The x operand is ~1/3 of the loop's
-# wavefronts (docs/PERFORMANCE.md, twenty-first measurement). Built offline; off until measured
-# (`bash benchmarks/h200_checks.sh pairmajor`).
-PAIR_MAJOR = False
-
-
-def _variant() -> str:
-    """The kernels' name suffix of this launch: "_pm" with PAIR_MAJOR (read at launch), else ""."""
-    return "_pm" if PAIR_MAJOR else ""
-
 
 @functools.cache
 def _have_nvcc() -> bool:  # looked up once: `supported` runs on every eager experts call
@@ -83,9 +70,7 @@ def supported(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:
 def shared_bytes(K: int) -> int:
     """Dynamic shared memory of a launch over K: the table, then the .cu's Layout(K)."""
     row = K // 32 * 80
-    rowpitch = (row + 63) // 128 * 128 + 64
-    zero_off = 2 * rowpitch + 8
-    return LUT_BYTES + (zero_off + row + 15) // 16 * 16
+    return LUT_BYTES + (row + 15) // 16 * 16 + row
 
 
 def spread_rows(pairs: torch.Tensor, topk: int) -> int:
@@ -112,13 +97,12 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     slots, spread = min(pairs.numel(), addr.shape[0]), spread_rows(pairs, topk)
     args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
-    pm = _variant()
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
-        _GATE_UP_SPREAD[pm].launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), shared_bytes(D),
-                               None, *args, spread, pdl=pdl_enabled())
+        _GATE_UP_SPREAD.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), shared_bytes(D), None,
+                               *args, spread, pdl=pdl_enabled())
     else:  # items (slot, channel tile)
-        _GATE_UP[pm].launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None,
-                        *args, pdl=pdl_enabled())
+        _GATE_UP.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None, *args,
+                        pdl=pdl_enabled())
 
 
 def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
@@ -134,7 +118,7 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     else:
         assert out.dtype == torch.float32, out.dtype
     items = min(pairs.numel(), addr.shape[0]) * (D // ITEM_ROWS)  # (slot, row tile)
-    _DOWN[_variant()].launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
+    _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
                  aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,
                  out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
                  0 if shared is None else shared, 0 if shared is None else shared.stride(0), pdl=pdl_enabled())
