@@ -72,7 +72,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     BK.LOG = open(os.path.join(args.out, "moe_cuda_variants.log"), "w")
     bw = BK.measure_bandwidth()["read"]
-    lut = [k.attributes() for ks in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD) for k in ks.values()]
+    lut = [k.attributes() for k in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD)]
     BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; lut kernels: {lut}")
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)
