@@ -109,17 +109,16 @@ using megastep::pdl_wait;
 
 __device__ __forceinline__ float scale_f(uint32_t s) { return __uint_as_float(s << 23); }  // 2^(s-127), s >= 1
 
-// Shared memory after the table: x of 2 pairs. A group of x (32 bf16) takes 80 B, so the 4 lanes
-// reading groups t of one pair hit banks 20t apart (pair 1's readers are in the other half-warp).
+// Shared memory after the table: x of 2 pairs, a group of x (32 bf16) in 64 B. The 4 lanes that
+// load a pair's x read groups 8s + t (t = 0..3) at the same element: banks 16t apart, so groups t
+// and t + 2 would meet; the 8-byte units of groups with (q / 2) odd are stored swapped in pairs
+// (unit j at j ^ 1), which puts the 4 reads on distinct banks (pair 1's readers are in the other
+// half-warp). (Until 2026-12-01 groups took 80 B to the same end.)
 struct Layout {
   int rowpitch, bytes;
-  __device__ __host__ explicit Layout(int K) {
-    const int row = K / 32 * 80;
-    rowpitch = (row + 15) / 16 * 16;
-    bytes = rowpitch + row;
-  }
+  __device__ __host__ explicit Layout(int K) : rowpitch(K * 2), bytes(K * 4) {}
 };
-constexpr int kGroupPitch = 80;
+constexpr int kGroupPitch = 64;
 
 struct Args {
   const __nv_bfloat16* x;  // gate-up: xq [M, D] (row = pair / topk); down: aq [P, I] (row = pair)
@@ -131,13 +130,65 @@ struct Args {
   int spread;  // gate-up's spread schedule (run_spread): the rows of x (1 or 2); 0: run
 };
 
-// A warp's weight stream over its 16 rows: the ring of KPF steps in flight. fill() issues the
-// first steps, pass() consumes the ring and refills it.
-// wa / wb: the lane's first group of rows g / g + 8; sa_p / sb_p: the scale bytes of those
-// rows.
-struct Stream {
+// One step of a warp's 16 rows (pass() below): its 16 MMAs on the lane's weight words a0 / a1
+// (row g, groups t and t + 4 of the step) and b0 / b1 (row g + 8), then the scaled adds into acc.
+// xe / xo: the lane's x at the step's group t for even / odd 8-byte units j (the swizzle); an
+// inactive lane keeps x0 / x1 at zero. fa / fb: the step's 8 scale bytes of each row; sha / shb:
+// the bit offsets of the lane's two columns' owners in them.
+__device__ __forceinline__ void step_sums(const char* table, uint32_t lane_off, const char* xe, const char* xo,
+                                          bool active, const uint4& a0, const uint4& a1, const uint4& b0,
+                                          const uint4& b1, uint2 fa, uint2 fb, int sha, int shb, uint2& x0, uint2& x1,
+                                          float (&acc)[4]) {
+  float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {  // bytes 2j, 2j + 1 of each group: elements 4j .. 4j + 3
+    // (16-byte x loads for two j at once: 128 registers, spills, 10-20 % slower on the H200)
+    if (active) {
+      const char* xs = j & 1 ? xo : xe;
+      x0 = *reinterpret_cast<const uint2*>(xs + j * 8);
+      x1 = *reinterpret_cast<const uint2*>(xs + 4 * kGroupPitch + j * 8);
+    }
+    const uint32_t wa0 = word(a0, j >> 1), wb0 = word(b0, j >> 1), wa1 = word(a1, j >> 1), wb1 = word(b1, j >> 1);
+    if (j & 1) {
+      mma(c0, lut<2>(table, wa0, lane_off), lut<2>(table, wb0, lane_off), lut<3>(table, wa0, lane_off),
+          lut<3>(table, wb0, lane_off), x0.x, x0.y);
+      mma(c1, lut<2>(table, wa1, lane_off), lut<2>(table, wb1, lane_off), lut<3>(table, wa1, lane_off),
+          lut<3>(table, wb1, lane_off), x1.x, x1.y);
+    } else {
+      mma(c0, lut<0>(table, wa0, lane_off), lut<0>(table, wb0, lane_off), lut<1>(table, wa0, lane_off),
+          lut<1>(table, wb0, lane_off), x0.x, x0.y);
+      mma(c1, lut<0>(table, wa1, lane_off), lut<0>(table, wb1, lane_off), lut<1>(table, wa1, lane_off),
+          lut<1>(table, wb1, lane_off), x1.x, x1.y);
+    }
+  }
+  // groups o (c0) and o + 4 (c1) of the step, o the column's owner
+  const float sa0 = scale_f((fa.x >> sha) & 0xFF), sa1 = scale_f((fa.y >> sha) & 0xFF);
+  const float sb0 = scale_f((fb.x >> sha) & 0xFF), sb1 = scale_f((fb.y >> sha) & 0xFF);
+  const float ta0 = scale_f((fa.x >> shb) & 0xFF), ta1 = scale_f((fa.y >> shb) & 0xFF);
+  const float tb0 = scale_f((fb.x >> shb) & 0xFF), tb1 = scale_f((fb.y >> shb) & 0xFF);
+  acc[0] = fmaf(c0[0], sa0, acc[0]);
+  acc[1] = fmaf(c0[1], ta0, acc[1]);
+  acc[2] = fmaf(c0[2], sb0, acc[2]);
+  acc[3] = fmaf(c0[3], tb0, acc[3]);
+  acc[0] = fmaf(c1[0], sa1, acc[0]);
+  acc[1] = fmaf(c1[1], ta1, acc[1]);
+  acc[2] = fmaf(c1[2], sb1, acc[2]);
+  acc[3] = fmaf(c1[3], tb1, acc[3]);
+}
+
+// A warp's weight stream over its 16 rows. wa / wb: the lane's first group of rows g / g + 8;
+// sa_p / sb_p: the scale bytes of those rows. Two kinds, with the same members: Stream keeps
+// kDepth steps in flight in registers; RingStream (kRingDepth steps) copies the weights into the
+// warp's slots in shared memory (cp.async) and keeps only the scale bytes in registers. fill()
+// issues the first steps; take(i, s, ...) gives step s's operands (ring slot i = s % kDepth) and
+// after(i, s) refills slot i with step s + kDepth once they are read.
+struct StreamBase {
   const uint8_t *wa, *wb, *sa_p, *sb_p;
   int steps;
+};
+
+struct Stream : StreamBase {
+  static constexpr int kDepth = KPF;
   uint4 ra[KPF][2], rb[KPF][2];
   uint2 sa[KPF], sb[KPF];  // the step's 8 scale bytes of each row (this lane's: bytes t and 4 + t)
 
@@ -156,71 +207,114 @@ struct Stream {
       if (i < steps) load(i, i);
   }
 
-  // One pass (2 pairs at most): per-lane partial sums of the lane's four MMA outputs c[0..3] =
-  // (row g, column 2t), (row g, 2t + 1), (row g + 8, 2t), (row g + 8, 2t + 1), each over the
-  // groups of its column's owner, of K half 0 in lo and of half 1 in acc (at step steps / 2 the
-  // sums so far move to lo and acc starts again from zero). Column 4p + o is (owner o, pair p):
-  // lane t's columns are owners 2(t & 1) and 2(t & 1) + 1 of pair t / 2, and it scales each by
-  // its owner's group. t: the lane's group within 4; xl: the lane's x at its first group, read
-  // only by an active lane (the others keep zero registers).
-  __device__ __forceinline__ void pass(const char* table, uint32_t lane_off, const char* xl, int t, bool active,
-                                       float (&acc)[4], float (&lo)[4]) {
-    const int sha = 16 * (t & 1), shb = sha + 8;  // bit offsets of the scale bytes of the two owners
-    uint2 x0 = make_uint2(0u, 0u), x1 = make_uint2(0u, 0u);
-    for (int s0 = 0; s0 < steps; s0 += KPF) {
+  __device__ __forceinline__ void take(int i, int s, uint4& a0, uint4& a1, uint4& b0, uint4& b1, uint2& fa,
+                                       uint2& fb) {
+    a0 = ra[i][0], a1 = ra[i][1], b0 = rb[i][0], b1 = rb[i][1], fa = sa[i], fb = sb[i];
+    if (s + KPF < steps) load(i, s + KPF);  // (the registers are free once copied)
+  }
+  __device__ __forceinline__ void after(int, int) {}
+};
+
+// Steps in flight of RingStream: 16 warps x 4 slots x 2 KB = 128 KB of shared memory per SM, beside
+// the table (64 KB) and two CTA halves' x (32 KB at K = 4096).
+constexpr int kRingDepth = 4;
+
+__device__ __forceinline__ void cp_async16(const char* dst, const uint8_t* src) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// A slot holds a step's 2 KB as 4 pieces of 512 B (the lane's 16 bytes of row g's groups t and t + 4,
+// then of row g + 8's), lane-major within a piece: a lane reads back only its own bytes, and a
+// warp's 16-byte reads or copies of a piece cover 512 contiguous bytes (no bank conflict).
+struct RingStream : StreamBase {
+  static constexpr int kDepth = kRingDepth;
+  const char* ring;  // the warp's slot 0, at this lane's 16 bytes of piece 0
+  uint2 sa[kRingDepth], sb[kRingDepth];
+
+  __device__ __forceinline__ void load(int i, int n) {
+    const char* d = ring + i * 2048;
+    cp_async16(d, wa + n * 128);
+    cp_async16(d + 512, wa + n * 128 + 64);
+    cp_async16(d + 1024, wb + n * 128);
+    cp_async16(d + 1536, wb + n * 128 + 64);
+    sa[i] = __ldg(reinterpret_cast<const uint2*>(sa_p + n * 8));
+    sb[i] = __ldg(reinterpret_cast<const uint2*>(sb_p + n * 8));
+  }
+
+  // one commit group per step, empty past the last: at take(s) groups 0 .. s are complete once at
+  // most kDepth - 1 are pending
+  __device__ __forceinline__ void fill() {
 #pragma unroll
-      for (int i = 0; i < KPF; ++i) {
-        const int s = s0 + i;
-        if (s >= steps) break;
-        if (2 * s == steps) {
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            lo[v] = acc[v];
-            acc[v] = 0.f;
-          }
-        }
-        const uint4 a0 = ra[i][0], a1 = ra[i][1], b0 = rb[i][0], b1 = rb[i][1];
-        const uint2 fa = sa[i], fb = sb[i];
-        if (s + KPF < steps) load(i, s + KPF);
-        float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-        const char* xs = xl + s * 8 * kGroupPitch;  // the step's groups t and t + 4 of x
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {  // bytes 2j, 2j + 1 of each group: elements 4j .. 4j + 3
-          // (16-byte x loads for two j at once: 128 registers, spills, 10-20 % slower on the H200)
-          if (active) {
-            x0 = *reinterpret_cast<const uint2*>(xs + j * 8);
-            x1 = *reinterpret_cast<const uint2*>(xs + 4 * kGroupPitch + j * 8);
-          }
-          const uint32_t wa0 = word(a0, j >> 1), wb0 = word(b0, j >> 1), wa1 = word(a1, j >> 1), wb1 = word(b1, j >> 1);
-          if (j & 1) {
-            mma(c0, lut<2>(table, wa0, lane_off), lut<2>(table, wb0, lane_off), lut<3>(table, wa0, lane_off),
-                lut<3>(table, wb0, lane_off), x0.x, x0.y);
-            mma(c1, lut<2>(table, wa1, lane_off), lut<2>(table, wb1, lane_off), lut<3>(table, wa1, lane_off),
-                lut<3>(table, wb1, lane_off), x1.x, x1.y);
-          } else {
-            mma(c0, lut<0>(table, wa0, lane_off), lut<0>(table, wb0, lane_off), lut<1>(table, wa0, lane_off),
-                lut<1>(table, wb0, lane_off), x0.x, x0.y);
-            mma(c1, lut<0>(table, wa1, lane_off), lut<0>(table, wb1, lane_off), lut<1>(table, wa1, lane_off),
-                lut<1>(table, wb1, lane_off), x1.x, x1.y);
-          }
-        }
-        // groups o (c0) and o + 4 (c1) of the step, o the column's owner
-        const float sa0 = scale_f((fa.x >> sha) & 0xFF), sa1 = scale_f((fa.y >> sha) & 0xFF);
-        const float sb0 = scale_f((fb.x >> sha) & 0xFF), sb1 = scale_f((fb.y >> sha) & 0xFF);
-        const float ta0 = scale_f((fa.x >> shb) & 0xFF), ta1 = scale_f((fa.y >> shb) & 0xFF);
-        const float tb0 = scale_f((fb.x >> shb) & 0xFF), tb1 = scale_f((fb.y >> shb) & 0xFF);
-        acc[0] = fmaf(c0[0], sa0, acc[0]);
-        acc[1] = fmaf(c0[1], ta0, acc[1]);
-        acc[2] = fmaf(c0[2], sb0, acc[2]);
-        acc[3] = fmaf(c0[3], tb0, acc[3]);
-        acc[0] = fmaf(c1[0], sa1, acc[0]);
-        acc[1] = fmaf(c1[1], ta1, acc[1]);
-        acc[2] = fmaf(c1[2], sb1, acc[2]);
-        acc[3] = fmaf(c1[3], tb1, acc[3]);
-      }
+    for (int i = 0; i < kRingDepth; ++i) {
+      if (i < steps) load(i, i);
+      cp_async_commit();
     }
   }
+
+  __device__ __forceinline__ void take(int i, int, uint4& a0, uint4& a1, uint4& b0, uint4& b1, uint2& fa,
+                                       uint2& fb) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kRingDepth - 1) : "memory");
+    const char* d = ring + i * 2048;
+    a0 = *reinterpret_cast<const uint4*>(d);
+    a1 = *reinterpret_cast<const uint4*>(d + 512);
+    b0 = *reinterpret_cast<const uint4*>(d + 1024);
+    b1 = *reinterpret_cast<const uint4*>(d + 1536);
+    fa = sa[i], fb = sb[i];
+  }
+
+  // after the step's MMAs have read a0 .. b1: the slot is free for step s + kDepth
+  __device__ __forceinline__ void after(int i, int s) {
+    if (s + kRingDepth < steps) load(i, s + kRingDepth);
+    cp_async_commit();
+  }
 };
+
+template <bool kRing>
+struct StreamOf {
+  using type = Stream;
+};
+template <>
+struct StreamOf<true> {
+  using type = RingStream;
+};
+
+// One pass (2 pairs at most): per-lane partial sums of the lane's four MMA outputs c[0..3] =
+// (row g, column 2t), (row g, 2t + 1), (row g + 8, 2t), (row g + 8, 2t + 1), each over the
+// groups of its column's owner, of K half 0 in lo and of half 1 in acc (at step steps / 2 the
+// sums so far move to lo and acc starts again from zero). Column 4p + o is (owner o, pair p):
+// lane t's columns are owners 2(t & 1) and 2(t & 1) + 1 of pair t / 2, and it scales each by
+// its owner's group. t: the lane's group within 4; xl: the lane's x at its first group, read
+// only by an active lane (the others keep zero registers).
+template <typename S>
+__device__ __forceinline__ void pass(S& st, const char* table, uint32_t lane_off, const char* xl, int t, bool active,
+                                     float (&acc)[4], float (&lo)[4]) {
+  const int sha = 16 * (t & 1), shb = sha + 8;  // bit offsets of the scale bytes of the two owners
+  const int sw = t & 2 ? 8 : 0;                 // x's swizzle (Layout): unit j of group t at j ^ (t / 2)
+  uint2 x0 = make_uint2(0u, 0u), x1 = make_uint2(0u, 0u);
+  for (int s0 = 0; s0 < st.steps; s0 += S::kDepth) {
+#pragma unroll
+    for (int i = 0; i < S::kDepth; ++i) {
+      const int s = s0 + i;
+      if (s >= st.steps) break;
+      if (2 * s == st.steps) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          lo[v] = acc[v];
+          acc[v] = 0.f;
+        }
+      }
+      uint4 a0, a1, b0, b1;
+      uint2 fa, fb;
+      st.take(i, s, a0, a1, b0, b1, fa, fb);
+      const char* xs = xl + s * 8 * kGroupPitch;  // the step's groups t and t + 4 of x
+      step_sums(table, lane_off, xs + sw, xs - sw, active, a0, a1, b0, b1, fa, fb, sha, shb, x0, x1, acc);
+      st.after(i, s);
+    }
+  }
+}
 
 struct Item {  // the item (expert slot, tile) of a pass: its pairs start at `start`
   int start, cnt, tile;
@@ -235,17 +329,18 @@ __device__ __forceinline__ void prologue(char* smem) {
   }
 }
 
-// x row `src` into row slot r of the padded layout: element e at r * rowpitch + (e / 32) *
-// kGroupPitch + (e % 32) * 2; unit u (16 bytes) of it by the calling thread
+// x row `src` into row slot r of the Layout: unit u (16 bytes: 8-byte units 2(u % 4) and 2(u % 4)
+// + 1 of group u / 4, swapped when the group's (q / 2) is odd) by the calling thread
 __device__ __forceinline__ void stage_unit(char* xsm, const Args& a, const Layout& L, int r, int src, int u) {
-  const uint4 v = *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
-  *reinterpret_cast<uint4*>(xsm + r * L.rowpitch + (u >> 2) * kGroupPitch + (u & 3) * 16) = v;
+  uint4 v = *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
+  if (u & 8) v = make_uint4(v.z, v.w, v.x, v.y);  // (group u / 4 with bit 1 set)
+  *reinterpret_cast<uint4*>(xsm + r * L.rowpitch + u * 16) = v;
 }
 
-// x rows of pairs c0, c0 + 1 (those < cnt) into row slots 0 and 1
+// x rows of pairs c0, c0 + 1 (those < cnt) into row slots 0 and 1, by the 256 threads of a CTA (half)
 __device__ __forceinline__ void stage_x(char* xsm, const Args& a, const Layout& L, int start, int c0, int np) {
   const int units = a.K / 8;  // 16-byte units of a row
-  for (int i = threadIdx.x; i < np * units; i += kThreads) {
+  for (int i = threadIdx.x & (kThreads - 1); i < np * units; i += kThreads) {
     const int p = i / units;
     const int pair = a.pair_ptr[start + c0 + p];
     stage_unit(xsm, a, L, p, a.down ? pair : pair / a.topk, i % units);
@@ -256,15 +351,16 @@ __device__ __forceinline__ void stage_x(char* xsm, const Args& a, const Layout& 
 // the staged x): total[v] = half 0 + half 1 of the lane's rows g / g + 8 and pairs 0 / 1 (v = 0:
 // (g, 0), 1: (g, 1), 2: (g + 8, 0), 3: (g + 8, 1)), each half's sum over the 4 owners as
 // (o0 + o1) + (o2 + o3) first. The ring must be filled. The x loaders: lane (g, t) with
-// g = 4p + t for the pass's pair p.
-__device__ __forceinline__ void warp_sums(Stream& st, const char* smem, const Layout& L, int np, const int (&xrow)[2],
-                                          float (&total)[4]) {
+// g = 4p + t for the pass's pair p. table: the decode table; xsm: the staged x.
+template <typename S>
+__device__ __forceinline__ void warp_sums(S& st, const char* table, const char* xsm, const Layout& L, int np,
+                                          const int (&xrow)[2], float (&total)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, p = g >> 2;
   const bool active = (g & 3) == t && p < np;
   const int xr = p ? xrow[1] : xrow[0];  // (no local-memory indexing)
-  const char* xl = smem + kLutBytes + xr * L.rowpitch + t * kGroupPitch;
+  const char* xl = xsm + xr * L.rowpitch + t * kGroupPitch;
   float acc[4] = {0.f, 0.f, 0.f, 0.f}, lo[4];
-  st.pass(smem, lane * 4, xl, t, active, acc, lo);
+  pass(st, table, lane * 4, xl, t, active, acc, lo);
   // lane t: owners 2(t & 1), 2(t & 1) + 1 of pair t / 2, rows g (v = 0) and g + 8 (v = 1)
   float tv[2];
 #pragma unroll
@@ -283,9 +379,9 @@ __device__ __forceinline__ void warp_sums(Stream& st, const char* smem, const La
 
 // The weight stream of a warp's 16 rows of slot `slot`, row block `rb` (gate-up: channels rb * 8
 // + g of w1 and of w3; down: rows rb * 16 + g and + 8 of w2); cnt: the slot's pairs, 0 for an
-// expert absent from a sparse table.
-__device__ __forceinline__ Stream warp_stream(const Args& a, int slot, int rb, int& r0, int& r1, int& cnt,
-                                              int& start) {
+// expert absent from a sparse table. (A RingStream's slots are the caller's to set.)
+template <typename S = Stream>
+__device__ __forceinline__ S warp_stream(const Args& a, int slot, int rb, int& r0, int& r1, int& cnt, int& start) {
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int e = __ldcg(a.slot_e + slot);
   const long long* ent = a.tab + 4LL * e + (a.down ? 2 : 0);  // (w13, scale) or (w2, scale)
@@ -295,7 +391,7 @@ __device__ __forceinline__ Stream warp_stream(const Args& a, int slot, int rb, i
   start = __ldcg(a.slot_start + slot);
   r0 = a.down ? rb * 16 + g : rb * 8 + g;
   r1 = a.down ? r0 + 8 : r0 + a.w3_rows;
-  Stream st;
+  S st;
   st.wa = wbase + r0 * a.stride_w + t * 16;
   st.wb = wbase + r1 * a.stride_w + t * 16;
   st.sa_p = sbase + r0 * a.stride_s;
@@ -304,16 +400,33 @@ __device__ __forceinline__ Stream warp_stream(const Args& a, int slot, int rb, i
   return st;
 }
 
+// A barrier of the 256 threads that run() gives an item: the CTA, or with kHalves = 2 its half
+// (named barriers 1 and 2; 0 is __syncthreads').
+template <int kHalves>
+__device__ __forceinline__ void item_sync() {
+  if constexpr (kHalves == 1)
+    __syncthreads();
+  else
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + (threadIdx.x >> 8)), "n"(kThreads) : "memory");
+}
+
 // Runs every (slot, tile) item of this CTA; for each pass calls epi(item, c0, np, r0, r1, total) in
 // every warp with total[v] = the full sums of the lane's rows r0 / r1 (half 0 + half 1), then
-// post(item, c0, np) in every thread after a barrier.
-template <typename Epi, typename Post>
+// post(item, c0, np) in every thread after item_sync.
+// S = Stream: a CTA of 8 warps (kHalves = 1; 2 CTAs per SM, each with its own table).
+// S = RingStream: a CTA of 16 warps in two halves of 8 (kHalves = 2) that take items apart, as two
+// CTAs would, sharing one table; then the weights' steps in flight live in shared memory, not in
+// registers: kRingDepth per warp instead of KPF (moe_lut.py's RING).
+template <typename S, int kHalves, typename Epi, typename Post>
 __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
   const Layout L(a.K);
-  const int lane = threadIdx.x & 31, blk = threadIdx.x >> 5, t = lane & 3;
-  char* xsm = smem + kLutBytes;
-  prologue(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, blk = warp & (kWarps - 1), t = lane & 3;
+  const int half = kHalves == 2 ? threadIdx.x >> 8 : 0;
+  char* xsm = smem + kLutBytes + half * L.bytes;
+  const char* ring = smem + kLutBytes + kHalves * L.bytes + warp * kRingDepth * 2048 + lane * 16;
+  prologue<kThreads * kHalves>(smem);
+  if constexpr (kHalves == 2) __syncthreads();  // (the table; with one half the first item_sync orders it)
   // Under PDL gate-up waits here: x and the routing are its predecessor's (the router's) outputs;
   // then it releases its dependents (the activation quantization, which releases down at once).
   // down reads the routing and requests its first item's weights before it waits for aq (the
@@ -326,17 +439,20 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
   }
   const int items = __ldcg(a.nslot) * tiles;
   const int xrow[2] = {0, 1};  // a pass's pairs in row slots 0 and 1
-  for (int it = blockIdx.x; it < items; it += gridDim.x) {
+  // (half h of CTA b: items b + h G, b + (h + 2) G, ... of a grid of G CTAs, so that a launch of
+  // fewer than 2 G items spreads over every SM first)
+  for (int it = blockIdx.x + half * gridDim.x; it < items; it += gridDim.x * kHalves) {
     const int slot = it / tiles, tile = it % tiles;
     int r0, r1, cnt, start;
-    Stream st = warp_stream(a, slot, tile * kWarps + blk, r0, r1, cnt, start);
+    S st = warp_stream<S>(a, slot, tile * kWarps + blk, r0, r1, cnt, start);
+    if constexpr (kHalves == 2) st.ring = ring;
     bool filled = false;
     if (waiting) {  // down's first item: the ring filled, and the rest of its rows asked of L2
       // (also the rows of the CTA's next 1 or 3 items: no faster on one H200, docs/PERFORMANCE.md)
       if (cnt > 0) {
         st.fill();
         filled = true;
-        for (int s = KPF + t; s < st.steps; s += 4) {  // lane t: steps KPF + t, KPF + t + 4, ... of the quad's rows
+        for (int s = S::kDepth + t; s < st.steps; s += 4) {  // lane t: steps kDepth + t, + 4, ... of the quad's rows
           prefetch_l2(st.wa - t * 16 + s * 128);
           prefetch_l2(st.wb - t * 16 + s * 128);
         }
@@ -347,17 +463,21 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
     }
     for (int c0 = 0; c0 < cnt; c0 += 2) {
       const int np = min(2, cnt - c0);
-      __syncthreads();  // the previous pass's readers of x are done
+      item_sync<kHalves>();  // the previous pass's readers of x are done
       stage_x(xsm, a, L, start, c0, np);
-      __syncthreads();
+      item_sync<kHalves>();
       if (!filled) st.fill();
       filled = false;
       float total[4];
-      warp_sums(st, smem, L, np, xrow, total);
+      warp_sums(st, smem, xsm, L, np, xrow, total);
       epi(Item{start, cnt, tile}, c0, np, r0, r1, total);
-      __syncthreads();
+      item_sync<kHalves>();
       post(Item{start, cnt, tile}, c0, np);
     }
+  }
+  if (waiting) {  // (a CTA half without items)
+    pdl_wait();
+    pdl_release();
   }
 }
 
@@ -399,14 +519,15 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
 #pragma unroll
     for (int p = 0; p < 2; ++p) xrow[p] = p < cnt ? __ldcg(a.pair_ptr + start + p) / a.topk : 0;
     float total[4];
-    warp_sums(st, smem, L, cnt, xrow, total);
+    warp_sums(st, smem, smem + kLutBytes, L, cnt, xrow, total);
     epi(Item{start, cnt, 0}, 0, cnt, r0, r1, total);
   }
 }
 
-// gate-up's body: kSpread picks run_spread's schedule (moe_gate_up_lut_spread) or run's.
+// gate-up's body: kSpread picks run_spread's schedule (moe_gate_up_lut_spread) or run's, kRing
+// run's RingStream (moe_gate_up_lut_ring).
 // act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
-template <bool kSpread>
+template <bool kSpread, bool kRing = false>
 __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                         float limit, int round_out) {
   const int t = threadIdx.x & 3;
@@ -427,8 +548,10 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
   };
   if constexpr (kSpread)
     run_spread(a, a.w3_rows / 8, epi);
+  else if constexpr (kRing)
+    run<RingStream, 2>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
   else
-    run(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
+    run<Stream, 1>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
 }
 
 // y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 128-row tile) of
@@ -436,13 +559,18 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
 // shared (bf16 [M, D], the shared expert's output) out is bf16 and receives rnd(sum + shared).
 // (A spread schedule for down, one warp's task per 16 rows and the combine by the last warp, was
 // 1.5-3 us slower at 1-8 experts of one row: docs/PERFORMANCE.md, fifteenth measurement.)
+// kRing: run's RingStream (moe_down_lut_ring).
+template <bool kRing = false>
 __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                      long long stride_o, int* counters, int D, int combine,
                                      const __nv_bfloat16* shared, long long stride_sh) {
-  __shared__ int last[2];
+  constexpr int kHalves = kRing ? 2 : 1;
+  __shared__ int last_h[kHalves][2];
   constexpr int kTile = kWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile, topk = a.topk;
-  run(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  const int tid = threadIdx.x & (kThreads - 1);  // within the item's CTA (half)
+  int* last = last_h[kHalves == 2 ? threadIdx.x >> 8 : 0];
+  run<typename StreamOf<kRing>::type, kHalves>(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
     const int p = t & 1;
     if (p < np) {  // lane t: row r0 (t < 2) or r1, pair c0 + t % 2
       const int pair = a.pair_ptr[it.start + c0 + p];
@@ -452,19 +580,19 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
   }, [&](const Item& it, int c0, int np) {
     if (!combine) return;
     // every y of the pass is issued (the barrier before post); count this tile of each pair's row
-    if (threadIdx.x < np) {  // (a fence on each side of the count: the last CTA sees every y)
-      const int row = a.pair_ptr[it.start + c0 + threadIdx.x] / topk;
+    if (tid < np) {  // (a fence on each side of the count: the last CTA sees every y)
+      const int row = a.pair_ptr[it.start + c0 + tid] / topk;
       __threadfence();
       const int arrived = atomicAdd(counters + row * tiles + it.tile, 1);
       __threadfence();
-      last[threadIdx.x] = arrived == topk - 1 ? row : -1;
+      last[tid] = arrived == topk - 1 ? row : -1;
     }
-    __syncthreads();
+    item_sync<kHalves>();
     for (int p = 0; p < np; ++p) {
       const int row = last[p];
       if (row < 0) continue;
-      if (threadIdx.x < kTile) {  // the row's topk pairs, slot order, fp32
-        const int d = it.tile * kTile + threadIdx.x;
+      if (tid < kTile) {  // the row's topk pairs, slot order, fp32
+        const int d = it.tile * kTile + tid;
         const unsigned short* yp = reinterpret_cast<const unsigned short*>(y) + (long long)row * topk * stride_y + d;
         float tot = __uint_as_float((uint32_t)__ldcg(yp) << 16);
         for (int j = 1; j < topk; ++j) tot += __uint_as_float((uint32_t)__ldcg(yp + j * stride_y) << 16);
@@ -475,7 +603,7 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
           static_cast<float*>(out)[row * stride_o + d] = tot;
         }
       }
-      if (threadIdx.x == 0) counters[row * tiles + it.tile] = 0;
+      if (tid == 0) counters[row * tiles + it.tile] = 0;
     }
   });
 }
@@ -484,7 +612,9 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
 
 // The launches (moe_lut.py): grid <= 2 CTAs per SM, 256 threads, 64 KB + Layout(K).bytes of
 // dynamic shared memory; moe_gate_up_lut_spread (launches of M = 1 or 2 rows, `rows` = M): one CTA
-// of kSpreadWarps warps per SM, at most 128 registers a thread (a quarter of the SM's left free).
+// of kSpreadWarps warps per SM, at most 128 registers a thread (a quarter of the SM's left free);
+// the _ring entries: one CTA of 512 threads per SM (two halves), 64 KB + 2 Layout(K).bytes +
+// 16 warps' kRingDepth 2 KB slots.
 #define GATE_UP_PARAMS                                                                                              \
   const __nv_bfloat16* xq, long long stride_q, const long long* tab, const float* rw, const int* pair_ptr,        \
       const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,          \
@@ -502,13 +632,22 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread(GATE_UP_PARAM
   gate_up<true>(GATE_UP_ARGS(rows));
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 2)
-    moe_down_lut(const __nv_bfloat16* aq, long long stride_q, const long long* tab, const int* pair_ptr,
-                 const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* y,
-                 long long stride_y, void* out, long long stride_o, int* counters, int D, int I, long long stride_w,
-                 long long stride_s, int topk, int sparse, int combine, const __nv_bfloat16* shared,
-                 long long stride_sh) {
-  down(Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s,
-            0},
-       y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh);
+extern "C" __global__ void __launch_bounds__(2 * kThreads, 1) moe_gate_up_lut_ring(GATE_UP_PARAMS) {
+  gate_up<false, true>(GATE_UP_ARGS(0));
+}
+
+#define DOWN_PARAMS                                                                                                \
+  const __nv_bfloat16 *aq, long long stride_q, const long long *tab, const int *pair_ptr, const int *slot_e,       \
+      const int *slot_start, const int *slot_cnt, const int *nslot, __nv_bfloat16 *y, long long stride_y,          \
+      void *out, long long stride_o, int *counters, int D, int I, long long stride_w, long long stride_s, int topk, \
+      int sparse, int combine, const __nv_bfloat16 *shared, long long stride_sh
+#define DOWN_ARGS                                                                                                 \
+  Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s, \
+       0},                                                                                                        \
+      y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh
+
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down<false>(DOWN_ARGS); }
+
+extern "C" __global__ void __launch_bounds__(2 * kThreads, 1) moe_down_lut_ring(DOWN_PARAMS) {
+  down<true>(DOWN_ARGS);
 }

@@ -40,6 +40,8 @@ _MODULE = CudaModule(SOURCE)
 _GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiii")
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
+_GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiii")
+_DOWN_RING = _MODULE.kernel("moe_down_lut_ring", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -55,6 +57,13 @@ LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B
 # measurement). () turns it off (benchmarks/kernels/moe_cuda_variants.py's engine "lut_items").
 SPREAD_ROWS = (2,)
 SPREAD_WARPS = 12  # the .cu's kSpreadWarps
+# The _ring kernels (the .cu's RingStream): one CTA of 2 x 256 threads per SM whose halves take
+# items as two CTAs would, sharing one decode table, so that each warp's weight steps in flight
+# live in shared memory (RING_DEPTH 2 KB slots, cp.async) instead of registers (2 steps). The same
+# bits. Built 2026-12-01 (the experts' loop waits on its weights: ncu's stall samples,
+# docs/PERFORMANCE.md twenty-second measurement); off until measured.
+RING = False
+RING_DEPTH = 4  # the .cu's kRingDepth
 
 @functools.cache
 def _have_nvcc() -> bool:  # looked up once: `supported` runs on every eager experts call
@@ -67,10 +76,10 @@ def supported(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:
     return device.type == "cuda" and dtype == torch.bfloat16 and D % 512 == 0 and I % 512 == 0 and _have_nvcc()
 
 
-def shared_bytes(K: int) -> int:
-    """Dynamic shared memory of a launch over K: the table, then the .cu's Layout(K)."""
-    row = K // 32 * 80
-    return LUT_BYTES + (row + 15) // 16 * 16 + row
+def shared_bytes(K: int, ring: bool = False) -> int:
+    """Dynamic shared memory of a launch over K: the table, then the .cu's Layout(K) (2 rows of x
+    in bf16); with ring one Layout per CTA half and the 16 warps' slots."""
+    return LUT_BYTES + 4 * K if not ring else LUT_BYTES + 2 * 4 * K + 16 * RING_DEPTH * 2048
 
 
 def spread_rows(pairs: torch.Tensor, topk: int) -> int:
@@ -89,6 +98,11 @@ def _grid(items: int, device: torch.device, per_sm: int = CTAS_PER_SM) -> tuple[
     return (max(1, min(items, per_sm * _sms(device.index))), 1, 1)
 
 
+def _ring_grid(items: int, device: torch.device) -> tuple[int, int, int]:
+    """A _ring launch's CTAs: one per SM at most, each running two items at a time (the halves)."""
+    return _grid(items, device, 1)
+
+
 def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I, strides, limit, topk,
             round_bf16, sparse) -> None:
     """act[p] = rnd(r_p * silu(min(rnd(w1 . xq[p // topk]), limit)) * clamp(rnd(w3 . xq), +-limit));
@@ -100,6 +114,9 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
         _GATE_UP_SPREAD.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), shared_bytes(D), None,
                                *args, spread, pdl=pdl_enabled())
+    elif RING:  # items (slot, channel tile), two at a time per CTA
+        _GATE_UP_RING.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1),
+                             shared_bytes(D, ring=True), None, *args, pdl=pdl_enabled())
     else:  # items (slot, channel tile)
         _GATE_UP.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None, *args,
                         pdl=pdl_enabled())
@@ -118,7 +135,11 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     else:
         assert out.dtype == torch.float32, out.dtype
     items = min(pairs.numel(), addr.shape[0]) * (D // ITEM_ROWS)  # (slot, row tile)
-    _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None,
-                 aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out,
-                 out.stride(0), counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
-                 0 if shared is None else shared, 0 if shared is None else shared.stride(0), pdl=pdl_enabled())
+    args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
+            counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
+            0 if shared is None else shared, 0 if shared is None else shared.stride(0))
+    if RING:
+        _DOWN_RING.launch(_ring_grid(items, aq.device), (2 * THREADS, 1, 1), shared_bytes(I, ring=True), None, *args,
+                          pdl=pdl_enabled())
+    else:
+        _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None, *args, pdl=pdl_enabled())

@@ -555,13 +555,39 @@ def test_gpu_lut_slots_of_many_pairs(M):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 2, 3, 16, 64])
+def test_gpu_lut_ring_gives_the_same_bits(M, monkeypatch):
+    """moe_lut.RING (the weights' steps in flight in shared memory, two items per CTA in halves that
+    share the table) gives the register ring's bits at V4-Flash expert shapes: per-pair outputs,
+    the combine, the combine with the shared expert's output, a sparse table's pairs; slots of one,
+    two and several pairs (several passes); three calls."""
+    from megastep.kernels import moe_lut
+
+    ex = random_stacked_experts(32, 4096, 2048, seed=23, dev="cuda")
+    x, ids, wts = make_inputs(M, 4096, 32, 6, seed=M + 29, dev="cuda")
+    if M >= 3:  # expert 0 in every row: a slot of M pairs
+        ids[:, 0] = torch.where((ids == 0).any(1), ids[:, 0], 0)
+        assert (ids == 0).any(1).all()
+    outputs = _lut_outputs(ex, x, ids, wts)
+
+    want = outputs()
+    check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
+    monkeypatch.setattr(moe_lut, "RING", True)
+    for _ in range(3):
+        got = outputs()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
 def test_lut_kernels_build_for_sm90():
     """The "lut" kernels compile (nvcc, sm_90) with the header they include, with no local memory:
     a spill would put loads in the experts' inner loop."""
     from megastep.kernels import moe_lut
 
-    assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread"))
+    assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread",
+                                                  "moe_gate_up_lut_ring", "moe_down_lut_ring"))
 
 
 def test_lut_spread_gate_up_is_taken_by_rows(monkeypatch):
@@ -581,7 +607,8 @@ def test_lut_signatures_match_the_kernels():
     """moe_lut.py passes as many arguments as each kernel in moe_lut.cu declares, typed by position."""
     from megastep.kernels import moe_lut
 
-    for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD):
+    for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
+                   moe_lut._DOWN_RING):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
@@ -589,3 +616,5 @@ def test_lut_signatures_match_the_kernels():
     assert (moe_lut.ITEM_CHANNELS, moe_lut.ITEM_ROWS) == (8 * warps, 16 * warps)
     # the spread gate-up's CTA: as many warps as the launch gives threads
     assert moe_lut.SPREAD_WARPS == int(re.search(r"constexpr int kSpreadWarps = (\d+);", src).group(1))
+    # the ring launches' shared memory counts the .cu's slots
+    assert moe_lut.RING_DEPTH == int(re.search(r"constexpr int kRingDepth = (\d+);", src).group(1))
