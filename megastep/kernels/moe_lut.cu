@@ -272,15 +272,6 @@ struct RingStream : StreamBase {
   }
 };
 
-template <bool kRing>
-struct StreamOf {
-  using type = Stream;
-};
-template <>
-struct StreamOf<true> {
-  using type = RingStream;
-};
-
 // One pass (2 pairs at most): per-lane partial sums of the lane's four MMA outputs c[0..3] =
 // (row g, column 2t), (row g, 2t + 1), (row g + 8, 2t), (row g + 8, 2t + 1), each over the
 // groups of its column's owner, of K half 0 in lo and of half 1 in acc (at step steps / 2 the
@@ -416,7 +407,7 @@ __device__ __forceinline__ void item_sync() {
 // S = Stream: a CTA of 8 warps (kHalves = 1; 2 CTAs per SM, each with its own table).
 // S = RingStream: a CTA of 16 warps in two halves of 8 (kHalves = 2) that take items apart, as two
 // CTAs would, sharing one table; then the weights' steps in flight live in shared memory, not in
-// registers: kRingDepth per warp instead of KPF (moe_lut.py's RING).
+// registers: kRingDepth per warp instead of KPF (moe_gate_up_lut_ring; moe_lut.py's RING_ROWS).
 template <typename S, int kHalves, typename Epi, typename Post>
 __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
@@ -559,18 +550,15 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
 // shared (bf16 [M, D], the shared expert's output) out is bf16 and receives rnd(sum + shared).
 // (A spread schedule for down, one warp's task per 16 rows and the combine by the last warp, was
 // 1.5-3 us slower at 1-8 experts of one row: docs/PERFORMANCE.md, fifteenth measurement.)
-// kRing: run's RingStream (moe_down_lut_ring).
-template <bool kRing = false>
+// (down through the RingStream, in CTA halves, was 12-27 % slower per call at 1-64 rows on one H200
+// while gate-up gained: docs/PERFORMANCE.md, twenty-second measurement.)
 __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                      long long stride_o, int* counters, int D, int combine,
                                      const __nv_bfloat16* shared, long long stride_sh) {
-  constexpr int kHalves = kRing ? 2 : 1;
-  __shared__ int last_h[kHalves][2];
+  __shared__ int last[2];
   constexpr int kTile = kWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile, topk = a.topk;
-  const int tid = threadIdx.x & (kThreads - 1);  // within the item's CTA (half)
-  int* last = last_h[kHalves == 2 ? threadIdx.x >> 8 : 0];
-  run<typename StreamOf<kRing>::type, kHalves>(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  run<Stream, 1>(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
     const int p = t & 1;
     if (p < np) {  // lane t: row r0 (t < 2) or r1, pair c0 + t % 2
       const int pair = a.pair_ptr[it.start + c0 + p];
@@ -580,19 +568,19 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
   }, [&](const Item& it, int c0, int np) {
     if (!combine) return;
     // every y of the pass is issued (the barrier before post); count this tile of each pair's row
-    if (tid < np) {  // (a fence on each side of the count: the last CTA sees every y)
-      const int row = a.pair_ptr[it.start + c0 + tid] / topk;
+    if (threadIdx.x < np) {  // (a fence on each side of the count: the last CTA sees every y)
+      const int row = a.pair_ptr[it.start + c0 + threadIdx.x] / topk;
       __threadfence();
       const int arrived = atomicAdd(counters + row * tiles + it.tile, 1);
       __threadfence();
-      last[tid] = arrived == topk - 1 ? row : -1;
+      last[threadIdx.x] = arrived == topk - 1 ? row : -1;
     }
-    item_sync<kHalves>();
+    __syncthreads();
     for (int p = 0; p < np; ++p) {
       const int row = last[p];
       if (row < 0) continue;
-      if (tid < kTile) {  // the row's topk pairs, slot order, fp32
-        const int d = it.tile * kTile + tid;
+      if (threadIdx.x < kTile) {  // the row's topk pairs, slot order, fp32
+        const int d = it.tile * kTile + threadIdx.x;
         const unsigned short* yp = reinterpret_cast<const unsigned short*>(y) + (long long)row * topk * stride_y + d;
         float tot = __uint_as_float((uint32_t)__ldcg(yp) << 16);
         for (int j = 1; j < topk; ++j) tot += __uint_as_float((uint32_t)__ldcg(yp + j * stride_y) << 16);
@@ -603,7 +591,7 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
           static_cast<float*>(out)[row * stride_o + d] = tot;
         }
       }
-      if (tid == 0) counters[row * tiles + it.tile] = 0;
+      if (threadIdx.x == 0) counters[row * tiles + it.tile] = 0;
     }
   });
 }
@@ -613,7 +601,7 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
 // The launches (moe_lut.py): grid <= 2 CTAs per SM, 256 threads, 64 KB + Layout(K).bytes of
 // dynamic shared memory; moe_gate_up_lut_spread (launches of M = 1 or 2 rows, `rows` = M): one CTA
 // of kSpreadWarps warps per SM, at most 128 registers a thread (a quarter of the SM's left free);
-// the _ring entries: one CTA of 512 threads per SM (two halves), 64 KB + 2 Layout(K).bytes +
+// moe_gate_up_lut_ring: one CTA of 512 threads per SM (two halves), 64 KB + 2 Layout(K).bytes +
 // 16 warps' kRingDepth 2 KB slots.
 #define GATE_UP_PARAMS                                                                                              \
   const __nv_bfloat16* xq, long long stride_q, const long long* tab, const float* rw, const int* pair_ptr,        \
@@ -646,8 +634,4 @@ extern "C" __global__ void __launch_bounds__(2 * kThreads, 1) moe_gate_up_lut_ri
        0},                                                                                                        \
       y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh
 
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down<false>(DOWN_ARGS); }
-
-extern "C" __global__ void __launch_bounds__(2 * kThreads, 1) moe_down_lut_ring(DOWN_PARAMS) {
-  down<true>(DOWN_ARGS);
-}
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down(DOWN_ARGS); }

@@ -41,7 +41,6 @@ _GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiii")
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
 _GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiii")
-_DOWN_RING = _MODULE.kernel("moe_down_lut_ring", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -57,12 +56,15 @@ LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B
 # measurement). () turns it off (benchmarks/kernels/moe_cuda_variants.py's engine "lut_items").
 SPREAD_ROWS = (2,)
 SPREAD_WARPS = 12  # the .cu's kSpreadWarps
-# The _ring kernels (the .cu's RingStream): one CTA of 2 x 256 threads per SM whose halves take
-# items as two CTAs would, sharing one decode table, so that each warp's weight steps in flight
-# live in shared memory (RING_DEPTH 2 KB slots, cp.async) instead of registers (2 steps). The same
-# bits. Built 2026-12-01 (the experts' loop waits on its weights: ncu's stall samples,
-# docs/PERFORMANCE.md twenty-second measurement); off until measured.
-RING = False
+# moe_gate_up_lut_ring (the .cu's RingStream) for gate-up launches of at least RING_ROWS rows: one
+# CTA of 2 x 256 threads per SM whose halves take items as two CTAs would, sharing one decode
+# table, so that each warp's weight steps in flight live in shared memory (RING_DEPTH 2 KB slots,
+# cp.async) instead of registers (2 steps). The same bits. Built 2026-12-01: the experts' loop
+# waits on its weights (ncu's stall samples); measured on one H200 (docs/PERFORMANCE.md,
+# twenty-second measurement): gate-up -3 % at 1 row, +1 % at 4, -4 % at 16, -8 % at 64 per call;
+# down the same way +12-27 % (not kept); a whole 512-thread CTA per SM also keeps the side
+# stream's launches off an SM until it is free. None: never.
+RING_ROWS: int | None = None
 RING_DEPTH = 4  # the .cu's kRingDepth
 
 @functools.cache
@@ -99,7 +101,7 @@ def _grid(items: int, device: torch.device, per_sm: int = CTAS_PER_SM) -> tuple[
 
 
 def _ring_grid(items: int, device: torch.device) -> tuple[int, int, int]:
-    """A _ring launch's CTAs: one per SM at most, each running two items at a time (the halves)."""
+    """The ring launch's CTAs: one per SM at most, each running two items at a time (the halves)."""
     return _grid(items, device, 1)
 
 
@@ -114,7 +116,7 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
         _GATE_UP_SPREAD.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), shared_bytes(D), None,
                                *args, spread, pdl=pdl_enabled())
-    elif RING:  # items (slot, channel tile), two at a time per CTA
+    elif RING_ROWS is not None and pairs.numel() // topk >= RING_ROWS:  # items, two at a time per CTA
         _GATE_UP_RING.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1),
                              shared_bytes(D, ring=True), None, *args, pdl=pdl_enabled())
     else:  # items (slot, channel tile)
@@ -138,8 +140,4 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
-    if RING:
-        _DOWN_RING.launch(_ring_grid(items, aq.device), (2 * THREADS, 1, 1), shared_bytes(I, ring=True), None, *args,
-                          pdl=pdl_enabled())
-    else:
-        _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None, *args, pdl=pdl_enabled())
+    _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None, *args, pdl=pdl_enabled())
