@@ -311,12 +311,18 @@ struct Item {  // the item (expert slot, tile) of a pass: its pairs start at `st
   int start, cnt, tile;
 };
 
-template <int kThreadsT = kThreads>
+// The decode table: entry v (256 B apart) holds 32 copies of byte v's two values. Thread v
+// (CTAs of at least 256 threads) decodes entry v once and writes its 128 B as 8 16-byte stores,
+// store k at chunk (k + v) % 8 so that the 8 threads of a store phase hit distinct banks. (One
+// word per store and each value decoded for every copy took ~480 instructions per warp, ~1-2 us
+// of a launch at 1 row.)
 __device__ __forceinline__ void prologue(char* smem) {
-  uint32_t* table = reinterpret_cast<uint32_t*>(smem);
-  for (int i = threadIdx.x; i < 256 * 32; i += kThreadsT) {
-    const uint32_t v = i >> 5;
-    table[v * 64 + (i & 31)] = e2m1_bf16(v & 15) | (e2m1_bf16(v >> 4) << 16);
+  const int v = threadIdx.x;
+  if (v < 256) {
+    const uint32_t e = e2m1_bf16(v & 15) | (e2m1_bf16(v >> 4) << 16);
+    const uint4 q = make_uint4(e, e, e, e);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) *reinterpret_cast<uint4*>(smem + v * 256 + ((k + v) & 7) * 16) = q;
   }
 }
 
@@ -416,7 +422,7 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
   const int half = kHalves == 2 ? threadIdx.x >> 8 : 0;
   char* xsm = smem + kLutBytes + half * L.bytes;
   const char* ring = smem + kLutBytes + kHalves * L.bytes + warp * kRingDepth * 2048 + lane * 16;
-  prologue<kThreads * kHalves>(smem);
+  prologue(smem);
   if constexpr (kHalves == 2) __syncthreads();  // (the table; with one half the first item_sync orders it)
   // Under PDL gate-up waits here: x and the routing are its predecessor's (the router's) outputs;
   // then it releases its dependents (the activation quantization, which releases down at once).
@@ -492,7 +498,7 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
   extern __shared__ __align__(16) char smem[];
   const Layout L(a.K);
   const int blk = threadIdx.x >> 5;
-  prologue<kSpreadWarps * 32>(smem);
+  prologue(smem);
   pdl_wait();  // (run's PDL order)
   pdl_release();
   const int T = __ldcg(a.nslot) * blocks;
