@@ -2,8 +2,8 @@
 Triton kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels,
 kernels/moe_lut.py), or "lut" with whole items per CTA at every M ("lut_items": moe_lut.SPREAD_ROWS
 = ()), or with the spread gate-up at 1 and 2 rows ("lut_spread": (1, 2)), or with the gate-up's weight
-steps in flight in shared memory at every M ("lut_ring": moe_lut.RING_ROWS = 1); the outputs must
-equal the first lut engine's bit for bit. (Earlier experiments measured with it and removed: a CUDA C++ gate-up,
+steps in flight in shared memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS = 1) or at none
+("lut_noring": None); the outputs must equal the first lut engine's bit for bit. (Earlier experiments measured with it and removed: a CUDA C++ gate-up,
 docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the fifteenth;
 the MMA columns in lane-major order, the twenty-second.)
 
@@ -39,14 +39,14 @@ from megastep.kernels import moe_lut as LUTK  # noqa: E402
 
 def run(engine, fn):
     if engine.startswith("lut"):  # mode "lut" (kernels/moe_lut.py) as the kernels' default
-        saved = MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_ROWS
+        saved = MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_MIN_ROWS
         MOE.DEFAULT_MODE = "lut"
         LUTK.SPREAD_ROWS = {"lut_items": (), "lut_spread": (1, 2)}.get(engine, saved[1])
-        LUTK.RING_ROWS = 1 if engine == "lut_ring" else saved[2]
+        LUTK.RING_MIN_ROWS = {"lut_ring": 1, "lut_noring": None}.get(engine, saved[2])
         try:
             return fn()
         finally:
-            MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_ROWS = saved
+            MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_MIN_ROWS = saved
     return fn()
 
 

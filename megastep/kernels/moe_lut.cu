@@ -413,7 +413,7 @@ __device__ __forceinline__ void item_sync() {
 // S = Stream: a CTA of 8 warps (kHalves = 1; 2 CTAs per SM, each with its own table).
 // S = RingStream: a CTA of 16 warps in two halves of 8 (kHalves = 2) that take items apart, as two
 // CTAs would, sharing one table; then the weights' steps in flight live in shared memory, not in
-// registers: kRingDepth per warp instead of KPF (moe_gate_up_lut_ring; moe_lut.py's RING_ROWS).
+// registers: kRingDepth per warp instead of KPF (moe_gate_up_lut_ring; moe_lut.py's ring_rows).
 template <typename S, int kHalves, typename Epi, typename Post>
 __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];

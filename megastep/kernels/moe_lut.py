@@ -56,15 +56,17 @@ LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B
 # measurement). () turns it off (benchmarks/kernels/moe_cuda_variants.py's engine "lut_items").
 SPREAD_ROWS = (2,)
 SPREAD_WARPS = 12  # the .cu's kSpreadWarps
-# moe_gate_up_lut_ring (the .cu's RingStream) for gate-up launches of at least RING_ROWS rows: one
-# CTA of 2 x 256 threads per SM whose halves take items as two CTAs would, sharing one decode
-# table, so that each warp's weight steps in flight live in shared memory (RING_DEPTH 2 KB slots,
-# cp.async) instead of registers (2 steps). The same bits. Built 2026-12-01: the experts' loop
-# waits on its weights (ncu's stall samples); measured on one H200 (docs/PERFORMANCE.md,
-# twenty-second measurement): gate-up -3 % at 1 row, +1 % at 4, -4 % at 16, -8 % at 64 per call;
-# down the same way +12-27 % (not kept); a whole 512-thread CTA per SM also keeps the side
-# stream's launches off an SM until it is free. None: never.
-RING_ROWS: int | None = None
+# moe_gate_up_lut_ring (the .cu's RingStream) for gate-up launches of 1 row or at least
+# RING_MIN_ROWS rows (ring_rows): one CTA of 2 x 256 threads per SM whose halves take items as two
+# CTAs would, sharing one decode table, so that each warp's weight steps in flight live in shared
+# memory (RING_DEPTH 2 KB slots, cp.async) instead of registers (2 steps). The same bits. Built
+# 2026-12-01 because the experts' loop waits on its weights (ncu's stall samples). Measured on one
+# H200 (docs/PERFORMANCE.md, twenty-second measurement), 30-layer step A/B/A/B: 1 row -0.5 %, 4 rows
+# +0.9 %, 16 rows -3.3 %, 64 rows -3.5 %; gate-up alone -3 / +1 / -5 / -6 % per call. A whole
+# 512-thread CTA per SM also keeps the side stream's launches off an SM until it is free, which
+# costs at 2-4 rows. (down through the ring was 12-27 % slower per call and is not built.) None:
+# never.
+RING_MIN_ROWS: int | None = 16
 RING_DEPTH = 4  # the .cu's kRingDepth
 
 @functools.cache
@@ -100,6 +102,11 @@ def _grid(items: int, device: torch.device, per_sm: int = CTAS_PER_SM) -> tuple[
     return (max(1, min(items, per_sm * _sms(device.index))), 1, 1)
 
 
+def ring_rows(M: int) -> bool:
+    """Whether a gate-up launch of M rows (not taken by the spread gate-up) takes the ring kernel."""
+    return RING_MIN_ROWS is not None and (M == 1 or M >= RING_MIN_ROWS)
+
+
 def _ring_grid(items: int, device: torch.device) -> tuple[int, int, int]:
     """The ring launch's CTAs: one per SM at most, each running two items at a time (the halves)."""
     return _grid(items, device, 1)
@@ -116,7 +123,7 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
         _GATE_UP_SPREAD.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), shared_bytes(D), None,
                                *args, spread, pdl=pdl_enabled())
-    elif RING_ROWS is not None and pairs.numel() // topk >= RING_ROWS:  # items, two at a time per CTA
+    elif ring_rows(pairs.numel() // topk):  # items (slot, channel tile), two at a time per CTA
         _GATE_UP_RING.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1),
                              shared_bytes(D, ring=True), None, *args, pdl=pdl_enabled())
     else:  # items (slot, channel tile)

@@ -559,7 +559,7 @@ def test_gpu_lut_slots_of_many_pairs(M):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 3, 16, 64])
 def test_gpu_lut_ring_gives_the_same_bits(M, monkeypatch):
-    """The ring gate-up (moe_lut.RING_ROWS: the weights' steps in flight in shared memory, two items
+    """The ring gate-up (moe_lut.ring_rows: the weights' steps in flight in shared memory, two items
     per CTA in halves that share the table) gives the register ring's bits at V4-Flash expert
     shapes: per-pair outputs, the combine, the combine with the shared expert's output, a sparse
     table's pairs; slots of one, two and several pairs (several passes); three calls."""
@@ -572,9 +572,10 @@ def test_gpu_lut_ring_gives_the_same_bits(M, monkeypatch):
         assert (ids == 0).any(1).all()
     outputs = _lut_outputs(ex, x, ids, wts)
 
+    monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", None)
     want = outputs()
     check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
-    monkeypatch.setattr(moe_lut, "RING_ROWS", 1)
+    monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", 1)
     for _ in range(3):
         got = outputs()
         assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -588,6 +589,17 @@ def test_lut_kernels_build_for_sm90():
 
     assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread",
                                                   "moe_gate_up_lut_ring"))
+
+
+def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
+    """moe_lut.ring_rows: the ring gate-up at 1 row and from RING_MIN_ROWS rows on (measured to gain
+    at 1, 16 and 64 rows, to lose at 4), never with RING_MIN_ROWS None."""
+    from megastep.kernels import moe_lut
+
+    monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", 16)
+    assert [moe_lut.ring_rows(m) for m in (1, 2, 4, 8, 15, 16, 64)] == [True, False, False, False, False, True, True]
+    monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", None)
+    assert not any(moe_lut.ring_rows(m) for m in (1, 2, 16, 64))
 
 
 def test_lut_spread_gate_up_is_taken_by_rows(monkeypatch):
