@@ -225,6 +225,7 @@ for group in "$@"; do
       # the decode table's new fill: the lut GPU tests, the experts calls alone, then the step A/B/A/B
       P='import megastep.kernels.moe_lut as m; m.RING_MIN_ROWS'
       step ring_tests 100 python3 -m pytest -q -rfE --timeout 90 -m gpu tests/kernels/test_moe.py -k lut
+      step ring_fast_tests 170 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py -k lut
       step ring_kernels 100 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,4,8,16,32,64 \
         --engines lut_noring,lut_ring
       for arm in a b; do
