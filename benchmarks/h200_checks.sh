@@ -233,10 +233,10 @@ for group in "$@"; do
         bench_with "ringrows_all_$arm" 60 "$P = 1" --layers 30 --batch 1,8,32
       done ;;
     poll)  # the polling CPU sidecar (runtime/sidecar.POLL, built 2026-12-01): its GPU tests (the host function's
-      # bits), then recipes B and hybrid with it, all 43 layers (the host-function numbers: twenty-first measurement)
+      # bits), then recipes hybrid and B with it, all 43 layers (the host-function numbers: twenty-first measurement)
       P='import megastep.runtime.sidecar as s; s.POLL = True'
       step poll_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_fast_gpu.py -k "polling or cold_expert"
-      for path in cpu hybrid; do
+      for path in hybrid cpu; do
         bench_with "poll_skewed_$path" 160 "$P" --batch 1,6 --routing skewed --hbm-budget 125 --cold-path "$path"
       done ;;
     linsplit)
