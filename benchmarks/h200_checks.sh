@@ -25,7 +25,6 @@
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
-#   bash benchmarks/h200_checks.sh ringrows   # the ring gate-up at 8 and 32 rows, the table's new fill: GPU tests, the kernels alone, the step A/B/A/B (~4 min)
 #   bash benchmarks/h200_checks.sh poll       # the CPU sidecar by flags instead of host nodes: GPU tests, B and hybrid on all 43 layers (~8 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
@@ -220,17 +219,6 @@ for group in "$@"; do
           --details "$OUT/lut_ncu_m${m}_details.log" --top 30
         rm -f "$OUT/lut_ncu_m$m.ncu-rep"
         gzip -f "$OUT/lut_ncu_m${m}_source.log"
-      done ;;
-    ringrows)  # the ring gate-up at 8 and 32 rows, unmeasured so far (the default takes it at 1 and >= 16 rows), and
-      # the decode table's new fill: the lut GPU tests, the experts calls alone, then the step A/B/A/B
-      P='import megastep.kernels.moe_lut as m; m.RING_MIN_ROWS'
-      step ring_tests 100 python3 -m pytest -q -rfE --timeout 90 -m gpu tests/kernels/test_moe.py -k lut
-      step ring_fast_tests 170 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py -k lut
-      step ring_kernels 100 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,4,8,16,32,64 \
-        --engines lut_noring,lut_ring
-      for arm in a b; do
-        bench_with "ringrows_none_$arm" 100 "$P = None" --layers 30 --batch 1,8,32
-        bench_with "ringrows_all_$arm" 60 "$P = 1" --layers 30 --batch 1,8,32
       done ;;
     poll)  # the polling CPU sidecar (runtime/sidecar.POLL, built 2026-12-01): its GPU tests (the host function's
       # bits), then recipes hybrid and B with it, all 43 layers (the host-function numbers: twenty-first measurement)

@@ -61,12 +61,12 @@ SPREAD_WARPS = 12  # the .cu's kSpreadWarps
 # CTAs would, sharing one decode table, so that each warp's weight steps in flight live in shared
 # memory (RING_DEPTH 2 KB slots, cp.async) instead of registers (2 steps). The same bits. Built
 # 2026-12-01 because the experts' loop waits on its weights (ncu's stall samples). Measured on one
-# H200 (docs/PERFORMANCE.md, twenty-second measurement), 30-layer step A/B/A/B: 1 row -0.5 %, 4 rows
-# +0.9 %, 16 rows -3.3 %, 64 rows -3.5 %; gate-up alone -3 / +1 / -5 / -6 % per call. A whole
-# 512-thread CTA per SM also keeps the side stream's launches off an SM until it is free, which
-# costs at 2-4 rows. (down through the ring was 12-27 % slower per call and is not built.) None:
-# never.
-RING_MIN_ROWS: int | None = 16
+# H200 (docs/PERFORMANCE.md, twenty-second measurement), 30-layer step, ring against none, A/B/A/B:
+# 1 row -0.9 %, 4 rows +0.9 %, 8 rows -2.1 %, 16 -3.3 %, 32 -3.4 %, 64 -3.5 % (2 rows take the
+# spread gate-up). A whole 512-thread CTA per SM keeps the side stream's launches off an SM until
+# it is free, which is what costs at 4 rows (gate-up alone: +1.8 %). (down through the ring was
+# 12-27 % slower per call and is not built.) None: never.
+RING_MIN_ROWS: int | None = 8
 RING_DEPTH = 4  # the .cu's kRingDepth
 
 @functools.cache

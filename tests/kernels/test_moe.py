@@ -593,11 +593,12 @@ def test_lut_kernels_build_for_sm90():
 
 def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
     """moe_lut.ring_rows: the ring gate-up at 1 row and from RING_MIN_ROWS rows on (measured to gain
-    at 1, 16 and 64 rows, to lose at 4), never with RING_MIN_ROWS None."""
+    at 1 and 8-64 rows, to lose at 4), never with RING_MIN_ROWS None."""
     from megastep.kernels import moe_lut
 
+    assert [moe_lut.ring_rows(m) for m in (1, 2, 4, 7, 8, 16, 64)] == [True, False, False, False, True, True, True]
     monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", 16)
-    assert [moe_lut.ring_rows(m) for m in (1, 2, 4, 8, 15, 16, 64)] == [True, False, False, False, False, True, True]
+    assert [moe_lut.ring_rows(m) for m in (1, 8, 15, 16)] == [True, False, False, True]
     monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", None)
     assert not any(moe_lut.ring_rows(m) for m in (1, 2, 16, 64))
 
