@@ -25,7 +25,6 @@
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
-#   bash benchmarks/h200_checks.sh poll       # the CPU sidecar by flags instead of host nodes: GPU tests, B and hybrid on all 43 layers (~8 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -219,13 +218,6 @@ for group in "$@"; do
           --details "$OUT/lut_ncu_m${m}_details.log" --top 30
         rm -f "$OUT/lut_ncu_m$m.ncu-rep"
         gzip -f "$OUT/lut_ncu_m${m}_source.log"
-      done ;;
-    poll)  # the polling CPU sidecar (runtime/sidecar.POLL, built 2026-12-01): its GPU tests (the host function's
-      # bits), then recipes hybrid and B with it, all 43 layers (the host-function numbers: twenty-first measurement)
-      P='import megastep.runtime.sidecar as s; s.POLL = True'
-      step poll_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_fast_gpu.py -k "polling or cold_expert"
-      for path in hybrid cpu; do
-        bench_with "poll_skewed_$path" 160 "$P" --batch 1,6 --routing skewed --hbm-budget 125 --cold-path "$path"
       done ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;

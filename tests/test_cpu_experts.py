@@ -254,3 +254,15 @@ def test_bad_arguments_are_clear():
             ce.experts_forward(x, torch.tensor([[2]], dtype=torch.int32), torch.ones(1, 1), **st)
         with pytest.raises(ValueError, match="isa must be one of"):
             ce.experts_forward(x, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1), **st, isa="amx")
+
+
+def test_polling_sidecar_falls_back_without_the_memory_operations():
+    """A driver without the stream memory operations POLL needs is named by what it lacks (the
+    sidecar then runs by host functions, with a warning)."""
+    import types
+
+    from megastep.runtime import sidecar
+
+    assert sidecar._missing_memops(types.SimpleNamespace(**{n: None for n in sidecar._MEMOPS})) == []
+    lib = types.SimpleNamespace(cuStreamWriteValue32_v2=None)
+    assert sidecar._missing_memops(lib) == ["cuStreamWaitValue32_v2", "cuMemHostGetDevicePointer_v2"]

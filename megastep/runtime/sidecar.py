@@ -21,9 +21,11 @@ the side stream writes 1 into the job's page-locked flag word (cuStreamWriteValu
 that scans the flags runs the job and stores 2, and the side stream waits for 2
 (cuStreamWaitValue32) before copying y back, then writes 0. No host node: the GPU does not hand
 control to a driver thread in every layer, and a layer whose rows are routed to none of its CPU
-experts costs the CPU a zeroed y only, well before the GPU joins. Built after the twenty-first
-measurement (docs/PERFORMANCE.md: the host nodes cost ~0.12 ms a layer); off until measured on
-the GPU (`bash benchmarks/h200_checks.sh poll`).
+experts costs the CPU a zeroed y only, well before the GPU joins. The default since the
+twenty-second measurement (docs/PERFORMANCE.md; all 43 layers, 125 GB in HBM, skewed routing, one
+H200): recipe B 10.55 ms at 1 row against 11.79 with host functions, 28.44 against 30.19 for a
+6-row block; hybrid 10.06 against 11.32, and 27.31 against 26.70 for 6 rows. A driver without
+the stream memory operations gets the host functions, with a warning.
 
 Staging buffers and jobs are made per (layer, rows) on first use and kept: a captured graph
 points at them. The CPU experts' weights stay where the caller put them (host memory); the job
@@ -33,6 +35,7 @@ holds their addresses.
 from __future__ import annotations
 
 import ctypes
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +43,7 @@ import torch
 from megastep.cpu import experts as cpu_experts
 from megastep.runtime.distributed import bit_words
 
-POLL = False  # the flags instead of a host function (module doc)
+POLL = True  # the flags instead of a host function (module doc)
 
 _CUDA_SUCCESS = 0
 _WAIT_VALUE_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
@@ -54,14 +57,18 @@ def _driver() -> ctypes.CDLL:
     return lib
 
 
+_MEMOPS = ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2", "cuMemHostGetDevicePointer_v2")
+
+
+def _missing_memops(lib: ctypes.CDLL) -> list[str]:
+    """The stream memory operations POLL uses that this driver lacks (the _v2 ones need no driver
+    module option)."""
+    return [n for n in _MEMOPS if not hasattr(lib, n)]
+
+
 def _memop_driver(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib` with the stream memory operations POLL uses typed (the _v2 ones need no driver module
-    option; a driver without them is one clear error)."""
-    names = ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2", "cuMemHostGetDevicePointer_v2")
-    missing = [n for n in names if not hasattr(lib, n)]
-    if missing:
-        raise RuntimeError(f"the polling CPU sidecar needs {', '.join(missing)} (a newer CUDA driver)")
-    for name in names[:2]:
+    """`lib` with the stream memory operations POLL uses typed."""
+    for name in _MEMOPS[:2]:
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         fn.restype = ctypes.c_int
@@ -110,7 +117,13 @@ class CpuSidecar:
         self._cuda = self.device.type == "cuda"
         self.poll = POLL and self._cuda
         if self._cuda:
-            self._driver = _memop_driver(_driver()) if self.poll else _driver()
+            lib = _driver()
+            missing = _missing_memops(lib) if self.poll else []
+            if missing:
+                warnings.warn(f"this CUDA driver lacks {', '.join(missing)}: the CPU sidecar runs by host functions",
+                              stacklevel=2)
+                self.poll = False
+            self._driver = _memop_driver(lib) if self.poll else lib
             self._fn = cpu_experts.sidecar_host_fn()
             self._side = torch.cuda.Stream(self.device)
         self._poller = cpu_experts.Poller() if self.poll else None
