@@ -534,6 +534,17 @@ def test_gpu_lut_spread_gate_up_gives_the_same_bits(M, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(g, want))
 
 
+def _many_pair_inputs(M, seed):
+    """32 experts at V4-Flash shapes and M rows of top-6 routing; from 3 rows on expert 0 is in
+    every row (a slot of M pairs: several passes over its rows)."""
+    ex = random_stacked_experts(32, 4096, 2048, seed=seed, dev="cuda")
+    x, ids, wts = make_inputs(M, 4096, 32, 6, seed=M + seed + 2, dev="cuda")
+    if M >= 3:
+        ids[:, 0] = torch.where((ids == 0).any(1), ids[:, 0], 0)
+        assert (ids == 0).any(1).all()
+    return ex, x, ids, wts
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 3, 16, 64])
@@ -542,11 +553,7 @@ def test_gpu_lut_slots_of_many_pairs(M):
     expert's rows, each pass's x rows staged anew) at V4-Flash expert shapes: the combine matches
     the reference, and a second call gives the same bits in all four outputs (per-pair, the
     combine, the combine with the shared expert's output, a sparse table's pairs)."""
-    ex = random_stacked_experts(32, 4096, 2048, seed=17, dev="cuda")
-    x, ids, wts = make_inputs(M, 4096, 32, 6, seed=M + 19, dev="cuda")
-    if M >= 3:  # expert 0 in every row: a slot of M pairs
-        ids[:, 0] = torch.where((ids == 0).any(1), ids[:, 0], 0)
-        assert (ids == 0).any(1).all()
+    ex, x, ids, wts = _many_pair_inputs(M, 17)
     outputs = _lut_outputs(ex, x, ids, wts)
 
     want = outputs()
@@ -565,11 +572,7 @@ def test_gpu_lut_ring_gives_the_same_bits(M, monkeypatch):
     table's pairs; slots of one, two and several pairs (several passes); three calls."""
     from megastep.kernels import moe_lut
 
-    ex = random_stacked_experts(32, 4096, 2048, seed=23, dev="cuda")
-    x, ids, wts = make_inputs(M, 4096, 32, 6, seed=M + 29, dev="cuda")
-    if M >= 3:  # expert 0 in every row: a slot of M pairs
-        ids[:, 0] = torch.where((ids == 0).any(1), ids[:, 0], 0)
-        assert (ids == 0).any(1).all()
+    ex, x, ids, wts = _many_pair_inputs(M, 23)
     outputs = _lut_outputs(ex, x, ids, wts)
 
     monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", None)
