@@ -43,7 +43,7 @@
 // Work: a CTA (8 warps: 8 row blocks, each streaming its rows' whole K) takes items (slot, 128 MMA
 // rows) in turn over a grid of at most 2 CTAs per SM (gate-up at 1-2 rows may instead deal the
 // warps' 16-row tasks out over one 12-warp CTA per SM: run_spread); x of the item's pairs is
-// staged in shared memory, padded so that the 4 lanes loading a pair's x hit distinct banks.
+// staged in shared memory, swizzled so that the 4 lanes loading a pair's x hit distinct banks.
 // Until 2026-11-30 a CTA was 4 row blocks x 2 K halves (items of 64 MMA rows,
 // twice as many, the halves added through shared memory): the same sums in the same order, so the
 // same bits (GPU-tested against each other), and 3-12 % slower per call on one H200 at 1-64 rows,
@@ -314,8 +314,8 @@ struct Item {  // the item (expert slot, tile) of a pass: its pairs start at `st
 // The decode table: entry v (256 B apart) holds 32 copies of byte v's two values. Thread v
 // (CTAs of at least 256 threads) decodes entry v once and writes its 128 B as 8 16-byte stores,
 // store k at chunk (k + v) % 8 so that the 8 threads of a store phase hit distinct banks. (One
-// word per store and each value decoded for every copy took ~480 instructions per warp, ~1-2 us
-// of a launch at 1 row.)
+// word per store and each value decoded for every copy took ~250 instructions per warp, ~1-2 us
+// per launch at 1 row: docs/PERFORMANCE.md, twenty-second measurement.)
 __device__ __forceinline__ void prologue(char* smem) {
   const int v = threadIdx.x;
   if (v < 256) {
@@ -471,10 +471,6 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
       item_sync<kHalves>();
       post(Item{start, cnt, tile}, c0, np);
     }
-  }
-  if (waiting) {  // (a CTA half without items)
-    pdl_wait();
-    pdl_release();
   }
 }
 

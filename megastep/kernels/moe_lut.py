@@ -15,7 +15,8 @@ docs/PERFORMANCE.md (tenth measurement).
 
 Grids are static (at most 2 CTAs of 256 threads per SM, each taking (expert slot, 128 weight rows)
 items in turn, each warp streaming whole rows; gate-up launches of M in SPREAD_ROWS rows deal the
-warps' tasks out evenly over one CTA per SM instead, the same bits), so launches are captured by
+warps' tasks out evenly over one CTA per SM instead, and those of ring_rows(M) take one CTA of 512
+threads per SM whose halves run items apart: the same bits), so launches are captured by
 CUDA graphs; build and load happen at the first call (`cuda_module`), which must come before any
 capture (the runtime's warm-up steps do it).
 When the step uses PDL (`common.pdl_enabled()`, read at launch) both launch with programmatic
@@ -64,10 +65,12 @@ SPREAD_WARPS = 12  # the .cu's kSpreadWarps
 # H200 (docs/PERFORMANCE.md, twenty-second measurement), 30-layer step, ring against none, A/B/A/B:
 # 1 row -0.9 %, 4 rows +0.9 %, 8 rows -2.1 %, 16 -3.3 %, 32 -3.4 %, 64 -3.5 % (2 rows take the
 # spread gate-up). A whole 512-thread CTA per SM keeps the side stream's launches off an SM until
-# it is free, which is what costs at 4 rows (gate-up alone: +1.8 %). (down through the ring was
-# 12-27 % slower per call and is not built.) None: never.
+# it is free, which is what costs at 4 rows (gate-up alone: +0.5-1.8 %). (down through the ring
+# was 12-27 % slower per call and is not built.) None: never. A device with less shared memory per
+# CTA than the ring needs (224 KB at D = 4096) keeps the register ring.
 RING_MIN_ROWS: int | None = 8
 RING_DEPTH = 4  # the .cu's kRingDepth
+
 
 @functools.cache
 def _have_nvcc() -> bool:  # looked up once: `supported` runs on every eager experts call
@@ -107,6 +110,15 @@ def ring_rows(M: int) -> bool:
     return RING_MIN_ROWS is not None and (M == 1 or M >= RING_MIN_ROWS)
 
 
+@functools.cache
+def _ring_fits(index: int, D: int) -> bool:
+    """Whether device `index` gives a CTA the ring's shared memory at D (a torch without the
+    property: Hopper's 227 KB)."""
+    props = torch.cuda.get_device_properties(index)
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    return shared_bytes(D, ring=True) <= optin if optin is not None else props.major >= 9
+
+
 def _ring_grid(items: int, device: torch.device) -> tuple[int, int, int]:
     """The ring launch's CTAs: one per SM at most, each running two items at a time (the halves)."""
     return _grid(items, device, 1)
@@ -123,7 +135,8 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
         _GATE_UP_SPREAD.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), shared_bytes(D), None,
                                *args, spread, pdl=pdl_enabled())
-    elif ring_rows(pairs.numel() // topk):  # items (slot, channel tile), two at a time per CTA
+    elif ring_rows(pairs.numel() // topk) and _ring_fits(xq.device.index, D):
+        # items (slot, channel tile), two at a time per CTA
         _GATE_UP_RING.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1),
                              shared_bytes(D, ring=True), None, *args, pdl=pdl_enabled())
     else:  # items (slot, channel tile)

@@ -579,6 +579,8 @@ def test_gpu_lut_ring_gives_the_same_bits(M, monkeypatch):
     want = outputs()
     check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
     monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", 1)
+    # (on a Hopper the ring is taken: the arms differ)
+    assert moe_lut._ring_fits(x.device.index, 4096) or torch.cuda.get_device_capability(x.device)[0] < 9
     for _ in range(3):
         got = outputs()
         assert all(torch.equal(a, b) for a, b in zip(got, want))
