@@ -189,6 +189,7 @@ struct StreamBase {
 
 struct Stream : StreamBase {
   static constexpr int kDepth = KPF;
+  static constexpr bool kSlots = false;  // (RingStream: true, its `ring` to set)
   uint4 ra[KPF][2], rb[KPF][2];
   uint2 sa[KPF], sb[KPF];  // the step's 8 scale bytes of each row (this lane's: bytes t and 4 + t)
 
@@ -231,6 +232,7 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 // warp's 16-byte reads or copies of a piece cover 512 contiguous bytes (no bank conflict).
 struct RingStream : StreamBase {
   static constexpr int kDepth = kRingDepth;
+  static constexpr bool kSlots = true;
   const char* ring;  // the warp's slot 0, at this lane's 16 bytes of piece 0
   uint2 sa[kRingDepth], sb[kRingDepth];
 
@@ -442,7 +444,7 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
     const int slot = it / tiles, tile = it % tiles;
     int r0, r1, cnt, start;
     S st = warp_stream<S>(a, slot, tile * kWarps + blk, r0, r1, cnt, start);
-    if constexpr (kHalves == 2) st.ring = ring;
+    if constexpr (S::kSlots) st.ring = ring;
     bool filled = false;
     if (waiting) {  // down's first item: the ring filled, and the rest of its rows asked of L2
       // (also the rows of the CTA's next 1 or 3 items: no faster on one H200, docs/PERFORMANCE.md)
@@ -486,14 +488,16 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
 // the shared expert's w1/w3 program (128 threads x 168 registers), which then runs beside down
 // instead of beside gate-up: at 1 row the step gains nothing, at 2 rows 2 % (moe_lut.py's
 // SPREAD_ROWS). A warp's sums are run()'s (warp_sums, same order): the same bits. x's a.spread
-// rows are staged once per CTA (row slots 0, 1).
+// rows are staged once per CTA (row slots 0, 1). S = RingStream (moe_gate_up_lut_spread_ring): each
+// warp's weights in kRingDepth slots of shared memory after x, as in run().
 constexpr int kSpreadWarps = 12;
 
-template <typename Epi>
+template <typename S, typename Epi>
 __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
   extern __shared__ __align__(16) char smem[];
   const Layout L(a.K);
   const int blk = threadIdx.x >> 5;
+  const char* ring = smem + kLutBytes + L.bytes + blk * kRingDepth * 2048 + (threadIdx.x & 31) * 16;
   prologue(smem);
   pdl_wait();  // (run's PDL order)
   pdl_release();
@@ -505,8 +509,9 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
   __syncthreads();
   for (int task = lo + blk; task < hi; task += kSpreadWarps) {
     int r0, r1, cnt, start;
-    Stream st = warp_stream(a, task / blocks, task % blocks, r0, r1, cnt, start);
+    S st = warp_stream<S>(a, task / blocks, task % blocks, r0, r1, cnt, start);
     if (cnt == 0) continue;
+    if constexpr (S::kSlots) st.ring = ring;
     st.fill();
     int xrow[2];
 #pragma unroll
@@ -518,7 +523,7 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
 }
 
 // gate-up's body: kSpread picks run_spread's schedule (moe_gate_up_lut_spread) or run's, kRing
-// run's RingStream (moe_gate_up_lut_ring).
+// the RingStream (moe_gate_up_lut_ring, moe_gate_up_lut_spread_ring).
 // act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
 template <bool kSpread, bool kRing = false>
 __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
@@ -539,8 +544,10 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
       act[pair * stride_a + r0] = __float2bfloat16_rn(v);
     }
   };
-  if constexpr (kSpread)
-    run_spread(a, a.w3_rows / 8, epi);
+  if constexpr (kSpread && kRing)
+    run_spread<RingStream>(a, a.w3_rows / 8, epi);
+  else if constexpr (kSpread)
+    run_spread<Stream>(a, a.w3_rows / 8, epi);
   else if constexpr (kRing)
     run<RingStream, 2>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
   else
@@ -604,7 +611,8 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
 // dynamic shared memory; moe_gate_up_lut_spread (launches of M = 1 or 2 rows, `rows` = M): one CTA
 // of kSpreadWarps warps per SM, at most 128 registers a thread (a quarter of the SM's left free);
 // moe_gate_up_lut_ring: one CTA of 512 threads per SM (two halves), 64 KB + 2 Layout(K).bytes +
-// 16 warps' kRingDepth 2 KB slots.
+// 16 warps' kRingDepth 2 KB slots; moe_gate_up_lut_spread_ring: the spread's CTA, 64 KB +
+// Layout(K).bytes + kSpreadWarps warps' slots.
 #define GATE_UP_PARAMS                                                                                              \
   const __nv_bfloat16* xq, long long stride_q, const long long* tab, const float* rw, const int* pair_ptr,        \
       const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,          \
@@ -624,6 +632,10 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread(GATE_UP_PARAM
 
 extern "C" __global__ void __launch_bounds__(2 * kThreads, 1) moe_gate_up_lut_ring(GATE_UP_PARAMS) {
   gate_up<false, true>(GATE_UP_ARGS(0));
+}
+
+extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring(GATE_UP_PARAMS, int rows) {
+  gate_up<true, true>(GATE_UP_ARGS(rows));
 }
 
 #define DOWN_PARAMS                                                                                                \

@@ -42,6 +42,7 @@ _GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiii")
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
 _GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiii")
+_GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiii")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -70,6 +71,12 @@ SPREAD_WARPS = 12  # the .cu's kSpreadWarps
 # CTA than the ring needs (224 KB at D = 4096) keeps the register ring.
 RING_MIN_ROWS: int | None = 8
 RING_DEPTH = 4  # the .cu's kRingDepth
+# The spread gate-up (SPREAD_ROWS) with the ring's slots too (moe_gate_up_lut_spread_ring: 96
+# registers a thread against 125, 176 KB of shared memory at D = 4096). Built 2026-12-01 after the
+# device time was spent, off until measured (`bash benchmarks/h200_checks.sh spreadring`): at 1 row
+# the whole-item ring gate-up closes 28 us of a 154 us layer (twenty-second measurement, item 6),
+# ~60 of 132 SMs streaming two items and the rest one.
+SPREAD_RING = False
 
 
 @functools.cache
@@ -83,10 +90,10 @@ def supported(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:
     return device.type == "cuda" and dtype == torch.bfloat16 and D % 512 == 0 and I % 512 == 0 and _have_nvcc()
 
 
-def shared_bytes(K: int, ring: bool = False) -> int:
-    """Dynamic shared memory of a launch over K: the table, then the .cu's Layout(K) (2 rows of x
-    in bf16); with ring one Layout per CTA half and the 16 warps' slots."""
-    return LUT_BYTES + 4 * K if not ring else LUT_BYTES + 2 * 4 * K + 16 * RING_DEPTH * 2048
+def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0) -> int:
+    """Dynamic shared memory of a launch over K: the table, the .cu's Layout(K) (2 rows of x in
+    bf16) of each CTA half, then the RING_DEPTH 2 KB slots of slot_warps warps."""
+    return LUT_BYTES + halves * 4 * K + slot_warps * RING_DEPTH * 2048
 
 
 def spread_rows(pairs: torch.Tensor, topk: int) -> int:
@@ -111,12 +118,12 @@ def ring_rows(M: int) -> bool:
 
 
 @functools.cache
-def _ring_fits(index: int, D: int) -> bool:
-    """Whether device `index` gives a CTA the ring's shared memory at D (a torch without the
-    property: Hopper's 227 KB)."""
+def _ring_fits(index: int, nbytes: int) -> bool:
+    """Whether device `index` gives a CTA nbytes of shared memory (a torch without the property:
+    Hopper's 227 KB)."""
     props = torch.cuda.get_device_properties(index)
     optin = getattr(props, "shared_memory_per_block_optin", None)
-    return shared_bytes(D, ring=True) <= optin if optin is not None else props.major >= 9
+    return nbytes <= (optin if optin is not None else (227 << 10 if props.major >= 9 else 0))
 
 
 def _ring_grid(items: int, device: torch.device) -> tuple[int, int, int]:
@@ -132,13 +139,15 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     slots, spread = min(pairs.numel(), addr.shape[0]), spread_rows(pairs, topk)
     args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
+    spread_ring = SPREAD_RING and _ring_fits(xq.device.index, shared_bytes(D, 1, SPREAD_WARPS))
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
-        _GATE_UP_SPREAD.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), shared_bytes(D), None,
-                               *args, spread, pdl=pdl_enabled())
-    elif ring_rows(pairs.numel() // topk) and _ring_fits(xq.device.index, D):
+        kernel = _GATE_UP_SPREAD_RING if spread_ring else _GATE_UP_SPREAD
+        kernel.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1),
+                      shared_bytes(D, 1, SPREAD_WARPS if spread_ring else 0), None, *args, spread, pdl=pdl_enabled())
+    elif ring_rows(pairs.numel() // topk) and _ring_fits(xq.device.index, shared_bytes(D, 2, 16)):
         # items (slot, channel tile), two at a time per CTA
         _GATE_UP_RING.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1),
-                             shared_bytes(D, ring=True), None, *args, pdl=pdl_enabled())
+                             shared_bytes(D, 2, 16), None, *args, pdl=pdl_enabled())
     else:  # items (slot, channel tile)
         _GATE_UP.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None, *args,
                         pdl=pdl_enabled())

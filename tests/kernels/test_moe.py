@@ -509,12 +509,20 @@ def _lut_outputs(ex, x, ids, wts):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 2])
-def test_gpu_lut_spread_gate_up_gives_the_same_bits(M, monkeypatch):
+@pytest.mark.parametrize("ring", [False, True])
+def test_gpu_lut_spread_gate_up_gives_the_same_bits(M, ring, monkeypatch):
     """The spread gate-up (M in moe_lut.SPREAD_ROWS: warp tasks dealt out evenly over one CTA per
-    SM) gives the bits of the whole-item kernel: per-pair outputs, the combine, the combine with
-    the shared expert's output, a sparse table's pairs (expert parallelism), at V4-Flash expert
-    shapes; three calls. At M = 2 a slot holds both rows' pairs (two x rows staged)."""
+    SM), with its weights in registers or in the ring's slots (SPREAD_RING), gives the bits of the
+    whole-item kernel: per-pair outputs, the combine, the combine with the shared expert's output,
+    a sparse table's pairs (expert parallelism), at V4-Flash expert shapes; three calls. At M = 2
+    a slot holds both rows' pairs (two x rows staged)."""
     from megastep.kernels import moe_lut
+
+    monkeypatch.setattr(moe_lut, "SPREAD_RING", ring)
+    monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", None)  # (the whole items in registers)
+    if ring:  # (on a Hopper the spread ring is taken: the arms differ)
+        assert moe_lut._ring_fits(0, moe_lut.shared_bytes(4096, 1, moe_lut.SPREAD_WARPS)) or \
+            torch.cuda.get_device_capability()[0] < 9
 
     ex = random_stacked_experts(32, 4096, 2048, seed=11, dev="cuda")
     x, ids, wts = make_inputs(M, 4096, 32, 6, seed=M + 13, dev="cuda")
@@ -580,7 +588,8 @@ def test_gpu_lut_ring_gives_the_same_bits(M, monkeypatch):
     check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
     monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", 1)
     # (on a Hopper the ring is taken: the arms differ)
-    assert moe_lut._ring_fits(x.device.index, 4096) or torch.cuda.get_device_capability(x.device)[0] < 9
+    assert moe_lut._ring_fits(x.device.index, moe_lut.shared_bytes(4096, 2, 16)) or \
+        torch.cuda.get_device_capability(x.device)[0] < 9
     for _ in range(3):
         got = outputs()
         assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -593,7 +602,7 @@ def test_lut_kernels_build_for_sm90():
     from megastep.kernels import moe_lut
 
     assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread",
-                                                  "moe_gate_up_lut_ring"))
+                                                  "moe_gate_up_lut_ring", "moe_gate_up_lut_spread_ring"))
 
 
 def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
@@ -625,7 +634,8 @@ def test_lut_signatures_match_the_kernels():
     """moe_lut.py passes as many arguments as each kernel in moe_lut.cu declares, typed by position."""
     from megastep.kernels import moe_lut
 
-    for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING):
+    for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
+                   moe_lut._GATE_UP_SPREAD_RING):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
