@@ -215,8 +215,8 @@ def _half_cold():
 
 @pytest.mark.parametrize("cold_path", ["gpu", "cpu", "hybrid"])
 def test_cold_expert_recipes_in_a_graph(cold_path):
-    """Cold experts in page-locked host memory, read by the GPU (A), computed by the CPU sidecar as a
-    CUDA host function (B) or split (hybrid): graph replay equals the eager step bit for bit; A
+    """Cold experts in page-locked host memory, read by the GPU (A), computed by the CPU sidecar (B;
+    polled by default, sidecar.POLL) or split (hybrid): graph replay equals the eager step bit for bit; A
     equals every expert in HBM bit for bit, B and hybrid to rounding."""
     from megastep.model.fast import FastDecoder
     from megastep.runtime.step import StepRunner

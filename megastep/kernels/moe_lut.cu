@@ -638,14 +638,13 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring(GATE_UP_
   gate_up<true, true>(GATE_UP_ARGS(rows));
 }
 
-#define DOWN_PARAMS                                                                                                \
-  const __nv_bfloat16 *aq, long long stride_q, const long long *tab, const int *pair_ptr, const int *slot_e,       \
-      const int *slot_start, const int *slot_cnt, const int *nslot, __nv_bfloat16 *y, long long stride_y,          \
-      void *out, long long stride_o, int *counters, int D, int I, long long stride_w, long long stride_s, int topk, \
-      int sparse, int combine, const __nv_bfloat16 *shared, long long stride_sh
-#define DOWN_ARGS                                                                                                 \
-  Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s, \
-       0},                                                                                                        \
-      y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh
-
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down(DOWN_ARGS); }
+extern "C" __global__ void __launch_bounds__(kThreads, 2)
+    moe_down_lut(const __nv_bfloat16* aq, long long stride_q, const long long* tab, const int* pair_ptr,
+                 const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* y,
+                 long long stride_y, void* out, long long stride_o, int* counters, int D, int I, long long stride_w,
+                 long long stride_s, int topk, int sparse, int combine, const __nv_bfloat16* shared,
+                 long long stride_sh) {
+  down(Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s,
+            0},
+       y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh);
+}

@@ -139,15 +139,19 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     slots, spread = min(pairs.numel(), addr.shape[0]), spread_rows(pairs, topk)
     args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
-    spread_ring = SPREAD_RING and _ring_fits(xq.device.index, shared_bytes(D, 1, SPREAD_WARPS))
+    ring_smem = shared_bytes(D, 2, 2 * THREADS // 32)  # the ring kernel: two halves, 16 warps' slots
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
-        kernel = _GATE_UP_SPREAD_RING if spread_ring else _GATE_UP_SPREAD
-        kernel.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1),
-                      shared_bytes(D, 1, SPREAD_WARPS if spread_ring else 0), None, *args, spread, pdl=pdl_enabled())
-    elif ring_rows(pairs.numel() // topk) and _ring_fits(xq.device.index, shared_bytes(D, 2, 16)):
+        smem = shared_bytes(D, 1, SPREAD_WARPS)
+        if not (SPREAD_RING and _ring_fits(xq.device.index, smem)):
+            kernel, smem = _GATE_UP_SPREAD, shared_bytes(D)
+        else:
+            kernel = _GATE_UP_SPREAD_RING
+        kernel.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), smem, None, *args, spread,
+                      pdl=pdl_enabled())
+    elif ring_rows(pairs.numel() // topk) and _ring_fits(xq.device.index, ring_smem):
         # items (slot, channel tile), two at a time per CTA
-        _GATE_UP_RING.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1),
-                             shared_bytes(D, 2, 16), None, *args, pdl=pdl_enabled())
+        _GATE_UP_RING.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1), ring_smem,
+                             None, *args, pdl=pdl_enabled())
     else:  # items (slot, channel tile)
         _GATE_UP.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None, *args,
                         pdl=pdl_enabled())
