@@ -25,7 +25,7 @@
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
-#   bash benchmarks/h200_checks.sh spreadring # the spread gate-up with the ring's slots: GPU tests, the kernels at 1-2 rows, the step A/B/A/B (~5 min)
+#   bash benchmarks/h200_checks.sh fused      # the routed experts of 1-2 rows in one launch: GPU tests, the kernels, the step A/B, early fork (~7 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -220,18 +220,28 @@ for group in "$@"; do
         rm -f "$OUT/lut_ncu_m$m.ncu-rep"
         gzip -f "$OUT/lut_ncu_m${m}_source.log"
       done ;;
-    spreadring)  # the spread gate-up with the ring's slots (moe_lut.SPREAD_RING, built 2026-12-01): its GPU tests (the
-      # bits of the whole items), the experts calls alone at 1-2 rows, then the step A/B/A/B: the default (whole items in
-      # the ring at 1 row, the register spread at 2) against the spread ring at 1-2 rows and at 2 rows only
-      P='import megastep.kernels.moe_lut as m; m.SPREAD_RING = True'
-      step spreadring_tests 100 python3 -m pytest -q -rfE --timeout 90 -m gpu tests/kernels/test_moe.py -k "lut and spread"
-      step spreadring_kernels 100 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,2 \
-        --engines lut,lut_spread,lut_spread_ring
-      for arm in a b; do
-        bench "spreadring_default_$arm" 100 --layers 30 --batch 1,2
-        bench_with "spreadring_12_$arm" 60 "$P; m.SPREAD_ROWS = (1, 2)" --layers 30 --batch 1,2
-        bench_with "spreadring_2_$arm" 60 "$P" --layers 30 --batch 2
-      done ;;
+    fused)  # the routed experts of 1-2 rows in one launch (moe_lut.FUSED_ROWS, built 2026-12-01): the lut and CUDA
+      # routing GPU tests (the bits), the experts calls alone at 1-2 rows, then the step A/B: the default against the
+      # fused launch with the ring's slots and with registers, and at 1 row the shared expert forked before the router
+      # (MOE_PLAN's first entry) with and without it; a timeline of the fused step last
+      P='import megastep.kernels.moe_lut as m; m.FUSED_ROWS = (1, 2)'
+      E='import megastep.model.fast as f; f.MOE_PLAN = ((1, "cuda", False, "mhc"),) + f.MOE_PLAN[1:]'
+      step fused_tests 200 python3 -m pytest -q -rfE --timeout 90 -m gpu tests/kernels/test_moe.py \
+        tests/kernels/test_route_cuda.py -k "lut or route"
+      if grep -qiE "failed|error|timeout" "$OUT/fused_tests.log"; then
+        summary+=("fused arms skipped: the tests did not pass")
+      else
+        step fused_kernels 100 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,2 \
+          --engines lut,lut_fused,lut_fused_reg
+        for arm in a b; do
+          bench "fused_default_$arm" 60 --layers 30 --batch 1,2
+          bench_with "fused_ring_$arm" 60 "$P" --layers 30 --batch 1,2
+          bench_with "fused_reg_$arm" 60 "$P; m.FUSED_RING = False" --layers 30 --batch 1,2
+          bench_with "fused_early_$arm" 60 "$P; $E" --layers 30 --batch 1
+          bench_with "default_early_$arm" 60 "$E" --layers 30 --batch 1
+        done
+        bench_with fused_timeline 60 "$P" --layers 30 --batch 1 --timeline
+      fi ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_tests)
@@ -250,7 +260,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | spreadring | linsplit | ep_tests | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | fused | linsplit | ep_tests | ep)"
       exit 2 ;;
   esac
 done

@@ -23,6 +23,7 @@ namespace {
 
 using experiments::ld_stream;
 using experiments::round_bf16;
+using megastep::pow2_scale;
 
 constexpr int kPad = 8;  // fp16 elements of padding per shared x row (spreads rows over banks)
 constexpr int kMaxSplit = 32;  // CTAs along K at most (gemv_fp8_cuda.py's MAX_SPLIT)
@@ -44,14 +45,6 @@ __device__ __forceinline__ uint32_t quant_pair(float a, float b) {
   asm("{.reg .b16 q;\n\tcvt.rn.satfinite.e4m3x2.f32 q, %2, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, q;}"
       : "=r"(out) : "f"(a), "f"(b));
   return out;
-}
-
-// the twin of common.fp8_pow2_scale: s = 2^ceil(log2(max(amax, 1e-4) / 448)) from amax's bits
-__device__ __forceinline__ void pow2_scale(float amax, float& s, float& inv) {
-  const int bits = __float_as_int(fmaxf(amax, 1e-4f));
-  const int se = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000 ? 1 : 0);
-  s = __int_as_float(se << 23);
-  inv = __int_as_float((254 - se) << 23);
 }
 
 struct Args {

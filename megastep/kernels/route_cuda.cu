@@ -32,26 +32,9 @@ constexpr int kEPL = EXPERTS_PER_LANE;
 static_assert(kEPL >= 1 && kEPL <= 16, "1 to 16 experts per lane (32 to 512 experts)");
 constexpr int kMaxPairs = kThreads;  // pairs the grouping takes (one thread each)
 
+using megastep::fp8_act_sim4;
 using megastep::pdl_release;
 using megastep::pdl_wait;
-
-__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
-
-// the twin of common.fp8_pow2_scale: s = 2^ceil(log2(max(amax, 1e-4) / 448)) from amax's bits
-__device__ __forceinline__ void pow2_scale(float amax, float& s, float& inv) {
-  const int bits = __float_as_int(fmaxf(amax, 1e-4f));
-  const int se = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000 ? 1 : 0);
-  s = __int_as_float(se << 23);
-  inv = __int_as_float((254 - se) << 23);
-}
-
-// v rounded to e4m3 (nearest even, saturating: common.fp8_round on the GPU), back in fp32
-__device__ __forceinline__ float e4m3_round(float v) {
-  uint32_t h;
-  asm("{.reg .b16 q;\n\tcvt.rn.satfinite.e4m3x2.f32 q, %1, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, q;}" : "=r"(h) : "f"(v));
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFF)));
-}
 
 // (value, expert) a beats b: the larger value, or equal values and the lower expert id
 __device__ __forceinline__ bool beats(float va, int ea, float vb, int eb) { return va > vb || (va == vb && ea < eb); }
@@ -78,17 +61,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) route_group(
     const int nb = D / 128, blk = (blockIdx.x - R) * kWarps + warp;
     if (blk >= B * nb) return;
     const int row = blk / nb, c = (blk % nb) * 128 + lane * 4;
-    const uint2 v2 = *reinterpret_cast<const uint2*>(x + row * stride_x + c);
-    const float v[4] = {bf16_lo(v2.x), bf16_hi(v2.x), bf16_lo(v2.y), bf16_hi(v2.y)};
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    float s, inv;
-    pow2_scale(amax, s, inv);
+    float q[4];
+    fp8_act_sim4(*reinterpret_cast<const uint2*>(x + row * stride_x + c), q);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // with perm each 32-group holds its 16 even elements, then the odd ones
       const int kk = c + i, kp = perm ? (kk / 32) * 32 + (kk % 2) * 16 + (kk % 32) / 2 : kk;
-      xq[row * stride_q + kp] = __float2bfloat16_rn(__fmul_rn(e4m3_round(__fmul_rn(v[i], inv)), s));
+      xq[row * stride_q + kp] = __float2bfloat16_rn(q[i]);
     }
     return;
   }
