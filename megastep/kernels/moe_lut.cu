@@ -624,7 +624,7 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
 // lo + w, lo + w + kSpreadWarps, ... A warp requests its first down task's weights before the CTA
 // waits for its slots' act: done[slot] counts the
 // slot's finished gate-up tasks (each warp's act stores, __syncwarp, a fence, the count). A CTA's
-// range covers at most 2 slots (the host checks P <= G): their act rows are quantized once into
+// range covers at most 2 slots (the host checks P <= G, the grid): their act rows are quantized once into
 // shared memory (fp8_act_sim4: _moe_act_quant_kernel's operations, so the same aq), in the staged
 // x's place (2 slots x 2 rows of I in bf16 fit in 2 rows of D: the host checks 2 I <= D). The
 // combine is down's, per (row, 16 rows): the last of the row's topk tasks to arrive sums y in slot
@@ -633,6 +633,7 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
 // No CTA waits on a CTA that waits: the waits are for gate-up tasks, which wait on nothing, so a CTA
 // placed late (an SM busy with the side stream's launch) only delays the others.
 constexpr int kFusedSlots = 32;  // pairs of a fused launch at most (moe_lut.py's FUSED_SLOTS)
+constexpr int kFusedTopk = 8;    // topk at most (moe_lut.py's FUSED_TOPK)
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
   int v;
@@ -684,6 +685,12 @@ __device__ __forceinline__ void fused(const Args& up, const float* rw, __nv_bflo
       prefetch_l2(st.wb - t * 16 + s * 128);
     }
   }
+  __shared__ int stage_pair[4];  // the pair of each act row slot, -1: none
+  if (threadIdx.x < 4) {
+    const int s = s0 + (threadIdx.x >> 1), p = threadIdx.x & 1;
+    stage_pair[threadIdx.x] = s <= s1 && p < __ldcg(dn.slot_cnt + s) ? __ldcg(dn.pair_ptr + __ldcg(dn.slot_start + s) + p)
+                                                                      : -1;
+  }
   __syncthreads();  // the CTA's gate-up passes are done with the staged x
   if (threadIdx.x <= s1 - s0) {
     const int* d = sync + s0 + threadIdx.x;
@@ -691,17 +698,27 @@ __device__ __forceinline__ void fused(const Args& up, const float* rw, __nv_bflo
   }
   __syncthreads();
   // act rows of slot s0 in row slots 0, 1, of s1 in 2, 3 (stage_unit's swizzle: the 8-byte halves
-  // of 16-byte unit u swapped where u & 8), a warp per 128-block, a lane 4 elements
+  // of 16-byte unit u swapped where u & 8), a warp per 128-block, a lane 4 elements; a warp's
+  // blocks kStage at a time, their loads issued together (one L2 round trip, not one per block)
+  constexpr int kStage = 8;
   const int nb = dn.K / 128;
-  for (int w = warp; w < 4 * nb; w += kSpreadWarps) {
-    const int rs = w / nb, s = s0 + (rs >> 1), p = rs & 1;
-    if (s > s1 || p >= __ldcg(dn.slot_cnt + s)) continue;
-    const int pair = __ldcg(dn.pair_ptr + __ldcg(dn.slot_start + s) + p);
-    const int k = (w % nb) * 128 + lane * 4, u = k / 8;
-    float q[4];
-    fp8_act_sim4(__ldcg(reinterpret_cast<const uint2*>(act + pair * stride_a + k)), q);
-    *reinterpret_cast<uint2*>(xsm + rs * L.rowpitch + u * 16 + ((((k / 4) ^ (u >> 3)) & 1) * 8)) =
-        make_uint2(pack_bf16(q[0], q[1]), pack_bf16(q[2], q[3]));
+  for (int w0 = warp; w0 < 4 * nb; w0 += kStage * kSpreadWarps) {
+    uint2 v[kStage];
+#pragma unroll
+    for (int i = 0; i < kStage; ++i) {
+      const int w = w0 + i * kSpreadWarps, pair = w < 4 * nb ? stage_pair[w / nb] : -1;
+      if (pair >= 0) v[i] = __ldcg(reinterpret_cast<const uint2*>(act + pair * stride_a + (w % nb) * 128 + lane * 4));
+    }
+#pragma unroll
+    for (int i = 0; i < kStage; ++i) {
+      const int w = w0 + i * kSpreadWarps;
+      if (w >= 4 * nb || stage_pair[w / nb] < 0) continue;  // (warp-uniform: fp8_act_sim4 shuffles)
+      const int k = (w % nb) * 128 + lane * 4, u = k / 8;
+      float q[4];
+      fp8_act_sim4(v[i], q);
+      *reinterpret_cast<uint2*>(xsm + (w / nb) * L.rowpitch + u * 16 + ((((k / 4) ^ (u >> 3)) & 1) * 8)) =
+          make_uint2(pack_bf16(q[0], q[1]), pack_bf16(q[2], q[3]));
+    }
   }
   __syncthreads();
   for (bool first = true; task < hi; task += kSpreadWarps, first = false) {
@@ -734,8 +751,13 @@ __device__ __forceinline__ void fused(const Args& up, const float* rw, __nv_bflo
       if (lane < 16) {  // the row's topk pairs, slot order, fp32 (down's combine)
         const int d = blk * 16 + lane;
         const unsigned short* yp = reinterpret_cast<const unsigned short*>(y) + (long long)row * topk * stride_y + d;
-        float tot = __uint_as_float((uint32_t)__ldcg(yp) << 16);
-        for (int j = 1; j < topk; ++j) tot += __uint_as_float((uint32_t)__ldcg(yp + j * stride_y) << 16);
+        uint32_t yv[kFusedTopk];  // (the loads together, then the sum in order)
+#pragma unroll
+        for (int j = 0; j < kFusedTopk; ++j) yv[j] = j < topk ? __ldcg(yp + j * stride_y) : 0u;
+        float tot = __uint_as_float(yv[0] << 16);
+#pragma unroll
+        for (int j = 1; j < kFusedTopk; ++j)
+          if (j < topk) tot += __uint_as_float(yv[j] << 16);
         out[row * stride_o + d] = tot;
       }
       if (lane == 0) rowcnt[row * blocks + blk] = 0;
@@ -794,7 +816,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2)
        y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh);
 }
 
-// moe_lut_fused(_ring): one CTA of kSpreadWarps warps per SM (the grid: every SM), the spread's
+// moe_lut_fused(_ring): one CTA of kSpreadWarps warps per SM (the grid: the SMs less moe_lut.py's
+// FUSED_SPARE_SMS), the spread's
 // shared memory (with _ring its slots); gate-up's arguments with rows = M, then down's outputs and
 // w2 strides, then the sync words (fused() above).
 #define FUSED_PARAMS                                                                                               \

@@ -87,13 +87,17 @@ SPREAD_RING = True
 # quantization done by each CTA for its (at most 2) slots once their gate-up tasks have finished
 # (a counter per slot), down's first weights requested before that wait, the combine by the last
 # arrival per (row, 16 rows). The same bits as the three launches. Taken where `fused_ok` holds (one
-# part, the combine without the shared expert's output, P <= FUSED_SLOTS and P <= SMs, 2 I <= D).
-# FUSED_RING: the weights' steps in the ring's slots (176 KB of shared memory at D = 4096, 128
-# registers), else in registers (80 KB, 136 registers). Built 2026-12-01, off until measured
+# part, the combine without the shared expert's output, P <= FUSED_SLOTS and P <= the launch's CTAs,
+# topk <= FUSED_TOPK, 2 I <= D). FUSED_RING: the weights' steps in the ring's slots (176 KB of shared
+# memory at D = 4096, 121 registers), else in registers (80 KB, 136 registers). Built 2026-12-01, off until measured
 # (`bash benchmarks/h200_checks.sh fused`).
 FUSED_ROWS: tuple[int, ...] = ()
 FUSED_RING = True
-FUSED_SLOTS = 32  # the .cu's kFusedSlots
+# SMs the fused launch leaves to other streams' launches: its CTAs stay resident for its whole
+# length, and with none spare the shared expert (the side stream) waited for its end at 1 row
+# (twenty-third measurement).
+FUSED_SPARE_SMS = 0
+FUSED_SLOTS, FUSED_TOPK = 32, 8  # the .cu's kFusedSlots, kFusedTopk
 
 
 @functools.cache
@@ -148,8 +152,12 @@ def fused_ok(M: int, topk: int, D: int, I: int, device: torch.device, sparse: bo
     """Whether a lut experts call of M rows takes moe_lut_fused (FUSED_ROWS and its conditions)."""
     P = M * topk
     return (M in FUSED_ROWS and combine and not sparse and not shared and 2 * I <= D and D % 16 == 0
-            and P <= FUSED_SLOTS and P <= _sms(device.index)
+            and topk <= FUSED_TOPK and P <= FUSED_SLOTS and P <= _fused_ctas(device)
             and (not FUSED_RING or _ring_fits(device.index, shared_bytes(D, 1, SPREAD_WARPS))))
+
+
+def _fused_ctas(device: torch.device) -> int:
+    return _sms(device.index) - FUSED_SPARE_SMS
 
 
 def _ring_grid(items: int, device: torch.device) -> tuple[int, int, int]:
@@ -213,7 +221,7 @@ def fused(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, y, out
     sync = workspace(xq.device, "counters_moe_fused", FUSED_SLOTS + 1 + M * (D // 16), torch.int32)
     ring = FUSED_RING
     kernel, smem = (_FUSED_RING, shared_bytes(D, 1, SPREAD_WARPS)) if ring else (_FUSED, shared_bytes(D))
-    kernel.launch((_sms(xq.device.index), 1, 1), (32 * SPREAD_WARPS, 1, 1), smem, None,
+    kernel.launch((_fused_ctas(xq.device), 1, 1), (32 * SPREAD_WARPS, 1, 1), smem, None,
                   xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
                   D, I, strides13[0], strides13[1], float(limit), int(round_bf16), topk, 0, M,
                   y, y.stride(0), out, out.stride(0), strides2[0], strides2[1], sync, pdl=pdl_enabled())

@@ -545,15 +545,15 @@ def test_gpu_lut_spread_gate_up_gives_the_same_bits(M, ring, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 2])
-@pytest.mark.parametrize("ring", [False, True])
-def test_gpu_lut_fused_gives_the_same_bits(M, ring, monkeypatch):
+@pytest.mark.parametrize("ring, spare", [(False, 0), (True, 0), (True, 40)])
+def test_gpu_lut_fused_gives_the_same_bits(M, ring, spare, monkeypatch):
     """The routed experts in one launch (moe_lut.FUSED_ROWS: gate-up's spread tasks, then down's in
     the same CTAs after a wait per slot, the activation quantization and the combine inside), with
     the weights in the ring's slots or in registers, give the three launches' combine bit for bit at
-    V4-Flash expert shapes: six calls in a row, then six replays of a CUDA graph of it (the sync
-    words left at zero by every launch); the calls it does not take (per-pair outputs, the shared
-    expert's output in the combine, a sparse table) are the three launches'. At M = 2 a slot holds
-    both rows' pairs."""
+    V4-Flash expert shapes, on every SM or with 40 left spare (FUSED_SPARE_SMS): six calls in a row,
+    then six replays of a CUDA graph of it (the sync words left at zero by every launch); the calls
+    it does not take (per-pair outputs, the shared expert's output in the combine, a sparse table)
+    are the three launches'. At M = 2 a slot holds both rows' pairs."""
     from megastep.kernels import moe_lut
 
     ex = random_stacked_experts(32, 4096, 2048, seed=29, dev="cuda")
@@ -568,6 +568,7 @@ def test_gpu_lut_fused_gives_the_same_bits(M, ring, monkeypatch):
 
     monkeypatch.setattr(moe_lut, "FUSED_ROWS", (M,))
     monkeypatch.setattr(moe_lut, "FUSED_RING", ring)
+    monkeypatch.setattr(moe_lut, "FUSED_SPARE_SMS", spare)
     dev = x.device
     assert moe_lut.fused_ok(M, 6, 4096, 2048, dev, False, True, False) or torch.cuda.get_device_capability(dev)[0] < 9
     assert not moe_lut.fused_ok(M, 6, 4096, 2048, dev, False, False, False)  # per-pair outputs
