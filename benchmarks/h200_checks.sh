@@ -25,7 +25,7 @@
 #   bash benchmarks/h200_checks.sh cold       # the cold-expert recipes' GPU tests alone, with full tracebacks (2 failed at the end of the fourteenth measurement) (~2 min)
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
-#   bash benchmarks/h200_checks.sh fused      # the routed experts of 1-2 rows in one launch: GPU tests, the kernels, the step A/B, a timeline, ncu (~8 min)
+#   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -220,38 +220,12 @@ for group in "$@"; do
         rm -f "$OUT/lut_ncu_m$m.ncu-rep"
         gzip -f "$OUT/lut_ncu_m${m}_source.log"
       done ;;
-    fused)  # the routed experts of 1-2 rows in one launch (moe_lut.FUSED_ROWS, built 2026-12-01): the fused and CUDA
-      # routing GPU tests (the bits), the experts calls alone at 1-2 rows, then the step A/B: the default against the
-      # fused launch with the ring's slots on every SM and with 16 or 32 SMs left to the side stream, and with registers
-      # and 32 spare; a timeline of the fused step with 32 spare last
-      P='import megastep.kernels.moe_lut as m; m.FUSED_ROWS = (1, 2)'
-      step fused_tests 200 python3 -m pytest -q -rfE --timeout 90 -m gpu tests/kernels/test_moe.py \
-        tests/kernels/test_route_cuda.py -k "fused or route"
-      if grep -qiE "failed|error|timeout" "$OUT/fused_tests.log"; then
-        summary+=("fused arms skipped: the tests did not pass")
-      else
-        step fused_kernels 100 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,2 \
-          --engines lut,lut_fused,lut_fused_reg
-        for arm in a b; do
-          bench "fused_default_$arm" 60 --layers 30 --batch 1,2
-          bench_with "fused_ring0_$arm" 60 "$P" --layers 30 --batch 1,2
-          bench_with "fused_ring16_$arm" 60 "$P; m.FUSED_SPARE_SMS = 16" --layers 30 --batch 1,2
-          bench_with "fused_ring32_$arm" 60 "$P; m.FUSED_SPARE_SMS = 32" --layers 30 --batch 1,2
-          bench_with "fused_reg32_$arm" 60 "$P; m.FUSED_SPARE_SMS = 32; m.FUSED_RING = False" --layers 30 --batch 1,2
-        done
-        bench_with fused_timeline 60 "$P; m.FUSED_SPARE_SMS = 32" --layers 30 --batch 1 --timeline
-        # where the fused launch waits at 1 row: per SASS instruction the sampled stall reasons (as lut_ncu)
-        step fused_ncu 120 ncu --clock-control none --launch-skip 2 --launch-count 1 --kernel-name moe_lut_fused_ring \
-          --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
-          --section SourceCounters --import-source yes --export "$OUT/fused_ncu" \
-          python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/ncu" --ms 1 --engines lut_fused
-        step fused_ncu_details 40 ncu --import "$OUT/fused_ncu.ncu-rep" --csv --page details
-        step fused_ncu_source 60 ncu --import "$OUT/fused_ncu.ncu-rep" --csv --page source --print-source sass
-        step fused_ncu_read 30 python3 benchmarks/kernels/ncu_source.py "$OUT/fused_ncu_source.log" \
-          --details "$OUT/fused_ncu_details.log" --top 40
-        rm -f "$OUT/fused_ncu.ncu-rep"
-        gzip -f "$OUT/fused_ncu_source.log"
-      fi ;;
+    final)  # the defaults at the end of a session: the bit tests of the fast step, the lut and CUDA routing GPU tests,
+      # then the step at 1-64 rows
+      step final_tests 300 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
+        tests/kernels/test_moe.py tests/kernels/test_route_cuda.py \
+        -k "cold_expert or alone or same_input or graph_replay or lut or route"
+      bench final 200 --layers 30 --batch 1,2,4,8,16,32,64 ;;
     linsplit)
       step linear_variants 280 python3 benchmarks/kernels/linear_variants.py --out "$OUT" --ms 1,4,64 ;;
     ep_tests)
@@ -270,7 +244,7 @@ for group in "$@"; do
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | fused | linsplit | ep_tests | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | linsplit | ep_tests | ep)"
       exit 2 ;;
   esac
 done

@@ -4,11 +4,10 @@ kernels/moe_lut.py), or "lut" with whole items per CTA at every M ("lut_items": 
 = ()), or with the spread gate-up at 1 and 2 rows ("lut_spread": (1, 2), its weights in registers;
 "lut_spread_ring": in the ring's slots, moe_lut.SPREAD_RING), or with the gate-up's weight steps in
 flight in shared memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS = 1) or at none
-("lut_noring": None), or in one launch at 1 and 2 rows (moe_lut.FUSED_ROWS: "lut_fused" with the
-ring's slots, "lut_fused_reg" with registers); the outputs must equal the first lut engine's bit
-for bit. (Earlier experiments measured with it and removed: a CUDA C++ gate-up, docs/PERFORMANCE.md's
-eighth measurement; L2 prefetches ahead of each warp's ring, the fifteenth; the MMA columns in
-lane-major order, the twenty-second.)
+("lut_noring": None); the outputs must equal the first lut engine's bit for bit. (Earlier
+experiments measured with it and removed: a CUDA C++ gate-up, docs/PERFORMANCE.md's eighth
+measurement; L2 prefetches ahead of each warp's ring, the fifteenth; the MMA columns in lane-major
+order, the twenty-second; the routed experts of 1-2 rows in one launch, the twenty-third.)
 
     python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut,lut_items]
 
@@ -42,19 +41,15 @@ from megastep.kernels import moe_lut as LUTK  # noqa: E402
 
 def run(engine, fn):
     if engine.startswith("lut"):  # mode "lut" (kernels/moe_lut.py) as the kernels' default
-        saved = MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_MIN_ROWS, LUTK.SPREAD_RING, LUTK.FUSED_ROWS, \
-            LUTK.FUSED_RING
+        saved = MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_MIN_ROWS, LUTK.SPREAD_RING
         MOE.DEFAULT_MODE = "lut"
         LUTK.SPREAD_ROWS = {"lut_items": (), "lut_spread": (1, 2), "lut_spread_ring": (1, 2)}.get(engine, saved[1])
         LUTK.RING_MIN_ROWS = {"lut_ring": 1, "lut_noring": None}.get(engine, saved[2])
         LUTK.SPREAD_RING = {"lut_spread": False, "lut_spread_ring": True}.get(engine, saved[3])
-        LUTK.FUSED_ROWS = (1, 2) if engine.startswith("lut_fused") else saved[4]
-        LUTK.FUSED_RING = {"lut_fused": True, "lut_fused_reg": False}.get(engine, saved[5])
         try:
             return fn()
         finally:
-            (MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_MIN_ROWS, LUTK.SPREAD_RING, LUTK.FUSED_ROWS,
-             LUTK.FUSED_RING) = saved
+            MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_MIN_ROWS, LUTK.SPREAD_RING = saved
     return fn()
 
 

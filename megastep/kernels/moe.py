@@ -57,7 +57,7 @@ Modes (`MoeConfig.mode`; `pick_config` returns DEFAULT_MODE):
   shared-memory table lookup (one prmt + one shared load, exact bf16 pairs); mma.sync on register
   operands with a block-diagonal B, so each lane's MXFP4 group sum comes out alone and takes its
   own E8M0 scale (acc += C * 2^(s-127)); natural-order x; the activation quantization in its own
-  launch (at the row counts of moe_lut.FUSED_ROWS, all three in one launch: the same bits). Sums: per group in one MMA chain, then per lane in group order, a quad butterfly, the two
+  launch. Sums: per group in one MMA chain, then per lane in group order, a quad butterfly, the two
   K halves: fixed whatever the batch. On one H200, 30 V4-Flash layers (docs/PERFORMANCE.md, tenth
   measurement): routed experts 56.3 / 145.0 / 462.3 / 1449 us per layer at 1 / 4 / 16 / 64 rows
   against "dot_asm"'s 56.6 / 232 / 782 / 1647. `FastDecoder` takes it by default where it runs.
@@ -555,11 +555,6 @@ def moe_experts_table(
     fuse = not lut and P <= FUSED_ACT_QUANT_MAX_PAIRS and 128 % cfg.block_i == 0
     qcnt = workspace(x.device, "counters_moe_act", P * nq, torch.int32) if fuse else aq
     grid = (-(-I // cfg.block_i), g_up)
-    if lut and shared is None and _lut.fused_ok(M, k, D, I, x.device, table.sparse, not return_pairs, False):
-        out = torch.empty(M, D, dtype=torch.float32, device=x.device)
-        _lut.fused(xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, y, out, D, I, (sw13, ss13),
-                   (sw2, ss2), swiglu_limit, k, rnd)
-        return out
     if lut:
         _lut.gate_up(xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I, (sw13, ss13),
                      swiglu_limit, k, rnd, table.sparse)

@@ -67,7 +67,6 @@ constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kLutBytes = 256 * 256;
 using megastep::ld_stream;
-using megastep::fp8_act_sim4;
 using megastep::round_bf16;
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
@@ -310,8 +309,8 @@ __device__ __forceinline__ void pass(S& st, const char* table, uint32_t lane_off
   }
 }
 
-struct Item {  // the item (expert slot `slot`, tile) of a pass: its pairs start at `start`
-  int start, cnt, tile, slot;
+struct Item {  // the item (expert slot, tile) of a pass: its pairs start at `start`
+  int start, cnt, tile;
 };
 
 // The decode table: entry v (256 B apart) holds 32 copies of byte v's two values. Thread v
@@ -470,9 +469,9 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
       filled = false;
       float total[4];
       warp_sums(st, smem, xsm, L, np, xrow, total);
-      epi(Item{start, cnt, tile, slot}, c0, np, r0, r1, total);
+      epi(Item{start, cnt, tile}, c0, np, r0, r1, total);
       item_sync<kHalves>();
-      post(Item{start, cnt, tile, slot}, c0, np);
+      post(Item{start, cnt, tile}, c0, np);
     }
   }
 }
@@ -519,38 +518,31 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
     for (int p = 0; p < 2; ++p) xrow[p] = p < cnt ? __ldcg(a.pair_ptr + start + p) / a.topk : 0;
     float total[4];
     warp_sums(st, smem, smem + kLutBytes, L, cnt, xrow, total);
-    epi(Item{start, cnt, 0, task / blocks}, 0, cnt, r0, r1, total);
-  }
-}
-
-// gate-up's output of a pass: lane t < np of each quad, pair c0 + t of channel r0:
-// act[pair, r0] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
-__device__ __forceinline__ void gate_up_out(const Args& a, const Item& it, int c0, int np, int r0,
-                                            const float (&total)[4], const float* rw, __nv_bfloat16* act,
-                                            long long stride_a, float limit, int round_out) {
-  const int t = threadIdx.x & 3;
-  if (t < np) {
-    const int pair = a.pair_ptr[it.start + c0 + t];
-    float gv = t ? total[1] : total[0], uv = t ? total[3] : total[2];  // (no local-memory indexing)
-    if (round_out) {
-      gv = round_bf16(gv);
-      uv = round_bf16(uv);
-    }
-    gv = fminf(gv, limit);
-    uv = fminf(fmaxf(uv, -limit), limit);
-    float v = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.f, expf(-gv))), uv);
-    v = __fmul_rn(v, rw[pair]);
-    act[pair * stride_a + r0] = __float2bfloat16_rn(v);
+    epi(Item{start, cnt, 0}, 0, cnt, r0, r1, total);
   }
 }
 
 // gate-up's body: kSpread picks run_spread's schedule (moe_gate_up_lut_spread) or run's, kRing
 // the RingStream (moe_gate_up_lut_ring, moe_gate_up_lut_spread_ring).
+// act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
 template <bool kSpread, bool kRing = false>
 __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                         float limit, int round_out) {
+  const int t = threadIdx.x & 3;
   auto epi = [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
-    gate_up_out(a, it, c0, np, r0, total, rw, act, stride_a, limit, round_out);
+    if (t < np) {  // lane t of the quad: pair c0 + t of channel r0
+      const int pair = a.pair_ptr[it.start + c0 + t];
+      float gv = t ? total[1] : total[0], uv = t ? total[3] : total[2];  // (no local-memory indexing)
+      if (round_out) {
+        gv = round_bf16(gv);
+        uv = round_bf16(uv);
+      }
+      gv = fminf(gv, limit);
+      uv = fminf(fmaxf(uv, -limit), limit);
+      float v = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.f, expf(-gv))), uv);
+      v = __fmul_rn(v, rw[pair]);
+      act[pair * stride_a + r0] = __float2bfloat16_rn(v);
+    }
   };
   if constexpr (kSpread && kRing)
     run_spread<RingStream>(a, a.w3_rows / 8, epi);
@@ -568,7 +560,10 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
 // (A spread schedule for down, one warp's task per 16 rows and the combine by the last warp, was
 // 1.5-3 us slower at 1-8 experts of one row: docs/PERFORMANCE.md, fifteenth measurement.)
 // (down through the RingStream, in CTA halves, was 12-27 % slower per call at 1-64 rows on one H200
-// while gate-up gained: docs/PERFORMANCE.md, twenty-second measurement.)
+// while gate-up gained: docs/PERFORMANCE.md, twenty-second measurement. down's warp tasks after the
+// spread gate-up's in the same launch, the activation quantized by each CTA once its slots' gate-up
+// tasks were counted done, were 0-10 % faster alone at 1 row but 9-17 % slower in the step, the
+// shared expert's launch waiting for SMs: twenty-third measurement, the code at bce6479.)
 __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                      long long stride_o, int* counters, int D, int combine,
                                      const __nv_bfloat16* shared, long long stride_sh) {
@@ -613,165 +608,6 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
   });
 }
 
-
-// ---- The routed experts of 1-2 rows in one launch (moe_lut_fused, moe_lut_fused_ring) ----------
-// At 1 row the three launches (gate-up, the activation quantization, down) took 47 us for 80 MB on
-// one H200, 19 of them down's for its 25 MB: its own launch, its CTAs' table and routing loads, 2
-// steps in flight per warp and the combine's fences, all after gate-up's tail (docs/PERFORMANCE.md,
-// twenty-third measurement). Here one CTA of kSpreadWarps warps per SM runs gate-up's warp tasks
-// (run_spread: the same sums, the same epilogue), then down's warp tasks (slot, 16 rows of w2), also
-// dealt out evenly: CTA c tasks [c T / G, (c + 1) T / G) of T = slots x D / 16, its warp w tasks
-// lo + w, lo + w + kSpreadWarps, ... A warp requests its first down task's weights before the CTA
-// waits for its slots' act: done[slot] counts the
-// slot's finished gate-up tasks (each warp's act stores, __syncwarp, a fence, the count). A CTA's
-// range covers at most 2 slots (the host checks P <= G, the grid): their act rows are quantized once into
-// shared memory (fp8_act_sim4: _moe_act_quant_kernel's operations, so the same aq), in the staged
-// x's place (2 slots x 2 rows of I in bf16 fit in 2 rows of D: the host checks 2 I <= D). The
-// combine is down's, per (row, 16 rows): the last of the row's topk tasks to arrive sums y in slot
-// order (a warp's 16 lanes). sync (int32, zero between launches): done[kFusedSlots], then fin (CTAs
-// finished: the last zeroes done and fin), then rowcnt[rows * D / 16] (reset by each last arrival).
-// No CTA waits on a CTA that waits: the waits are for gate-up tasks, which wait on nothing, so a CTA
-// placed late (an SM busy with the side stream's launch) only delays the others.
-constexpr int kFusedSlots = 32;  // pairs of a fused launch at most (moe_lut.py's FUSED_SLOTS)
-constexpr int kFusedTopk = 8;    // topk at most (moe_lut.py's FUSED_TOPK)
-
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
-         ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
-}
-
-template <typename S>
-__device__ __forceinline__ void fused(const Args& up, const float* rw, __nv_bfloat16* act, long long stride_a,
-                                      float limit, int round_out, const Args& dn, __nv_bfloat16* y,
-                                      long long stride_y, float* out, long long stride_o, int* sync, int D) {
-  extern __shared__ __align__(16) char smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
-  int* rowcnt = sync + kFusedSlots + 1;
-  run_spread<S>(up, up.w3_rows / 8, [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
-    gate_up_out(up, it, c0, np, r0, total, rw, act, stride_a, limit, round_out);
-    __syncwarp();
-    if (lane == 0) {
-      __threadfence();
-      atomicAdd(sync + it.slot, 1);
-    }
-  });
-
-  const Layout L(dn.K);
-  char* xsm = smem + kLutBytes;
-  const char* ring = smem + kLutBytes + Layout(up.K).bytes + warp * kRingDepth * 2048 + lane * 16;
-  const int blocks = D / 16, topk = dn.topk;
-  const int T = __ldcg(dn.nslot) * blocks;
-  const int lo = (int)((long long)blockIdx.x * T / gridDim.x), hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
-  const int s0 = lo / blocks, s1 = hi > lo ? (hi - 1) / blocks : s0 - 1;  // the CTA's slots (none: s1 < s0)
-  int task = lo + warp, r0, r1, cnt, start;
-  S st;
-  // The first task's weights requested during the wait: the ring's slots filled (a register ring
-  // would hold its steps across the wait and staging, and spills), the rest of its rows asked of L2.
-  constexpr int kEarly = S::kSlots ? S::kDepth : 0;
-  if (task < hi) {
-    st = warp_stream<S>(dn, task / blocks, task % blocks, r0, r1, cnt, start);
-    if constexpr (S::kSlots) {
-      st.ring = ring;
-      st.fill();
-    }
-    for (int s = kEarly + t; s < st.steps; s += 4) {  // lane t: steps kEarly + t, + 4, ... of the quad's rows
-      prefetch_l2(st.wa - t * 16 + s * 128);
-      prefetch_l2(st.wb - t * 16 + s * 128);
-    }
-  }
-  __shared__ int stage_pair[4];  // the pair of each act row slot, -1: none
-  if (threadIdx.x < 4) {
-    const int s = s0 + (threadIdx.x >> 1), p = threadIdx.x & 1;
-    stage_pair[threadIdx.x] = s <= s1 && p < __ldcg(dn.slot_cnt + s) ? __ldcg(dn.pair_ptr + __ldcg(dn.slot_start + s) + p)
-                                                                      : -1;
-  }
-  __syncthreads();  // the CTA's gate-up passes are done with the staged x
-  if (threadIdx.x <= s1 - s0) {
-    const int* d = sync + s0 + threadIdx.x;
-    while (ld_acquire(d) < up.w3_rows / 8) __nanosleep(32);
-  }
-  __syncthreads();
-  // act rows of slot s0 in row slots 0, 1, of s1 in 2, 3 (stage_unit's swizzle: the 8-byte halves
-  // of 16-byte unit u swapped where u & 8), a warp per 128-block, a lane 4 elements; a warp's
-  // blocks kStage at a time, their loads issued together (one L2 round trip, not one per block)
-  constexpr int kStage = 8;
-  const int nb = dn.K / 128;
-  for (int w0 = warp; w0 < 4 * nb; w0 += kStage * kSpreadWarps) {
-    uint2 v[kStage];
-#pragma unroll
-    for (int i = 0; i < kStage; ++i) {
-      const int w = w0 + i * kSpreadWarps, pair = w < 4 * nb ? stage_pair[w / nb] : -1;
-      if (pair >= 0) v[i] = __ldcg(reinterpret_cast<const uint2*>(act + pair * stride_a + (w % nb) * 128 + lane * 4));
-    }
-#pragma unroll
-    for (int i = 0; i < kStage; ++i) {
-      const int w = w0 + i * kSpreadWarps;
-      if (w >= 4 * nb || stage_pair[w / nb] < 0) continue;  // (warp-uniform: fp8_act_sim4 shuffles)
-      const int k = (w % nb) * 128 + lane * 4, u = k / 8;
-      float q[4];
-      fp8_act_sim4(v[i], q);
-      *reinterpret_cast<uint2*>(xsm + (w / nb) * L.rowpitch + u * 16 + ((((k / 4) ^ (u >> 3)) & 1) * 8)) =
-          make_uint2(pack_bf16(q[0], q[1]), pack_bf16(q[2], q[3]));
-    }
-  }
-  __syncthreads();
-  for (bool first = true; task < hi; task += kSpreadWarps, first = false) {
-    const int slot = task / blocks, blk = task % blocks;
-    if (!first) {
-      st = warp_stream<S>(dn, slot, blk, r0, r1, cnt, start);
-      if constexpr (S::kSlots) st.ring = ring;
-    }
-    if (!first || !S::kSlots) st.fill();
-    const int xrow[2] = {slot == s0 ? 0 : 2, slot == s0 ? 1 : 3};
-    float total[4];
-    warp_sums(st, smem, xsm, L, cnt, xrow, total);
-    if ((t & 1) < cnt) {  // down's epilogue: lane t, row r0 (t < 2) or r1, pair t % 2
-      const int pair = dn.pair_ptr[start + (t & 1)];
-      const float v = t == 0 ? total[0] : t == 1 ? total[1] : t == 2 ? total[2] : total[3];
-      y[pair * stride_y + (t < 2 ? r0 : r1)] = __float2bfloat16_rn(v);
-    }
-    __syncwarp();  // (a fence on each side of the count: the last arrival sees every y)
-    bool last = false;
-    if (lane < cnt) {
-      __threadfence();
-      last = atomicAdd(rowcnt + (dn.pair_ptr[start + lane] / topk) * blocks + blk, 1) == topk - 1;
-      __threadfence();
-    }
-    const unsigned lasts = __ballot_sync(0xffffffffu, last);
-    __syncwarp();
-    for (int p = 0; p < cnt; ++p) {
-      if (!(lasts >> p & 1)) continue;
-      const int row = dn.pair_ptr[start + p] / topk;
-      if (lane < 16) {  // the row's topk pairs, slot order, fp32 (down's combine)
-        const int d = blk * 16 + lane;
-        const unsigned short* yp = reinterpret_cast<const unsigned short*>(y) + (long long)row * topk * stride_y + d;
-        uint32_t yv[kFusedTopk];  // (the loads together, then the sum in order)
-#pragma unroll
-        for (int j = 0; j < kFusedTopk; ++j) yv[j] = j < topk ? __ldcg(yp + j * stride_y) : 0u;
-        float tot = __uint_as_float(yv[0] << 16);
-#pragma unroll
-        for (int j = 1; j < kFusedTopk; ++j)
-          if (j < topk) tot += __uint_as_float(yv[j] << 16);
-        out[row * stride_o + d] = tot;
-      }
-      if (lane == 0) rowcnt[row * blocks + blk] = 0;
-    }
-  }
-  __syncthreads();  // every wait of the CTA is over
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(sync + kFusedSlots, 1) == (int)gridDim.x - 1) {
-      for (int i = 0; i < kFusedSlots; ++i) sync[i] = 0;
-      sync[kFusedSlots] = 0;
-    }
-  }
-}
 }  // namespace
 
 // The launches (moe_lut.py): grid <= 2 CTAs per SM, 256 threads, 64 KB + Layout(K).bytes of
@@ -815,20 +651,3 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2)
             0},
        y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh);
 }
-
-// moe_lut_fused(_ring): one CTA of kSpreadWarps warps per SM (the grid: the SMs less moe_lut.py's
-// FUSED_SPARE_SMS), the spread's
-// shared memory (with _ring its slots); gate-up's arguments with rows = M, then down's outputs and
-// w2 strides, then the sync words (fused() above).
-#define FUSED_PARAMS                                                                                               \
-  GATE_UP_PARAMS, int rows, __nv_bfloat16 *y, long long stride_y, float *out, long long stride_o,                  \
-      long long stride_w2, long long stride_s2, int *sync
-#define FUSED_ARGS                                                                                                 \
-  GATE_UP_ARGS(rows),                                                                                              \
-      Args{act, stride_a, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, 0, 1, stride_w2, stride_s2, \
-           0},                                                                                                     \
-      y, stride_y, out, stride_o, sync, D
-
-extern "C" __global__ void __maxnreg__(136) moe_lut_fused(FUSED_PARAMS) { fused<Stream>(FUSED_ARGS); }
-
-extern "C" __global__ void __maxnreg__(128) moe_lut_fused_ring(FUSED_PARAMS) { fused<RingStream>(FUSED_ARGS); }

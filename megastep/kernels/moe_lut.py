@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from megastep.kernels.common import pdl_enabled, workspace
+from megastep.kernels.common import pdl_enabled
 from megastep.kernels.cuda_module import CudaModule, find_nvcc
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_lut.cu")
@@ -43,8 +43,6 @@ _GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiii
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
 _GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiii")
-_FUSED = _MODULE.kernel("moe_lut_fused", "pqppppppppqiiqqfiiiipqpqqqp")
-_FUSED_RING = _MODULE.kernel("moe_lut_fused_ring", "pqppppppppqiiqqfiiiipqpqqqp")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -77,27 +75,12 @@ RING_DEPTH = 4  # the .cu's kRingDepth
 # registers a thread against 124, 176 KB of shared memory at D = 4096). Measured on one H200
 # (docs/PERFORMANCE.md, twenty-third measurement): the experts call alone at 1 / 2 rows 47.3 / 81.5
 # us against 48.2 / 83.3 with the weights in registers; the 30-layer step A/B at 2 rows 5.691 / 5.701
-# ms against 5.760 / 5.774 (-1.2 %). At 1 row, spread with the ring against whole items in the ring:
-# 4.560 / 4.570 against 4.551 / 4.531 (why is not measured: its 176 KB leave 51 KB of an SM for the
-# side stream's shared-expert launch), so SPREAD_ROWS stays (2,). A device that cannot give a CTA 176 KB keeps the
-# registers.
+# ms against 5.760 / 5.774 (-1.2 %). At 1 row the spread gate-up with the slots against whole items
+# in the ring (the 1-row default): 4.560 / 4.570 ms against 4.551 / 4.531, so SPREAD_ROWS stays
+# (2,). A device that cannot give a CTA 176 KB keeps the registers. (The routed experts of 1-2 rows
+# in one launch, this schedule followed by down's in the same CTAs, were 9-17 % slower in the step
+# at 1 row and not kept: the code is at bce6479.)
 SPREAD_RING = True
-# moe_lut_fused (the .cu's fused()): the routed experts of a launch of these row counts in one
-# launch: gate-up's spread tasks, then in the same CTAs down's warp tasks, the activation
-# quantization done by each CTA for its (at most 2) slots once their gate-up tasks have finished
-# (a counter per slot), down's first weights requested before that wait, the combine by the last
-# arrival per (row, 16 rows). The same bits as the three launches. Taken where `fused_ok` holds (one
-# part, the combine without the shared expert's output, P <= FUSED_SLOTS and P <= the launch's CTAs,
-# topk <= FUSED_TOPK, 2 I <= D). FUSED_RING: the weights' steps in the ring's slots (176 KB of shared
-# memory at D = 4096, 121 registers), else in registers (80 KB, 136 registers). Built 2026-12-01, off until measured
-# (`bash benchmarks/h200_checks.sh fused`).
-FUSED_ROWS: tuple[int, ...] = ()
-FUSED_RING = True
-# SMs the fused launch leaves to other streams' launches: its CTAs stay resident for its whole
-# length, and with none spare the shared expert (the side stream) waited for its end at 1 row
-# (twenty-third measurement).
-FUSED_SPARE_SMS = 0
-FUSED_SLOTS, FUSED_TOPK = 32, 8  # the .cu's kFusedSlots, kFusedTopk
 
 
 @functools.cache
@@ -145,19 +128,6 @@ def _ring_fits(index: int, nbytes: int) -> bool:
     props = torch.cuda.get_device_properties(index)
     optin = getattr(props, "shared_memory_per_block_optin", None)
     return nbytes <= (optin if optin is not None else (227 << 10 if props.major >= 9 else 0))
-
-
-def fused_ok(M: int, topk: int, D: int, I: int, device: torch.device, sparse: bool, combine: bool,
-             shared: bool) -> bool:
-    """Whether a lut experts call of M rows takes moe_lut_fused (FUSED_ROWS and its conditions)."""
-    P = M * topk
-    return (M in FUSED_ROWS and combine and not sparse and not shared and 2 * I <= D and D % 16 == 0
-            and topk <= FUSED_TOPK and P <= FUSED_SLOTS and P <= _fused_ctas(device)
-            and (not FUSED_RING or _ring_fits(device.index, shared_bytes(D, 1, SPREAD_WARPS))))
-
-
-def _fused_ctas(device: torch.device) -> int:
-    return _sms(device.index) - FUSED_SPARE_SMS
 
 
 def _ring_grid(items: int, device: torch.device) -> tuple[int, int, int]:
@@ -208,20 +178,3 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
     _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None, *args, pdl=pdl_enabled())
-
-
-def fused(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, y, out, D, I, strides13, strides2, limit,
-          topk, round_bf16) -> None:
-    """gate_up, the activation quantization and down with the combine (out fp32 [M, D]) in one
-    launch (moe_lut_fused; fused_ok says when); y [P, D] bf16 receives the per-pair outputs on the
-    way. The sync words are a zeroed workspace that every launch leaves at zero."""
-    M = pairs.numel() // topk
-    assert xq.dtype == act.dtype == y.dtype == torch.bfloat16 and out.dtype == torch.float32
-    assert act.stride(1) == 1 and y.stride(1) == 1 and out.stride(1) == 1 and xq.stride(1) == 1
-    sync = workspace(xq.device, "counters_moe_fused", FUSED_SLOTS + 1 + M * (D // 16), torch.int32)
-    ring = FUSED_RING
-    kernel, smem = (_FUSED_RING, shared_bytes(D, 1, SPREAD_WARPS)) if ring else (_FUSED, shared_bytes(D))
-    kernel.launch((_fused_ctas(xq.device), 1, 1), (32 * SPREAD_WARPS, 1, 1), smem, None,
-                  xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
-                  D, I, strides13[0], strides13[1], float(limit), int(round_bf16), topk, 0, M,
-                  y, y.stride(0), out, out.stride(0), strides2[0], strides2[1], sync, pdl=pdl_enabled())

@@ -542,60 +542,6 @@ def test_gpu_lut_spread_gate_up_gives_the_same_bits(M, ring, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(g, want))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 2])
-@pytest.mark.parametrize("ring, spare", [(False, 0), (True, 0), (True, 40)])
-def test_gpu_lut_fused_gives_the_same_bits(M, ring, spare, monkeypatch):
-    """The routed experts in one launch (moe_lut.FUSED_ROWS: gate-up's spread tasks, then down's in
-    the same CTAs after a wait per slot, the activation quantization and the combine inside), with
-    the weights in the ring's slots or in registers, give the three launches' combine bit for bit at
-    V4-Flash expert shapes, on every SM or with 40 left spare (FUSED_SPARE_SMS): six calls in a row,
-    then six replays of a CUDA graph of it (the sync words left at zero by every launch); the calls
-    it does not take (per-pair outputs, the shared expert's output in the combine, a sparse table)
-    are the three launches'. At M = 2 a slot holds both rows' pairs."""
-    from megastep.kernels import moe_lut
-
-    ex = random_stacked_experts(32, 4096, 2048, seed=29, dev="cuda")
-    x, ids, wts = make_inputs(M, 4096, 32, 6, seed=M + 31, dev="cuda")
-    if M == 2:  # a slot with two pairs, one from each row
-        ids[1, 0] = next(e for e in ids[0].tolist() if e not in ids[1].tolist())
-        assert len(set(ids[1].tolist())) == 6 and len(set(ids.flatten().tolist())) < 12
-    outputs = _lut_outputs(ex, x, ids, wts)
-    monkeypatch.setattr(moe_lut, "FUSED_ROWS", ())
-    want = outputs()
-    check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
-
-    monkeypatch.setattr(moe_lut, "FUSED_ROWS", (M,))
-    monkeypatch.setattr(moe_lut, "FUSED_RING", ring)
-    monkeypatch.setattr(moe_lut, "FUSED_SPARE_SMS", spare)
-    dev = x.device
-    assert moe_lut.fused_ok(M, 6, 4096, 2048, dev, False, True, False) or torch.cuda.get_device_capability(dev)[0] < 9
-    assert not moe_lut.fused_ok(M, 6, 4096, 2048, dev, False, False, False)  # per-pair outputs
-    assert not moe_lut.fused_ok(M, 6, 4096, 2048, dev, True, True, False)  # a sparse table
-    assert not moe_lut.fused_ok(M, 6, 4096, 2048, dev, False, True, True)  # the shared expert's output
-    for _ in range(2):
-        got = outputs()
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-    cfg = pick_config(M, 6, 32, 4096, 2048, mode="lut")
-    full = ExpertTable.from_stacked(*(ex[n] for n in ("w13", "w13_scale", "w2", "w2_scale")))
-    for _ in range(6):
-        assert torch.equal(moe_experts_table(x, ids, wts, full, config=cfg), want[1])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # (warm: the kernels are built and loaded before the capture)
-        moe_experts_table(x, ids, wts, full, config=cfg)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_experts_table(x, ids, wts, full, config=cfg)
-    for _ in range(6):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want[1])
-
-
 def _many_pair_inputs(M, seed):
     """32 experts at V4-Flash shapes and M rows of top-6 routing; from 3 rows on expert 0 is in
     every row (a slot of M pairs: several passes over its rows)."""
@@ -656,8 +602,7 @@ def test_lut_kernels_build_for_sm90():
     from megastep.kernels import moe_lut
 
     assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread",
-                                                  "moe_gate_up_lut_ring", "moe_gate_up_lut_spread_ring",
-                                                  "moe_lut_fused", "moe_lut_fused_ring"))
+                                                  "moe_gate_up_lut_ring", "moe_gate_up_lut_spread_ring"))
 
 
 def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
