@@ -399,6 +399,27 @@ __device__ __forceinline__ S warp_stream(const Args& a, int slot, int rb, int& r
   return st;
 }
 
+// The probe build (-DMOE_LUT_PROBE, benchmarks/kernels/moe_lut_probe.py; the runtime's build has none
+// of it): thread 0 of each CTA stamps the phases of run() for its first item, globaltimer (ns) and
+// its SM's clock64, for gate-up (kind 0) and down (kind 1); `dep` is a value the stamp waits for
+// (an asm input), so a stamp after a load is taken once the load has returned.
+#ifdef MOE_LUT_PROBE
+constexpr int kProbeCtas = 320, kProbeMarks = 10;
+__device__ unsigned long long moe_lut_probe_buf[2][kProbeCtas][kProbeMarks][2];
+__device__ __forceinline__ void probe(int kind, int mark, int dep) {
+  if (threadIdx.x == 0 && blockIdx.x < kProbeCtas) {
+    unsigned long long g, c;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g) : "r"(dep) : "memory");
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(c)::"memory");
+    moe_lut_probe_buf[kind][blockIdx.x][mark][0] = g;
+    moe_lut_probe_buf[kind][blockIdx.x][mark][1] = c;
+  }
+}
+#define PROBE(kind, mark, dep) probe(kind, mark, dep)
+#else
+#define PROBE(kind, mark, dep)
+#endif
+
 // A barrier of the 256 threads that run() gives an item: the CTA, or with kHalves = 2 its half
 // (named barriers 1 and 2; 0 is __syncthreads').
 template <int kHalves>
@@ -424,8 +445,10 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
   const int half = kHalves == 2 ? threadIdx.x >> 8 : 0;
   char* xsm = smem + kLutBytes + half * L.bytes;
   const char* ring = smem + kLutBytes + kHalves * L.bytes + warp * kRingDepth * 2048 + lane * 16;
+  PROBE(a.down, 0, 0);
   prologue(smem);
   if constexpr (kHalves == 2) __syncthreads();  // (the table; with one half the first item_sync orders it)
+  PROBE(a.down, 1, 0);
   // Under PDL gate-up waits here: x and the routing are its predecessor's (the router's) outputs;
   // then it releases its dependents (the activation quantization, which releases down at once).
   // down reads the routing and requests its first item's weights before it waits for aq (the
@@ -437,7 +460,11 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
     pdl_release();
   }
   const int items = __ldcg(a.nslot) * tiles;
+  PROBE(a.down, 2, items);
   const int xrow[2] = {0, 1};  // a pass's pairs in row slots 0 and 1
+#ifdef MOE_LUT_PROBE
+  int probed = 0;  // items of this CTA half
+#endif
   // (half h of CTA b: items b + h G, b + (h + 2) G, ... of a grid of G CTAs, so that a launch of
   // fewer than 2 G items spreads over every SM first)
   for (int it = blockIdx.x + half * gridDim.x; it < items; it += gridDim.x * kHalves) {
@@ -445,6 +472,10 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
     int r0, r1, cnt, start;
     S st = warp_stream<S>(a, slot, tile * kWarps + blk, r0, r1, cnt, start);
     if constexpr (S::kSlots) st.ring = ring;
+#ifdef MOE_LUT_PROBE
+    const bool first = probed++ == 0;
+    if (first) PROBE(a.down, 3, cnt + start);
+#endif
     bool filled = false;
     if (waiting) {  // down's first item: the ring filled, and the rest of its rows asked of L2
       // (also the rows of the CTA's next 1 or 3 items: no faster on one H200, docs/PERFORMANCE.md)
@@ -458,6 +489,7 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
       }
       pdl_wait();
       pdl_release();
+      PROBE(a.down, 4, 0);
       waiting = false;
     }
     for (int c0 = 0; c0 < cnt; c0 += 2) {
@@ -465,15 +497,28 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
       item_sync<kHalves>();  // the previous pass's readers of x are done
       stage_x(xsm, a, L, start, c0, np);
       item_sync<kHalves>();
+#ifdef MOE_LUT_PROBE
+      if (first && c0 == 0) PROBE(a.down, 5, 0);
+#endif
       if (!filled) st.fill();
       filled = false;
       float total[4];
       warp_sums(st, smem, xsm, L, np, xrow, total);
+#ifdef MOE_LUT_PROBE
+      if (first && c0 == 0) PROBE(a.down, 6, __float_as_int(total[0]));
+#endif
       epi(Item{start, cnt, tile}, c0, np, r0, r1, total);
       item_sync<kHalves>();
       post(Item{start, cnt, tile}, c0, np);
+#ifdef MOE_LUT_PROBE
+      if (first && c0 == 0) PROBE(a.down, 7, 0);
+#endif
     }
   }
+#ifdef MOE_LUT_PROBE
+  PROBE(a.down, 8, 0);
+  if (threadIdx.x == 0 && blockIdx.x < kProbeCtas) moe_lut_probe_buf[a.down][blockIdx.x][9][0] = probed;
+#endif
 }
 
 // The spread schedule of gate-up, for launches in which every slot has at most 2 pairs (M <= 2:
@@ -651,3 +696,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2)
             0},
        y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh);
 }
+
+#ifdef MOE_LUT_PROBE
+// the probe build's stamps into dst (u64 [2, kProbeCtas, kProbeMarks, 2]), then zeroed
+extern "C" __global__ void moe_lut_probe_read(unsigned long long* dst) {
+  unsigned long long* src = &moe_lut_probe_buf[0][0][0][0];
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < 2 * kProbeCtas * kProbeMarks * 2; i += gridDim.x * blockDim.x) {
+    dst[i] = src[i];
+    src[i] = 0;
+  }
+}
+#endif

@@ -601,8 +601,11 @@ def test_lut_kernels_build_for_sm90():
     a spill would put loads in the experts' inner loop."""
     from megastep.kernels import moe_lut
 
-    assert_builds_without_spills(moe_lut.SOURCE, ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread",
-                                                  "moe_gate_up_lut_ring", "moe_gate_up_lut_spread_ring"))
+    kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
+               "moe_gate_up_lut_spread_ring")
+    assert_builds_without_spills(moe_lut.SOURCE, kernels)
+    # the probe build (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps
+    assert_builds_without_spills(moe_lut.SOURCE, kernels + ("moe_lut_probe_read",), flags=("-DMOE_LUT_PROBE",))
 
 
 def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
