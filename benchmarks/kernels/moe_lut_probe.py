@@ -2,9 +2,10 @@
 -DMOE_LUT_PROBE (moe_lut.cu: thread 0 of each CTA stamps the phases of its first item, globaltimer
 and clock64) and swapped into kernels/moe_lut.py, at V4-Flash shapes (E 256, D 4096, I 2048, top-6),
 the last of N_CALLS calls of a CUDA graph (each its own random routing over two stacked copies of
-the experts, as moe_cuda_variants.py), no PDL.
+the experts, as moe_cuda_variants.py), without PDL or with it (--pdl: the launches as the 1-4 row
+step makes them, each CTA placed while its predecessor drains).
 
-    python benchmarks/kernels/moe_lut_probe.py --out DIR [--ms 1,4]
+    python benchmarks/kernels/moe_lut_probe.py --out DIR [--ms 1,4] [--pdl]
 
 Per launch (gate-up, down) and M: the CTAs' items, then per phase the median and the largest time
 of the CTAs' stamps after the launch's first stamp (us): the table built, the routing's slot count
@@ -31,6 +32,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 import moe_variants as MV  # noqa: E402
 from megastep.kernels import moe as MOE  # noqa: E402
+from megastep.kernels.common import set_pdl  # noqa: E402
 from megastep.kernels import moe_lut as LUTK  # noqa: E402
 from megastep.kernels.cuda_module import CudaModule  # noqa: E402
 
@@ -82,7 +84,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out/moe_lut_probe"))
     ap.add_argument("--ms", default="1,4")
+    ap.add_argument("--pdl", action="store_true")
     args = ap.parse_args()
+    set_pdl(args.pdl)
     os.makedirs(args.out, exist_ok=True)
     ms = [int(m) for m in args.ms.split(",")]
     if any(m in LUTK.SPREAD_ROWS for m in ms):
@@ -123,7 +127,7 @@ def main() -> None:
             lines.append("    median cycles: " + ", ".join(f"{k} {v}" for k, v in s["median_cycles"].items()))
         lines.append(f"M={M} gate-up's last end -> down's first start: {gap:.2f} us")
     with open(os.path.join(args.out, "moe_lut_probe.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(0), results=results), f, indent=1)
+        json.dump(dict(device=torch.cuda.get_device_name(0), pdl=args.pdl, results=results), f, indent=1)
     with open(os.path.join(args.out, "moe_lut_probe.log"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
