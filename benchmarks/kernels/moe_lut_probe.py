@@ -3,9 +3,11 @@
 and clock64) and swapped into kernels/moe_lut.py, at V4-Flash shapes (E 256, D 4096, I 2048, top-6),
 the last of N_CALLS calls of a CUDA graph (each its own random routing over two stacked copies of
 the experts, as moe_cuda_variants.py), without PDL or with it (--pdl: the launches as the 1-4 row
-step makes them, each CTA placed while its predecessor drains).
+step makes them, each CTA placed while its predecessor drains). --no-load builds the loop without
+its memory as well (-DMOE_LUT_NO_LOAD: the weight streams load nothing, wrong values): its
+"streamed" phase is then the loop's own time.
 
-    python benchmarks/kernels/moe_lut_probe.py --out DIR [--ms 1,4] [--pdl]
+    python benchmarks/kernels/moe_lut_probe.py --out DIR [--ms 1,4] [--pdl] [--no-load]
 
 Per launch (gate-up, down) and M: the CTAs' items, then per phase the median and the largest time
 of the CTAs' stamps after the launch's first stamp (us): the table built, the routing's slot count
@@ -41,9 +43,9 @@ PHASES = ("start", "table", "slot count", "routing", "aq wait", "x staged", "str
 KERNELS = ("_GATE_UP", "_GATE_UP_SPREAD", "_DOWN", "_GATE_UP_RING", "_GATE_UP_SPREAD_RING")
 
 
-def probe_kernels():
+def probe_kernels(no_load: bool):
     """Swap moe_lut's launches for the probe build's; returns the stamps' read kernel."""
-    mod = CudaModule(LUTK.SOURCE, extra_flags=("-DMOE_LUT_PROBE",))
+    mod = CudaModule(LUTK.SOURCE, extra_flags=("-DMOE_LUT_PROBE",) + (("-DMOE_LUT_NO_LOAD",) if no_load else ()))
     for name in KERNELS:
         k = getattr(LUTK, name)
         setattr(LUTK, name, mod.kernel(k.name, k.signature))
@@ -85,13 +87,14 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out/moe_lut_probe"))
     ap.add_argument("--ms", default="1,4")
     ap.add_argument("--pdl", action="store_true")
+    ap.add_argument("--no-load", action="store_true")
     args = ap.parse_args()
     set_pdl(args.pdl)
     os.makedirs(args.out, exist_ok=True)
     ms = [int(m) for m in args.ms.split(",")]
     if any(m in LUTK.SPREAD_ROWS for m in ms):
         raise SystemExit(f"M in moe_lut.SPREAD_ROWS {LUTK.SPREAD_ROWS} takes the spread gate-up, which has no stamps")
-    read = probe_kernels()
+    read = probe_kernels(args.no_load)
     MOE.DEFAULT_MODE = "lut"
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -127,7 +130,8 @@ def main() -> None:
             lines.append("    median cycles: " + ", ".join(f"{k} {v}" for k, v in s["median_cycles"].items()))
         lines.append(f"M={M} gate-up's last end -> down's first start: {gap:.2f} us")
     with open(os.path.join(args.out, "moe_lut_probe.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(0), pdl=args.pdl, results=results), f, indent=1)
+        json.dump(dict(device=torch.cuda.get_device_name(0), pdl=args.pdl, no_load=args.no_load, results=results), f,
+                  indent=1)
     with open(os.path.join(args.out, "moe_lut_probe.log"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

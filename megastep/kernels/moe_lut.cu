@@ -194,12 +194,18 @@ struct Stream : StreamBase {
   uint2 sa[KPF], sb[KPF];  // the step's 8 scale bytes of each row (this lane's: bytes t and 4 + t)
 
   __device__ __forceinline__ void load(int i, int n) {
+#ifdef MOE_LUT_NO_LOAD  // (the probe build's loop without its memory: operands made from n)
+    const uint32_t v = 0x9E3779B9u * (n + 1);
+    ra[i][0] = ra[i][1] = rb[i][0] = rb[i][1] = make_uint4(v, v ^ 1u, v ^ 2u, v ^ 3u);
+    sa[i] = sb[i] = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
+#else
     ra[i][0] = ld_stream(wa + n * 128);
     ra[i][1] = ld_stream(wa + n * 128 + 64);
     rb[i][0] = ld_stream(wb + n * 128);
     rb[i][1] = ld_stream(wb + n * 128 + 64);
     sa[i] = __ldg(reinterpret_cast<const uint2*>(sa_p + n * 8));
     sb[i] = __ldg(reinterpret_cast<const uint2*>(sb_p + n * 8));
+#endif
   }
 
   __device__ __forceinline__ void fill() {
@@ -237,6 +243,9 @@ struct RingStream : StreamBase {
   uint2 sa[kRingDepth], sb[kRingDepth];
 
   __device__ __forceinline__ void load(int i, int n) {
+#ifdef MOE_LUT_NO_LOAD  // (the probe build's loop without its memory: the slots are read as they are)
+    sa[i] = sb[i] = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu + n);
+#else
     const char* d = ring + i * 2048;
     cp_async16(d, wa + n * 128);
     cp_async16(d + 512, wa + n * 128 + 64);
@@ -244,6 +253,7 @@ struct RingStream : StreamBase {
     cp_async16(d + 1536, wb + n * 128 + 64);
     sa[i] = __ldg(reinterpret_cast<const uint2*>(sa_p + n * 8));
     sb[i] = __ldg(reinterpret_cast<const uint2*>(sb_p + n * 8));
+#endif
   }
 
   // one commit group per step, empty past the last: at take(s) groups 0 .. s are complete once at
@@ -402,7 +412,9 @@ __device__ __forceinline__ S warp_stream(const Args& a, int slot, int rb, int& r
 // The probe build (-DMOE_LUT_PROBE, benchmarks/kernels/moe_lut_probe.py; the runtime's build has none
 // of it): thread 0 of each CTA stamps the phases of run() for its first item, globaltimer (ns) and
 // its SM's clock64, for gate-up (kind 0) and down (kind 1); `dep` is a value the stamp waits for
-// (an asm input), so a stamp after a load is taken once the load has returned.
+// (an asm input), so a stamp after a load is taken once the load has returned. With
+// -DMOE_LUT_NO_LOAD as well the weight streams load nothing (the streams' load() above): the loop's
+// own rate, wrong values.
 #ifdef MOE_LUT_PROBE
 constexpr int kProbeCtas = 320, kProbeMarks = 10;
 __device__ unsigned long long moe_lut_probe_buf[2][kProbeCtas][kProbeMarks][2];

@@ -604,8 +604,10 @@ def test_lut_kernels_build_for_sm90():
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
                "moe_gate_up_lut_spread_ring")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
-    # the probe build (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps
-    assert_builds_without_spills(moe_lut.SOURCE, kernels + ("moe_lut_probe_read",), flags=("-DMOE_LUT_PROBE",))
+    # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
+    # without their loads
+    for flags in (("-DMOE_LUT_PROBE",), ("-DMOE_LUT_PROBE", "-DMOE_LUT_NO_LOAD")):
+        assert_builds_without_spills(moe_lut.SOURCE, kernels + ("moe_lut_probe_read",), flags=flags)
 
 
 def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
