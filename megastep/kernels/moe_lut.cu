@@ -713,7 +713,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2)
 // the probe build's stamps into dst (u64 [2, kProbeCtas, kProbeMarks, 2]), then zeroed
 extern "C" __global__ void moe_lut_probe_read(unsigned long long* dst) {
   unsigned long long* src = &moe_lut_probe_buf[0][0][0][0];
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < 2 * kProbeCtas * kProbeMarks * 2; i += gridDim.x * blockDim.x) {
+  constexpr int n = 2 * kProbeCtas * kProbeMarks * 2;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     dst[i] = src[i];
     src[i] = 0;
   }
