@@ -126,7 +126,8 @@ def main() -> None:
         results.append(dict(M=M, gate_up=up, down=down, gap_us=round(gap, 2)))
         for name, s in (("gate-up", up), ("down", down)):
             lines.append(f"M={M} {name}: {s['ctas']} CTAs, items per CTA (half 0) {s['items_per_cta']}")
-            lines += [f"    {p:12} median {v['median_us']:7.2f} us  max {v['max_us']:7.2f} us" for p, v in s["phases"].items()]
+            lines += [f"    {p:12} median {v['median_us']:7.2f} us  max {v['max_us']:7.2f} us"
+                      for p, v in s["phases"].items()]
             lines.append("    median cycles: " + ", ".join(f"{k} {v}" for k, v in s["median_cycles"].items()))
         lines.append(f"M={M} gate-up's last end -> down's first start: {gap:.2f} us")
     with open(os.path.join(args.out, "moe_lut_probe.json"), "w") as f:
