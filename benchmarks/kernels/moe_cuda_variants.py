@@ -4,7 +4,8 @@ kernels/moe_lut.py), or "lut" with whole items per CTA at every M ("lut_items": 
 = ()), or with the spread gate-up at 1 and 2 rows ("lut_spread": (1, 2), its weights in registers;
 "lut_spread_ring": in the ring's slots, moe_lut.SPREAD_RING), or with the gate-up's weight steps in
 flight in shared memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS = 1) or at none
-("lut_noring": None); the outputs must equal the first lut engine's bit for bit. (Earlier
+("lut_noring": None), or decoding in registers with fp16 MMAs ("lut_f16": moe_lut.DECODE "f16", the
+whole-item kernels); the outputs must equal the first lut engine's bit for bit. (Earlier
 experiments measured with it and removed: a CUDA C++ gate-up, docs/PERFORMANCE.md's eighth
 measurement; L2 prefetches ahead of each warp's ring, the fifteenth; the MMA columns in lane-major
 order, the twenty-second; the routed experts of 1-2 rows in one launch, the twenty-third.)
@@ -41,15 +42,16 @@ from megastep.kernels import moe_lut as LUTK  # noqa: E402
 
 def run(engine, fn):
     if engine.startswith("lut"):  # mode "lut" (kernels/moe_lut.py) as the kernels' default
-        saved = MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_MIN_ROWS, LUTK.SPREAD_RING
+        saved = MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_MIN_ROWS, LUTK.SPREAD_RING, LUTK.DECODE
         MOE.DEFAULT_MODE = "lut"
+        LUTK.DECODE = "f16" if engine == "lut_f16" else saved[4]
         LUTK.SPREAD_ROWS = {"lut_items": (), "lut_spread": (1, 2), "lut_spread_ring": (1, 2)}.get(engine, saved[1])
         LUTK.RING_MIN_ROWS = {"lut_ring": 1, "lut_noring": None}.get(engine, saved[2])
         LUTK.SPREAD_RING = {"lut_spread": False, "lut_spread_ring": True}.get(engine, saved[3])
         try:
             return fn()
         finally:
-            MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_MIN_ROWS, LUTK.SPREAD_RING = saved
+            MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_MIN_ROWS, LUTK.SPREAD_RING, LUTK.DECODE = saved
     return fn()
 
 
@@ -78,7 +80,8 @@ def main() -> None:
     BK.LOG = open(os.path.join(args.out, "moe_cuda_variants.log"), "w")
     bw = BK.measure_bandwidth()["read"]
     lut = [k.attributes() for k in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD, LUTK._GATE_UP_RING,
-                                    LUTK._GATE_UP_SPREAD_RING)]
+                                    LUTK._GATE_UP_SPREAD_RING, LUTK._GATE_UP_F16, LUTK._GATE_UP_RING_F16,
+                                    LUTK._DOWN_F16)]
     BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; lut kernels: {lut}")
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)

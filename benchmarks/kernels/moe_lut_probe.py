@@ -5,9 +5,10 @@ the last of N_CALLS calls of a CUDA graph (each its own random routing over two 
 the experts, as moe_cuda_variants.py), without PDL or with it (--pdl: the launches as the 1-4 row
 step makes them, each CTA placed while its predecessor drains). --no-load builds the loop without
 its memory as well (-DMOE_LUT_NO_LOAD: the weight streams load nothing, wrong values): its
-"streamed" phase is then the loop's own time.
+"streamed" phase is then the loop's own time. --decode f16 stamps the register decode's kernels
+(moe_lut.DECODE).
 
-    python benchmarks/kernels/moe_lut_probe.py --out DIR [--ms 1,4] [--pdl] [--no-load]
+    python benchmarks/kernels/moe_lut_probe.py --out DIR [--ms 1,4] [--pdl] [--no-load] [--decode lut|f16]
 
 Per launch (gate-up, down) and M: the CTAs' items, then per phase the median and the largest time
 of the CTAs' stamps after the launch's first stamp (us): the table built, the routing's slot count
@@ -40,7 +41,8 @@ from megastep.kernels.cuda_module import CudaModule  # noqa: E402
 
 CTAS, MARKS = 320, 10  # the .cu's kProbeCtas, kProbeMarks
 PHASES = ("start", "table", "slot count", "routing", "aq wait", "x staged", "streamed", "epilogue", "end")
-KERNELS = ("_GATE_UP", "_GATE_UP_SPREAD", "_DOWN", "_GATE_UP_RING", "_GATE_UP_SPREAD_RING")
+KERNELS = ("_GATE_UP", "_GATE_UP_SPREAD", "_DOWN", "_GATE_UP_RING", "_GATE_UP_SPREAD_RING", "_GATE_UP_F16",
+           "_GATE_UP_RING_F16", "_DOWN_F16")
 
 
 def probe_kernels(no_load: bool):
@@ -88,6 +90,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,4")
     ap.add_argument("--pdl", action="store_true")
     ap.add_argument("--no-load", action="store_true")
+    ap.add_argument("--decode", choices=("lut", "f16"), default="lut")
     args = ap.parse_args()
     set_pdl(args.pdl)
     os.makedirs(args.out, exist_ok=True)
@@ -95,6 +98,7 @@ def main() -> None:
     if any(m in LUTK.SPREAD_ROWS for m in ms):
         raise SystemExit(f"M in moe_lut.SPREAD_ROWS {LUTK.SPREAD_ROWS} takes the spread gate-up, which has no stamps")
     read = probe_kernels(args.no_load)
+    LUTK.DECODE = args.decode
     MOE.DEFAULT_MODE = "lut"
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -131,8 +135,8 @@ def main() -> None:
             lines.append("    median cycles: " + ", ".join(f"{k} {v}" for k, v in s["median_cycles"].items()))
         lines.append(f"M={M} gate-up's last end -> down's first start: {gap:.2f} us")
     with open(os.path.join(args.out, "moe_lut_probe.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(0), pdl=args.pdl, no_load=args.no_load, results=results), f,
-                  indent=1)
+        json.dump(dict(device=torch.cuda.get_device_name(0), pdl=args.pdl, no_load=args.no_load, decode=args.decode,
+                       results=results), f, indent=1)
     with open(os.path.join(args.out, "moe_lut_probe.log"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -66,7 +66,10 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kLutBytes = 256 * 256;
+using megastep::bf16_hi;
+using megastep::bf16_lo;
 using megastep::ld_stream;
+using megastep::pow2_scale;
 using megastep::round_bf16;
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
@@ -87,6 +90,35 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                        uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The decode in registers (the kF16 kernels, moe_lut.py's DECODE "f16"; built 2026-12-01, not yet
+// run on a GPU). In fp16 every e2m1 value has a zero low byte (0.5 = 0x3800 ... 6 = 0x4600), so a
+// code's fp16 is its magnitude's high byte, looked up by prmt in an 8-byte table held in two
+// constants, with the sign bit set beside it: word w's 8 codes -> d[b] = byte b's two values as
+// fp16x2 (low nibble in the low half), 13 integer instructions for 4 bytes and no shared memory
+// (the table lookup reads 4 shared-memory bytes per weight byte, which caps the loop at ~28 GB/s per
+// SM: docs/PERFORMANCE.md, twenty-third measurement, item 6). x is then staged in fp16 as its e4m3
+// codes (x / s, s its 128-block's power-of-two scale: exact), and s joins the group's scale: the
+// same products, so the same sums if an fp16 k16 step rounds as a bf16 one (to be checked on the GPU).
+__device__ __forceinline__ void decode_f16(uint32_t w, uint32_t (&d)[4]) {
+  constexpr uint32_t kT0 = 0x3E3C3800u, kT1 = 0x46444240u;  // fp16 high bytes of magnitudes 0 .. 7
+  const uint32_t m = w & 0x77777777u, ws = w << 4;
+  // bytes of w and of w << 4 whose bit 7 is the sign of codes 0 .. 3 (0x1504) and 4 .. 7 (0x3726)
+  const uint32_t lo = prmt(kT0, kT1, m) | (prmt(w, ws, 0x1504u) & 0x80808080u);
+  const uint32_t hi = prmt(kT0, kT1, m >> 16) | (prmt(w, ws, 0x3726u) & 0x80808080u);
+  d[0] = prmt(lo, 0u, 0x1404u);  // [0, code 0, 0, code 1]
+  d[1] = prmt(lo, 0u, 0x3424u);  // [0, code 2, 0, code 3]
+  d[2] = prmt(hi, 0u, 0x1404u);
+  d[3] = prmt(hi, 0u, 0x3424u);
 }
 
 __device__ __forceinline__ uint32_t e2m1_bf16(uint32_t n) {  // exact bf16 bits of an e2m1 code
@@ -135,11 +167,13 @@ struct Args {
 // xe / xo: the lane's x at the step's group t for even / odd 8-byte units j (the swizzle); an
 // inactive lane keeps x0 / x1 at zero. fa / fb: the step's 8 scale bytes of each row; sha / shb:
 // the bit offsets of the lane's two columns' owners in them.
+template <bool kF16 = false>
 __device__ __forceinline__ void step_sums(const char* table, uint32_t lane_off, const char* xe, const char* xo,
                                           bool active, const uint4& a0, const uint4& a1, const uint4& b0,
                                           const uint4& b1, uint2 fa, uint2 fb, int sha, int shb, uint2& x0, uint2& x1,
-                                          float (&acc)[4]) {
+                                          float (&acc)[4], int ex0 = 0, int ex1 = 0) {
   float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+  uint32_t da0[4], db0[4], da1[4], db1[4];  // (kF16) the decoded words of the current j pair
 #pragma unroll
   for (int j = 0; j < 8; ++j) {  // bytes 2j, 2j + 1 of each group: elements 4j .. 4j + 3
     // (16-byte x loads for two j at once: 128 registers, spills, 10-20 % slower on the H200)
@@ -149,7 +183,17 @@ __device__ __forceinline__ void step_sums(const char* table, uint32_t lane_off, 
       x1 = *reinterpret_cast<const uint2*>(xs + 4 * kGroupPitch + j * 8);
     }
     const uint32_t wa0 = word(a0, j >> 1), wb0 = word(b0, j >> 1), wa1 = word(a1, j >> 1), wb1 = word(b1, j >> 1);
-    if (j & 1) {
+    if constexpr (kF16) {
+      if (!(j & 1)) {
+        decode_f16(wa0, da0);
+        decode_f16(wb0, db0);
+        decode_f16(wa1, da1);
+        decode_f16(wb1, db1);
+      }
+      const int k = (j & 1) * 2;
+      mma_f16(c0, da0[k], db0[k], da0[k + 1], db0[k + 1], x0.x, x0.y);
+      mma_f16(c1, da1[k], db1[k], da1[k + 1], db1[k + 1], x1.x, x1.y);
+    } else if (j & 1) {
       mma(c0, lut<2>(table, wa0, lane_off), lut<2>(table, wb0, lane_off), lut<3>(table, wa0, lane_off),
           lut<3>(table, wb0, lane_off), x0.x, x0.y);
       mma(c1, lut<2>(table, wa1, lane_off), lut<2>(table, wb1, lane_off), lut<3>(table, wa1, lane_off),
@@ -162,10 +206,11 @@ __device__ __forceinline__ void step_sums(const char* table, uint32_t lane_off, 
     }
   }
   // groups o (c0) and o + 4 (c1) of the step, o the column's owner
-  const float sa0 = scale_f((fa.x >> sha) & 0xFF), sa1 = scale_f((fa.y >> sha) & 0xFF);
-  const float sb0 = scale_f((fb.x >> sha) & 0xFF), sb1 = scale_f((fb.y >> sha) & 0xFF);
-  const float ta0 = scale_f((fa.x >> shb) & 0xFF), ta1 = scale_f((fa.y >> shb) & 0xFF);
-  const float tb0 = scale_f((fb.x >> shb) & 0xFF), tb1 = scale_f((fb.y >> shb) & 0xFF);
+  // (kF16: times x's block scales 2^ex0 (group o) and 2^ex1 (group o + 4); lut: ex0 = ex1 = 0)
+  const float sa0 = scale_f(((fa.x >> sha) & 0xFF) + ex0), sa1 = scale_f(((fa.y >> sha) & 0xFF) + ex1);
+  const float sb0 = scale_f(((fb.x >> sha) & 0xFF) + ex0), sb1 = scale_f(((fb.y >> sha) & 0xFF) + ex1);
+  const float ta0 = scale_f(((fa.x >> shb) & 0xFF) + ex0), ta1 = scale_f(((fa.y >> shb) & 0xFF) + ex1);
+  const float tb0 = scale_f(((fb.x >> shb) & 0xFF) + ex0), tb1 = scale_f(((fb.y >> shb) & 0xFF) + ex1);
   acc[0] = fmaf(c0[0], sa0, acc[0]);
   acc[1] = fmaf(c0[1], ta0, acc[1]);
   acc[2] = fmaf(c0[2], sb0, acc[2]);
@@ -291,9 +336,9 @@ struct RingStream : StreamBase {
 // lane t's columns are owners 2(t & 1) and 2(t & 1) + 1 of pair t / 2, and it scales each by
 // its owner's group. t: the lane's group within 4; xl: the lane's x at its first group, read
 // only by an active lane (the others keep zero registers).
-template <typename S>
+template <typename S, bool kF16 = false>
 __device__ __forceinline__ void pass(S& st, const char* table, uint32_t lane_off, const char* xl, int t, bool active,
-                                     float (&acc)[4], float (&lo)[4]) {
+                                     float (&acc)[4], float (&lo)[4], const int* xexp = nullptr) {
   const int sha = 16 * (t & 1), shb = sha + 8;  // bit offsets of the scale bytes of the two owners
   const int sw = t & 2 ? 8 : 0;                 // x's swizzle (Layout): unit j of group t at j ^ (t / 2)
   uint2 x0 = make_uint2(0u, 0u), x1 = make_uint2(0u, 0u);
@@ -313,7 +358,14 @@ __device__ __forceinline__ void pass(S& st, const char* table, uint32_t lane_off
       uint2 fa, fb;
       st.take(i, s, a0, a1, b0, b1, fa, fb);
       const char* xs = xl + s * 8 * kGroupPitch;  // the step's groups t and t + 4 of x
-      step_sums(table, lane_off, xs + sw, xs - sw, active, a0, a1, b0, b1, fa, fb, sha, shb, x0, x1, acc);
+      int ex0 = 0, ex1 = 0;
+      if constexpr (kF16) {  // the biased exponents of x's scales, blocks 2s (groups 0-3) and 2s + 1
+        const int2 e = *reinterpret_cast<const int2*>(xexp + 2 * s);
+        ex0 = e.x - 127;
+        ex1 = e.y - 127;
+      }
+      step_sums<kF16>(table, lane_off, xs + sw, xs - sw, active, a0, a1, b0, b1, fa, fb, sha, shb, x0, x1, acc, ex0,
+                      ex1);
       st.after(i, s);
     }
   }
@@ -346,13 +398,47 @@ __device__ __forceinline__ void stage_unit(char* xsm, const Args& a, const Layou
   *reinterpret_cast<uint4*>(xsm + r * L.rowpitch + u * 16) = v;
 }
 
+// stage_unit for the kF16 kernels: the unit's 8 values as fp16 x / s, s the power-of-two scale of
+// its 128-block (pow2_scale of the block's max: the block's 16 units are a half-warp's, stage_x's
+// units running in warp order), and the block's biased exponent of s into xexp[r][u / 16]. x holds
+// e4m3 codes times a power of two (the activation quantization's output), so x / s is exact in fp16.
+__device__ __forceinline__ void stage_unit_f16(char* xsm, int* xexp, const Args& a, const Layout& L, int r, int src,
+                                               int u) {
+  const uint4 v = *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
+  const float f[8] = {bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y),
+                      bf16_lo(v.z), bf16_hi(v.z), bf16_lo(v.w), bf16_hi(v.w)};
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  float sc, inv;
+  pow2_scale(amax, sc, inv);
+  uint32_t h[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2 q = __floats2half2_rn(f[2 * i] * inv, f[2 * i + 1] * inv);
+    h[i] = *reinterpret_cast<const uint32_t*>(&q);
+  }
+  const uint4 w = u & 8 ? make_uint4(h[2], h[3], h[0], h[1]) : make_uint4(h[0], h[1], h[2], h[3]);  // (the swizzle)
+  *reinterpret_cast<uint4*>(xsm + r * L.rowpitch + u * 16) = w;
+  if (!(u & 15)) xexp[r * (L.rowpitch / 256) + u / 16] = __float_as_int(sc) >> 23;
+}
+
 // x rows of pairs c0, c0 + 1 (those < cnt) into row slots 0 and 1, by the 256 threads of a CTA (half)
-__device__ __forceinline__ void stage_x(char* xsm, const Args& a, const Layout& L, int start, int c0, int np) {
+// (kF16: in fp16 with their block exponents in xexp; every lane of a warp runs the same iterations,
+// a row's units being a multiple of 64)
+template <bool kF16 = false>
+__device__ __forceinline__ void stage_x(char* xsm, const Args& a, const Layout& L, int start, int c0, int np,
+                                        int* xexp = nullptr) {
   const int units = a.K / 8;  // 16-byte units of a row
   for (int i = threadIdx.x & (kThreads - 1); i < np * units; i += kThreads) {
     const int p = i / units;
     const int pair = a.pair_ptr[start + c0 + p];
-    stage_unit(xsm, a, L, p, a.down ? pair : pair / a.topk, i % units);
+    if constexpr (kF16)
+      stage_unit_f16(xsm, xexp, a, L, p, a.down ? pair : pair / a.topk, i % units);
+    else
+      stage_unit(xsm, a, L, p, a.down ? pair : pair / a.topk, i % units);
   }
 }
 
@@ -361,15 +447,19 @@ __device__ __forceinline__ void stage_x(char* xsm, const Args& a, const Layout& 
 // (g, 0), 1: (g, 1), 2: (g + 8, 0), 3: (g + 8, 1)), each half's sum over the 4 owners as
 // (o0 + o1) + (o2 + o3) first. The ring must be filled. The x loaders: lane (g, t) with
 // g = 4p + t for the pass's pair p. table: the decode table; xsm: the staged x.
-template <typename S>
+template <typename S, bool kF16 = false>
 __device__ __forceinline__ void warp_sums(S& st, const char* table, const char* xsm, const Layout& L, int np,
-                                          const int (&xrow)[2], float (&total)[4]) {
+                                          const int (&xrow)[2], float (&total)[4], const int* xexp = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, p = g >> 2;
   const bool active = (g & 3) == t && p < np;
   const int xr = p ? xrow[1] : xrow[0];  // (no local-memory indexing)
   const char* xl = xsm + xr * L.rowpitch + t * kGroupPitch;
   float acc[4] = {0.f, 0.f, 0.f, 0.f}, lo[4];
-  pass(st, table, lane * 4, xl, t, active, acc, lo);
+  // (kF16: x's block exponents, [row][K / 128], of the row of the pair whose columns the lane holds,
+  // t / 2, not of the pair whose x it loads; a lane of an absent pair takes row 0's: finite scales
+  // for its zero sums)
+  const int xe_row = t >> 1 && np > 1 ? xrow[1] : xrow[0];
+  pass<S, kF16>(st, table, lane * 4, xl, t, active, acc, lo, xexp + xe_row * (L.rowpitch / 256));
   // lane t: owners 2(t & 1), 2(t & 1) + 1 of pair t / 2, rows g (v = 0) and g + 8 (v = 1)
   float tv[2];
 #pragma unroll
@@ -449,7 +539,8 @@ __device__ __forceinline__ void item_sync() {
 // S = RingStream: a CTA of 16 warps in two halves of 8 (kHalves = 2) that take items apart, as two
 // CTAs would, sharing one table; then the weights' steps in flight live in shared memory, not in
 // registers: kRingDepth per warp instead of KPF (moe_gate_up_lut_ring; moe_lut.py's ring_rows).
-template <typename S, int kHalves, typename Epi, typename Post>
+// kF16: the register decode (decode_f16); the table's space holds x's block exponents instead.
+template <typename S, int kHalves, bool kF16 = false, typename Epi, typename Post>
 __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
   const Layout L(a.K);
@@ -457,8 +548,9 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
   const int half = kHalves == 2 ? threadIdx.x >> 8 : 0;
   char* xsm = smem + kLutBytes + half * L.bytes;
   const char* ring = smem + kLutBytes + kHalves * L.bytes + warp * kRingDepth * 2048 + lane * 16;
+  int* xexp = reinterpret_cast<int*>(smem) + half * 2 * (a.K / 128);  // (kF16) [2 rows][K / 128]
   PROBE(a.down, 0, 0);
-  prologue(smem);
+  if constexpr (!kF16) prologue(smem);
   if constexpr (kHalves == 2) __syncthreads();  // (the table; with one half the first item_sync orders it)
   PROBE(a.down, 1, 0);
   // Under PDL gate-up waits here: x and the routing are its predecessor's (the router's) outputs;
@@ -507,7 +599,7 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
     for (int c0 = 0; c0 < cnt; c0 += 2) {
       const int np = min(2, cnt - c0);
       item_sync<kHalves>();  // the previous pass's readers of x are done
-      stage_x(xsm, a, L, start, c0, np);
+      stage_x<kF16>(xsm, a, L, start, c0, np, xexp);
       item_sync<kHalves>();
 #ifdef MOE_LUT_PROBE
       if (first && c0 == 0) PROBE(a.down, 5, 0);
@@ -515,7 +607,7 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
       if (!filled) st.fill();
       filled = false;
       float total[4];
-      warp_sums(st, smem, xsm, L, np, xrow, total);
+      warp_sums<S, kF16>(st, smem, xsm, L, np, xrow, total, xexp);
 #ifdef MOE_LUT_PROBE
       if (first && c0 == 0) PROBE(a.down, 6, __float_as_int(total[0]));
 #endif
@@ -582,9 +674,10 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
 // gate-up's body: kSpread picks run_spread's schedule (moe_gate_up_lut_spread) or run's, kRing
 // the RingStream (moe_gate_up_lut_ring, moe_gate_up_lut_spread_ring).
 // act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
-template <bool kSpread, bool kRing = false>
+template <bool kSpread, bool kRing = false, bool kF16 = false>
 __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                         float limit, int round_out) {
+  static_assert(!(kSpread && kF16), "the spread schedule has no register decode");
   const int t = threadIdx.x & 3;
   auto epi = [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
     if (t < np) {  // lane t of the quad: pair c0 + t of channel r0
@@ -606,9 +699,9 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
   else if constexpr (kSpread)
     run_spread<Stream>(a, a.w3_rows / 8, epi);
   else if constexpr (kRing)
-    run<RingStream, 2>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
+    run<RingStream, 2, kF16>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
   else
-    run<Stream, 1>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
+    run<Stream, 1, kF16>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
 }
 
 // y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 128-row tile) of
@@ -621,13 +714,14 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
 // spread gate-up's in the same launch, the activation quantized by each CTA once its slots' gate-up
 // tasks were counted done, were 0-10 % faster alone at 1 row but 9-17 % slower in the step, the
 // shared expert's launch waiting for SMs: twenty-third measurement, the code at bce6479.)
+template <bool kF16 = false>
 __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                      long long stride_o, int* counters, int D, int combine,
                                      const __nv_bfloat16* shared, long long stride_sh) {
   __shared__ int last[2];
   constexpr int kTile = kWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile, topk = a.topk;
-  run<Stream, 1>(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  run<Stream, 1, kF16>(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
     const int p = t & 1;
     if (p < np) {  // lane t: row r0 (t < 2) or r1, pair c0 + t % 2
       const int pair = a.pair_ptr[it.start + c0 + p];
@@ -698,16 +792,28 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring(GATE_UP_
   gate_up<true, true>(GATE_UP_ARGS(rows));
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 2)
-    moe_down_lut(const __nv_bfloat16* aq, long long stride_q, const long long* tab, const int* pair_ptr,
-                 const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* y,
-                 long long stride_y, void* out, long long stride_o, int* counters, int D, int I, long long stride_w,
-                 long long stride_s, int topk, int sparse, int combine, const __nv_bfloat16* shared,
-                 long long stride_sh) {
-  down(Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s,
-            0},
-       y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh);
+#define DOWN_PARAMS                                                                                                \
+  const __nv_bfloat16 *aq, long long stride_q, const long long *tab, const int *pair_ptr, const int *slot_e,        \
+      const int *slot_start, const int *slot_cnt, const int *nslot, __nv_bfloat16 *y, long long stride_y, void *out, \
+      long long stride_o, int *counters, int D, int I, long long stride_w, long long stride_s, int topk, int sparse,  \
+      int combine, const __nv_bfloat16 *shared, long long stride_sh
+#define DOWN_ARGS                                                                                                  \
+  Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s, 0}, \
+      y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh
+
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down(DOWN_ARGS); }
+
+// The register decode's kernels (decode_f16; moe_lut.py's DECODE "f16"): the whole-item gate-up in
+// registers and in the ring, and down; the spread schedule has none.
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut_f16(GATE_UP_PARAMS) {
+  gate_up<false, false, true>(GATE_UP_ARGS(0));
 }
+
+extern "C" __global__ void __launch_bounds__(2 * kThreads, 1) moe_gate_up_lut_ring_f16(GATE_UP_PARAMS) {
+  gate_up<false, true, true>(GATE_UP_ARGS(0));
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut_f16(DOWN_PARAMS) { down<true>(DOWN_ARGS); }
 
 #ifdef MOE_LUT_PROBE
 // the probe build's stamps into dst (u64 [2, kProbeCtas, kProbeMarks, 2]), then zeroed

@@ -43,6 +43,9 @@ _GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiii
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
 _GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiii")
+_GATE_UP_F16 = _MODULE.kernel("moe_gate_up_lut_f16", "pqppppppppqiiqqfiii")
+_GATE_UP_RING_F16 = _MODULE.kernel("moe_gate_up_lut_ring_f16", "pqppppppppqiiqqfiii")
+_DOWN_F16 = _MODULE.kernel("moe_down_lut_f16", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -81,6 +84,15 @@ RING_DEPTH = 4  # the .cu's kRingDepth
 # in one launch, this schedule followed by down's in the same CTAs, were 9-17 % slower in the step
 # at 1 row and not kept: the code is at bce6479.)
 SPREAD_RING = True
+# How the whole-item kernels (not the spread gate-up) decode MXFP4: "lut", the shared-memory table;
+# "f16", in registers (the .cu's decode_f16: prmt on an 8-byte table of fp16 high bytes, fp16 MMAs,
+# x staged in fp16 as its e4m3 codes with its block scales joining the groups'). The same products;
+# the same bits if the fp16 and bf16 MMAs round a k16 step alike. Built 2026-12-01 after the device
+# time was spent, not run on a GPU: the table's reads (4 bytes of shared memory per weight byte) look
+# like what caps the loop at ~23-26 GB/s per SM (docs/PERFORMANCE.md, twenty-third measurement, item
+# 6); the "f16" loop issues ~356 instructions per 2 KB step against ~237, with ~70 shared-memory
+# cycles against ~128. Off until measured (benchmarks/kernels/moe_cuda_variants.py's engine "lut_f16").
+DECODE = "lut"
 
 
 @functools.cache
@@ -154,11 +166,13 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
                       pdl=pdl_enabled())
     elif ring_rows(pairs.numel() // topk) and _ring_fits(xq.device.index, ring_smem):
         # items (slot, channel tile), two at a time per CTA
-        _GATE_UP_RING.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1), ring_smem,
-                             None, *args, pdl=pdl_enabled())
+        kernel = _GATE_UP_RING_F16 if DECODE == "f16" else _GATE_UP_RING
+        kernel.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1), ring_smem, None, *args,
+                      pdl=pdl_enabled())
     else:  # items (slot, channel tile)
-        _GATE_UP.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None, *args,
-                        pdl=pdl_enabled())
+        kernel = _GATE_UP_F16 if DECODE == "f16" else _GATE_UP
+        kernel.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None, *args,
+                      pdl=pdl_enabled())
 
 
 def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
@@ -177,4 +191,5 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
-    _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None, *args, pdl=pdl_enabled())
+    kernel = _DOWN_F16 if DECODE == "f16" else _DOWN
+    kernel.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None, *args, pdl=pdl_enabled())

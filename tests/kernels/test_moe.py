@@ -595,6 +595,76 @@ def test_gpu_lut_ring_gives_the_same_bits(M, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 3, 16, 64])
+def test_gpu_lut_f16_decode_gives_the_same_bits(M, monkeypatch):
+    """The register decode (moe_lut.DECODE "f16": fp16 MMAs on operands built by prmt, x staged as its
+    e4m3 codes in fp16 with its block scales joining the groups') gives the table's bits at V4-Flash
+    expert shapes: per-pair outputs, the combine, the combine with the shared expert's output, a
+    sparse table's pairs; slots of one, two and several pairs; the ring gate-up (1 and 16 rows) and
+    the register one (3 rows), down at every M; three calls."""
+    from megastep.kernels import moe_lut
+
+    ex, x, ids, wts = _many_pair_inputs(M, 37)
+    outputs = _lut_outputs(ex, x, ids, wts)
+    want = outputs()
+    check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
+    monkeypatch.setattr(moe_lut, "DECODE", "f16")
+    for _ in range(3):
+        got = outputs()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): result byte k = byte (selector nibble k & 7) of {b, a}, or that
+    byte's top bit replicated where the nibble's bit 3 is set."""
+    src = a | (b << 32)
+    out = 0
+    for k in range(4):
+        n = (sel >> (4 * k)) & 0xF
+        byte = (src >> (8 * (n & 7))) & 0xFF
+        out |= ((0xFF if byte & 0x80 else 0) if n & 8 else byte) << (8 * k)
+    return out
+
+
+def test_f16_decode_gives_exact_values():
+    """decode_f16 in moe_lut.cu, emulated from its own constants and selectors (read from the source,
+    in order): every 32-bit word of 8 e2m1 codes gives, for each byte, the fp16x2 of its two codes'
+    values (low nibble in the low half), exactly; and e2m1 in fp16 has a zero low byte, which the
+    decode relies on. All 256 bytes in every byte position."""
+    from megastep.kernels import moe_lut
+
+    src = open(moe_lut.SOURCE).read()
+    body = src[src.index("void decode_f16("):]
+    body = body[:body.index("\n}\n")]
+    t0, t1 = (int(v, 16) for v in re.search(r"kT0 = (0x[0-9A-F]+)u, kT1 = (0x[0-9A-F]+)u", body).groups())
+    sels = [int(v, 16) for v in re.findall(r"prmt\([^;]*?, (0x[0-9A-F]+)u\)", body)]
+    assert len(sels) == 6, sels  # two sign spreads, four expansions
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+    def value(code):
+        return (-1.0 if code & 8 else 1.0) * e2m1[code & 7]
+
+    def fp16(bits):
+        return float(torch.tensor([bits], dtype=torch.int16).view(torch.float16).item()) if bits < 0x8000 else \
+            float(torch.tensor([bits - 0x10000], dtype=torch.int16).view(torch.float16).item())
+
+    for code in range(16):
+        assert fp16(int(torch.tensor([value(code)], dtype=torch.float16).view(torch.int16).item()) & 0xFFFF) == value(code)
+        assert int(torch.tensor([value(code)], dtype=torch.float16).view(torch.int16).item()) & 0xFF == 0
+    mask = 0xFFFFFFFF
+    for b in range(256):
+        for pos in range(4):
+            w = (b << (8 * pos)) | (0x5A << (8 * ((pos + 1) % 4)))  # (a neighbour byte, that must not leak in)
+            m, ws = w & 0x77777777, (w << 4) & mask
+            lo = _prmt(t0, t1, m) | (_prmt(w, ws, sels[0]) & 0x80808080)
+            hi = _prmt(t0, t1, m >> 16) | (_prmt(w, ws, sels[1]) & 0x80808080)
+            d = [_prmt(lo, 0, sels[2]), _prmt(lo, 0, sels[3]), _prmt(hi, 0, sels[4]), _prmt(hi, 0, sels[5])]
+            got = (fp16(d[pos] & 0xFFFF), fp16(d[pos] >> 16))
+            assert got == (value(b & 15), value(b >> 4)), (b, pos, got)
+
+
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
 def test_lut_kernels_build_for_sm90():
     """The "lut" kernels compile (nvcc, sm_90) with the header they include, with no local memory:
@@ -602,7 +672,7 @@ def test_lut_kernels_build_for_sm90():
     from megastep.kernels import moe_lut
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
-               "moe_gate_up_lut_spread_ring")
+               "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_f16", "moe_gate_up_lut_ring_f16", "moe_down_lut_f16")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
     # without their loads
@@ -640,7 +710,7 @@ def test_lut_signatures_match_the_kernels():
     from megastep.kernels import moe_lut
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
-                   moe_lut._GATE_UP_SPREAD_RING):
+                   moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_F16, moe_lut._GATE_UP_RING_F16, moe_lut._DOWN_F16):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
