@@ -66,6 +66,9 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kLutBytes = 256 * 256;
+// The register decode's kernels (kF16) hold x's block exponents where the table would be: 2 CTA
+// halves x 2 rows x at most 64 blocks (K <= 8192; moe_lut.py's F16_TABLE_BYTES).
+constexpr int kExpBytes = 2 * 2 * 64 * 4;
 using megastep::bf16_hi;
 using megastep::bf16_lo;
 using megastep::ld_stream;
@@ -546,8 +549,9 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
   const Layout L(a.K);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, blk = warp & (kWarps - 1), t = lane & 3;
   const int half = kHalves == 2 ? threadIdx.x >> 8 : 0;
-  char* xsm = smem + kLutBytes + half * L.bytes;
-  const char* ring = smem + kLutBytes + kHalves * L.bytes + warp * kRingDepth * 2048 + lane * 16;
+  constexpr int kTable = kF16 ? kExpBytes : kLutBytes;  // (the f16 kernels' shared memory is 64 KB smaller)
+  char* xsm = smem + kTable + half * L.bytes;
+  const char* ring = smem + kTable + kHalves * L.bytes + warp * kRingDepth * 2048 + lane * 16;
   int* xexp = reinterpret_cast<int*>(smem) + half * 2 * (a.K / 128);  // (kF16) [2 rows][K / 128]
   PROBE(a.down, 0, 0);
   if constexpr (!kF16) prologue(smem);
@@ -804,7 +808,8 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring(GATE_UP_
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down(DOWN_ARGS); }
 
 // The register decode's kernels (decode_f16; moe_lut.py's DECODE "f16"): the whole-item gate-up in
-// registers and in the ring, and down; the spread schedule has none.
+// registers and in the ring, and down; the spread schedule has none. Their dynamic shared memory
+// starts with kExpBytes (x's block exponents) instead of the 64 KB table.
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut_f16(GATE_UP_PARAMS) {
   gate_up<false, false, true>(GATE_UP_ARGS(0));
 }

@@ -52,6 +52,7 @@ THREADS = 256
 ITEM_CHANNELS, ITEM_ROWS = 64, 128
 CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
+F16_TABLE_BYTES = 1024  # the .cu's kExpBytes: in its place, the f16 kernels' x block exponents
 # Gate-up launches of these row counts (at most 2: every expert slot then has at most 2 pairs)
 # take moe_gate_up_lut_spread: one CTA of SPREAD_WARPS warps per SM, the warps' (slot, 8
 # channels) tasks dealt out evenly (the .cu's run_spread). The same bits. Measured on one H200
@@ -91,7 +92,8 @@ SPREAD_RING = True
 # time was spent, not run on a GPU: the table's reads (4 bytes of shared memory per weight byte) look
 # like what caps the loop at ~23-26 GB/s per SM (docs/PERFORMANCE.md, twenty-third measurement, item
 # 6); the "f16" loop issues ~356 instructions per 2 KB step against ~237, with ~70 shared-memory
-# cycles against ~128. Off until measured (benchmarks/kernels/moe_cuda_variants.py's engine "lut_f16").
+# cycles against ~128, and 64 KB less shared memory per CTA (no table: room for the side stream's
+# launches). Off until measured (benchmarks/kernels/moe_cuda_variants.py's engine "lut_f16").
 DECODE = "lut"
 
 
@@ -106,10 +108,16 @@ def supported(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:
     return device.type == "cuda" and dtype == torch.bfloat16 and D % 512 == 0 and I % 512 == 0 and _have_nvcc()
 
 
-def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0) -> int:
-    """Dynamic shared memory of a launch over K: the table, the .cu's Layout(K) (2 rows of x in
-    bf16) of each CTA half, then the RING_DEPTH 2 KB slots of slot_warps warps."""
-    return LUT_BYTES + halves * 4 * K + slot_warps * RING_DEPTH * 2048
+def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, f16: bool = False) -> int:
+    """Dynamic shared memory of a launch over K: the table (f16: x's block exponents instead), the
+    .cu's Layout(K) (2 rows of x in 16-bit values) of each CTA half, then the RING_DEPTH 2 KB slots
+    of slot_warps warps."""
+    return (F16_TABLE_BYTES if f16 else LUT_BYTES) + halves * 4 * K + slot_warps * RING_DEPTH * 2048
+
+
+def _f16(K: int) -> bool:
+    """Whether a whole-item launch over K takes the register decode (DECODE, K / 128 <= 64 blocks)."""
+    return DECODE == "f16" and K <= 8192
 
 
 def spread_rows(pairs: torch.Tensor, topk: int) -> int:
@@ -155,7 +163,8 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     slots, spread = min(pairs.numel(), addr.shape[0]), spread_rows(pairs, topk)
     args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
-    ring_smem = shared_bytes(D, 2, 2 * THREADS // 32)  # the ring kernel: two halves, 16 warps' slots
+    f16 = _f16(D)
+    ring_smem = shared_bytes(D, 2, 2 * THREADS // 32, f16)  # the ring kernel: two halves, 16 warps' slots
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
         smem = shared_bytes(D, 1, SPREAD_WARPS)
         if not (SPREAD_RING and _ring_fits(xq.device.index, smem)):
@@ -166,13 +175,13 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
                       pdl=pdl_enabled())
     elif ring_rows(pairs.numel() // topk) and _ring_fits(xq.device.index, ring_smem):
         # items (slot, channel tile), two at a time per CTA
-        kernel = _GATE_UP_RING_F16 if DECODE == "f16" else _GATE_UP_RING
+        kernel = _GATE_UP_RING_F16 if f16 else _GATE_UP_RING
         kernel.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1), ring_smem, None, *args,
                       pdl=pdl_enabled())
     else:  # items (slot, channel tile)
-        kernel = _GATE_UP_F16 if DECODE == "f16" else _GATE_UP
-        kernel.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None, *args,
-                      pdl=pdl_enabled())
+        kernel = _GATE_UP_F16 if f16 else _GATE_UP
+        kernel.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D, f16=f16), None,
+                      *args, pdl=pdl_enabled())
 
 
 def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
@@ -191,5 +200,6 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
-    kernel = _DOWN_F16 if DECODE == "f16" else _DOWN
-    kernel.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None, *args, pdl=pdl_enabled())
+    f16 = _f16(I)
+    kernel = _DOWN_F16 if f16 else _DOWN
+    kernel.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, f16=f16), None, *args, pdl=pdl_enabled())
