@@ -4,8 +4,8 @@ kernels/moe_lut.py), or "lut" with whole items per CTA at every M ("lut_items": 
 = ()), or with the spread gate-up at 1 and 2 rows ("lut_spread": (1, 2), its weights in registers;
 "lut_spread_ring": in the ring's slots, moe_lut.SPREAD_RING), or with the gate-up's weight steps in
 flight in shared memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS = 1) or at none
-("lut_noring": None), or decoding in registers with fp16 MMAs ("lut_f16": moe_lut.DECODE "f16", the
-whole-item kernels); the outputs must equal the first lut engine's bit for bit. (Earlier
+("lut_noring": None), or decoding in registers with fp16 MMAs ("lut_f16": moe_lut.DECODE "f16"); the
+outputs must equal the first lut engine's bit for bit. (Earlier
 experiments measured with it and removed: a CUDA C++ gate-up, docs/PERFORMANCE.md's eighth
 measurement; L2 prefetches ahead of each warp's ring, the fifteenth; the MMA columns in lane-major
 order, the twenty-second; the routed experts of 1-2 rows in one launch, the twenty-third.)
@@ -81,7 +81,7 @@ def main() -> None:
     bw = BK.measure_bandwidth()["read"]
     lut = [k.attributes() for k in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD, LUTK._GATE_UP_RING,
                                     LUTK._GATE_UP_SPREAD_RING, LUTK._GATE_UP_F16, LUTK._GATE_UP_RING_F16,
-                                    LUTK._DOWN_F16)]
+                                    LUTK._DOWN_F16, LUTK._GATE_UP_SPREAD_F16, LUTK._GATE_UP_SPREAD_RING_F16)]
     BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; lut kernels: {lut}")
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)

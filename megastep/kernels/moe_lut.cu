@@ -645,20 +645,28 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
 // warp's weights in kRingDepth slots of shared memory after x, as in run().
 constexpr int kSpreadWarps = 12;
 
-template <typename S, typename Epi>
+// (kF16: the register decode, x's block exponents in the table's place, as in run())
+template <typename S, bool kF16 = false, typename Epi>
 __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
   extern __shared__ __align__(16) char smem[];
   const Layout L(a.K);
   const int blk = threadIdx.x >> 5;
-  const char* ring = smem + kLutBytes + L.bytes + blk * kRingDepth * 2048 + (threadIdx.x & 31) * 16;
-  prologue(smem);
+  constexpr int kTable = kF16 ? kExpBytes : kLutBytes;
+  char* xsm = smem + kTable;
+  const char* ring = smem + kTable + L.bytes + blk * kRingDepth * 2048 + (threadIdx.x & 31) * 16;
+  int* xexp = reinterpret_cast<int*>(smem);  // (kF16) [2 rows][K / 128]
+  if constexpr (!kF16) prologue(smem);
   pdl_wait();  // (run's PDL order)
   pdl_release();
   const int T = __ldcg(a.nslot) * blocks;
   const int lo = (int)((long long)blockIdx.x * T / gridDim.x), hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
   const int units = a.K / 8;
-  for (int i = threadIdx.x; i < a.spread * units; i += kSpreadWarps * 32)
-    stage_unit(smem + kLutBytes, a, L, i / units, i / units, i % units);
+  for (int i = threadIdx.x; i < a.spread * units; i += kSpreadWarps * 32) {  // (warp-uniform: units % 64 == 0)
+    if constexpr (kF16)
+      stage_unit_f16(xsm, xexp, a, L, i / units, i / units, i % units);
+    else
+      stage_unit(xsm, a, L, i / units, i / units, i % units);
+  }
   __syncthreads();
   for (int task = lo + blk; task < hi; task += kSpreadWarps) {
     int r0, r1, cnt, start;
@@ -670,7 +678,7 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
 #pragma unroll
     for (int p = 0; p < 2; ++p) xrow[p] = p < cnt ? __ldcg(a.pair_ptr + start + p) / a.topk : 0;
     float total[4];
-    warp_sums(st, smem, smem + kLutBytes, L, cnt, xrow, total);
+    warp_sums<S, kF16>(st, smem, xsm, L, cnt, xrow, total, xexp);
     epi(Item{start, cnt, 0}, 0, cnt, r0, r1, total);
   }
 }
@@ -681,7 +689,6 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
 template <bool kSpread, bool kRing = false, bool kF16 = false>
 __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                         float limit, int round_out) {
-  static_assert(!(kSpread && kF16), "the spread schedule has no register decode");
   const int t = threadIdx.x & 3;
   auto epi = [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
     if (t < np) {  // lane t of the quad: pair c0 + t of channel r0
@@ -699,9 +706,9 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
     }
   };
   if constexpr (kSpread && kRing)
-    run_spread<RingStream>(a, a.w3_rows / 8, epi);
+    run_spread<RingStream, kF16>(a, a.w3_rows / 8, epi);
   else if constexpr (kSpread)
-    run_spread<Stream>(a, a.w3_rows / 8, epi);
+    run_spread<Stream, kF16>(a, a.w3_rows / 8, epi);
   else if constexpr (kRing)
     run<RingStream, 2, kF16>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
   else
@@ -807,15 +814,23 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring(GATE_UP_
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down(DOWN_ARGS); }
 
-// The register decode's kernels (decode_f16; moe_lut.py's DECODE "f16"): the whole-item gate-up in
-// registers and in the ring, and down; the spread schedule has none. Their dynamic shared memory
-// starts with kExpBytes (x's block exponents) instead of the 64 KB table.
+// The register decode's kernels (decode_f16; moe_lut.py's DECODE "f16"): each gate-up schedule and
+// down. Their dynamic shared memory starts with kExpBytes (x's block exponents) instead of the 64 KB
+// table.
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut_f16(GATE_UP_PARAMS) {
   gate_up<false, false, true>(GATE_UP_ARGS(0));
 }
 
 extern "C" __global__ void __launch_bounds__(2 * kThreads, 1) moe_gate_up_lut_ring_f16(GATE_UP_PARAMS) {
   gate_up<false, true, true>(GATE_UP_ARGS(0));
+}
+
+extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_f16(GATE_UP_PARAMS, int rows) {
+  gate_up<true, false, true>(GATE_UP_ARGS(rows));
+}
+
+extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring_f16(GATE_UP_PARAMS, int rows) {
+  gate_up<true, true, true>(GATE_UP_ARGS(rows));
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut_f16(DOWN_PARAMS) { down<true>(DOWN_ARGS); }

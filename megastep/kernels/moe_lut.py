@@ -45,6 +45,8 @@ _GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiii")
 _GATE_UP_F16 = _MODULE.kernel("moe_gate_up_lut_f16", "pqppppppppqiiqqfiii")
 _GATE_UP_RING_F16 = _MODULE.kernel("moe_gate_up_lut_ring_f16", "pqppppppppqiiqqfiii")
+_GATE_UP_SPREAD_F16 = _MODULE.kernel("moe_gate_up_lut_spread_f16", "pqppppppppqiiqqfiiii")
+_GATE_UP_SPREAD_RING_F16 = _MODULE.kernel("moe_gate_up_lut_spread_ring_f16", "pqppppppppqiiqqfiiii")
 _DOWN_F16 = _MODULE.kernel("moe_down_lut_f16", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
@@ -85,7 +87,7 @@ RING_DEPTH = 4  # the .cu's kRingDepth
 # in one launch, this schedule followed by down's in the same CTAs, were 9-17 % slower in the step
 # at 1 row and not kept: the code is at bce6479.)
 SPREAD_RING = True
-# How the whole-item kernels (not the spread gate-up) decode MXFP4: "lut", the shared-memory table;
+# How the experts' kernels decode MXFP4: "lut", the shared-memory table;
 # "f16", in registers (the .cu's decode_f16: prmt on an 8-byte table of fp16 high bytes, fp16 MMAs,
 # x staged in fp16 as its e4m3 codes with its block scales joining the groups'). The same products;
 # the same bits if the fp16 and bf16 MMAs round a k16 step alike. Built 2026-12-01 after the device
@@ -116,7 +118,7 @@ def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, f16: bool = False
 
 
 def _f16(K: int) -> bool:
-    """Whether a whole-item launch over K takes the register decode (DECODE, K / 128 <= 64 blocks)."""
+    """Whether a launch over K takes the register decode (DECODE, K / 128 <= 64 blocks)."""
     return DECODE == "f16" and K <= 8192
 
 
@@ -166,11 +168,11 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     f16 = _f16(D)
     ring_smem = shared_bytes(D, 2, 2 * THREADS // 32, f16)  # the ring kernel: two halves, 16 warps' slots
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
-        smem = shared_bytes(D, 1, SPREAD_WARPS)
+        smem = shared_bytes(D, 1, SPREAD_WARPS, f16)
         if not (SPREAD_RING and _ring_fits(xq.device.index, smem)):
-            kernel, smem = _GATE_UP_SPREAD, shared_bytes(D)
+            kernel, smem = _GATE_UP_SPREAD_F16 if f16 else _GATE_UP_SPREAD, shared_bytes(D, f16=f16)
         else:
-            kernel = _GATE_UP_SPREAD_RING
+            kernel = _GATE_UP_SPREAD_RING_F16 if f16 else _GATE_UP_SPREAD_RING
         kernel.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), smem, None, *args, spread,
                       pdl=pdl_enabled())
     elif ring_rows(pairs.numel() // topk) and _ring_fits(xq.device.index, ring_smem):

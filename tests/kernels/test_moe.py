@@ -597,16 +597,20 @@ def test_gpu_lut_ring_gives_the_same_bits(M, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 3, 16, 64])
-def test_gpu_lut_f16_decode_gives_the_same_bits(M, monkeypatch):
+@pytest.mark.parametrize("M, spread_ring", [(1, True), (2, True), (2, False), (3, True), (16, True), (64, True)])
+def test_gpu_lut_f16_decode_gives_the_same_bits(M, spread_ring, monkeypatch):
     """The register decode (moe_lut.DECODE "f16": fp16 MMAs on operands built by prmt, x staged as its
     e4m3 codes in fp16 with its block scales joining the groups') gives the table's bits at V4-Flash
     expert shapes: per-pair outputs, the combine, the combine with the shared expert's output, a
-    sparse table's pairs; slots of one, two and several pairs; the ring gate-up (1 and 16 rows) and
-    the register one (3 rows), down at every M; three calls."""
+    sparse table's pairs; slots of one, two and several pairs; every gate-up schedule (the ring at 1
+    and 16 rows, the spread with and without the ring's slots at 2, registers at 3) and down at every
+    M; three calls."""
     from megastep.kernels import moe_lut
 
+    monkeypatch.setattr(moe_lut, "SPREAD_RING", spread_ring)
     ex, x, ids, wts = _many_pair_inputs(M, 37)
+    if M == 2:  # a slot with both rows' pairs
+        ids[1, 0] = next(e for e in ids[0].tolist() if e not in ids[1].tolist())
     outputs = _lut_outputs(ex, x, ids, wts)
     want = outputs()
     check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
@@ -672,7 +676,8 @@ def test_lut_kernels_build_for_sm90():
     from megastep.kernels import moe_lut
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
-               "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_f16", "moe_gate_up_lut_ring_f16", "moe_down_lut_f16")
+               "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_f16", "moe_gate_up_lut_ring_f16", "moe_down_lut_f16",
+               "moe_gate_up_lut_spread_f16", "moe_gate_up_lut_spread_ring_f16")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
     # without their loads
@@ -710,7 +715,8 @@ def test_lut_signatures_match_the_kernels():
     from megastep.kernels import moe_lut
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
-                   moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_F16, moe_lut._GATE_UP_RING_F16, moe_lut._DOWN_F16):
+                   moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_F16, moe_lut._GATE_UP_RING_F16, moe_lut._DOWN_F16,
+                   moe_lut._GATE_UP_SPREAD_F16, moe_lut._GATE_UP_SPREAD_RING_F16):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
