@@ -87,21 +87,21 @@ __device__ __forceinline__ uint32_t lut(const char* table, uint32_t w, uint32_t 
   return *reinterpret_cast<const uint32_t*>(table + prmt(w, lane_off, 0x5504u | (K << 4)));
 }
 
+// d += A . B on the tensor cores, bf16 or (kF16) fp16 operands, fp32 sums
+#define MMA_16816(T)                                                                                          \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, " \
+      "{%0, %1, %2, %3};"                                                                                     \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                        \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+template <bool kF16 = false>
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                     uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  if constexpr (kF16)
+    MMA_16816("f16");
+  else
+    MMA_16816("bf16");
 }
-
-__device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                        uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+#undef MMA_16816
 
 // The decode in registers (the kF16 kernels, moe_lut.py's DECODE "f16"; built 2026-12-01, not yet
 // run on a GPU). In fp16 every e2m1 value has a zero low byte (0.5 = 0x3800 ... 6 = 0x4600), so a
@@ -194,8 +194,8 @@ __device__ __forceinline__ void step_sums(const char* table, uint32_t lane_off, 
         decode_f16(wb1, db1);
       }
       const int k = (j & 1) * 2;
-      mma_f16(c0, da0[k], db0[k], da0[k + 1], db0[k + 1], x0.x, x0.y);
-      mma_f16(c1, da1[k], db1[k], da1[k + 1], db1[k + 1], x1.x, x1.y);
+      mma<true>(c0, da0[k], db0[k], da0[k + 1], db0[k + 1], x0.x, x0.y);
+      mma<true>(c1, da1[k], db1[k], da1[k + 1], db1[k + 1], x1.x, x1.y);
     } else if (j & 1) {
       mma(c0, lut<2>(table, wa0, lane_off), lut<2>(table, wb0, lane_off), lut<3>(table, wa0, lane_off),
           lut<3>(table, wb0, lane_off), x0.x, x0.y);
