@@ -1,14 +1,14 @@
-"""The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's
-Triton kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels,
-kernels/moe_lut.py), or "lut" with whole items per CTA at every M ("lut_items": moe_lut.SPREAD_ROWS
-= ()), or with the spread gate-up at 1 and 2 rows ("lut_spread": (1, 2), its weights in registers;
-"lut_spread_ring": in the ring's slots, moe_lut.SPREAD_RING), or with the gate-up's weight steps in
-flight in shared memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS = 1) or at none
-("lut_noring": None), or decoding in registers with fp16 MMAs ("lut_f16": moe_lut.DECODE "f16"); the
-outputs must equal the first lut engine's bit for bit. (Earlier
-experiments measured with it and removed: a CUDA C++ gate-up, docs/PERFORMANCE.md's eighth
-measurement; L2 prefetches ahead of each warp's ring, the fifteenth; the MMA columns in lane-major
-order, the twenty-second; the routed experts of 1-2 rows in one launch, the twenty-third.)
+"""The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's Triton
+kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels, kernels/moe_lut.py), or
+"lut" with whole items per CTA at every M ("lut_items": moe_lut.SPREAD_ROWS = ()), or with the
+spread gate-up at 1 and 2 rows ("lut_spread": (1, 2), its weights in registers; "lut_spread_ring":
+in the ring's slots, moe_lut.SPREAD_RING), or with the gate-up's weight steps in flight in shared
+memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS = 1) or at none ("lut_noring": None), or
+decoding in registers with fp16 MMAs ("lut_f16": moe_lut.DECODE "f16"); the outputs must equal the
+first lut engine's bit for bit. (Earlier experiments measured with it and removed: a CUDA C++
+gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the
+fifteenth; the MMA columns in lane-major order, the twenty-second; the routed experts of 1-2 rows in
+one launch, the twenty-third.)
 
     python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut,lut_items]
 

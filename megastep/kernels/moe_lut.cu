@@ -393,12 +393,16 @@ __device__ __forceinline__ void prologue(char* smem) {
   }
 }
 
-// x row `src` into row slot r of the Layout: unit u (16 bytes: 8-byte units 2(u % 4) and 2(u % 4)
-// + 1 of group u / 4, swapped when the group's (q / 2) is odd) by the calling thread
-__device__ __forceinline__ void stage_unit(char* xsm, const Args& a, const Layout& L, int r, int src, int u) {
-  uint4 v = *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
+// unit u of row slot r of the Layout (16 bytes: 8-byte units 2(u % 4) and 2(u % 4) + 1 of group
+// u / 4, swapped when the group's (q / 2) is odd)
+__device__ __forceinline__ void store_unit(char* xsm, const Layout& L, int r, int u, uint4 v) {
   if (u & 8) v = make_uint4(v.z, v.w, v.x, v.y);  // (group u / 4 with bit 1 set)
   *reinterpret_cast<uint4*>(xsm + r * L.rowpitch + u * 16) = v;
+}
+
+// x row `src` into row slot r of the Layout: unit u by the calling thread
+__device__ __forceinline__ void stage_unit(char* xsm, const Args& a, const Layout& L, int r, int src, int u) {
+  store_unit(xsm, L, r, u, *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8));
 }
 
 // stage_unit for the kF16 kernels: the unit's 8 values as fp16 x / s, s the power-of-two scale of
@@ -423,8 +427,7 @@ __device__ __forceinline__ void stage_unit_f16(char* xsm, int* xexp, const Args&
     const __half2 q = __floats2half2_rn(f[2 * i] * inv, f[2 * i + 1] * inv);
     h[i] = *reinterpret_cast<const uint32_t*>(&q);
   }
-  const uint4 w = u & 8 ? make_uint4(h[2], h[3], h[0], h[1]) : make_uint4(h[0], h[1], h[2], h[3]);  // (the swizzle)
-  *reinterpret_cast<uint4*>(xsm + r * L.rowpitch + u * 16) = w;
+  store_unit(xsm, L, r, u, make_uint4(h[0], h[1], h[2], h[3]));
   if (!(u & 15)) xexp[r * (L.rowpitch / 256) + u / 16] = __float_as_int(sc) >> 23;
 }
 

@@ -650,13 +650,15 @@ def test_f16_decode_gives_exact_values():
     def value(code):
         return (-1.0 if code & 8 else 1.0) * e2m1[code & 7]
 
-    def fp16(bits):
-        return float(torch.tensor([bits], dtype=torch.int16).view(torch.float16).item()) if bits < 0x8000 else \
-            float(torch.tensor([bits - 0x10000], dtype=torch.int16).view(torch.float16).item())
+    def fp16(bits):  # the value of fp16 bits
+        return torch.tensor([bits], dtype=torch.uint16).view(torch.float16).item()
+
+    def fp16_bits(v):
+        return torch.tensor([v], dtype=torch.float16).view(torch.uint16).item()
 
     for code in range(16):
-        assert fp16(int(torch.tensor([value(code)], dtype=torch.float16).view(torch.int16).item()) & 0xFFFF) == value(code)
-        assert int(torch.tensor([value(code)], dtype=torch.float16).view(torch.int16).item()) & 0xFF == 0
+        assert fp16(fp16_bits(value(code))) == value(code)
+        assert fp16_bits(value(code)) & 0xFF == 0
     mask = 0xFFFFFFFF
     for b in range(256):
         for pos in range(4):
