@@ -27,8 +27,8 @@
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
-#   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads, with the register decode (~2 min)
-#   bash benchmarks/h200_checks.sh f16        # the register decode: its GPU tests, the experts calls at 1-64 rows, the step A/B at 1, 2, 4, 16 rows (~5 min)
+#   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
+#   bash benchmarks/h200_checks.sh mix        # the mixed decode: its GPU tests, the experts calls at 1-64 rows, its probe, the step A/B at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -232,20 +232,23 @@ for group in "$@"; do
     probe)  # where a 1- and 4-row experts call's launches spend their time: the probe build's stamps (moe_lut_probe.py)
       step lut_probe 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT" --ms 1,4
       step lut_probe_pdl 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/pdl" --ms 1,4 --pdl
-      step lut_probe_noload 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/noload" --ms 1,4 --no-load
-      step lut_probe_f16 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/f16" --ms 1,4 --decode f16 ;;
-    f16)  # the register decode (moe_lut.DECODE "f16", built 2026-12-01): its GPU tests (the table's bits), the experts
-      # calls alone at 1, 4, 16 and 64 rows, then the step A/B at 1, 2, 4 and 16 rows
-      step f16_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py -k "f16"
-      if grep -qiE "failed|error|timeout" "$OUT/f16_tests.log"; then
-        summary+=("f16 arms skipped: the tests did not pass")
+      step lut_probe_noload 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/noload" --ms 1,4 --no-load ;;
+    mix)  # the mixed decode (moe_lut.DECODE "mix", built 2026-12-01): its GPU tests (the table's bits), the experts
+      # calls alone at 1, 4, 16 and 64 rows, the probe's phases (with and without loads), then the step A/B at 1, 2, 4,
+      # 16 and 64 rows
+      step mix_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py -k "mix"
+      if grep -qiE "failed|error|timeout" "$OUT/mix_tests.log"; then
+        summary+=("mix arms skipped: the tests did not pass")
       else
-        step f16_kernels 150 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,4,16,64 \
-          --engines lut,lut_f16
+        step mix_kernels 150 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,4,16,64 \
+          --engines lut,lut_mix
+        step lut_probe_mix 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/mix" --ms 1,4 --decode mix
+        step lut_probe_mix_noload 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/mix_noload" --ms 1,4 \
+          --decode mix --no-load
         for arm in a b; do
-          bench "f16_default_$arm" 60 --layers 30 --batch 1,2,4,16
-          bench_with "f16_on_$arm" 60 'import megastep.kernels.moe_lut as m; m.DECODE = "f16"' --layers 30 \
-            --batch 1,2,4,16
+          bench "mix_default_$arm" 120 --layers 30 --batch 1,2,4,16,64
+          bench_with "mix_on_$arm" 90 'import megastep.kernels.moe_lut as m; m.DECODE = "mix"' --layers 30 \
+            --batch 1,2,4,16,64
         done
       fi ;;
     sms)  # is the experts' loop bound per SM? The experts calls alone at 1 and 16 rows with their grids sized for

@@ -4,11 +4,12 @@ kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels, ker
 spread gate-up at 1 and 2 rows ("lut_spread": (1, 2), its weights in registers; "lut_spread_ring":
 in the ring's slots, moe_lut.SPREAD_RING), or with the gate-up's weight steps in flight in shared
 memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS = 1) or at none ("lut_noring": None), or
-decoding in registers with fp16 MMAs ("lut_f16": moe_lut.DECODE "f16"); the outputs must equal the
-first lut engine's bit for bit. (Earlier experiments measured with it and removed: a CUDA C++
-gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the
-fifteenth; the MMA columns in lane-major order, the twenty-second; the routed experts of 1-2 rows in
-one launch, the twenty-third.)
+decoding half of the groups in registers with fp16 MMAs ("lut_mix": moe_lut.DECODE "mix"); the
+outputs must equal the first lut engine's bit for bit. (Earlier experiments measured with it and
+removed: a CUDA C++ gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each
+warp's ring, the fifteenth; the MMA columns in lane-major order, the twenty-second; the routed
+experts of 1-2 rows in one launch, the twenty-third; every group decoded in registers, the
+twenty-fourth.)
 
     python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut,lut_items]
 
@@ -44,7 +45,7 @@ def run(engine, fn):
     if engine.startswith("lut"):  # mode "lut" (kernels/moe_lut.py) as the kernels' default
         saved = MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_MIN_ROWS, LUTK.SPREAD_RING, LUTK.DECODE
         MOE.DEFAULT_MODE = "lut"
-        LUTK.DECODE = "f16" if engine == "lut_f16" else saved[4]
+        LUTK.DECODE = "mix" if engine == "lut_mix" else saved[4]
         LUTK.SPREAD_ROWS = {"lut_items": (), "lut_spread": (1, 2), "lut_spread_ring": (1, 2)}.get(engine, saved[1])
         LUTK.RING_MIN_ROWS = {"lut_ring": 1, "lut_noring": None}.get(engine, saved[2])
         LUTK.SPREAD_RING = {"lut_spread": False, "lut_spread_ring": True}.get(engine, saved[3])

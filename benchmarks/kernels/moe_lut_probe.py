@@ -5,10 +5,10 @@ the last of N_CALLS calls of a CUDA graph (each its own random routing over two 
 the experts, as moe_cuda_variants.py), without PDL or with it (--pdl: the launches as the 1-4 row
 step makes them, each CTA placed while its predecessor drains). --no-load builds the loop without
 its memory as well (-DMOE_LUT_NO_LOAD: the weight streams load nothing, wrong values): its
-"streamed" phase is then the loop's own time. --decode f16 stamps the register decode's kernels
+"streamed" phase is then the loop's own time. --decode mix stamps the mixed decode's kernels
 (moe_lut.DECODE).
 
-    python benchmarks/kernels/moe_lut_probe.py --out DIR [--ms 1,4] [--pdl] [--no-load] [--decode lut|f16]
+    python benchmarks/kernels/moe_lut_probe.py --out DIR [--ms 1,4] [--pdl] [--no-load] [--decode lut|mix]
 
 Per launch (gate-up, down) and M: the CTAs' items, then per phase the median and the largest time
 of the CTAs' stamps after the launch's first stamp (us): the table built, the routing's slot count
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,4")
     ap.add_argument("--pdl", action="store_true")
     ap.add_argument("--no-load", action="store_true")
-    ap.add_argument("--decode", choices=("lut", "f16"), default="lut")
+    ap.add_argument("--decode", choices=("lut", "mix"), default="lut")
     args = ap.parse_args()
     set_pdl(args.pdl)
     os.makedirs(args.out, exist_ok=True)

@@ -66,8 +66,8 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kLutBytes = 256 * 256;
-// The register decode's kernels (kF16) hold x's block exponents where the table would be: 2 CTA
-// halves x 2 rows x at most 64 blocks (K <= 8192; moe_lut.py's F16_TABLE_BYTES).
+// The mixed decode's kernels (kMix) hold x's block exponents after the table: 2 CTA halves x 2 rows
+// x at most 64 blocks (K <= 8192; moe_lut.py's EXP_BYTES).
 constexpr int kExpBytes = 2 * 2 * 64 * 4;
 using megastep::bf16_hi;
 using megastep::bf16_lo;
@@ -87,7 +87,7 @@ __device__ __forceinline__ uint32_t lut(const char* table, uint32_t w, uint32_t 
   return *reinterpret_cast<const uint32_t*>(table + prmt(w, lane_off, 0x5504u | (K << 4)));
 }
 
-// d += A . B on the tensor cores, bf16 or (kF16) fp16 operands, fp32 sums
+// d += A . B on the tensor cores, bf16 or (kF16: the mixed decode's odd blocks) fp16 operands, fp32 sums
 #define MMA_16816(T)                                                                                          \
   asm("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, " \
       "{%0, %1, %2, %3};"                                                                                     \
@@ -103,15 +103,18 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
 }
 #undef MMA_16816
 
-// The decode in registers (the kF16 kernels, moe_lut.py's DECODE "f16"; built 2026-12-01, not yet
-// run on a GPU). In fp16 every e2m1 value has a zero low byte (0.5 = 0x3800 ... 6 = 0x4600), so a
-// code's fp16 is its magnitude's high byte, looked up by prmt in an 8-byte table held in two
-// constants, with the sign bit set beside it: word w's 8 codes -> d[b] = byte b's two values as
-// fp16x2 (low nibble in the low half), 13 integer instructions for 4 bytes and no shared memory
-// (the table lookup reads 4 shared-memory bytes per weight byte, which caps the loop at ~28 GB/s per
-// SM: docs/PERFORMANCE.md, twenty-third measurement, item 6). x is then staged in fp16 as its e4m3
-// codes (x / s, s its 128-block's power-of-two scale: exact), and s joins the group's scale: the
-// same products, so the same sums if an fp16 k16 step rounds as a bf16 one (to be checked on the GPU).
+// The decode in registers (the kMix kernels' odd 128-blocks of K; moe_lut.py's DECODE "mix"). In
+// fp16 every e2m1 value has a zero low byte (0.5 = 0x3800 ... 6 = 0x4600), so a code's fp16 is its
+// magnitude's high byte, looked up by prmt in an 8-byte table held in two constants, with the sign
+// bit set beside it: word w's 8 codes -> d[b] = byte b's two values as fp16x2 (low nibble in the low
+// half), 13 integer instructions for 4 bytes and no shared memory. x is then staged in fp16 as its
+// e4m3 codes (x / s, s its 128-block's power-of-two scale: exact), and s joins the group's scale:
+// the same products and, as the GPU tests found on the H200, the same sums (an fp16 k16 step rounds
+// as a bf16 one). Why mixed: the table costs the shared-memory pipe one wavefront per 4 weight bytes
+// of a warp (~112 per 2 KB step with x and the ring), this decode the integer pipe ~108 instructions
+// per 1 KB; each alone caps a loop at ~32 GB/s per SM, and all-register ("f16") was 4-16 % slower than
+// all-table on one H200 (docs/PERFORMANCE.md, twenty-fourth measurement). Half of each step by each
+// loads both pipes about evenly.
 __device__ __forceinline__ void decode_f16(uint32_t w, uint32_t (&d)[4]) {
   constexpr uint32_t kT0 = 0x3E3C3800u, kT1 = 0x46444240u;  // fp16 high bytes of magnitudes 0 .. 7
   const uint32_t m = w & 0x77777777u, ws = w << 4;
@@ -167,16 +170,18 @@ struct Args {
 
 // One step of a warp's 16 rows (pass() below): its 16 MMAs on the lane's weight words a0 / a1
 // (row g, groups t and t + 4 of the step) and b0 / b1 (row g + 8), then the scaled adds into acc.
+// Groups t (x's block 2s, c0) by the table; groups t + 4 (block 2s + 1, c1) by the table or (kMix)
+// decode_f16.
 // xe / xo: the lane's x at the step's group t for even / odd 8-byte units j (the swizzle); an
 // inactive lane keeps x0 / x1 at zero. fa / fb: the step's 8 scale bytes of each row; sha / shb:
 // the bit offsets of the lane's two columns' owners in them.
-template <bool kF16 = false>
+template <bool kMix = false>
 __device__ __forceinline__ void step_sums(const char* table, uint32_t lane_off, const char* xe, const char* xo,
                                           bool active, const uint4& a0, const uint4& a1, const uint4& b0,
                                           const uint4& b1, uint2 fa, uint2 fb, int sha, int shb, uint2& x0, uint2& x1,
-                                          float (&acc)[4], int ex0 = 0, int ex1 = 0) {
+                                          float (&acc)[4], int ex1 = 0) {
   float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-  uint32_t da0[4], db0[4], da1[4], db1[4];  // (kF16) the decoded words of the current j pair
+  uint32_t da1[4], db1[4];  // (kMix) the decoded words of the current j pair
 #pragma unroll
   for (int j = 0; j < 8; ++j) {  // bytes 2j, 2j + 1 of each group: elements 4j .. 4j + 3
     // (16-byte x loads for two j at once: 128 registers, spills, 10-20 % slower on the H200)
@@ -186,34 +191,33 @@ __device__ __forceinline__ void step_sums(const char* table, uint32_t lane_off, 
       x1 = *reinterpret_cast<const uint2*>(xs + 4 * kGroupPitch + j * 8);
     }
     const uint32_t wa0 = word(a0, j >> 1), wb0 = word(b0, j >> 1), wa1 = word(a1, j >> 1), wb1 = word(b1, j >> 1);
-    if constexpr (kF16) {
+    if (j & 1)
+      mma(c0, lut<2>(table, wa0, lane_off), lut<2>(table, wb0, lane_off), lut<3>(table, wa0, lane_off),
+          lut<3>(table, wb0, lane_off), x0.x, x0.y);
+    else
+      mma(c0, lut<0>(table, wa0, lane_off), lut<0>(table, wb0, lane_off), lut<1>(table, wa0, lane_off),
+          lut<1>(table, wb0, lane_off), x0.x, x0.y);
+    if constexpr (kMix) {
       if (!(j & 1)) {
-        decode_f16(wa0, da0);
-        decode_f16(wb0, db0);
         decode_f16(wa1, da1);
         decode_f16(wb1, db1);
       }
       const int k = (j & 1) * 2;
-      mma<true>(c0, da0[k], db0[k], da0[k + 1], db0[k + 1], x0.x, x0.y);
       mma<true>(c1, da1[k], db1[k], da1[k + 1], db1[k + 1], x1.x, x1.y);
     } else if (j & 1) {
-      mma(c0, lut<2>(table, wa0, lane_off), lut<2>(table, wb0, lane_off), lut<3>(table, wa0, lane_off),
-          lut<3>(table, wb0, lane_off), x0.x, x0.y);
       mma(c1, lut<2>(table, wa1, lane_off), lut<2>(table, wb1, lane_off), lut<3>(table, wa1, lane_off),
           lut<3>(table, wb1, lane_off), x1.x, x1.y);
     } else {
-      mma(c0, lut<0>(table, wa0, lane_off), lut<0>(table, wb0, lane_off), lut<1>(table, wa0, lane_off),
-          lut<1>(table, wb0, lane_off), x0.x, x0.y);
       mma(c1, lut<0>(table, wa1, lane_off), lut<0>(table, wb1, lane_off), lut<1>(table, wa1, lane_off),
           lut<1>(table, wb1, lane_off), x1.x, x1.y);
     }
   }
   // groups o (c0) and o + 4 (c1) of the step, o the column's owner
-  // (kF16: times x's block scales 2^ex0 (group o) and 2^ex1 (group o + 4); lut: ex0 = ex1 = 0)
-  const float sa0 = scale_f(((fa.x >> sha) & 0xFF) + ex0), sa1 = scale_f(((fa.y >> sha) & 0xFF) + ex1);
-  const float sb0 = scale_f(((fb.x >> sha) & 0xFF) + ex0), sb1 = scale_f(((fb.y >> sha) & 0xFF) + ex1);
-  const float ta0 = scale_f(((fa.x >> shb) & 0xFF) + ex0), ta1 = scale_f(((fa.y >> shb) & 0xFF) + ex1);
-  const float tb0 = scale_f(((fb.x >> shb) & 0xFF) + ex0), tb1 = scale_f(((fb.y >> shb) & 0xFF) + ex1);
+  // (kMix: c1 times x's block scale 2^ex1 too; else ex1 = 0)
+  const float sa0 = scale_f((fa.x >> sha) & 0xFF), sa1 = scale_f(((fa.y >> sha) & 0xFF) + ex1);
+  const float sb0 = scale_f((fb.x >> sha) & 0xFF), sb1 = scale_f(((fb.y >> sha) & 0xFF) + ex1);
+  const float ta0 = scale_f((fa.x >> shb) & 0xFF), ta1 = scale_f(((fa.y >> shb) & 0xFF) + ex1);
+  const float tb0 = scale_f((fb.x >> shb) & 0xFF), tb1 = scale_f(((fb.y >> shb) & 0xFF) + ex1);
   acc[0] = fmaf(c0[0], sa0, acc[0]);
   acc[1] = fmaf(c0[1], ta0, acc[1]);
   acc[2] = fmaf(c0[2], sb0, acc[2]);
@@ -339,7 +343,7 @@ struct RingStream : StreamBase {
 // lane t's columns are owners 2(t & 1) and 2(t & 1) + 1 of pair t / 2, and it scales each by
 // its owner's group. t: the lane's group within 4; xl: the lane's x at its first group, read
 // only by an active lane (the others keep zero registers).
-template <typename S, bool kF16 = false>
+template <typename S, bool kMix = false>
 __device__ __forceinline__ void pass(S& st, const char* table, uint32_t lane_off, const char* xl, int t, bool active,
                                      float (&acc)[4], float (&lo)[4], const int* xexp = nullptr) {
   const int sha = 16 * (t & 1), shb = sha + 8;  // bit offsets of the scale bytes of the two owners
@@ -361,14 +365,9 @@ __device__ __forceinline__ void pass(S& st, const char* table, uint32_t lane_off
       uint2 fa, fb;
       st.take(i, s, a0, a1, b0, b1, fa, fb);
       const char* xs = xl + s * 8 * kGroupPitch;  // the step's groups t and t + 4 of x
-      int ex0 = 0, ex1 = 0;
-      if constexpr (kF16) {  // the biased exponents of x's scales, blocks 2s (groups 0-3) and 2s + 1
-        const int2 e = *reinterpret_cast<const int2*>(xexp + 2 * s);
-        ex0 = e.x - 127;
-        ex1 = e.y - 127;
-      }
-      step_sums<kF16>(table, lane_off, xs + sw, xs - sw, active, a0, a1, b0, b1, fa, fb, sha, shb, x0, x1, acc, ex0,
-                      ex1);
+      // (kMix) the exponent of x's scale of block 2s + 1 (groups 4-7 of the step)
+      const int ex1 = kMix ? xexp[2 * s + 1] - 127 : 0;
+      step_sums<kMix>(table, lane_off, xs + sw, xs - sw, active, a0, a1, b0, b1, fa, fb, sha, shb, x0, x1, acc, ex1);
       st.after(i, s);
     }
   }
@@ -405,11 +404,13 @@ __device__ __forceinline__ void stage_unit(char* xsm, const Args& a, const Layou
   store_unit(xsm, L, r, u, *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8));
 }
 
-// stage_unit for the kF16 kernels: the unit's 8 values as fp16 x / s, s the power-of-two scale of
-// its 128-block (pow2_scale of the block's max: the block's 16 units are a half-warp's, stage_x's
-// units running in warp order), and the block's biased exponent of s into xexp[r][u / 16]. x holds
-// e4m3 codes times a power of two (the activation quantization's output), so x / s is exact in fp16.
-__device__ __forceinline__ void stage_unit_f16(char* xsm, int* xexp, const Args& a, const Layout& L, int r, int src,
+// stage_unit for the kMix kernels: a unit of an even 128-block as it is (bf16, the table's MMAs); one
+// of an odd block (decode_f16's MMAs) as its 8 values in fp16 x / s, s the power-of-two scale of
+// the block (pow2_scale of the block's max: the block's 16 units are a half-warp's, stage_x's units
+// running in warp order, every lane taking part in the max), and the block's biased exponent of s
+// into xexp[r][u / 16]. x holds e4m3 codes times a power of two (the activation quantization's
+// output), so x / s is exact in fp16.
+__device__ __forceinline__ void stage_unit_mix(char* xsm, int* xexp, const Args& a, const Layout& L, int r, int src,
                                                int u) {
   const uint4 v = *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
   const float f[8] = {bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y),
@@ -419,6 +420,10 @@ __device__ __forceinline__ void stage_unit_f16(char* xsm, int* xexp, const Args&
   for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (!(u & 16)) {  // (an even block: half-warp-uniform)
+    store_unit(xsm, L, r, u, v);
+    return;
+  }
   float sc, inv;
   pow2_scale(amax, sc, inv);
   uint32_t h[4];
@@ -432,17 +437,17 @@ __device__ __forceinline__ void stage_unit_f16(char* xsm, int* xexp, const Args&
 }
 
 // x rows of pairs c0, c0 + 1 (those < cnt) into row slots 0 and 1, by the 256 threads of a CTA (half)
-// (kF16: in fp16 with their block exponents in xexp; every lane of a warp runs the same iterations,
-// a row's units being a multiple of 64)
-template <bool kF16 = false>
+// (kMix: odd blocks in fp16 with their exponents in xexp; every lane of a warp runs the same
+// iterations, a row's units being a multiple of 64)
+template <bool kMix = false>
 __device__ __forceinline__ void stage_x(char* xsm, const Args& a, const Layout& L, int start, int c0, int np,
                                         int* xexp = nullptr) {
   const int units = a.K / 8;  // 16-byte units of a row
   for (int i = threadIdx.x & (kThreads - 1); i < np * units; i += kThreads) {
     const int p = i / units;
     const int pair = a.pair_ptr[start + c0 + p];
-    if constexpr (kF16)
-      stage_unit_f16(xsm, xexp, a, L, p, a.down ? pair : pair / a.topk, i % units);
+    if constexpr (kMix)
+      stage_unit_mix(xsm, xexp, a, L, p, a.down ? pair : pair / a.topk, i % units);
     else
       stage_unit(xsm, a, L, p, a.down ? pair : pair / a.topk, i % units);
   }
@@ -453,7 +458,7 @@ __device__ __forceinline__ void stage_x(char* xsm, const Args& a, const Layout& 
 // (g, 0), 1: (g, 1), 2: (g + 8, 0), 3: (g + 8, 1)), each half's sum over the 4 owners as
 // (o0 + o1) + (o2 + o3) first. The ring must be filled. The x loaders: lane (g, t) with
 // g = 4p + t for the pass's pair p. table: the decode table; xsm: the staged x.
-template <typename S, bool kF16 = false>
+template <typename S, bool kMix = false>
 __device__ __forceinline__ void warp_sums(S& st, const char* table, const char* xsm, const Layout& L, int np,
                                           const int (&xrow)[2], float (&total)[4], const int* xexp = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, p = g >> 2;
@@ -461,11 +466,11 @@ __device__ __forceinline__ void warp_sums(S& st, const char* table, const char* 
   const int xr = p ? xrow[1] : xrow[0];  // (no local-memory indexing)
   const char* xl = xsm + xr * L.rowpitch + t * kGroupPitch;
   float acc[4] = {0.f, 0.f, 0.f, 0.f}, lo[4];
-  // (kF16: x's block exponents, [row][K / 128], of the row of the pair whose columns the lane holds,
+  // (kMix: x's block exponents, [row][K / 128], of the row of the pair whose columns the lane holds,
   // t / 2, not of the pair whose x it loads; a lane of an absent pair takes row 0's: finite scales
   // for its zero sums)
   const int xe_row = t >> 1 && np > 1 ? xrow[1] : xrow[0];
-  pass<S, kF16>(st, table, lane * 4, xl, t, active, acc, lo, xexp + xe_row * (L.rowpitch / 256));
+  pass<S, kMix>(st, table, lane * 4, xl, t, active, acc, lo, xexp + xe_row * (L.rowpitch / 256));
   // lane t: owners 2(t & 1), 2(t & 1) + 1 of pair t / 2, rows g (v = 0) and g + 8 (v = 1)
   float tv[2];
 #pragma unroll
@@ -545,19 +550,19 @@ __device__ __forceinline__ void item_sync() {
 // S = RingStream: a CTA of 16 warps in two halves of 8 (kHalves = 2) that take items apart, as two
 // CTAs would, sharing one table; then the weights' steps in flight live in shared memory, not in
 // registers: kRingDepth per warp instead of KPF (moe_gate_up_lut_ring; moe_lut.py's ring_rows).
-// kF16: the register decode (decode_f16); the table's space holds x's block exponents instead.
-template <typename S, int kHalves, bool kF16 = false, typename Epi, typename Post>
+// kMix: the mixed decode (decode_f16 for x's odd blocks), x's block exponents after the table.
+template <typename S, int kHalves, bool kMix = false, typename Epi, typename Post>
 __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
   const Layout L(a.K);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, blk = warp & (kWarps - 1), t = lane & 3;
   const int half = kHalves == 2 ? threadIdx.x >> 8 : 0;
-  constexpr int kTable = kF16 ? kExpBytes : kLutBytes;  // (the f16 kernels' shared memory is 64 KB smaller)
+  constexpr int kTable = kLutBytes + (kMix ? kExpBytes : 0);
   char* xsm = smem + kTable + half * L.bytes;
   const char* ring = smem + kTable + kHalves * L.bytes + warp * kRingDepth * 2048 + lane * 16;
-  int* xexp = reinterpret_cast<int*>(smem) + half * 2 * (a.K / 128);  // (kF16) [2 rows][K / 128]
+  int* xexp = reinterpret_cast<int*>(smem + kLutBytes) + half * 2 * (a.K / 128);  // (kMix) [2 rows][K / 128]
   PROBE(a.down, 0, 0);
-  if constexpr (!kF16) prologue(smem);
+  prologue(smem);
   if constexpr (kHalves == 2) __syncthreads();  // (the table; with one half the first item_sync orders it)
   PROBE(a.down, 1, 0);
   // Under PDL gate-up waits here: x and the routing are its predecessor's (the router's) outputs;
@@ -606,7 +611,7 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
     for (int c0 = 0; c0 < cnt; c0 += 2) {
       const int np = min(2, cnt - c0);
       item_sync<kHalves>();  // the previous pass's readers of x are done
-      stage_x<kF16>(xsm, a, L, start, c0, np, xexp);
+      stage_x<kMix>(xsm, a, L, start, c0, np, xexp);
       item_sync<kHalves>();
 #ifdef MOE_LUT_PROBE
       if (first && c0 == 0) PROBE(a.down, 5, 0);
@@ -614,7 +619,7 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
       if (!filled) st.fill();
       filled = false;
       float total[4];
-      warp_sums<S, kF16>(st, smem, xsm, L, np, xrow, total, xexp);
+      warp_sums<S, kMix>(st, smem, xsm, L, np, xrow, total, xexp);
 #ifdef MOE_LUT_PROBE
       if (first && c0 == 0) PROBE(a.down, 6, __float_as_int(total[0]));
 #endif
@@ -648,25 +653,25 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
 // warp's weights in kRingDepth slots of shared memory after x, as in run().
 constexpr int kSpreadWarps = 12;
 
-// (kF16: the register decode, x's block exponents in the table's place, as in run())
-template <typename S, bool kF16 = false, typename Epi>
+// (kMix: the mixed decode, x's block exponents after the table, as in run())
+template <typename S, bool kMix = false, typename Epi>
 __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
   extern __shared__ __align__(16) char smem[];
   const Layout L(a.K);
   const int blk = threadIdx.x >> 5;
-  constexpr int kTable = kF16 ? kExpBytes : kLutBytes;
+  constexpr int kTable = kLutBytes + (kMix ? kExpBytes : 0);
   char* xsm = smem + kTable;
   const char* ring = smem + kTable + L.bytes + blk * kRingDepth * 2048 + (threadIdx.x & 31) * 16;
-  int* xexp = reinterpret_cast<int*>(smem);  // (kF16) [2 rows][K / 128]
-  if constexpr (!kF16) prologue(smem);
+  int* xexp = reinterpret_cast<int*>(smem + kLutBytes);  // (kMix) [2 rows][K / 128]
+  prologue(smem);
   pdl_wait();  // (run's PDL order)
   pdl_release();
   const int T = __ldcg(a.nslot) * blocks;
   const int lo = (int)((long long)blockIdx.x * T / gridDim.x), hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
   const int units = a.K / 8;
   for (int i = threadIdx.x; i < a.spread * units; i += kSpreadWarps * 32) {  // (warp-uniform: units % 64 == 0)
-    if constexpr (kF16)
-      stage_unit_f16(xsm, xexp, a, L, i / units, i / units, i % units);
+    if constexpr (kMix)
+      stage_unit_mix(xsm, xexp, a, L, i / units, i / units, i % units);
     else
       stage_unit(xsm, a, L, i / units, i / units, i % units);
   }
@@ -681,7 +686,7 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
 #pragma unroll
     for (int p = 0; p < 2; ++p) xrow[p] = p < cnt ? __ldcg(a.pair_ptr + start + p) / a.topk : 0;
     float total[4];
-    warp_sums<S, kF16>(st, smem, xsm, L, cnt, xrow, total, xexp);
+    warp_sums<S, kMix>(st, smem, xsm, L, cnt, xrow, total, xexp);
     epi(Item{start, cnt, 0}, 0, cnt, r0, r1, total);
   }
 }
@@ -689,7 +694,7 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
 // gate-up's body: kSpread picks run_spread's schedule (moe_gate_up_lut_spread) or run's, kRing
 // the RingStream (moe_gate_up_lut_ring, moe_gate_up_lut_spread_ring).
 // act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
-template <bool kSpread, bool kRing = false, bool kF16 = false>
+template <bool kSpread, bool kRing = false, bool kMix = false>
 __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                         float limit, int round_out) {
   const int t = threadIdx.x & 3;
@@ -709,13 +714,13 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
     }
   };
   if constexpr (kSpread && kRing)
-    run_spread<RingStream, kF16>(a, a.w3_rows / 8, epi);
+    run_spread<RingStream, kMix>(a, a.w3_rows / 8, epi);
   else if constexpr (kSpread)
-    run_spread<Stream, kF16>(a, a.w3_rows / 8, epi);
+    run_spread<Stream, kMix>(a, a.w3_rows / 8, epi);
   else if constexpr (kRing)
-    run<RingStream, 2, kF16>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
+    run<RingStream, 2, kMix>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
   else
-    run<Stream, 1, kF16>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
+    run<Stream, 1, kMix>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
 }
 
 // y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 128-row tile) of
@@ -728,14 +733,14 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
 // spread gate-up's in the same launch, the activation quantized by each CTA once its slots' gate-up
 // tasks were counted done, were 0-10 % faster alone at 1 row but 9-17 % slower in the step, the
 // shared expert's launch waiting for SMs: twenty-third measurement, the code at bce6479.)
-template <bool kF16 = false>
+template <bool kMix = false>
 __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                      long long stride_o, int* counters, int D, int combine,
                                      const __nv_bfloat16* shared, long long stride_sh) {
   __shared__ int last[2];
   constexpr int kTile = kWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile, topk = a.topk;
-  run<Stream, 1, kF16>(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  run<Stream, 1, kMix>(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
     const int p = t & 1;
     if (p < np) {  // lane t: row r0 (t < 2) or r1, pair c0 + t % 2
       const int pair = a.pair_ptr[it.start + c0 + p];
@@ -817,26 +822,25 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring(GATE_UP_
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down(DOWN_ARGS); }
 
-// The register decode's kernels (decode_f16; moe_lut.py's DECODE "f16"): each gate-up schedule and
-// down. Their dynamic shared memory starts with kExpBytes (x's block exponents) instead of the 64 KB
-// table.
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut_f16(GATE_UP_PARAMS) {
+// The mixed decode's kernels (moe_lut.py's DECODE "mix"): each gate-up schedule and down. Their
+// dynamic shared memory holds kExpBytes (x's block exponents) after the table.
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut_mix(GATE_UP_PARAMS) {
   gate_up<false, false, true>(GATE_UP_ARGS(0));
 }
 
-extern "C" __global__ void __launch_bounds__(2 * kThreads, 1) moe_gate_up_lut_ring_f16(GATE_UP_PARAMS) {
+extern "C" __global__ void __launch_bounds__(2 * kThreads, 1) moe_gate_up_lut_ring_mix(GATE_UP_PARAMS) {
   gate_up<false, true, true>(GATE_UP_ARGS(0));
 }
 
-extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_f16(GATE_UP_PARAMS, int rows) {
+extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_mix(GATE_UP_PARAMS, int rows) {
   gate_up<true, false, true>(GATE_UP_ARGS(rows));
 }
 
-extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring_f16(GATE_UP_PARAMS, int rows) {
+extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring_mix(GATE_UP_PARAMS, int rows) {
   gate_up<true, true, true>(GATE_UP_ARGS(rows));
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut_f16(DOWN_PARAMS) { down<true>(DOWN_ARGS); }
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut_mix(DOWN_PARAMS) { down<true>(DOWN_ARGS); }
 
 #ifdef MOE_LUT_PROBE
 // the probe build's stamps into dst (u64 [2, kProbeCtas, kProbeMarks, 2]), then zeroed

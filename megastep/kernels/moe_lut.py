@@ -43,18 +43,18 @@ _GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiii
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
 _GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiii")
-_GATE_UP_F16 = _MODULE.kernel("moe_gate_up_lut_f16", "pqppppppppqiiqqfiii")
-_GATE_UP_RING_F16 = _MODULE.kernel("moe_gate_up_lut_ring_f16", "pqppppppppqiiqqfiii")
-_GATE_UP_SPREAD_F16 = _MODULE.kernel("moe_gate_up_lut_spread_f16", "pqppppppppqiiqqfiiii")
-_GATE_UP_SPREAD_RING_F16 = _MODULE.kernel("moe_gate_up_lut_spread_ring_f16", "pqppppppppqiiqqfiiii")
-_DOWN_F16 = _MODULE.kernel("moe_down_lut_f16", "pqpppppppqpqpiiqqiiipq")
+_GATE_UP_MIX = _MODULE.kernel("moe_gate_up_lut_mix", "pqppppppppqiiqqfiii")
+_GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqfiii")
+_GATE_UP_SPREAD_MIX = _MODULE.kernel("moe_gate_up_lut_spread_mix", "pqppppppppqiiqqfiiii")
+_GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiii")
+_DOWN_MIX = _MODULE.kernel("moe_down_lut_mix", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
 ITEM_CHANNELS, ITEM_ROWS = 64, 128
 CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
-F16_TABLE_BYTES = 1024  # the .cu's kExpBytes: in its place, the f16 kernels' x block exponents
+EXP_BYTES = 1024  # the .cu's kExpBytes: after the table, the mixed decode's x block exponents
 # Gate-up launches of these row counts (at most 2: every expert slot then has at most 2 pairs)
 # take moe_gate_up_lut_spread: one CTA of SPREAD_WARPS warps per SM, the warps' (slot, 8
 # channels) tasks dealt out evenly (the .cu's run_spread). The same bits. Measured on one H200
@@ -87,15 +87,16 @@ RING_DEPTH = 4  # the .cu's kRingDepth
 # in one launch, this schedule followed by down's in the same CTAs, were 9-17 % slower in the step
 # at 1 row and not kept: the code is at bce6479.)
 SPREAD_RING = True
-# How the experts' kernels decode MXFP4: "lut", the shared-memory table;
-# "f16", in registers (the .cu's decode_f16: prmt on an 8-byte table of fp16 high bytes, fp16 MMAs,
-# x staged in fp16 as its e4m3 codes with its block scales joining the groups'). The same products;
-# the same bits if the fp16 and bf16 MMAs round a k16 step alike. Built 2026-12-01 after the device
-# time was spent, not run on a GPU: the table's reads (4 bytes of shared memory per weight byte) look
-# like what caps the loop at ~23-26 GB/s per SM (docs/PERFORMANCE.md, twenty-third measurement, item
-# 6); the "f16" loop issues ~356 instructions per 2 KB step against ~237, with ~70 shared-memory
-# cycles against ~128, and 64 KB less shared memory per CTA (no table: room for the side stream's
-# launches). Off until measured (benchmarks/kernels/moe_cuda_variants.py's engine "lut_f16").
+# How the experts' kernels decode MXFP4: "lut", the shared-memory table for every group; "mix", the
+# table for the groups of x's even 128-blocks and registers for the odd ones (the .cu's decode_f16:
+# prmt on an 8-byte table of fp16 high bytes, fp16 MMAs, x's odd blocks staged in fp16 as their
+# e4m3 codes, their scales joining the groups'). The same products and the same bits (GPU-tested).
+# The table loads the shared-memory pipe (a wavefront per 4 weight bytes of a warp), the register
+# decode the integer pipe. All in registers ("f16", 2026-12-01) gave the table's bits but was 4-16 %
+# slower per experts call and 2-6 % per 30-layer step on one H200 (docs/PERFORMANCE.md,
+# twenty-fourth measurement; the code at 406b595). "mix" (277 SASS instructions per 2 KB warp step,
+# ~82 shared-memory wavefronts, against 214 and ~112) is built to load both pipes; measured by
+# benchmarks/kernels/moe_cuda_variants.py's engine "lut_mix".
 DECODE = "lut"
 
 
@@ -110,16 +111,16 @@ def supported(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:
     return device.type == "cuda" and dtype == torch.bfloat16 and D % 512 == 0 and I % 512 == 0 and _have_nvcc()
 
 
-def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, f16: bool = False) -> int:
-    """Dynamic shared memory of a launch over K: the table (f16: x's block exponents instead), the
-    .cu's Layout(K) (2 rows of x in 16-bit values) of each CTA half, then the RING_DEPTH 2 KB slots
-    of slot_warps warps."""
-    return (F16_TABLE_BYTES if f16 else LUT_BYTES) + halves * 4 * K + slot_warps * RING_DEPTH * 2048
+def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, mix: bool = False) -> int:
+    """Dynamic shared memory of a launch over K: the table (mix: and x's block exponents), the .cu's
+    Layout(K) (2 rows of x in 16-bit values) of each CTA half, then the RING_DEPTH 2 KB slots of
+    slot_warps warps."""
+    return LUT_BYTES + (EXP_BYTES if mix else 0) + halves * 4 * K + slot_warps * RING_DEPTH * 2048
 
 
-def _f16(K: int) -> bool:
-    """Whether a launch over K takes the register decode (DECODE, K / 128 <= 64 blocks)."""
-    return DECODE == "f16" and K <= 8192
+def _mix(K: int) -> bool:
+    """Whether a launch over K takes the mixed decode (DECODE, K / 128 <= 64 blocks)."""
+    return DECODE == "mix" and K <= 8192
 
 
 def spread_rows(pairs: torch.Tensor, topk: int) -> int:
@@ -165,24 +166,24 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     slots, spread = min(pairs.numel(), addr.shape[0]), spread_rows(pairs, topk)
     args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
-    f16 = _f16(D)
-    ring_smem = shared_bytes(D, 2, 2 * THREADS // 32, f16)  # the ring kernel: two halves, 16 warps' slots
+    mix = _mix(D)
+    ring_smem = shared_bytes(D, 2, 2 * THREADS // 32, mix)  # the ring kernel: two halves, 16 warps' slots
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
-        smem = shared_bytes(D, 1, SPREAD_WARPS, f16)
+        smem = shared_bytes(D, 1, SPREAD_WARPS, mix)
         if not (SPREAD_RING and _ring_fits(xq.device.index, smem)):
-            kernel, smem = _GATE_UP_SPREAD_F16 if f16 else _GATE_UP_SPREAD, shared_bytes(D, f16=f16)
+            kernel, smem = _GATE_UP_SPREAD_MIX if mix else _GATE_UP_SPREAD, shared_bytes(D, mix=mix)
         else:
-            kernel = _GATE_UP_SPREAD_RING_F16 if f16 else _GATE_UP_SPREAD_RING
+            kernel = _GATE_UP_SPREAD_RING_MIX if mix else _GATE_UP_SPREAD_RING
         kernel.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), smem, None, *args, spread,
                       pdl=pdl_enabled())
     elif ring_rows(pairs.numel() // topk) and _ring_fits(xq.device.index, ring_smem):
         # items (slot, channel tile), two at a time per CTA
-        kernel = _GATE_UP_RING_F16 if f16 else _GATE_UP_RING
+        kernel = _GATE_UP_RING_MIX if mix else _GATE_UP_RING
         kernel.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1), ring_smem, None, *args,
                       pdl=pdl_enabled())
     else:  # items (slot, channel tile)
-        kernel = _GATE_UP_F16 if f16 else _GATE_UP
-        kernel.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D, f16=f16), None,
+        kernel = _GATE_UP_MIX if mix else _GATE_UP
+        kernel.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D, mix=mix), None,
                       *args, pdl=pdl_enabled())
 
 
@@ -202,6 +203,6 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
-    f16 = _f16(I)
-    kernel = _DOWN_F16 if f16 else _DOWN
-    kernel.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, f16=f16), None, *args, pdl=pdl_enabled())
+    mix = _mix(I)
+    kernel = _DOWN_MIX if mix else _DOWN
+    kernel.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, mix=mix), None, *args, pdl=pdl_enabled())
