@@ -29,6 +29,7 @@
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
 #   bash benchmarks/h200_checks.sh mix        # the mixed decode: its GPU tests, the experts calls at 1-64 rows, its probe, the step A/B at 1-64 rows (~7 min)
+#   bash benchmarks/h200_checks.sh pipes      # table against mixed decode: the experts calls at 1-64 rows, the probe, ncu's pipe and issue counters at 1 and 16 rows (~5 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -251,6 +252,24 @@ for group in "$@"; do
             --batch 1,2,4,16,64
         done
       fi ;;
+    pipes)  # which SM pipe bounds the experts' loop: the table and the mixed decode, the calls alone at 1-64 rows, the
+      # probe's phases (with and without loads), then ncu's raw counters (pipes, shared-memory wavefronts, issue, stall
+      # reasons) of gate-up and down at 1 and 16 rows, each decode
+      step pipes_kernels 150 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,4,16,64 \
+        --engines lut,lut_mix
+      step lut_probe_mix 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/mix" --ms 1,4 --decode mix
+      step lut_probe_mix_noload 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/mix_noload" --ms 1,4 \
+        --decode mix --no-load
+      for m in 1 16; do
+        for e in lut lut_mix; do
+          step "pipes_ncu_${e}_m$m" 90 ncu --clock-control none --launch-skip 4 --launch-count 2 \
+            --kernel-name 'regex:^moe_(gate_up|down)_lut(_ring)?(_mix)?$' --section SpeedOfLight \
+            --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis_Tables \
+            --section WarpStateStats --section SchedulerStats --section Occupancy --csv --page raw \
+            python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/ncu_${e}_m$m" --ms "$m" --engines "$e"
+          gzip -f "$OUT/pipes_ncu_${e}_m$m.log"
+        done
+      done ;;
     sms)  # is the experts' loop bound per SM? The experts calls alone at 1 and 16 rows with their grids sized for
       # 132 (all), 100 and 66 SMs (moe_lut._sms patched in the process)
       for n in 132 100 66; do

@@ -81,8 +81,8 @@ def main() -> None:
     BK.LOG = open(os.path.join(args.out, "moe_cuda_variants.log"), "w")
     bw = BK.measure_bandwidth()["read"]
     lut = [k.attributes() for k in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD, LUTK._GATE_UP_RING,
-                                    LUTK._GATE_UP_SPREAD_RING, LUTK._GATE_UP_F16, LUTK._GATE_UP_RING_F16,
-                                    LUTK._DOWN_F16, LUTK._GATE_UP_SPREAD_F16, LUTK._GATE_UP_SPREAD_RING_F16)]
+                                    LUTK._GATE_UP_SPREAD_RING, LUTK._GATE_UP_MIX, LUTK._GATE_UP_RING_MIX,
+                                    LUTK._DOWN_MIX, LUTK._GATE_UP_SPREAD_MIX, LUTK._GATE_UP_SPREAD_RING_MIX)]
     BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; lut kernels: {lut}")
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)

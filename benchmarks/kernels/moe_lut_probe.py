@@ -41,8 +41,8 @@ from megastep.kernels.cuda_module import CudaModule  # noqa: E402
 
 CTAS, MARKS = 320, 10  # the .cu's kProbeCtas, kProbeMarks
 PHASES = ("start", "table", "slot count", "routing", "aq wait", "x staged", "streamed", "epilogue", "end")
-KERNELS = ("_GATE_UP", "_GATE_UP_SPREAD", "_DOWN", "_GATE_UP_RING", "_GATE_UP_SPREAD_RING", "_GATE_UP_F16",
-           "_GATE_UP_RING_F16", "_DOWN_F16", "_GATE_UP_SPREAD_F16", "_GATE_UP_SPREAD_RING_F16")
+KERNELS = ("_GATE_UP", "_GATE_UP_SPREAD", "_DOWN", "_GATE_UP_RING", "_GATE_UP_SPREAD_RING", "_GATE_UP_MIX",
+           "_GATE_UP_RING_MIX", "_DOWN_MIX", "_GATE_UP_SPREAD_MIX", "_GATE_UP_SPREAD_RING_MIX")
 
 
 def probe_kernels(no_load: bool):
