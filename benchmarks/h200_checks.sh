@@ -28,8 +28,7 @@
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
-#   bash benchmarks/h200_checks.sh mix        # the mixed decode: its GPU tests, the experts calls at 1-64 rows, its probe, the step A/B at 1-64 rows (~7 min)
-#   bash benchmarks/h200_checks.sh pipes      # table against mixed decode: the experts calls at 1-64 rows, the probe, ncu's pipe and issue counters at 1 and 16 rows (~5 min)
+#   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -234,42 +233,23 @@ for group in "$@"; do
       step lut_probe 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT" --ms 1,4
       step lut_probe_pdl 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/pdl" --ms 1,4 --pdl
       step lut_probe_noload 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/noload" --ms 1,4 --no-load ;;
-    mix)  # the mixed decode (moe_lut.DECODE "mix", built 2026-12-01): its GPU tests (the table's bits), the experts
-      # calls alone at 1, 4, 16 and 64 rows, the probe's phases (with and without loads), then the step A/B at 1, 2, 4,
-      # 16 and 64 rows
-      step mix_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py -k "mix"
-      if grep -qiE "failed|error|timeout" "$OUT/mix_tests.log"; then
-        summary+=("mix arms skipped: the tests did not pass")
+    ringmix)  # the ring gate-up's mixed decode (moe_lut.RING_MIX, 2026-12-01; the groups mix and pipes that led to it
+      # are at f48fdb0): its GPU tests, the experts calls alone, then the step A/B at the rows the ring takes (1, 8-64),
+      # and at 4 rows with the ring taken there too (RING_MIN_ROWS = 4)
+      step ringmix_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py \
+        -k "ring_mix or lut_ring or lut_kernels"
+      if grep -qiE "failed|error|timeout" "$OUT/ringmix_tests.log"; then
+        summary+=("ringmix arms skipped: the tests did not pass")
       else
-        step mix_kernels 150 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,4,16,64 \
-          --engines lut,lut_mix
-        step lut_probe_mix 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/mix" --ms 1,4 --decode mix
-        step lut_probe_mix_noload 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/mix_noload" --ms 1,4 \
-          --decode mix --no-load
+        step ringmix_kernels 90 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,16,64 \
+          --engines lut_table,lut_mix
+        m='import megastep.kernels.moe_lut as m'
         for arm in a b; do
-          bench "mix_default_$arm" 120 --layers 30 --batch 1,2,4,16,64
-          bench_with "mix_on_$arm" 90 'import megastep.kernels.moe_lut as m; m.DECODE = "mix"' --layers 30 \
-            --batch 1,2,4,16,64
+          bench_with "ringmix_off_$arm" 120 "$m; m.RING_MIX = False" --layers 30 --batch 1,4,8,16,32,64
+          bench_with "ringmix_on_$arm" 90 "$m; m.RING_MIX = True" --layers 30 --batch 1,4,8,16,32,64
+          bench_with "ringmix_on4_$arm" 60 "$m; m.RING_MIX = True; m.RING_MIN_ROWS = 4" --layers 30 --batch 4
         done
       fi ;;
-    pipes)  # which SM pipe bounds the experts' loop: the table and the mixed decode, the calls alone at 1-64 rows, the
-      # probe's phases (with and without loads), then ncu's raw counters (pipes, shared-memory wavefronts, issue, stall
-      # reasons) of gate-up and down at 1 and 16 rows, each decode
-      step pipes_kernels 150 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,4,16,64 \
-        --engines lut,lut_mix
-      step lut_probe_mix 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/mix" --ms 1,4 --decode mix
-      step lut_probe_mix_noload 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/mix_noload" --ms 1,4 \
-        --decode mix --no-load
-      for m in 1 16; do
-        for e in lut lut_mix; do
-          step "pipes_ncu_${e}_m$m" 90 ncu --clock-control none --launch-skip 4 --launch-count 2 \
-            --kernel-name 'regex:^moe_(gate_up|down)_lut(_ring)?(_mix)?$' --section SpeedOfLight \
-            --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis_Tables \
-            --section WarpStateStats --section SchedulerStats --section Occupancy --csv --page raw \
-            python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/ncu_${e}_m$m" --ms "$m" --engines "$e"
-          gzip -f "$OUT/pipes_ncu_${e}_m$m.log"
-        done
-      done ;;
     sms)  # is the experts' loop bound per SM? The experts calls alone at 1 and 16 rows with their grids sized for
       # 132 (all), 100 and 66 SMs (moe_lut._sms patched in the process)
       for n in 132 100 66; do

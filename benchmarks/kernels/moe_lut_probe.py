@@ -5,10 +5,10 @@ the last of N_CALLS calls of a CUDA graph (each its own random routing over two 
 the experts, as moe_cuda_variants.py), without PDL or with it (--pdl: the launches as the 1-4 row
 step makes them, each CTA placed while its predecessor drains). --no-load builds the loop without
 its memory as well (-DMOE_LUT_NO_LOAD: the weight streams load nothing, wrong values): its
-"streamed" phase is then the loop's own time. --decode mix stamps the mixed decode's kernels
-(moe_lut.DECODE).
+"streamed" phase is then the loop's own time. --decode mix / table stamps the ring gate-up with or
+without its mixed decode (moe_lut.RING_MIX).
 
-    python benchmarks/kernels/moe_lut_probe.py --out DIR [--ms 1,4] [--pdl] [--no-load] [--decode lut|mix]
+    python benchmarks/kernels/moe_lut_probe.py --out DIR [--ms 1,4] [--pdl] [--no-load] [--decode table|mix]
 
 Per launch (gate-up, down) and M: the CTAs' items, then per phase the median and the largest time
 of the CTAs' stamps after the launch's first stamp (us): the table built, the routing's slot count
@@ -41,8 +41,8 @@ from megastep.kernels.cuda_module import CudaModule  # noqa: E402
 
 CTAS, MARKS = 320, 10  # the .cu's kProbeCtas, kProbeMarks
 PHASES = ("start", "table", "slot count", "routing", "aq wait", "x staged", "streamed", "epilogue", "end")
-KERNELS = ("_GATE_UP", "_GATE_UP_SPREAD", "_DOWN", "_GATE_UP_RING", "_GATE_UP_SPREAD_RING", "_GATE_UP_MIX",
-           "_GATE_UP_RING_MIX", "_DOWN_MIX", "_GATE_UP_SPREAD_MIX", "_GATE_UP_SPREAD_RING_MIX")
+KERNELS = ("_GATE_UP", "_GATE_UP_SPREAD", "_DOWN", "_GATE_UP_RING", "_GATE_UP_SPREAD_RING",
+           "_GATE_UP_RING_MIX")
 
 
 def probe_kernels(no_load: bool):
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,4")
     ap.add_argument("--pdl", action="store_true")
     ap.add_argument("--no-load", action="store_true")
-    ap.add_argument("--decode", choices=("lut", "mix"), default="lut")
+    ap.add_argument("--decode", choices=("table", "mix"), default="table")
     args = ap.parse_args()
     set_pdl(args.pdl)
     os.makedirs(args.out, exist_ok=True)
@@ -98,7 +98,7 @@ def main() -> None:
     if any(m in LUTK.SPREAD_ROWS for m in ms):
         raise SystemExit(f"M in moe_lut.SPREAD_ROWS {LUTK.SPREAD_ROWS} takes the spread gate-up, which has no stamps")
     read = probe_kernels(args.no_load)
-    LUTK.DECODE = args.decode
+    LUTK.RING_MIX = args.decode == "mix"
     MOE.DEFAULT_MODE = "lut"
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)

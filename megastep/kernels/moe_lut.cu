@@ -66,8 +66,8 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kLutBytes = 256 * 256;
-// The mixed decode's kernels (kMix) hold x's block exponents after the table: 2 CTA halves x 2 rows
-// x at most 64 blocks (K <= 8192; moe_lut.py's EXP_BYTES).
+// The mixed decode (kMix: moe_gate_up_lut_ring_mix) holds x's block exponents after the table: 2 CTA
+// halves x 2 rows x at most 64 blocks (K <= 8192; moe_lut.py's EXP_BYTES).
 constexpr int kExpBytes = 2 * 2 * 64 * 4;
 using megastep::bf16_hi;
 using megastep::bf16_lo;
@@ -103,18 +103,20 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
 }
 #undef MMA_16816
 
-// The decode in registers (the kMix kernels' odd 128-blocks of K; moe_lut.py's DECODE "mix"). In
+// The decode in registers (the mixed decode's odd 128-blocks of K; moe_lut.py's RING_MIX). In
 // fp16 every e2m1 value has a zero low byte (0.5 = 0x3800 ... 6 = 0x4600), so a code's fp16 is its
 // magnitude's high byte, looked up by prmt in an 8-byte table held in two constants, with the sign
 // bit set beside it: word w's 8 codes -> d[b] = byte b's two values as fp16x2 (low nibble in the low
 // half), 13 integer instructions for 4 bytes and no shared memory. x is then staged in fp16 as its
 // e4m3 codes (x / s, s its 128-block's power-of-two scale: exact), and s joins the group's scale:
 // the same products and, as the GPU tests found on the H200, the same sums (an fp16 k16 step rounds
-// as a bf16 one). Why mixed: the table costs the shared-memory pipe one wavefront per 4 weight bytes
-// of a warp (~112 per 2 KB step with x and the ring), this decode the integer pipe ~108 instructions
-// per 1 KB; each alone caps a loop at ~32 GB/s per SM, and all-register ("f16") was 4-16 % slower than
-// all-table on one H200 (docs/PERFORMANCE.md, twenty-fourth measurement). Half of each step by each
-// loads both pipes about evenly.
+// as a bf16 one). Why mixed: the table's lookups are LSU instructions (one per 4 weight bytes of a
+// warp), this decode's are ALU ones (~108 per 1 KB). In the ring gate-up, whose weights also pass
+// through shared memory (cp.async in, ld.shared out), the LSU pipe was the busiest on one H200 (51 %
+// of its peak on average, 70 % on the SMs that ran two items; ALU 28 / 39 %); half of each step in
+// registers moves it to 35 / 49 % (ALU 47 / 64 %) and the kernel is 4-5 % faster at 1, 16 and 64 rows.
+// All in registers ("f16") was 4-16 % slower, and the mixed decode in down and the register ring
+// 1-7 % slower: their LSU pipe was not the busiest (docs/PERFORMANCE.md, twenty-fourth measurement).
 __device__ __forceinline__ void decode_f16(uint32_t w, uint32_t (&d)[4]) {
   constexpr uint32_t kT0 = 0x3E3C3800u, kT1 = 0x46444240u;  // fp16 high bytes of magnitudes 0 .. 7
   const uint32_t m = w & 0x77777777u, ws = w << 4;
@@ -653,16 +655,13 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
 // warp's weights in kRingDepth slots of shared memory after x, as in run().
 constexpr int kSpreadWarps = 12;
 
-// (kMix: the mixed decode, x's block exponents after the table, as in run())
-template <typename S, bool kMix = false, typename Epi>
+template <typename S, typename Epi>
 __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
   extern __shared__ __align__(16) char smem[];
   const Layout L(a.K);
   const int blk = threadIdx.x >> 5;
-  constexpr int kTable = kLutBytes + (kMix ? kExpBytes : 0);
-  char* xsm = smem + kTable;
-  const char* ring = smem + kTable + L.bytes + blk * kRingDepth * 2048 + (threadIdx.x & 31) * 16;
-  int* xexp = reinterpret_cast<int*>(smem + kLutBytes);  // (kMix) [2 rows][K / 128]
+  char* xsm = smem + kLutBytes;
+  const char* ring = smem + kLutBytes + L.bytes + blk * kRingDepth * 2048 + (threadIdx.x & 31) * 16;
   prologue(smem);
   pdl_wait();  // (run's PDL order)
   pdl_release();
@@ -670,10 +669,7 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
   const int lo = (int)((long long)blockIdx.x * T / gridDim.x), hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
   const int units = a.K / 8;
   for (int i = threadIdx.x; i < a.spread * units; i += kSpreadWarps * 32) {  // (warp-uniform: units % 64 == 0)
-    if constexpr (kMix)
-      stage_unit_mix(xsm, xexp, a, L, i / units, i / units, i % units);
-    else
-      stage_unit(xsm, a, L, i / units, i / units, i % units);
+    stage_unit(xsm, a, L, i / units, i / units, i % units);
   }
   __syncthreads();
   for (int task = lo + blk; task < hi; task += kSpreadWarps) {
@@ -686,7 +682,7 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
 #pragma unroll
     for (int p = 0; p < 2; ++p) xrow[p] = p < cnt ? __ldcg(a.pair_ptr + start + p) / a.topk : 0;
     float total[4];
-    warp_sums<S, kMix>(st, smem, xsm, L, cnt, xrow, total, xexp);
+    warp_sums<S>(st, smem, xsm, L, cnt, xrow, total);
     epi(Item{start, cnt, 0}, 0, cnt, r0, r1, total);
   }
 }
@@ -694,7 +690,7 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
 // gate-up's body: kSpread picks run_spread's schedule (moe_gate_up_lut_spread) or run's, kRing
 // the RingStream (moe_gate_up_lut_ring, moe_gate_up_lut_spread_ring).
 // act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
-template <bool kSpread, bool kRing = false, bool kMix = false>
+template <bool kSpread, bool kRing = false, bool kMix = false>  // (kMix: the ring's only)
 __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                         float limit, int round_out) {
   const int t = threadIdx.x & 3;
@@ -714,13 +710,13 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
     }
   };
   if constexpr (kSpread && kRing)
-    run_spread<RingStream, kMix>(a, a.w3_rows / 8, epi);
+    run_spread<RingStream>(a, a.w3_rows / 8, epi);
   else if constexpr (kSpread)
-    run_spread<Stream, kMix>(a, a.w3_rows / 8, epi);
+    run_spread<Stream>(a, a.w3_rows / 8, epi);
   else if constexpr (kRing)
     run<RingStream, 2, kMix>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
   else
-    run<Stream, 1, kMix>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
+    run<Stream, 1>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
 }
 
 // y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 128-row tile) of
@@ -733,14 +729,13 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
 // spread gate-up's in the same launch, the activation quantized by each CTA once its slots' gate-up
 // tasks were counted done, were 0-10 % faster alone at 1 row but 9-17 % slower in the step, the
 // shared expert's launch waiting for SMs: twenty-third measurement, the code at bce6479.)
-template <bool kMix = false>
 __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                      long long stride_o, int* counters, int D, int combine,
                                      const __nv_bfloat16* shared, long long stride_sh) {
   __shared__ int last[2];
   constexpr int kTile = kWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile, topk = a.topk;
-  run<Stream, 1, kMix>(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  run<Stream, 1>(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
     const int p = t & 1;
     if (p < np) {  // lane t: row r0 (t < 2) or r1, pair c0 + t % 2
       const int pair = a.pair_ptr[it.start + c0 + p];
@@ -822,25 +817,11 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring(GATE_UP_
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down(DOWN_ARGS); }
 
-// The mixed decode's kernels (moe_lut.py's DECODE "mix"): each gate-up schedule and down. Their
-// dynamic shared memory holds kExpBytes (x's block exponents) after the table.
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut_mix(GATE_UP_PARAMS) {
-  gate_up<false, false, true>(GATE_UP_ARGS(0));
-}
-
+// The ring gate-up with the mixed decode (moe_lut.py's RING_MIX): kExpBytes (x's block exponents)
+// after the table in its dynamic shared memory, 225 KB at D = 4096.
 extern "C" __global__ void __launch_bounds__(2 * kThreads, 1) moe_gate_up_lut_ring_mix(GATE_UP_PARAMS) {
   gate_up<false, true, true>(GATE_UP_ARGS(0));
 }
-
-extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_mix(GATE_UP_PARAMS, int rows) {
-  gate_up<true, false, true>(GATE_UP_ARGS(rows));
-}
-
-extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring_mix(GATE_UP_PARAMS, int rows) {
-  gate_up<true, true, true>(GATE_UP_ARGS(rows));
-}
-
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut_mix(DOWN_PARAMS) { down<true>(DOWN_ARGS); }
 
 #ifdef MOE_LUT_PROBE
 // the probe build's stamps into dst (u64 [2, kProbeCtas, kProbeMarks, 2]), then zeroed

@@ -43,18 +43,14 @@ _GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiii
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
 _GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiii")
-_GATE_UP_MIX = _MODULE.kernel("moe_gate_up_lut_mix", "pqppppppppqiiqqfiii")
 _GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqfiii")
-_GATE_UP_SPREAD_MIX = _MODULE.kernel("moe_gate_up_lut_spread_mix", "pqppppppppqiiqqfiiii")
-_GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiii")
-_DOWN_MIX = _MODULE.kernel("moe_down_lut_mix", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
 ITEM_CHANNELS, ITEM_ROWS = 64, 128
 CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
-EXP_BYTES = 1024  # the .cu's kExpBytes: after the table, the mixed decode's x block exponents
+EXP_BYTES = 1024  # the .cu's kExpBytes: after the table, RING_MIX's x block exponents
 # Gate-up launches of these row counts (at most 2: every expert slot then has at most 2 pairs)
 # take moe_gate_up_lut_spread: one CTA of SPREAD_WARPS warps per SM, the warps' (slot, 8
 # channels) tasks dealt out evenly (the .cu's run_spread). The same bits. Measured on one H200
@@ -87,17 +83,16 @@ RING_DEPTH = 4  # the .cu's kRingDepth
 # in one launch, this schedule followed by down's in the same CTAs, were 9-17 % slower in the step
 # at 1 row and not kept: the code is at bce6479.)
 SPREAD_RING = True
-# How the experts' kernels decode MXFP4: "lut", the shared-memory table for every group; "mix", the
-# table for the groups of x's even 128-blocks and registers for the odd ones (the .cu's decode_f16:
-# prmt on an 8-byte table of fp16 high bytes, fp16 MMAs, x's odd blocks staged in fp16 as their
-# e4m3 codes, their scales joining the groups'). The same products and the same bits (GPU-tested).
-# The table loads the shared-memory pipe (a wavefront per 4 weight bytes of a warp), the register
-# decode the integer pipe. All in registers ("f16", 2026-12-01) gave the table's bits but was 4-16 %
-# slower per experts call and 2-6 % per 30-layer step on one H200 (docs/PERFORMANCE.md,
-# twenty-fourth measurement; the code at 406b595). "mix" (277 SASS instructions per 2 KB warp step,
-# ~82 shared-memory wavefronts, against 214 and ~112) is built to load both pipes; measured by
-# benchmarks/kernels/moe_cuda_variants.py's engine "lut_mix".
-DECODE = "lut"
+# The ring gate-up (ring_rows) decodes the groups of x's even 128-blocks by the table and those of
+# the odd ones in registers (moe_gate_up_lut_ring_mix; the .cu's decode_f16: prmt on an 8-byte table
+# of fp16 high bytes, fp16 MMAs, x's odd blocks staged in fp16 as their e4m3 codes, their scales
+# joining the groups'). The same products and the same bits (GPU-tested). The table's lookups load
+# the LSU pipe, the register decode the ALU pipe; the ring's weights also pass through the LSU pipe,
+# which ncu found the busiest there. Measured on one H200 (docs/PERFORMANCE.md, twenty-fourth
+# measurement): the ring gate-up alone 4-5 % faster at 1, 16 and 64 rows. The mixed decode in every
+# kernel was no faster in the step (down and the register ring lost 1-7 %), all groups in registers
+# 4-16 % slower per experts call (the code at 406b595).
+RING_MIX = False
 
 
 @functools.cache
@@ -116,11 +111,6 @@ def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, mix: bool = False
     Layout(K) (2 rows of x in 16-bit values) of each CTA half, then the RING_DEPTH 2 KB slots of
     slot_warps warps."""
     return LUT_BYTES + (EXP_BYTES if mix else 0) + halves * 4 * K + slot_warps * RING_DEPTH * 2048
-
-
-def _mix(K: int) -> bool:
-    """Whether a launch over K takes the mixed decode (DECODE, K / 128 <= 64 blocks)."""
-    return DECODE == "mix" and K <= 8192
 
 
 def spread_rows(pairs: torch.Tensor, topk: int) -> int:
@@ -166,25 +156,25 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     slots, spread = min(pairs.numel(), addr.shape[0]), spread_rows(pairs, topk)
     args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
-    mix = _mix(D)
-    ring_smem = shared_bytes(D, 2, 2 * THREADS // 32, mix)  # the ring kernel: two halves, 16 warps' slots
+    ring_warps = 2 * THREADS // 32  # the ring kernel: two halves, 16 warps' slots
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
-        smem = shared_bytes(D, 1, SPREAD_WARPS, mix)
+        smem = shared_bytes(D, 1, SPREAD_WARPS)
         if not (SPREAD_RING and _ring_fits(xq.device.index, smem)):
-            kernel, smem = _GATE_UP_SPREAD_MIX if mix else _GATE_UP_SPREAD, shared_bytes(D, mix=mix)
+            kernel, smem = _GATE_UP_SPREAD, shared_bytes(D)
         else:
-            kernel = _GATE_UP_SPREAD_RING_MIX if mix else _GATE_UP_SPREAD_RING
+            kernel = _GATE_UP_SPREAD_RING
         kernel.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), smem, None, *args, spread,
                       pdl=pdl_enabled())
-    elif ring_rows(pairs.numel() // topk) and _ring_fits(xq.device.index, ring_smem):
-        # items (slot, channel tile), two at a time per CTA
-        kernel = _GATE_UP_RING_MIX if mix else _GATE_UP_RING
-        kernel.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1), ring_smem, None, *args,
-                      pdl=pdl_enabled())
+    elif ring_rows(pairs.numel() // topk) and _ring_fits(xq.device.index, shared_bytes(D, 2, ring_warps)):
+        # items (slot, channel tile), two at a time per CTA; RING_MIX where x's block exponents fit too
+        # (at most 64 blocks, 1 KB more shared memory)
+        mix = RING_MIX and D <= 8192 and _ring_fits(xq.device.index, shared_bytes(D, 2, ring_warps, True))
+        (_GATE_UP_RING_MIX if mix else _GATE_UP_RING).launch(
+            _ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1),
+            shared_bytes(D, 2, ring_warps, mix), None, *args, pdl=pdl_enabled())
     else:  # items (slot, channel tile)
-        kernel = _GATE_UP_MIX if mix else _GATE_UP
-        kernel.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D, mix=mix), None,
-                      *args, pdl=pdl_enabled())
+        _GATE_UP.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None, *args,
+                        pdl=pdl_enabled())
 
 
 def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
@@ -203,6 +193,4 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
-    mix = _mix(I)
-    kernel = _DOWN_MIX if mix else _DOWN
-    kernel.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, mix=mix), None, *args, pdl=pdl_enabled())
+    _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None, *args, pdl=pdl_enabled())

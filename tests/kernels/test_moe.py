@@ -597,26 +597,24 @@ def test_gpu_lut_ring_gives_the_same_bits(M, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M, spread_ring", [(1, True), (2, True), (2, False), (3, True), (16, True), (64, True)])
-def test_gpu_lut_mix_decode_gives_the_same_bits(M, spread_ring, monkeypatch):
-    """The mixed decode (moe_lut.DECODE "mix": the groups of x's odd 128-blocks on fp16 MMAs with
-    operands built by prmt, those blocks of x staged as their e4m3 codes in fp16 with their scales
-    joining the groups'; the even blocks by the table) gives the table's bits at V4-Flash
+@pytest.mark.parametrize("M", [1, 8, 16, 64])
+def test_gpu_lut_ring_mix_gives_the_same_bits(M, monkeypatch):
+    """The ring gate-up's mixed decode (moe_lut.RING_MIX: the groups of x's odd 128-blocks on fp16 MMAs
+    with operands built by prmt, those blocks of x staged as their e4m3 codes in fp16 with their
+    scales joining the groups'; the even blocks by the table) gives the table's bits at V4-Flash
     expert shapes: per-pair outputs, the combine, the combine with the shared expert's output, a
-    sparse table's pairs; slots of one, two and several pairs; every gate-up schedule (the ring at 1
-    and 16 rows, the spread with and without the ring's slots at 2, registers at 3) and down at every
-    M; three calls."""
+    sparse table's pairs; slots of one, two and several pairs; at the row counts the ring takes; three
+    calls."""
     from megastep.kernels import moe_lut
 
-    monkeypatch.setattr(moe_lut, "SPREAD_RING", spread_ring)
     ex, x, ids, wts = _many_pair_inputs(M, 37)
-    if M == 2:  # a slot with both rows' pairs
-        ids[1, 0] = next(e for e in ids[0].tolist() if e not in ids[1].tolist())
     outputs = _lut_outputs(ex, x, ids, wts)
+    monkeypatch.setattr(moe_lut, "RING_MIX", False)
     want = outputs()
     check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
-    monkeypatch.setattr(moe_lut, "DECODE", "mix")
-    # (on a Hopper the mixed ring kernel, with the exponents, still fits: the ring is taken at 1 and 16 rows)
+    monkeypatch.setattr(moe_lut, "RING_MIX", True)
+    # (on a Hopper the ring with the exponents still fits: the mixed kernel is taken)
+    assert moe_lut.ring_rows(M)
     assert moe_lut._ring_fits(x.device.index, moe_lut.shared_bytes(4096, 2, 16, mix=True)) or \
         torch.cuda.get_device_capability(x.device)[0] < 9
     for _ in range(3):
@@ -682,8 +680,7 @@ def test_lut_kernels_build_for_sm90():
     from megastep.kernels import moe_lut
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
-               "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_mix", "moe_gate_up_lut_ring_mix", "moe_down_lut_mix",
-               "moe_gate_up_lut_spread_mix", "moe_gate_up_lut_spread_ring_mix")
+               "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
     # without their loads
@@ -721,8 +718,7 @@ def test_lut_signatures_match_the_kernels():
     from megastep.kernels import moe_lut
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
-                   moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_MIX, moe_lut._GATE_UP_RING_MIX, moe_lut._DOWN_MIX,
-                   moe_lut._GATE_UP_SPREAD_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX):
+                   moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
@@ -732,6 +728,6 @@ def test_lut_signatures_match_the_kernels():
     assert moe_lut.SPREAD_WARPS == int(re.search(r"constexpr int kSpreadWarps = (\d+);", src).group(1))
     # the ring launches' shared memory counts the .cu's slots
     assert moe_lut.RING_DEPTH == int(re.search(r"constexpr int kRingDepth = (\d+);", src).group(1))
-    # and the mixed decode's x block exponents after the table: 2 halves x 2 rows x 64 blocks of 4 B
+    # and the ring's mixed decode's x block exponents after the table: 2 halves x 2 rows x 64 blocks of 4 B
     exp_bytes = re.search(r"constexpr int kExpBytes = ([\d *]+);", src).group(1)
     assert moe_lut.EXP_BYTES == eval(exp_bytes) == 1024, exp_bytes
