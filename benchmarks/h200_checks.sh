@@ -233,8 +233,8 @@ for group in "$@"; do
       step lut_probe 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT" --ms 1,4
       step lut_probe_pdl 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/pdl" --ms 1,4 --pdl
       step lut_probe_noload 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/noload" --ms 1,4 --no-load ;;
-    ringmix)  # the ring gate-up's mixed decode (moe_lut.RING_MIX, 2026-12-01; the groups mix and pipes that led to it
-      # are at f48fdb0): its GPU tests, the experts calls alone, then the step A/B at the rows the ring takes (1, 8-64),
+    ringmix)  # the ring gate-up's mixed decode (moe_lut.RING_MIX, 2026-12-01, kept; the groups mix and pipes that led to
+      # it are at f48fdb0): its GPU tests, the experts calls alone, then the step A/B at the rows the ring takes (1, 8-64),
       # and at 4 rows with the ring taken there too (RING_MIN_ROWS = 4)
       step ringmix_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py \
         -k "ring_mix or lut_ring or lut_kernels"
