@@ -114,7 +114,7 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
 // warp), this decode's are ALU ones (~108 per 1 KB). In the ring gate-up, whose weights also pass
 // through shared memory (cp.async in, ld.shared out), the LSU pipe was the busiest on one H200 (51 %
 // of its peak on average, 70 % on the SMs that ran two items; ALU 28 / 39 %); half of each step in
-// registers moves it to 35 / 49 % (ALU 47 / 64 %) and the kernel is 4-5 % faster at 1, 16 and 64 rows.
+// registers moves it to 35 / 49 % (ALU 47 / 64 %) and the kernel is 4-6 % faster at 1, 16 and 64 rows.
 // All in registers ("f16") was 4-16 % slower, and the mixed decode in down and the register ring
 // 1-7 % slower: their LSU pipe was not the busiest (docs/PERFORMANCE.md, twenty-fourth measurement).
 __device__ __forceinline__ void decode_f16(uint32_t w, uint32_t (&d)[4]) {

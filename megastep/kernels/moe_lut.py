@@ -8,9 +8,10 @@ Shapes and dtypes (P = M * topk pairs, E experts, table strides in bytes):
     down:    aq bf16 [P, I] (act quantized, natural order) -> y bf16 [P, D] per pair, and with
              combine the fp32 [M, D] sum over each row's slots in slot order
 D and I multiples of 512, x in bf16 (`supported`). Why CUDA C++: the decode is a shared-memory
-table lookup whose address one `prmt` forms, and each lane's MMA operands stay in its registers
-with a block-diagonal B so every MXFP4 group's scale multiplies only its own sum (the .cu
-explains both); Triton expresses neither. Measured against the Triton "dot_asm" kernels in
+table lookup whose address one `prmt` forms (in the ring gate-up, for half of the groups, a
+register decode: RING_MIX), and each lane's MMA operands stay in its registers with a
+block-diagonal B so every MXFP4 group's scale multiplies only its own sum (the .cu explains
+both); Triton expresses none of it. Measured against the Triton "dot_asm" kernels in
 docs/PERFORMANCE.md (tenth measurement).
 
 Grids are static (at most 2 CTAs of 256 threads per SM, each taking (expert slot, 128 weight rows)
