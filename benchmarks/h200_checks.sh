@@ -29,6 +29,7 @@
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
 #   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
+#   bash benchmarks/h200_checks.sh dense      # the BF16 linear's configurations: the sweep and its pins, their GPU tests, the step A/B against the rule (~7 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -111,9 +112,11 @@ for group in "$@"; do
       step attn_tests 120 python3 -m pytest -q --timeout 100 -m gpu tests/kernels/test_attention.py ;;
     tune)  # the rewritten kernel modules come back under $OUT/pinned/ to be committed
       step tune 240 python3 benchmarks/kernels/tune.py --write --json "$OUT/tune.json"
-      mkdir -p "$OUT/pinned" && cp megastep/kernels/attention.py megastep/kernels/mhc.py "$OUT/pinned/"
+      mkdir -p "$OUT/pinned" && cp megastep/kernels/attention.py megastep/kernels/mhc.py megastep/kernels/dense.py \
+        "$OUT/pinned/"
       step tuned_tests 200 python3 -m pytest -q --timeout 120 tests/kernels/test_mhc.py tests/kernels/test_attention.py \
-        tests/kernels/test_attention_tune.py tests/test_fast_gpu.py tests/kernels/test_fast_step_triton.py ;;
+        tests/kernels/test_attention_tune.py tests/kernels/test_dense.py tests/test_fast_gpu.py \
+        tests/kernels/test_fast_step_triton.py ;;
     overlap)
       bench resident_overlap 150 --layers 30 --batch 1,4,16,64 --trace
       bench resident_one_stream 100 --layers 30 --batch 1,64 --no-overlap
@@ -250,6 +253,18 @@ for group in "$@"; do
           bench_with "ringmix_on4_$arm" 60 "$m; m.RING_MIX = True; m.RING_MIN_ROWS = 4" --layers 30 --batch 4
         done
       fi ;;
+    dense)  # the BF16 linear's configurations (tune_dense.py, built 2026-12-01): the sweep pins its winners (back under
+      # $OUT/pinned/ to be committed), the dense, router and fast-step GPU tests under them, then the step A/B: the new
+      # pins against pick_config's rule (the lm head's pin kept in both)
+      step dense_tune 200 python3 benchmarks/kernels/tune.py --only dense --write --json "$OUT/tune_dense.json"
+      mkdir -p "$OUT/pinned" && cp megastep/kernels/dense.py "$OUT/pinned/"
+      step dense_tests 200 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_dense.py \
+        tests/kernels/test_router.py tests/test_fast_gpu.py -k "v4 or gate or route or same_input or alone or graph_replay"
+      rule='import megastep.kernels.dense as d; d._PINNED = {k: v for k, v in d._PINNED.items() if k == (129280, 4096)}'
+      for arm in a b; do
+        bench "dense_pinned_$arm" 120 --layers 30 --batch 1,4,16,64
+        bench_with "dense_rule_$arm" 90 "$rule" --layers 30 --batch 1,4,16,64
+      done ;;
     sms)  # is the experts' loop bound per SM? The experts calls alone at 1 and 16 rows with their grids sized for
       # 132 (all), 100 and 66 SMs (moe_lut._sms patched in the process)
       for n in 132 100 66; do

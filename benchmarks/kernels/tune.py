@@ -2,7 +2,7 @@
 
     python benchmarks/kernels/tune.py [--write] [--json FILE] [--only attention,mhc]
 
-Runs the sweeps of benchmarks/kernels/tune_attention.py and tune_mhc.py (each candidate checked
+Runs the sweeps of benchmarks/kernels/tune_attention.py, tune_mhc.py and tune_dense.py (each candidate checked
 against the default configuration's output before it is timed; CUDA-graph replay at batch 1 and
 64), prints their tables, and with --write rewrites each module's `_PINNED` table in its source
 file (existing entries kept unless a new winner has the same key), so what a later process
@@ -26,7 +26,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 
 # sweep module -> kernel module whose _PINNED table it fills
-TUNERS = {"attention": ("tune_attention", "megastep.kernels.attention"), "mhc": ("tune_mhc", "megastep.kernels.mhc")}
+TUNERS = {"attention": ("tune_attention", "megastep.kernels.attention"), "mhc": ("tune_mhc", "megastep.kernels.mhc"),
+          "dense": ("tune_dense", "megastep.kernels.dense")}
 
 
 def pinned_source(table: dict, indent: str = "    ") -> str:

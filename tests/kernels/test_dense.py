@@ -20,8 +20,10 @@ from megastep.kernels import dense  # noqa: E402
 from megastep.kernels.dense import DenseConfig, linear_bf16, linear_bf16_ref, pick_config  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-# compressor wkv/wgate (CSA, HCA, indexer), router gate, indexer weights_proj, lm head
-V4_SHAPES = [(1024, 4096), (512, 4096), (256, 4096), (64, 4096), (129280, 4096)]
+# compressor wkv/wgate (CSA, HCA, indexer), router gate, indexer weights_proj, lm head, and the
+# step's concatenation of a CSA layer's (compressor, indexer compressor, weights_proj: model/fast.py's
+# x_dense; an HCA layer's is (1024, 4096))
+V4_SHAPES = [(1024, 4096), (512, 4096), (256, 4096), (64, 4096), (129280, 4096), (2624, 4096)]
 
 
 def make(M, N, K, seed, x_dtype=torch.bfloat16, dev=DEV):
