@@ -56,11 +56,17 @@ class DenseConfig:
         assert self.split_k >= 1, self
 
 
-# Pinned per (N, K) for the V4-Flash shapes. Not measured on the device yet: the values follow
-# what linear_fp8 measured for the same bytes per step (an fp8 K step of 256 = a bf16 step of 128;
-# with no split-K, 128 fp8 = 64 bf16 pipelined better).
+# Pinned per (N, K) for the V4-Flash shapes (benchmarks/kernels/tune.py --only dense --write rewrites
+# this table). The lm head's (129280 x 4096, 2020 column tiles) follows what linear_fp8 measured for
+# the same bytes per step. The router's gate (256 x 4096) and an HCA layer's compressor projection
+# (1024 x 4096) are tune_dense.py's winners on one H200 (docs/PERFORMANCE.md, twenty-fourth
+# measurement): us per call at 1 / 64 rows 4.25 / 6.04 against the rule's 5.85 / 8.10, and 6.28 /
+# 10.09 against 7.24 / 13.76. A CSA layer's (2624 x 4096) keeps the rule's (9.33 us at 1 row, 2.3 TB/s:
+# no candidate beat it).
 _PINNED: dict[tuple[int, int], DenseConfig] = {
-    (129280, 4096): DenseConfig(64, 64, 1, num_warps=4, num_stages=4),  # lm head: 2020 N tiles
+    (256, 4096): DenseConfig(block_n=32, block_k=256, split_k=16, num_warps=4, num_stages=3),
+    (1024, 4096): DenseConfig(block_n=32, block_k=128, split_k=8, num_warps=4, num_stages=3),
+    (129280, 4096): DenseConfig(block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=4),
 }
 
 

@@ -137,12 +137,12 @@ def test_route_group_equals_route_then_moe_route(B, E, k, kind, permute):
 
 
 @pytest.mark.parametrize("B,E,D,k,kind", [(1, 256, 512, 6, "bias"), (3, 256, 384, 6, "hash"), (16, 256, 256, 6, "plain"),
-                                          (5, 64, 4096, 6, "bias"), (2, 8, 96, 2, "plain")])
+                                          (5, 64, 4096, 6, "bias"), (2, 8, 96, 2, "plain"), (2, 256, 4096, 6, "bias")])
 def test_gate_route_group_equals_gate_then_route_group(B, E, D, k, kind):
     """The gate GEMV inside the router's launch gives linear_bf16's logits bit for bit (the same
     programs), and then route_group's idx, w, grouping and quantized x exactly; twice in a row
     (both arrival counters reset themselves). D 4096 / E 64: split-K over 16 programs per tile;
-    D 96: one split."""
+    D 96: one split; D 4096 / E 256: V4-Flash's gate, its pinned configuration (dense._PINNED)."""
     from megastep.kernels.dense import linear_bf16
     from megastep.kernels.router import gate_route_group, route_group
 
