@@ -93,8 +93,8 @@ SPREAD_RING = True
 # measurement): the ring gate-up alone 4-6 % faster at 1, 16 and 64 rows; the 30-layer step A/B
 # -0.5 % at 1 row, -1.2 % at 8, -2.0 to -2.3 % at 16-64 (with it the ring at 4 rows was no faster:
 # RING_MIN_ROWS stays 8). The mixed decode in every kernel was no faster in the step (down and the
-# register ring lost 1-7 %), all groups in registers 4-16 % slower per experts call (the code at
-# 406b595). False: the table alone.
+# register ring lost 1-7 %; the code at f48fdb0), all groups in registers 4-16 % slower per experts
+# call (at 406b595). False: the table alone.
 RING_MIX = True
 
 
