@@ -31,7 +31,7 @@ import torch
 
 from megastep.checkpoint.synthetic import LazyDeviceWeights, preset, synthesize_on_device
 from megastep.config import CSA_RATIO, ModelConfig
-from megastep.errors import UserError
+from megastep.errors import UserError, check_output_file
 from megastep.kernels import moe_lut, route_cuda
 from megastep.runtime.bandwidth import (cpu_read_bandwidth, host_read_bandwidth, hybrid_cpu_share,
                                         stream_read_bandwidth)
@@ -243,6 +243,8 @@ _AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # --pdl, --shared-after
 
 
 def _check_args(args: argparse.Namespace, batches: list[int]) -> None:
+    if args.json:
+        check_output_file(args.json, "--json")
     if args.block < 1 or any(b % args.block for b in batches):
         raise UserError(f"--block {args.block}: every batch must be a multiple of it (rows = sequences x block)")
     if args.gpus and (args.hbm_budget is not None or args.peer_layers):
@@ -438,10 +440,13 @@ def bench_main(args: argparse.Namespace) -> int:
         out = D.launch(_bench_rank, len(gpus), (args,), backend="nccl", gpus=gpus, timeout_s=3600)[0]
     else:
         out = run_bench(args)
+    print_report(out)  # (first: a --json that cannot be written after all loses none of it)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, default=str)
-    print_report(out)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1, default=str)
+        except OSError as e:
+            raise UserError(f"writing --json {args.json} failed: {e.strerror or e}") from None
     return 0
 
 

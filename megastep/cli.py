@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from megastep.errors import UserError
+from megastep.errors import UserError, check_output_file, check_output_folder
 
 
 def _model_dir(arg: str | None) -> Path:
@@ -118,6 +118,7 @@ def cmd_profile_routing(args: argparse.Namespace) -> int:
     from megastep.tokenizer import load_tokenizer
 
     model_dir = _model_dir(args.model)
+    check_output_file(args.out, "--out")
     prompts = [_parse_ids(p) for p in args.prompt_ids]
     if args.prompts:
         tok = load_tokenizer(model_dir)
@@ -133,7 +134,11 @@ def cmd_profile_routing(args: argparse.Namespace) -> int:
         raise UserError("no prompt: give --prompts FILE... or --prompt-ids 1,2,3")
     profile = collect_routing_profile(model_dir, prompts, max_new_tokens=args.max_new_tokens,
                                       device=_device(args.device), quant_sim=not args.no_quant_sim)
-    save_profile(profile, args.out)
+    try:
+        save_profile(profile, args.out)
+    except OSError as e:  # (the profile is printed below all the same)
+        print(profile_summary(profile))
+        raise UserError(f"writing the profile to {args.out} failed: {e.strerror or e}") from None
     print(profile_summary(profile))
     print(f"wrote {args.out}")
     return 0
@@ -146,8 +151,12 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
         raise UserError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
     if args.layers is not None and args.layers < 1:
         raise UserError("--layers must be >= 1")
+    check_output_folder(args.out, "--out")
     cfg = preset(args.preset, layers=args.layers)
-    write_checkpoint(cfg, Path(args.out), seed=args.seed, unquantized=args.unquantized, routing=args.routing)
+    try:
+        write_checkpoint(cfg, Path(args.out), seed=args.seed, unquantized=args.unquantized, routing=args.routing)
+    except OSError as e:  # (a full disk, say: what was written stays, the message says where)
+        raise UserError(f"writing the checkpoint to {args.out} failed: {e.strerror or e}") from None
     print(f"wrote {args.preset} checkpoint ({cfg.num_hidden_layers} layers, seed {args.seed}) to {args.out}")
     return 0
 

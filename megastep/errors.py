@@ -15,3 +15,32 @@ class CheckpointError(UserError):
 
 class ConfigError(UserError):
     """config.json is missing, malformed or describes a model megastep does not run."""
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """A UserError now if `path` cannot become a file: its folder missing or not writable, or a folder
+    in its place. Called before the work whose result goes there, so that a typo does not cost a
+    benchmark's or a profile's run at the end."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path}: is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise UserError(f"{flag} {path}: no such folder {folder}")
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"{flag} {path}: cannot write into {folder}")
+
+
+def check_output_folder(path: str, flag: str) -> None:
+    """A UserError now if `path` cannot become (or be written as) a folder: a file in its place, or
+    its nearest existing parent not a writable folder."""
+    import os
+
+    p = os.path.abspath(path)
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise UserError(f"{flag} {path}: a file is in the way; give a folder")
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p) or not os.access(p, os.W_OK):
+        raise UserError(f"{flag} {path}: cannot write into {p}")

@@ -83,6 +83,12 @@ def test_no_quant_sim_flag_changes_numerics_not_interface(small_dir, capsys):
         (["serve", "--gpus", "0,1", "--device", "cuda"], "drop --device"),
         (["serve", "--gpus", "0,1", "--engine", "reference"], "drop --engine reference"),
         (["serve", "--gpus", "0,x"], "comma-separated GPU ids"),
+        # outputs that cannot be written: refused before the work, not after it
+        (["bench", "--json", "/nonexistent/dir/r.json"], "no such folder"),
+        (["bench", "--json", "{small}"], "is a folder"),
+        (["profile-routing", "--model", "{small}", "--prompt-ids", "1,2", "--out", "/nonexistent/p.json"], "no such folder"),
+        (["make-checkpoint", "--preset", "tiny", "--out", "{small}/config.json"], "a file is in the way"),
+        (["make-checkpoint", "--preset", "tiny", "--out", "{small}/config.json/sub"], "cannot write into"),
     ],
 )
 def test_user_errors_are_one_clear_message(small_dir, argv, message):
