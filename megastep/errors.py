@@ -4,6 +4,8 @@ The CLI and the server turn a `UserError` into one clear message and a non-zero 
 answer; any other exception is a bug in megastep and keeps its traceback.
 """
 
+import os
+
 
 class UserError(Exception):
     """A problem with the user's input, reported as one message without a traceback."""
@@ -21,8 +23,6 @@ def check_output_file(path: str, flag: str) -> None:
     """A UserError now if `path` cannot become a file: its folder missing or not writable, or a folder
     in its place. Called before the work whose result goes there, so that a typo does not cost a
     benchmark's or a profile's run at the end."""
-    import os
-
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UserError(f"{flag} {path}: is a folder; give a file name")
@@ -35,8 +35,6 @@ def check_output_file(path: str, flag: str) -> None:
 def check_output_folder(path: str, flag: str) -> None:
     """A UserError now if `path` cannot become (or be written as) a folder: a file in its place, or
     its nearest existing parent not a writable folder."""
-    import os
-
     p = os.path.abspath(path)
     if os.path.exists(p) and not os.path.isdir(p):
         raise UserError(f"{flag} {path}: a file is in the way; give a folder")
