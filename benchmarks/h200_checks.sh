@@ -30,6 +30,7 @@
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
 #   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
 #   bash benchmarks/h200_checks.sh dense      # the BF16 linear's configurations: the sweep and its pins, their GPU tests, the step A/B against the rule (~7 min)
+#   bash benchmarks/h200_checks.sh spreadmix  # the spread gate-up's mixed decode: its GPU tests, the experts calls at 1-2 rows, the step A/B at 1 and 2 rows (~5 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -251,6 +252,22 @@ for group in "$@"; do
           bench_with "ringmix_off_$arm" 120 "$m; m.RING_MIX = False" --layers 30 --batch 1,4,8,16,32,64
           bench_with "ringmix_on_$arm" 90 "$m; m.RING_MIX = True" --layers 30 --batch 1,4,8,16,32,64
           bench_with "ringmix_on4_$arm" 60 "$m; m.RING_MIX = True; m.RING_MIN_ROWS = 4" --layers 30 --batch 4
+        done
+      fi ;;
+    spreadmix)  # the spread gate-up's mixed decode (moe_lut.SPREAD_RING_MIX, built 2026-12-01): its GPU tests, the experts
+      # calls alone at 1 and 2 rows, then the step A/B/A/B at 2 rows (the spread's rows) and at 1 row with the spread
+      # taken there too (SPREAD_ROWS = (1, 2)) against the default (whole items in the mixed ring)
+      step spreadmix_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py -k "spread"
+      if grep -qiE "failed|error|timeout" "$OUT/spreadmix_tests.log"; then
+        summary+=("spreadmix arms skipped: the tests did not pass")
+      else
+        step spreadmix_kernels 90 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,2 \
+          --engines lut,lut_spread_ring,lut_spread_mix
+        m='import megastep.kernels.moe_lut as m'
+        for arm in a b; do
+          bench "spreadmix_default_$arm" 120 --layers 30 --batch 1,2
+          bench_with "spreadmix_on_$arm" 60 "$m; m.SPREAD_RING_MIX = True" --layers 30 --batch 2
+          bench_with "spreadmix_on1_$arm" 60 "$m; m.SPREAD_RING_MIX = True; m.SPREAD_ROWS = (1, 2)" --layers 30 --batch 1
         done
       fi ;;
     dense)  # the BF16 linear's configurations (tune_dense.py, built 2026-12-01): the sweep pins its winners (back under

@@ -5,12 +5,13 @@ spread gate-up at 1 and 2 rows ("lut_spread": (1, 2), its weights in registers; 
 in the ring's slots, moe_lut.SPREAD_RING), or with the gate-up's weight steps in flight in shared
 memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS = 1) or at none ("lut_noring": None), or with
 the ring gate-up decoding half of its groups in registers with fp16 MMAs ("lut_mix":
-moe_lut.RING_MIX on) or none ("lut_table": off); the outputs must equal the first lut engine's bit
-for bit. (Earlier experiments measured with it and
-removed: a CUDA C++ gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each
-warp's ring, the fifteenth; the MMA columns in lane-major order, the twenty-second; the routed
-experts of 1-2 rows in one launch, the twenty-third; every group decoded in registers, and the
-mixed decode in every kernel, the twenty-fourth.)
+moe_lut.RING_MIX on) or none ("lut_table": off), or the spread gate-up at 1 and 2 rows with the ring's
+slots and the mixed decode ("lut_spread_mix": moe_lut.SPREAD_RING_MIX); the outputs must equal the
+first lut engine's bit for bit. (Earlier experiments measured with it and removed: a CUDA C++
+gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the
+fifteenth; the MMA columns in lane-major order, the twenty-second; the routed experts of 1-2 rows
+in one launch, the twenty-third; every group decoded in registers, and the mixed decode in every
+kernel, the twenty-fourth.)
 
     python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut,lut_items]
 
@@ -44,16 +45,22 @@ from megastep.kernels import moe_lut as LUTK  # noqa: E402
 
 def run(engine, fn):
     if engine.startswith("lut"):  # mode "lut" (kernels/moe_lut.py) as the kernels' default
-        saved = MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_MIN_ROWS, LUTK.SPREAD_RING, LUTK.RING_MIX
+        names = ("SPREAD_ROWS", "RING_MIN_ROWS", "SPREAD_RING", "RING_MIX", "SPREAD_RING_MIX")
+        saved = MOE.DEFAULT_MODE, {n: getattr(LUTK, n) for n in names}
+        settings = {"lut_items": {"SPREAD_ROWS": ()}, "lut_spread": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": False},
+                    "lut_spread_ring": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": True},
+                    "lut_spread_mix": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": True, "SPREAD_RING_MIX": True},
+                    "lut_ring": {"RING_MIN_ROWS": 1}, "lut_noring": {"RING_MIN_ROWS": None},
+                    "lut_mix": {"RING_MIX": True}, "lut_table": {"RING_MIX": False}}.get(engine, {})
         MOE.DEFAULT_MODE = "lut"
-        LUTK.RING_MIX = {"lut_mix": True, "lut_table": False}.get(engine, saved[4])
-        LUTK.SPREAD_ROWS = {"lut_items": (), "lut_spread": (1, 2), "lut_spread_ring": (1, 2)}.get(engine, saved[1])
-        LUTK.RING_MIN_ROWS = {"lut_ring": 1, "lut_noring": None}.get(engine, saved[2])
-        LUTK.SPREAD_RING = {"lut_spread": False, "lut_spread_ring": True}.get(engine, saved[3])
+        for n, v in settings.items():
+            setattr(LUTK, n, v)
         try:
             return fn()
         finally:
-            MOE.DEFAULT_MODE, LUTK.SPREAD_ROWS, LUTK.RING_MIN_ROWS, LUTK.SPREAD_RING, LUTK.RING_MIX = saved
+            MOE.DEFAULT_MODE = saved[0]
+            for n, v in saved[1].items():
+                setattr(LUTK, n, v)
     return fn()
 
 
@@ -82,7 +89,7 @@ def main() -> None:
     BK.LOG = open(os.path.join(args.out, "moe_cuda_variants.log"), "w")
     bw = BK.measure_bandwidth()["read"]
     lut = [k.attributes() for k in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD, LUTK._GATE_UP_RING,
-                                    LUTK._GATE_UP_SPREAD_RING, LUTK._GATE_UP_RING_MIX)]
+                                    LUTK._GATE_UP_SPREAD_RING, LUTK._GATE_UP_RING_MIX, LUTK._GATE_UP_SPREAD_RING_MIX)]
     BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; lut kernels: {lut}")
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)

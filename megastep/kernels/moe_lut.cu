@@ -655,13 +655,16 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
 // warp's weights in kRingDepth slots of shared memory after x, as in run().
 constexpr int kSpreadWarps = 12;
 
-template <typename S, typename Epi>
+// (kMix: the mixed decode, x's block exponents after the table, as in run())
+template <typename S, bool kMix = false, typename Epi>
 __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
   extern __shared__ __align__(16) char smem[];
   const Layout L(a.K);
   const int blk = threadIdx.x >> 5;
-  char* xsm = smem + kLutBytes;
-  const char* ring = smem + kLutBytes + L.bytes + blk * kRingDepth * 2048 + (threadIdx.x & 31) * 16;
+  constexpr int kTable = kLutBytes + (kMix ? kExpBytes : 0);
+  char* xsm = smem + kTable;
+  const char* ring = smem + kTable + L.bytes + blk * kRingDepth * 2048 + (threadIdx.x & 31) * 16;
+  int* xexp = reinterpret_cast<int*>(smem + kLutBytes);  // (kMix) [2 rows][K / 128]
   prologue(smem);
   pdl_wait();  // (run's PDL order)
   pdl_release();
@@ -669,7 +672,10 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
   const int lo = (int)((long long)blockIdx.x * T / gridDim.x), hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
   const int units = a.K / 8;
   for (int i = threadIdx.x; i < a.spread * units; i += kSpreadWarps * 32) {  // (warp-uniform: units % 64 == 0)
-    stage_unit(xsm, a, L, i / units, i / units, i % units);
+    if constexpr (kMix)
+      stage_unit_mix(xsm, xexp, a, L, i / units, i / units, i % units);
+    else
+      stage_unit(xsm, a, L, i / units, i / units, i % units);
   }
   __syncthreads();
   for (int task = lo + blk; task < hi; task += kSpreadWarps) {
@@ -682,7 +688,7 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
 #pragma unroll
     for (int p = 0; p < 2; ++p) xrow[p] = p < cnt ? __ldcg(a.pair_ptr + start + p) / a.topk : 0;
     float total[4];
-    warp_sums<S>(st, smem, xsm, L, cnt, xrow, total);
+    warp_sums<S, kMix>(st, smem, xsm, L, cnt, xrow, total, xexp);
     epi(Item{start, cnt, 0}, 0, cnt, r0, r1, total);
   }
 }
@@ -690,7 +696,7 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
 // gate-up's body: kSpread picks run_spread's schedule (moe_gate_up_lut_spread) or run's, kRing
 // the RingStream (moe_gate_up_lut_ring, moe_gate_up_lut_spread_ring).
 // act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
-template <bool kSpread, bool kRing = false, bool kMix = false>  // (kMix: the ring's only)
+template <bool kSpread, bool kRing = false, bool kMix = false>  // (kMix: with kRing only)
 __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                         float limit, int round_out) {
   const int t = threadIdx.x & 3;
@@ -710,7 +716,7 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
     }
   };
   if constexpr (kSpread && kRing)
-    run_spread<RingStream>(a, a.w3_rows / 8, epi);
+    run_spread<RingStream, kMix>(a, a.w3_rows / 8, epi);
   else if constexpr (kSpread)
     run_spread<Stream>(a, a.w3_rows / 8, epi);
   else if constexpr (kRing)
@@ -821,6 +827,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARA
 // after the table in its dynamic shared memory, 225 KB at D = 4096.
 extern "C" __global__ void __launch_bounds__(2 * kThreads, 1) moe_gate_up_lut_ring_mix(GATE_UP_PARAMS) {
   gate_up<false, true, true>(GATE_UP_ARGS(0));
+}
+
+// The spread gate-up with the ring's slots and the mixed decode (moe_lut.py's SPREAD_RING_MIX): 177 KB
+// at D = 4096.
+extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring_mix(GATE_UP_PARAMS, int rows) {
+  gate_up<true, true, true>(GATE_UP_ARGS(rows));
 }
 
 #ifdef MOE_LUT_PROBE

@@ -45,6 +45,7 @@ _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
 _GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiii")
 _GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqfiii")
+_GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiii")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -96,6 +97,13 @@ SPREAD_RING = True
 # register ring lost 1-7 %; the code at f48fdb0), all groups in registers 4-16 % slower per experts
 # call (at 406b595). False: the table alone.
 RING_MIX = True
+# The same mixed decode in the spread gate-up with the ring's slots (SPREAD_ROWS, SPREAD_RING;
+# moe_gate_up_lut_spread_ring_mix: 106 registers a thread against 96, 177 KB of shared memory at
+# D = 4096). Built 2026-12-01 after the device time was spent, not run on a GPU: its weights pass
+# through shared memory as the ring's do, where the mix gained; in the twenty-fourth measurement's
+# call 2 it ran only beside down's mixed decode, which lost. Off until measured
+# (benchmarks/h200_checks.sh spreadmix).
+SPREAD_RING_MIX = False
 
 
 @functools.cache
@@ -164,6 +172,8 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
         smem = shared_bytes(D, 1, SPREAD_WARPS)
         if not (SPREAD_RING and _ring_fits(xq.device.index, smem)):
             kernel, smem = _GATE_UP_SPREAD, shared_bytes(D)
+        elif SPREAD_RING_MIX and D <= 8192 and _ring_fits(xq.device.index, shared_bytes(D, 1, SPREAD_WARPS, True)):
+            kernel, smem = _GATE_UP_SPREAD_RING_MIX, shared_bytes(D, 1, SPREAD_WARPS, True)
         else:
             kernel = _GATE_UP_SPREAD_RING
         kernel.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), smem, None, *args, spread,

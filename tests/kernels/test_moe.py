@@ -622,6 +622,33 @@ def test_gpu_lut_ring_mix_gives_the_same_bits(M, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 2])
+def test_gpu_lut_spread_ring_mix_gives_the_same_bits(M, monkeypatch):
+    """The spread gate-up with the ring's slots and the mixed decode (moe_lut.SPREAD_RING_MIX) gives the
+    table's bits at V4-Flash expert shapes: per-pair outputs, the combine (with and without the
+    shared expert's output), a sparse table's pairs; at 2 rows a slot holding both rows' pairs;
+    three calls."""
+    from megastep.kernels import moe_lut
+
+    monkeypatch.setattr(moe_lut, "SPREAD_ROWS", (1, 2))
+    monkeypatch.setattr(moe_lut, "SPREAD_RING", True)
+    ex, x, ids, wts = _many_pair_inputs(M, 41)
+    if M == 2:  # a slot with both rows' pairs
+        ids[1, 0] = next(e for e in ids[0].tolist() if e not in ids[1].tolist())
+    outputs = _lut_outputs(ex, x, ids, wts)
+    monkeypatch.setattr(moe_lut, "SPREAD_RING_MIX", False)
+    want = outputs()
+    check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
+    monkeypatch.setattr(moe_lut, "SPREAD_RING_MIX", True)
+    assert moe_lut._ring_fits(x.device.index, moe_lut.shared_bytes(4096, 1, moe_lut.SPREAD_WARPS, mix=True)) or \
+        torch.cuda.get_device_capability(x.device)[0] < 9
+    for _ in range(3):
+        got = outputs()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX prmt.b32 (default mode): result byte k = byte (selector nibble k & 7) of {b, a}, or that
     byte's top bit replicated where the nibble's bit 3 is set."""
@@ -680,7 +707,7 @@ def test_lut_kernels_build_for_sm90():
     from megastep.kernels import moe_lut
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
-               "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix")
+               "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
     # without their loads
@@ -718,7 +745,7 @@ def test_lut_signatures_match_the_kernels():
     from megastep.kernels import moe_lut
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
-                   moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX):
+                   moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
