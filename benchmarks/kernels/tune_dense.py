@@ -137,7 +137,8 @@ def sweep(device, log=print) -> dict[tuple[int, int], DenseConfig]:
             f"{' / '.join(map(str, BS))} (GB/s of the weight at M = {BS[0]})")
         for c, t, why in rows:
             progs = -(-N // c.block_n) * DN.split_plan(K, c)[0]
-            head = f"  bn {c.block_n:3d} bk {c.block_k:3d} split {c.split_k:3d} warps {c.num_warps} ({progs:4d} programs)"
+            head = (f"  bn {c.block_n:3d} bk {c.block_k:3d} split {c.split_k:3d} warps {c.num_warps} "
+                    f"({progs:4d} programs)")
             if t is None:
                 log(f"{head}  failed: {why}")
             else:

@@ -570,6 +570,23 @@ def test_gpu_lut_slots_of_many_pairs(M):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def _same_bits_when(monkeypatch, setting, off, on, smem, ex, x, ids, wts):
+    """The lut outputs (_lut_outputs) with moe_lut.<setting> = on equal, in three calls and bit for
+    bit, those with it = off, which are checked against the ref first. smem: the shared memory the
+    on-arm's kernel takes, which a Hopper gives (else it would not be taken: the arms must differ)."""
+    from megastep.kernels import moe_lut
+
+    outputs = _lut_outputs(ex, x, ids, wts)
+    monkeypatch.setattr(moe_lut, setting, off)
+    want = outputs()
+    check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
+    monkeypatch.setattr(moe_lut, setting, on)
+    assert moe_lut._ring_fits(x.device.index, smem) or torch.cuda.get_device_capability(x.device)[0] < 9
+    for _ in range(3):
+        got = outputs()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 3, 16, 64])
@@ -580,19 +597,7 @@ def test_gpu_lut_ring_gives_the_same_bits(M, monkeypatch):
     table's pairs; slots of one, two and several pairs (several passes); three calls."""
     from megastep.kernels import moe_lut
 
-    ex, x, ids, wts = _many_pair_inputs(M, 23)
-    outputs = _lut_outputs(ex, x, ids, wts)
-
-    monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", None)
-    want = outputs()
-    check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
-    monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", 1)
-    # (on a Hopper the ring is taken: the arms differ)
-    assert moe_lut._ring_fits(x.device.index, moe_lut.shared_bytes(4096, 2, 16)) or \
-        torch.cuda.get_device_capability(x.device)[0] < 9
-    for _ in range(3):
-        got = outputs()
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _same_bits_when(monkeypatch, "RING_MIN_ROWS", None, 1, moe_lut.shared_bytes(4096, 2, 16), *_many_pair_inputs(M, 23))
 
 
 @pytest.mark.gpu
@@ -607,19 +612,9 @@ def test_gpu_lut_ring_mix_gives_the_same_bits(M, monkeypatch):
     calls."""
     from megastep.kernels import moe_lut
 
-    ex, x, ids, wts = _many_pair_inputs(M, 37)
-    outputs = _lut_outputs(ex, x, ids, wts)
-    monkeypatch.setattr(moe_lut, "RING_MIX", False)
-    want = outputs()
-    check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
-    monkeypatch.setattr(moe_lut, "RING_MIX", True)
-    # (on a Hopper the ring with the exponents still fits: the mixed kernel is taken)
     assert moe_lut.ring_rows(M)
-    assert moe_lut._ring_fits(x.device.index, moe_lut.shared_bytes(4096, 2, 16, mix=True)) or \
-        torch.cuda.get_device_capability(x.device)[0] < 9
-    for _ in range(3):
-        got = outputs()
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _same_bits_when(monkeypatch, "RING_MIX", False, True, moe_lut.shared_bytes(4096, 2, 16, mix=True),
+                    *_many_pair_inputs(M, 37))
 
 
 @pytest.mark.gpu
@@ -637,16 +632,8 @@ def test_gpu_lut_spread_ring_mix_gives_the_same_bits(M, monkeypatch):
     ex, x, ids, wts = _many_pair_inputs(M, 41)
     if M == 2:  # a slot with both rows' pairs
         ids[1, 0] = next(e for e in ids[0].tolist() if e not in ids[1].tolist())
-    outputs = _lut_outputs(ex, x, ids, wts)
-    monkeypatch.setattr(moe_lut, "SPREAD_RING_MIX", False)
-    want = outputs()
-    check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
-    monkeypatch.setattr(moe_lut, "SPREAD_RING_MIX", True)
-    assert moe_lut._ring_fits(x.device.index, moe_lut.shared_bytes(4096, 1, moe_lut.SPREAD_WARPS, mix=True)) or \
-        torch.cuda.get_device_capability(x.device)[0] < 9
-    for _ in range(3):
-        got = outputs()
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _same_bits_when(monkeypatch, "SPREAD_RING_MIX", False, True,
+                    moe_lut.shared_bytes(4096, 1, moe_lut.SPREAD_WARPS, mix=True), ex, x, ids, wts)
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
