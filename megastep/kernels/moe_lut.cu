@@ -401,20 +401,20 @@ __device__ __forceinline__ void store_unit(char* xsm, const Layout& L, int r, in
   *reinterpret_cast<uint4*>(xsm + r * L.rowpitch + u * 16) = v;
 }
 
-// x row `src` into row slot r of the Layout: unit u by the calling thread
-__device__ __forceinline__ void stage_unit(char* xsm, const Args& a, const Layout& L, int r, int src, int u) {
-  store_unit(xsm, L, r, u, *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8));
-}
-
-// stage_unit for the kMix kernels: a unit of an even 128-block as it is (bf16, the table's MMAs); one
-// of an odd block (decode_f16's MMAs) as its 8 values in fp16 x / s, s the power-of-two scale of
-// the block (pow2_scale of the block's max: the block's 16 units are a half-warp's, stage_x's units
-// running in warp order, every lane taking part in the max), and the block's biased exponent of s
-// into xexp[r][u / 16]. x holds e4m3 codes times a power of two (the activation quantization's
-// output), so x / s is exact in fp16.
-__device__ __forceinline__ void stage_unit_mix(char* xsm, int* xexp, const Args& a, const Layout& L, int r, int src,
-                                               int u) {
+// x row `src` into row slot r of the Layout: unit u by the calling thread. kMix: a unit of an even
+// 128-block as it is (bf16, the table's MMAs); one of an odd block (decode_f16's MMAs) as its 8
+// values in fp16 x / s, s the power-of-two scale of the block (pow2_scale of the block's max: the
+// block's 16 units are a half-warp's, the callers' units running in warp order, every lane taking
+// part in the max), and the block's biased exponent of s into xexp[r][u / 16]. x holds e4m3 codes
+// times a power of two (the activation quantization's output), so x / s is exact in fp16.
+template <bool kMix = false>
+__device__ __forceinline__ void stage_unit(char* xsm, int* xexp, const Args& a, const Layout& L, int r, int src,
+                                           int u) {
   const uint4 v = *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
+  if constexpr (!kMix) {
+    store_unit(xsm, L, r, u, v);
+    return;
+  }
   const float f[8] = {bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y),
                       bf16_lo(v.z), bf16_hi(v.z), bf16_lo(v.w), bf16_hi(v.w)};
   float amax = 0.f;
@@ -448,10 +448,7 @@ __device__ __forceinline__ void stage_x(char* xsm, const Args& a, const Layout& 
   for (int i = threadIdx.x & (kThreads - 1); i < np * units; i += kThreads) {
     const int p = i / units;
     const int pair = a.pair_ptr[start + c0 + p];
-    if constexpr (kMix)
-      stage_unit_mix(xsm, xexp, a, L, p, a.down ? pair : pair / a.topk, i % units);
-    else
-      stage_unit(xsm, a, L, p, a.down ? pair : pair / a.topk, i % units);
+    stage_unit<kMix>(xsm, xexp, a, L, p, a.down ? pair : pair / a.topk, i % units);
   }
 }
 
@@ -472,7 +469,7 @@ __device__ __forceinline__ void warp_sums(S& st, const char* table, const char* 
   // t / 2, not of the pair whose x it loads; a lane of an absent pair takes row 0's: finite scales
   // for its zero sums)
   const int xe_row = t >> 1 && np > 1 ? xrow[1] : xrow[0];
-  pass<S, kMix>(st, table, lane * 4, xl, t, active, acc, lo, xexp + xe_row * (L.rowpitch / 256));
+  pass<S, kMix>(st, table, lane * 4, xl, t, active, acc, lo, kMix ? xexp + xe_row * (L.rowpitch / 256) : nullptr);
   // lane t: owners 2(t & 1), 2(t & 1) + 1 of pair t / 2, rows g (v = 0) and g + 8 (v = 1)
   float tv[2];
 #pragma unroll
@@ -671,12 +668,8 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
   const int T = __ldcg(a.nslot) * blocks;
   const int lo = (int)((long long)blockIdx.x * T / gridDim.x), hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
   const int units = a.K / 8;
-  for (int i = threadIdx.x; i < a.spread * units; i += kSpreadWarps * 32) {  // (warp-uniform: units % 64 == 0)
-    if constexpr (kMix)
-      stage_unit_mix(xsm, xexp, a, L, i / units, i / units, i % units);
-    else
-      stage_unit(xsm, a, L, i / units, i / units, i % units);
-  }
+  for (int i = threadIdx.x; i < a.spread * units; i += kSpreadWarps * 32)  // (warp-uniform: units % 64 == 0)
+    stage_unit<kMix>(xsm, xexp, a, L, i / units, i / units, i % units);
   __syncthreads();
   for (int task = lo + blk; task < hi; task += kSpreadWarps) {
     int r0, r1, cnt, start;

@@ -124,6 +124,14 @@ def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, mix: bool = False
     return LUT_BYTES + (EXP_BYTES if mix else 0) + halves * 4 * K + slot_warps * RING_DEPTH * 2048
 
 
+def _ring_kernel(plain, mixed, want_mix: bool, index: int, K: int, halves: int, slot_warps: int):
+    """(kernel, dynamic shared memory) of a launch whose weights pass through ring slots: `mixed`
+    where want_mix and its x block exponents fit (K / 128 <= 64 blocks, 1 KB more shared memory on
+    device `index`), else `plain`."""
+    mix = want_mix and K <= 8192 and _ring_fits(index, shared_bytes(K, halves, slot_warps, True))
+    return (mixed if mix else plain), shared_bytes(K, halves, slot_warps, mix)
+
+
 def spread_rows(pairs: torch.Tensor, topk: int) -> int:
     """M when a gate-up launch over these pairs (M rows) takes moe_gate_up_lut_spread, else 0."""
     M = pairs.numel() // topk
@@ -169,22 +177,18 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
     ring_warps = 2 * THREADS // 32  # the ring kernel: two halves, 16 warps' slots
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
-        smem = shared_bytes(D, 1, SPREAD_WARPS)
-        if not (SPREAD_RING and _ring_fits(xq.device.index, smem)):
-            kernel, smem = _GATE_UP_SPREAD, shared_bytes(D)
-        elif SPREAD_RING_MIX and D <= 8192 and _ring_fits(xq.device.index, shared_bytes(D, 1, SPREAD_WARPS, True)):
-            kernel, smem = _GATE_UP_SPREAD_RING_MIX, shared_bytes(D, 1, SPREAD_WARPS, True)
+        if SPREAD_RING and _ring_fits(xq.device.index, shared_bytes(D, 1, SPREAD_WARPS)):
+            kernel, smem = _ring_kernel(_GATE_UP_SPREAD_RING, _GATE_UP_SPREAD_RING_MIX, SPREAD_RING_MIX,
+                                        xq.device.index, D, 1, SPREAD_WARPS)
         else:
-            kernel = _GATE_UP_SPREAD_RING
+            kernel, smem = _GATE_UP_SPREAD, shared_bytes(D)
         kernel.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), smem, None, *args, spread,
                       pdl=pdl_enabled())
     elif ring_rows(pairs.numel() // topk) and _ring_fits(xq.device.index, shared_bytes(D, 2, ring_warps)):
-        # items (slot, channel tile), two at a time per CTA; RING_MIX where x's block exponents fit too
-        # (at most 64 blocks, 1 KB more shared memory)
-        mix = RING_MIX and D <= 8192 and _ring_fits(xq.device.index, shared_bytes(D, 2, ring_warps, True))
-        (_GATE_UP_RING_MIX if mix else _GATE_UP_RING).launch(
-            _ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1),
-            shared_bytes(D, 2, ring_warps, mix), None, *args, pdl=pdl_enabled())
+        # items (slot, channel tile), two at a time per CTA
+        kernel, smem = _ring_kernel(_GATE_UP_RING, _GATE_UP_RING_MIX, RING_MIX, xq.device.index, D, 2, ring_warps)
+        kernel.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1), smem, None, *args,
+                      pdl=pdl_enabled())
     else:  # items (slot, channel tile)
         _GATE_UP.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None, *args,
                         pdl=pdl_enabled())
