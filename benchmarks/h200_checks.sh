@@ -29,8 +29,7 @@
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
 #   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
-#   bash benchmarks/h200_checks.sh dense      # the BF16 linear's configurations: the sweep and its pins, their GPU tests, the step A/B against the rule (~7 min)
-#   bash benchmarks/h200_checks.sh spreadmix  # the spread gate-up's mixed decode: its GPU tests, the experts calls at 1-2 rows, the step A/B at 1 and 2 rows (~5 min)
+#   bash benchmarks/h200_checks.sh idxbeside  # a CSA layer's indexer beside the attention's wq_b: its GPU tests, the step A/B at 1-64 rows, the 1-row timeline (~6 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -254,34 +253,20 @@ for group in "$@"; do
           bench_with "ringmix_on4_$arm" 60 "$m; m.RING_MIX = True; m.RING_MIN_ROWS = 4" --layers 30 --batch 4
         done
       fi ;;
-    spreadmix)  # the spread gate-up's mixed decode (moe_lut.SPREAD_RING_MIX, built 2026-12-01): its GPU tests, the experts
-      # calls alone at 1 and 2 rows, then the step A/B/A/B at 2 rows (the spread's rows) and at 1 row with the spread
-      # taken there too (SPREAD_ROWS = (1, 2)) against the default (whole items in the mixed ring)
-      step spreadmix_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py -k "spread"
-      if grep -qiE "failed|error|timeout" "$OUT/spreadmix_tests.log"; then
-        summary+=("spreadmix arms skipped: the tests did not pass")
+    idxbeside)  # a CSA layer's indexer beside the attention's wq_b (fast.INDEXER_BESIDE_ROWS, built 2026-12-01): the
+      # fast step's GPU tests of it and of the streams, then the step A/B/A/B at 1-64 rows and the 1-row timeline with it
+      step idxbeside_tests 240 python3 -m pytest -q -rfE --timeout 200 -m gpu tests/test_fast_gpu.py \
+        -k "indexer_beside or side_stream_changes or alone or graph_replay"
+      if grep -qiE "failed|error|timeout" "$OUT/idxbeside_tests.log"; then
+        summary+=("idxbeside arms skipped: the tests did not pass")
       else
-        step spreadmix_kernels 90 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT" --ms 1,2 \
-          --engines lut,lut_spread_ring,lut_spread_mix
-        m='import megastep.kernels.moe_lut as m'
+        m='import megastep.model.fast as f'
         for arm in a b; do
-          bench "spreadmix_default_$arm" 120 --layers 30 --batch 1,2
-          bench_with "spreadmix_on_$arm" 60 "$m; m.SPREAD_RING_MIX = True" --layers 30 --batch 2
-          bench_with "spreadmix_on1_$arm" 60 "$m; m.SPREAD_RING_MIX = True; m.SPREAD_ROWS = (1, 2)" --layers 30 --batch 1
+          bench_with "idxbeside_off_$arm" 120 "$m; f.INDEXER_BESIDE_ROWS = 0" --layers 30 --batch 1,2,4,8,16,32,64
+          bench_with "idxbeside_on_$arm" 60 "$m; f.INDEXER_BESIDE_ROWS = 64" --layers 30 --batch 1,2,4,8,16,32,64
         done
+        bench_with idxbeside_timeline 60 "$m; f.INDEXER_BESIDE_ROWS = 64" --layers 30 --batch 1 --timeline
       fi ;;
-    dense)  # the BF16 linear's configurations (tune_dense.py, built 2026-12-01): the sweep pins its winners (back under
-      # $OUT/pinned/ to be committed), the dense, router and fast-step GPU tests under them, then the step A/B: the new
-      # pins against pick_config's rule (the lm head's pin kept in both)
-      step dense_tune 200 python3 benchmarks/kernels/tune.py --only dense --write --json "$OUT/tune_dense.json"
-      mkdir -p "$OUT/pinned" && cp megastep/kernels/dense.py "$OUT/pinned/"
-      step dense_tests 200 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_dense.py \
-        tests/kernels/test_router.py tests/test_fast_gpu.py -k "v4 or gate or route or same_input or alone or graph_replay"
-      rule='import megastep.kernels.dense as d; d._PINNED = {k: v for k, v in d._PINNED.items() if k == (129280, 4096)}'
-      for arm in a b; do
-        bench "dense_pinned_$arm" 120 --layers 30 --batch 1,4,16,64
-        bench_with "dense_rule_$arm" 90 "$rule" --layers 30 --batch 1,4,16,64
-      done ;;
     sms)  # is the experts' loop bound per SM? The experts calls alone at 1 and 16 rows with their grids sized for
       # 132 (all), 100 and 66 SMs (moe_lut._sms patched in the process)
       for n in 132 100 66; do

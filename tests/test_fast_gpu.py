@@ -156,21 +156,48 @@ def test_cuda_routing_gives_the_triton_routers_bits(experts, monkeypatch):
     bit, at 1 row (graphs with PDL) and in a batch of 16."""
     from megastep.kernels import route_cuda
 
-    def run(built):
-        out = greedy_logits(steps=6, built=built)[1]
-        cfg, dec, runner = built
+    want = one_and_sixteen_rows(build(experts=experts, router="triton"))
+    got = one_and_sixteen_rows(build(experts=experts, router="cuda"))
+    monkeypatch.setattr(route_cuda, "MAX_GROUPED_PAIRS", 0)
+    ungrouped = one_and_sixteen_rows(build(experts=experts, router="cuda"))
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(want, got, ungrouped))
+
+
+def one_and_sixteen_rows(built):
+    """The logits of greedy_logits(steps=6) at 1 row, then of 3 steps of a batch of 16."""
+    out = greedy_logits(steps=6, built=built)[1]
+    cfg, dec, runner = built
+    for s in range(16):
+        dec.pools.reset(s)
+    toks = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).cuda()
+    for t in range(3):
+        out.append(runner.run(toks, torch.full((16,), t, device="cuda"), torch.arange(16, device="cuda"))[0])
+    return out
+
+
+@pytest.mark.parametrize("experts", ["triton", "lut"])
+def test_indexer_beside_changes_no_bits(experts, monkeypatch):
+    """fast.INDEXER_BESIDE_ROWS: a CSA layer's indexer on a stream of its own beside the attention's
+    wq_b (the qr group in two launches, each with the group launch's configuration) against the qr
+    group in one launch and the indexer after it: the same logits at 1 row and in a batch of 16,
+    past position 4 * 64 where the small preset's CSA layer (layer 1) selects 64 of its visible
+    compressed entries."""
+    from megastep.model import fast
+
+    arms = []
+    for rows in (0, 16):
+        monkeypatch.setattr(fast, "INDEXER_BESIDE_ROWS", rows)
+        cfg, dec, runner = built = build(experts=experts)
+        assert cfg.ratio(1) == 4 and cfg.index_topk == 64
+        out = greedy_logits(steps=300, built=built)[1][-40:]
         for s in range(16):
             dec.pools.reset(s)
         toks = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).cuda()
-        for t in range(3):
-            out.append(runner.run(toks, torch.full((16,), t, device="cuda"), torch.arange(16, device="cuda"))[0])
-        return out
-
-    want = run(build(experts=experts, router="triton"))
-    got = run(build(experts=experts, router="cuda"))
-    monkeypatch.setattr(route_cuda, "MAX_GROUPED_PAIRS", 0)
-    ungrouped = run(build(experts=experts, router="cuda"))
-    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(want, got, ungrouped))
+        for t in range(280):
+            lg, nt = runner.run(toks, torch.full((16,), t, device="cuda"), torch.arange(16, device="cuda"))
+            toks = nt.clone()
+        arms.append(out + [lg.clone()])
+    assert all(torch.equal(a, b) for a, b in zip(*arms))
 
 
 def test_block_step_in_a_graph_matches_eager_and_single_rows():

@@ -2,7 +2,7 @@
 kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels, kernels/moe_lut.py), or
 "lut" with whole items per CTA at every M ("lut_items": moe_lut.SPREAD_ROWS = ()), or with the
 spread gate-up at 1 and 2 rows ("lut_spread": (1, 2), its weights in registers; "lut_spread_ring":
-in the ring's slots, moe_lut.SPREAD_RING), or with the gate-up's weight steps in flight in shared
+in the ring's slots, moe_lut.SPREAD_RING, with the table's decode), or with the gate-up's weight steps in flight in shared
 memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS = 1) or at none ("lut_noring": None), or with
 the ring gate-up decoding half of its groups in registers with fp16 MMAs ("lut_mix":
 moe_lut.RING_MIX on) or none ("lut_table": off), or the spread gate-up at 1 and 2 rows with the ring's
@@ -48,7 +48,7 @@ def run(engine, fn):
         names = ("SPREAD_ROWS", "RING_MIN_ROWS", "SPREAD_RING", "RING_MIX", "SPREAD_RING_MIX")
         saved = MOE.DEFAULT_MODE, {n: getattr(LUTK, n) for n in names}
         settings = {"lut_items": {"SPREAD_ROWS": ()}, "lut_spread": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": False},
-                    "lut_spread_ring": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": True},
+                    "lut_spread_ring": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": True, "SPREAD_RING_MIX": False},
                     "lut_spread_mix": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": True, "SPREAD_RING_MIX": True},
                     "lut_ring": {"RING_MIN_ROWS": 1}, "lut_noring": {"RING_MIN_ROWS": None},
                     "lut_mix": {"RING_MIX": True}, "lut_table": {"RING_MIX": False}}.get(engine, {})

@@ -62,7 +62,10 @@ class DenseConfig:
 # (1024 x 4096) are tune_dense.py's winners on one H200 (docs/PERFORMANCE.md, twenty-fourth
 # measurement): us per call at 1 / 64 rows 4.25 / 6.04 against the rule's 5.85 / 8.10, and 6.28 /
 # 10.09 against 7.24 / 13.76. A CSA layer's (2624 x 4096) keeps the rule's (9.33 us at 1 row, 2.3 TB/s:
-# no candidate beat it).
+# no candidate beat it). The 30-layer step with the two pins against the rule, p50 ms A/B/A/B (the
+# twenty-fifth measurement): 1 row 4.476 / 4.460 against 4.538 / 4.536, 4 rows 7.544 / 7.527 against
+# 7.540 / 7.555, 64 rows 47.70 / 47.58 against 48.01 / 47.99, but 16 rows 16.758 / 16.786 against
+# 16.615 / 16.612 (the sweep scores 1 and 64 rows only; 16 not looked into).
 _PINNED: dict[tuple[int, int], DenseConfig] = {
     (256, 4096): DenseConfig(block_n=32, block_k=256, split_k=16, num_warps=4, num_stages=3),
     (1024, 4096): DenseConfig(block_n=32, block_k=128, split_k=8, num_warps=4, num_stages=3),

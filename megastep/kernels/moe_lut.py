@@ -99,11 +99,12 @@ SPREAD_RING = True
 RING_MIX = True
 # The same mixed decode in the spread gate-up with the ring's slots (SPREAD_ROWS, SPREAD_RING;
 # moe_gate_up_lut_spread_ring_mix: 106 registers a thread against 96, 177 KB of shared memory at
-# D = 4096). Built 2026-12-01 after the device time was spent, not run on a GPU: its weights pass
-# through shared memory as the ring's do, where the mix gained; in the twenty-fourth measurement's
-# call 2 it ran only beside down's mixed decode, which lost. Off until measured
-# (benchmarks/h200_checks.sh spreadmix).
-SPREAD_RING_MIX = False
+# D = 4096); its GPU test gives the table's bits. On one H200 (docs/PERFORMANCE.md, twenty-fifth
+# measurement), the 30-layer step at 2 rows, p50 ms A/B/A/B: 5.647 / 5.643 against 5.696 / 5.713
+# without it (-1.0 %), though the experts call alone took 40.5 us against 39.9. At 1 row, with the
+# spread taken there too (SPREAD_ROWS = (1, 2)), 4.529 / 4.510 against the default's 4.458 / 4.477:
+# SPREAD_ROWS stays (2,).
+SPREAD_RING_MIX = True
 
 
 @functools.cache

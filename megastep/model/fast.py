@@ -103,6 +103,15 @@ MHC_SINKHORN_BESIDE_ROWS = 16
 # launch then waits: its stretch grew 0.3 -> 5.3 us) and 16 rows 18.234 / 18.202 against 17.962 /
 # 17.927.
 MHC_SINKHORN_OWN_STREAM_ROWS = (2, 4)
+# For steps of at most this many rows, a CSA layer's indexer runs beside the attention's q: the
+# qr group's launch is split in two, the indexer's wq_b first, then (on the main stream) the
+# attention's wq_b and its q norm + RoPE while the indexer's q transform, scores and top-k run on a
+# stream of their own (the scores wait for the indexer's compressor on the side stream, not for
+# the whole side stream). Before, the indexer's four launches (~13 us of a 1-row CSA layer in the
+# twenty-fourth measurement's timeline) all waited for the whole qr group and ran between it and
+# attention. Both halves take the qr group's launch configuration (LinearGroup.part): the same
+# bits. One GPU without the CPU sidecar only. Not measured yet.
+INDEXER_BESIDE_ROWS = 64
 
 
 class FastDecoder(MoeSublayer):
@@ -212,6 +221,8 @@ class FastDecoder(MoeSublayer):
         self.side_stream = torch.cuda.Stream(self.device) if (on_cuda if overlap is None else overlap) else None
         # MHC_SINKHORN_OWN_STREAM_ROWS' stream (made here: a graph captures the streams it is given)
         self.hc_stream = torch.cuda.Stream(self.device) if self.side_stream is not None else None
+        # INDEXER_BESIDE_ROWS' stream
+        self.idx_stream = torch.cuda.Stream(self.device) if self.side_stream is not None else None
         if shared_w2 not in (None, "residual", "combine", "mhc"):
             raise ValueError(f"shared_w2 must be residual, combine or mhc, got {shared_w2!r}")
         self.shared_w2 = shared_w2
@@ -339,14 +350,16 @@ class FastDecoder(MoeSublayer):
 
     # ---- the second stream --------------------------------------------------------------------
     @contextlib.contextmanager
-    def _on_side(self):
-        """Launch on the side stream, ordered after the main stream's work so far, with its own
-        split-reduction workspaces; inline on the current stream without overlap."""
-        if self.side_stream is None:
+    def _on_side(self, stream: torch.cuda.Stream | None = None, lane: str = "side"):
+        """Launch on the side stream (or `stream`, with the workspace lane `lane`), ordered after
+        the main stream's work so far, with its own split-reduction workspaces; inline on the
+        current stream without overlap."""
+        stream = stream or self.side_stream
+        if stream is None:
             yield
             return
-        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.side_stream), _common.lane("side"):
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), _common.lane(lane):
             yield
 
     def _join(self, *made_on_side: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
@@ -394,11 +407,15 @@ class FastDecoder(MoeSublayer):
                                                    r, r == CSA_RATIO, "index" if which == "idx" else "kv",
                                                    cfg.rms_norm_eps, ape=ape)
 
-    def _indexer(self, q, wl, pos, slots, L):
-        """q: the indexer's wq_b output [B, H*di]; wl: weights_proj output fp32 [B, H]."""
+    def _indexer(self, q, wl, pos, slots, L, keys_ready: torch.cuda.Event | None = None):
+        """q: the indexer's wq_b output [B, H*di]; wl: weights_proj output fp32 [B, H].
+        keys_ready: recorded once the indexer's compressor (and wl) are done on the side stream;
+        the scores wait for it after the q transform."""
         cfg = self.cfg
         B = q.shape[0]
         q = self._kernel(_rn, "indexer_q")(q.view(B, cfg.index_n_heads, cfg.index_head_dim), self.inv_freq[True], pos)
+        if keys_ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(keys_ready)
         if self.triton and q.dtype == torch.bfloat16:  # scores read the key pool in place; radix top-k
             return _idx.indexer_topk(q, wl, self.pools.ikeys[L], slots, pos, cfg.index_topk, CSA_RATIO)
         w = wl.to(self.dtype).float() * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
@@ -420,6 +437,11 @@ class FastDecoder(MoeSublayer):
         tr, T = self.triton, self.trace
         eps = cfg.rms_norm_eps
         kw: dict = {"ratio": r}
+        # INDEXER_BESIDE_ROWS: the indexer on its own stream, beside the attention's wq_b
+        # (one GPU without the CPU sidecar: the only setting measured)
+        beside = (r == CSA_RATIO and tr and self.idx_stream is not None and B <= INDEXER_BESIDE_ROWS
+                  and self.world_size == 1 and self.sidecar is None)
+        keys_ready = torch.cuda.Event() if beside else None
         if r:  # the compressors' (and the indexer's) bf16 projections and updates, beside the q/kv path
             with self._on_side():
                 with stage(T, "attn_proj", L):
@@ -429,6 +451,8 @@ class FastDecoder(MoeSublayer):
                 if r == CSA_RATIO:
                     with stage(T, "indexer", L):
                         self._compress(xd[2], xd[3], pos, passes, L, "idx")
+                    if beside:
+                        keys_ready.record()
                 with stage(T, "compressor", L):
                     self._compress(xd[0], xd[1], pos, passes, L, "comp")
             kw["comp"] = P.cent[L]
@@ -442,10 +466,20 @@ class FastDecoder(MoeSublayer):
                 qr, qrq = _rn.rms_norm(qa, lw["q_norm"], eps, codes=True)
             else:
                 qr, qrq = _rn.rms_norm_ref(qa, lw["q_norm"], eps), None
-            qb = lw["qr_fp8"](qr, tr, codes=qrq)
-            q = self._kernel(_rn, "q_norm_rope")(qb[0].view(B, H, hd), inv_freq, pos, eps)
+            if beside:  # the indexer's rows of the qr group first: the indexer starts on them
+                qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq)
+            else:
+                qb = lw["qr_fp8"](qr, tr, codes=qrq)
+        if beside:
+            with self._on_side(self.idx_stream, "indexer"), stage(T, "indexer", L):
+                kw["idx"], kw["idx_ok"] = self._indexer(qi, xd[4], pos, slots, L, keys_ready)
+        with stage(T, "attn_proj", L):
+            qh = lw["qr_fp8"].part(0, qr, tr, codes=qrq) if beside else qb[0]  # the attention's wq_b
+            q = self._kernel(_rn, "q_norm_rope")(qh.view(B, H, hd), inv_freq, pos, eps)
         self._join(*([xd_all] if r else []))  # the side stream's work of this layer so far
-        if r == CSA_RATIO:
+        if beside:
+            self._join(kw["idx"], kw["idx_ok"], stream=self.idx_stream)
+        elif r == CSA_RATIO:
             with stage(T, "indexer", L):
                 kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)
         with stage(T, "attention", L):

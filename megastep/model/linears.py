@@ -28,14 +28,19 @@ class Linear:
         return self.block == _lin.BLOCK
 
     def __call__(self, x: torch.Tensor, triton: bool, out_dtype: torch.dtype | None = None,
-                 codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """codes: x's fp8 activation quantization made beside x (linear_fp8's x_codes), or None."""
+                 codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 config: _lin.LinearFp8Config | None = None) -> torch.Tensor:
+        """codes: x's fp8 activation quantization made beside x (linear_fp8's x_codes), or None.
+        config: the FP8 kernel's configuration instead of its pick for this shape."""
         out_dtype = out_dtype or x.dtype
         if self.scale is None:  # unquantized checkpoint: plain fp32-accumulated matmul
             return (x.float() @ self.w.float().T).to(out_dtype)
         if self.act_quant:
-            fn = _lin.linear_fp8 if triton and self.kernel_block else _lin.linear_fp8_ref
-            return fn(x.contiguous(), self.w, self.scale, block=self.block, out_dtype=out_dtype, x_codes=codes)
+            if triton and self.kernel_block:
+                return _lin.linear_fp8(x.contiguous(), self.w, self.scale, block=self.block, out_dtype=out_dtype,
+                                       x_codes=codes, config=config)
+            return _lin.linear_fp8_ref(x.contiguous(), self.w, self.scale, block=self.block, out_dtype=out_dtype,
+                                       x_codes=codes)
         raise ValueError("a linear without activation quantization is grouped (wo_a): call grouped()")
 
     def grouped(self, x: torch.Tensor, groups: int, rank: int, triton: bool) -> torch.Tensor:
@@ -71,3 +76,19 @@ class LinearGroup:
         if self.fused is None:
             return [p(x, triton, codes=codes) for p in self.parts]
         return list(self.fused(x, triton, codes=codes).split(self.sizes, dim=1))
+
+    def part(self, i: int, x: torch.Tensor, triton: bool, codes=None) -> torch.Tensor:
+        """Part i's output alone, in a launch of its own: for a caller that starts what needs only
+        this part before the other parts are read. Its rows of the fused weight go through the
+        FP8 kernel with the group launch's configuration, so each output element is the same sum
+        in the same order: the bits of `self(x)[i]` (the torch twin's, too: it is `self(x)[i]`)."""
+        f = self.fused
+        if f is None:
+            return self.parts[i](x, triton, codes=codes)
+        if not (triton and f.kernel_block and f.scale is not None):
+            return self(x, triton, codes=codes)[i]
+        lo = sum(self.sizes[:i])
+        hi = lo + self.sizes[i]
+        cfg = _lin.pick_config(x.shape[0], f.w.shape[0], f.w.shape[1])
+        rows = Linear(f.w[lo:hi], f.scale[lo // f.block:hi // f.block], f.block, f.act_quant)
+        return rows(x, triton, codes=codes, config=cfg)

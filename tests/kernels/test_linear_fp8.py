@@ -437,3 +437,24 @@ def test_gpu_a_row_gets_the_same_bits_in_every_row_tile(kind, od):
     full = fn(x)
     for m in (1, 16, 17):
         assert same_bits(fn(x[:m].contiguous()), full[:m]), m
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_a_groups_part_alone_gives_the_group_launchs_bits(M, monkeypatch):
+    """LinearGroup.part: one part of a fused group in a launch of its own, with the group launch's
+    configuration (here pinned to a split of K that the parts' own shapes would not take), gives
+    the bits of that part of the group launch, with and without x's codes; the parts' own picks
+    give other bits (fp32 output shows them), so a part that ignored the group's would fail."""
+    from megastep.kernels import linear_fp8 as lin
+    from megastep.model.linears import Linear, LinearGroup
+
+    monkeypatch.setitem(lin._PINNED, (384, 512, 16), LinearFp8Config("f16", 64, 16, 128, 2))
+    x, w, s = make(M, 384, 512, seed=7 + M, x_dtype=torch.float32)
+    parts = [Linear(w[:256], s[:2], 128, True), Linear(w[256:], s[2:], 128, True)]
+    group = LinearGroup(parts)
+    assert group.fused is not None and pick_config(M, 256, 512).split_k == pick_config(M, 128, 512).split_k == 4
+    for codes in (None, codes_of(x)):
+        whole = group(x, True, codes=codes)
+        for i in (0, 1):
+            assert same_bits(group.part(i, x, True, codes=codes), whole[i])
+    assert not all(same_bits(p(x, True), whole[i]) for i, p in enumerate(parts))
