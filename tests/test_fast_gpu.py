@@ -156,23 +156,21 @@ def test_cuda_routing_gives_the_triton_routers_bits(experts, monkeypatch):
     bit, at 1 row (graphs with PDL) and in a batch of 16."""
     from megastep.kernels import route_cuda
 
-    want = one_and_sixteen_rows(build(experts=experts, router="triton"))
-    got = one_and_sixteen_rows(build(experts=experts, router="cuda"))
+    def run(built):
+        out = greedy_logits(steps=6, built=built)[1]
+        cfg, dec, runner = built
+        for s in range(16):
+            dec.pools.reset(s)
+        toks = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).cuda()
+        for t in range(3):
+            out.append(runner.run(toks, torch.full((16,), t, device="cuda"), torch.arange(16, device="cuda"))[0])
+        return out
+
+    want = run(build(experts=experts, router="triton"))
+    got = run(build(experts=experts, router="cuda"))
     monkeypatch.setattr(route_cuda, "MAX_GROUPED_PAIRS", 0)
-    ungrouped = one_and_sixteen_rows(build(experts=experts, router="cuda"))
+    ungrouped = run(build(experts=experts, router="cuda"))
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(want, got, ungrouped))
-
-
-def one_and_sixteen_rows(built):
-    """The logits of greedy_logits(steps=6) at 1 row, then of 3 steps of a batch of 16."""
-    out = greedy_logits(steps=6, built=built)[1]
-    cfg, dec, runner = built
-    for s in range(16):
-        dec.pools.reset(s)
-    toks = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).cuda()
-    for t in range(3):
-        out.append(runner.run(toks, torch.full((16,), t, device="cuda"), torch.arange(16, device="cuda"))[0])
-    return out
 
 
 @pytest.mark.parametrize("experts", ["triton", "lut"])

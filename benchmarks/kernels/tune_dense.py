@@ -1,5 +1,5 @@
 """Sweep of the BF16 linear's configuration (megastep.kernels.dense.DenseConfig) at the shapes the
-V4-Flash decode step launches, on one GPU: candidates checked, then timed at M = 1 and M = 64;
+V4-Flash decode step launches, on one GPU: candidates checked, then timed at M = 1, 8, 16 and 64;
 the winner per shape is printed as a Python literal for dense._PINNED (tune.py --only dense
 --write pins it).
 
@@ -28,9 +28,11 @@ candidate is held to the ref's tolerance (tests/kernels/test_dense.py's: 1e-6 of
 timed. Configurations depend on (N, K) only, never on M (batch invariance).
 Timing: bench_kernels.graph_time (a CUDA graph of back-to-back calls, median of the replays, us per
 call) on rotated weight copies (at least 128 MB of them: nothing from L2), x the same for every
-call. Score: t1 / best t1 + t64 / best t64 over the candidates that pass; the winner replaces the
-current pick only if its score is 2 % lower (noise between equal configurations must not churn
-the pins).
+call. Score: the sum over those M of t_M / best t_M among the candidates that pass; the winner
+replaces the current pick only if its score is 2 % lower (noise between equal configurations must
+not churn the pins). (Until 2026-12-01 it scored M = 1 and 64 only; its two pins made the 30-layer
+step 1.4 % faster at 1 row and 0.7 % at 64 but 0.9 % slower at 16: docs/PERFORMANCE.md,
+twenty-fifth measurement.)
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from megastep.config import ModelConfig  # noqa: E402
 from megastep.kernels import dense as DN  # noqa: E402
 from megastep.kernels.dense import DenseConfig  # noqa: E402
 
-BS = (1, 64)  # rows timed: t1 at BS[0], t64 at BS[-1]
+BS = (1, 8, 16, 64)  # rows timed (the score sums over them; the GB/s column is at BS[0])
 TARGETS = (264, 528, 1056)  # programs at M = 1
 WEIGHT_BYTES = 128 << 20  # weight copies per shape: at least this much (an H200's L2 is 50 MB)
 REPS = 10
