@@ -29,8 +29,6 @@
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
 #   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
-#   bash benchmarks/h200_checks.sh densepin   # the BF16 pins one by one: the sweep scored at 1-64 rows, the step with each pin, both, neither (~5 min)
-#   bash benchmarks/h200_checks.sh idxbeside  # a CSA layer's indexer beside the attention's wq_b: its GPU tests, the step A/B at 1-64 rows, the 1-row timeline (~6 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
@@ -253,32 +251,6 @@ for group in "$@"; do
           bench_with "ringmix_on_$arm" 90 "$m; m.RING_MIX = True" --layers 30 --batch 1,4,8,16,32,64
           bench_with "ringmix_on4_$arm" 60 "$m; m.RING_MIX = True; m.RING_MIN_ROWS = 4" --layers 30 --batch 4
         done
-      fi ;;
-    densepin)  # which BF16 pin costs 8-16 rows (dense._PINNED: the gate's and the HCA compressors' projection's,
-      # twenty-fifth measurement): tune_dense.py scored at 1, 8, 16 and 64 rows (its winners printed and in the JSON,
-      # dense.py untouched), then the step at 1, 8, 16 and 64 rows with both pins, each alone, and neither (A/B: both, neither)
-      step densepin_tune 150 python3 benchmarks/kernels/tune_dense.py --json "$OUT/tune_dense.json"
-      d='import megastep.kernels.dense as d'
-      for arm in a b; do
-        bench_with "densepin_both_$arm" 120 "$d" --layers 30 --batch 1,8,16,64
-        bench_with "densepin_rule_$arm" 60 "$d; d._PINNED.pop((256, 4096)); d._PINNED.pop((1024, 4096))" \
-          --layers 30 --batch 1,8,16,64
-      done
-      bench_with densepin_gate 60 "$d; d._PINNED.pop((1024, 4096))" --layers 30 --batch 1,8,16,64
-      bench_with densepin_hca 60 "$d; d._PINNED.pop((256, 4096))" --layers 30 --batch 1,8,16,64 ;;
-    idxbeside)  # a CSA layer's indexer beside the attention's wq_b (fast.INDEXER_BESIDE_ROWS, built 2026-12-01): the
-      # fast step's GPU tests of it and of the streams, then the step A/B/A/B at 1-64 rows and the 1-row timeline with it
-      step idxbeside_tests 240 python3 -m pytest -q -rfE --timeout 200 -m gpu tests/test_fast_gpu.py \
-        -k "indexer_beside or side_stream_changes or alone or graph_replay"
-      if grep -qiE "failed|error|timeout" "$OUT/idxbeside_tests.log"; then
-        summary+=("idxbeside arms skipped: the tests did not pass")
-      else
-        m='import megastep.model.fast as f'
-        for arm in a b; do
-          bench_with "idxbeside_off_$arm" 120 "$m; f.INDEXER_BESIDE_ROWS = 0" --layers 30 --batch 1,2,4,8,16,32,64
-          bench_with "idxbeside_on_$arm" 60 "$m; f.INDEXER_BESIDE_ROWS = 64" --layers 30 --batch 1,2,4,8,16,32,64
-        done
-        bench_with idxbeside_timeline 60 "$m; f.INDEXER_BESIDE_ROWS = 64" --layers 30 --batch 1 --timeline
       fi ;;
     sms)  # is the experts' loop bound per SM? The experts calls alone at 1 and 16 rows with their grids sized for
       # 132 (all), 100 and 66 SMs (moe_lut._sms patched in the process)

@@ -58,16 +58,17 @@ class DenseConfig:
 
 # Pinned per (N, K) for the V4-Flash shapes (benchmarks/kernels/tune.py --only dense --write rewrites
 # this table). The lm head's (129280 x 4096, 2020 column tiles) follows what linear_fp8 measured for
-# the same bytes per step. The router's gate (256 x 4096) and an HCA layer's compressor projection
-# (1024 x 4096) are tune_dense.py's winners on one H200 (docs/PERFORMANCE.md, twenty-fourth
-# measurement): us per call at 1 / 64 rows 4.25 / 6.04 against the rule's 5.85 / 8.10, and 6.28 /
-# 10.09 against 7.24 / 13.76. A CSA layer's (2624 x 4096) keeps the rule's (9.33 us at 1 row, 2.3 TB/s:
-# no candidate beat it). The 30-layer step with the two pins against the rule, p50 ms A/B/A/B (the
-# twenty-fifth measurement): 1 row 4.476 / 4.460 against 4.538 / 4.536, 4 rows 7.544 / 7.527 against
-# 7.540 / 7.555, 64 rows 47.70 / 47.58 against 48.01 / 47.99, but 16 rows 16.758 / 16.786 against
-# 16.615 / 16.612 (the sweep scores 1 and 64 rows only; 16 not looked into).
+# the same bytes per step. An HCA layer's compressor projection (1024 x 4096) is tune_dense.py's
+# winner on one H200 (docs/PERFORMANCE.md, twenty-fourth measurement): us per call at 1 / 64 rows
+# 6.28 / 10.09 against the rule's 7.24 / 13.76. A CSA layer's (2624 x 4096) keeps the rule's (9.33 us
+# at 1 row, 2.3 TB/s: no candidate beat it). The router's gate (256 x 4096) keeps the rule's too:
+# its sweep winner (bn 32, bk 256, split 16: 4.25 us against 5.85 at 1 row, the fastest alone at 1,
+# 8, 16 and 64 rows) made the 30-layer step slower at 8 and 16 rows, where the shared expert's
+# launches run beside the gate. p50 ms at 1 / 8 / 16 / 64 rows, one call (twenty-fifth measurement):
+# neither pin 4.522 / 11.134 / 16.571 / 48.133 (A/B means), the HCA pin 4.504 / 11.206 / 16.579 /
+# 48.006, the gate pin 4.490 / 11.387 / 16.764 / 47.790, both 4.499 / 11.444 / 16.805 / 47.746.
+# (tune_dense.py reports the gate and never pins it: STEP_KEEPS.)
 _PINNED: dict[tuple[int, int], DenseConfig] = {
-    (256, 4096): DenseConfig(block_n=32, block_k=256, split_k=16, num_warps=4, num_stages=3),
     (1024, 4096): DenseConfig(block_n=32, block_k=128, split_k=8, num_warps=4, num_stages=3),
     (129280, 4096): DenseConfig(block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=4),
 }

@@ -115,7 +115,7 @@ MHC_SINKHORN_OWN_STREAM_ROWS = (2, 4)
 # 4.469 against 4.476 / 4.474, 2 rows 5.623 / 5.634 against 5.689 / 5.683, 4 rows 7.591 / 7.571
 # against 7.621 / 7.618, 8-32 rows within 0.1 % either way, 64 rows 47.61 / 47.59 against 47.70 /
 # 47.80. At 1 row the indexer leaves the path (its top-k ends 0.2 us before q) but the q path
-# grows as much: the attention's wq_b waits for the indexer's launch (128 programs, 7 us for 8 MB)
+# grows about as much: the attention's wq_b waits for the indexer's launch (128 programs, 7 us for 8 MB)
 # and then streams beside the compressors' projection and the indexer's launches (19.8 us for 34 MB).
 INDEXER_BESIDE_ROWS = 64
 

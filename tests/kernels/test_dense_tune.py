@@ -66,9 +66,12 @@ def test_tune_pins_dense_winners(tmp_path):
     assert TUNE.TUNERS["dense"] == ("tune_dense", "megastep.kernels.dense")
     src = tmp_path / "dense.py"
     src.write_text(open(dense.__file__).read())
-    table = {**dense._PINNED, (2624, 4096): DenseConfig(32, 256, 8)}
+    # the module's class at run time: kernels/conftest.py and test_dense.py reload dense under the
+    # interpreter, after which the name imported above is another class, whose instances never
+    # equal the table's
+    table = {**dense._PINNED, (2624, 4096): dense.DenseConfig(32, 256, 8)}
     TUNE.rewrite_pinned(src, table)
-    ns = {"DenseConfig": DenseConfig}
+    ns = {"DenseConfig": dense.DenseConfig}
     tree = ast.parse(src.read_text())
     node = next(n for n in tree.body if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "_PINNED")
     assert eval(compile(ast.Expression(node.value), "dense.py", "eval"), ns) == table

@@ -142,7 +142,7 @@ def test_gate_route_group_equals_gate_then_route_group(B, E, D, k, kind):
     """The gate GEMV inside the router's launch gives linear_bf16's logits bit for bit (the same
     programs), and then route_group's idx, w, grouping and quantized x exactly; twice in a row
     (both arrival counters reset themselves). D 4096 / E 64: split-K over 16 programs per tile;
-    D 96: one split; D 4096 / E 256: V4-Flash's gate, its pinned configuration (dense._PINNED)."""
+    D 96: one split; D 4096 / E 256: V4-Flash's gate (dense.pick_config's rule for it)."""
     from megastep.kernels.dense import linear_bf16
     from megastep.kernels.router import gate_route_group, route_group
 
