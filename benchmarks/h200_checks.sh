@@ -229,7 +229,7 @@ for group in "$@"; do
       # then the step at 1-64 rows
       step final_tests 380 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
         tests/kernels/test_moe.py tests/kernels/test_route_cuda.py \
-        -k "cold_expert or alone or same_input or graph_replay or lut or route"
+        -k "cold_expert or alone or same_input or graph_replay or indexer_beside or lut or route"
       bench final 170 --layers 30 --batch 1,2,4,8,16,32,64 ;;
     probe)  # where a 1- and 4-row experts call's launches spend their time: the probe build's stamps (moe_lut_probe.py)
       step lut_probe 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT" --ms 1,4
