@@ -242,6 +242,17 @@ def peer_transformers(cfg: ModelConfig, seed: int, device: torch.device, context
 _AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # --pdl, --shared-after-router -> FastDecoder's
 
 
+def _batches(text: str) -> list[int]:
+    """--batch: comma-separated row counts, each at least 1, ascending without repeats."""
+    try:
+        rows = sorted({int(b) for b in text.replace(" ", "").split(",") if b})
+    except ValueError:
+        rows = []
+    if not rows or rows[0] < 1:
+        raise UserError(f"--batch must be comma-separated row counts >= 1 (e.g. 1,4,16,64), got {text!r}")
+    return rows
+
+
 def _check_args(args: argparse.Namespace, batches: list[int]) -> None:
     if args.json:
         check_output_file(args.json, "--json")
@@ -260,7 +271,7 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
     from megastep.model.fast import FastDecoder
     from megastep.runtime.step import StepRunner
 
-    batches = sorted({int(b) for b in args.batch.split(",")})
+    batches = _batches(args.batch)
     _check_args(args, batches)
     dev = rank.device if rank is not None else torch.device("cuda")
     W = rank.world_size if rank is not None else 1
@@ -436,7 +447,7 @@ def bench_main(args: argparse.Namespace) -> int:
 
         gpus = D.parse_gpus(args.gpus)
         D.check_world_size(preset(args.preset, layers=args.layers).n_routed_experts, len(gpus))
-        _check_args(args, sorted({int(b) for b in args.batch.split(",")}))
+        _check_args(args, _batches(args.batch))
         out = D.launch(_bench_rank, len(gpus), (args,), backend="nccl", gpus=gpus, timeout_s=3600)[0]
     else:
         out = run_bench(args)

@@ -50,6 +50,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UserError("--max-new-tokens must be >= 0")
     if args.temperature < 0:
         raise UserError("--temperature must be >= 0")
+    if not 0.0 < args.top_p <= 1.0:  # the server's rule for top_p
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (0: no cut), got {args.top_k}")
     if (args.prompt is None) == (args.prompt_ids is None):
         raise UserError("give either a PROMPT or --prompt-ids (not both)")
     model_dir = _model_dir(args.model)

@@ -83,6 +83,13 @@ def test_no_quant_sim_flag_changes_numerics_not_interface(small_dir, capsys):
         (["serve", "--gpus", "0,1", "--device", "cuda"], "drop --device"),
         (["serve", "--gpus", "0,1", "--engine", "reference"], "drop --engine reference"),
         (["serve", "--gpus", "0,x"], "comma-separated GPU ids"),
+        (["bench", "--batch", "1,x"], "comma-separated row counts"),
+        (["bench", "--batch", "0,4"], "comma-separated row counts"),
+        (["bench", "--gpus", "0,1", "--batch", "x"], "comma-separated row counts"),
+        (["serve", "--model", "{small}", "--port", "99999"], "--port must be in 0..65535"),
+        (["serve", "--model", "{small}", "--prefill-block", "0"], "--prefill-block must be >= 1"),
+        (["generate", "--model", "{small}", "--top-p", "2", "hi"], "--top-p must be in (0, 1]"),
+        (["generate", "--model", "{small}", "--top-k", "-1", "hi"], "--top-k must be >= 0"),
         # outputs that cannot be written: refused before the work, not after it
         (["bench", "--json", "/nonexistent/dir/r.json"], "no such folder"),
         (["bench", "--json", "{small}"], "is a folder"),

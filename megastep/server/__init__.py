@@ -82,11 +82,11 @@ def build_engine(args: argparse.Namespace, model_dir, rank=None):
         raise UserError(f"--device must be cpu or cuda[:N], got {device!r}")
     kind = args.engine if args.engine != "auto" else (
         "fast" if device.startswith("cuda") or rank is not None else "reference")
+    if args.prefill_block < 1:  # (only the fast engine reads it; refused for either)
+        raise UserError(f"--prefill-block must be >= 1, got {args.prefill_block}")
     if kind == "fast":
         if not device.startswith("cuda") and rank is None:
             raise UserError("--engine fast needs --device cuda")
-        if args.prefill_block < 1:
-            raise UserError(f"--prefill-block must be >= 1, got {args.prefill_block}")
         ep = {} if rank is None else {"rank": rank.rank, "world_size": rank.world_size}
         return FastEngine(model_dir, device=device, max_seqs=args.max_seqs, max_block=args.prefill_block,
                           hbm_budget_gb=args.hbm_budget, routing_profile=args.routing_profile,
@@ -207,6 +207,8 @@ def serve_main(args: argparse.Namespace) -> int:
     from megastep.errors import UserError
 
     try:
+        if not 0 <= args.port <= 65535:  # before the model loads (the socket would refuse it only after)
+            raise UserError(f"--port must be in 0..65535, got {args.port}")
         if args.gpus:
             import signal
 
