@@ -2,11 +2,12 @@
 kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels, kernels/moe_lut.py), or
 "lut" with whole items per CTA at every M ("lut_items": moe_lut.SPREAD_ROWS = ()), or with the
 spread gate-up at 1 and 2 rows ("lut_spread": (1, 2), its weights in registers; "lut_spread_ring":
-in the ring's slots, moe_lut.SPREAD_RING, with the table's decode), or with the gate-up's weight steps in flight in shared
-memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS = 1) or at none ("lut_noring": None), or with
-the ring gate-up decoding half of its groups in registers with fp16 MMAs ("lut_mix":
-moe_lut.RING_MIX on) or none ("lut_table": off), or the spread gate-up at 1 and 2 rows with the ring's
-slots and the mixed decode ("lut_spread_mix": moe_lut.SPREAD_RING_MIX); the outputs must equal the
+in the ring's slots, moe_lut.SPREAD_RING, with the table's decode), or with the gate-up's weight
+steps in flight in shared memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS = 1) or at none
+("lut_noring": None), or with the ring gate-up decoding half of its groups in registers with fp16
+MMAs ("lut_mix": moe_lut.RING_MIX on) or none ("lut_table": off), or the spread gate-up at 1 and 2
+rows with the ring's slots and the mixed decode ("lut_spread_mix": moe_lut.SPREAD_RING_MIX, the
+default at 2 rows since 2026-12-01); the outputs must equal the
 first lut engine's bit for bit. (Earlier experiments measured with it and removed: a CUDA C++
 gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the
 fifteenth; the MMA columns in lane-major order, the twenty-second; the routed experts of 1-2 rows
