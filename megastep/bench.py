@@ -31,7 +31,7 @@ import torch
 
 from megastep.checkpoint.synthetic import LazyDeviceWeights, preset, synthesize_on_device
 from megastep.config import CSA_RATIO, ModelConfig
-from megastep.errors import UserError, check_output_file
+from megastep.errors import UserError, check_output_file, comma_ints, writing
 from megastep.kernels import moe_lut, route_cuda
 from megastep.runtime.bandwidth import (cpu_read_bandwidth, host_read_bandwidth, hybrid_cpu_share,
                                         stream_read_bandwidth)
@@ -244,12 +244,10 @@ _AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # --pdl, --shared-after
 
 def _batches(text: str) -> list[int]:
     """--batch: comma-separated row counts, each at least 1, ascending without repeats."""
-    try:
-        rows = sorted({int(b) for b in text.replace(" ", "").split(",") if b})
-    except ValueError:
-        rows = []
+    problem = f"--batch must be comma-separated row counts >= 1 (e.g. 1,4,16,64), got {text!r}"
+    rows = sorted(set(comma_ints(text, problem)))
     if not rows or rows[0] < 1:
-        raise UserError(f"--batch must be comma-separated row counts >= 1 (e.g. 1,4,16,64), got {text!r}")
+        raise UserError(problem)
     return rows
 
 
@@ -453,11 +451,8 @@ def bench_main(args: argparse.Namespace) -> int:
         out = run_bench(args)
     print_report(out)  # (first: a --json that cannot be written after all loses none of it)
     if args.json:
-        try:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1, default=str)
-        except OSError as e:
-            raise UserError(f"writing --json {args.json} failed: {e.strerror or e}") from None
+        with writing(f"--json {args.json}"), open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
     return 0
 
 

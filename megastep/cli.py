@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from megastep.errors import UserError, check_output_file, check_output_folder
+from megastep.errors import UserError, check_output_file, check_output_folder, comma_ints, writing
 
 
 def _model_dir(arg: str | None) -> Path:
@@ -24,11 +24,7 @@ def _model_dir(arg: str | None) -> Path:
 
 
 def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise UserError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    return ids
+    return comma_ints(text, f"--prompt-ids must be comma-separated integers, got {text!r}")
 
 
 def _device(name: str) -> torch.device:
@@ -138,12 +134,9 @@ def cmd_profile_routing(args: argparse.Namespace) -> int:
         raise UserError("no prompt: give --prompts FILE... or --prompt-ids 1,2,3")
     profile = collect_routing_profile(model_dir, prompts, max_new_tokens=args.max_new_tokens,
                                       device=_device(args.device), quant_sim=not args.no_quant_sim)
-    try:
+    print(profile_summary(profile))  # (first: a profile that cannot be written is not lost)
+    with writing(f"the profile to {args.out}"):
         save_profile(profile, args.out)
-    except OSError as e:  # (the profile is printed below all the same)
-        print(profile_summary(profile))
-        raise UserError(f"writing the profile to {args.out} failed: {e.strerror or e}") from None
-    print(profile_summary(profile))
     print(f"wrote {args.out}")
     return 0
 
@@ -157,10 +150,8 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
         raise UserError("--layers must be >= 1")
     check_output_folder(args.out, "--out")
     cfg = preset(args.preset, layers=args.layers)
-    try:
+    with writing(f"the checkpoint to {args.out}"):
         write_checkpoint(cfg, Path(args.out), seed=args.seed, unquantized=args.unquantized, routing=args.routing)
-    except OSError as e:  # (a full disk, say: what was written stays, the message says where)
-        raise UserError(f"writing the checkpoint to {args.out} failed: {e.strerror or e}") from None
     print(f"wrote {args.preset} checkpoint ({cfg.num_hidden_layers} layers, seed {args.seed}) to {args.out}")
     return 0
 

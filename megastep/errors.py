@@ -4,6 +4,7 @@ The CLI and the server turn a `UserError` into one clear message and a non-zero 
 answer; any other exception is a bug in megastep and keeps its traceback.
 """
 
+import contextlib
 import os
 
 
@@ -42,3 +43,22 @@ def check_output_folder(path: str, flag: str) -> None:
         p = os.path.dirname(p)
     if not os.path.isdir(p) or not os.access(p, os.W_OK):
         raise UserError(f"{flag} {path}: cannot write into {p}")
+
+
+def comma_ints(text: str, problem: str) -> list[int]:
+    """'1, 4,16' -> [1, 4, 16] (blanks dropped, empty items skipped); text that is not that raises
+    UserError(problem)."""
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UserError(problem) from None
+
+
+@contextlib.contextmanager
+def writing(what: str):
+    """An OSError while writing `what` (a full disk, a folder removed meanwhile) becomes one UserError
+    that says what was being written; whatever was written before it stays."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"writing {what} failed: {e.strerror or e}") from None
