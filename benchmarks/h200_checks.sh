@@ -31,6 +31,7 @@
 #   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
+#   bash benchmarks/h200_checks.sh tp         # the attention's heads split over the GPUs: the EP and split-combine GPU tests, then all 43 layers A/B/A/B (~9 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # Logs and JSON are written under $OUT/h200_checks_run, then packed into one archive in $OUT,
@@ -264,6 +265,26 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
     ep_tests)
       all_gpus
       step ep_gpu_tests 500 python3 -m pytest -q -rfE --timeout 300 tests/test_distributed_gpu.py tests/kernels/test_pair_combine.py ;;
+    tp)  # the attention's heads split over the ranks (FastDecoder(attn_split), 2026-12-01): the EP GPU tests (with the
+      # split and the one-GPU side streams on the ranks among them), then all 43 layers with the split off / on, A/B/A/B
+      all_gpus
+      step tp_tests 290 python3 -m pytest -q -rfE --timeout 280 tests/test_distributed_gpu.py \
+        tests/kernels/test_split_combine.py tests/kernels/test_pair_combine.py
+      if grep -qiE "failed|error|timeout" "$OUT/tp_tests.log"; then
+        summary+=("the split's arms skipped: the tests did not pass")
+      else
+        for arm in a b; do
+          bench "tp_off_$arm" 90 --gpus "$gpus" --batch 1,6,16,64 --attn-split off
+          bench "tp_on_$arm" 90 --gpus "$gpus" --batch 1,6,16,64 --attn-split on
+        done
+        # the one-GPU side streams on the ranks too (BESIDE_ON_RANKS), with the split
+        bench_with "tp_beside" 90 'import megastep.model.fast as f; f.BESIDE_ON_RANKS = True' --gpus "$gpus" \
+          --batch 1,6,16,64 --attn-split on
+      fi ;;
+    tp_more)  # after `tp`: the split's trace at 1 and 6 rows, and the 6-token block
+      all_gpus
+      bench "tp_trace" 100 --gpus "$gpus" --batch 1,6 --attn-split on --trace
+      bench "tp_block6" 80 --gpus "$gpus" --batch 6 --block 6 --attn-split on ;;
     ep)
       all_gpus
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)
@@ -277,7 +298,7 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | sms | probe | f16 | linsplit | ep_tests | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | ep)"
       exit 2 ;;
   esac
 done

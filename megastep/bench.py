@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import statistics
 import time
 
@@ -33,8 +34,13 @@ from megastep.checkpoint.synthetic import LazyDeviceWeights, preset, synthesize_
 from megastep.config import CSA_RATIO, ModelConfig
 from megastep.errors import UserError, check_output_file, comma_ints, writing
 from megastep.kernels import moe_lut, route_cuda
+from megastep.runtime import distributed as D
 from megastep.runtime.bandwidth import (cpu_read_bandwidth, host_read_bandwidth, hybrid_cpu_share,
                                         stream_read_bandwidth)
+
+
+# the weights a head-split attention divides over the ranks (FastDecoder(attn_split=True))
+_HEAD_SPLIT = re.compile(r"\.attn\.(wq_b|wo_a|wo_b)\.(weight|scale)$")
 
 
 def step_bytes(cfg: ModelConfig, weights_bytes: dict[str, int], rows: int, context: int,
@@ -239,7 +245,7 @@ def peer_transformers(cfg: ModelConfig, seed: int, device: torch.device, context
             "ms_per_layer": ok[best] / cfg.num_hidden_layers if best else None}
 
 
-_AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # --pdl, --shared-after-router -> FastDecoder's
+_AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # --pdl, --shared-after-router, --attn-split -> FastDecoder's
 
 
 def _batches(text: str) -> list[int]:
@@ -258,6 +264,8 @@ def _check_args(args: argparse.Namespace, batches: list[int]) -> None:
         raise UserError(f"--block {args.block}: every batch must be a multiple of it (rows = sequences x block)")
     if args.gpus and (args.hbm_budget is not None or args.peer_layers):
         raise UserError("--gpus runs every expert in HBM across the GPUs: drop --hbm-budget / --peer-layers")
+    if args.attn_split == "on" and not (args.gpus and len(D.parse_gpus(args.gpus)) > 1):
+        raise UserError("--attn-split on splits the attention's heads over GPUs: give two or more with --gpus")
     if not torch.cuda.is_available():
         raise UserError("megastep bench needs a CUDA device")
 
@@ -289,6 +297,7 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
     t0 = time.perf_counter()
     weights = LazyDeviceWeights(cfg, args.seed, dev, routing=args.routing)
     wbytes = weights.nbytes()
+    split_bytes = sum(nb for n, nb in wbytes.items() if _HEAD_SPLIT.search(n))
     placement = _placement(cfg, weights, args.hbm_budget)
     host_bw = host_read_bandwidth(dev) if placement.n_cold else None
     cpu_bw = cpu_read_bandwidth() if placement.n_cold and args.cold_path != "gpu" else None
@@ -302,7 +311,8 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
                       overlap=False if args.no_overlap else None,
                       rank=rank.rank if rank is not None else 0, world_size=W, ep_combine=args.ep_combine,
                       shared_w2=None if args.shared_w2 == "auto" else args.shared_w2, router=args.router,
-                      shared_after_router=_AUTO_ON_OFF[args.shared_after_router])
+                      shared_after_router=_AUTO_ON_OFF[args.shared_after_router],
+                      attn_split=_AUTO_ON_OFF[args.attn_split])
     del weights
     torch.cuda.synchronize()
     gen_s = time.perf_counter() - t0
@@ -319,6 +329,8 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
         nb = step_bytes(cfg, wbytes, B, args.context, placement)
         if W > 1:  # per GPU: its share of the routed experts (uniformly spread expectation)
             nb["routed_experts"] /= W
+            if dec.split_peer is not None:  # and of the head-split attention weights
+                nb["dense"] -= split_bytes * (W - 1) / W
             nb["total"] = nb["dense"] + nb["routed_experts"] + nb["head"] + nb["state"]
         roof_ms = (nb["total"] / (bw * 1e9) + (nb["host_experts"] / (cold_bw * 1e9) if cold_bw else 0.0)) * 1e3
         results.append({
@@ -336,7 +348,8 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
         "moe_mode": dec.moe_mode or "default", "pdl": args.pdl, "overlap": dec.side_stream is not None,
         "shared_w2": args.shared_w2, "shared_after_router": args.shared_after_router,
         "router": args.router or "auto",
-        "ep_combine": None if W == 1 else "p2p" if dec.peer is not None else "allreduce", "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
+        "ep_combine": None if W == 1 else "p2p" if dec.peer is not None else "allreduce",
+        "attn_split": dec.split_peer is not None, "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
         "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
                                                "n_hot": placement.n_hot, "n_cold": placement.n_cold,
                                                "cold_slot_fraction": placement.cold_fraction},
@@ -375,6 +388,8 @@ def print_report(out: dict) -> None:
 
     L = out["layers"]
     ep = f" (experts split, {out['ep_combine']} combine)" if out.get("ep_combine") else ""
+    if out.get("attn_split"):
+        ep = ep[:-1] + ", attention heads split)"
     print(f"\n{out['device']} x{out.get('gpus', 1)}{ep}  preset {out['preset']}  layers {L}  context {out['context']}  "
           f"stream read {out['stream_read_GBps']:.0f} GB/s  routing {out['routing']}")
     pl = out["placement"]
@@ -441,8 +456,6 @@ def _bench_rank(rank, args: argparse.Namespace) -> dict | None:
 
 def bench_main(args: argparse.Namespace) -> int:
     if args.gpus:
-        from megastep.runtime import distributed as D
-
         gpus = D.parse_gpus(args.gpus)
         D.check_world_size(preset(args.preset, layers=args.layers).n_routed_experts, len(gpus))
         _check_args(args, _batches(args.batch))
@@ -503,5 +516,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep-combine", default=None, choices=["p2p", "allreduce"],
                    help="with --gpus: the experts' outputs read from their GPU over NVLink by one kernel (p2p, "
                         "the default where it runs) or an integer all-reduce through NCCL")
+    p.add_argument("--attn-split", default="auto", choices=["auto", "on", "off"],
+                   help="with --gpus: split the attention's heads over the GPUs (tensor parallelism, the same bits; "
+                        "auto: model/fast.py's ATTN_SPLIT)")
     p.add_argument("--hbm-budget", type=float, default=None,
                    help="GB of HBM for weights: the coldest routed experts go to page-locked host memory")

@@ -329,3 +329,40 @@ def test_p2p_combine_falls_back_to_the_all_reduce(monkeypatch):
         assert dec._peer_pairs(None, 4, on_cuda=True) is None
     with pytest.raises(RuntimeError, match="peer access is not supported"):
         dec._peer_pairs("p2p", 4, on_cuda=True)
+
+
+def test_attn_split_choice_is_checked(monkeypatch):
+    """The attention's head split (FastDecoder(attn_split=True)) needs several ranks, CUDA devices
+    with symmetric memory and shapes the ranks divide: asked for otherwise it is refused with the
+    reason; by default (None) it is simply not taken. Where its buffers cannot be set up, the
+    default warns and keeps every head on every rank; asked for explicitly, the failure is raised."""
+    from megastep.config import QuantConfig
+    from megastep.model import fast
+    from megastep.model.fast import FastDecoder
+
+    # wo_b [128, 256] in 128x128 blocks: 2 K splits of 128 columns
+    cfg = _cfg().replace(o_lora_rank=128, quantization_config=QuantConfig(weight_block_size=(128, 128)))
+    w = synthesize_weights(cfg, SEED, include_mtp=False)
+    with pytest.raises(ValueError, match="needs world_size > 1"):
+        FastDecoder(cfg, dict(w), max_seqs=1, max_ctx=64, device="cpu", triton=False, attn_split=True)
+    dec = FastDecoder(cfg, w, max_seqs=1, max_ctx=64, device="cpu", triton=False)
+    assert dec.split_peer is None and dec.heads == cfg.num_attention_heads
+    dec.world_size = 2
+    with pytest.raises(ValueError, match="attn_split needs the Triton kernels on CUDA devices"):
+        dec._peer_splits(True, 4, on_cuda=False)
+    assert dec._peer_splits(None, 4, on_cuda=False) is None
+    monkeypatch.setattr(D.PeerSplits, "available", staticmethod(lambda: True))
+    dec.world_size = 3
+    with pytest.raises(ValueError, match="divisible by the 3 ranks"):
+        dec._peer_splits(True, 4, on_cuda=True)
+
+    def no_peer_access(*a, **k):
+        raise RuntimeError("peer access is not supported between these devices")
+
+    monkeypatch.setattr(D.PeerSplits, "__init__", no_peer_access)
+    monkeypatch.setattr(fast, "ATTN_SPLIT", True)
+    dec.world_size = 2
+    with pytest.warns(UserWarning, match="peer access is not supported.*every rank runs every head"):
+        assert dec._peer_splits(None, 4, on_cuda=True) is None
+    with pytest.raises(RuntimeError, match="peer access is not supported"):
+        dec._peer_splits(True, 4, on_cuda=True)

@@ -4,8 +4,10 @@ graphs, at batch 1, 4 and 8, with either combine: the peer-to-peer gather (arriv
 loads inside the graph, kernels/pair_combine.py) and the integer all-reduce through NCCL; and with the
 one-GPU step's MoE order at few rows (CUDA routing, the shared expert forked after the router) at
 every batch, which the ranks take by default at 1 and 7-16 rows (FastDecoder.MOE_PLAN_EP: batch 8 runs
-it with PDL, on up to 16 rows with the p2p combine); and with programmatic dependent launch on the
-ranks and off."""
+it with PDL, on up to 16 rows with the p2p combine); with programmatic dependent launch on the
+ranks and off; with the attention's heads split over the ranks as well (tensor parallelism: wo_b's
+split-K partials gathered over NVLink, kernels/split_combine.py); and with the one-GPU side streams
+(the indexer and the mHC Sinkhorn beside) on the ranks."""
 
 import pytest
 import torch
@@ -57,13 +59,17 @@ def _run(dec, batches):
 
 
 def _ep_rank(r: D.Rank, batches, ep_combine, plan):
+    from megastep.model import fast
     from megastep.model.fast import FastDecoder
 
+    plan = dict(plan)
+    fast.BESIDE_ON_RANKS = plan.pop("beside_on_ranks", False)
     cfg = _cfg()
     w = D.synthesize_rank_weights(cfg, SEED, r.rank, r.world_size, device=r.device)
     dec = FastDecoder(cfg, w, max_seqs=max(batches), max_ctx=64, device=r.device,
                       rank=r.rank, world_size=r.world_size, ep_combine=ep_combine, **plan)
     assert (dec.peer is not None) == (ep_combine == "p2p")
+    assert (dec.split_peer is not None) == bool(plan.get("attn_split")) and dec.heads == (8 if dec.split_peer else 16)
     return _run(dec, batches)
 
 
@@ -87,12 +93,16 @@ def one_gpu():
 # FastDecoder's MoE order on the ranks: their default (by rows), and the one-GPU plan's at 1-4 rows for every row
 # count; programmatic dependent launch off ("no_pdl") and on ("pdl"): by default it is on up to PDL_MAX_ROWS_EP
 # rows with the p2p combine (so "default" runs it there) and off with the all-reduce one
+# "split": the attention's heads split over the ranks (attn_split; the small preset's 16 heads: 8 per rank in
+# the full launch's 16-head programs), with the one-GPU side streams on the ranks too (BESIDE_ON_RANKS)
 PLANS = {"default": {}, "cuda_late": {"router": "cuda", "shared_after_router": True}, "no_pdl": {"pdl": False},
-         "pdl": {"pdl": True}}
+         "pdl": {"pdl": True}, "split": {"attn_split": True}, "split_no_pdl": {"attn_split": True, "pdl": False},
+         "beside": {"beside_on_ranks": True}}
 
 
 @pytest.mark.parametrize("ep_combine,plan", [("p2p", "default"), ("allreduce", "default"), ("p2p", "cuda_late"),
-                                             ("p2p", "no_pdl"), ("allreduce", "pdl")])
+                                             ("p2p", "no_pdl"), ("allreduce", "pdl"), ("p2p", "split"),
+                                             ("allreduce", "split"), ("p2p", "split_no_pdl"), ("p2p", "beside")])
 def test_expert_parallel_matches_one_gpu(one_gpu, ep_combine, plan):
     want = one_gpu
     outs = D.launch(_ep_rank, 2, (BATCHES, ep_combine, PLANS[plan]), backend="nccl", gpus=[0, 1], timeout_s=600)

@@ -360,9 +360,9 @@ def _sparse_attn_kernel(
 
 def _launch(src: int, q, H: int, N: int, cfg: AttnConfig | None, sink, scale, *, win, comp, idx, ok, slots, pos,
             rope, W: int, ratio: int, strides: tuple[int, ...], nope_p: int, rope_p: int, table: bool,
-            WA: int | None = None) -> torch.Tensor:
+            WA: int | None = None, heads_like: int | None = None) -> torch.Tensor:
     B, _, d = q.shape
-    cfg = cfg or pick_config(H, N, d, B)
+    cfg = cfg or pick_config(heads_like or H, N, d, B)
     cfg.check()
     out = torch.empty(B, H, d, dtype=q.dtype, device=q.device)
     if B == 0 or H == 0:
@@ -421,7 +421,8 @@ def sparse_attention_decode(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tens
 def sparse_attention_pools(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
                            sink: torch.Tensor, scale: float, rope: torch.Tensor, *, comp: torch.Tensor | None = None,
                            idx: torch.Tensor | None = None, idx_ok: torch.Tensor | None = None, ratio: int = 0,
-                           window_size: int | None = None, config: AttnConfig | None = None) -> torch.Tensor:
+                           window_size: int | None = None, config: AttnConfig | None = None,
+                           heads_like: int | None = None) -> torch.Tensor:
     """The decode step's attention over the pools, with the inverse RoPE of the output.
 
     q [B, H, d] bf16 (RoPE'd), window [S, W, d] bf16 (the SWA ring pool), slots / pos [B] int64
@@ -432,8 +433,11 @@ def sparse_attention_pools(q: torch.Tensor, window: torch.Tensor, slots: torch.T
     idx_ok) the selected entries, without (HCA) the (pos+1)//ratio visible ones. -> [B, H, d] bf16.
     window_size: the model's sliding window (default: the ring's length W); a ring longer than
     the window serves multi-token blocks (ring slot j holds the latest position = j mod W, and
-    positions pos - window_size + 1 .. pos are seen). Exactly `sparse_attention_pools_ref` up to
-    fp32 summation order (module doc)."""
+    positions pos - window_size + 1 .. pos are seen). heads_like: without `config`, the
+    configuration of a launch with this many heads: a tensor-parallel rank's heads take the full
+    launch's, so each head gets its bits there (a program's heads are independent rows of its
+    products, so a head block that H leaves part empty gives its heads the same bits). Exactly
+    `sparse_attention_pools_ref` up to fp32 summation order (module doc)."""
     _check_q(q, sink)
     B, H, d = q.shape
     assert window.dim() == 3 and window.shape[2] == d and window.dtype == q.dtype and window.stride(2) == 1, (
@@ -470,7 +474,7 @@ def sparse_attention_pools(q: torch.Tensor, window: torch.Tensor, slots: torch.T
     return _launch(src, q, H, W + M, config, sink, scale, win=window, comp=comp, idx=idx, ok=ok8, slots=slots,
                    pos=pos, rope=rope, W=W, ratio=max(ratio, 1),
                    strides=(window.stride(0), window.stride(1), *cs, idx.stride(0), idx_ok.stride(0)),
-                   nope_p=d // 2 - rp, rope_p=rp, table=table, WA=WA)
+                   nope_p=d // 2 - rp, rope_p=rp, table=table, WA=WA, heads_like=heads_like)
 
 
 # ---- references ---------------------------------------------------------------------------------
@@ -495,9 +499,9 @@ def inverse_rope_ref(x: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor) -> 
 
 
 def sparse_attention_pools_ref(q, window, slots, pos, sink, scale, rope, *, comp=None, idx=None, idx_ok=None,
-                               ratio=0, window_size=None, config=None):
+                               ratio=0, window_size=None, config=None, heads_like=None):
     """What model/fast.py computed with torch: gather the entries, cat, attend, undo the RoPE."""
-    del config
+    del config, heads_like
     W, d = window.shape[1], window.shape[2]
     WA = W if window_size is None else window_size
     kvs = [window[slots]]

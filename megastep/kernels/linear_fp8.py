@@ -237,12 +237,13 @@ def _code_dot(w, q, INTERPRET: tl.constexpr):
 def _linear_fp8_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr, xc_ptr, xs_ptr,
     M, N, K, K_PER_SPLIT, limit,
-    stride_xm, stride_wn, stride_wsn, stride_om, stride_rm, stride_cm, stride_sm,
+    stride_xm, stride_wn, stride_wsn, stride_om, stride_rm, stride_cm, stride_sm, stride_os,
     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, QUANT_ACT: tl.constexpr,
     GROUP_N: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, HAS_RES: tl.constexpr, CODES: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, SPLITS_OUT: tl.constexpr,
 ):
+    # SPLITS_OUT: out is fp32 [SPLIT_K, M, N] (split stride stride_os): each split's partial, unsummed
     # GATED: N is I (output channels); w3's rows (and scale rows) start N rows below w1's
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -319,7 +320,9 @@ def _linear_fp8_kernel(
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     res_ptrs = res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None]
     out_mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT_K == 1:
+    if SPLITS_OUT:  # the partial as it enters the split sum (linear_fp8_splits)
+        tl.store(out_ptrs + pid_k * stride_os, acc, mask=out_mask)
+    elif SPLIT_K == 1:
         acc = _epilogue(acc, acc3, res_ptrs, out_mask, limit, OUT_BF16, INTERPRET, GATED, CLAMP, HAS_RES)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
@@ -350,18 +353,28 @@ def _linear_fp8_kernel(
             tl.store(cnt_ptr + tile, 0)
 
 
-def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residual, x_codes):
-    """Grid, split and workspace for x [M, K] -> out [M, N] (N = I when gated)."""
-    M, N = out.shape
-    K = w.shape[1]
+def _k_per_split(K: int, cfg: LinearFp8Config) -> int:
+    """The K columns each split-K program sums (a multiple of the K step; the last may be short)."""
     kb = -(-K // BLOCK)
     split = min(cfg.split_k, kb)
     k_per_split = -(-kb // split) * BLOCK
-    k_per_split = -(-k_per_split // cfg.block_k) * cfg.block_k
+    return -(-k_per_split // cfg.block_k) * cfg.block_k
+
+
+def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residual, x_codes, split_cols=None):
+    """Grid, split and workspace for x [M, K] -> out [M, N] (N = I when gated), or with split_cols
+    (the columns per split) out [S, M, N] fp32, the S split-K partials."""
+    M, N = out.shape[-2:]
+    K = w.shape[1]
+    splits_out = split_cols is not None
+    k_per_split = split_cols if splits_out else _k_per_split(K, cfg)
     split = -(-K // k_per_split)
     grid = (-(-N // cfg.block_n), split, -(-M // cfg.block_m))
     tiles = grid[0] * grid[2]
-    if split > 1:
+    if splits_out:
+        assert out.shape[0] == split and out.dtype == torch.float32, (out.shape, split)
+        part = cnt = out  # unused
+    elif split > 1:
         part = workspace(x.device, "partials", (2 if gated else 1) * split * tiles * cfg.block_n * cfg.block_m,
                          torch.float32)
         cnt = workspace(x.device, "counters", tiles, torch.int32)
@@ -374,12 +387,13 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     _linear_fp8_kernel[grid](
         x, w, w_scale.view(torch.uint8), out, part, cnt, res, xc, xs,
         M, N, K, k_per_split, float(limit),
-        x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), res.stride(0), xc.stride(0), xs.stride(0),
+        x.stride(0), w.stride(0), w_scale.stride(0), out.stride(-2), res.stride(0), xc.stride(0), xs.stride(0),
+        out.stride(0) if splits_out else 0,
         MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         SPLIT_K=split, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
         GROUP_N=N // groups, GATED=gated, CLAMP=limit > 0, HAS_RES=residual is not None, CODES=codes,
-        PREFETCH_LINES=prefetch_lines(opts, k_per_split * w.element_size()), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **opts,
+        PREFETCH_LINES=prefetch_lines(opts, k_per_split * w.element_size()), SPLITS_OUT=splits_out,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     return out
 
@@ -477,6 +491,36 @@ def linear_fp8_swiglu(
     return _launch(x, w13, w13_scale, out, cfg, True, 1, True, float(swiglu_limit), None, x_codes)
 
 
+
+def split_cols(K: int, config: LinearFp8Config) -> int:
+    """The K columns one split-K program of `config` sums on a weight of K columns: a weight cut
+    along K at multiples of this gives its split partials to different launches (linear_fp8_splits)."""
+    return _k_per_split(K, config)
+
+
+def linear_fp8_splits(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: LinearFp8Config, cols: int,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """The split-K partials of `linear_fp8`, unsummed: x [M, K], w e4m3 [N, K] -> fp32 [S, M, N]
+    (or into `out`, a view of that shape with unit stride along N), S = K / cols, partial s = the
+    fp32 sum over columns [s*cols, (s+1)*cols) as a program of `config` forms it before the ordered
+    sum. So when w is a column block of a wider weight whose launch takes `config`, and cols is
+    that launch's `split_cols` (tensor parallelism: each rank holds K/W columns of wo_b), the
+    ranks' partials, concatenated and summed in order 0..S-1 and rounded (split_combine), give the
+    full launch's bits. K must be whole splits."""
+    _check_operands(x, w, w_scale, torch.float32)
+    M, K = x.shape
+    N = w.shape[0]
+    assert w.shape[1] == K, (x.shape, w.shape)
+    config.check()
+    assert cols > 0 and cols % config.block_k == 0 and K % cols == 0, f"K {K} is not whole splits of {cols} columns"
+    S = K // cols
+    if out is None:
+        out = torch.empty(S, M, N, dtype=torch.float32, device=x.device)
+    assert out.shape == (S, M, N) and out.dtype == torch.float32 and out.stride(2) == 1, (out.shape, out.stride())
+    if M and N:
+        _launch(x, w, w_scale, out, config, True, 1, False, 0.0, None, None, split_cols=cols)
+    return out
+
 def linear_fp8_ref(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -516,3 +560,18 @@ def linear_fp8_swiglu_ref(
     g = linear_fp8_ref(x, w13[:I], w13_scale[:I // BLOCK], out_dtype=out_dtype)
     u = linear_fp8_ref(x, w13[I:], w13_scale[I // BLOCK:], out_dtype=out_dtype)
     return ops.swiglu(g, u, swiglu_limit).to(out_dtype)
+
+
+def linear_fp8_splits_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: LinearFp8Config,
+                          cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch twin of `linear_fp8_splits`: each split's columns through `linear_fp8_ref` in fp32
+    (the same exact products; the sum order inside a split may differ)."""
+    del config
+    K, c = x.shape[1], cols
+    assert c > 0 and K % c == 0, f"K {K} is not whole splits of {c} columns"
+    parts = torch.stack([linear_fp8_ref(x[:, k:k + c], w[:, k:k + c], w_scale[:, k // BLOCK:(k + c) // BLOCK],
+                                        out_dtype=torch.float32) for k in range(0, K, c)])
+    if out is None:
+        return parts
+    out.copy_(parts)
+    return out

@@ -35,6 +35,7 @@ from megastep.kernels import common as _common
 from megastep.kernels import compressor as _comp
 from megastep.kernels import dense as _dense
 from megastep.kernels import indexer as _idx
+from megastep.kernels import linear_fp8 as _lin
 from megastep.kernels import mhc as _mhc
 from megastep.kernels import moe as _moe
 from megastep.kernels import moe_lut as _moe_lut
@@ -118,6 +119,26 @@ MHC_SINKHORN_OWN_STREAM_ROWS = (2, 4)
 # grows about as much: the attention's wq_b waits for the indexer's launch (128 programs, 7 us for 8 MB)
 # and then streams beside the compressors' projection and the indexer's launches (19.8 us for 34 MB).
 INDEXER_BESIDE_ROWS = 64
+# FastDecoder(attn_split=None) with several ranks: the attention's heads split over the ranks (tensor
+# parallelism, the 1-GPU bits). Off until measured on the ranks.
+ATTN_SPLIT = False
+# With several ranks, also take the one-GPU side streams of INDEXER_BESIDE_ROWS and
+# MHC_SINKHORN_BESIDE_ROWS (the same bits). Off until measured on the ranks.
+BESIDE_ON_RANKS = False
+
+
+def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
+    """Output rows [lo, hi) of an FP8 linear (whole scale blocks), as a weight of their own."""
+    b = lin.block
+    assert lo % b == 0 and hi % b == 0, (lo, hi, b)
+    return Linear(lin.w[lo:hi].contiguous(), lin.scale[lo // b:hi // b].contiguous(), b, lin.act_quant)
+
+
+def _cols_of(lin: Linear, lo: int, hi: int) -> Linear:
+    """Input columns [lo, hi) of an FP8 linear (whole scale blocks), as a weight of their own."""
+    b = lin.block
+    assert lo % b == 0 and hi % b == 0, (lo, hi, b)
+    return Linear(lin.w[:, lo:hi].contiguous(), lin.scale[:, lo // b:hi // b].contiguous(), b, lin.act_quant)
 
 
 class FastDecoder(MoeSublayer):
@@ -128,7 +149,8 @@ class FastDecoder(MoeSublayer):
                  consume: bool = False, placement=None, max_block: int = 1, rank: int = 0, world_size: int = 1,
                  group=None, moe_mode: str | None = None, cold_path: str = "gpu", cpu_share: float | None = None,
                  pdl: bool | None = None, overlap: bool | None = None, ep_combine: str | None = None,
-                 shared_w2: str | None = None, shared_after_router: bool | None = None, router: str | None = None):
+                 shared_w2: str | None = None, shared_after_router: bool | None = None, router: str | None = None,
+                 attn_split: bool | None = None):
         """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
         stacked, projections concatenated), so a model filling the device is never held twice.
         placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
@@ -146,6 +168,13 @@ class FastDecoder(MoeSublayer):
         NVLink (kernels/pair_combine.py; CUDA, Triton kernels). "allreduce": an integer all-reduce
         of zero-padded pair buffers through the process group (any backend). None: p2p where
         it can run, else allreduce.
+        attn_split: with several ranks, split the attention's heads over them (tensor parallelism):
+        rank r keeps its H/W heads' rows of wq_b, their sinks, its o_groups/W groups of wo_a and
+        the matching K/W columns of wo_b, whose split-K partials every rank gathers over NVLink and
+        sums in split order (kernels/split_combine.py). Each launch takes the full shape's
+        configuration, so every rank still gets the 1-GPU logits bit for bit. Needs CUDA devices with
+        symmetric memory and heads, o_groups and wo_b's K splits divisible by W. None: ATTN_SPLIT
+        where it can run.
         moe_mode: the routed-experts kernel mode (kernels.moe.ALL_MODES; None: "lut" where it runs, else
             the Triton kernels' default: docs/PERFORMANCE.md, tenth measurement).
         cold_path: how the placement's cold experts are computed: "gpu" (recipe A: the experts
@@ -246,6 +275,9 @@ class FastDecoder(MoeSublayer):
             raise ValueError(f"max_block must be in 1..{cfg.sliding_window}, got {max_block}")
         self.max_ctx = max_ctx
         dev = self.device
+        self.rank = rank
+        self.split_peer = self._peer_splits(attn_split, max_seqs * max_block, on_cuda)
+        self.heads = cfg.num_attention_heads // (world_size if self.split_peer is not None else 1)
 
         def t(name: str) -> torch.Tensor:
             return weights[name].to(dev)
@@ -303,7 +335,11 @@ class FastDecoder(MoeSublayer):
                 dense_parts += [t(c + "compressor.wkv.weight"), t(c + "compressor.wgate.weight"), t(c + "weights_proj.weight")]
                 lw["idx_comp"] = (f32(c + "compressor.ape"), f32(c + "compressor.norm.weight"))
                 qr_parts.append(lin(c + "wq_b.weight"))
-            lw["qr_fp8"] = LinearGroup(qr_parts)
+            if self.split_peer is not None:  # this rank's heads, and the full launches' configurations
+                lw.update(self._head_split(lw))
+                qr_parts[0] = _rows_of(wq_b, rank * self.heads * cfg.head_dim, (rank + 1) * self.heads * cfg.head_dim)
+            lw["qr_fp8"] = LinearGroup(qr_parts, like_rows=(None if self.split_peer is None
+                                                            else sum(p.w.shape[0] for p in [wq_b, *qr_parts[1:]])))
             if dense_parts:
                 lw["x_dense"] = (torch.cat(dense_parts), [w.shape[0] for w in dense_parts])
                 del dense_parts
@@ -353,6 +389,49 @@ class FastDecoder(MoeSublayer):
                 raise
             warnings.warn(f"peer-to-peer expert combine unavailable ({e}); using the all-reduce", stacklevel=2)
             return None
+
+    def _peer_splits(self, attn_split: bool | None, max_rows: int, on_cuda: bool):
+        """The tensor-parallel attention's combine buffers (runtime.distributed.PeerSplits) when the
+        heads are split over the ranks (attn_split), else None."""
+        from megastep.runtime.distributed import PeerSplits
+
+        cfg, W = self.cfg, self.world_size
+        if attn_split is False or W == 1:
+            if attn_split:
+                raise ValueError("attn_split splits the attention's heads over several ranks: it needs world_size > 1")
+            return None
+        K = cfg.o_groups * cfg.o_lora_rank  # wo_b's input width
+        cols = _lin.split_cols(K, _lin.pick_config(1, cfg.hidden_size, K))
+        splits = K // cols if K % cols == 0 else 0  # whole splits only
+        why = [m for bad, m in [
+            (not (on_cuda and PeerSplits.available()), "the Triton kernels on CUDA devices and a PyTorch with symmetric memory"),
+            (cfg.num_hidden_layers < 2, "two layers or more"),
+            (cfg.num_attention_heads % W or cfg.o_groups % W or not splits or splits % W,
+             f"heads, o_groups and wo_b's K splits ({splits} whole ones) divisible by the {W} ranks"),
+            (not (cfg.quantization_config and cfg.fp8_block == _lin.BLOCK), "FP8 weights in 128x128 blocks")] if bad]
+        if why:
+            if attn_split:
+                raise ValueError("attn_split needs " + "; ".join(why))
+            return None
+        if attn_split is None and not ATTN_SPLIT:
+            return None
+        try:
+            return PeerSplits(cfg.num_hidden_layers, splits // W, max_rows, cfg.hidden_size, self.device, self.group)
+        except (RuntimeError, OSError) as e:  # e.g. GPUs without peer access: every rank fails alike
+            if attn_split:
+                raise
+            warnings.warn(f"the attention's head split is unavailable ({e}); every rank runs every head", stacklevel=2)
+            return None
+
+    def _head_split(self, lw: dict) -> dict:
+        """This rank's share of a layer's head-split weights: its heads' sinks, its groups' rows of
+        wo_a, the matching input columns of wo_b."""
+        cfg, r, W = self.cfg, self.rank, self.world_size
+        rows = cfg.o_groups // W * cfg.o_lora_rank
+        cols = lw["wo_b"].w.shape[1] // W
+        return {"sink": lw["sink"][r * self.heads:(r + 1) * self.heads].contiguous(),
+                "wo_a": _rows_of(lw["wo_a"], r * rows, (r + 1) * rows),
+                "wo_b": _cols_of(lw["wo_b"], r * cols, (r + 1) * cols)}
 
     # ---- the second stream --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -437,16 +516,20 @@ class FastDecoder(MoeSublayer):
     def _attention(self, x, pos, slots, passes, L):
         cfg, P = self.cfg, self.pools
         lw = self.layers[L]
-        B, H, hd = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+        B, H, hd = x.shape[0], self.heads, cfg.head_dim  # this rank's heads (attn_split)
         r = cfg.ratio(L)
         inv_freq = self.inv_freq[r > 0]
         tr, T = self.triton, self.trace
         eps = cfg.rms_norm_eps
         kw: dict = {"ratio": r}
+        split = self.split_peer is not None  # the heads' launches take the full launches' configurations
+        heads_kw = {"config": _rn.pick_heads_config(cfg.num_attention_heads, hd)} if split else {}
+        if split:
+            kw["heads_like"] = cfg.num_attention_heads
         # INDEXER_BESIDE_ROWS: the indexer on its own stream, beside the attention's wq_b
         # (one GPU without the CPU sidecar: the only setting measured)
         beside = (r == CSA_RATIO and tr and self.idx_stream is not None and B <= INDEXER_BESIDE_ROWS
-                  and self.world_size == 1 and self.sidecar is None)
+                  and (self.world_size == 1 or BESIDE_ON_RANKS) and self.sidecar is None)
         keys_ready = torch.cuda.Event() if beside else None
         if r:  # the compressors' (and the indexer's) bf16 projections and updates, beside the q/kv path
             with self._on_side():
@@ -481,7 +564,7 @@ class FastDecoder(MoeSublayer):
                 kw["idx"], kw["idx_ok"] = self._indexer(qi, xd[4], pos, slots, L, keys_ready)
         with stage(T, "attn_proj", L):
             qh = lw["qr_fp8"].part(0, qr, tr, codes=qrq) if beside else qb[0]  # the attention's wq_b
-            q = self._kernel(_rn, "q_norm_rope")(qh.view(B, H, hd), inv_freq, pos, eps)
+            q = self._kernel(_rn, "q_norm_rope")(qh.view(B, H, hd), inv_freq, pos, eps, **heads_kw)
         self._join(*([xd_all] if r else []))  # the side stream's work of this layer so far
         if beside:
             self._join(kw["idx"], kw["idx_ok"], stream=self.idx_stream)
@@ -497,8 +580,17 @@ class FastDecoder(MoeSublayer):
                      **kw)
         with stage(T, "out_proj", L):
             G, R = cfg.o_groups, cfg.o_lora_rank
-            u = lw["wo_a"].grouped(o.reshape(B, G, -1), G, R, tr)
-            return lw["wo_b"](u, tr)
+            if not split:
+                u = lw["wo_a"].grouped(o.reshape(B, G, -1), G, R, tr)
+                return lw["wo_b"](u, tr)
+            # this rank's groups of wo_a, then its splits of wo_b, gathered and summed with the others'
+            wo_a, wo_b, Gl = lw["wo_a"], lw["wo_b"], G // self.world_size
+            u = wo_a.grouped(o.reshape(B, Gl, -1), Gl, R, tr, config=_lin.pick_config(B, G * R, wo_a.w.shape[1]))
+            K = wo_b.w.shape[1] * self.world_size
+            full = _lin.pick_config(B, wo_b.w.shape[0], K)
+            _lin.linear_fp8_splits(u, wo_b.w, wo_b.scale, full, _lin.split_cols(K, full),
+                                   out=self.split_peer.buffer(L, B))
+            return self.split_peer.combine(L, B)
 
     def _moe_plan(self, rows: int) -> tuple[str, bool, str]:
         """(router, shared_after_router, shared_w2) of a step of `rows` rows: the constructor's
@@ -540,8 +632,9 @@ class FastDecoder(MoeSublayer):
         if not 1 <= block <= self.pools.max_block:
             raise ValueError(f"block must be in 1..{self.pools.max_block} (the decoder's max_block), got {block}")
         cfg, T, eps = self.cfg, self.trace, self.cfg.rms_norm_eps
-        if self.peer is not None:
-            self.peer.begin_step()
+        for peer in (self.peer, self.split_peer):
+            if peer is not None:
+                peer.begin_step()
         mhc_pre, mhc_post = self._kernel(_mhc, "mhc_pre"), self._kernel(_mhc, "mhc_post")
         post_pre = self._kernel(_mhc, "mhc_post_pre")  # a sublayer's stream update + the next one's mixes
         hc, iters, hc_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
@@ -563,8 +656,8 @@ class FastDecoder(MoeSublayer):
             return (*lw[f"hc_{subs[i][1]}"], lw[f"{subs[i][1]}_norm"], hc, iters, hc_eps, eps)
 
         # MHC_SINKHORN_BESIDE_ROWS: post and comb are made on another stream, joined before their use
-        beside = (self.triton and self.side_stream is not None and self.world_size == 1 and self.sidecar is None
-                  and tokens.shape[0] <= MHC_SINKHORN_BESIDE_ROWS)
+        beside = (self.triton and self.side_stream is not None and (self.world_size == 1 or BESIDE_ON_RANKS)
+                  and self.sidecar is None and tokens.shape[0] <= MHC_SINKHORN_BESIDE_ROWS)
         lo, hi = MHC_SINKHORN_OWN_STREAM_ROWS
         hc_stream = self.hc_stream if lo <= tokens.shape[0] <= hi else self.side_stream
         sk = {"sinkhorn_stream": hc_stream} if beside else {}

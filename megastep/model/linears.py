@@ -43,12 +43,14 @@ class Linear:
                                        x_codes=codes)
         raise ValueError("a linear without activation quantization is grouped (wo_a): call grouped()")
 
-    def grouped(self, x: torch.Tensor, groups: int, rank: int, triton: bool) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, groups: int, rank: int, triton: bool,
+                config: _lin.LinearFp8Config | None = None) -> torch.Tensor:
         """wo_a: x [B, G, d] -> [B, G*rank], group g through weight rows [g*rank, (g+1)*rank).
-        The official code dequantizes wo_a to a plain weight: no activation quantization."""
+        The official code dequantizes wo_a to a plain weight: no activation quantization.
+        config: the FP8 kernel's configuration instead of its pick for this shape."""
         if triton and self.kernel_block and self.scale is not None and rank % self.block == 0:  # one launch
             return _lin.linear_fp8(x.reshape(x.shape[0], -1).contiguous(), self.w, self.scale, block=self.block,
-                                   quantize_act=False, groups=groups)
+                                   quantize_act=False, groups=groups, config=config)
         w = self.w.float() if self.scale is None else formats.dequantize_fp8_weight(self.w, self.scale, self.block)
         return torch.einsum("bgd,grd->bgr", x.float(), w.view(groups, rank, -1)).to(x.dtype).flatten(1)
 
@@ -58,10 +60,16 @@ class LinearGroup:
     one weight stream instead of several small ones, each of which pays a launch and a ramp-up.
     Every output element is the same dot product either way, so only the split-K summation
     order (chosen per weight shape) can differ. FP8 parts are fused when each part's rows are
-    whole 128-row scale blocks (always at V4 shapes); otherwise they run one by one."""
+    whole 128-row scale blocks (always at V4 shapes); otherwise they run one by one.
 
-    def __init__(self, parts: list[Linear]):
+    like_rows: launch with the FP8 kernel's configuration for a weight of this many rows instead
+    of the group's own (a tensor-parallel rank's share of a wider group takes the full group's
+    configuration, so each of its outputs is the full launch's sum, bit for bit). Needs one launch:
+    a single part, or parts that fuse."""
+
+    def __init__(self, parts: list[Linear], like_rows: int | None = None):
         self.sizes = [p.w.shape[0] for p in parts]
+        self.like_rows = like_rows
         first = parts[0]
         same = all(p.act_quant == first.act_quant and p.block == first.block and (p.scale is None) == (first.scale is None)
                    for p in parts)
@@ -71,11 +79,17 @@ class LinearGroup:
             self.fused, self.parts = Linear(torch.cat([p.w for p in parts]), sc, first.block, first.act_quant), []
         else:
             self.fused, self.parts = None, parts
+        if like_rows is not None and self.fused is None and len(parts) > 1:
+            raise ValueError("like_rows needs the group in one launch: parts that fuse")
+
+    def _config(self, x: torch.Tensor, w: torch.Tensor) -> _lin.LinearFp8Config | None:
+        """like_rows' configuration for x through w (None: the kernel's own pick)."""
+        return None if self.like_rows is None else _lin.pick_config(x.shape[0], self.like_rows, w.shape[1])
 
     def __call__(self, x: torch.Tensor, triton: bool, codes=None) -> list[torch.Tensor]:
         if self.fused is None:
-            return [p(x, triton, codes=codes) for p in self.parts]
-        return list(self.fused(x, triton, codes=codes).split(self.sizes, dim=1))
+            return [p(x, triton, codes=codes, config=self._config(x, p.w)) for p in self.parts]
+        return list(self.fused(x, triton, codes=codes, config=self._config(x, self.fused.w)).split(self.sizes, dim=1))
 
     def part(self, i: int, x: torch.Tensor, triton: bool, codes=None) -> torch.Tensor:
         """Part i's output alone, in a launch of its own: for a caller that starts what needs only
@@ -89,6 +103,6 @@ class LinearGroup:
             return self(x, triton, codes=codes)[i]
         lo = sum(self.sizes[:i])
         hi = lo + self.sizes[i]
-        cfg = _lin.pick_config(x.shape[0], f.w.shape[0], f.w.shape[1])
+        cfg = _lin.pick_config(x.shape[0], self.like_rows or f.w.shape[0], f.w.shape[1])
         rows = Linear(f.w[lo:hi], f.scale[lo // f.block:hi // f.block], f.block, f.act_quant)
         return rows(x, triton, codes=codes, config=cfg)

@@ -228,27 +228,23 @@ def ordered_combine(pairs: torch.Tensor, group: dist.ProcessGroup | None = None,
     return dist.all_reduce(bit_words(pairs), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-class PeerPairs:
-    """The peer-to-peer combine's memory (kernels/pair_combine.py): per-layer pair buffers and
-    arrival flags in symmetric memory (every rank maps every other rank's), their base addresses
-    as device tables, and the step epoch. A collective: every rank of `group` builds it with the
-    same sizes. NCCL only (CUDA devices with peer access); `available()` says whether this
-    PyTorch build can.
+class _PeerBuffers:
+    """Per-layer buffers and arrival flags in symmetric memory (every rank maps every other rank's),
+    their base addresses as device tables, and the step epoch: what a peer-to-peer combine needs.
+    A collective: every rank of `group` builds it with the same sizes. NCCL only (CUDA devices with
+    peer access); `available()` says whether this PyTorch build can. `begin_step()` advances the
+    epoch (once per step, inside the step's graph)."""
 
-    `begin_step()` advances the epoch (once per step, inside the step's graph); `buffer(L, P)` is
-    the [P, D] view the experts kernel writes layer L's pairs into; `combine(L, idx, per[, shared])`
-    the barrier, gather and ordered sum (plus the shared expert's output)."""
-
-    def __init__(self, n_layers: int, max_pairs: int, dim: int, dtype: torch.dtype, device: torch.device,
-                 group: dist.ProcessGroup | None = None):
+    def __init__(self, n_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 group: dist.ProcessGroup | None):
         from torch.distributed import _symmetric_memory as symm
 
         if n_layers < 2:  # the barrier of the layer before is what makes one buffer per layer safe
-            raise ValueError("the peer-to-peer combine needs at least two MoE layers")
+            raise ValueError("a peer-to-peer combine needs at least two layers")
         group = group or dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.n_layers, self.max_pairs, self.dim = n_layers, max_pairs, dim
-        self.bufs = symm.empty(n_layers, max_pairs, dim, dtype=dtype, device=device)
+        self.n_layers = n_layers
+        self.bufs = symm.empty(n_layers, *shape, dtype=dtype, device=device)
         self.flags = symm.empty(n_layers, self.world_size, dtype=torch.int64, device=device)
         self.flags.zero_()
         handles = [symm.rendezvous(t, group) for t in (self.bufs, self.flags)]
@@ -269,6 +265,18 @@ class PeerPairs:
     def begin_step(self) -> None:
         self.epoch += 1
 
+
+class PeerPairs(_PeerBuffers):
+    """The expert-parallel peer-to-peer combine's memory (kernels/pair_combine.py): per layer a
+    [max_pairs, D] buffer of pair outputs. `buffer(L, P)` is the [P, D] view the experts kernel
+    writes layer L's pairs into; `combine(L, idx, per[, shared])` the barrier, gather and ordered
+    sum (plus the shared expert's output)."""
+
+    def __init__(self, n_layers: int, max_pairs: int, dim: int, dtype: torch.dtype, device: torch.device,
+                 group: dist.ProcessGroup | None = None):
+        super().__init__(n_layers, (max_pairs, dim), dtype, device, group)
+        self.max_pairs, self.dim = max_pairs, dim
+
     def buffer(self, layer: int, pairs: int) -> torch.Tensor:
         if pairs > self.max_pairs:
             raise ValueError(f"{pairs} pairs exceed the combine's {self.max_pairs} (rows x top-k)")
@@ -282,6 +290,30 @@ class PeerPairs:
                                 layer_off=layer * self.max_pairs * self.dim, flag_off=layer * self.world_size,
                                 per=per, rank=self.rank, world_size=self.world_size,
                                 shared=None if shared is None else shared.contiguous())
+
+
+class PeerSplits(_PeerBuffers):
+    """The tensor-parallel attention's combine memory (kernels/split_combine.py): per layer this
+    rank's split-K partials of wo_b, fp32 [splits, max_rows, N]. `buffer(L, M)` is the
+    [splits, M, N] view its partials launch writes; `combine(L, M)` the barrier, gather of every
+    rank's splits and their ordered sum, rounded to bf16."""
+
+    def __init__(self, n_layers: int, splits: int, max_rows: int, dim: int, device: torch.device,
+                 group: dist.ProcessGroup | None = None):
+        super().__init__(n_layers, (splits, max_rows, dim), torch.float32, device, group)
+        self.splits, self.max_rows, self.dim = splits, max_rows, dim
+
+    def buffer(self, layer: int, rows: int) -> torch.Tensor:
+        if rows > self.max_rows:
+            raise ValueError(f"{rows} rows exceed the attention combine's {self.max_rows}")
+        return self.bufs[layer, :, :rows]
+
+    def combine(self, layer: int, rows: int) -> torch.Tensor:
+        from megastep.kernels.split_combine import gather_sum_splits
+
+        return gather_sum_splits(self.bufs[layer], self.table, self.flag_table, self.epoch, rows,
+                                 buf_off=layer * self.splits * self.max_rows * self.dim,
+                                 flag_off=layer * self.world_size, rank=self.rank, world_size=self.world_size)
 
 
 class StepChannel:

@@ -446,3 +446,21 @@ def test_pools_ring_longer_than_window(cfg):
         want = ops.apply_rope(o, inv_freq, torch.tensor([p]), inverse=True)
         check_out(y_ref[i:i + 1].cpu(), want, rd)
         check_out(y[i:i + 1].cpu(), want, rd)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+@pytest.mark.parametrize("world", [2, 4])
+def test_pools_a_ranks_heads_take_the_full_launchs_bits(kind, world):
+    """Tensor parallelism (FastDecoder(attn_split=True)): a rank's block of heads with
+    heads_like = every head runs the full launch's configuration (here 32-head programs, of which
+    the rank fills 16 or 8) and gives those heads' bits of the full launch."""
+    H = 32
+    args, kw = make_pools(kind, seed=21 + world, H=H, d=64)
+    q, window, slots, pos, sink, scale, rope = args
+    whole = sparse_attention_pools(*args, **kw)
+    Hl = H // world
+    for r in range(world):
+        heads = slice(r * Hl, (r + 1) * Hl)
+        got = sparse_attention_pools(q[:, heads].contiguous(), window, slots, pos, sink[heads].contiguous(), scale,
+                                     rope, **kw, heads_like=H)
+        assert torch.equal(got, whole[:, heads]), (world, r)

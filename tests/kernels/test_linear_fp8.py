@@ -458,3 +458,60 @@ def test_a_groups_part_alone_gives_the_group_launchs_bits(M, monkeypatch):
         for i in (0, 1):
             assert same_bits(group.part(i, x, True, codes=codes), whole[i])
     assert not all(same_bits(p(x, True), whole[i]) for i, p in enumerate(parts))
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_a_ranks_rows_with_like_rows_give_the_full_groups_bits(M, monkeypatch):
+    """Tensor parallelism's row shares (FastDecoder(attn_split=True)): a group built from a block
+    of one part's rows plus another whole part, launched with `like_rows` = the full group's rows,
+    gives those rows' bits of the full group launch (whose pinned split the share's own shape would
+    not take), in one launch and part by part, with and without x's codes."""
+    from megastep.kernels import linear_fp8 as lin
+    from megastep.model.linears import Linear, LinearGroup
+
+    monkeypatch.setitem(lin._PINNED, (384, 512, 16), LinearFp8Config("f16", 64, 16, 128, 2))
+    x, w, s = make(M, 384, 512, seed=3 + M, x_dtype=torch.float32)
+    full = LinearGroup([Linear(w[:256], s[:2], 128, True), Linear(w[256:], s[2:], 128, True)])
+
+    def share_parts():
+        return [Linear(w[128:256], s[1:2], 128, True), Linear(w[256:], s[2:], 128, True)]
+
+    share = LinearGroup(share_parts(), like_rows=384)
+    assert share.fused is not None and pick_config(M, 256, 512).split_k == 4
+    for codes in (None, codes_of(x)):
+        whole = full(x, True, codes=codes)
+        got = share(x, True, codes=codes)
+        assert same_bits(got[0], whole[0][:, 128:]) and same_bits(got[1], whole[1])
+        assert same_bits(share.part(0, x, True, codes=codes), whole[0][:, 128:])
+    # the share's own configuration (4 splits) sums otherwise: fp32 output shows it
+    assert not same_bits(LinearGroup(share_parts())(x, True)[1], whole[1])
+
+
+def test_like_rows_needs_one_launch():
+    from megastep.model.linears import Linear, LinearGroup
+
+    x, w, s = make(1, 200, 256, seed=1)
+    with pytest.raises(ValueError, match="one launch"):
+        LinearGroup([Linear(w[:100], s[:1], 128, True), Linear(w[100:], s[1:], 128, True)], like_rows=400)
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_a_ranks_groups_of_wo_a_take_the_full_launchs_bits(M, monkeypatch):
+    """wo_a's groups split over ranks: a block of groups with the full launch's configuration gives
+    those groups' output columns of the full grouped launch, bit for bit."""
+    from megastep.kernels import linear_fp8 as lin
+    from megastep.model.linears import Linear
+
+    G, R, K = 4, 128, 256
+    monkeypatch.setitem(lin._PINNED, (G * R, K, 16), LinearFp8Config("f16", 64, 16, 128, 2))
+    x, w, s = make(M, G * R, G * K, seed=M)
+    w, s = F.quantize_fp8_weight(F.dequantize_fp8_weight(w, s, 128)[:, :K], 128)
+    whole = Linear(w, s, 128, False).grouped(x.view(M, G, K), G, R, True)
+    cfg = pick_config(M, G * R, K)
+    for W in (2, 4):
+        Gl = G // W
+        for r in range(W):
+            rows = slice(r * Gl * R, (r + 1) * Gl * R)
+            mine = Linear(w[rows], s[r * Gl * R // 128:(r + 1) * Gl * R // 128], 128, False)
+            got = mine.grouped(x.view(M, G, K)[:, r * Gl:(r + 1) * Gl], Gl, R, True, config=cfg)
+            assert same_bits(got, whole[:, rows]), (W, r)
