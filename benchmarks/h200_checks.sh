@@ -32,6 +32,7 @@
 #   bash benchmarks/h200_checks.sh linsplit   # the FP8 linears' candidates at 1, 4 and 64 rows, half the programs among them (linear_variants.py) (~3 min)
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh tp         # the attention's heads split over the GPUs: the EP and split-combine GPU tests, then all 43 layers A/B/A/B (~9 min, 2+ GPUs)
+#   bash benchmarks/h200_checks.sh tp_more    # the split's GPU tests with the vocabulary split, then heads / + vocabulary / 256-column sums A/B, block, trace (~9 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # Logs and JSON are written under $OUT/h200_checks_run, then packed into one archive in $OUT,
@@ -281,10 +282,23 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
         bench_with "tp_beside" 90 'import megastep.model.fast as f; f.BESIDE_ON_RANKS = True' --gpus "$gpus" \
           --batch 1,6,16,64 --attn-split on
       fi ;;
-    tp_more)  # after `tp`: the split's trace at 1 and 6 rows, and the 6-token block
+    tp_more)  # after `tp`: the split GPU tests with the head's vocabulary split too; the heads split alone, with the
+      # vocabulary split, and with the split sum in 256-column programs, A/B; the 6-token block; the trace at 1 row
       all_gpus
-      bench "tp_trace" 100 --gpus "$gpus" --batch 1,6 --attn-split on --trace
-      bench "tp_block6" 80 --gpus "$gpus" --batch 6 --block 6 --attn-split on ;;
+      step tp_more_tests 150 python3 -m pytest -q -rfE --timeout 140 tests/test_distributed_gpu.py -k split \
+        tests/kernels/test_split_combine.py
+      if grep -qiE "failed|error|timeout" "$OUT/tp_more_tests.log"; then
+        summary+=("the split's arms skipped: the tests did not pass")
+      else
+        b='import megastep.kernels.split_combine as b; b.BLOCK_COLS = 256'
+        for arm in a b; do
+          bench "tp_heads_$arm" 80 --gpus "$gpus" --batch 1,6,16,64 --attn-split on --vocab-split off
+          bench "tp_vocab_$arm" 80 --gpus "$gpus" --batch 1,6,16,64 --attn-split on --vocab-split on
+          bench_with "tp_cols256_$arm" 80 "$b" --gpus "$gpus" --batch 1,6,16,64 --attn-split on --vocab-split on
+        done
+        bench "tp_block6" 60 --gpus "$gpus" --batch 6 --block 6 --attn-split on --vocab-split on
+        bench "tp_trace" 100 --gpus "$gpus" --batch 1 --attn-split on --vocab-split on --trace
+      fi ;;
     ep)
       all_gpus
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)

@@ -245,7 +245,7 @@ def peer_transformers(cfg: ModelConfig, seed: int, device: torch.device, context
             "ms_per_layer": ok[best] / cfg.num_hidden_layers if best else None}
 
 
-_AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # --pdl, --shared-after-router, --attn-split -> FastDecoder's
+_AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # --pdl, --shared-after-router, --*-split -> FastDecoder's
 
 
 def _batches(text: str) -> list[int]:
@@ -264,8 +264,9 @@ def _check_args(args: argparse.Namespace, batches: list[int]) -> None:
         raise UserError(f"--block {args.block}: every batch must be a multiple of it (rows = sequences x block)")
     if args.gpus and (args.hbm_budget is not None or args.peer_layers):
         raise UserError("--gpus runs every expert in HBM across the GPUs: drop --hbm-budget / --peer-layers")
-    if args.attn_split == "on" and not (args.gpus and len(D.parse_gpus(args.gpus)) > 1):
-        raise UserError("--attn-split on splits the attention's heads over GPUs: give two or more with --gpus")
+    for flag, what in (("attn_split", "the attention's heads"), ("vocab_split", "the lm head's vocabulary")):
+        if getattr(args, flag) == "on" and not (args.gpus and len(D.parse_gpus(args.gpus)) > 1):
+            raise UserError(f"--{flag.replace('_', '-')} on splits {what} over GPUs: give two or more with --gpus")
     if not torch.cuda.is_available():
         raise UserError("megastep bench needs a CUDA device")
 
@@ -312,7 +313,7 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
                       rank=rank.rank if rank is not None else 0, world_size=W, ep_combine=args.ep_combine,
                       shared_w2=None if args.shared_w2 == "auto" else args.shared_w2, router=args.router,
                       shared_after_router=_AUTO_ON_OFF[args.shared_after_router],
-                      attn_split=_AUTO_ON_OFF[args.attn_split])
+                      attn_split=_AUTO_ON_OFF[args.attn_split], vocab_split=_AUTO_ON_OFF[args.vocab_split])
     del weights
     torch.cuda.synchronize()
     gen_s = time.perf_counter() - t0
@@ -331,6 +332,8 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
             nb["routed_experts"] /= W
             if dec.split_peer is not None:  # and of the head-split attention weights
                 nb["dense"] -= split_bytes * (W - 1) / W
+            if dec.vocab_peer is not None:  # and of the lm head
+                nb["head"] /= W
             nb["total"] = nb["dense"] + nb["routed_experts"] + nb["head"] + nb["state"]
         roof_ms = (nb["total"] / (bw * 1e9) + (nb["host_experts"] / (cold_bw * 1e9) if cold_bw else 0.0)) * 1e3
         results.append({
@@ -349,7 +352,7 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
         "shared_w2": args.shared_w2, "shared_after_router": args.shared_after_router,
         "router": args.router or "auto",
         "ep_combine": None if W == 1 else "p2p" if dec.peer is not None else "allreduce",
-        "attn_split": dec.split_peer is not None, "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
+        "attn_split": dec.split_peer is not None, "vocab_split": dec.vocab_peer is not None, "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
         "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
                                                "n_hot": placement.n_hot, "n_cold": placement.n_cold,
                                                "cold_slot_fraction": placement.cold_fraction},
@@ -388,8 +391,9 @@ def print_report(out: dict) -> None:
 
     L = out["layers"]
     ep = f" (experts split, {out['ep_combine']} combine)" if out.get("ep_combine") else ""
-    if out.get("attn_split"):
-        ep = ep[:-1] + ", attention heads split)"
+    for key, what in (("attn_split", "attention heads"), ("vocab_split", "vocabulary")):
+        if out.get(key):
+            ep = ep[:-1] + f", {what} split)"
     print(f"\n{out['device']} x{out.get('gpus', 1)}{ep}  preset {out['preset']}  layers {L}  context {out['context']}  "
           f"stream read {out['stream_read_GBps']:.0f} GB/s  routing {out['routing']}")
     pl = out["placement"]
@@ -519,5 +523,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-split", default="auto", choices=["auto", "on", "off"],
                    help="with --gpus: split the attention's heads over the GPUs (tensor parallelism, the same bits; "
                         "auto: model/fast.py's ATTN_SPLIT)")
+    p.add_argument("--vocab-split", default="auto", choices=["auto", "on", "off"],
+                   help="with --gpus: split the lm head's vocabulary over the GPUs (the same bits; auto: "
+                        "model/fast.py's VOCAB_SPLIT)")
     p.add_argument("--hbm-budget", type=float, default=None,
                    help="GB of HBM for weights: the coldest routed experts go to page-locked host memory")

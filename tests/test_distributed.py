@@ -366,3 +366,37 @@ def test_attn_split_choice_is_checked(monkeypatch):
         assert dec._peer_splits(None, 4, on_cuda=True) is None
     with pytest.raises(RuntimeError, match="peer access is not supported"):
         dec._peer_splits(True, 4, on_cuda=True)
+
+
+def test_vocab_split_choice_is_checked(monkeypatch):
+    """The lm head's vocabulary split (FastDecoder(vocab_split=True)): refused with the reason
+    where it cannot run, not taken by default, and where its buffers cannot be set up the default
+    warns and keeps the whole head on every rank."""
+    from megastep.model import fast
+    from megastep.model.fast import FastDecoder
+
+    cfg = _cfg()
+    w = synthesize_weights(cfg, SEED, include_mtp=False)
+    with pytest.raises(ValueError, match="needs world_size > 1"):
+        FastDecoder(cfg, dict(w), max_seqs=1, max_ctx=64, device="cpu", triton=False, vocab_split=True)
+    dec = FastDecoder(cfg, w, max_seqs=1, max_ctx=64, device="cpu", triton=False)
+    assert dec.vocab_peer is None and dec.head.shape[0] == cfg.vocab_size
+    dec.world_size = 2
+    with pytest.raises(ValueError, match="vocab_split needs the Triton kernels on CUDA devices"):
+        dec._peer_cols(True, 4, on_cuda=False)
+    assert dec._peer_cols(None, 4, on_cuda=False) is None
+    monkeypatch.setattr(D.PeerCols, "available", staticmethod(lambda: True))
+    dec.world_size = 3  # 512 logits
+    with pytest.raises(ValueError, match="vocabulary divisible by the 3 ranks"):
+        dec._peer_cols(True, 4, on_cuda=True)
+
+    def no_peer_access(*a, **k):
+        raise RuntimeError("peer access is not supported between these devices")
+
+    monkeypatch.setattr(D.PeerCols, "__init__", no_peer_access)
+    monkeypatch.setattr(fast, "VOCAB_SPLIT", True)
+    dec.world_size = 2
+    with pytest.warns(UserWarning, match="peer access is not supported.*every rank runs the whole head"):
+        assert dec._peer_cols(None, 4, on_cuda=True) is None
+    with pytest.raises(RuntimeError, match="peer access is not supported"):
+        dec._peer_cols(True, 4, on_cuda=True)

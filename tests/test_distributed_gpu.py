@@ -6,7 +6,7 @@ one-GPU step's MoE order at few rows (CUDA routing, the shared expert forked aft
 every batch, which the ranks take by default at 1 and 7-16 rows (FastDecoder.MOE_PLAN_EP: batch 8 runs
 it with PDL, on up to 16 rows with the p2p combine); with programmatic dependent launch on the
 ranks and off; with the attention's heads split over the ranks as well (tensor parallelism: wo_b's
-split-K partials gathered over NVLink, kernels/split_combine.py); and with the one-GPU side streams
+split-K partials gathered over NVLink, kernels/split_combine.py) and the lm head's vocabulary; and with the one-GPU side streams
 (the indexer and the mHC Sinkhorn beside) on the ranks."""
 
 import pytest
@@ -70,6 +70,7 @@ def _ep_rank(r: D.Rank, batches, ep_combine, plan):
                       rank=r.rank, world_size=r.world_size, ep_combine=ep_combine, **plan)
     assert (dec.peer is not None) == (ep_combine == "p2p")
     assert (dec.split_peer is not None) == bool(plan.get("attn_split")) and dec.heads == (8 if dec.split_peer else 16)
+    assert (dec.vocab_peer is not None) == bool(plan.get("vocab_split"))
     return _run(dec, batches)
 
 
@@ -94,9 +95,11 @@ def one_gpu():
 # count; programmatic dependent launch off ("no_pdl") and on ("pdl"): by default it is on up to PDL_MAX_ROWS_EP
 # rows with the p2p combine (so "default" runs it there) and off with the all-reduce one
 # "split": the attention's heads split over the ranks (attn_split; the small preset's 16 heads: 8 per rank in
-# the full launch's 16-head programs), with the one-GPU side streams on the ranks too (BESIDE_ON_RANKS)
+# the full launch's 16-head programs) and the lm head's vocabulary (vocab_split); "beside": the one-GPU side
+# streams on the ranks too (BESIDE_ON_RANKS)
 PLANS = {"default": {}, "cuda_late": {"router": "cuda", "shared_after_router": True}, "no_pdl": {"pdl": False},
-         "pdl": {"pdl": True}, "split": {"attn_split": True}, "split_no_pdl": {"attn_split": True, "pdl": False},
+         "pdl": {"pdl": True}, "split": {"attn_split": True, "vocab_split": True},
+         "split_no_pdl": {"attn_split": True, "vocab_split": True, "pdl": False},
          "beside": {"beside_on_ranks": True}}
 
 

@@ -179,8 +179,9 @@ def split_plan(K: int, cfg: DenseConfig) -> tuple[int, int]:
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
-                config: DenseConfig | None = None) -> torch.Tensor:
-    """x [M, K] bf16 (or fp32 holding bf16 values), w [N, K] bf16 -> x @ w^T [M, N] (fp32 sums)."""
+                config: DenseConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 (or fp32 holding bf16 values), w [N, K] bf16 -> x @ w^T [M, N] (fp32 sums),
+    or into `out` ([M, N] of out_dtype, unit stride along N)."""
     assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (x.shape, w.shape)
     assert x.dtype in (torch.bfloat16, torch.float32), x.dtype
     assert w.dtype == torch.bfloat16, w.dtype
@@ -191,7 +192,9 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch
     N = w.shape[0]
     cfg = config or pick_config(N, K)
     cfg.check()
-    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    assert out.shape == (M, N) and out.dtype == out_dtype and out.stride(1) == 1, (out.shape, out.dtype, out.stride())
     if M == 0 or N == 0:
         return out
     if K == 0:
@@ -217,7 +220,8 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch
 
 
 def linear_bf16_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
-                    config: DenseConfig | None = None) -> torch.Tensor:
+                    config: DenseConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The exact semantics: fp32 product of the fp32 values, one rounding to out_dtype."""
     del config
-    return (x.float() @ w.float().T).to(out_dtype)
+    y = (x.float() @ w.float().T).to(out_dtype)
+    return y if out is None else out.copy_(y)

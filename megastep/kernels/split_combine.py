@@ -15,6 +15,12 @@ Every value arrives as its owner's bits, so each rank gets the 1-GPU output bit 
 per layer is safe for the reason the pair combine's is (its module doc): with at least two layers, a
 rank writes layer L's buffer again only after a barrier that every peer reaches after its combine
 of layer L.
+
+`gather_cols` (the lm head's vocabulary split over the ranks, `PeerCols`): rank r computes logit
+columns [r*V/W, (r+1)*V/W) into its buffer [M_max, V/W]; after the same barrier every rank copies
+every rank's columns into the full [M, V]. Its one buffer is safe because a rank writes it again
+only in the next step, after the MoE combine of that step's first layer, which every peer reaches
+after its gather of this step.
 """
 
 from __future__ import annotations
@@ -55,10 +61,15 @@ def _split_sum_kernel(p_ptr, table_ptr, out_ptr, flags_ptr, epoch_ptr, N, stride
     tl.store(out_ptr + m.to(tl.int64) * N + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Columns per program of the split sum (a power of two): it changes no bits, only how many programs
+# share the latency of the S dependent loads (at 1 row and N 4096, 1024 gives 4 programs).
+BLOCK_COLS = 1024
+
+
 def _launch(p, table, out, flags, epoch, S, per, stride_s, stride_m, buf_off=0, flag_off=0, rank=0, world_size=1,
             peer=False):
     M, N = out.shape
-    bn = min(1024, next_pow2(N))
+    bn = min(BLOCK_COLS, next_pow2(N))
     grid = (M, triton.cdiv(N, bn))
     _split_sum_kernel[grid](
         p, table, out, flags, epoch, N, stride_s, stride_m, buf_off, flag_off, rank,
@@ -96,6 +107,44 @@ def gather_sum_splits(p_like: torch.Tensor, table: torch.Tensor, flags: torch.Te
         _launch(p_like, table, out, flags, epoch, per * world_size, per, p_like.stride(0), p_like.stride(1),
                 buf_off, flag_off, rank, world_size, peer=True)
     return out
+
+
+@triton.jit
+def _gather_cols_kernel(table_ptr, out_ptr, flags_ptr, epoch_ptr, NL, stride_m, flag_off, rank, W: tl.constexpr,
+                        BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    m = tl.program_id(0)
+    owner = tl.program_id(1)
+    offs = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < NL
+    arrive_and_wait(flags_ptr, epoch_ptr, flag_off, rank, W)
+    base = tl.load(table_ptr + owner).to(tl.pointer_type(out_ptr.dtype.element_ty))
+    v = tl.load(base + m.to(tl.int64) * stride_m + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.store(out_ptr + m.to(tl.int64) * NL * W + owner * NL + offs, v, mask=mask)
+
+
+def gather_cols(buf_like: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, epoch: torch.Tensor, M: int, *,
+                flag_off: int, rank: int, world_size: int) -> torch.Tensor:
+    """[M, W*NL]: rows 0..M-1 of every rank's buffer [M_max, NL] side by side (rank r's at columns
+    [r*NL, (r+1)*NL)), after a barrier with every rank (module doc). buf_like: this rank's buffer
+    (gives the dtype, NL and the row stride); table, flags, epoch: as in `gather_sum_splits`."""
+    assert buf_like.dim() == 2 and buf_like.stride(1) == 1, (buf_like.shape, buf_like.stride())
+    assert table.dtype == flags.dtype == epoch.dtype == torch.int64
+    assert table.numel() == flags.numel() == world_size
+    M_max, NL = buf_like.shape
+    assert 0 <= M <= M_max, (M, M_max)
+    out = torch.empty(M, world_size * NL, dtype=buf_like.dtype, device=buf_like.device)
+    if M and NL:
+        bn = min(4096, next_pow2(NL))
+        grid = (M, world_size, triton.cdiv(NL, bn))
+        _gather_cols_kernel[grid](table, out, flags, epoch, NL, buf_like.stride(0), flag_off, rank, W=world_size,
+                                  BLOCK_N=bn, num_warps=8, **launch_opts(buf_like, grid))
+    return out
+
+
+def gather_cols_ref(bufs: list[torch.Tensor], M: int) -> torch.Tensor:
+    """Torch twin of `gather_cols` without the barrier: bufs[r] is rank r's buffer."""
+    return torch.cat([b[:M] for b in bufs], dim=1)
 
 
 def sum_splits_ref(p: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -122,6 +122,9 @@ INDEXER_BESIDE_ROWS = 64
 # FastDecoder(attn_split=None) with several ranks: the attention's heads split over the ranks (tensor
 # parallelism, the 1-GPU bits). Off until measured on the ranks.
 ATTN_SPLIT = False
+# FastDecoder(vocab_split=None) with several ranks: the lm head's vocabulary split over the ranks (the
+# 1-GPU bits). Off until measured on the ranks.
+VOCAB_SPLIT = False
 # With several ranks, also take the one-GPU side streams of INDEXER_BESIDE_ROWS and
 # MHC_SINKHORN_BESIDE_ROWS (the same bits). Off until measured on the ranks.
 BESIDE_ON_RANKS = False
@@ -150,7 +153,7 @@ class FastDecoder(MoeSublayer):
                  group=None, moe_mode: str | None = None, cold_path: str = "gpu", cpu_share: float | None = None,
                  pdl: bool | None = None, overlap: bool | None = None, ep_combine: str | None = None,
                  shared_w2: str | None = None, shared_after_router: bool | None = None, router: str | None = None,
-                 attn_split: bool | None = None):
+                 attn_split: bool | None = None, vocab_split: bool | None = None):
         """consume=True deletes each layer's tensors from `weights` once the layer is built (experts
         stacked, projections concatenated), so a model filling the device is never held twice.
         placement (runtime.experts.Placement): routed experts it marks cold live in page-locked
@@ -175,6 +178,11 @@ class FastDecoder(MoeSublayer):
         configuration, so every rank still gets the 1-GPU logits bit for bit. Needs CUDA devices with
         symmetric memory and heads, o_groups and wo_b's K splits divisible by W. None: ATTN_SPLIT
         where it can run.
+        vocab_split: with several ranks, split the lm head's rows (the vocabulary) over them: rank r
+        computes logits [r*V/W, (r+1)*V/W) in the full head's launch configuration, and every rank
+        gathers every rank's columns over NVLink (kernels/split_combine.py, gather_cols): the 1-GPU
+        logits bit for bit, 1/W of the head's bytes per GPU. Needs CUDA devices with symmetric memory,
+        a bf16 head and a vocabulary divisible by W. None: VOCAB_SPLIT where it can run.
         moe_mode: the routed-experts kernel mode (kernels.moe.ALL_MODES; None: "lut" where it runs, else
             the Triton kernels' default: docs/PERFORMANCE.md, tenth measurement).
         cold_path: how the placement's cold experts are computed: "gpu" (recipe A: the experts
@@ -293,6 +301,11 @@ class FastDecoder(MoeSublayer):
 
         self.embed = t("embed.weight")
         self.head = t("head.weight")
+        self.vocab_peer = self._peer_cols(vocab_split, max_seqs * max_block, on_cuda)
+        if self.vocab_peer is not None:  # this rank's logit columns, in the full head's launch configuration
+            V = self.head.shape[0] // world_size
+            self.head_config = _dense.pick_config(*self.head.shape)
+            self.head = self.head[rank * V:(rank + 1) * V].contiguous()
         self.norm_w = f32("norm.weight")
         self.hc_head = (f32("hc_head_fn"), f32("hc_head_scale"), f32("hc_head_base"))
         self.layers: list[dict] = []
@@ -421,6 +434,34 @@ class FastDecoder(MoeSublayer):
             if attn_split:
                 raise
             warnings.warn(f"the attention's head split is unavailable ({e}); every rank runs every head", stacklevel=2)
+            return None
+
+    def _peer_cols(self, vocab_split: bool | None, max_rows: int, on_cuda: bool):
+        """The vocabulary split's gather buffers (runtime.distributed.PeerCols), or None."""
+        from megastep.runtime.distributed import PeerCols
+
+        W = self.world_size
+        if vocab_split is False or W == 1:
+            if vocab_split:
+                raise ValueError("vocab_split splits the lm head over several ranks: it needs world_size > 1")
+            return None
+        why = [m for bad, m in [
+            (not (on_cuda and PeerCols.available()), "the Triton kernels on CUDA devices and a PyTorch with symmetric memory"),
+            (self.head.dtype != torch.bfloat16, "a bf16 head"),
+            (self.cfg.vocab_size % W, f"a vocabulary divisible by the {W} ranks")] if bad]
+        if why:
+            if vocab_split:
+                raise ValueError("vocab_split needs " + "; ".join(why))
+            return None
+        if vocab_split is None and not VOCAB_SPLIT:
+            return None
+        try:
+            return PeerCols(max_rows, self.cfg.vocab_size // W, self.device, self.group)
+        except (RuntimeError, OSError) as e:  # e.g. GPUs without peer access: every rank fails alike
+            if vocab_split:
+                raise
+            warnings.warn(f"the head's vocabulary split is unavailable ({e}); every rank runs the whole head",
+                          stacklevel=2)
             return None
 
     def _head_split(self, lw: dict) -> dict:
@@ -632,7 +673,7 @@ class FastDecoder(MoeSublayer):
         if not 1 <= block <= self.pools.max_block:
             raise ValueError(f"block must be in 1..{self.pools.max_block} (the decoder's max_block), got {block}")
         cfg, T, eps = self.cfg, self.trace, self.cfg.rms_norm_eps
-        for peer in (self.peer, self.split_peer):
+        for peer in (self.peer, self.split_peer, self.vocab_peer):
             if peer is not None:
                 peer.begin_step()
         mhc_pre, mhc_post = self._kernel(_mhc, "mhc_pre"), self._kernel(_mhc, "mhc_post")
@@ -676,4 +717,8 @@ class FastDecoder(MoeSublayer):
                     h = mhc_post(y.contiguous(), h, post, comb, y2=y2)
         with stage(T, "head"):
             z = self._kernel(_mhc, "mhc_head")(h, *self.hc_head, self.norm_w, hc_eps, eps)
-            return self._dense(z, self.head)
+            if self.vocab_peer is None:
+                return self._dense(z, self.head)
+            B = z.shape[0]
+            _dense.linear_bf16(z, self.head, torch.float32, config=self.head_config, out=self.vocab_peer.buffer(B))
+            return self.vocab_peer.gather(B)

@@ -239,8 +239,6 @@ class _PeerBuffers:
                  group: dist.ProcessGroup | None):
         from torch.distributed import _symmetric_memory as symm
 
-        if n_layers < 2:  # the barrier of the layer before is what makes one buffer per layer safe
-            raise ValueError("a peer-to-peer combine needs at least two layers")
         group = group or dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.n_layers = n_layers
@@ -274,6 +272,8 @@ class PeerPairs(_PeerBuffers):
 
     def __init__(self, n_layers: int, max_pairs: int, dim: int, dtype: torch.dtype, device: torch.device,
                  group: dist.ProcessGroup | None = None):
+        if n_layers < 2:  # the barrier of the layer before is what makes one buffer per layer safe
+            raise ValueError("the peer-to-peer combine needs at least two MoE layers")
         super().__init__(n_layers, (max_pairs, dim), dtype, device, group)
         self.max_pairs, self.dim = max_pairs, dim
 
@@ -300,6 +300,8 @@ class PeerSplits(_PeerBuffers):
 
     def __init__(self, n_layers: int, splits: int, max_rows: int, dim: int, device: torch.device,
                  group: dist.ProcessGroup | None = None):
+        if n_layers < 2:  # as PeerPairs'
+            raise ValueError("the attention's peer-to-peer combine needs at least two layers")
         super().__init__(n_layers, (splits, max_rows, dim), torch.float32, device, group)
         self.splits, self.max_rows, self.dim = splits, max_rows, dim
 
@@ -314,6 +316,27 @@ class PeerSplits(_PeerBuffers):
         return gather_sum_splits(self.bufs[layer], self.table, self.flag_table, self.epoch, rows,
                                  buf_off=layer * self.splits * self.max_rows * self.dim,
                                  flag_off=layer * self.world_size, rank=self.rank, world_size=self.world_size)
+
+
+class PeerCols(_PeerBuffers):
+    """The lm head's vocabulary split over the ranks (kernels/split_combine.py, `gather_cols`): this
+    rank's logit columns, fp32 [max_rows, V/W]. `buffer(M)` is the [M, V/W] view its head launch
+    writes; `gather(M)` the barrier and the full [M, V] logits, every rank's columns in order."""
+
+    def __init__(self, max_rows: int, cols: int, device: torch.device, group: dist.ProcessGroup | None = None):
+        super().__init__(1, (max_rows, cols), torch.float32, device, group)
+        self.max_rows = max_rows
+
+    def buffer(self, rows: int) -> torch.Tensor:
+        if rows > self.max_rows:
+            raise ValueError(f"{rows} rows exceed the head's {self.max_rows}")
+        return self.bufs[0, :rows]
+
+    def gather(self, rows: int) -> torch.Tensor:
+        from megastep.kernels.split_combine import gather_cols
+
+        return gather_cols(self.bufs[0], self.table, self.flag_table, self.epoch, rows, flag_off=0, rank=self.rank,
+                           world_size=self.world_size)
 
 
 class StepChannel:

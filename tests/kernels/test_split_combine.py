@@ -99,3 +99,27 @@ def test_gather_reads_each_split_from_its_owner(world):
         assert got.shape == (M, N) and torch.equal(_bits(got), _bits(want)), f"rank {rank} of {world}"
         for f in flags:  # it signalled its arrival at every rank, at this layer only
             assert f[layer, rank] == 3 and not f[0].any() and not f[2].any()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_cols_puts_every_ranks_columns_in_place(world):
+    """The lm head's vocabulary split: every rank's logit columns side by side, read from their
+    owner (NaN in the rows past M shows a row read that should not be), after the barrier."""
+    M_max, M, NL = 4, 3, 70
+    g = torch.Generator().manual_seed(world)
+    bufs = [torch.randn(M_max, NL, generator=g).to(DEV) for _ in range(world)]
+    for b in bufs:
+        b[M:] = float("nan")
+    flags = [torch.zeros(1, world, dtype=torch.int64, device=DEV) for _ in range(world)]
+    for f in flags:
+        f[0] = 5
+    epoch = torch.tensor([5], dtype=torch.int64, device=DEV)
+    table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEV)
+    ftable = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=DEV)
+    want = SC.gather_cols_ref(bufs, M)
+    assert want.shape == (M, world * NL) and not want.isnan().any()
+    for rank in range(world):
+        flags[(rank + 1) % world][0, rank] = 0  # its signal must restore this
+        got = SC.gather_cols(bufs[rank], table, ftable, epoch, M, flag_off=0, rank=rank, world_size=world)
+        assert torch.equal(got, want), f"rank {rank} of {world}"
+        assert all(f[0, rank] == 5 for f in flags)
