@@ -33,6 +33,7 @@
 #   bash benchmarks/h200_checks.sh ep_tests   # the EP GPU tests alone, 1 / 4 / 8 rows against one GPU (~6 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh tp         # the attention's heads split over the GPUs: the EP and split-combine GPU tests, then all 43 layers A/B/A/B (~9 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh tp_more    # the split's GPU tests with the vocabulary split, then heads / + vocabulary / 256-column sums A/B, block, trace (~9 min, 2+ GPUs)
+#   bash benchmarks/h200_checks.sh splits1    # one GPU: the split sums' GPU tests, the gate's timeline at 8 and 16 rows on the rule and pinned (~5 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # Logs and JSON are written under $OUT/h200_checks_run, then packed into one archive in $OUT,
@@ -299,6 +300,14 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
         bench "tp_block6" 60 --gpus "$gpus" --batch 6 --block 6 --attn-split on --vocab-split on
         bench "tp_trace" 100 --gpus "$gpus" --batch 1 --attn-split on --vocab-split on --trace
       fi ;;
+    splits1)  # one GPU: the split sums' and gathers' GPU tests (tensor parallelism, built 2026-12-01; the 2-GPU
+      # tests are in tp / tp_more) and the dense kernel's; then why the gate's pin cost 8-16 rows in the step
+      # (twenty-fifth measurement): the device timeline at 8 and 16 rows with the gate on the rule and pinned
+      step splits1_tests 150 python3 -m pytest -q -rfE --timeout 140 -m gpu tests/kernels/test_split_combine.py \
+        tests/kernels/test_dense.py
+      g='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig(32, 256, 16, 4, 3)'
+      bench gate_rule 120 --layers 30 --batch 8,16 --timeline
+      bench_with gate_pin 120 "$g" --layers 30 --batch 8,16 --timeline ;;
     ep)
       all_gpus
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)
@@ -312,7 +321,7 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | splits1 | ep)"
       exit 2 ;;
   esac
 done

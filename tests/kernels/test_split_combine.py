@@ -123,3 +123,25 @@ def test_gather_cols_puts_every_ranks_columns_in_place(world):
         got = SC.gather_cols(bufs[rank], table, ftable, epoch, M, flag_off=0, rank=rank, world_size=world)
         assert torch.equal(got, want), f"rank {rank} of {world}"
         assert all(f[0, rank] == 5 for f in flags)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 6, 16, 64])
+def test_gpu_v4_wo_b_split_over_ranks_gives_the_full_launchs_bits(M):
+    """V4-Flash's wo_b (4096 x 8192, pinned in 8 K-splits) as 2 and 4 ranks hold it: every rank's
+    partials, concatenated and summed in order, are the full launch's bits (the tensor cores' sums,
+    which the interpreter does not have), and the same again on a second run."""
+    N, K = 4096, 8192
+    x, w, s = _make(M, N, K, seed=M)
+    cfg = LIN.pick_config(M, N, K)
+    c = LIN.split_cols(K, cfg)
+    assert K // c == 8
+    whole = LIN.linear_fp8(x, w, s)
+    for world in (2, 4):
+        cols = K // world
+        parts = torch.cat([LIN.linear_fp8_splits(x[:, r * cols:(r + 1) * cols], w[:, r * cols:(r + 1) * cols].contiguous(),
+                                                 s[:, r * cols // 128:(r + 1) * cols // 128].contiguous(), cfg, c)
+                           for r in range(world)])
+        for _ in range(2):
+            assert torch.equal(_bits(SC.sum_splits(parts)), _bits(whole)), (M, world)
