@@ -34,6 +34,7 @@
 #   bash benchmarks/h200_checks.sh tp         # the attention's heads split over the GPUs: the EP and split-combine GPU tests, then all 43 layers A/B/A/B (~9 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh tp_more    # the split's GPU tests with the vocabulary split, then heads / + vocabulary / 256-column sums A/B, block, trace (~9 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh splits1    # one GPU: the split sums' GPU tests, the gate's timeline at 8 and 16 rows on the rule and pinned (~5 min)
+#   bash benchmarks/h200_checks.sh gatefork   # the gate on the rule / pinned, the shared expert forked before / after the router, at 8, 16 and 64 rows, A/B (~5 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # Logs and JSON are written under $OUT/h200_checks_run, then packed into one archive in $OUT,
@@ -308,6 +309,16 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       g='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig(32, 256, 16, 4, 3)'
       bench gate_rule 120 --layers 30 --batch 8,16 --timeline
       bench_with gate_pin 120 "$g" --layers 30 --batch 8,16 --timeline ;;
+    gatefork)  # splits1's timeline: pinned, the gate is faster (4.3 against 7.0 us) but the shared expert's w1/w3 then
+      # starts as it ends and runs beside the routing launch, which doubles (7.6 -> 16.9 us at 8 rows). The shared
+      # expert forked after the router instead, with the gate on the rule and pinned, A/B
+      g='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig(32, 256, 16, 4, 3)'
+      for arm in a b; do
+        bench "gf_rule_$arm" 60 --layers 30 --batch 8,16,64
+        bench "gf_rule_late_$arm" 60 --layers 30 --batch 8,16,64 --shared-after-router on
+        bench_with "gf_pin_$arm" 60 "$g" --layers 30 --batch 8,16,64
+        bench_with "gf_pin_late_$arm" 60 "$g" --layers 30 --batch 8,16,64 --shared-after-router on
+      done ;;
     ep)
       all_gpus
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)
@@ -321,7 +332,7 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | splits1 | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
       exit 2 ;;
   esac
 done

@@ -120,13 +120,20 @@ MHC_SINKHORN_OWN_STREAM_ROWS = (2, 4)
 # and then streams beside the compressors' projection and the indexer's launches (19.8 us for 34 MB).
 INDEXER_BESIDE_ROWS = 64
 # FastDecoder(attn_split=None) with several ranks: the attention's heads split over the ranks (tensor
-# parallelism, the 1-GPU bits). Off until measured on the ranks.
-ATTN_SPLIT = False
+# parallelism, the 1-GPU bits). Measured on 2 x H200, all 43 V4-Flash layers, the p2p combine, p50 ms
+# A/B against every head on every rank (docs/PERFORMANCE.md, twenty-sixth measurement): 1 row 6.141 /
+# 6.256 against 6.533 / 6.606, 6 rows 11.120 / 10.983 against 11.259 / 11.310, 64 rows 45.85 / 45.92
+# against 46.07 / 46.06, but 16 rows 18.279 / 18.288 against 17.899 / 17.871. It sets what each rank
+# loads, so it holds for every batch; on for the 1-row and the 6-row block's gains.
+ATTN_SPLIT = True
 # FastDecoder(vocab_split=None) with several ranks: the lm head's vocabulary split over the ranks (the
-# 1-GPU bits). Off until measured on the ranks.
+# 1-GPU bits). Off until measured on the ranks (built 2026-12-01 when the 2-GPU machines were withdrawn:
+# its GPU tests have not run either).
 VOCAB_SPLIT = False
 # With several ranks, also take the one-GPU side streams of INDEXER_BESIDE_ROWS and
-# MHC_SINKHORN_BESIDE_ROWS (the same bits). Off until measured on the ranks.
+# MHC_SINKHORN_BESIDE_ROWS (the same bits). Measured once on 2 x H200 with the heads split (twenty-sixth
+# measurement): 1 row 6.143, 6 rows 10.987, 16 rows 18.296, 64 rows 45.878 ms, within the split's own
+# A/B spread: off.
 BESIDE_ON_RANKS = False
 
 
