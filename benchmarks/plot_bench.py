@@ -35,7 +35,9 @@ def main(src: str, dst: str, others: list[str]) -> None:
         o = json.load(open(path))
         ax.plot([r["batch"] for r in o["results"]], [r["ms_p50"] for r in o["results"]], "^:",
                 label=f"the same, {label or _differs(d, o)}")
-    ax.plot(b, [r["roofline_ms"] for r in rs], "s--", label=f"roofline: bytes / {d['stream_read_GBps']:.0f} GB/s")
+    gpus = d.get("gpus", 1)
+    per = " per GPU" if gpus > 1 else ""
+    ax.plot(b, [r["roofline_ms"] for r in rs], "s--", label=f"roofline: bytes{per} / {d['stream_read_GBps']:.0f} GB/s")
     if d.get("peer") and d["peer"].get("ms_per_layer"):
         ax.plot([1], [d["peer"]["ms_per_layer"] * d["layers"]], "x", ms=10,
                 label=f"transformers ({d['peer']['best_impl']}), scaled to {d['layers']} layers")
@@ -43,7 +45,8 @@ def main(src: str, dst: str, others: list[str]) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("rows per step (batch)")
     ax.set_ylabel("ms per step")
-    ax.set_title(f"{d['preset']} {d['layers']} layers, context {d['context']}, {d['device']} ({d['date']})")
+    ax.set_title(f"{d['preset']} {d['layers']} layers, context {d['context']}, {d['device']}"
+                 f"{f' x{gpus}' if gpus > 1 else ''} ({d['date']})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
