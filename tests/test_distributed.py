@@ -331,72 +331,50 @@ def test_p2p_combine_falls_back_to_the_all_reduce(monkeypatch):
         dec._peer_pairs("p2p", 4, on_cuda=True)
 
 
-def test_attn_split_choice_is_checked(monkeypatch):
-    """The attention's head split (FastDecoder(attn_split=True)) needs several ranks, CUDA devices
-    with symmetric memory and shapes the ranks divide: asked for otherwise it is refused with the
-    reason; by default (None) it is simply not taken. Where its buffers cannot be set up, the
-    default warns and keeps every head on every rank; asked for explicitly, the failure is raised."""
+# the splits over the ranks: (constructor argument, its peer buffers' class and method, module default,
+# what a 3-rank refusal names, what the fallback keeps)
+SPLITS = {"attn_split": ("PeerSplits", "_peer_splits", "ATTN_SPLIT", "divisible by the 3 ranks", "every head"),
+          "vocab_split": ("PeerCols", "_peer_cols", "VOCAB_SPLIT", "vocabulary divisible by the 3 ranks",
+                          "the whole head")}
+
+
+@pytest.mark.parametrize("flag", sorted(SPLITS))
+def test_split_choice_is_checked(monkeypatch, flag):
+    """The attention's head split (FastDecoder(attn_split=True)) and the lm head's vocabulary split
+    (vocab_split) need several ranks, CUDA devices with symmetric memory and shapes the ranks divide:
+    asked for otherwise, each is refused with the reason; by default (None) it is simply not taken.
+    Where its buffers cannot be set up, the default warns and keeps the work whole on every rank;
+    asked for explicitly, the failure is raised."""
     from megastep.config import QuantConfig
     from megastep.model import fast
     from megastep.model.fast import FastDecoder
 
-    # wo_b [128, 256] in 128x128 blocks: 2 K splits of 128 columns
+    cls, method, default, refused, kept = SPLITS[flag]
+    # wo_b [128, 256] in 128x128 blocks: 2 K splits of 128 columns; 512 logits
     cfg = _cfg().replace(o_lora_rank=128, quantization_config=QuantConfig(weight_block_size=(128, 128)))
     w = synthesize_weights(cfg, SEED, include_mtp=False)
     with pytest.raises(ValueError, match="needs world_size > 1"):
-        FastDecoder(cfg, dict(w), max_seqs=1, max_ctx=64, device="cpu", triton=False, attn_split=True)
+        FastDecoder(cfg, dict(w), max_seqs=1, max_ctx=64, device="cpu", triton=False, **{flag: True})
     dec = FastDecoder(cfg, w, max_seqs=1, max_ctx=64, device="cpu", triton=False)
-    assert dec.split_peer is None and dec.heads == cfg.num_attention_heads
+    assert dec.split_peer is None and dec.vocab_peer is None
+    assert dec.heads == cfg.num_attention_heads and dec.head.shape[0] == cfg.vocab_size
+    peers = getattr(dec, method)
     dec.world_size = 2
-    with pytest.raises(ValueError, match="attn_split needs the Triton kernels on CUDA devices"):
-        dec._peer_splits(True, 4, on_cuda=False)
-    assert dec._peer_splits(None, 4, on_cuda=False) is None
-    monkeypatch.setattr(D.PeerSplits, "available", staticmethod(lambda: True))
+    with pytest.raises(ValueError, match=f"{flag} needs the Triton kernels on CUDA devices"):
+        peers(True, 4, on_cuda=False)
+    assert peers(None, 4, on_cuda=False) is None
+    monkeypatch.setattr(getattr(D, cls), "available", staticmethod(lambda: True))
     dec.world_size = 3
-    with pytest.raises(ValueError, match="divisible by the 3 ranks"):
-        dec._peer_splits(True, 4, on_cuda=True)
+    with pytest.raises(ValueError, match=refused):
+        peers(True, 4, on_cuda=True)
 
     def no_peer_access(*a, **k):
         raise RuntimeError("peer access is not supported between these devices")
 
-    monkeypatch.setattr(D.PeerSplits, "__init__", no_peer_access)
-    monkeypatch.setattr(fast, "ATTN_SPLIT", True)
+    monkeypatch.setattr(getattr(D, cls), "__init__", no_peer_access)
+    monkeypatch.setattr(fast, default, True)
     dec.world_size = 2
-    with pytest.warns(UserWarning, match="peer access is not supported.*every rank runs every head"):
-        assert dec._peer_splits(None, 4, on_cuda=True) is None
+    with pytest.warns(UserWarning, match=f"unavailable .peer access is not supported.*every rank runs {kept}"):
+        assert peers(None, 4, on_cuda=True) is None
     with pytest.raises(RuntimeError, match="peer access is not supported"):
-        dec._peer_splits(True, 4, on_cuda=True)
-
-
-def test_vocab_split_choice_is_checked(monkeypatch):
-    """The lm head's vocabulary split (FastDecoder(vocab_split=True)): refused with the reason
-    where it cannot run, not taken by default, and where its buffers cannot be set up the default
-    warns and keeps the whole head on every rank."""
-    from megastep.model import fast
-    from megastep.model.fast import FastDecoder
-
-    cfg = _cfg()
-    w = synthesize_weights(cfg, SEED, include_mtp=False)
-    with pytest.raises(ValueError, match="needs world_size > 1"):
-        FastDecoder(cfg, dict(w), max_seqs=1, max_ctx=64, device="cpu", triton=False, vocab_split=True)
-    dec = FastDecoder(cfg, w, max_seqs=1, max_ctx=64, device="cpu", triton=False)
-    assert dec.vocab_peer is None and dec.head.shape[0] == cfg.vocab_size
-    dec.world_size = 2
-    with pytest.raises(ValueError, match="vocab_split needs the Triton kernels on CUDA devices"):
-        dec._peer_cols(True, 4, on_cuda=False)
-    assert dec._peer_cols(None, 4, on_cuda=False) is None
-    monkeypatch.setattr(D.PeerCols, "available", staticmethod(lambda: True))
-    dec.world_size = 3  # 512 logits
-    with pytest.raises(ValueError, match="vocabulary divisible by the 3 ranks"):
-        dec._peer_cols(True, 4, on_cuda=True)
-
-    def no_peer_access(*a, **k):
-        raise RuntimeError("peer access is not supported between these devices")
-
-    monkeypatch.setattr(D.PeerCols, "__init__", no_peer_access)
-    monkeypatch.setattr(fast, "VOCAB_SPLIT", True)
-    dec.world_size = 2
-    with pytest.warns(UserWarning, match="peer access is not supported.*every rank runs the whole head"):
-        assert dec._peer_cols(None, 4, on_cuda=True) is None
-    with pytest.raises(RuntimeError, match="peer access is not supported"):
-        dec._peer_cols(True, 4, on_cuda=True)
+        peers(True, 4, on_cuda=True)

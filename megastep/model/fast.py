@@ -410,66 +410,63 @@ class FastDecoder(MoeSublayer):
             warnings.warn(f"peer-to-peer expert combine unavailable ({e}); using the all-reduce", stacklevel=2)
             return None
 
+    def _split_buffers(self, flag: str, asked: bool | None, default: bool, what: str, problems, make, fallback: str):
+        """The peer buffers of one split over the ranks, or None. `flag`/`asked`: the constructor's
+        argument and its value; refused with the reasons of `problems` ((bad, needs) pairs) when asked
+        for, else not taken where it cannot run or `default` is off. Where `make()` fails (e.g. GPUs
+        without peer access: every rank fails alike) it is raised when asked for, else warned
+        (`fallback`: what runs instead)."""
+        if asked is False or self.world_size == 1:
+            if asked:
+                raise ValueError(f"{flag} splits {what} over several ranks: it needs world_size > 1")
+            return None
+        why = [m for bad, m in problems if bad]
+        if why:
+            if asked:
+                raise ValueError(f"{flag} needs " + "; ".join(why))
+            return None
+        if asked is None and not default:
+            return None
+        try:
+            return make()
+        except (RuntimeError, OSError) as e:
+            if asked:
+                raise
+            warnings.warn(f"the split of {what} is unavailable ({e}); {fallback}", stacklevel=3)
+            return None
+
     def _peer_splits(self, attn_split: bool | None, max_rows: int, on_cuda: bool):
         """The tensor-parallel attention's combine buffers (runtime.distributed.PeerSplits) when the
         heads are split over the ranks (attn_split), else None."""
         from megastep.runtime.distributed import PeerSplits
 
         cfg, W = self.cfg, self.world_size
-        if attn_split is False or W == 1:
-            if attn_split:
-                raise ValueError("attn_split splits the attention's heads over several ranks: it needs world_size > 1")
-            return None
         K = cfg.o_groups * cfg.o_lora_rank  # wo_b's input width
         cols = _lin.split_cols(K, _lin.pick_config(1, cfg.hidden_size, K))
         splits = K // cols if K % cols == 0 else 0  # whole splits only
-        why = [m for bad, m in [
+        problems = [
             (not (on_cuda and PeerSplits.available()), "the Triton kernels on CUDA devices and a PyTorch with symmetric memory"),
             (cfg.num_hidden_layers < 2, "two layers or more"),
             (cfg.num_attention_heads % W or cfg.o_groups % W or not splits or splits % W,
              f"heads, o_groups and wo_b's K splits ({splits} whole ones) divisible by the {W} ranks"),
-            (not (cfg.quantization_config and cfg.fp8_block == _lin.BLOCK), "FP8 weights in 128x128 blocks")] if bad]
-        if why:
-            if attn_split:
-                raise ValueError("attn_split needs " + "; ".join(why))
-            return None
-        if attn_split is None and not ATTN_SPLIT:
-            return None
-        try:
-            return PeerSplits(cfg.num_hidden_layers, splits // W, max_rows, cfg.hidden_size, self.device, self.group)
-        except (RuntimeError, OSError) as e:  # e.g. GPUs without peer access: every rank fails alike
-            if attn_split:
-                raise
-            warnings.warn(f"the attention's head split is unavailable ({e}); every rank runs every head", stacklevel=2)
-            return None
+            (not (cfg.quantization_config and cfg.fp8_block == _lin.BLOCK), "FP8 weights in 128x128 blocks")]
+        return self._split_buffers(
+            "attn_split", attn_split, ATTN_SPLIT, "the attention's heads", problems,
+            lambda: PeerSplits(cfg.num_hidden_layers, splits // W, max_rows, cfg.hidden_size, self.device, self.group),
+            "every rank runs every head")
 
     def _peer_cols(self, vocab_split: bool | None, max_rows: int, on_cuda: bool):
         """The vocabulary split's gather buffers (runtime.distributed.PeerCols), or None."""
         from megastep.runtime.distributed import PeerCols
 
-        W = self.world_size
-        if vocab_split is False or W == 1:
-            if vocab_split:
-                raise ValueError("vocab_split splits the lm head over several ranks: it needs world_size > 1")
-            return None
-        why = [m for bad, m in [
+        W, V = self.world_size, self.cfg.vocab_size
+        problems = [
             (not (on_cuda and PeerCols.available()), "the Triton kernels on CUDA devices and a PyTorch with symmetric memory"),
             (self.head.dtype != torch.bfloat16, "a bf16 head"),
-            (self.cfg.vocab_size % W, f"a vocabulary divisible by the {W} ranks")] if bad]
-        if why:
-            if vocab_split:
-                raise ValueError("vocab_split needs " + "; ".join(why))
-            return None
-        if vocab_split is None and not VOCAB_SPLIT:
-            return None
-        try:
-            return PeerCols(max_rows, self.cfg.vocab_size // W, self.device, self.group)
-        except (RuntimeError, OSError) as e:  # e.g. GPUs without peer access: every rank fails alike
-            if vocab_split:
-                raise
-            warnings.warn(f"the head's vocabulary split is unavailable ({e}); every rank runs the whole head",
-                          stacklevel=2)
-            return None
+            (V % W, f"a vocabulary divisible by the {W} ranks")]
+        return self._split_buffers("vocab_split", vocab_split, VOCAB_SPLIT, "the lm head", problems,
+                                   lambda: PeerCols(max_rows, V // W, self.device, self.group),
+                                   "every rank runs the whole head")
 
     def _head_split(self, lw: dict) -> dict:
         """This rank's share of a layer's head-split weights: its heads' sinks, its groups' rows of

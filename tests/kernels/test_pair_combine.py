@@ -9,6 +9,7 @@ import torch
 
 from megastep.kernels import moe as MOE
 from megastep.kernels import pair_combine as PC
+from peer_sim import arrived
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -42,17 +43,12 @@ def test_gather_reads_each_pair_from_its_owner(world):
     idx = torch.stack([torch.randperm(E, generator=g)[:K].sort().values for _ in range(M)]).to(DEV)
     y = _pairs(M, K, D, torch.bfloat16, seed=world).view(M * K, D)
     owner = (idx // per).reshape(-1)
-    bufs, flags = [], []
+    bufs = []
     for r in range(world):  # rank r's per-layer buffers: its pairs at `layer`, NaN wherever it owns nothing
         b = torch.full((layers, M * K, D), float("nan"), dtype=torch.bfloat16, device=DEV)
         b[layer][owner == r] = y[owner == r]
         bufs.append(b)
-        flags.append(torch.zeros(layers, world, dtype=torch.int64, device=DEV))
-    epoch = torch.tensor([7], dtype=torch.int64, device=DEV)
-    for f in flags:
-        f[layer] = 7  # every rank has arrived: the wait passes at once
-    table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEV)
-    ftable = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=DEV)
+    flags, epoch, table, ftable = arrived(bufs, layers, layer, 7, DEV)
     for rank in range(world):
         flags[rank + 1 if rank + 1 < world else 0][layer, rank] = 0  # its signal must restore this
         got = PC.gather_sum_pairs(bufs[rank][layer], table, ftable, epoch, idx, layer_off=layer * M * K * D,

@@ -10,6 +10,7 @@ import torch
 
 from megastep.kernels import linear_fp8 as LIN
 from megastep.kernels import split_combine as SC
+from peer_sim import arrived
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -80,17 +81,12 @@ def test_gather_reads_each_split_from_its_owner(world):
     S, M_max, M, N, layers, layer = 8, 4, 3, 96, 3, 1
     per = S // world
     p = _partials(S, M, N, seed=world)
-    bufs, flags = [], []
+    bufs = []
     for r in range(world):  # rank r's buffers: its splits at `layer`, NaN everywhere else
         b = torch.full((layers, per, M_max, N), float("nan"), device=DEV)
         b[layer, :, :M] = p[r * per:(r + 1) * per]
         bufs.append(b)
-        flags.append(torch.zeros(layers, world, dtype=torch.int64, device=DEV))
-    epoch = torch.tensor([3], dtype=torch.int64, device=DEV)
-    for f in flags:
-        f[layer] = 3  # every rank has arrived: the wait passes at once
-    table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEV)
-    ftable = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=DEV)
+    flags, epoch, table, ftable = arrived(bufs, layers, layer, 3, DEV)
     want = SC.sum_splits_ref(p)
     for rank in range(world):
         flags[(rank + 1) % world][layer, rank] = 0  # its signal must restore this
@@ -110,12 +106,7 @@ def test_gather_cols_puts_every_ranks_columns_in_place(world):
     bufs = [torch.randn(M_max, NL, generator=g).to(DEV) for _ in range(world)]
     for b in bufs:
         b[M:] = float("nan")
-    flags = [torch.zeros(1, world, dtype=torch.int64, device=DEV) for _ in range(world)]
-    for f in flags:
-        f[0] = 5
-    epoch = torch.tensor([5], dtype=torch.int64, device=DEV)
-    table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEV)
-    ftable = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=DEV)
+    flags, epoch, table, ftable = arrived(bufs, 1, 0, 5, DEV)
     want = SC.gather_cols_ref(bufs, M)
     assert want.shape == (M, world * NL) and not want.isnan().any()
     for rank in range(world):
