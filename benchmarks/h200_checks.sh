@@ -35,7 +35,6 @@
 #   bash benchmarks/h200_checks.sh tp_more    # the split's GPU tests with the vocabulary split, then heads / + vocabulary / 256-column sums A/B, block, trace (~9 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh splits1    # one GPU: the split sums' GPU tests, the gate's timeline at 8 and 16 rows on the rule and pinned (~5 min)
 #   bash benchmarks/h200_checks.sh gatefork   # the gate on the rule / pinned, the shared expert forked before / after the router, at 8, 16 and 64 rows, A/B (~5 min)
-#   bash benchmarks/h200_checks.sh qrsplit    # the qr group in 2 K-splits against the rule's 1, at 1 and 4 rows, A/B (~3 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # Logs and JSON are written under $OUT/h200_checks_run, then packed into one archive in $OUT,
@@ -320,14 +319,6 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
         bench_with "gf_pin_$arm" 60 "$g" --layers 30 --batch 8,16,64
         bench_with "gf_pin_late_$arm" 60 "$g" --layers 30 --batch 8,16,64 --shared-after-router on
       done ;;
-    qrsplit)  # the qr group (the attention's and the CSA indexer's wq_b, 40960 x 1024) in 2 K-splits instead of the
-      # rule's 1 (640 column tiles): more programs for the 1-row window where three weight streams share the SMs
-      # (twenty-fifth measurement, item 2). It changes the sums, so it would hold at every row count. A/B
-      q='import megastep.kernels.linear_fp8 as l; l._PINNED.update({(40960, 1024, mb): l.LinearFp8Config("f16", 64, mb, 128, 2) for mb in (16, 32, 64)})'
-      for arm in a b; do
-        bench "qr_rule_$arm" 70 --layers 30 --batch 1,4
-        bench_with "qr_split2_$arm" 50 "$q" --layers 30 --batch 1,4
-      done ;;
     ep)
       all_gpus
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)
@@ -341,7 +332,7 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | qrsplit | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
       exit 2 ;;
   esac
 done
