@@ -491,7 +491,6 @@ def linear_fp8_swiglu(
     return _launch(x, w13, w13_scale, out, cfg, True, 1, True, float(swiglu_limit), None, x_codes)
 
 
-
 def split_cols(K: int, config: LinearFp8Config) -> int:
     """The K columns one split-K program of `config` sums on a weight of K columns: a weight cut
     along K at multiples of this gives its split partials to different launches (linear_fp8_splits)."""
