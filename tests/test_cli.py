@@ -86,6 +86,8 @@ def test_no_quant_sim_flag_changes_numerics_not_interface(small_dir, capsys):
         (["bench", "--batch", "1,x"], "comma-separated row counts"),
         (["bench", "--batch", "0,4"], "comma-separated row counts"),
         (["bench", "--gpus", "0,1", "--batch", "x"], "comma-separated row counts"),
+        (["bench", "--attn-split", "on"], "--attn-split on splits the attention's heads over GPUs"),
+        (["bench", "--gpus", "0", "--vocab-split", "on"], "--vocab-split on splits the lm head's vocabulary over GPUs"),
         (["serve", "--model", "{small}", "--port", "99999"], "--port must be in 0..65535"),
         (["serve", "--model", "{small}", "--prefill-block", "0"], "--prefill-block must be >= 1"),
         (["generate", "--model", "{small}", "--top-p", "2", "hi"], "--top-p must be in (0, 1]"),

@@ -125,7 +125,10 @@ def build_server(args: argparse.Namespace, rank=None):
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(model_dir)
     engine, kind, device = build_engine(args, model_dir, rank)
-    ep = f", experts split over {rank.world_size} GPUs" if rank is not None else ""
+    ep = ""
+    if rank is not None:
+        heads = getattr(getattr(engine, "decoder", None), "split_peer", None) is not None
+        ep = f", experts{' and attention heads' if heads else ''} split over {rank.world_size} GPUs"
     log.info("loaded %s in %.1f s (%s engine on %s%s, %d torch threads)", model_dir,
              time.perf_counter() - t0, kind, device, ep, torch.get_num_threads())
     try:
