@@ -54,6 +54,19 @@ def arrive_and_wait(flags_ptr, epoch_ptr, flag_off, rank, W: tl.constexpr):
 
 
 @triton.jit
+def peer_load(table_ptr, owner, off, mask, like_ptr, ALIGNED: tl.constexpr):
+    """Elements `off` (element offsets from the base) of rank `owner`'s buffer, whose base address is
+    table[owner], typed as like_ptr's elements. Another GPU wrote them during the caller's wait
+    (arrive_and_wait): read past L1, which may hold the previous step's bytes (".cg"; Triton 3.6
+    ignores ".cv" on vector loads). ALIGNED: the base is 16-byte aligned (host-checked), so the
+    loads may be 16-byte vectors."""
+    base = tl.load(table_ptr + owner).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    if ALIGNED:
+        base = tl.multiple_of(base, 16)
+    return tl.load(base + off, mask=mask, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
 def _pair_sum_kernel(y_ptr, table_ptr, idx_ptr, out_ptr, flags_ptr, epoch_ptr, sh_ptr, D, layer_off, flag_off, per,
                      rank, K: tl.constexpr, W: tl.constexpr, PEER: tl.constexpr, ALIGNED: tl.constexpr,
                      HAS_SHARED: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
@@ -69,13 +82,8 @@ def _pair_sum_kernel(y_ptr, table_ptr, idx_ptr, out_ptr, flags_ptr, epoch_ptr, s
         row = (m * K + j).to(tl.int64) * D
         if PEER:
             owner = tl.load(idx_ptr + m * K + j) // per
-            base = tl.load(table_ptr + owner).to(tl.pointer_type(y_ptr.dtype.element_ty))
-            if ALIGNED:  # rows start on 16 bytes (host-checked): the loads may be 16-byte vectors
-                base = tl.multiple_of(base, 16)
-            base += layer_off
-            # another GPU wrote it during this kernel's wait: read past L1, which may hold the
-            # previous step's bytes (".cg"; Triton 3.6 ignores ".cv" on vector loads)
-            v = tl.load(base + row + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            # rows start on 16 bytes when ALIGNED (their strides are host-checked)
+            v = peer_load(table_ptr, owner, layer_off + row + offs, mask, y_ptr, ALIGNED).to(tl.float32)
         else:
             v = tl.load(y_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
         if j == 0:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
-from megastep.kernels.pair_combine import arrive_and_wait
+from megastep.kernels.pair_combine import arrive_and_wait, peer_load
 
 
 @triton.jit
@@ -47,9 +47,7 @@ def _split_sum_kernel(p_ptr, table_ptr, out_ptr, flags_ptr, epoch_ptr, N, stride
     for s in tl.static_range(S):
         row = (s % PER) * stride_s + m.to(tl.int64) * stride_m
         if PEER:
-            base = tl.load(table_ptr + s // PER).to(tl.pointer_type(tl.float32))
-            # another GPU wrote it during this kernel's wait: past L1 (".cg", as the pair combine)
-            v = tl.load(base + buf_off + row + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            v = peer_load(table_ptr, s // PER, buf_off + row + offs, mask, p_ptr, False)
         else:
             v = tl.load(p_ptr + row + offs, mask=mask, other=0.0)
         if s == 0:
@@ -118,8 +116,7 @@ def _gather_cols_kernel(table_ptr, out_ptr, flags_ptr, epoch_ptr, NL, stride_m, 
     offs = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < NL
     arrive_and_wait(flags_ptr, epoch_ptr, flag_off, rank, W)
-    base = tl.load(table_ptr + owner).to(tl.pointer_type(out_ptr.dtype.element_ty))
-    v = tl.load(base + m.to(tl.int64) * stride_m + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    v = peer_load(table_ptr, owner, m.to(tl.int64) * stride_m + offs, mask, out_ptr, False)
     tl.store(out_ptr + m.to(tl.int64) * NL * W + owner * NL + offs, v, mask=mask)
 
 
