@@ -56,10 +56,9 @@ Modes (`MoeConfig.mode`; `pick_config` returns DEFAULT_MODE):
   512): the gate-up and down launches as hand-written kernels. A byte of weight is decoded by a
   shared-memory table lookup (one prmt + one shared load, exact bf16 pairs); mma.sync on register
   operands with a block-diagonal B, so each lane's MXFP4 group sum comes out alone and takes its
-  own E8M0 scale (acc += C * 2^(s-127)); natural-order x; the activation quantization done by
-  down as it stages act (moe_lut.DOWN_QUANTIZES; else in its own launch, the same bits). Sums:
-  per group in one MMA chain, then per lane in group order, a quad butterfly, the two K halves:
-  fixed whatever the batch. On one H200, 30 V4-Flash layers (docs/PERFORMANCE.md, tenth
+  own E8M0 scale (acc += C * 2^(s-127)); natural-order x; the activation quantization in its own
+  launch. Sums: per group in one MMA chain, then per lane in group order, a quad butterfly, the two
+  K halves: fixed whatever the batch. On one H200, 30 V4-Flash layers (docs/PERFORMANCE.md, tenth
   measurement): routed experts 56.3 / 145.0 / 462.3 / 1449 us per layer at 1 / 4 / 16 / 64 rows
   against "dot_asm"'s 56.6 / 232 / 782 / 1647. `FastDecoder` takes it by default where it runs.
 - "dot_scaled": Triton's `tl.dot_scaled` (e2m1 weights, bf16 activations; on sm_90 Triton
@@ -538,10 +537,9 @@ def moe_experts_table(
     pairs, slot_e, slot_start, slot_cnt, nslots, xq, _ = routing
     rw = topk_weights.reshape(-1).contiguous()
     # with absent experts their pairs are never written: zeros (y: the combine's contract; act:
-    # the quantization launch reads them; down quantizing act itself stages present pairs only)
-    down_quant = lut and _lut.DOWN_QUANTIZES
-    act = (torch.zeros if table.sparse and not down_quant else torch.empty)(P, I, dtype=x.dtype, device=x.device)
-    aq = act if down_quant else torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
+    # its quantization reads them)
+    act = (torch.zeros if table.sparse else torch.empty)(P, I, dtype=x.dtype, device=x.device)
+    aq = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
     if pairs_out is not None:
         y = pairs_out.view(-1, D)[:P]
     else:
@@ -553,7 +551,7 @@ def moe_experts_table(
         TOPK=k, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, ROUND_BF16=rnd, INTERPRET=interp, MODE=MODES[cfg.mode],
         ALIGN=table.align, SPARSE=table.sparse, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     nq = -(-I // ACT_BLOCK)
-    # (I tiles inside 128-blocks; "lut" quantizes in down or in the separate launch)
+    # (I tiles inside 128-blocks; "lut" quantizes in the separate launch)
     fuse = not lut and P <= FUSED_ACT_QUANT_MAX_PAIRS and 128 % cfg.block_i == 0
     qcnt = workspace(x.device, "counters_moe_act", P * nq, torch.int32) if fuse else aq
     grid = (-(-I // cfg.block_i), g_up)
@@ -566,7 +564,7 @@ def moe_experts_table(
             D, I, xq.stride(0), sw13, ss13, act.stride(0), aq.stride(0), float(swiglu_limit), g_up,
             BLOCK_I=cfg.block_i, QUANT=fuse, NQ=nq, PERM=perm, **common, **launch_opts(x, grid),
         )
-    if not fuse and not down_quant:
+    if not fuse:
         grid = (P,)
         _moe_act_quant_kernel[grid](act, aq, I, act.stride(0), aq.stride(0), NB=next_pow2(nq),
                                     INTERPRET=interp, PERM=perm, num_warps=4, **launch_opts(act, grid))
@@ -577,7 +575,7 @@ def moe_experts_table(
     out = torch.empty(M, D, dtype=torch.float32 if sh is None else sh.dtype, device=x.device)
     if lut:
         _lut.down(aq, table.addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, cnt, D, I, (sw2, ss2), k,
-                  table.sparse, not return_pairs, shared=sh, quantize=down_quant)
+                  table.sparse, not return_pairs, shared=sh)
         return y.view(M, k, D) if return_pairs else out
     _moe_down_kernel[grid](
         aq, table.addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, cnt, out if sh is None else sh,

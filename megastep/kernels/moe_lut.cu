@@ -2,11 +2,9 @@
 // (moe_lut.py launches them; moe.py's module doc has the semantics and moe_experts_mxfp4_ref the
 // torch reference). They take the places of _moe_gate_up_kernel and _moe_down_kernel, with the
 // same inputs and outputs, on x in natural order (not permuted per 32-group). The activation
-// quantization between them is down's (`Args::quant`): each down CTA quantizes the act rows it
-// stages (fp8_act_sim8), so no launch sits between gate-up and down. (Done instead by the last CTA
-// of each (pair, 128-block) inside gate-up, the same bits, it cost 2.5-3 us per call at 1 row and
-// 5 % at 4-16 rows on the H200, against 1.1-1.6 us for a launch of its own: docs/PERFORMANCE.md,
-// tenth measurement.)
+// quantization between them stays a launch of its own: done by the last CTA of each (pair,
+// 128-block) inside gate-up (same bits) it cost 2.5-3 us per call at 1 row and 5 % at 4-16 rows on
+// the H200, against 1.1-1.6 us for the launch (docs/PERFORMANCE.md, tenth measurement).
 //
 // The decode is a table lookup: a byte of packed MXFP4 (two e2m1 codes) indexes a 256-entry table
 // in shared memory whose entry is the two exact values as bf16x2. One prmt forms the address (the
@@ -74,7 +72,6 @@ constexpr int kExpBytes = 2 * 2 * 64 * 4;
 using megastep::bf16_hi;
 using megastep::bf16_lo;
 using megastep::ld_stream;
-using megastep::e4m3_round;
 using megastep::pow2_scale;
 using megastep::round_bf16;
 
@@ -164,16 +161,13 @@ struct Layout {
 constexpr int kGroupPitch = 64;
 
 struct Args {
-  // gate-up: xq [M, D] (row = pair / topk); down: act [P, I] (row = pair), quantized (quant) or
-  // already quantized (aq)
-  const __nv_bfloat16* x;
+  const __nv_bfloat16* x;  // gate-up: xq [M, D] (row = pair / topk); down: aq [P, I] (row = pair)
   long long stride_x;
   const long long* tab;    // [E, 4] addresses: w13, w13 scale, w2, w2 scale
   const int *pair_ptr, *slot_e, *slot_start, *slot_cnt, *nslot;
   int K, w3_rows, topk, sparse, down;  // w3_rows: gate-up I (w3 follows w1); down 0
   long long stride_w, stride_s;
   int spread;  // gate-up's spread schedule (run_spread): the rows of x (1 or 2); 0: run
-  int quant;   // down: x is act, fp8_act_sim per 128-block as it is staged (fp8_act_sim8); 0: x is aq
 };
 
 // One step of a warp's 16 rows (pass() below): its 16 MMAs on the lane's weight words a0 / a1
@@ -407,32 +401,7 @@ __device__ __forceinline__ void store_unit(char* xsm, const Layout& L, int r, in
   *reinterpret_cast<uint4*>(xsm + r * L.rowpitch + u * 16) = v;
 }
 
-// fp8_act_sim of a 128-block held by a half-warp, 8 bf16 per lane (v, the lane's 16 bytes):
-// q[i] = rnd_e4m3(v[i] / s) * s, s the block's power-of-two scale; cuda_common's fp8_act_sim4 on
-// 8 elements a lane (the operations of moe_route.quant_blocks_store, so its bits: the max is exact
-// in any order). Every lane of the warp takes part.
-__device__ __forceinline__ uint4 fp8_act_sim8(uint4 v) {
-  const float f[8] = {bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y),
-                      bf16_lo(v.z), bf16_hi(v.z), bf16_lo(v.w), bf16_hi(v.w)};
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  float s, inv;
-  pow2_scale(amax, s, inv);
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_bfloat162 q = __floats2bfloat162_rn(__fmul_rn(e4m3_round(__fmul_rn(f[2 * i], inv)), s),
-                                                   __fmul_rn(e4m3_round(__fmul_rn(f[2 * i + 1], inv)), s));
-    w[i] = *reinterpret_cast<const uint32_t*>(&q);
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// x row `src` into row slot r of the Layout: unit u by the calling thread (a.quant: quantized on
-// the way, the row's units in warp order so that a 128-block's 16 units are a half-warp's). kMix: a unit of an even
+// x row `src` into row slot r of the Layout: unit u by the calling thread. kMix: a unit of an even
 // 128-block as it is (bf16, the table's MMAs); one of an odd block (decode_f16's MMAs) as its 8
 // values in fp16 x / s, s the power-of-two scale of the block (pow2_scale of the block's max: the
 // block's 16 units are a half-warp's, the callers' units running in warp order, every lane taking
@@ -441,8 +410,7 @@ __device__ __forceinline__ uint4 fp8_act_sim8(uint4 v) {
 template <bool kMix = false>
 __device__ __forceinline__ void stage_unit(char* xsm, int* xexp, const Args& a, const Layout& L, int r, int src,
                                            int u) {
-  uint4 v = *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
-  if (a.quant) v = fp8_act_sim8(v);  // (down: warp-uniform)
+  const uint4 v = *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
   if constexpr (!kMix) {
     store_unit(xsm, L, r, u, v);
     return;
@@ -841,10 +809,9 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring(GATE_UP_
   const __nv_bfloat16 *aq, long long stride_q, const long long *tab, const int *pair_ptr, const int *slot_e,        \
       const int *slot_start, const int *slot_cnt, const int *nslot, __nv_bfloat16 *y, long long stride_y, void *out, \
       long long stride_o, int *counters, int D, int I, long long stride_w, long long stride_s, int topk, int sparse,  \
-      int combine, const __nv_bfloat16 *shared, long long stride_sh, int quant
+      int combine, const __nv_bfloat16 *shared, long long stride_sh
 #define DOWN_ARGS                                                                                                  \
-  Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s, 0, \
-       quant},                                                                                                     \
+  Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s, 0}, \
       y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down(DOWN_ARGS); }

@@ -1,13 +1,12 @@
 """The routed MXFP4 experts' weight launches in CUDA C++ (`moe_lut.cu`): mode "lut" of
 `kernels/moe.py`, whose `moe_experts_table` calls these two functions in place of its Triton
-gate-up and down kernels (the routing and the reference, `moe_experts_mxfp4_ref`, are moe.py's;
-the activation quantization between them is down's: DOWN_QUANTIZES).
+gate-up and down kernels (routing, the activation quantization between them and the reference,
+`moe_experts_mxfp4_ref`, are moe.py's).
 
 Shapes and dtypes (P = M * topk pairs, E experts, table strides in bytes):
     gate_up: xq bf16 [M, D] (x quantized, natural order) -> act bf16 [P, I]
-    down:    act bf16 [P, I] (natural order; quantized per 128-block as down stages it, or given
-             quantized) -> y bf16 [P, D] per pair, and with combine the fp32 [M, D] sum over each
-             row's slots in slot order
+    down:    aq bf16 [P, I] (act quantized, natural order) -> y bf16 [P, D] per pair, and with
+             combine the fp32 [M, D] sum over each row's slots in slot order
 D and I multiples of 512, x in bf16 (`supported`). Why CUDA C++: the decode is a shared-memory
 table lookup whose address one `prmt` forms (in the ring gate-up, for half of the groups, a
 register decode: RING_MIX), and each lane's MMA operands stay in its registers with a
@@ -23,7 +22,8 @@ CUDA graphs; build and load happen at the first call (`cuda_module`), which must
 capture (the runtime's warm-up steps do it).
 When the step uses PDL (`common.pdl_enabled()`, read at launch) both launch with programmatic
 stream serialization: gate-up builds its decode table while the router drains, down also
-requests its first weights before gate-up has finished (the .cu's `run` says why that is safe). Measured on one H200: -0.15 ms per 30-layer step at 1 row (5.60 -> ~5.45)
+requests its first weights before the activation quantization has finished (the .cu's `run`
+says why that is safe). Measured on one H200: -0.15 ms per 30-layer step at 1 row (5.60 -> ~5.45)
 (docs/PERFORMANCE.md, eleventh measurement).
 """
 
@@ -41,19 +41,12 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_lut.cu")
 _MODULE = CudaModule(SOURCE)
 _GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiii")
-_DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipqi")
+_DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
 _GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiii")
 _GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiii")
 THREADS = 256
-# down quantizes act itself (fp8_act_sim per 128-block, moe_route.quant_blocks_store's operations:
-# the same bits) as it stages a pair's row, instead of reading aq from a launch of its own between
-# gate-up and down. Each down CTA quantizes the rows of its item (2048 values a pair at V4-Flash
-# shapes, a few instructions a value next to its 128 KB of weights); the quantization launch and
-# its wait leave the path at every batch. False: the separate launch (moe.py), as before
-# 2026-12-04.
-DOWN_QUANTIZES = True
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
 ITEM_CHANNELS, ITEM_ROWS = 64, 128
@@ -202,22 +195,20 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
                         pdl=pdl_enabled())
 
 
-def down(a, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
-         combine, shared=None, quantize=False) -> None:
-    """y[p] = rnd(w2 . aq[p]), aq = a quantized per 128-block (quantize: here, as fp8_act_sim;
-    else a is aq already); with combine out[m] = sum over slots j of y[m * topk + j] (fp32,
+def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters, D, I, strides, topk, sparse,
+         combine, shared=None) -> None:
+    """y[p] = rnd(w2 . aq[p]); with combine out[m] = sum over slots j of y[m * topk + j] (fp32,
     slot order) by the last CTA to finish each (row, ITEM_ROWS tile), counters [M, D / ITEM_ROWS] int32 at
     zero (left at zero). shared (bf16 [M, D]): out is bf16 and receives rnd(that sum + shared).
     strides: the table's (w2 row, w2 scale row) strides."""
-    assert a.dtype == y.dtype == torch.bfloat16 and a.stride(1) == 1 and y.stride(1) == 1
+    assert aq.dtype == y.dtype == torch.bfloat16 and aq.stride(1) == 1 and y.stride(1) == 1
     if shared is not None:
         assert combine and shared.dtype == out.dtype == torch.bfloat16 and shared.stride(1) == 1, (shared.dtype,
                                                                                                     out.dtype)
     else:
         assert out.dtype == torch.float32, out.dtype
     items = min(pairs.numel(), addr.shape[0]) * (D // ITEM_ROWS)  # (slot, row tile)
-    assert a.stride(0) % 8 == 0 and a.data_ptr() % 16 == 0, "rows staged in 16-byte units"
-    args = (a, a.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
+    args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
-            0 if shared is None else shared, 0 if shared is None else shared.stride(0), int(quantize))
-    _DOWN.launch(_grid(items, a.device), (THREADS, 1, 1), shared_bytes(I), None, *args, pdl=pdl_enabled())
+            0 if shared is None else shared, 0 if shared is None else shared.stride(0))
+    _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None, *args, pdl=pdl_enabled())

@@ -636,20 +636,6 @@ def test_gpu_lut_spread_ring_mix_gives_the_same_bits(M, monkeypatch):
                     moe_lut.shared_bytes(4096, 1, moe_lut.SPREAD_WARPS, mix=True), ex, x, ids, wts)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 2, 5, 64])
-def test_gpu_lut_down_quantizing_act_gives_the_bits_of_the_launch(M, monkeypatch):
-    """down quantizing act as it stages it (moe_lut.DOWN_QUANTIZES; no launch between gate-up and
-    down) gives the bits of the separate quantization launch at V4-Flash expert shapes: per-pair
-    outputs, the combine (with and without the shared expert's output), a sparse table's pairs
-    (whose absent pairs' act rows are then never written nor read); the spread (2 rows), whole
-    items and ring gate-ups before it; three calls."""
-    from megastep.kernels import moe_lut
-
-    _same_bits_when(monkeypatch, "DOWN_QUANTIZES", False, True, moe_lut.shared_bytes(4096), *_many_pair_inputs(M, 43))
-
-
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX prmt.b32 (default mode): result byte k = byte (selector nibble k & 7) of {b, a}, or that
     byte's top bit replicated where the nibble's bit 3 is set."""
