@@ -35,7 +35,7 @@
 #   bash benchmarks/h200_checks.sh tp_more    # the split's GPU tests with the vocabulary split, then heads / + vocabulary / 256-column sums A/B, block, trace (~9 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh splits1    # one GPU: the split sums' GPU tests, the gate's timeline at 8 and 16 rows on the rule and pinned (~5 min)
 #   bash benchmarks/h200_checks.sh gatefork   # the gate on the rule / pinned, the shared expert forked before / after the router, at 8, 16 and 64 rows, A/B (~5 min)
-#   bash benchmarks/h200_checks.sh pair       # wo_a + wo_b in one launch: its GPU tests and the step's bit tests, the step A/B/A/B at 1-64 rows, the 1-row timeline (~9 min)
+#   bash benchmarks/h200_checks.sh regs_attn  # the FP8 linears under register caps (linear_variants.py --regs), the attention sweep re-run with its pins rewritten (~7 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # Logs and JSON are written under $OUT/h200_checks_run, then packed into one archive in $OUT,
@@ -320,15 +320,13 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
         bench_with "gf_pin_$arm" 60 "$g" --layers 30 --batch 8,16,64
         bench_with "gf_pin_late_$arm" 60 "$g" --layers 30 --batch 8,16,64 --shared-after-router on
       done ;;
-    pair)  # wo_a + wo_b in one launch (kernels/linear_pair.py, fast.OUT_PROJ_PAIR, built 2026-12-04): bits, then time
-      step pair_tests 240 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/kernels/test_linear_pair.py \
-        tests/kernels/test_linear_fp8.py tests/test_fast_gpu.py -k "pair or wo_a or same_input or graph_replay or alone"
-      off='import megastep.model.fast as f; f.OUT_PROJ_PAIR = False'
-      for arm in a b; do
-        bench "pair_on_$arm" 120 --layers 30 --batch 1,2,4,16,64
-        bench_with "pair_off_$arm" 90 "$off" --layers 30 --batch 1,2,4,16,64
-      done
-      bench pair_timeline 80 --layers 30 --batch 1 --timeline ;;
+    regs_attn)  # the FP8 linears under a register cap (LinearFp8Config.maxnreg, more programs per SM), then the
+      # attention sweep re-run on today's kernel (its pins rewritten, back under $OUT/pinned/)
+      step linear_regs 200 python3 benchmarks/kernels/linear_variants.py --out "$OUT/linear_regs" --ms 1,64 --regs 96,64 \
+        --shapes wo_b,wo_a,qr_group,shared_w2
+      step tune_attention 260 python3 benchmarks/kernels/tune.py --only attention --write --json "$OUT/tune.json"
+      mkdir -p "$OUT/pinned" && cp megastep/kernels/attention.py "$OUT/pinned/"
+      git diff --stat megastep/kernels/attention.py > "$OUT/pinned/diff.txt" 2>&1 || true ;;
     ep)
       all_gpus
       if [ -d .whl ]; then  # the server test's packages (benchmarks/device_wheels.sh)

@@ -46,6 +46,7 @@ SHAPES = {  # name: (N, K, kind); kind "gated": w13 = 2 x N rows; "wo_a": groupe
     "shared_w13": (2048, 4096, "gated"),
     "shared_w2": (4096, 2048, "plain"),
 }
+REGS: tuple[int, ...] = ()  # --regs: register caps to try (candidates)
 SMOKE_SHAPES = {"x_group": (256, 512, "plain"), "wo_a": (1024, 256, "wo_a"), "shared_w13": (128, 512, "gated")}
 
 
@@ -74,6 +75,11 @@ def candidates(M: int, N: int, K: int, kind: str) -> list[LIN.LinearFp8Config]:
         specs += [(64, 2, 3, 264), (32, 2, 3, 264)]
     for bn, nw, ns, target in specs:
         out.append(C("f16", bn, bm, 128, BK.auto_split(-(-N // bn), K, 128, target), nw, ns))
+    if REGS:  # ptxas's register cap (LinearFp8Config.maxnreg): the picked tiles, then twice the programs
+        out += [dataclasses.replace(picked, maxnreg=r) for r in REGS]
+        for r in REGS:
+            out.append(C("f16", 64, bm, 128, BK.auto_split(-(-N // 64), K, 128, 528), 4, 3, maxnreg=r))
+            out.append(C("f16", 32, bm, 128, BK.auto_split(-(-N // 32), K, 128, 528), 4, 3, maxnreg=r))
     return list(dict.fromkeys(out))
 
 
@@ -83,7 +89,10 @@ def main() -> None:
     ap.add_argument("--ms", default="1,64")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
+    ap.add_argument("--regs", default="", help="register caps (maxnreg) to try beside the other candidates, e.g. 64,80")
     args = ap.parse_args()
+    global REGS
+    REGS = tuple(int(r) for r in args.regs.split(",") if r)
     os.makedirs(args.out, exist_ok=True)
     BK.LOG = open(os.path.join(args.out, "linear_variants.log"), "w")
     if args.smoke:
@@ -142,12 +151,13 @@ def main() -> None:
                 BK.log(json.dumps(r))
     with open(os.path.join(args.out, "linear_variants.json"), "w") as f:
         json.dump(dict(bandwidth=bw, rows=rows), f, indent=1)
-    print(f"\n{'shape':11} {'M':>3} {'mode':5} {'bn':>3} {'bm':>3} {'bk':>3} {'sp':>3} {'w':>2} {'st':>2} {'us':>7} {'GB/s':>6} ok")
+    print(f"\n{'shape':11} {'M':>3} {'mode':5} {'bn':>3} {'bm':>3} {'bk':>3} {'sp':>3} {'w':>2} {'st':>2} {'reg':>3} {'us':>7} "
+          f"{'GB/s':>6} ok")
     for r in rows:
         c = r["config"]
         mode = c["mode"] + ("+c" if r["codes"] else "")
         print(f"{r['shape']:11} {r['M']:3} {mode:5} {c['block_n']:3} {c['block_m']:3} {c['block_k']:3} {c['split_k']:3} "
-              f"{c['num_warps']:2} {c['num_stages']:2} {r.get('us', float('nan')):7.2f} {r.get('gbps', 0):6.0f} "
+              f"{c['num_warps']:2} {c['num_stages']:2} {c['maxnreg']:3} {r.get('us', float('nan')):7.2f} {r.get('gbps', 0):6.0f} "
               f"{'ok' if r['ok'] else 'FAIL'} {r.get('check', r.get('error', ''))[:70]}{'' if r.get('row0_same') else ' ROW0!'}"
               f"{' =' if r.get('same_bits_as_picked') else ' !='}{' *' if r['picked'] else ''}")
 

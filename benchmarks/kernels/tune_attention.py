@@ -41,7 +41,7 @@ so that a graph touches about bench_kernels.L2_FLUSH_BYTES of distinct KV (at mo
 as in decode where each layer's KV comes from HBM.
 Winner per kind: minimum of t1 / STEP_US[1] + t64 / STEP_US[64] over the candidates that pass:
 the kernel's share of the decode step it sits in at each size (30 V4-Flash layers on one H200,
-2026-11-29: ~8 ms at B = 1, ~63 ms at B = 64), so a change counts by what it does to each step.
+2026-12-01: ~4.5 ms at B = 1, ~47.8 ms at B = 64), so a change counts by what it does to each step.
 (Normalizing by the kernel's own best time instead, tried first, let a batch-64 gain buy a
 larger batch-1 loss; per-token time, t1 + t64 / 64, the reverse.)
 """
@@ -80,7 +80,8 @@ CHUNKS = (32, 64, 128, 256)
 BLOCK_NS = (32, 64)
 COMBINES = ((8, 128), (32, 64), (4, 256))  # (chunk partials, columns) in flight in the combine
 BS = (1, 64)  # batch sizes timed: t1 at BS[0], t64 at BS[-1]
-STEP_US = {1: 8000.0, 64: 63000.0}  # the decode step at each size (30 layers, one H200, 2026-11-29)
+# the decode step at each size (30 layers, one H200; 8000 / 63000 until 2026-12-04, the values of 2026-11-29)
+STEP_US = {1: 4509.0, 64: 47779.0}  # docs/PERFORMANCE.md, twenty-sixth measurement
 TOP = 3  # phase-1 configurations that phase 2 varies
 MAX_CANDS = 36  # per kind, both phases
 MIN_CALLS, MAX_CALLS = 20, 512  # calls per graph

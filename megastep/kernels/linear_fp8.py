@@ -94,9 +94,13 @@ class LinearFp8Config:
     split_k: int  # programs along K, reduced in fixed order
     num_warps: int = 4
     num_stages: int = 3
+    # ptxas's register cap per thread (0: its own choice). The same instructions, so the same bits;
+    # a lower cap fits more programs on an SM (4-warp programs at 110 registers: 4 per SM).
+    maxnreg: int = 0
 
     def check(self) -> None:
         assert self.mode in _MODES, self.mode
+        assert self.maxnreg == 0 or 32 <= self.maxnreg <= 255, self.maxnreg
         assert self.block_n in (16, 32, 64, 128), self.block_n
         assert self.block_k in (128, 256, 512), self.block_k
         assert self.split_k >= 1
@@ -254,32 +258,6 @@ def _linear_fp8_kernel(
             l2_prefetch_rows(w_ptr + N * stride_wn, pid_n * BLOCK_N, N, stride_wn, pid_k, K_PER_SPLIT, K, BLOCK_N,
                              PREFETCH_LINES)
     pdl_enter(PDL)
-    _linear_tile(pid_n, pid_k, pid_m, 0, 0,
-                 x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr, xc_ptr, xs_ptr,
-                 M, N, K, K_PER_SPLIT, limit,
-                 stride_xm, stride_wn, stride_wsn, stride_om, stride_rm, stride_cm, stride_sm, stride_os,
-                 MODE, BLOCK_N, BLOCK_M, BLOCK_K, SPLIT_K, OUT_BF16, INTERPRET, QUANT_ACT, GROUP_N, GATED, CLAMP,
-                 HAS_RES, CODES, PDL, SPLITS_OUT, "")
-
-
-@triton.jit
-def _linear_tile(
-    pid_n, pid_k, pid_m, grid_n, grid_m,
-    x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr, xc_ptr, xs_ptr,
-    M, N, K, K_PER_SPLIT, limit,
-    stride_xm, stride_wn, stride_wsn, stride_om, stride_rm, stride_cm, stride_sm, stride_os,
-    MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, QUANT_ACT: tl.constexpr,
-    GROUP_N: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, HAS_RES: tl.constexpr, CODES: tl.constexpr,
-    PDL: tl.constexpr, SPLITS_OUT: tl.constexpr, X_CACHE: tl.constexpr,
-):
-    """Program (pid_n, pid_k, pid_m) of a launch of grid_n x SPLIT_K x grid_m programs (its weight
-    tile, its slice of K, its rows; grid_n = 0: the launch's own grid, read where it is used, which
-    keeps _linear_fp8_kernel's code as it was before this function): the main loop, then the store
-    of its tile or of its split-K partial, and the ordered split-K sum by the tile's last program.
-    Returns whether this program stored the tile's output (SPLITS_OUT: False). X_CACHE: the cache
-    modifier of x's loads (".cg" when x was written by other programs of the same launch:
-    linear_fp8_pair)."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -310,8 +288,7 @@ def _linear_tile(
                             mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 s = tl.load(xs_ptr + offs_m * stride_sm + k0 // 128, mask=m_mask, other=0.0)
             else:
-                xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0,
-                             cache_modifier=X_CACHE).to(tl.float32)
+                xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
                 if QUANT_ACT:
                     s, inv = fp8_pow2_scale(tl.max(tl.abs(xt), axis=1))  # [BLOCK_M]
                     q = fp8_round(xt, inv[:, None], INTERPRET)
@@ -347,20 +324,15 @@ def _linear_tile(
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     res_ptrs = res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None]
     out_mask = n_mask[:, None] & m_mask[None, :]
-    stored = pid_n < 0  # (a runtime False: the branches below assign it)
     if SPLITS_OUT:  # the partial as it enters the split sum (linear_fp8_splits)
         tl.store(out_ptrs + pid_k * stride_os, acc, mask=out_mask)
     elif SPLIT_K == 1:
         acc = _epilogue(acc, acc3, res_ptrs, out_mask, limit, OUT_BF16, INTERPRET, GATED, CLAMP, HAS_RES)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-        stored = pid_n >= 0
     else:
         tile = pid_m * n_tiles + pid_n
         tile_elems = BLOCK_N * BLOCK_M
-        if grid_n == 0:
-            split_stride = tl.num_programs(0) * tl.num_programs(2) * tile_elems
-        else:
-            split_stride = grid_n * grid_m * tile_elems
+        split_stride = tl.num_programs(0) * tl.num_programs(2) * tile_elems
         p_off = tile * tile_elems + tl.arange(0, BLOCK_M)[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
         tl.store(part_ptr + pid_k * split_stride + p_off, acc, mask=out_mask)
         if GATED:  # w3's partials after all of w1's
@@ -383,8 +355,6 @@ def _linear_tile(
             tot = _epilogue(tot, tot3, res_ptrs, out_mask, limit, OUT_BF16, INTERPRET, GATED, CLAMP, HAS_RES)
             tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.store(cnt_ptr + tile, 0)
-            stored = pid_n >= 0
-    return stored
 
 
 def _k_per_split(K: int, cfg: LinearFp8Config) -> int:
@@ -427,7 +397,7 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
         SPLIT_K=split, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
         GROUP_N=N // groups, GATED=gated, CLAMP=limit > 0, HAS_RES=residual is not None, CODES=codes,
         PREFETCH_LINES=prefetch_lines(opts, k_per_split * w.element_size()), SPLITS_OUT=splits_out,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **opts,
     )
     return out
 

@@ -36,7 +36,6 @@ from megastep.kernels import compressor as _comp
 from megastep.kernels import dense as _dense
 from megastep.kernels import indexer as _idx
 from megastep.kernels import linear_fp8 as _lin
-from megastep.kernels import linear_pair as _pair
 from megastep.kernels import mhc as _mhc
 from megastep.kernels import moe as _moe
 from megastep.kernels import moe_lut as _moe_lut
@@ -120,11 +119,6 @@ MHC_SINKHORN_OWN_STREAM_ROWS = (2, 4)
 # grows about as much: the attention's wq_b waits for the indexer's launch (128 programs, 7 us for 8 MB)
 # and then streams beside the compressors' projection and the indexer's launches (19.8 us for 34 MB).
 INDEXER_BESIDE_ROWS = 64
-# The attention's output projection, wo_a then wo_b, in one launch (kernels/linear_pair.py: wo_b's
-# programs start where wo_a's end and wait only for the columns of u they read; the same bits as
-# the two launches). One GPU (with the heads split, wo_b's partials go to the ranks' split sum).
-# Built 2026-12-04.
-OUT_PROJ_PAIR = True
 # FastDecoder(attn_split=None) with several ranks: the attention's heads split over the ranks (tensor
 # parallelism, the 1-GPU bits). Measured on 2 x H200, all 43 V4-Flash layers, the p2p combine, p50 ms
 # A/B against every head on every rank (docs/PERFORMANCE.md, twenty-sixth measurement): 1 row 6.141 /
@@ -632,12 +626,8 @@ class FastDecoder(MoeSublayer):
         with stage(T, "out_proj", L):
             G, R = cfg.o_groups, cfg.o_lora_rank
             if not split:
-                wo_a, wo_b = lw["wo_a"], lw["wo_b"]
-                if tr and OUT_PROJ_PAIR and self._out_proj_pairs(wo_a, wo_b, B, G, R):
-                    return _pair.linear_fp8_pair(o.reshape(B, -1), wo_a.w, wo_a.scale, wo_b.w, wo_b.scale, groups=G,
-                                                 quantize_a=False)[1]
-                u = wo_a.grouped(o.reshape(B, G, -1), G, R, tr)
-                return wo_b(u, tr)
+                u = lw["wo_a"].grouped(o.reshape(B, G, -1), G, R, tr)
+                return lw["wo_b"](u, tr)
             # this rank's groups of wo_a, then its splits of wo_b, gathered and summed with the others'
             wo_a, wo_b, Gl = lw["wo_a"], lw["wo_b"], G // self.world_size
             u = wo_a.grouped(o.reshape(B, Gl, -1), Gl, R, tr, config=_lin.pick_config(B, G * R, wo_a.w.shape[1]))
@@ -646,14 +636,6 @@ class FastDecoder(MoeSublayer):
             _lin.linear_fp8_splits(u, wo_b.w, wo_b.scale, full, _lin.split_cols(K, full),
                                    out=self.split_peer.buffer(L, B))
             return self.split_peer.combine(L, B)
-
-    @staticmethod
-    def _out_proj_pairs(wo_a: Linear, wo_b: Linear, B: int, G: int, R: int) -> bool:
-        """Whether wo_a and wo_b of B rows run as linear_fp8_pair: both in the FP8 kernel (V4's
-        128x128 blocks, wo_a in one grouped launch) with configurations one launch can run."""
-        return (wo_a.kernel_block and wo_a.scale is not None and R % wo_a.block == 0 and wo_b.kernel_block
-                and wo_b.scale is not None and wo_b.act_quant
-                and _pair.pair_configs(B, G * R, wo_a.w.shape[1], wo_b.w.shape[0], False, True) is not None)
 
     def _moe_plan(self, rows: int) -> tuple[str, bool, str]:
         """(router, shared_after_router, shared_w2) of a step of `rows` rows: the constructor's
