@@ -103,30 +103,36 @@ class AttnConfig:
 # Measured configurations by (H, N, d), consulted first by pick_config: winners of
 # benchmarks/kernels/tune_attention.py on one H200 (each candidate checked against
 # sparse_attention_pools_ref, timed at B = 1 and B = 64, scored by its share of the two decode
-# steps). Keys are exact: a shape not listed takes the rule below. Never keyed by B (batch
-# invariance). 2026-11-29, V4-Flash at context 4K, us per call at B = 1 / 64:
-#   CSA (N = 128 + 512):  h16 n32 c64 w8 32.9 / 262.3 (pinned) | rule (h32 c128) 55.8 / 261.6
-#   HCA (N = 128 + 33):   h16 n32 c64 w8 18.2 / 95.6 (pinned) | rule (h32 c64) 23.4 / 67.7
-#   window (N = 128):     h16 n32 c32 w8 13.2 / 58.5 (pinned) | rule 20.3 / 43.7
-# (full tables: docs/data/tune-2026-11-29-b.log; end to end with these three: docs/PERFORMANCE.md,
-# sixth measurement.)
+# steps), then chosen with the few-rows plans below in the step. Keys are exact: a shape not
+# listed takes the rule below. Never keyed by B (batch invariance). Re-swept 2026-12-04 on the
+# kernel of that day, V4-Flash at context 4K, us per call at B = 1 / 64, and with the value columns
+# split over 4 programs (dv_split 4, the same bits) at B = 1 (docs/data/tune-attention-m27-c3-2026-12-04.log):
+#   CSA (N = 128 + 512): h16 n32 c32 w4 31.7 / 216.7, v4 15.7 (pinned) | until then h16 n32 c64 w8
+#                        30.7 / 230.3 | the sweep's winner h16 n64 c64 w8 22.4 / 214.2 (no v4 measured)
+#   HCA (N = 128 + 33):  h16 n32 c64 w4 13.0 / 42.8, v4 10.7 (pinned, the sweep's winner) | until
+#                        then h16 n32 c64 w8 13.2 / 47.1
+#   window (N = 128):    h16 n32 c32 w4 9.5 / 39.9, v4 6.5 (pinned) | until then h16 n32 c32 w8
+#                        10.3 / 38.5 | the sweep's winner h16 n32 c128 w4 s3 9.7 / 14.4
+# (the sweep of 2026-11-29, on that day's kernel: docs/data/tune-2026-11-29-b.log; docs/PERFORMANCE.md,
+# sixth and twenty-seventh measurements.)
 _PINNED: dict[tuple[int, int, int], AttnConfig] = {
-    (64, 128, 512): AttnConfig(block_h=16, block_n=32, chunk=32, pv_pieces=2, num_warps=8, num_stages=2, combine_group=4, combine_cols=128),
-    (64, 161, 512): AttnConfig(block_h=16, block_n=32, chunk=64, pv_pieces=2, num_warps=8, num_stages=2, combine_group=4, combine_cols=128),
-    (64, 640, 512): AttnConfig(block_h=16, block_n=32, chunk=64, pv_pieces=2, num_warps=8, num_stages=2, combine_group=4, combine_cols=128),
+    (64, 128, 512): AttnConfig(block_h=16, block_n=32, chunk=32, pv_pieces=2, num_warps=4, num_stages=2, combine_group=4, combine_cols=128),
+    (64, 161, 512): AttnConfig(block_h=16, block_n=32, chunk=64, pv_pieces=2, num_warps=4, num_stages=2, combine_group=4, combine_cols=128),
+    (64, 640, 512): AttnConfig(block_h=16, block_n=32, chunk=32, pv_pieces=2, num_warps=4, num_stages=2, combine_group=4, combine_cols=128),
 }
 
 
 # Launch settings for steps of few rows, by (H, N, d): (at most this many rows, config). Each
 # differs from the shape's `pick_config` only in settings that change no bits (`same_bits`), so a
-# row's result still does not depend on the batch. Measured on one H200, 2026-11-29
-# (benchmarks/kernels/attn_few_rows.py, docs/data/attn-few-rows-2026-11-29.json): CSA with the
-# value columns split over 4 programs, us per call at 1 / 2 / 4 rows: 25.3 / 39.0 / 59.0 against
-# 30.1 / 32.0 / 44.3 (the same bits at each); so at 1 row only. HCA and the window gained nothing
-# (tune_attention.py, docs/data/tune-2026-11-29-c.log).
+# row's result still does not depend on the batch. The value columns split over 4 programs at one
+# row (the sweep above; until 2026-12-04 CSA's only, measured on 2026-11-29 with
+# benchmarks/kernels/attn_few_rows.py at 1 / 2 / 4 rows: 25.3 / 39.0 / 59.0 us against 30.1 / 32.0 /
+# 44.3, so one row only).
 _PINNED_FEW_ROWS: dict[tuple[int, int, int], tuple[int, AttnConfig]] = {
-    (64, 640, 512): (1, AttnConfig(block_h=16, block_n=32, chunk=64, pv_pieces=2, num_warps=8, num_stages=2,
-                                   combine_group=4, combine_cols=128, dv_split=4)),
+    key: (1, AttnConfig(block_h=c.block_h, block_n=c.block_n, chunk=c.chunk, pv_pieces=c.pv_pieces,
+                        num_warps=c.num_warps, num_stages=c.num_stages, combine_group=c.combine_group,
+                        combine_cols=c.combine_cols, dv_split=4))
+    for key, c in _PINNED.items()
 }
 _BIT_NEUTRAL = ("num_stages", "combine_group", "combine_cols", "dv_split")
 
