@@ -35,7 +35,6 @@
 #   bash benchmarks/h200_checks.sh tp_more    # the split's GPU tests with the vocabulary split, then heads / + vocabulary / 256-column sums A/B, block, trace (~9 min, 2+ GPUs)
 #   bash benchmarks/h200_checks.sh splits1    # one GPU: the split sums' GPU tests, the gate's timeline at 8 and 16 rows on the rule and pinned (~5 min)
 #   bash benchmarks/h200_checks.sh gatefork   # the gate on the rule / pinned, the shared expert forked before / after the router, at 8, 16 and 64 rows, A/B (~5 min)
-#   bash benchmarks/h200_checks.sh attnpins   # the attention's pins of 2026-12-04: attention and step bit tests, the step A/B/A/B against the pins before (~8 min)
 #   bash benchmarks/h200_checks.sh ep         # EP GPU tests (serve --gpus too), the combine alone, then all 43 layers over the GPUs: p2p vs all-reduce (~9 min, 2+ GPUs)
 #                                             # (the server test needs wheels the device lacks: run benchmarks/device_wheels.sh here and carry .whl)
 # Logs and JSON are written under $OUT/h200_checks_run, then packed into one archive in $OUT,
@@ -319,19 +318,6 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
         bench "gf_rule_late_$arm" 60 --layers 30 --batch 8,16,64 --shared-after-router on
         bench_with "gf_pin_$arm" 60 "$g" --layers 30 --batch 8,16,64
         bench_with "gf_pin_late_$arm" 60 "$g" --layers 30 --batch 8,16,64 --shared-after-router on
-      done ;;
-    attnpins)  # the attention's pins re-swept on 2026-12-04 (4 warps, the value split at 1 row for every kind): the
-      # attention and the step's bit tests, then the step A/B/A/B against the pins before, and with CSA's pin as before
-      step attn_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/kernels/test_attention.py \
-        tests/test_fast_gpu.py -k "pools or few or v4_shapes or same_input or alone or graph_replay"
-      C='import megastep.kernels.attention as a; C = a.AttnConfig'
-      csa_old="a._PINNED[(64, 640, 512)] = C(16, 32, 64, 2, 8, 2, 4, 128); a._PINNED_FEW_ROWS[(64, 640, 512)] = (1, C(16, 32, 64, 2, 8, 2, 4, 128, 4))"
-      old="$csa_old; a._PINNED[(64, 128, 512)] = C(16, 32, 32, 2, 8, 2, 4, 128); a._PINNED[(64, 161, 512)] = C(16, 32, 64, 2, 8, 2, 4, 128)"
-      old="$old; [a._PINNED_FEW_ROWS.pop(k) for k in ((64, 128, 512), (64, 161, 512))]"
-      for arm in a b; do
-        bench "pins_new_$arm" 120 --layers 30 --batch 1,2,4,16,64
-        bench_with "pins_old_$arm" 60 "$C; $old" --layers 30 --batch 1,2,4,16,64
-        bench_with "pins_csa_old_$arm" 60 "$C; $csa_old" --layers 30 --batch 1,2,4,16,64
       done ;;
     ep)
       all_gpus

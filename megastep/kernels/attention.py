@@ -55,7 +55,7 @@ a few % of the angles) or, bit-exact anywhere, from a `rope_norm.rope_table`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -107,32 +107,32 @@ class AttnConfig:
 # listed takes the rule below. Never keyed by B (batch invariance). Re-swept 2026-12-04 on the
 # kernel of that day, V4-Flash at context 4K, us per call at B = 1 / 64, and with the value columns
 # split over 4 programs (dv_split 4, the same bits) at B = 1 (docs/data/tune-attention-m27-c3-2026-12-04.log):
-#   CSA (N = 128 + 512): h16 n32 c32 w4 31.7 / 216.7, v4 15.7 (pinned) | until then h16 n32 c64 w8
-#                        30.7 / 230.3 | the sweep's winner h16 n64 c64 w8 22.4 / 214.2 (no v4 measured)
+#   CSA (N = 128 + 512): h16 n32 c64 w8 30.7 / 230.3 (pinned since 2026-11-29) | h16 n32 c32 w4
+#                        31.7 / 216.7, v4 15.7: the step at 2 / 4 rows 3-4 % slower, 1 row even |
+#                        the sweep's winner h16 n64 c64 w8 22.4 / 214.2 (no v4: 1 row would lose it)
 #   HCA (N = 128 + 33):  h16 n32 c64 w4 13.0 / 42.8, v4 10.7 (pinned, the sweep's winner) | until
 #                        then h16 n32 c64 w8 13.2 / 47.1
 #   window (N = 128):    h16 n32 c32 w4 9.5 / 39.9, v4 6.5 (pinned) | until then h16 n32 c32 w8
 #                        10.3 / 38.5 | the sweep's winner h16 n32 c128 w4 s3 9.7 / 14.4
-# (the sweep of 2026-11-29, on that day's kernel: docs/data/tune-2026-11-29-b.log; docs/PERFORMANCE.md,
-# sixth and twenty-seventh measurements.)
+# The step with HCA's and the window's (30 layers, p50 ms A/B against the pins before: docs/PERFORMANCE.md,
+# twenty-seventh measurement): 1 row 4.470 / 4.450 against 4.530 / 4.489, 64 rows 48.02 / 47.97
+# against 48.13 / 48.31, 2-16 rows within 0.3 %. (The sweep of 2026-11-29, on that day's kernel:
+# docs/data/tune-2026-11-29-b.log; sixth measurement.)
 _PINNED: dict[tuple[int, int, int], AttnConfig] = {
     (64, 128, 512): AttnConfig(block_h=16, block_n=32, chunk=32, pv_pieces=2, num_warps=4, num_stages=2, combine_group=4, combine_cols=128),
     (64, 161, 512): AttnConfig(block_h=16, block_n=32, chunk=64, pv_pieces=2, num_warps=4, num_stages=2, combine_group=4, combine_cols=128),
-    (64, 640, 512): AttnConfig(block_h=16, block_n=32, chunk=32, pv_pieces=2, num_warps=4, num_stages=2, combine_group=4, combine_cols=128),
+    (64, 640, 512): AttnConfig(block_h=16, block_n=32, chunk=64, pv_pieces=2, num_warps=8, num_stages=2, combine_group=4, combine_cols=128),
 }
 
 
 # Launch settings for steps of few rows, by (H, N, d): (at most this many rows, config). Each
 # differs from the shape's `pick_config` only in settings that change no bits (`same_bits`), so a
 # row's result still does not depend on the batch. The value columns split over 4 programs at one
-# row (the sweep above; until 2026-12-04 CSA's only, measured on 2026-11-29 with
-# benchmarks/kernels/attn_few_rows.py at 1 / 2 / 4 rows: 25.3 / 39.0 / 59.0 us against 30.1 / 32.0 /
+# row, for every kind since 2026-12-04 (the sweep above); CSA's since 2026-11-29
+# (benchmarks/kernels/attn_few_rows.py at 1 / 2 / 4 rows: 25.3 / 39.0 / 59.0 us against 30.1 / 32.0 /
 # 44.3, so one row only).
 _PINNED_FEW_ROWS: dict[tuple[int, int, int], tuple[int, AttnConfig]] = {
-    key: (1, AttnConfig(block_h=c.block_h, block_n=c.block_n, chunk=c.chunk, pv_pieces=c.pv_pieces,
-                        num_warps=c.num_warps, num_stages=c.num_stages, combine_group=c.combine_group,
-                        combine_cols=c.combine_cols, dv_split=4))
-    for key, c in _PINNED.items()
+    key: (1, replace(c, dv_split=4)) for key, c in _PINNED.items()
 }
 _BIT_NEUTRAL = ("num_stages", "combine_group", "combine_cols", "dv_split")
 
