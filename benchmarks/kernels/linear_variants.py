@@ -46,11 +46,11 @@ SHAPES = {  # name: (N, K, kind); kind "gated": w13 = 2 x N rows; "wo_a": groupe
     "shared_w13": (2048, 4096, "gated"),
     "shared_w2": (4096, 2048, "plain"),
 }
-REGS: tuple[int, ...] = ()  # --regs: register caps to try (candidates)
 SMOKE_SHAPES = {"x_group": (256, 512, "plain"), "wo_a": (1024, 256, "wo_a"), "shared_w13": (128, 512, "gated")}
 
 
-def candidates(M: int, N: int, K: int, kind: str) -> list[LIN.LinearFp8Config]:
+def candidates(M: int, N: int, K: int, kind: str, regs: tuple[int, ...] = ()) -> list[LIN.LinearFp8Config]:
+    """The picked configuration first, then the others; regs: register caps (maxnreg) to try too."""
     C = LIN.LinearFp8Config
     picked = (LIN.pick_config_swiglu(M, N, K) if kind == "gated" else
               LIN.pick_config(M, N, K, quantize_act=kind != "wo_a"))
@@ -75,9 +75,9 @@ def candidates(M: int, N: int, K: int, kind: str) -> list[LIN.LinearFp8Config]:
         specs += [(64, 2, 3, 264), (32, 2, 3, 264)]
     for bn, nw, ns, target in specs:
         out.append(C("f16", bn, bm, 128, BK.auto_split(-(-N // bn), K, 128, target), nw, ns))
-    if REGS:  # ptxas's register cap (LinearFp8Config.maxnreg): the picked tiles, then twice the programs
-        out += [dataclasses.replace(picked, maxnreg=r) for r in REGS]
-        for r in REGS:
+    if regs:  # ptxas's register cap (LinearFp8Config.maxnreg): the picked tiles, then twice the programs
+        out += [dataclasses.replace(picked, maxnreg=r) for r in regs]
+        for r in regs:
             out.append(C("f16", 64, bm, 128, BK.auto_split(-(-N // 64), K, 128, 528), 4, 3, maxnreg=r))
             out.append(C("f16", 32, bm, 128, BK.auto_split(-(-N // 32), K, 128, 528), 4, 3, maxnreg=r))
     return list(dict.fromkeys(out))
@@ -91,8 +91,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
     ap.add_argument("--regs", default="", help="register caps (maxnreg) to try beside the other candidates, e.g. 64,80")
     args = ap.parse_args()
-    global REGS
-    REGS = tuple(int(r) for r in args.regs.split(",") if r)
+    regs = tuple(int(r) for r in args.regs.split(",") if r)
     os.makedirs(args.out, exist_ok=True)
     BK.LOG = open(os.path.join(args.out, "linear_variants.log"), "w")
     if args.smoke:
@@ -122,7 +121,7 @@ def main() -> None:
             else:
                 fn, ref = LIN.linear_fp8, LIN.linear_fp8_ref(x, *ws[0])
             codes = formats.fp8_act_quant(x.float(), 128) if K % 128 == 0 and kind != "wo_a" else None
-            cands = [(c, None) for c in candidates(M, N, K, kind)]
+            cands = [(c, None) for c in candidates(M, N, K, kind, regs)]
             if codes is not None and kind != "wo_a":  # the picked configuration with x's codes
                 cands += [(cands[0][0], codes)]
             picked_y = None  # the picked configuration's output: same_bits compares each candidate's

@@ -72,6 +72,22 @@ def test_every_config_matches_ref(cfg):
     check(linear_fp8(x, w, s, out_dtype=torch.float32, config=cfg), linear_fp8_ref(x, w, s, out_dtype=torch.float32))
 
 
+@pytest.mark.parametrize("maxnreg", [96, 64])
+def test_register_cap_changes_no_bit(maxnreg):
+    """LinearFp8Config.maxnreg caps ptxas's registers (on the GPU; 64 spills): the same instructions,
+    so the bits of the uncapped launch, within the ref's tolerance; a cap outside 32..255 is refused."""
+    import dataclasses
+
+    base = pick_config(1, 4096, 1024)
+    capped = dataclasses.replace(base, maxnreg=maxnreg)
+    x, w, s = make(1, 256, 1024, seed=maxnreg)
+    y = linear_fp8(x, w, s, config=capped)
+    assert torch.equal(y, linear_fp8(x, w, s, config=base))
+    check(y, linear_fp8_ref(x, w, s))
+    with pytest.raises(AssertionError):
+        dataclasses.replace(base, maxnreg=16).check()
+
+
 @pytest.mark.parametrize(
     "M,N,K",
     [(1, 64, 128), (1, 96, 384), (3, 200, 300), (1, 1, 128), (4, 130, 100), (16, 70, 640), (17, 64, 256), (64, 40, 256)],
