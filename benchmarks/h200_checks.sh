@@ -26,6 +26,9 @@
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
+#   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step A/B/A/B (~9 min)
+#   bash benchmarks/h200_checks.sh staged     # wo_a in the CUDA kernel that stages its weights during the attention: GPU tests, step bits, A/B/A/B (~8 min)
+#   bash benchmarks/h200_checks.sh attnregs   # CSA's one-row attention plan under a 128-register cap (one wave): bits, kernel, step A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
 #   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
@@ -235,6 +238,48 @@ for group in "$@"; do
         tests/kernels/test_moe.py tests/kernels/test_route_cuda.py \
         -k "cold_expert or alone or same_input or graph_replay or indexer_beside or lut or route"
       bench final 170 --layers 30 --batch 1,2,4,8,16,32,64 ;;
+    csa64)  # CSA attention on the 2026-12-04 sweep's winner, h16 n64 c64 w8 (alone 22.4 / 214.2 us at 1 / 64 rows against
+      # the pin's 30.7 / 230.3; other sums, so for every batch), with the value split over 4 programs at 1 row (never
+      # timed): that plan bit for bit against it and timed at 1-4 rows, the attention and step bit tests under it, then
+      # the step A/B/A/B against the pin. The candidate is a module setting (the pins in attention._PINNED).
+      C='import megastep.kernels.attention as a; C = a.AttnConfig'
+      n64="$C; a._PINNED[(64, 640, 512)] = C(16, 64, 64, 2, 8, 2, 4, 128)"
+      n64="$n64; a._PINNED_FEW_ROWS[(64, 640, 512)] = (1, C(16, 64, 64, 2, 8, 2, 4, 128, 4))"
+      step csa64_few 100 python3 -c "$n64; import runpy, sys; sys.argv = ['attn_few_rows.py', '--rows', '1,2,4', \
+        '--json', '$OUT/csa64_few.json']; runpy.run_path('benchmarks/kernels/attn_few_rows.py', run_name='__main__')"
+      step csa64_tests 200 python3 -c "$n64; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', '--timeout', '150', \
+        '-m', 'gpu', 'tests/kernels/test_attention.py', 'tests/test_fast_gpu.py', '-k', \
+        'pools or few or v4_shapes or same_input or alone or graph_replay']))"
+      for arm in a b; do
+        bench "csa_pin_$arm" 120 --layers 30 --batch 1,2,4,16,64
+        bench_with "csa64_$arm" 60 "$n64" --layers 30 --batch 1,2,4,16,64
+      done ;;
+    staged)  # wo_a through linear_fp8_staged (built 2026-12-04 without a device): each CTA copies its weights into
+      # shared memory before it waits for the attention's output. Its GPU tests (Triton's bits), the step's bit tests
+      # with it, then the step A/B/A/B at the rows it takes (1-16) and a 1-row timeline
+      step staged_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/kernels/test_linear_fp8_staged.py
+      S='import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(8192, 4096, 8)})'
+      step staged_step_tests 200 python3 -c "$S; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', '--timeout', \
+        '150', '-m', 'gpu', 'tests/test_fast_gpu.py', '-k', 'same_input or alone or graph_replay']))"
+      for arm in a b; do
+        bench "staged_off_$arm" 120 --layers 30 --batch 1,2,4,16
+        bench_with "staged_wo_a_$arm" 60 "$S" --layers 30 --batch 1,2,4,16
+      done
+      bench_with staged_timeline 60 "$S" --layers 30 --batch 1 --timeline ;;
+    attnregs)  # CSA's one-row attention plan (160 programs of 8 warps, 139 registers: one per SM, so 28 wait for a second
+      # wave) under a 128-register cap (two per SM: one wave; the same instructions, the same bits). Its bit tests and
+      # the plan's time against the pin's, then the step A/B/A/B at 1 row (the plan's only row count) and 2 (a control)
+      R='import dataclasses, megastep.kernels.attention as a; k = (64, 640, 512)'
+      R="$R; a._PINNED_FEW_ROWS[k] = (1, dataclasses.replace(a._PINNED_FEW_ROWS[k][1], maxnreg=128))"
+      step attnregs_few 100 python3 -c "$R; import runpy, sys; sys.argv = ['attn_few_rows.py', '--rows', '1', \
+        '--json', '$OUT/attnregs_few.json']; runpy.run_path('benchmarks/kernels/attn_few_rows.py', run_name='__main__')"
+      step attnregs_tests 150 python3 -c "$R; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', '--timeout', \
+        '120', 'tests/kernels/test_attention.py', 'tests/test_fast_gpu.py', '-k', \
+        'few or register_cap or v4_shapes or alone or same_input']))"
+      for arm in a b; do
+        bench "regs_off_$arm" 100 --layers 30 --batch 1,2
+        bench_with "regs_csa128_$arm" 50 "$R" --layers 30 --batch 1,2
+      done ;;
     probe)  # where a 1- and 4-row experts call's launches spend their time: the probe build's stamps (moe_lut_probe.py)
       step lut_probe 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT" --ms 1,4
       step lut_probe_pdl 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/pdl" --ms 1,4 --pdl
@@ -332,7 +377,7 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | staged | attnregs | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
       exit 2 ;;
   esac
 done

@@ -168,6 +168,8 @@ def short(c: AttnConfig, N: int | None = None, H: int | None = None) -> str:
         s += f" g{c.combine_group}x{c.combine_cols}"
     if c.dv_split != 1:
         s += f" v{c.dv_split}"
+    if c.maxnreg:
+        s += f" r{c.maxnreg}"
     if N is not None and H is not None:
         split = max(1, -(-N // c.chunk))
         s += f" (S={split} progs/row={-(-H // c.block_h) * split})"

@@ -90,10 +90,17 @@ class AttnConfig:
     # only, with its own partials, arrival counter and combine. More programs, each with a
     # smaller accumulator and a shorter combine.
     dv_split: int = 1
+    # ptxas's register cap per thread (0: its own choice): the same instructions, so the same bits.
+    # Why: the CSA plan of one row (8-warp programs with the value split) takes 139 registers, so
+    # only one of its 160 programs fits an SM (65536 registers) and 28 wait for a second wave;
+    # at 128, two fit (Triton 3.6, sm_90: an 8-byte stack frame, 1144 SASS instructions per KV
+    # step against 1124; benchmarks/kernels/sass_loop.py attention --dv 4).
+    maxnreg: int = 0
 
     def check(self) -> None:
         assert self.block_h in (16, 32, 64), self
         assert self.dv_split in (1, 2, 4), self
+        assert self.maxnreg == 0 or 32 <= self.maxnreg <= 255, self
         assert self.block_n in (16, 32, 64), self
         assert self.chunk >= self.block_n and self.chunk % self.block_n == 0, self
         assert self.pv_pieces in (2, 3), self  # one bf16 piece misses the ref by bf16 steps
@@ -134,12 +141,13 @@ _PINNED: dict[tuple[int, int, int], AttnConfig] = {
 _PINNED_FEW_ROWS: dict[tuple[int, int, int], tuple[int, AttnConfig]] = {
     key: (1, replace(c, dv_split=4)) for key, c in _PINNED.items()
 }
-_BIT_NEUTRAL = ("num_stages", "combine_group", "combine_cols", "dv_split")
+_BIT_NEUTRAL = ("num_stages", "combine_group", "combine_cols", "dv_split", "maxnreg")
 
 
 def same_bits(a: AttnConfig, b: AttnConfig) -> bool:
     """Whether two configurations give the same bits: they differ at most in how the work is
-    spread (pipeline stages, the combine's loads in flight, the value-column split), never in the
+    spread (pipeline stages, the combine's loads in flight, the value-column split, the register
+    cap), never in the
     sums (heads per program, entries per step and per chunk, weight pieces) nor in the warps: on
     the H200, 4 warps instead of 8 moved 2 of 8 x 64 x 512 CSA outputs by one bf16 step (the
     other settings gave equal bits at 4, 8 and 16 rows)."""
@@ -394,7 +402,7 @@ def _launch(src: int, q, H: int, N: int, cfg: AttnConfig | None, sink, scale, *,
         GROUP=min(cfg.combine_group, split), SRC=src,
         NOPE_P=nope_p, ROPE_P=rope_p, TABLE=table, DSPLIT=dsplit, ROWS16=all(a % 16 == 0 for a in row_starts),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **TORCH_MATH,
-        **launch_opts(q, grid),
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not on_interpreter(q) else {}), **launch_opts(q, grid),
     )
     return out
 

@@ -276,6 +276,19 @@ def test_few_rows_plans_keep_the_sums():
         assert not same_bits(replace(base, **change), base), change
 
 
+def test_register_cap_is_bit_neutral_and_checked():
+    """A register cap changes how ptxas allocates, not what is computed: listed among the
+    bit-neutral settings, the same output (on the GPU a real check; the interpreter ignores it)."""
+    base = AttnConfig(16, 32, 64)
+    assert same_bits(replace(base, maxnreg=128), base)
+    for bad in (16, 300):
+        with pytest.raises(AssertionError):
+            replace(base, maxnreg=bad).check()
+    args, kw = make_pools("csa", seed=21)
+    o = sparse_attention_pools(*args, **kw, config=SPLIT_CFG)
+    assert torch.equal(sparse_attention_pools(*args, **kw, config=replace(SPLIT_CFG, maxnreg=128)), o)
+
+
 @pytest.mark.parametrize("kind", sorted(LAYERS))
 def test_pools_batch_invariant_and_deterministic(kind):
     args, kw = make_pools(kind, seed=11)

@@ -1,0 +1,266 @@
+// The FP8 block-scaled decode linear for a few rows (M <= 16) with its weights staged in shared
+// memory before its input exists: the same bits as linear_fp8's Triton "f16" loop (plain
+// launches: no SwiGLU pair, no residual). Semantics, when it runs and why: linear_fp8_staged.py.
+//
+// Why: at one row the big FP8 linears stream at ~2.3 TB/s per launch, bound by their own loop
+// (weights already in L2 made them only 8-17 % faster: docs/PERFORMANCE.md, ninth measurement),
+// while the kernel before them (attention before wo_a) is bound by one warp's chain and leaves
+// HBM idle. A weight never depends on the predecessor, so a CTA placed early (PDL) copies all of
+// its weight bytes into shared memory before griddepcontrol.wait; once the input is there only
+// the MMAs remain. CTAs placed later (no room beside the predecessor) run the same code.
+//
+// Work: a CTA of kWarps warps takes kWarps 16-row tiles of w (128 output channels) and one split of
+// K (the Triton launch's split, so the same partial sums), for MG = 8 NT rows of x. Its warp copies
+// its 16 rows x KC bytes with 16-byte cp.async, the 16-byte chunks of row r swizzled (chunk c at
+// c ^ (r & 7): the lanes' 4-byte reads below hit 32 distinct banks). MMA j of a 128-block takes
+// the block's columns [16j, 16j + 16) as Triton's k16 steps do: lane (g, q) holds word q of
+// segment j of rows g and g + 8 as the k slots (2q, 2q+1, 2q+8, 2q+9), and x's columns
+// 16j + 4q .. +3 in the same slots of B. A k16 step's fp32 result depends on the set of its
+// products only (docs/PERFORMANCE.md, nineteenth measurement: mma_order_probe.py on one H200), so
+// each 128-block's dot has Triton's bits; the block's dot times (activation scale x weight
+// scale) is added in block order, the splits summed in split order by the last CTA to arrive,
+// as Triton's loop and combine do. This is the "word" loop of the CUDA few-rows linear measured on
+// 2026-11-30 (bit for bit against Triton at every V4-Flash plain shape, 1-16 rows; the code at
+// 087e231), reading its words from shared memory instead of global memory.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "cuda_common.cuh"
+
+namespace {
+
+using megastep::pdl_release;
+using megastep::pdl_wait;
+using megastep::round_bf16;
+
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kPad = 8;        // fp16 elements of padding per shared x row (spreads rows over banks)
+constexpr int kMaxSplit = 32;  // CTAs along K at most (linear_fp8_staged.py's MAX_SPLIT)
+
+__device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// four e4m3 bytes -> (bytes 0,1) and (bytes 2,3) as fp16x2, low byte in the low half
+__device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  asm("{.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;}"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+}
+
+__device__ __forceinline__ float e8m0_to_f32(uint8_t b) {  // common.e8m0_to_f32
+  return b == 0 ? __int_as_float(0x00400000) : __int_as_float(int(b) << 23);
+}
+
+// fp32 a, b -> their e4m3 codes (round to nearest even, saturating: common.fp8_round) as fp16x2
+__device__ __forceinline__ uint32_t fp8_pair(float a, float b) {
+  uint32_t out;
+  asm("{.reg .b16 q;\n\tcvt.rn.satfinite.e4m3x2.f32 q, %2, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, q;}"
+      : "=r"(out) : "f"(a), "f"(b));
+  return out;
+}
+
+// fp32 a, b -> fp16x2 (round to nearest even: Triton's .to(tl.float16))
+__device__ __forceinline__ uint32_t f16_pair(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// common.f16_pow2_scale: s = 2^(floor(log2(max(amax, 2^-64))) - 14)
+__device__ __forceinline__ void f16_pow2_scale(float amax, float& s, float& inv) {
+  const int se = ((__float_as_int(fmaxf(amax, 5.421010862427522e-20f)) >> 23) & 0xFF) - 14;
+  s = __int_as_float(se << 23);
+  inv = __int_as_float((254 - se) << 23);
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+
+// NT: n-tiles of 8 rows of x per CTA (MG = 8 NT rows); NB: 128-blocks of K per split (KC = 128 NB).
+template <int NT, int NB>
+__device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long stride_xm, const uint8_t* w,
+                                              long long stride_wn, const uint8_t* ws, long long stride_wsn,
+                                              void* out, long long stride_om, int out_bf16, float* part, int* cnt,
+                                              int M, int N, int K, int group_n, int quant, int pdl) {
+  constexpr int MG = 8 * NT, KC = 128 * NB, XS = KC + kPad;
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* wsh = smem;                                                  // [kWarps][16][KC] e4m3, swizzled
+  __half* xsh = reinterpret_cast<__half*>(smem + kWarps * 16 * KC);          // [MG][XS] fp16 codes
+  float* scsh = reinterpret_cast<float*>(smem + kWarps * 16 * KC + MG * XS * 2);  // [MG][NB] act scales
+  float* red = reinterpret_cast<float*>(smem);  // [kWarps * 16][MG], once the weights are used
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, q = lane & 3;
+  const int m0 = blockIdx.x * MG, mv = min(MG, M - m0);
+  const int k_lo = blockIdx.z * KC;
+  const int tile = blockIdx.y * kWarps + warp;  // the warp's 16 output channels
+  const bool active = tile * 16 < N;
+  unsigned char* mine = wsh + warp * 16 * KC;
+
+  // ---- every weight byte of the warp, requested before anything else: weights depend on nothing
+  // the predecessor writes, so this runs while it drains (launched with PDL)
+  if (active) {
+    const uint8_t* wt = w + (long long)tile * 16 * stride_wn + k_lo;
+    constexpr int kChunks = KC / 16;  // 16-byte chunks of a row
+#pragma unroll 4
+    for (int id = lane; id < 16 * kChunks; id += 32) {  // consecutive lanes: consecutive chunks of a row
+      const int r = id / kChunks, c = id % kChunks;
+      cp_async16(mine + r * KC + ((c ^ (r & 7)) << 4), wt + (long long)r * stride_wn + c * 16);
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  if (pdl) pdl_wait();
+
+  // ---- the CTA's activation codes: fp16 in shared memory, scales beside them. Grouped (wo_a):
+  // output rows [g N/G, (g+1) N/G) read x's columns [g K, (g+1) K); a CTA's tiles share one group
+  const long long x_col = (long long)((blockIdx.y * kWarps * 16) / group_n) * K + k_lo;
+  for (int i = warp; i < mv * NB; i += kWarps) {
+    const int m = i / NB, b = i % NB, k = b * 128 + lane * 4;
+    const uint2 u = *reinterpret_cast<const uint2*>(x + (m0 + m) * stride_xm + x_col + k);
+    const float v[4] = {megastep::bf16_lo(u.x), megastep::bf16_hi(u.x), megastep::bf16_lo(u.y),
+                        megastep::bf16_hi(u.y)};
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    float s, inv;
+    uint32_t lo, hi;
+    if (quant) {
+      megastep::pow2_scale(amax, s, inv);
+      lo = fp8_pair(v[0] * inv, v[1] * inv);
+      hi = fp8_pair(v[2] * inv, v[3] * inv);
+    } else {  // wo_a: the bf16 activation itself, scaled into fp16's range
+      f16_pow2_scale(amax, s, inv);
+      lo = f16_pair(v[0] * inv, v[1] * inv);
+      hi = f16_pair(v[2] * inv, v[3] * inv);
+    }
+    if (lane == 0) scsh[m * NB + b] = s;
+    *reinterpret_cast<uint2*>(xsh + m * XS + b * 128 + lane * 4) = make_uint2(lo, hi);
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  __syncthreads();  // x's codes, and every lane's weight copies
+
+  // ---- the warp's 16 rows over the split's K range
+  float acc[NT][4];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+  if (active) {
+    const uint8_t* wsr = ws + (long long)(tile * 16 / 128) * stride_wsn + k_lo / 128;
+    const unsigned char* rg = mine + g * KC + 4 * q;  // row g, word q (row g + 8 has the same swizzle)
+#pragma unroll 2
+    for (int b = 0; b < NB; ++b) {
+      float blk[NT][4];  // the block's dot, from zero, as Triton's per-block tl.dot
+#pragma unroll
+      for (int t = 0; t < NT; ++t) blk[t][0] = blk[t][1] = blk[t][2] = blk[t][3] = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {  // MMA j: the block's columns [16j, 16j + 16)
+        const int off = b * 128 + ((j ^ g) << 4);  // segment j of the block, swizzled by the row
+        uint32_t a0, a1, a2, a3;
+        e4m3x4_to_f16x2(*reinterpret_cast<const uint32_t*>(rg + off), a0, a2);           // row g
+        e4m3x4_to_f16x2(*reinterpret_cast<const uint32_t*>(rg + 8 * KC + off), a1, a3);  // row g + 8
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const int m = 8 * t + g;  // B: x row m at the same four columns
+          uint2 xb = make_uint2(0u, 0u);
+          if (m < mv) xb = *reinterpret_cast<const uint2*>(xsh + m * XS + b * 128 + 16 * j + 4 * q);
+          mma_f16(blk[t], a0, a1, a2, a3, xb.x, xb.y);
+        }
+      }
+      const float sw = e8m0_to_f32(wsr[b]);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const int m = 8 * t + 2 * q;  // this lane's two columns
+        const float s0 = m < mv ? scsh[m * NB + b] * sw : 0.f, s1 = m + 1 < mv ? scsh[(m + 1) * NB + b] * sw : 0.f;
+        acc[t][0] += blk[t][0] * s0;
+        acc[t][1] += blk[t][1] * s1;
+        acc[t][2] += blk[t][2] * s0;
+        acc[t][3] += blk[t][3] * s1;
+      }
+    }
+  }
+  if (pdl) pdl_release();  // every weight byte is read
+  __syncthreads();  // the weights are dead: `red` reuses their memory
+  float* my = red + warp * 16 * MG;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int m = 8 * t + 2 * q;
+    my[g * MG + m] = acc[t][0];
+    my[g * MG + m + 1] = acc[t][1];
+    my[(g + 8) * MG + m] = acc[t][2];
+    my[(g + 8) * MG + m + 1] = acc[t][3];
+  }
+  __syncthreads();
+
+  if (gridDim.z > 1) {  // split-K: partials out, the last CTA of this (tile group, row group) sums them
+    // only the mv real rows of x travel: element i is (row i / mv of the CTA's tiles, x row i % mv)
+    __shared__ int last;
+    const int E = kWarps * 16 * mv;
+    const long long cta = (long long)blockIdx.y * gridDim.x + blockIdx.x;
+    const long long stride = (long long)gridDim.x * gridDim.y * kWarps * 16 * MG;  // one split's partials
+    float* pm = part + blockIdx.z * stride + cta * kWarps * 16 * MG;
+    for (int i = threadIdx.x; i < E; i += kThreads) pm[i] = red[(i / mv) * MG + i % mv];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int arrived = atomicAdd(cnt + cta, 1);
+      last = arrived == int(gridDim.z) - 1;
+      if (last) cnt[cta] = 0;  // ready for the next launch (and graph replay)
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int S = gridDim.z;  // <= kMaxSplit (the wrapper checks)
+    for (int i = threadIdx.x; i < E; i += kThreads) {
+      const float* p = part + cta * kWarps * 16 * MG + i;
+      float v[kMaxSplit];
+#pragma unroll
+      for (int s = 0; s < kMaxSplit; ++s) v[s] = s < S ? __ldcg(p + s * stride) : 0.f;  // all in flight at once
+      float sum = v[0];
+#pragma unroll
+      for (int s = 1; s < kMaxSplit; ++s)
+        if (s < S) sum += v[s];  // split order, as Triton's combine
+      red[(i / mv) * MG + i % mv] = sum;
+    }
+    __syncthreads();
+  }
+
+  // ---- the output, rounded once (linear_fp8's plain `_epilogue`): channels fastest (coalesced)
+  constexpr int kRows = kWarps * 16;
+  for (int e = threadIdx.x; e < kRows * MG; e += kThreads) {
+    const int m = e / kRows, r = e % kRows, n = blockIdx.y * kRows + r;
+    if (m >= mv || n >= N) continue;
+    const float y = red[r * MG + m];
+    const long long mm = m0 + m;
+    if (out_bf16) {
+      static_cast<__nv_bfloat16*>(out)[mm * stride_om + n] = __float2bfloat16_rn(y);
+    } else {
+      static_cast<float*>(out)[mm * stride_om + n] = y;
+    }
+  }
+}
+
+}  // namespace
+
+#define LINEAR_STAGED_PARAMS                                                                                  \
+  const __nv_bfloat16 *x, long long stride_xm, const uint8_t *w, long long stride_wn, const uint8_t *ws,     \
+      long long stride_wsn, void *out, long long stride_om, int out_bf16, float *part, int *cnt, int M, int N, \
+      int K, int group_n, int quant, int pdl
+#define LINEAR_STAGED_ARGS \
+  x, stride_xm, w, stride_wn, ws, stride_wsn, out, stride_om, out_bf16, part, cnt, M, N, K, group_n, quant, pdl
+#define LINEAR_STAGED_ENTRY(NT, NB)                                                                           \
+  extern "C" __global__ void __launch_bounds__(kThreads) linear_fp8_staged_nt##NT##_nb##NB(LINEAR_STAGED_PARAMS) { \
+    linear_staged<NT, NB>(LINEAR_STAGED_ARGS);                                                               \
+  }
+#define LINEAR_STAGED_NB(NB) LINEAR_STAGED_ENTRY(1, NB) LINEAR_STAGED_ENTRY(2, NB)
+LINEAR_STAGED_NB(1)
+LINEAR_STAGED_NB(2)
+LINEAR_STAGED_NB(4)
+LINEAR_STAGED_NB(8)
