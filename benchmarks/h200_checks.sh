@@ -254,18 +254,18 @@ for group in "$@"; do
         bench "csa_pin_$arm" 120 --layers 30 --batch 1,2,4,16,64
         bench_with "csa64_$arm" 60 "$n64" --layers 30 --batch 1,2,4,16,64
       done ;;
-    staged)  # wo_a through linear_fp8_staged (built 2026-12-04 without a device): each CTA copies its weights into
-      # shared memory before it waits for the attention's output. Its GPU tests (Triton's bits), the step's bit tests
-      # with it, then the step A/B/A/B at the rows it takes (1-16) and a 1-row timeline
-      step staged_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/kernels/test_linear_fp8_staged.py
+    staged)  # linear_fp8_staged (built 2026-12-04 without a device): each CTA copies its weights into shared memory
+      # before it waits for its input. Its GPU tests (Triton's bits), the step's bits with it, then the step at 1-4
+      # rows: A/B/A/B with wo_a's launch (behind the attention), once with the x group's too (behind the mHC)
+      step staged_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py
+      step staged_step_test 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/test_fast_gpu.py -k staged
       S='import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(8192, 4096, 8)})'
-      step staged_step_tests 200 python3 -c "$S; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', '--timeout', \
-        '150', '-m', 'gpu', 'tests/test_fast_gpu.py', '-k', 'same_input or alone or graph_replay']))"
       for arm in a b; do
-        bench "staged_off_$arm" 120 --layers 30 --batch 1,2,4,16
-        bench_with "staged_wo_a_$arm" 60 "$S" --layers 30 --batch 1,2,4,16
+        bench "staged_off_$arm" 100 --layers 30 --batch 1,2,4
+        bench_with "staged_wo_a_$arm" 50 "$S" --layers 30 --batch 1,2,4
       done
-      bench_with staged_timeline 60 "$S" --layers 30 --batch 1 --timeline ;;
+      X='import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(8192, 4096, 8), (1536, 4096, 1)})'
+      bench_with staged_wo_a_x 50 "$X" --layers 30 --batch 1,2,4 ;;
     attnregs)  # CSA's one-row attention plan (160 programs of 8 warps, 139 registers: one per SM, so 28 wait for a second
       # wave) under a 128-register cap (two per SM: one wave; the same instructions, the same bits). Its bit tests and
       # the plan's time against the pin's, then the step A/B/A/B at 1 row (the plan's only row count) and 2 (a control)

@@ -352,3 +352,35 @@ def test_shared_expert_in_the_combine_gives_the_same_bits(experts, where):
     before[1].shared_w2, before[1].shared_after_router = "residual", False
     b = greedy_logits(steps=8, built=before)
     assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def test_staged_linears_change_no_bits(monkeypatch):
+    """linear_fp8_staged (the CUDA twin of the plain FP8 linear that copies its weights into shared
+    memory before it waits for its input) taking the small preset's wo_a and x group: the step's
+    greedy logits at 1 row and in a batch of 16, graphs with PDL, bit for bit against the Triton
+    loop alone."""
+    from megastep.kernels import linear_fp8_staged as staged
+
+    calls = []
+    launch = staged.linear
+    monkeypatch.setattr(staged, "linear", lambda *a, **k: calls.append(1) or launch(*a, **k))
+
+    def run(shapes):
+        monkeypatch.setattr(staged, "SHAPES", frozenset(shapes))
+        cfg, dec, runner = built = build(experts="lut")
+        out = greedy_logits(steps=6, built=built)[1]
+        for s in range(16):
+            dec.pools.reset(s)
+        toks = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).cuda()
+        for t in range(3):
+            out.append(runner.run(toks, torch.full((16,), t, device="cuda"), torch.arange(16, device="cuda"))[0])
+        return cfg, out
+
+    cfg, want = run(())
+    assert not calls
+    G = cfg.o_groups
+    wo_a = (G * cfg.o_lora_rank, cfg.num_attention_heads * cfg.head_dim // G, G)
+    x_group = (cfg.q_lora_rank + cfg.head_dim, cfg.hidden_size, 1)
+    _, got = run((wo_a, x_group))
+    assert calls  # the staged kernel ran
+    assert all(torch.equal(a, b) for a, b in zip(want, got))

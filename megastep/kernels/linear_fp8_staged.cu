@@ -85,6 +85,21 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
 }
 
+// cp.async.wait_group n for n in 0..7 (its operand must be an immediate: in the unrolled block
+// loop below the switch folds away)
+__device__ __forceinline__ void cp_async_wait_pending(int n) {
+  switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+  }
+}
+
 // NT: n-tiles of 8 rows of x per CTA (MG = 8 NT rows); NB: 128-blocks of K per split (KC = 128 NB).
 template <int NT, int NB>
 __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long stride_xm, const uint8_t* w,
@@ -107,17 +122,21 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
   unsigned char* mine = wsh + warp * 16 * KC;
 
   // ---- every weight byte of the warp, requested before anything else: weights depend on nothing
-  // the predecessor writes, so this runs while it drains (launched with PDL)
-  if (active) {
-    const uint8_t* wt = w + (long long)tile * 16 * stride_wn + k_lo;
-    constexpr int kChunks = KC / 16;  // 16-byte chunks of a row
-#pragma unroll 4
-    for (int id = lane; id < 16 * kChunks; id += 32) {  // consecutive lanes: consecutive chunks of a row
-      const int r = id / kChunks, c = id % kChunks;
-      cp_async16(mine + r * KC + ((c ^ (r & 7)) << 4), wt + (long long)r * stride_wn + c * 16);
+  // the predecessor writes, so this runs while it drains (launched with PDL). One commit group per
+  // 128-block, so that a CTA placed after its predecessor has completed starts on block 0 while
+  // the others are in flight.
+  const uint8_t* wt = w + (long long)tile * 16 * stride_wn + k_lo;
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    if (active) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // 16 rows x 8 chunks: 8 lanes per row, each row's 128 bytes at once
+        const int id = i * 32 + lane, r = id >> 3, c = b * 8 + (id & 7);
+        cp_async16(mine + r * KC + ((c ^ (r & 7)) << 4), wt + (long long)r * stride_wn + c * 16);
+      }
     }
+    asm volatile("cp.async.commit_group;" ::: "memory");
   }
-  asm volatile("cp.async.commit_group;" ::: "memory");
   if (pdl) pdl_wait();
 
   // ---- the CTA's activation codes: fp16 in shared memory, scales beside them. Grouped (wo_a):
@@ -145,8 +164,7 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
     if (lane == 0) scsh[m * NB + b] = s;
     *reinterpret_cast<uint2*>(xsh + m * XS + b * 128 + lane * 4) = make_uint2(lo, hi);
   }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-  __syncthreads();  // x's codes, and every lane's weight copies
+  __syncthreads();  // x's codes
 
   // ---- the warp's 16 rows over the split's K range
   float acc[NT][4];
@@ -155,8 +173,11 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
   if (active) {
     const uint8_t* wsr = ws + (long long)(tile * 16 / 128) * stride_wsn + k_lo / 128;
     const unsigned char* rg = mine + g * KC + 4 * q;  // row g, word q (row g + 8 has the same swizzle)
-#pragma unroll 2
+#pragma unroll
     for (int b = 0; b < NB; ++b) {
+      // block b's copies (this lane's: at most NB - 1 - b groups may still be pending), then every lane's
+      cp_async_wait_pending(NB - 1 - b);
+      __syncwarp();
       float blk[NT][4];  // the block's dot, from zero, as Triton's per-block tl.dot
 #pragma unroll
       for (int t = 0; t < NT; ++t) blk[t][0] = blk[t][1] = blk[t][2] = blk[t][3] = 0.f;
