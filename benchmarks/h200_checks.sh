@@ -256,16 +256,20 @@ for group in "$@"; do
       done ;;
     staged)  # linear_fp8_staged (built 2026-12-04 without a device): each CTA copies its weights into shared memory
       # before it waits for its input. Its GPU tests (Triton's bits), the step's bits with it, then the step at 1-4
-      # rows: A/B/A/B with wo_a's launch (behind the attention), once with the x group's too (behind the mHC)
+      # rows A/B/A/B: wo_a's launch staged (behind the attention, which releases it after its KV loop); then with the
+      # attention releasing it at entry and CSA's one-row plan in one wave (attnregs); then the x group staged too
       step staged_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py
       step staged_step_test 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/test_fast_gpu.py -k staged
-      S='import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(8192, 4096, 8)})'
+      S='import dataclasses, megastep.kernels.linear_fp8_staged as s, megastep.kernels.attention as a'
+      S="$S; s.SHAPES = frozenset({(8192, 4096, 8)})"
+      E="$S; a.RELEASE_AT_ENTRY_ROWS = 1; k = (64, 640, 512)"
+      E="$E; a._PINNED_FEW_ROWS[k] = (1, dataclasses.replace(a._PINNED_FEW_ROWS[k][1], maxnreg=128))"
       for arm in a b; do
         bench "staged_off_$arm" 100 --layers 30 --batch 1,2,4
         bench_with "staged_wo_a_$arm" 50 "$S" --layers 30 --batch 1,2,4
+        bench_with "staged_early_$arm" 50 "$E" --layers 30 --batch 1,2,4
       done
-      X='import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(8192, 4096, 8), (1536, 4096, 1)})'
-      bench_with staged_wo_a_x 50 "$X" --layers 30 --batch 1,2,4 ;;
+      bench_with staged_early_x 50 "$E; s.SHAPES = frozenset({(8192, 4096, 8), (1536, 4096, 1)})" --layers 30 --batch 1,2,4 ;;
     attnregs)  # CSA's one-row attention plan (160 programs of 8 warps, 139 registers: one per SM, so 28 wait for a second
       # wave) under a 128-register cap (two per SM: one wave; the same instructions, the same bits). Its bit tests and
       # the plan's time against the pin's, then the step A/B/A/B at 1 row (the plan's only row count) and 2 (a control)
