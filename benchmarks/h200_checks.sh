@@ -28,7 +28,7 @@
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step A/B/A/B (~9 min)
 #   bash benchmarks/h200_checks.sh staged     # wo_a in the CUDA kernel that stages its weights during the attention: GPU tests, step bits, A/B/A/B (~8 min)
-#   bash benchmarks/h200_checks.sh attnregs   # CSA's one-row attention plan under a 128-register cap (one wave): bits, kernel, step A/B/A/B (~5 min)
+#   bash benchmarks/h200_checks.sh attnregs   # the attention's one-row plans in one wave (CSA under a register cap, HCA / window in 8 value slabs): bits, kernels, step A/B/A/B (~6 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
 #   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
@@ -270,19 +270,23 @@ for group in "$@"; do
         bench_with "staged_early_$arm" 50 "$E" --layers 30 --batch 1,2,4
       done
       bench_with staged_early_x 50 "$E; s.SHAPES = frozenset({(8192, 4096, 8), (1536, 4096, 1)})" --layers 30 --batch 1,2,4 ;;
-    attnregs)  # CSA's one-row attention plan (160 programs of 8 warps, 139 registers: one per SM, so 28 wait for a second
-      # wave) under a 128-register cap (two per SM: one wave; the same instructions, the same bits). Its bit tests and
-      # the plan's time against the pin's, then the step A/B/A/B at 1 row (the plan's only row count) and 2 (a control)
-      R='import dataclasses, megastep.kernels.attention as a; k = (64, 640, 512)'
-      R="$R; a._PINNED_FEW_ROWS[k] = (1, dataclasses.replace(a._PINNED_FEW_ROWS[k][1], maxnreg=128))"
+    attnregs)  # the attention's one-row plans in one wave of shorter programs: CSA's (160 programs of 8 warps at 139
+      # registers: one per SM, so 28 wait for a second wave) under a 128-register cap (two per SM); HCA's and the
+      # window's with the value columns over 8 programs instead of 4 (96 and 128 programs; HCA's at 96 registers,
+      # 1140 SASS instructions per KV step against 1226). The same bits (bit-neutral settings). The plans' bit tests
+      # and times against the pins', then the step A/B/A/B at 1 row (the plans' only row count) and 2 (a control)
+      R='import dataclasses, megastep.kernels.attention as a; f = a._PINNED_FEW_ROWS; r = dataclasses.replace'
+      R="$R; f[(64, 640, 512)] = (1, r(f[(64, 640, 512)][1], maxnreg=128))"
+      R="$R; f[(64, 161, 512)] = (1, r(f[(64, 161, 512)][1], dv_split=8))"
+      R="$R; f[(64, 128, 512)] = (1, r(f[(64, 128, 512)][1], dv_split=8))"
       step attnregs_few 100 python3 -c "$R; import runpy, sys; sys.argv = ['attn_few_rows.py', '--rows', '1', \
         '--json', '$OUT/attnregs_few.json']; runpy.run_path('benchmarks/kernels/attn_few_rows.py', run_name='__main__')"
       step attnregs_tests 150 python3 -c "$R; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', '--timeout', \
         '120', 'tests/kernels/test_attention.py', 'tests/test_fast_gpu.py', '-k', \
-        'few or register_cap or v4_shapes or alone or same_input']))"
+        'few or register_cap or value_split or v4_shapes or alone or same_input']))"
       for arm in a b; do
         bench "regs_off_$arm" 100 --layers 30 --batch 1,2
-        bench_with "regs_csa128_$arm" 50 "$R" --layers 30 --batch 1,2
+        bench_with "regs_plans_$arm" 50 "$R" --layers 30 --batch 1,2
       done ;;
     probe)  # where a 1- and 4-row experts call's launches spend their time: the probe build's stamps (moe_lut_probe.py)
       step lut_probe 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT" --ms 1,4

@@ -195,7 +195,7 @@ def phase1(kind: Kind) -> list[AttnConfig]:
 def variants(base: AttnConfig) -> list[AttnConfig]:
     alt_bn = [b for b in BLOCK_NS if b != base.block_n]
     alt_w = 4 if base.num_warps == 8 else 8
-    out = [replace(base, dv_split=v) for v in (2, 4) if v != base.dv_split]
+    out = [replace(base, dv_split=v) for v in (2, 4, 8) if v != base.dv_split]
     out += [replace(base, block_n=b) for b in alt_bn]
     out.append(replace(base, num_stages=3 if base.num_stages == 2 else 2))
     out.append(replace(base, num_warps=alt_w))

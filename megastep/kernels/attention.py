@@ -107,7 +107,7 @@ class AttnConfig:
 
     def check(self) -> None:
         assert self.block_h in (16, 32, 64), self
-        assert self.dv_split in (1, 2, 4), self
+        assert self.dv_split in (1, 2, 4, 8), self
         assert self.maxnreg == 0 or 32 <= self.maxnreg <= 255, self
         assert self.block_n in (16, 32, 64), self
         assert self.chunk >= self.block_n and self.chunk % self.block_n == 0, self

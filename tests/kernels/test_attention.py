@@ -243,7 +243,7 @@ def test_combine_settings_change_no_bits(kind):
 
 
 @pytest.mark.parametrize("kind", sorted(LAYERS))
-@pytest.mark.parametrize("dv_split", [2, 4])
+@pytest.mark.parametrize("dv_split", [2, 4, 8])
 @pytest.mark.parametrize("chunk", [16, 64], ids=["split", "unsplit"])
 def test_value_split(kind, dv_split, chunk):
     """Programs that split the value columns (each its own scores over all d, its slab of the
