@@ -27,7 +27,8 @@
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step A/B/A/B (~9 min)
-#   bash benchmarks/h200_checks.sh staged     # wo_a in the CUDA kernel that stages its weights during the attention: GPU tests, step bits, A/B/A/B (~8 min)
+#   bash benchmarks/h200_checks.sh staged     # wo_a in the CUDA kernel that stages its weights during the attention: GPU tests, step bits, A/B/A/B (~9 min)
+#   bash benchmarks/h200_checks.sh staged_more # then with the attention's early release and one-wave CSA plan, wo_b and the x group staged too (~8 min)
 #   bash benchmarks/h200_checks.sh attnregs   # the attention's one-row plans in one wave (CSA under a register cap, HCA / window in 8 value slabs): bits, kernels, step A/B/A/B (~6 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
@@ -255,21 +256,28 @@ for group in "$@"; do
         bench_with "csa64_$arm" 60 "$n64" --layers 30 --batch 1,2,4,16,64
       done ;;
     staged)  # linear_fp8_staged (built 2026-12-04 without a device): each CTA copies its weights into shared memory
-      # before it waits for its input. Its GPU tests (Triton's bits), the step's bits with it, then the step at 1-4
-      # rows A/B/A/B: wo_a's launch staged (behind the attention, which releases it after its KV loop); then with the
-      # attention releasing it at entry and CSA's one-row plan in one wave (attnregs); then the x group staged too
+      # before it waits for its input. Its GPU tests (Triton's bits), the step's bits with it, then the step at 1-4 rows
+      # A/B/A/B: wo_a's launch staged (behind the attention, which releases it after its KV loop) in CTAs of 8 warps
+      # (one per SM) and of 4 (two per SM)
       step staged_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py
       step staged_step_test 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/test_fast_gpu.py -k staged
-      S='import dataclasses, megastep.kernels.linear_fp8_staged as s, megastep.kernels.attention as a'
-      S="$S; s.SHAPES = frozenset({(8192, 4096, 8)})"
-      E="$S; a.RELEASE_AT_ENTRY_ROWS = 1; k = (64, 640, 512)"
-      E="$E; a._PINNED_FEW_ROWS[k] = (1, dataclasses.replace(a._PINNED_FEW_ROWS[k][1], maxnreg=128))"
+      S='import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(8192, 4096, 8)})'
       for arm in a b; do
         bench "staged_off_$arm" 100 --layers 30 --batch 1,2,4
         bench_with "staged_wo_a_$arm" 50 "$S" --layers 30 --batch 1,2,4
-        bench_with "staged_early_$arm" 50 "$E" --layers 30 --batch 1,2,4
+        bench_with "staged_wo_a_w4_$arm" 50 "$S; s.WARPS = 4" --layers 30 --batch 1,2,4
+      done ;;
+    staged_more)  # after `staged`: wo_a staged with the attention releasing it at entry and CSA's one-row plan in one
+      # wave (attnregs), then wo_b staged too (behind wo_a), then the x group too (behind the mHC), A/B where it counts
+      S='import dataclasses, megastep.kernels.linear_fp8_staged as s, megastep.kernels.attention as a'
+      S="$S; s.SHAPES = frozenset({(8192, 4096, 8)}); a.RELEASE_AT_ENTRY_ROWS = 1; k = (64, 640, 512)"
+      S="$S; a._PINNED_FEW_ROWS[k] = (1, dataclasses.replace(a._PINNED_FEW_ROWS[k][1], maxnreg=128))"
+      for arm in a b; do
+        bench "staged_more_off_$arm" 100 --layers 30 --batch 1,2,4
+        bench_with "staged_early_$arm" 50 "$S" --layers 30 --batch 1,2,4
+        bench_with "staged_early_wo_b_$arm" 50 "$S; s.SHAPES |= {(4096, 8192, 1)}" --layers 30 --batch 1,2,4
       done
-      bench_with staged_early_x 50 "$E; s.SHAPES = frozenset({(8192, 4096, 8), (1536, 4096, 1)})" --layers 30 --batch 1,2,4 ;;
+      bench_with staged_early_wo_b_x 50 "$S; s.SHAPES |= {(4096, 8192, 1), (1536, 4096, 1)}" --layers 30 --batch 1,2,4 ;;
     attnregs)  # the attention's one-row plans in one wave of shorter programs: CSA's (160 programs of 8 warps at 139
       # registers: one per SM, so 28 wait for a second wave) under a 128-register cap (two per SM); HCA's and the
       # window's with the value columns over 8 programs instead of 4 (96 and 128 programs; HCA's at 96 registers,
@@ -385,7 +393,7 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | staged | attnregs | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | staged | staged_more | attnregs | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
       exit 2 ;;
   esac
 done

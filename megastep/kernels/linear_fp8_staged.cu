@@ -9,9 +9,10 @@
 // its weight bytes into shared memory before griddepcontrol.wait; once the input is there only
 // the MMAs remain. CTAs placed later (no room beside the predecessor) run the same code.
 //
-// Work: a CTA of kWarps warps takes kWarps 16-row tiles of w (128 output channels) and one split of
-// K (the Triton launch's split, so the same partial sums), for MG = 8 NT rows of x. Its warp copies
-// its 16 rows x KC bytes with 16-byte cp.async, the 16-byte chunks of row r swizzled (chunk c at
+// Work: a CTA of W warps (4 or 8) takes W 16-row tiles of w (16 W output channels) and one split
+// of K (the Triton launch's split, so the same partial sums), for MG = 8 NT rows of x. Its warp
+// copies its 16 rows x KC bytes with 16-byte cp.async, one commit group per 128-block (the
+// compute waits for each block in turn), the 16-byte chunks of row r swizzled (chunk c at
 // c ^ (r & 7): the lanes' 4-byte reads below hit 32 distinct banks). MMA j of a 128-block takes
 // the block's columns [16j, 16j + 16) as Triton's k16 steps do: lane (g, q) holds word q of
 // segment j of rows g and g + 8 as the k slots (2q, 2q+1, 2q+8, 2q+9), and x's columns
@@ -35,8 +36,6 @@ using megastep::pdl_release;
 using megastep::pdl_wait;
 using megastep::round_bf16;
 
-constexpr int kWarps = 8;
-constexpr int kThreads = 32 * kWarps;
 constexpr int kPad = 8;        // fp16 elements of padding per shared x row (spreads rows over banks)
 constexpr int kMaxSplit = 32;  // CTAs along K at most (linear_fp8_staged.py's MAX_SPLIT)
 
@@ -100,24 +99,25 @@ __device__ __forceinline__ void cp_async_wait_pending(int n) {
   }
 }
 
-// NT: n-tiles of 8 rows of x per CTA (MG = 8 NT rows); NB: 128-blocks of K per split (KC = 128 NB).
-template <int NT, int NB>
+// NT: n-tiles of 8 rows of x per CTA (MG = 8 NT rows); NB: 128-blocks of K per split (KC = 128 NB);
+// W: warps per CTA (16 output channels each).
+template <int NT, int NB, int W>
 __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long stride_xm, const uint8_t* w,
                                               long long stride_wn, const uint8_t* ws, long long stride_wsn,
                                               void* out, long long stride_om, int out_bf16, float* part, int* cnt,
                                               int M, int N, int K, int group_n, int quant, int pdl) {
   constexpr int MG = 8 * NT, KC = 128 * NB, XS = KC + kPad;
   extern __shared__ __align__(16) unsigned char smem[];
-  unsigned char* wsh = smem;                                                  // [kWarps][16][KC] e4m3, swizzled
-  __half* xsh = reinterpret_cast<__half*>(smem + kWarps * 16 * KC);          // [MG][XS] fp16 codes
-  float* scsh = reinterpret_cast<float*>(smem + kWarps * 16 * KC + MG * XS * 2);  // [MG][NB] act scales
-  float* red = reinterpret_cast<float*>(smem);  // [kWarps * 16][MG], once the weights are used
+  unsigned char* wsh = smem;                                                  // [W][16][KC] e4m3, swizzled
+  __half* xsh = reinterpret_cast<__half*>(smem + W * 16 * KC);          // [MG][XS] fp16 codes
+  float* scsh = reinterpret_cast<float*>(smem + W * 16 * KC + MG * XS * 2);  // [MG][NB] act scales
+  float* red = reinterpret_cast<float*>(smem);  // [W * 16][MG], once the weights are used
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, q = lane & 3;
   const int m0 = blockIdx.x * MG, mv = min(MG, M - m0);
   const int k_lo = blockIdx.z * KC;
-  const int tile = blockIdx.y * kWarps + warp;  // the warp's 16 output channels
+  const int tile = blockIdx.y * W + warp;  // the warp's 16 output channels
   const bool active = tile * 16 < N;
   unsigned char* mine = wsh + warp * 16 * KC;
 
@@ -141,8 +141,8 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
 
   // ---- the CTA's activation codes: fp16 in shared memory, scales beside them. Grouped (wo_a):
   // output rows [g N/G, (g+1) N/G) read x's columns [g K, (g+1) K); a CTA's tiles share one group
-  const long long x_col = (long long)((blockIdx.y * kWarps * 16) / group_n) * K + k_lo;
-  for (int i = warp; i < mv * NB; i += kWarps) {
+  const long long x_col = (long long)((blockIdx.y * W * 16) / group_n) * K + k_lo;
+  for (int i = warp; i < mv * NB; i += W) {
     const int m = i / NB, b = i % NB, k = b * 128 + lane * 4;
     const uint2 u = *reinterpret_cast<const uint2*>(x + (m0 + m) * stride_xm + x_col + k);
     const float v[4] = {megastep::bf16_lo(u.x), megastep::bf16_hi(u.x), megastep::bf16_lo(u.y),
@@ -223,11 +223,11 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
   if (gridDim.z > 1) {  // split-K: partials out, the last CTA of this (tile group, row group) sums them
     // only the mv real rows of x travel: element i is (row i / mv of the CTA's tiles, x row i % mv)
     __shared__ int last;
-    const int E = kWarps * 16 * mv;
+    const int E = W * 16 * mv;
     const long long cta = (long long)blockIdx.y * gridDim.x + blockIdx.x;
-    const long long stride = (long long)gridDim.x * gridDim.y * kWarps * 16 * MG;  // one split's partials
-    float* pm = part + blockIdx.z * stride + cta * kWarps * 16 * MG;
-    for (int i = threadIdx.x; i < E; i += kThreads) pm[i] = red[(i / mv) * MG + i % mv];
+    const long long stride = (long long)gridDim.x * gridDim.y * W * 16 * MG;  // one split's partials
+    float* pm = part + blockIdx.z * stride + cta * W * 16 * MG;
+    for (int i = threadIdx.x; i < E; i += (32 * W)) pm[i] = red[(i / mv) * MG + i % mv];
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -239,8 +239,8 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
     if (!last) return;
     __threadfence();
     const int S = gridDim.z;  // <= kMaxSplit (the wrapper checks)
-    for (int i = threadIdx.x; i < E; i += kThreads) {
-      const float* p = part + cta * kWarps * 16 * MG + i;
+    for (int i = threadIdx.x; i < E; i += (32 * W)) {
+      const float* p = part + cta * W * 16 * MG + i;
       float v[kMaxSplit];
 #pragma unroll
       for (int s = 0; s < kMaxSplit; ++s) v[s] = s < S ? __ldcg(p + s * stride) : 0.f;  // all in flight at once
@@ -254,8 +254,8 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
   }
 
   // ---- the output, rounded once (linear_fp8's plain `_epilogue`): channels fastest (coalesced)
-  constexpr int kRows = kWarps * 16;
-  for (int e = threadIdx.x; e < kRows * MG; e += kThreads) {
+  constexpr int kRows = W * 16;
+  for (int e = threadIdx.x; e < kRows * MG; e += (32 * W)) {
     const int m = e / kRows, r = e % kRows, n = blockIdx.y * kRows + r;
     if (m >= mv || n >= N) continue;
     const float y = red[r * MG + m];
@@ -276,12 +276,11 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
       int K, int group_n, int quant, int pdl
 #define LINEAR_STAGED_ARGS \
   x, stride_xm, w, stride_wn, ws, stride_wsn, out, stride_om, out_bf16, part, cnt, M, N, K, group_n, quant, pdl
-#define LINEAR_STAGED_ENTRY(NT, NB)                                                                           \
-  extern "C" __global__ void __launch_bounds__(kThreads) linear_fp8_staged_nt##NT##_nb##NB(LINEAR_STAGED_PARAMS) { \
-    linear_staged<NT, NB>(LINEAR_STAGED_ARGS);                                                               \
+#define LINEAR_STAGED_ENTRY(NT, NB, W)                                                                       \
+  extern "C" __global__ void __launch_bounds__(32 * W) linear_fp8_staged_nt##NT##_nb##NB##_w##W(LINEAR_STAGED_PARAMS) { \
+    linear_staged<NT, NB, W>(LINEAR_STAGED_ARGS);                                                                \
   }
-#define LINEAR_STAGED_NB(NB) LINEAR_STAGED_ENTRY(1, NB) LINEAR_STAGED_ENTRY(2, NB)
-LINEAR_STAGED_NB(1)
-LINEAR_STAGED_NB(2)
-LINEAR_STAGED_NB(4)
-LINEAR_STAGED_NB(8)
+#define LINEAR_STAGED_NB(NB, W) LINEAR_STAGED_ENTRY(1, NB, W) LINEAR_STAGED_ENTRY(2, NB, W)
+#define LINEAR_STAGED_W(W) LINEAR_STAGED_NB(1, W) LINEAR_STAGED_NB(2, W) LINEAR_STAGED_NB(4, W) LINEAR_STAGED_NB(8, W)
+LINEAR_STAGED_W(4)
+LINEAR_STAGED_W(8)

@@ -33,10 +33,12 @@ from megastep.kernels.cuda_module import CudaModule, find_nvcc
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "linear_fp8_staged.cu")
 _MODULE = CudaModule(SOURCE)
 _SIGNATURE = "pqpqpqpqippiiiiii"
-_KERNELS = {(nt, nb): _MODULE.kernel(f"linear_fp8_staged_nt{nt}_nb{nb}", _SIGNATURE)
-            for nt in (1, 2) for nb in (1, 2, 4, 8)}
-WARPS = 8  # the .cu's kWarps: a CTA takes 8 tiles of 16 output channels
-CTA_ROWS = 16 * WARPS
+_KERNELS = {(nt, nb, w): _MODULE.kernel(f"linear_fp8_staged_nt{nt}_nb{nb}_w{w}", _SIGNATURE)
+            for nt in (1, 2) for nb in (1, 2, 4, 8) for w in (4, 8)}
+# Warps per CTA, each 16 output channels (the .cu's W: 4 or 8). 8: a wo_a CTA takes 144.5 KB of
+# shared memory, one per SM (beside one CSA attention program); 4: 80.5 KB, two per SM, so one
+# CTA's copies overlap the other's MMAs where no predecessor leaves time. Not measured yet.
+WARPS = 8
 MAX_ROWS = 16  # rows of x per CTA: 8 (NT 1) or 16 (NT 2)
 MAX_SPLIT = 32  # the .cu's kMaxSplit
 # (N, K, groups) of the linear_fp8 launches that take this kernel at <= MAX_ROWS rows. Empty: none
@@ -49,18 +51,19 @@ def _have_nvcc() -> bool:
     return find_nvcc() is not None
 
 
-def shared_bytes(nt: int, nb: int) -> int:
+def shared_bytes(nt: int, nb: int, warps: int) -> int:
     """Dynamic shared memory of a CTA: its warps' weights (16 rows x 128 nb bytes each), x's codes
     in fp16 (8 nt rows, padded) and their scales."""
-    return WARPS * 16 * 128 * nb + 8 * nt * (128 * nb + 8) * 2 + 8 * nt * nb * 4
+    return warps * 16 * 128 * nb + 8 * nt * (128 * nb + 8) * 2 + 8 * nt * nb * 4
 
 
 def plan(x: torch.Tensor, w: torch.Tensor, groups: int, k_per_split: int, mode: str,
-         residual: torch.Tensor | None) -> tuple[int, int, int] | None:
-    """(nt, nb, split) when linear_fp8's launch over x [M, G*K] and w [N, K], split into K columns
+         residual: torch.Tensor | None) -> tuple[int, int, int, int] | None:
+    """(nt, nb, warps, split) when linear_fp8's launch over x [M, G*K] and w [N, K], split into K columns
     of k_per_split, takes this kernel, else None: a listed shape on a CUDA device with nvcc, bf16 x,
     at most 16 rows, the "f16" mode, no residual, 128-row CTAs within one group, whole 128-blocks
-    of 1-8 per split, at most MAX_SPLIT splits, rows that start on 16 bytes (its vector loads)."""
+    of 1-8 per split, at most MAX_SPLIT splits, rows that start on 16 bytes (its vector loads); the
+    CTAs of WARPS warps."""
     N, K = w.shape
     if (N, K, groups) not in SHAPES or residual is not None or mode != "f16":
         return None
@@ -69,27 +72,28 @@ def plan(x: torch.Tensor, w: torch.Tensor, groups: int, k_per_split: int, mode: 
         return None
     if x.data_ptr() % 16 or x.stride(0) % 8 or w.data_ptr() % 16 or w.stride(0) % 16:
         return None
-    nb, split = k_per_split // 128, K // k_per_split
-    if (N // groups) % CTA_ROWS or k_per_split % 128 or K % k_per_split or nb not in (1, 2, 4, 8) or split > MAX_SPLIT:
+    nb, split, warps = k_per_split // 128, K // k_per_split, WARPS
+    if (N // groups) % (16 * warps) or k_per_split % 128 or K % k_per_split or nb not in (1, 2, 4, 8) \
+            or split > MAX_SPLIT:
         return None
-    return (1 if M <= 8 else 2), nb, split
+    return (1 if M <= 8 else 2), nb, warps, split
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, quantize_act: bool,
-           groups: int, plan_: tuple[int, int, int]) -> torch.Tensor:
+           groups: int, plan_: tuple[int, int, int, int]) -> torch.Tensor:
     """out = linear_fp8(x, w, w_scale, ...) for a launch `plan` accepted; returns out."""
-    nt, nb, split = plan_
+    nt, nb, warps, split = plan_
     M, N = out.shape
     assert x.stride(1) == 1 and w.stride(1) == 1 and out.stride(1) == 1
-    grid = (-(-M // (8 * nt)), N // CTA_ROWS, split)
+    grid = (-(-M // (8 * nt)), N // (16 * warps), split)
     ctas = grid[0] * grid[1]
     if split > 1:
-        part = workspace(x.device, "partials_staged", split * ctas * CTA_ROWS * 8 * nt, torch.float32)
+        part = workspace(x.device, "partials_staged", split * ctas * 16 * warps * 8 * nt, torch.float32)
         cnt = workspace(x.device, "counters_staged", ctas, torch.int32)
     else:
         part = cnt = out  # unused
     pdl = pdl_enabled()
-    _KERNELS[(nt, nb)].launch(grid, (32 * WARPS, 1, 1), shared_bytes(nt, nb), None,
+    _KERNELS[(nt, nb, warps)].launch(grid, (32 * warps, 1, 1), shared_bytes(nt, nb, warps), None,
                               x, x.stride(0), w.view(torch.uint8), w.stride(0), w_scale.view(torch.uint8),
                               w_scale.stride(0), out, out.stride(0), int(out.dtype == torch.bfloat16), part, cnt,
                               M, N, w.shape[1], N // groups, int(quantize_act), int(pdl), pdl=pdl)

@@ -34,14 +34,14 @@ def test_signatures_match_the_source():
     """The kernels are instantiated by one macro (their names pasted from NT and NB), so its
     parameter list is what each launch must match."""
     assert {k.signature for k in ST._KERNELS.values()} == {ST._SIGNATURE}
-    entry = types.SimpleNamespace(name="linear_fp8_staged_nt##NT##_nb##NB", signature=ST._SIGNATURE)
+    entry = types.SimpleNamespace(name="linear_fp8_staged_nt##NT##_nb##NB##_w##W", signature=ST._SIGNATURE)
     assert_signature_matches(ST.SOURCE, entry)
 
 
 def test_shared_memory_fits_a_hopper_cta():
     """Every instantiation's CTA (its warps' weights, x's codes and scales) fits Hopper's 227 KB."""
-    for nt, nb in ST._KERNELS:
-        assert ST.shared_bytes(nt, nb) <= 227 << 10, (nt, nb)
+    for nt, nb, w in ST._KERNELS:
+        assert ST.shared_bytes(nt, nb, w) <= 227 << 10, (nt, nb, w)
 
 
 def test_plan_takes_only_listed_launches_of_few_rows(monkeypatch):
@@ -55,9 +55,9 @@ def test_plan_takes_only_listed_launches_of_few_rows(monkeypatch):
     if not torch.cuda.is_available() or find_nvcc() is None:
         return
     xc, w = x.cuda(), w.cuda()
-    assert ST.plan(xc, w, 8, 1024, "f16", None) == (1, 8, 4)
+    assert ST.plan(xc, w, 8, 1024, "f16", None) == (1, 8, ST.WARPS, 4)
     assert ST.plan(xc[:0], w, 8, 1024, "f16", None) is None
-    assert ST.plan(torch.zeros(9, 8 * 4096, dtype=torch.bfloat16, device="cuda"), w, 8, 1024, "f16", None) == (2, 8, 4)
+    assert ST.plan(torch.zeros(9, 8 * 4096, dtype=torch.bfloat16, device="cuda"), w, 8, 1024, "f16", None) == (2, 8, ST.WARPS, 4)
     assert ST.plan(torch.zeros(17, 8 * 4096, dtype=torch.bfloat16, device="cuda"), w, 8, 1024, "f16", None) is None
     assert ST.plan(xc, w, 8, 1024, "dot16", None) is None
     assert ST.plan(xc, w, 8, 1024, "f16", torch.zeros(1, 8192, device="cuda")) is None
@@ -79,11 +79,13 @@ def _both(monkeypatch, x, w, s, quantize_act, groups, out_dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
+@pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("M", [1, 2, 9, 16])
+@pytest.mark.parametrize("M", [1, 9, 16])
 @pytest.mark.parametrize("N,K,G,quant", PLAIN)
-def test_gpu_staged_gives_the_triton_loops_bits(monkeypatch, N, K, G, quant, M, out_dtype, pdl):
+def test_gpu_staged_gives_the_triton_loops_bits(monkeypatch, N, K, G, quant, M, out_dtype, pdl, warps):
+    monkeypatch.setattr(ST, "WARPS", warps)
     x, w, s = make(M, N, G * K, seed=N + K + M, dev="cuda")
     if G > 1:  # wo_a: each group's rows over its own K columns of x
         from megastep.checkpoint import formats as F
