@@ -23,29 +23,16 @@ namespace {
 
 using experiments::ld_stream;
 using experiments::round_bf16;
+using megastep::add_block;
+using megastep::e4m3x4_to_f16x2;
+using megastep::e8m0_to_f32;
+using megastep::fp8_pair;
 using megastep::pow2_scale;
+using megastep::splitk_sum;
+using megastep::store_rows;
 
 constexpr int kPad = 8;  // fp16 elements of padding per shared x row (spreads rows over banks)
 constexpr int kMaxSplit = 32;  // CTAs along K at most (gemv_fp8_cuda.py's MAX_SPLIT)
-
-// four e4m3 bytes -> (bytes 0,1) and (bytes 2,3) as fp16x2, low byte in the low half
-__device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  asm("{.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
-      "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;}"
-      : "=r"(lo), "=r"(hi) : "r"(w));
-}
-
-__device__ __forceinline__ float e8m0_to_f32(uint8_t b) {
-  return b == 0 ? __int_as_float(0x00400000) : __int_as_float(int(b) << 23);  // byte 0: 2^-127 as torch
-}
-
-// fp32 -> e4m3 code (round to nearest even, saturating) of a and b, as fp16x2 (b in the high half)
-__device__ __forceinline__ uint32_t quant_pair(float a, float b) {
-  uint32_t out;
-  asm("{.reg .b16 q;\n\tcvt.rn.satfinite.e4m3x2.f32 q, %2, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, q;}"
-      : "=r"(out) : "f"(a), "f"(b));
-  return out;
-}
 
 struct Args {
   const void* x; long long stride_xm; int x_f32;          // bf16 or fp32 activation [M, K]
@@ -116,8 +103,8 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
       for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
       float s, inv;
       pow2_scale(amax, s, inv);
-      lo = quant_pair(v[0] * inv, v[1] * inv);
-      hi = quant_pair(v[2] * inv, v[3] * inv);
+      lo = fp8_pair(v[0] * inv, v[1] * inv);
+      hi = fp8_pair(v[2] * inv, v[3] * inv);
       if (lane == 0) scsh[m * NB + b] = s;
     }
     *reinterpret_cast<uint2*>(xsh + m * XS + b * 128 + lane * 4) = make_uint2(lo, hi);
@@ -170,61 +157,14 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
           for (int t = 0; t < NT; ++t) experiments::mma<false>(blk[t], a0, a1, a2, a3, xa[t][2 * j], xa[t][2 * j + 1]);
         }
       }
-      const float sw = e8m0_to_f32(wsr[b]);
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int m = 8 * t + 2 * q;  // this lane's two columns
-        const float s0 = m < mv ? scsh[m * NB + b] * sw : 0.f, s1 = m + 1 < mv ? scsh[(m + 1) * NB + b] * sw : 0.f;
-        acc[t][0] += blk[t][0] * s0;
-        acc[t][1] += blk[t][1] * s1;
-        acc[t][2] += blk[t][2] * s0;
-        acc[t][3] += blk[t][3] * s1;
-      }
+      add_block<NT>(acc, blk, scsh + b, NB, e8m0_to_f32(wsr[b]), mv, q);
     }
   }
   __syncthreads();  // the x codes are dead: `red` reuses their memory
-  float* my = red + warp * 16 * MG;
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    const int m = 8 * t + 2 * q;
-    my[g * MG + m] = acc[t][0];
-    my[g * MG + m + 1] = acc[t][1];
-    my[(g + 8) * MG + m] = acc[t][2];
-    my[(g + 8) * MG + m + 1] = acc[t][3];
-  }
+  store_rows<NT>(red + warp * 16 * MG, acc, g, q, MG);
   __syncthreads();
 
-  if (gridDim.z > 1) {  // split-K: partials out, the last CTA of this (tile group, row group) sums them
-    // only the mv real rows of x travel: element i is (row i / mv of the CTA's tiles, x row i % mv)
-    __shared__ int last;
-    const int E = nwarps * 16 * mv;
-    const long long cta = (long long)blockIdx.y * gridDim.x + blockIdx.x;
-    const long long stride = (long long)gridDim.x * gridDim.y * nwarps * 16 * MG;  // one split's partials
-    float* mine = a.part + blockIdx.z * stride + cta * nwarps * 16 * MG;
-    for (int i = threadIdx.x; i < E; i += blockDim.x) mine[i] = red[(i / mv) * MG + i % mv];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const int arrived = atomicAdd(a.cnt + cta, 1);
-      last = arrived == int(gridDim.z) - 1;
-      if (last) a.cnt[cta] = 0;  // ready for the next launch (and graph replay)
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const int S = gridDim.z;  // <= kMaxSplit (the wrapper's pick)
-    for (int i = threadIdx.x; i < E; i += blockDim.x) {
-      const float* p = a.part + cta * nwarps * 16 * MG + i;
-      float v[kMaxSplit];
-#pragma unroll
-      for (int s = 0; s < kMaxSplit; ++s) v[s] = s < S ? __ldcg(p + s * stride) : 0.f;  // all in flight at once
-      float sum = v[0];
-#pragma unroll
-      for (int s = 1; s < kMaxSplit; ++s) if (s < S) sum += v[s];  // split order
-      red[(i / mv) * MG + i % mv] = sum;
-    }
-    __syncthreads();
-  }
+  if (!splitk_sum<kMaxSplit>(red, a.part, a.cnt, nwarps * 16, MG, mv)) return;  // the last split to arrive goes on
 
   // ---- epilogue: one output element per thread and step, channels fastest (coalesced stores)
   const int rows = R * 16;

@@ -1,6 +1,6 @@
-// Device helpers of the hand-written CUDA C++ kernels (moe_lut.cu, route_cuda.cu; the experiments
-// under benchmarks/kernels include it too): the streaming weight load, the bf16 rounding, the
-// activation quantization's twins of kernels/common.py, PDL.
+// Device helpers of the hand-written CUDA C++ kernels (moe_lut.cu, route_cuda.cu, linear_fp8_staged.cu;
+// the experiments under benchmarks/kernels include it too): the streaming weight load, the bf16
+// rounding, the activation quantization's twins of kernels/common.py, the FP8 GEMV's pieces, PDL.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -49,6 +49,97 @@ __device__ __forceinline__ void fp8_act_sim4(uint2 v, float (&q)[4]) {
   pow2_scale(amax, s, inv);
 #pragma unroll
   for (int i = 0; i < 4; ++i) q[i] = __fmul_rn(e4m3_round(__fmul_rn(f[i], inv)), s);
+}
+
+// ---- the FP8 block-scaled GEMV pieces (linear_fp8_staged.cu; benchmarks/kernels/gemv_fp8_cuda.cu) ----
+
+// four e4m3 bytes -> (bytes 0,1) and (bytes 2,3) as fp16x2, low byte in the low half
+__device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  asm("{.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;}"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+}
+
+__device__ __forceinline__ float e8m0_to_f32(uint8_t b) {  // common.e8m0_to_f32 (byte 0: 2^-127, as torch)
+  return b == 0 ? __int_as_float(0x00400000) : __int_as_float(int(b) << 23);
+}
+
+// fp32 a, b -> their e4m3 codes (round to nearest even, saturating: common.fp8_round) as fp16x2, b high
+__device__ __forceinline__ uint32_t fp8_pair(float a, float b) {
+  uint32_t out;
+  asm("{.reg .b16 q;\n\tcvt.rn.satfinite.e4m3x2.f32 q, %2, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, q;}"
+      : "=r"(out) : "f"(a), "f"(b));
+  return out;
+}
+
+// A lane's four outputs after a 128-block's dot blk (from zero, as Triton's per-block tl.dot), for
+// its NT n-tiles of 8 rows of x: acc += blk * (activation scale x weight scale sw), the scales of x
+// row m of the block at sc[m * nb] (rows past mv add nothing), Triton's "f16" loop's arithmetic
+template <int NT>
+__device__ __forceinline__ void add_block(float (&acc)[NT][4], const float (&blk)[NT][4], const float* sc, int nb,
+                                          float sw, int mv, int q) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int m = 8 * t + 2 * q;  // this lane's two columns
+    const float s0 = m < mv ? sc[m * nb] * sw : 0.f, s1 = m + 1 < mv ? sc[(m + 1) * nb] * sw : 0.f;
+    acc[t][0] += blk[t][0] * s0;
+    acc[t][1] += blk[t][1] * s1;
+    acc[t][2] += blk[t][2] * s0;
+    acc[t][3] += blk[t][3] * s1;
+  }
+}
+
+// A warp's results (its 16 rows, the lane's four outputs of each n-tile) into my[row * MG + x row]
+template <int NT>
+__device__ __forceinline__ void store_rows(float* my, const float (&acc)[NT][4], int g, int q, int MG) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int m = 8 * t + 2 * q;
+    my[g * MG + m] = acc[t][0];
+    my[g * MG + m + 1] = acc[t][1];
+    my[(g + 8) * MG + m] = acc[t][2];
+    my[(g + 8) * MG + m + 1] = acc[t][3];
+  }
+}
+
+// Split-K over the CTAs along gridDim.z: each CTA's fp32 results red[r * MG + m] (rows r < rows of its
+// tiles, x rows m < mv) go out to `part` as its partial; the last CTA of (blockIdx.y, blockIdx.x) to
+// arrive (an arrival counter that it resets, ready for the next launch and graph replay) sums the
+// splits in split order 0..S-1, as Triton's combine does, back into red. Returns whether this CTA
+// holds the sums (always with one split). S <= kMaxSplit; every thread of the CTA calls it.
+template <int kMaxSplit>
+__device__ __forceinline__ bool splitk_sum(float* red, float* part, int* cnt, int rows, int MG, int mv) {
+  if (gridDim.z == 1) return true;
+  __shared__ int last;
+  const int E = rows * mv;  // only the mv real rows of x travel: element i is (row i / mv, x row i % mv)
+  const long long cta = (long long)blockIdx.y * gridDim.x + blockIdx.x;
+  const long long stride = (long long)gridDim.x * gridDim.y * rows * MG;  // one split's partials
+  float* mine = part + blockIdx.z * stride + cta * rows * MG;
+  for (int i = threadIdx.x; i < E; i += blockDim.x) mine[i] = red[(i / mv) * MG + i % mv];
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int arrived = atomicAdd(cnt + cta, 1);
+    last = arrived == int(gridDim.z) - 1;
+    if (last) cnt[cta] = 0;
+  }
+  __syncthreads();
+  if (!last) return false;
+  __threadfence();
+  const int S = gridDim.z;
+  for (int i = threadIdx.x; i < E; i += blockDim.x) {
+    const float* p = part + cta * rows * MG + i;
+    float v[kMaxSplit];
+#pragma unroll
+    for (int s = 0; s < kMaxSplit; ++s) v[s] = s < S ? __ldcg(p + s * stride) : 0.f;  // all in flight at once
+    float sum = v[0];
+#pragma unroll
+    for (int s = 1; s < kMaxSplit; ++s)
+      if (s < S) sum += v[s];  // split order
+    red[(i / mv) * MG + i % mv] = sum;
+  }
+  __syncthreads();
+  return true;
 }
 
 // PDL, for kernels launched with programmatic stream serialization (cuda_module's launch(pdl=True);

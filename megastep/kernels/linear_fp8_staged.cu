@@ -32,9 +32,14 @@
 
 namespace {
 
+using megastep::add_block;
+using megastep::e4m3x4_to_f16x2;
+using megastep::e8m0_to_f32;
+using megastep::fp8_pair;
 using megastep::pdl_release;
 using megastep::pdl_wait;
-using megastep::round_bf16;
+using megastep::splitk_sum;
+using megastep::store_rows;
 
 constexpr int kPad = 8;        // fp16 elements of padding per shared x row (spreads rows over banks)
 constexpr int kMaxSplit = 32;  // CTAs along K at most (linear_fp8_staged.py's MAX_SPLIT)
@@ -45,25 +50,6 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1,
                "{%8, %9}, {%0, %1, %2, %3};"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// four e4m3 bytes -> (bytes 0,1) and (bytes 2,3) as fp16x2, low byte in the low half
-__device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  asm("{.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
-      "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;}"
-      : "=r"(lo), "=r"(hi) : "r"(w));
-}
-
-__device__ __forceinline__ float e8m0_to_f32(uint8_t b) {  // common.e8m0_to_f32
-  return b == 0 ? __int_as_float(0x00400000) : __int_as_float(int(b) << 23);
-}
-
-// fp32 a, b -> their e4m3 codes (round to nearest even, saturating: common.fp8_round) as fp16x2
-__device__ __forceinline__ uint32_t fp8_pair(float a, float b) {
-  uint32_t out;
-  asm("{.reg .b16 q;\n\tcvt.rn.satfinite.e4m3x2.f32 q, %2, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, q;}"
-      : "=r"(out) : "f"(a), "f"(b));
-  return out;
 }
 
 // fp32 a, b -> fp16x2 (round to nearest even: Triton's .to(tl.float16))
@@ -195,63 +181,15 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
           mma_f16(blk[t], a0, a1, a2, a3, xb.x, xb.y);
         }
       }
-      const float sw = e8m0_to_f32(wsr[b]);
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int m = 8 * t + 2 * q;  // this lane's two columns
-        const float s0 = m < mv ? scsh[m * NB + b] * sw : 0.f, s1 = m + 1 < mv ? scsh[(m + 1) * NB + b] * sw : 0.f;
-        acc[t][0] += blk[t][0] * s0;
-        acc[t][1] += blk[t][1] * s1;
-        acc[t][2] += blk[t][2] * s0;
-        acc[t][3] += blk[t][3] * s1;
-      }
+      add_block<NT>(acc, blk, scsh + b, NB, e8m0_to_f32(wsr[b]), mv, q);
     }
   }
   if (pdl) pdl_release();  // every weight byte is read
   __syncthreads();  // the weights are dead: `red` reuses their memory
-  float* my = red + warp * 16 * MG;
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    const int m = 8 * t + 2 * q;
-    my[g * MG + m] = acc[t][0];
-    my[g * MG + m + 1] = acc[t][1];
-    my[(g + 8) * MG + m] = acc[t][2];
-    my[(g + 8) * MG + m + 1] = acc[t][3];
-  }
+  store_rows<NT>(red + warp * 16 * MG, acc, g, q, MG);
   __syncthreads();
 
-  if (gridDim.z > 1) {  // split-K: partials out, the last CTA of this (tile group, row group) sums them
-    // only the mv real rows of x travel: element i is (row i / mv of the CTA's tiles, x row i % mv)
-    __shared__ int last;
-    const int E = W * 16 * mv;
-    const long long cta = (long long)blockIdx.y * gridDim.x + blockIdx.x;
-    const long long stride = (long long)gridDim.x * gridDim.y * W * 16 * MG;  // one split's partials
-    float* pm = part + blockIdx.z * stride + cta * W * 16 * MG;
-    for (int i = threadIdx.x; i < E; i += (32 * W)) pm[i] = red[(i / mv) * MG + i % mv];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const int arrived = atomicAdd(cnt + cta, 1);
-      last = arrived == int(gridDim.z) - 1;
-      if (last) cnt[cta] = 0;  // ready for the next launch (and graph replay)
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const int S = gridDim.z;  // <= kMaxSplit (the wrapper checks)
-    for (int i = threadIdx.x; i < E; i += (32 * W)) {
-      const float* p = part + cta * W * 16 * MG + i;
-      float v[kMaxSplit];
-#pragma unroll
-      for (int s = 0; s < kMaxSplit; ++s) v[s] = s < S ? __ldcg(p + s * stride) : 0.f;  // all in flight at once
-      float sum = v[0];
-#pragma unroll
-      for (int s = 1; s < kMaxSplit; ++s)
-        if (s < S) sum += v[s];  // split order, as Triton's combine
-      red[(i / mv) * MG + i % mv] = sum;
-    }
-    __syncthreads();
-  }
+  if (!splitk_sum<kMaxSplit>(red, part, cnt, W * 16, MG, mv)) return;  // the last split to arrive goes on
 
   // ---- the output, rounded once (linear_fp8's plain `_epilogue`): channels fastest (coalesced)
   constexpr int kRows = W * 16;
