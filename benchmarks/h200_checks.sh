@@ -256,19 +256,22 @@ for group in "$@"; do
         bench_with "csa64_$arm" 60 "$n64" --layers 30 --batch 1,2,4,16,64
       done ;;
     staged)  # linear_fp8_staged (built 2026-12-04 without a device): each CTA copies its weights into shared memory
-      # before it waits for its input. Its GPU tests (Triton's bits), the step's bits with it, then the step at 1-4 rows
+      # before it waits for its input. Its GPU tests (Triton's bits), the step's bits with it, then the step at 1-16 rows
       # A/B/A/B: wo_a's launch staged (behind the attention, which releases it after its KV loop) in CTAs of 8 warps
       # (one per SM) and of 4 (two per SM)
       step staged_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py
       step staged_step_test 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/test_fast_gpu.py -k staged
       S='import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(8192, 4096, 8)})'
       for arm in a b; do
-        bench "staged_off_$arm" 100 --layers 30 --batch 1,2,4
-        bench_with "staged_wo_a_$arm" 50 "$S" --layers 30 --batch 1,2,4
-        bench_with "staged_wo_a_w4_$arm" 50 "$S; s.WARPS = 4" --layers 30 --batch 1,2,4
+        bench "staged_off_$arm" 100 --layers 30 --batch 1,2,4,16
+        bench_with "staged_wo_a_$arm" 50 "$S" --layers 30 --batch 1,2,4,16
+        bench_with "staged_wo_a_w4_$arm" 50 "$S; s.WARPS = 4" --layers 30 --batch 1,2,4,16
       done ;;
     staged_more)  # after `staged`: wo_a staged with the attention releasing it at entry and CSA's one-row plan in one
-      # wave (attnregs), then wo_b staged too (behind wo_a), then the x group too (behind the mHC), A/B where it counts
+      # wave (attnregs), then wo_b staged too (behind wo_a), then the x group too (behind the mHC), A/B where it counts;
+      # first the plain FP8 linears alone against the CUDA twin (nothing before a call to stage behind: its loop's time)
+      step staged_kernels 100 python3 benchmarks/kernels/linear_variants.py --out "$OUT/staged_kernels" --ms 1,4,16 \
+        --staged --shapes x_group,qr_group,wo_a,wo_b,shared_w2
       S='import dataclasses, megastep.kernels.linear_fp8_staged as s, megastep.kernels.attention as a'
       S="$S; s.SHAPES = frozenset({(8192, 4096, 8)}); a.RELEASE_AT_ENTRY_ROWS = 1; k = (64, 640, 512)"
       S="$S; a._PINNED_FEW_ROWS[k] = (1, dataclasses.replace(a._PINNED_FEW_ROWS[k][1], maxnreg=128))"
