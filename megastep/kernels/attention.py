@@ -62,8 +62,7 @@ import triton
 import triton.language as tl
 
 from megastep.kernels.common import (PDL_EARLY, launch_opts, next_pow2, on_interpreter, pdl_enter, pdl_release,
-                                     round_bf16,
-                                     workspace)
+                                     round_bf16, workspace)
 from megastep.kernels.rope_norm import TORCH_MATH, _rope_arg, rope_pairs
 from megastep.model import ops
 
@@ -155,10 +154,9 @@ _BIT_NEUTRAL = ("num_stages", "combine_group", "combine_cols", "dv_split", "maxn
 def same_bits(a: AttnConfig, b: AttnConfig) -> bool:
     """Whether two configurations give the same bits: they differ at most in how the work is
     spread (pipeline stages, the combine's loads in flight, the value-column split, the register
-    cap), never in the
-    sums (heads per program, entries per step and per chunk, weight pieces) nor in the warps: on
-    the H200, 4 warps instead of 8 moved 2 of 8 x 64 x 512 CSA outputs by one bf16 step (the
-    other settings gave equal bits at 4, 8 and 16 rows)."""
+    cap), never in the sums (heads per program, entries per step and per chunk, weight pieces)
+    nor in the warps: on the H200, 4 warps instead of 8 moved 2 of 8 x 64 x 512 CSA outputs by
+    one bf16 step (the other settings gave equal bits at 4, 8 and 16 rows)."""
     return all(getattr(a, f) == getattr(b, f) for f in AttnConfig.__dataclass_fields__ if f not in _BIT_NEUTRAL)
 
 

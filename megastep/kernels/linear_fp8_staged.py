@@ -15,6 +15,8 @@ each 128-block's dot over Triton's k16 column sets, blocks and splits summed in 
 a row's bits do not depend on which of the two kernels ran (the batch-invariance rule) and this one
 may take only the launches of few rows.
 
+Reference: `linear_fp8_staged_ref`, which is linear_fp8's (`linear_fp8_ref`).
+
 Off by default: `SHAPES` lists the (N, K, groups) launches that take it at most 16 rows. Built on
 2026-12-04 without a device (nvcc compiles it here; its GPU tests and the step's arm are
 benchmarks/h200_checks.sh `staged`); not yet run.
@@ -98,3 +100,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.T
                               w_scale.stride(0), out, out.stride(0), int(out.dtype == torch.bfloat16), part, cnt,
                               M, N, w.shape[1], N // groups, int(quantize_act), int(pdl), pdl=pdl)
     return out
+
+
+def linear_fp8_staged_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quantize_act: bool = True,
+                          groups: int = 1, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The semantics: linear_fp8's reference (imported here: linear_fp8 imports this module)."""
+    from megastep.kernels.linear_fp8 import linear_fp8_ref
+
+    return linear_fp8_ref(x, w, w_scale, out_dtype=out_dtype, quantize_act=quantize_act, groups=groups)

@@ -17,7 +17,7 @@ from megastep.kernels.cuda_module import find_nvcc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_checks import assert_builds_without_spills, assert_signature_matches  # noqa: E402
-from test_linear_fp8 import make  # noqa: E402
+from test_linear_fp8 import check, make  # noqa: E402
 
 KERNELS = tuple(k.name for k in ST._KERNELS.values())
 # (N, K, groups, quantize_act): wo_a (8 groups, bf16 x), wo_b, the x group, the shared w2, the qr group
@@ -42,6 +42,13 @@ def test_shared_memory_fits_a_hopper_cta():
     """Every instantiation's CTA (its warps' weights, x's codes and scales) fits Hopper's 227 KB."""
     for nt, nb, w in ST._KERNELS:
         assert ST.shared_bytes(nt, nb, w) <= 227 << 10, (nt, nb, w)
+
+
+def test_ref_is_linear_fp8s():
+    x, w, s = make(3, 256, 2 * 512, seed=1, dev="cpu")
+    w, s = w[:, :512].contiguous(), s[:, :4].contiguous()
+    assert torch.equal(ST.linear_fp8_staged_ref(x, w, s, False, 2), LIN.linear_fp8_ref(x, w, s, quantize_act=False,
+                                                                                        groups=2))
 
 
 def test_plan_takes_only_listed_launches_of_few_rows(monkeypatch):
@@ -100,6 +107,7 @@ def test_gpu_staged_gives_the_triton_loops_bits(monkeypatch, N, K, G, quant, M, 
     assert torch.equal(y, y2)  # the same bits run to run
     assert torch.equal(y.view(torch.int16) if out_dtype == torch.bfloat16 else y.view(torch.int32),
                        ref.view(torch.int16) if out_dtype == torch.bfloat16 else ref.view(torch.int32))
+    check(y, ST.linear_fp8_staged_ref(x, w, s, quant, G, out_dtype))
 
 
 @pytest.mark.gpu
