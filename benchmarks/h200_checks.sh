@@ -268,7 +268,8 @@ for group in "$@"; do
         bench_with "staged_wo_a_w4_$arm" 50 "$S; s.WARPS = 4" --layers 30 --batch 1,2,4,16
       done ;;
     staged_more)  # after `staged`: wo_a staged with the attention releasing it at entry and CSA's one-row plan in one
-      # wave (attnregs), then wo_b staged too (behind wo_a), then the x group too (behind the mHC), A/B where it counts;
+      # wave (attnregs), then wo_b staged too (behind wo_a, which releases it at entry), then the x group too (behind
+      # the mHC), A/B where it counts;
       # first the plain FP8 linears alone against the CUDA twin (nothing before a call to stage behind: its loop's time)
       step staged_kernels 100 python3 benchmarks/kernels/linear_variants.py --out "$OUT/staged_kernels" --ms 1,4,16 \
         --staged --shapes x_group,qr_group,wo_a,wo_b,shared_w2
@@ -278,9 +279,11 @@ for group in "$@"; do
       for arm in a b; do
         bench "staged_more_off_$arm" 100 --layers 30 --batch 1,2,4
         bench_with "staged_early_$arm" 50 "$S" --layers 30 --batch 1,2,4
-        bench_with "staged_early_wo_b_$arm" 50 "$S; s.SHAPES |= {(4096, 8192, 1)}" --layers 30 --batch 1,2,4
+        bench_with "staged_early_wo_b_$arm" 50 "$S; s.SHAPES |= {(4096, 8192, 1)}; s.RELEASE_AT_ENTRY = True" \
+          --layers 30 --batch 1,2,4
       done
-      bench_with staged_early_wo_b_x 50 "$S; s.SHAPES |= {(4096, 8192, 1), (1536, 4096, 1)}" --layers 30 --batch 1,2,4 ;;
+      bench_with staged_early_wo_b_x 50 "$S; s.SHAPES |= {(4096, 8192, 1), (1536, 4096, 1)}; s.RELEASE_AT_ENTRY = True" \
+        --layers 30 --batch 1,2,4 ;;
     attnregs)  # the attention's one-row plans in one wave of shorter programs: CSA's (160 programs of 8 warps at 139
       # registers: one per SM, so 28 wait for a second wave) under a 128-register cap (two per SM); HCA's and the
       # window's with the value columns over 8 programs instead of 4 (96 and 128 programs; HCA's at 96 registers,

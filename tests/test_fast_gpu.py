@@ -356,9 +356,10 @@ def test_shared_expert_in_the_combine_gives_the_same_bits(experts, where):
 
 def test_staged_linears_change_no_bits(monkeypatch):
     """linear_fp8_staged (the CUDA twin of the plain FP8 linear that copies its weights into shared
-    memory before it waits for its input) taking the small preset's wo_a and x group, the attention
-    releasing its dependents at entry (attention.RELEASE_AT_ENTRY_ROWS): the step's greedy logits at
-    1 row and in a batch of 16, graphs with PDL, bit for bit against the Triton loop alone."""
+    memory before it waits for its input) taking the small preset's wo_a, wo_b and x group, the
+    attention releasing its dependents at entry (attention.RELEASE_AT_ENTRY_ROWS), then the staged
+    launches too (RELEASE_AT_ENTRY): the step's greedy logits at 1 row and in a batch of 16, graphs
+    with PDL, bit for bit against the Triton loop alone."""
     from megastep.kernels import attention
     from megastep.kernels import linear_fp8_staged as staged
 
@@ -383,6 +384,9 @@ def test_staged_linears_change_no_bits(monkeypatch):
     wo_a = (G * cfg.o_lora_rank, cfg.num_attention_heads * cfg.head_dim // G, G)
     x_group = (cfg.q_lora_rank + cfg.head_dim, cfg.hidden_size, 1)
     monkeypatch.setattr(attention, "RELEASE_AT_ENTRY_ROWS", 16)
-    _, got = run((wo_a, x_group))
+    wo_b = (cfg.hidden_size, G * cfg.o_lora_rank, 1)
+    _, got = run((wo_a, x_group, wo_b))
     assert calls  # the staged kernel ran
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    monkeypatch.setattr(staged, "RELEASE_AT_ENTRY", True)  # wo_a releasing wo_b at entry
+    _, got_early = run((wo_a, x_group, wo_b))
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(want, got, got_early))

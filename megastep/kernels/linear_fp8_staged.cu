@@ -86,7 +86,8 @@ __device__ __forceinline__ void cp_async_wait_pending(int n) {
 }
 
 // NT: n-tiles of 8 rows of x per CTA (MG = 8 NT rows); NB: 128-blocks of K per split (KC = 128 NB);
-// W: warps per CTA (16 output channels each).
+// W: warps per CTA (16 output channels each). pdl: 0 launched without PDL; 1 with it, the next
+// kernel released once the weights are read; 2 released at entry.
 template <int NT, int NB, int W>
 __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long stride_xm, const uint8_t* w,
                                               long long stride_wn, const uint8_t* ws, long long stride_wsn,
@@ -123,6 +124,7 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
+  if (pdl == 2) pdl_release();  // at entry: the next kernel (another staged launch) copies beside us
   if (pdl) pdl_wait();
 
   // ---- the CTA's activation codes: fp16 in shared memory, scales beside them. Grouped (wo_a):
@@ -184,7 +186,7 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
       add_block<NT>(acc, blk, scsh + b, NB, e8m0_to_f32(wsr[b]), mv, q);
     }
   }
-  if (pdl) pdl_release();  // every weight byte is read
+  if (pdl == 1) pdl_release();  // every weight byte is read
   __syncthreads();  // the weights are dead: `red` reuses their memory
   store_rows<NT>(red + warp * 16 * MG, acc, g, q, MG);
   __syncthreads();

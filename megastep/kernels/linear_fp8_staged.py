@@ -41,6 +41,10 @@ _KERNELS = {(nt, nb, w): _MODULE.kernel(f"linear_fp8_staged_nt{nt}_nb{nb}_w{w}",
 # shared memory, one per SM (beside one CSA attention program); 4: 80.5 KB, two per SM, so one
 # CTA's copies overlap the other's MMAs where no predecessor leaves time. Not measured yet.
 WARPS = 8
+# Under PDL the next kernel's CTAs may be placed once every CTA of this launch has started (True)
+# or once each has read all of its weights (False): True lets a staged launch behind this one (wo_b
+# behind wo_a) copy its weights while this one computes. Not measured yet.
+RELEASE_AT_ENTRY = False
 MAX_ROWS = 16  # rows of x per CTA: 8 (NT 1) or 16 (NT 2)
 MAX_SPLIT = 32  # the .cu's kMaxSplit
 # (N, K, groups) of the linear_fp8 launches that take this kernel at <= MAX_ROWS rows. Empty: none
@@ -95,10 +99,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.T
     else:
         part = cnt = out  # unused
     pdl = pdl_enabled()
+    mode = (2 if RELEASE_AT_ENTRY else 1) if pdl else 0  # the .cu's pdl: 0 off, 1 release after the loop, 2 at entry
     _KERNELS[(nt, nb, warps)].launch(grid, (32 * warps, 1, 1), shared_bytes(nt, nb, warps), None,
                               x, x.stride(0), w.view(torch.uint8), w.stride(0), w_scale.view(torch.uint8),
                               w_scale.stride(0), out, out.stride(0), int(out.dtype == torch.bfloat16), part, cnt,
-                              M, N, w.shape[1], N // groups, int(quantize_act), int(pdl), pdl=pdl)
+                              M, N, w.shape[1], N // groups, int(quantize_act), mode, pdl=pdl)
     return out
 
 
