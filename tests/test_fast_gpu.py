@@ -358,8 +358,8 @@ def test_staged_linears_change_no_bits(monkeypatch):
     """linear_fp8_staged (the CUDA twin of the plain FP8 linear that copies its weights into shared
     memory before it waits for its input) taking the small preset's wo_a, wo_b and x group, the
     attention releasing its dependents at entry (attention.RELEASE_AT_ENTRY_ROWS), then the staged
-    launches too (RELEASE_AT_ENTRY): the step's greedy logits at 1 row and in a batch of 16, graphs
-    with PDL, bit for bit against the Triton loop alone."""
+    launches too (RELEASE_AT_ENTRY): the step's greedy logits at 1 row (graphs with PDL) and in a
+    batch of 16, bit for bit against the Triton loop alone."""
     from megastep.kernels import attention
     from megastep.kernels import linear_fp8_staged as staged
 

@@ -31,7 +31,7 @@ def test_builds_for_sm90_without_spills():
 
 
 def test_signatures_match_the_source():
-    """The kernels are instantiated by one macro (their names pasted from NT and NB), so its
+    """The kernels are instantiated by one macro (their names pasted from NT, NB and W), so its
     parameter list is what each launch must match."""
     assert {k.signature for k in ST._KERNELS.values()} == {ST._SIGNATURE}
     entry = types.SimpleNamespace(name="linear_fp8_staged_nt##NT##_nb##NB##_w##W", signature=ST._SIGNATURE)
@@ -64,8 +64,9 @@ def test_plan_takes_only_listed_launches_of_few_rows(monkeypatch):
     xc, w = x.cuda(), w.cuda()
     assert ST.plan(xc, w, 8, 1024, "f16", None) == (1, 8, ST.WARPS, 4)
     assert ST.plan(xc[:0], w, 8, 1024, "f16", None) is None
-    assert ST.plan(torch.zeros(9, 8 * 4096, dtype=torch.bfloat16, device="cuda"), w, 8, 1024, "f16", None) == (2, 8, ST.WARPS, 4)
-    assert ST.plan(torch.zeros(17, 8 * 4096, dtype=torch.bfloat16, device="cuda"), w, 8, 1024, "f16", None) is None
+    rows = [torch.zeros(m, 8 * 4096, dtype=torch.bfloat16, device="cuda") for m in (9, 17)]
+    assert ST.plan(rows[0], w, 8, 1024, "f16", None) == (2, 8, ST.WARPS, 4)
+    assert ST.plan(rows[1], w, 8, 1024, "f16", None) is None
     assert ST.plan(xc, w, 8, 1024, "dot16", None) is None
     assert ST.plan(xc, w, 8, 1024, "f16", torch.zeros(1, 8192, device="cuda")) is None
     assert ST.plan(xc.float(), w, 8, 1024, "f16", None) is None
