@@ -259,8 +259,8 @@ for group in "$@"; do
       # before it waits for its input. Its GPU tests (Triton's bits), the step's bits with it, then the step at 1-16 rows
       # A/B/A/B: wo_a's launch staged (behind the attention, which releases it after its KV loop) in CTAs of 8 warps
       # (one per SM) and of 4 (two per SM)
-      step staged_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py
-      step staged_step_test 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/test_fast_gpu.py -k staged
+      step staged_tests 110 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py
+      step staged_step_test 110 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/test_fast_gpu.py -k staged
       S='import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(8192, 4096, 8)})'
       for arm in a b; do
         bench "staged_off_$arm" 100 --layers 30 --batch 1,2,4,16
