@@ -154,7 +154,7 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
           e4m3x4_to_f16x2(w0w[j], a0, a2);  // row g: k pairs (2q, 2q+1) and (2q+8, 2q+9)
           e4m3x4_to_f16x2(w1w[j], a1, a3);  // row g + 8
 #pragma unroll
-          for (int t = 0; t < NT; ++t) experiments::mma<false>(blk[t], a0, a1, a2, a3, xa[t][2 * j], xa[t][2 * j + 1]);
+          for (int t = 0; t < NT; ++t) experiments::mma16816<false>(blk[t], a0, a1, a2, a3, xa[t][2 * j], xa[t][2 * j + 1]);
         }
       }
       add_block<NT>(acc, blk, scsh + b, NB, e8m0_to_f32(wsr[b]), mv, q);

@@ -51,6 +51,33 @@ __device__ __forceinline__ void fp8_act_sim4(uint2 v, float (&q)[4]) {
   for (int i = 0; i < 4; ++i) q[i] = __fmul_rn(e4m3_round(__fmul_rn(f[i], inv)), s);
 }
 
+// d += A . B on tensor cores (mma.m16n8k16, fp32 accumulate); BF16 picks bf16 operands, else fp16
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  if constexpr (BF16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// 16 bytes global -> shared without a register (L2 asked for the neighbouring 256 bytes), and the
+// commit of the copies issued so far as one group. dst is only an address here (moe_lut's ring
+// slots are held as const views), so it is taken as const.
+__device__ __forceinline__ void cp_async16(const void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
 // ---- the FP8 block-scaled GEMV pieces (linear_fp8_staged.cu; benchmarks/kernels/gemv_fp8_cuda.cu) ----
 
 // four e4m3 bytes -> (bytes 0,1) and (bytes 2,3) as fp16x2, low byte in the low half

@@ -33,9 +33,12 @@
 namespace {
 
 using megastep::add_block;
+using megastep::cp_async16;
+using megastep::cp_async_commit;
 using megastep::e4m3x4_to_f16x2;
 using megastep::e8m0_to_f32;
 using megastep::fp8_pair;
+using megastep::mma16816;
 using megastep::pdl_release;
 using megastep::pdl_wait;
 using megastep::splitk_sum;
@@ -43,14 +46,6 @@ using megastep::store_rows;
 
 constexpr int kPad = 8;        // fp16 elements of padding per shared x row (spreads rows over banks)
 constexpr int kMaxSplit = 32;  // CTAs along K at most (linear_fp8_staged.py's MAX_SPLIT)
-
-__device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-               "{%8, %9}, {%0, %1, %2, %3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // fp32 a, b -> fp16x2 (round to nearest even: Triton's .to(tl.float16))
 __device__ __forceinline__ uint32_t f16_pair(float a, float b) {
@@ -63,11 +58,6 @@ __device__ __forceinline__ void f16_pow2_scale(float amax, float& s, float& inv)
   const int se = ((__float_as_int(fmaxf(amax, 5.421010862427522e-20f)) >> 23) & 0xFF) - 14;
   s = __int_as_float(se << 23);
   inv = __int_as_float((254 - se) << 23);
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
 }
 
 // cp.async.wait_group n for n in 0..7 (its operand must be an immediate: in the unrolled block
@@ -122,7 +112,7 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
         cp_async16(mine + r * KC + ((c ^ (r & 7)) << 4), wt + (long long)r * stride_wn + c * 16);
       }
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    cp_async_commit();
   }
   if (pdl == 2) pdl_release();  // at entry: the next kernel (another staged launch) copies beside us
   if (pdl) pdl_wait();
@@ -180,7 +170,7 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
           const int m = 8 * t + g;  // B: x row m at the same four columns
           uint2 xb = make_uint2(0u, 0u);
           if (m < mv) xb = *reinterpret_cast<const uint2*>(xsh + m * XS + b * 128 + 16 * j + 4 * q);
-          mma_f16(blk[t], a0, a1, a2, a3, xb.x, xb.y);
+          mma16816<false>(blk[t], a0, a1, a2, a3, xb.x, xb.y);
         }
       }
       add_block<NT>(acc, blk, scsh + b, NB, e8m0_to_f32(wsr[b]), mv, q);

@@ -280,12 +280,8 @@ struct Stream : StreamBase {
 // the table (64 KB) and two CTA halves' x (32 KB at K = 4096).
 constexpr int kRingDepth = 4;
 
-__device__ __forceinline__ void cp_async16(const char* dst, const uint8_t* src) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
-               "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+using megastep::cp_async16;
+using megastep::cp_async_commit;
 
 // A slot holds a step's 2 KB as 4 pieces of 512 B (the lane's 16 bytes of row g's groups t and t + 4,
 // then of row g + 8's), lane-major within a piece: a lane reads back only its own bytes, and a
