@@ -27,8 +27,8 @@
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step A/B/A/B (~9 min)
-#   bash benchmarks/h200_checks.sh staged     # wo_a in the CUDA kernel that stages its weights during the attention: GPU tests, step bits, A/B/A/B (~9 min)
-#   bash benchmarks/h200_checks.sh staged_more # then with the attention's early release and one-wave CSA plan, wo_b and the x group staged too (~8 min)
+#   bash benchmarks/h200_checks.sh staged     # wo_a in the CUDA kernel that stages its weights during the attention (and prefetches its later waves into L2): GPU tests, step bits, A/B/A/B (~9 min)
+#   bash benchmarks/h200_checks.sh staged_more # then with the attention's early release and one-wave CSA plan, CTAs of 4 warps, wo_b and the x group staged too (~9 min)
 #   bash benchmarks/h200_checks.sh attnregs   # the attention's one-row plans in one wave (CSA under a register cap, HCA / window in 8 value slabs): bits, kernels, step A/B/A/B (~6 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
@@ -256,32 +256,34 @@ for group in "$@"; do
         bench_with "csa64_$arm" 60 "$n64" --layers 30 --batch 1,2,4,16,64
       done ;;
     staged)  # linear_fp8_staged (built 2026-12-04 without a device): each CTA copies its weights into shared memory
-      # before it waits for its input. Its GPU tests (Triton's bits), the step's bits with it, then the step at 1-16 rows
-      # A/B/A/B: wo_a's launch staged (behind the attention, which releases it after its KV loop) in CTAs of 8 warps
-      # (one per SM) and of 4 (two per SM)
+      # before it waits for its input. Its GPU tests (Triton's bits), the step's bits with it, then the twin and the
+      # Triton loop alone and behind a 10 / 20 us spin that releases them at entry (l2_prefetch.py
+      # --staged: what staging is worth behind an idle predecessor, with and without the later waves' L2 prefetch);
+      # A/B/A/B: wo_a's launch staged with that prefetch (behind the attention, which releases it after its KV loop)
       step staged_tests 110 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py
       step staged_step_test 110 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/test_fast_gpu.py -k staged
+      step staged_spin 90 python3 benchmarks/kernels/l2_prefetch.py --staged --json "$OUT/staged_spin.json"
       S='import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(8192, 4096, 8)})'
       for arm in a b; do
         bench "staged_off_$arm" 100 --layers 30 --batch 1,2,4,16
-        bench_with "staged_wo_a_$arm" 50 "$S" --layers 30 --batch 1,2,4,16
-        bench_with "staged_wo_a_w4_$arm" 50 "$S; s.WARPS = 4" --layers 30 --batch 1,2,4,16
+        bench_with "staged_wo_a_pf_$arm" 50 "$S; s.PREFETCH_LATER_WAVES = True" --layers 30 --batch 1,2,4,16
       done ;;
-    staged_more)  # after `staged`: wo_a staged with the attention releasing it at entry and CSA's one-row plan in one
-      # wave (attnregs), then wo_b staged too (behind wo_a, which releases it at entry), then the x group too (behind
-      # the mHC), A/B where it counts;
+    staged_more)  # after `staged`: wo_a staged (its later waves prefetched into L2) with the attention releasing it at
+      # entry and CSA's one-row plan in one wave (attnregs), then wo_b staged too (behind wo_a, which releases it at
+      # entry), A/B; once each: wo_a in CTAs of 4 warps, and the x group staged too (behind the mHC);
       # first the plain FP8 linears alone against the CUDA twin (nothing before a call to stage behind: its loop's time)
       step staged_kernels 100 python3 benchmarks/kernels/linear_variants.py --out "$OUT/staged_kernels" --ms 1,4,16 \
         --staged --shapes x_group,qr_group,wo_a,wo_b,shared_w2
       S='import dataclasses, megastep.kernels.linear_fp8_staged as s, megastep.kernels.attention as a'
-      S="$S; s.SHAPES = frozenset({(8192, 4096, 8)}); a.RELEASE_AT_ENTRY_ROWS = 1; k = (64, 640, 512)"
-      S="$S; a._PINNED_FEW_ROWS[k] = (1, dataclasses.replace(a._PINNED_FEW_ROWS[k][1], maxnreg=128))"
+      S="$S; s.SHAPES = frozenset({(8192, 4096, 8)}); s.PREFETCH_LATER_WAVES = True; a.RELEASE_AT_ENTRY_ROWS = 1"
+      S="$S; k = (64, 640, 512); a._PINNED_FEW_ROWS[k] = (1, dataclasses.replace(a._PINNED_FEW_ROWS[k][1], maxnreg=128))"
       for arm in a b; do
         bench "staged_more_off_$arm" 100 --layers 30 --batch 1,2,4
         bench_with "staged_early_$arm" 50 "$S" --layers 30 --batch 1,2,4
         bench_with "staged_early_wo_b_$arm" 50 "$S; s.SHAPES |= {(4096, 8192, 1)}; s.RELEASE_AT_ENTRY = True" \
           --layers 30 --batch 1,2,4
       done
+      bench_with staged_early_w4 50 "$S; s.WARPS = 4" --layers 30 --batch 1,2,4
       bench_with staged_early_wo_b_x 50 "$S; s.SHAPES |= {(4096, 8192, 1), (1536, 4096, 1)}; s.RELEASE_AT_ENTRY = True" \
         --layers 30 --batch 1,2,4 ;;
     attnregs)  # the attention's one-row plans in one wave of shorter programs: CSA's (160 programs of 8 warps at 139

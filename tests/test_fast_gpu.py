@@ -358,8 +358,9 @@ def test_staged_linears_change_no_bits(monkeypatch):
     """linear_fp8_staged (the CUDA twin of the plain FP8 linear that copies its weights into shared
     memory before it waits for its input) taking the small preset's wo_a, wo_b and x group, the
     attention releasing its dependents at entry (attention.RELEASE_AT_ENTRY_ROWS), then the staged
-    launches too (RELEASE_AT_ENTRY): the step's greedy logits at 1 row (graphs with PDL) and in a
-    batch of 16, bit for bit against the Triton loop alone."""
+    launches too (RELEASE_AT_ENTRY) with the later waves' L2 prefetch (PREFETCH_LATER_WAVES): the
+    step's greedy logits at 1 row (graphs with PDL) and in a batch of 16, bit for bit against the
+    Triton loop alone."""
     from megastep.kernels import attention
     from megastep.kernels import linear_fp8_staged as staged
 
@@ -388,5 +389,6 @@ def test_staged_linears_change_no_bits(monkeypatch):
     _, got = run((wo_a, x_group, wo_b))
     assert calls  # the staged kernel ran
     monkeypatch.setattr(staged, "RELEASE_AT_ENTRY", True)  # wo_a releasing wo_b at entry
+    monkeypatch.setattr(staged, "PREFETCH_LATER_WAVES", True)
     _, got_early = run((wo_a, x_group, wo_b))
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(want, got, got_early))

@@ -14,7 +14,18 @@ median of 20 (weights rotated over copies past L2 unless said):
               joined before the linear (what the step would do).
 spin+pf against spin says what the idea is worth at that idle length.
 
-    python benchmarks/kernels/l2_prefetch.py --json OUT.json
+--staged adds, with PDL on, the CUDA twin that copies its weights into shared memory before it waits
+for its input (kernels/linear_fp8_staged.py) behind a spin that releases its dependents at entry (the
+attention with attention.RELEASE_AT_ENTRY_ROWS), so its CTAs stage while the spin runs:
+- st, st+lpf:       the twin alone (weights rotated), without / with its first wave prefetching the
+                    later waves' weights into L2 (PREFETCH_LATER_WAVES);
+- st_warm:          the twin on one weight copy (all of it in L2);
+- spinR{us}:        the releasing spin, then the Triton linear (today's step, the predecessor PDL);
+- spinR{us}_st, spinR{us}_st+lpf: the releasing spin, then the twin.
+spinR{us}_st against spinR{us} says what staging is worth behind that idle length (the spin's own
+time is in each).
+
+    python benchmarks/kernels/l2_prefetch.py --json OUT.json [--staged]
 """
 
 from __future__ import annotations
@@ -34,7 +45,11 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 import bench_kernels as BK  # noqa: E402
+from triton.language.extra import cuda as tlc  # noqa: E402
+
+from megastep.kernels import common  # noqa: E402
 from megastep.kernels import linear_fp8 as LIN  # noqa: E402
+from megastep.kernels import linear_fp8_staged as ST  # noqa: E402
 
 SHAPES = {"x_group": (1536, 4096, 1), "qr_group": (40960, 1024, 1), "wo_a": (8192, 4096, 8),
           "wo_b": (4096, 8192, 1), "shared_w2": (4096, 2048, 1)}
@@ -62,6 +77,33 @@ def _spin_kernel(out_ptr, ns):
     tl.store(out_ptr, t - t0)
 
 
+@triton.jit
+def _spin_release_kernel(out_ptr, ns):
+    """_spin_kernel as a PDL predecessor that lets the next kernel's CTAs be placed at once; it waits
+    for its own predecessor before it ends, so each kernel still completes after the one before."""
+    tlc.gdc_launch_dependents()
+    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [ns], dtype=tl.int64, is_pure=False, pack=1)
+    t = t0
+    while t - t0 < ns:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [ns], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+    tlc.gdc_wait()
+    tl.store(out_ptr, t - t0)
+
+
+def _with_staged(fn, shape: tuple[int, int, int] | None, prefetch: bool = False):
+    """fn with linear_fp8 taking the twin for `shape` (None: never) and PDL on, meanwhile."""
+    def run():
+        old = ST.SHAPES, ST.PREFETCH_LATER_WAVES, common.set_pdl(True)
+        ST.SHAPES, ST.PREFETCH_LATER_WAVES = frozenset({shape} if shape else ()), prefetch
+        try:
+            return fn()
+        finally:
+            ST.SHAPES, ST.PREFETCH_LATER_WAVES = old[:2]
+            common.set_pdl(old[2])
+    return run
+
+
 def graph_time(fn) -> float:
     """fn records the whole sequence once (several streams allowed); µs per replay."""
     return BK.graph_time([fn])[0]
@@ -72,6 +114,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--spin-us", default="10,20")
     ap.add_argument("--programs", type=int, default=132)
+    ap.add_argument("--staged", action="store_true", help="the CUDA twin that stages its weights too (see above)")
     args = ap.parse_args()
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -116,6 +159,22 @@ def main() -> None:
 
             r[f"spin{sp:g}"] = graph_time(spin_only) / copies
             r[f"spin{sp:g}+pf"] = graph_time(spin_pf) / copies
+        if args.staged:
+            shape = (N, K, G)
+            for tag, lpf in (("st", False), ("st+lpf", True)):
+                r[tag] = graph_time(_with_staged(lambda: [lin(w, s) for w, s in ws], shape, lpf)) / copies
+            r["st_warm"] = graph_time(_with_staged(lambda: [lin(*ws[0]) for _ in range(copies)], shape)) / copies
+            for sp in [float(v) for v in args.spin_us.split(",")]:
+                ns = int(sp * 1000)
+
+                def spin_release():
+                    for w, s in ws:
+                        _spin_release_kernel[(1,)](spin_out, ns, launch_pdl=True)
+                        lin(w, s)
+
+                r[f"spinR{sp:g}"] = graph_time(_with_staged(spin_release, None)) / copies
+                for tag, lpf in (("st", False), ("st+lpf", True)):
+                    r[f"spinR{sp:g}_{tag}"] = graph_time(_with_staged(spin_release, shape, lpf)) / copies
         rows.append(r)
         BK.log(json.dumps(r))
         ws.clear()  # free the copies before the next shape

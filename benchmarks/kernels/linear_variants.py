@@ -15,8 +15,9 @@ bf16 activation: "dot16" only), wo_b (4096 x 8192), the shared expert's gated w1
 call, GB/s of the bytes that must be read; "=" where a candidate gives the picked one's bits) and
 writes linear_variants.json under --out. --staged adds, for the plain and wo_a shapes at up to 16 rows,
 the picked configuration through `linear_fp8_staged` (its weights copied into shared memory before the
-input is read; the same bits) in CTAs of 8 and 4 warps ("st8", "st4"): here each call follows another
-call, so no predecessor leaves it time to stage, and the time is its loop's alone.
+input is read; the same bits) in CTAs of 8 and 4 warps ("st8", "st4"), and with the first wave's CTAs
+prefetching the later waves' weights into L2 ("st8p", "st4p"): here each call follows another call,
+so no predecessor leaves it time to stage, and the time is its loop's alone.
 """
 
 from __future__ import annotations
@@ -87,15 +88,16 @@ def candidates(M: int, N: int, K: int, kind: str, regs: tuple[int, ...] = ()) ->
     return list(dict.fromkeys(out))
 
 
-def _staged(call, shape: tuple[int, int, int], warps: int):
-    """`call` with linear_fp8 taking linear_fp8_staged (CTAs of `warps` warps) for `shape` meanwhile."""
+def _staged(call, shape: tuple[int, int, int], warps: int, prefetch: bool):
+    """`call` with linear_fp8 taking linear_fp8_staged (CTAs of `warps` warps, the later waves' L2
+    prefetch on or off) for `shape` meanwhile."""
     def run(*a):
-        old = ST.SHAPES, ST.WARPS
-        ST.SHAPES, ST.WARPS = frozenset({shape}), warps
+        old = ST.SHAPES, ST.WARPS, ST.PREFETCH_LATER_WAVES
+        ST.SHAPES, ST.WARPS, ST.PREFETCH_LATER_WAVES = frozenset({shape}), warps, prefetch
         try:
             return call(*a)
         finally:
-            ST.SHAPES, ST.WARPS = old
+            ST.SHAPES, ST.WARPS, ST.PREFETCH_LATER_WAVES = old
     return run
 
 
@@ -138,22 +140,23 @@ def main() -> None:
             else:
                 fn, ref = LIN.linear_fp8, LIN.linear_fp8_ref(x, *ws[0])
             codes = formats.fp8_act_quant(x.float(), 128) if K % 128 == 0 and kind != "wo_a" else None
-            cands = [(c, None, 0) for c in candidates(M, N, K, kind, regs)]
+            cands = [(c, None, (0, False)) for c in candidates(M, N, K, kind, regs)]
             if codes is not None and kind != "wo_a":  # the picked configuration with x's codes
-                cands += [(cands[0][0], codes, 0)]
+                cands += [(cands[0][0], codes, (0, False))]
             if args.staged and kind != "gated" and M <= ST.MAX_ROWS:  # the picked one through the CUDA twin
-                cands += [(cands[0][0], None, w) for w in (8, 4)]
+                cands += [(cands[0][0], None, (w, pf)) for w in (8, 4) for pf in (False, True)]
             picked_y = None  # the picked configuration's output: same_bits compares each candidate's
             for i, (c, xc, st) in enumerate(cands):
-                r = dict(shape=name, N=N, K=K, M=M, config=asdict(c), picked=i == 0, codes=xc is not None, staged=st)
+                r = dict(shape=name, N=N, K=K, M=M, config=asdict(c), picked=i == 0, codes=xc is not None,
+                         staged=st[0], prefetch=st[1])
                 if kind == "gated":
                     call = (lambda c, w, s, xc=xc: fn(x, w, s, 10.0, config=c, x_codes=xc))  # noqa: E731
                 elif kind == "wo_a":
                     call = (lambda c, w, s: fn(x, w, s, config=c, quantize_act=False, groups=G))  # noqa: E731
                 else:
                     call = (lambda c, w, s, xc=xc: fn(x, w, s, config=c, x_codes=xc))  # noqa: E731
-                if st:
-                    call = _staged(call, (N, K, G), st)
+                if st[0]:
+                    call = _staged(call, (N, K, G), *st)
                 try:
                     y = call(c, *ws[0])
                     picked_y = y if i == 0 else picked_y
@@ -175,7 +178,8 @@ def main() -> None:
           f"{'GB/s':>6} ok")
     for r in rows:
         c = r["config"]
-        mode = c["mode"] + ("+c" if r["codes"] else "") if not r["staged"] else f"st{r['staged']}"
+        mode = c["mode"] + ("+c" if r["codes"] else "") if not r["staged"] else \
+            f"st{r['staged']}{'p' if r['prefetch'] else ''}"
         print(f"{r['shape']:11} {r['M']:3} {mode:5} {c['block_n']:3} {c['block_m']:3} {c['block_k']:3} {c['split_k']:3} "
               f"{c['num_warps']:2} {c['num_stages']:2} {c['maxnreg']:3} {r.get('us', float('nan')):7.2f} {r.get('gbps', 0):6.0f} "
               f"{'ok' if r['ok'] else 'FAIL'} {r.get('check', r.get('error', ''))[:70]}{'' if r.get('row0_same') else ' ROW0!'}"

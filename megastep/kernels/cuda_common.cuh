@@ -78,6 +78,12 @@ __device__ __forceinline__ void cp_async16(const void* dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
+// `bytes` (a multiple of 16, from a 16-byte aligned p) of global memory fetched into L2 by the bulk-copy
+// (TMA) unit; nothing to wait for and no effect on any value (sm_90)
+__device__ __forceinline__ void l2_prefetch(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // ---- the FP8 block-scaled GEMV pieces (linear_fp8_staged.cu; benchmarks/kernels/gemv_fp8_cuda.cu) ----
 
 // four e4m3 bytes -> (bytes 0,1) and (bytes 2,3) as fp16x2, low byte in the low half

@@ -38,6 +38,7 @@ using megastep::cp_async_commit;
 using megastep::e4m3x4_to_f16x2;
 using megastep::e8m0_to_f32;
 using megastep::fp8_pair;
+using megastep::l2_prefetch;
 using megastep::mma16816;
 using megastep::pdl_release;
 using megastep::pdl_wait;
@@ -77,12 +78,13 @@ __device__ __forceinline__ void cp_async_wait_pending(int n) {
 
 // NT: n-tiles of 8 rows of x per CTA (MG = 8 NT rows); NB: 128-blocks of K per split (KC = 128 NB);
 // W: warps per CTA (16 output channels each). pdl: 0 launched without PDL; 1 with it, the next
-// kernel released once the weights are read; 2 released at entry.
+// kernel released once the weights are read; 2 released at entry. pf: 0, or the CTAs of the first
+// wave (the CTA slots of the device, at least): those prefetch the later waves' weights into L2.
 template <int NT, int NB, int W>
 __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long stride_xm, const uint8_t* w,
                                               long long stride_wn, const uint8_t* ws, long long stride_wsn,
                                               void* out, long long stride_om, int out_bf16, float* part, int* cnt,
-                                              int M, int N, int K, int group_n, int quant, int pdl) {
+                                              int M, int N, int K, int group_n, int quant, int pdl, int pf) {
   constexpr int MG = 8 * NT, KC = 128 * NB, XS = KC + kPad;
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* wsh = smem;                                                  // [W][16][KC] e4m3, swizzled
@@ -113,6 +115,19 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
       }
     }
     cp_async_commit();
+  }
+  // ---- the CTAs that find no slot until a first-wave CTA leaves would stream their weights from
+  // HBM then, after the input exists. CTA c < pf has its row of each later CTA c + j pf fetched
+  // into L2 now (while the predecessor drains, HBM is idle), so those CTAs copy from L2. No value
+  // depends on it. CTAs of another x tile (blockIdx.x > 0) read the same weights as tile 0's.
+  const int me = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (me < pf && threadIdx.x < 16 * W) {
+    const int ctas = gridDim.x * gridDim.y * gridDim.z;
+    for (int c = me + pf; c < ctas; c += pf) {
+      const int cy = (c / gridDim.x) % gridDim.y, cz = c / (gridDim.x * gridDim.y);
+      const int row = cy * W * 16 + threadIdx.x;
+      if (c % gridDim.x == 0 && row < N) l2_prefetch(w + (long long)row * stride_wn + cz * KC, KC);
+    }
   }
   if (pdl == 2) pdl_release();  // at entry: the next kernel (another staged launch) copies beside us
   if (pdl) pdl_wait();
@@ -203,9 +218,9 @@ __device__ __forceinline__ void linear_staged(const __nv_bfloat16* x, long long 
 #define LINEAR_STAGED_PARAMS                                                                                  \
   const __nv_bfloat16 *x, long long stride_xm, const uint8_t *w, long long stride_wn, const uint8_t *ws,     \
       long long stride_wsn, void *out, long long stride_om, int out_bf16, float *part, int *cnt, int M, int N, \
-      int K, int group_n, int quant, int pdl
+      int K, int group_n, int quant, int pdl, int pf
 #define LINEAR_STAGED_ARGS \
-  x, stride_xm, w, stride_wn, ws, stride_wsn, out, stride_om, out_bf16, part, cnt, M, N, K, group_n, quant, pdl
+  x, stride_xm, w, stride_wn, ws, stride_wsn, out, stride_om, out_bf16, part, cnt, M, N, K, group_n, quant, pdl, pf
 #define LINEAR_STAGED_ENTRY(NT, NB, W)                                                                       \
   extern "C" __global__ void __launch_bounds__(32 * W) linear_fp8_staged_nt##NT##_nb##NB##_w##W(LINEAR_STAGED_PARAMS) { \
     linear_staged<NT, NB, W>(LINEAR_STAGED_ARGS);                                                                \

@@ -34,7 +34,7 @@ from megastep.kernels.cuda_module import CudaModule, find_nvcc
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "linear_fp8_staged.cu")
 _MODULE = CudaModule(SOURCE)
-_SIGNATURE = "pqpqpqpqippiiiiii"
+_SIGNATURE = "pqpqpqpqippiiiiiii"
 _KERNELS = {(nt, nb, w): _MODULE.kernel(f"linear_fp8_staged_nt{nt}_nb{nb}_w{w}", _SIGNATURE)
             for nt in (1, 2) for nb in (1, 2, 4, 8) for w in (4, 8)}
 # Warps per CTA, each 16 output channels (the .cu's W: 4 or 8). 8: a wo_a CTA takes 144.5 KB of
@@ -45,6 +45,11 @@ WARPS = 8
 # or once each has read all of its weights (False): True lets a staged launch behind this one (wo_b
 # behind wo_a) copy its weights while this one computes. Not measured yet.
 RELEASE_AT_ENTRY = False
+# The CTAs of a launch's first wave (one per SM slot) prefetch the later waves' weights into L2 at
+# entry, while the predecessor runs and HBM idles, so those CTAs copy from L2 (one
+# `cp.async.bulk.prefetch.L2` per weight row; no value changes). wo_a in CTAs of 8 warps is ~2 waves
+# (256 CTAs of 128 KB at one per SM). Not measured yet.
+PREFETCH_LATER_WAVES = False
 MAX_ROWS = 16  # rows of x per CTA: 8 (NT 1) or 16 (NT 2)
 MAX_SPLIT = 32  # the .cu's kMaxSplit
 # (N, K, groups) of the linear_fp8 launches that take this kernel at <= MAX_ROWS rows. Empty: none
@@ -55,6 +60,11 @@ SHAPES: frozenset[tuple[int, int, int]] = frozenset()
 @functools.cache
 def _have_nvcc() -> bool:
     return find_nvcc() is not None
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def shared_bytes(nt: int, nb: int, warps: int) -> int:
@@ -100,10 +110,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.T
         part = cnt = out  # unused
     pdl = pdl_enabled()
     mode = (2 if RELEASE_AT_ENTRY else 1) if pdl else 0  # the .cu's pdl: 0 off, 1 release after the loop, 2 at entry
+    # the .cu's pf: the first wave's CTAs, at least one per SM (more: the same bytes asked twice)
+    pf = _sms(x.device.index) if PREFETCH_LATER_WAVES else 0
     _KERNELS[(nt, nb, warps)].launch(grid, (32 * warps, 1, 1), shared_bytes(nt, nb, warps), None,
                               x, x.stride(0), w.view(torch.uint8), w.stride(0), w_scale.view(torch.uint8),
                               w_scale.stride(0), out, out.stride(0), int(out.dtype == torch.bfloat16), part, cnt,
-                              M, N, w.shape[1], N // groups, int(quantize_act), mode, pdl=pdl)
+                              M, N, w.shape[1], N // groups, int(quantize_act), mode, pf, pdl=pdl)
     return out
 
 

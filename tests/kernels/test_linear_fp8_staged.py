@@ -1,7 +1,8 @@
 """linear_fp8_staged (the CUDA twin of linear_fp8's plain "f16" launches of few rows that stages its
 weights before its input): it builds without spills and the Python side passes what the .cu takes
 (CPU, needs nvcc); which launches it takes; on a GPU, the Triton loop's bits at the V4-Flash plain
-shapes, rows 1-16, bf16 and fp32 output, with and without PDL, alone and in a CUDA graph."""
+shapes, rows 1-16, bf16 and fp32 output, with and without PDL and the later waves' L2 prefetch,
+alone and in a CUDA graph."""
 
 import os
 import sys
@@ -114,7 +115,32 @@ def test_gpu_staged_gives_the_triton_loops_bits(monkeypatch, N, K, G, quant, M, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
-def test_gpu_staged_in_a_graph_with_pdl(monkeypatch):
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("N,K,G,quant", PLAIN[:2])
+def test_gpu_prefetching_later_waves_changes_no_bits(monkeypatch, N, K, G, quant, M, pdl, warps):
+    """The first wave's CTAs fetching the later waves' weights into L2 (PREFETCH_LATER_WAVES) at
+    wo_a's and wo_b's shapes (2-4 waves of CTAs): Triton's bits still."""
+    monkeypatch.setattr(ST, "WARPS", warps)
+    monkeypatch.setattr(ST, "PREFETCH_LATER_WAVES", True)
+    x, w, s = make(M, N, G * K, seed=N + K + M + 1, dev="cuda")
+    if G > 1:
+        from megastep.checkpoint import formats as F
+        w, s = F.quantize_fp8_weight(F.dequantize_fp8_weight(w, s, 128)[:, :K], 128)
+    old = common.set_pdl(pdl)
+    try:
+        ref, y = _both(monkeypatch, x, w, s, quant, G, torch.bfloat16)
+    finally:
+        common.set_pdl(old)
+    assert torch.equal(y.view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gpu_staged_in_a_graph_with_pdl(monkeypatch, prefetch):
     """wo_a's launch captured with PDL behind another kernel, replayed: Triton's bits every replay
     (the split-K counters reset themselves)."""
     G, R, K = 8, 1024, 4096
@@ -123,6 +149,7 @@ def test_gpu_staged_in_a_graph_with_pdl(monkeypatch):
     w, s = F.quantize_fp8_weight(F.dequantize_fp8_weight(w, s, 128)[:, :K], 128)
     ref = LIN.linear_fp8(x, w, s, quantize_act=False, groups=G)
     monkeypatch.setattr(ST, "SHAPES", frozenset({(G * R, K, G)}))
+    monkeypatch.setattr(ST, "PREFETCH_LATER_WAVES", prefetch)
     old = common.set_pdl(True)
     try:
         xs = torch.empty_like(x)
