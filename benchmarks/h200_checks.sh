@@ -29,7 +29,7 @@
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step A/B/A/B (~9 min)
 #   bash benchmarks/h200_checks.sh staged     # wo_a in the CUDA kernel that stages its weights during the attention (and prefetches its later waves into L2): GPU tests, step bits, A/B/A/B (~9 min)
 #   bash benchmarks/h200_checks.sh staged_more # then with the attention's early release and one-wave CSA plan, CTAs of 4 warps, wo_b and the x group staged too (~9 min)
-#   bash benchmarks/h200_checks.sh attnregs   # the attention's one-row plans in one wave (CSA under a register cap, HCA / window in 8 value slabs): bits, kernels, step A/B/A/B (~6 min)
+#   bash benchmarks/h200_checks.sh attnregs   # the HCA and window attention's one-row plans in 8 value slabs: bits, kernels, step A/B/A/B (~6 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
 #   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
@@ -269,14 +269,13 @@ for group in "$@"; do
         bench_with "staged_wo_a_pf_$arm" 50 "$S; s.PREFETCH_LATER_WAVES = True" --layers 30 --batch 1,2,4,16
       done ;;
     staged_more)  # after `staged`: wo_a staged (its later waves prefetched into L2) with the attention releasing it at
-      # entry and CSA's one-row plan in one wave (attnregs), then wo_b staged too (behind wo_a, which releases it at
-      # entry), A/B; once each: wo_a in CTAs of 4 warps, and the x group staged too (behind the mHC);
+      # entry, then wo_b staged too (behind wo_a, which releases it at entry), A/B; once each: wo_a in CTAs of 4 warps,
+      # and the x group staged too (behind the mHC);
       # first the plain FP8 linears alone against the CUDA twin (nothing before a call to stage behind: its loop's time)
       step staged_kernels 100 python3 benchmarks/kernels/linear_variants.py --out "$OUT/staged_kernels" --ms 1,4,16 \
         --staged --shapes x_group,qr_group,wo_a,wo_b,shared_w2
-      S='import dataclasses, megastep.kernels.linear_fp8_staged as s, megastep.kernels.attention as a'
+      S='import megastep.kernels.linear_fp8_staged as s, megastep.kernels.attention as a'
       S="$S; s.SHAPES = frozenset({(8192, 4096, 8)}); s.PREFETCH_LATER_WAVES = True; a.RELEASE_AT_ENTRY_ROWS = 1"
-      S="$S; k = (64, 640, 512); a._PINNED_FEW_ROWS[k] = (1, dataclasses.replace(a._PINNED_FEW_ROWS[k][1], maxnreg=128))"
       for arm in a b; do
         bench "staged_more_off_$arm" 100 --layers 30 --batch 1,2,4
         bench_with "staged_early_$arm" 50 "$S" --layers 30 --batch 1,2,4
@@ -286,13 +285,14 @@ for group in "$@"; do
       bench_with staged_early_w4 50 "$S; s.WARPS = 4" --layers 30 --batch 1,2,4
       bench_with staged_early_wo_b_x 50 "$S; s.SHAPES |= {(4096, 8192, 1), (1536, 4096, 1)}; s.RELEASE_AT_ENTRY = True" \
         --layers 30 --batch 1,2,4 ;;
-    attnregs)  # the attention's one-row plans in one wave of shorter programs: CSA's (160 programs of 8 warps at 139
-      # registers: one per SM, so 28 wait for a second wave) under a 128-register cap (two per SM); HCA's and the
-      # window's with the value columns over 8 programs instead of 4 (96 and 128 programs; HCA's at 96 registers,
-      # 1140 SASS instructions per KV step against 1226). The same bits (bit-neutral settings). The plans' bit tests
-      # and times against the pins', then the step A/B/A/B at 1 row (the plans' only row count) and 2 (a control)
+    attnregs)  # HCA's and the window's one-row plans with the value columns over 8 programs instead of 4 (96 and 128
+      # programs, one wave; Triton 3.6 as the step launches them: HCA 106 registers and 1077 SASS instructions per KV
+      # step against 141 and 1163, the window 72 registers and 1832 instructions against 96 and 2152;
+      # benchmarks/kernels/occupancy.py's records). The same bits (bit-neutral settings). The plans' bit tests and
+      # times against the pins', then the step A/B/A/B at 1 row (the plans' only row count) and 2 (a control).
+      # (CSA's one-row plan takes 114 registers, two programs per SM: one wave already; its value split over 8
+      # would take 143, three waves.)
       R='import dataclasses, megastep.kernels.attention as a; f = a._PINNED_FEW_ROWS; r = dataclasses.replace'
-      R="$R; f[(64, 640, 512)] = (1, r(f[(64, 640, 512)][1], maxnreg=128))"
       R="$R; f[(64, 161, 512)] = (1, r(f[(64, 161, 512)][1], dv_split=8))"
       R="$R; f[(64, 128, 512)] = (1, r(f[(64, 128, 512)][1], dv_split=8))"
       step attnregs_few 100 python3 -c "$R; import runpy, sys; sys.argv = ['attn_few_rows.py', '--rows', '1', \

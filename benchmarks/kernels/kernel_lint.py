@@ -45,15 +45,66 @@ def _type_of(v) -> str:
     raise TypeError(type(v))
 
 
+MODULES = ("attention", "compressor", "dense", "indexer", "linear_fp8", "mhc", "moe", "moe_route", "pair_combine",
+           "rope_norm", "router")
+
+
+def launch_record(module: str, name: str, kernel, grid, args: tuple, kwargs: dict) -> dict:
+    """What compiling one launch needs (argument types, constexprs, options, the ints that are
+    multiples of 16), and its grid (a callable grid evaluated on the launch's arguments)."""
+    import inspect
+
+    fn = getattr(kernel, "fn", kernel)
+    names = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
+    pos = dict(zip(names, args))
+    const = {k: v for k, v in kwargs.items() if k not in _OPTIONS and k != "maxnreg"}
+    for p in inspect.signature(fn).parameters.values():  # constexprs left at their defaults
+        if p.name not in pos and p.name not in const and p.default is not inspect.Parameter.empty:
+            const[p.name] = p.default
+    sig = [(n, _type_of(pos[n])) for n in names if n in pos]
+    aligned = [n for n in names if isinstance(pos.get(n), int) and not isinstance(pos[n], bool) and pos[n] % 16 == 0]
+    opts = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")}
+    grid = grid({**pos, **kwargs}) if callable(grid) else grid
+    grid = tuple(int(g) for g in (grid if isinstance(grid, (tuple, list)) else (grid,)))
+    return dict(module=module, kernel=name, signature=sig, constexprs=const, options=opts, aligned=aligned, grid=grid)
+
+
+def compile_key(rec: dict) -> str:
+    return json.dumps([rec["module"], rec["kernel"], rec["signature"], sorted(rec["constexprs"].items()),
+                       sorted(rec["options"].items())], default=str)
+
+
+class Recorder:
+    """Stands in for a @triton.jit kernel: each launch is handed to `sink` as a launch_record, and
+    not run. A step's launches and their arguments never depend on a kernel's output (the step is
+    captured in a CUDA graph), so a step issues the same launches with the kernels skipped."""
+
+    def __init__(self, module: str, name: str, kernel, sink):
+        self.module, self.name, self.kernel, self.sink = module, name, kernel, sink
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.sink(launch_record(self.module, self.name, self.kernel, grid, args, kwargs))
+        return run
+
+
+def install_recorders(sink) -> None:
+    """Every `*_kernel` of the step's kernel modules replaced by a Recorder feeding `sink`."""
+    import importlib
+
+    for mod in MODULES:
+        m = importlib.import_module(f"megastep.kernels.{mod}")
+        for name, obj in list(vars(m).items()):
+            if name.endswith("_kernel") and hasattr(obj, "__getitem__") and hasattr(obj, "fn"):
+                setattr(m, name, Recorder(mod, name, obj, sink))
+
+
 def record() -> list[dict]:
     """Run the decode steps under the interpreter, the kernels' launches recorded and skipped; one
-    record per distinct (kernel, signature)."""
+    record per distinct (kernel, signature, constexprs)."""
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
-    import importlib
-    import inspect
-
     import torch
 
     from megastep.checkpoint.synthetic import synthesize_weights
@@ -61,40 +112,7 @@ def record() -> list[dict]:
     from test_fast_step_triton import tiny_cfg
 
     seen: dict[str, dict] = {}
-
-    class Recorder:
-        def __init__(self, module, name, kernel):
-            self.module, self.name, self.kernel = module, name, kernel
-
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                fn = getattr(self.kernel, "fn", self.kernel)
-                names = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
-                pos = dict(zip(names, args))
-                const = {k: v for k, v in kwargs.items() if k not in _OPTIONS}
-                for p in inspect.signature(fn).parameters.values():  # constexprs left at their defaults
-                    if p.name not in pos and p.name not in const and p.default is not inspect.Parameter.empty:
-                        const[p.name] = p.default
-                sig = [(n, _type_of(pos[n])) for n in names if n in pos]
-                aligned = [n for n in names if isinstance(pos.get(n), int) and not isinstance(pos[n], bool)
-                           and pos[n] % 16 == 0]
-                opts = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "enable_fp_fusion")}
-                rec = dict(module=self.module, kernel=self.name, signature=sig, constexprs=const, options=opts,
-                           aligned=aligned)
-                key = json.dumps([self.module, self.name, sig, sorted(const.items())], default=str)
-                seen.setdefault(key, rec)
-                # recorded, not run: a step's launches and their arguments never depend on a kernel's
-                # output (the step is captured in a CUDA graph), so the steps below issue the same
-                # launches with the kernels skipped (the same 35 records, in 2 s instead of 30 s)
-                return None
-            return run
-
-    for mod in ("attention", "compressor", "dense", "indexer", "linear_fp8", "mhc", "moe", "moe_route",
-                "pair_combine", "rope_norm", "router"):
-        m = importlib.import_module(f"megastep.kernels.{mod}")
-        for name, obj in list(vars(m).items()):
-            if name.endswith("_kernel") and hasattr(obj, "__getitem__") and hasattr(obj, "fn"):
-                setattr(m, name, Recorder(mod, name, obj))
+    install_recorders(lambda rec: seen.setdefault(compile_key(rec), rec))  # the same 35 records in 2 s, not 30
     cfg = tiny_cfg(o_lora_rank=128)
     w = synthesize_weights(cfg, seed=2, device="cpu", include_mtp=False)
     dec = FastDecoder(cfg, w, max_seqs=6, max_ctx=64, device="cpu", triton=True)
@@ -104,6 +122,27 @@ def record() -> list[dict]:
     for t, rows in enumerate((6, 3, 1)):  # 6 rows (the router's launch without the gate), 3, then 1
         dec.step(ids[t, :rows], torch.full((rows,), t), torch.arange(rows))
     return list(seen.values())
+
+
+def compile_record(r: dict):
+    """The launch compiled for sm_90 with the installed Triton (no interpreter): (kernel, SASS,
+    cuobjdump's resource usage)."""
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, HERE)
+    import importlib
+
+    import sass_loop as SL
+
+    fn = getattr(importlib.import_module(f"megastep.kernels.{r['module']}"), r["kernel"])
+    const = dict(r["constexprs"])
+    if "INTERPRET" in const:
+        const["INTERPRET"] = False
+    aligned = set(r.get("aligned", []))  # ints that were multiples of 16 (Triton's launcher specializes them)
+    opts = r["options"]
+    extra = {k: opts[k] for k in ("enable_fp_fusion", "maxnreg") if k in opts}
+    k = SL._compile(fn, [tuple(a) for a in r["signature"]], const, aligned, opts.get("num_warps", 4),
+                    opts.get("num_stages", 3), **extra)
+    return k, SL.cuobjdump(k, "-sass"), SL.cuobjdump(k, "-res-usage")
 
 
 def calls(sass: str) -> dict:
@@ -132,26 +171,10 @@ def calls(sass: str) -> dict:
 
 def lint(recs: list[dict]) -> list[dict]:
     """Compile each record for sm_90 and count calls, spills and registers (no interpreter)."""
-    sys.path.insert(0, ROOT)
-    sys.path.insert(0, HERE)
-    import importlib
-
-    import sass_loop as SL
-
     out = []
     for r in recs:
-        fn = getattr(importlib.import_module(f"megastep.kernels.{r['module']}"), r["kernel"])
-        const = dict(r["constexprs"])
-        if "INTERPRET" in const:
-            const["INTERPRET"] = False
-        aligned = set(r.get("aligned", []))  # ints that were multiples of 16 (Triton's launcher specializes them)
         try:
-            k = SL._compile(fn, [tuple(a) for a in r["signature"]], const, aligned, r["options"].get("num_warps", 4),
-                            r["options"].get("num_stages", 3),
-                            **({"enable_fp_fusion": r["options"]["enable_fp_fusion"]}
-                               if "enable_fp_fusion" in r["options"] else {}))
-            sass = SL.cuobjdump(k, "-sass")
-            res = SL.cuobjdump(k, "-res-usage")
+            _, sass, res = compile_record(r)
             regs = re.search(r"REG:(\d+)", res)
             stack = re.search(r"STACK:(\d+)", res)
             out.append(dict(kernel=f"{r['module']}.{r['kernel']}", **calls(sass),

@@ -105,7 +105,11 @@ def attention(a) -> tuple[object, int]:
     const = dict(D=512, BLOCK_H=c.block_h, BLOCK_N=c.block_n, CHUNK=c.chunk, SPLIT=split, SPLIT_P2=1 << (split - 1).bit_length(),
                  PIECES=c.pv_pieces, INTERPRET=False, DC=min(512 // a.dv, c.combine_cols), GROUP=min(c.combine_group, split),
                  SRC=3, NOPE_P=224, ROPE_P=32, TABLE=True, DSPLIT=a.dv, ROWS16=True, PDL=0)
-    aligned = {"H", "stride_qb", "stride_qh", "stride_ws", "stride_wr", "stride_cs", "stride_cr", "stride_ob", "stride_oh"}
+    # the ints that are multiples of 16 in the step's launch, which Triton's launcher specializes (W 128,
+    # WA, N 640, the top-k rows' strides): without W .. stride_kb the kernel took 139 registers instead
+    # of the launch's 114 (benchmarks/kernels/occupancy.py records the launch's own)
+    aligned = {"H", "W", "WA", "N", "stride_qb", "stride_qh", "stride_ws", "stride_wr", "stride_cs", "stride_cr",
+               "stride_ib", "stride_kb", "stride_ob", "stride_oh"}
     a.warps = c.num_warps
     k = _compile(ATT._sparse_attn_kernel, list(zip(names, types)), const, aligned, c.num_warps, c.num_stages,
                  enable_fp_fusion=False)

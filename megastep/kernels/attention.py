@@ -98,10 +98,9 @@ class AttnConfig:
     # smaller accumulator and a shorter combine.
     dv_split: int = 1
     # ptxas's register cap per thread (0: its own choice): the same instructions, so the same bits.
-    # Why: the CSA plan of one row (8-warp programs with the value split) takes 139 registers, so
-    # only one of its 160 programs fits an SM (65536 registers) and 28 wait for a second wave;
-    # at 128, two fit (Triton 3.6, sm_90: an 8-byte stack frame, 1144 SASS instructions per KV
-    # step against 1124; benchmarks/kernels/sass_loop.py attention --dv 4).
+    # For a tuner or a benchmark: no pin sets it. (The step's CSA plan of one row takes 114 registers
+    # under Triton 3.6, two 8-warp programs per SM, so its 160 programs run in one wave:
+    # benchmarks/kernels/occupancy.py.)
     maxnreg: int = 0
 
     def check(self) -> None:
