@@ -21,9 +21,10 @@ attention with attention.RELEASE_AT_ENTRY_ROWS), so its CTAs stage while the spi
                     later waves' weights into L2 (PREFETCH_LATER_WAVES);
 - st_warm:          the twin on one weight copy (all of it in L2);
 - spinR{us}:        the releasing spin, then the Triton linear (today's step, the predecessor PDL);
-- spinR{us}_st, spinR{us}_st+lpf: the releasing spin, then the twin.
+- spinR{us}_st, spinR{us}_st+lpf: the releasing spin, then the twin;
+- spin{us}+pf_st:   spin+pf with the twin in place of the Triton linear.
 spinR{us}_st against spinR{us} says what staging is worth behind that idle length (the spin's own
-time is in each).
+time is in each), spin{us}+pf_st against spin{us}+pf what the twin's loop gains from weights in L2.
 
     python benchmarks/kernels/l2_prefetch.py --json OUT.json [--staged]
 """
@@ -159,6 +160,8 @@ def main() -> None:
 
             r[f"spin{sp:g}"] = graph_time(spin_only) / copies
             r[f"spin{sp:g}+pf"] = graph_time(spin_pf) / copies
+            if args.staged:  # the same with the twin reading what the prefetch brought into L2
+                r[f"spin{sp:g}+pf_st"] = graph_time(_with_staged(spin_pf, (N, K, G))) / copies
         if args.staged:
             shape = (N, K, G)
             for tag, lpf in (("st", False), ("st+lpf", True)):
