@@ -105,9 +105,10 @@ def resources(recs: list[dict]) -> dict[str, dict]:
         if key in out:
             continue
         try:
-            k, _, res = KL.compile_record(r)
+            k, sass, res = KL.compile_record(r)
             regs = int(re.search(r"REG:(\d+)", res).group(1))
-            out[key] = dict(regs=regs, shared=int(k.metadata.shared), warps=int(k.metadata.num_warps))
+            out[key] = dict(regs=regs, shared=int(k.metadata.shared), warps=int(k.metadata.num_warps),
+                            spill_stores=len(re.findall(r"\bSTL\b", sass)))
         except Exception as e:  # noqa: BLE001  (report and go on)
             out[key] = dict(error=f"{type(e).__name__}: {e}"[:300])
     return out
@@ -160,7 +161,7 @@ def main() -> None:
     import triton
 
     print(f"Triton {triton.__version__}, sm_90, {SMS} SMs; launches of one step (3 layers: window, CSA, HCA)")
-    print(f"{'rows':>4} {'kernel':38} {'n':>2} {'programs':>8} {'w':>2} {'regs':>4} {'smem':>6} {'/SM':>3} "
+    print(f"{'rows':>4} {'kernel':38} {'n':>2} {'programs':>8} {'w':>2} {'regs':>4} {'STL':>3} {'smem':>6} {'/SM':>3} "
           f"{'limit':10} {'waves':>6}")
     for r in out:
         if "error" in r:
@@ -169,7 +170,7 @@ def main() -> None:
         flag = " cpu only" if r["cpu_only"] else ""
         tail = " <- last wave %d %%" % round(100 * (r["waves"] % 1)) if 1 < r["waves"] and r["waves"] % 1 else ""
         print(f"{r['rows']:4} {r['kernel']:38} {r['count']:2} {r['programs']:8} {r['warps']:2} {r['regs']:4} "
-              f"{r['shared'] / 1024:5.1f}K {r['per_sm']:3} {r['limit']:10} {r['waves']:6.2f}{tail}{flag}")
+              f"{r['spill_stores']:3} {r['shared'] / 1024:5.1f}K {r['per_sm']:3} {r['limit']:10} {r['waves']:6.2f}{tail}{flag}")
 
 
 if __name__ == "__main__":
