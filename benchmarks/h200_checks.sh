@@ -29,6 +29,7 @@
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step A/B/A/B (~9 min)
 #   bash benchmarks/h200_checks.sh staged     # wo_a in the CUDA kernel that stages its weights during the attention (and prefetches its later waves into L2): GPU tests, step bits, A/B/A/B (~9 min)
 #   bash benchmarks/h200_checks.sh staged_more # then with the attention's early release and one-wave CSA plan, CTAs of 4 warps, wo_b and the x group staged too (~9 min)
+#   bash benchmarks/h200_checks.sh l2pf       # weights asked of L2 beside the latency-bound stretches (fast.L2_PREFETCH), with Triton's and the staged linears: tests, step A/B/A/B (~9 min)
 #   bash benchmarks/h200_checks.sh attnregs   # the HCA and window attention's one-row plans in 8 value slabs: bits, kernels, step A/B/A/B (~6 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
@@ -285,6 +286,20 @@ for group in "$@"; do
       bench_with staged_early_w4 50 "$S; s.WARPS = 4" --layers 30 --batch 1,2,4
       bench_with staged_early_wo_b_x 50 "$S; s.SHAPES |= {(4096, 8192, 1), (1536, 4096, 1)}; s.RELEASE_AT_ENTRY = True" \
         --layers 30 --batch 1,2,4 ;;
+    l2pf)  # fast.L2_PREFETCH (built 2026-12-04 without a device): the qr group during the mHC before each attention
+      # sublayer, wo_a during the attention, the shared expert during the mHC and routing, asked of L2 on a stream of
+      # their own. Its GPU tests (the kernel, the step's bits), then the step at 1-4 rows A/B/A/B: off; on with the
+      # Triton linears; on with wq_b, the indexer's rows and wo_a through the staged twin (reading L2 in its copies)
+      step l2pf_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_prefetch.py \
+        tests/test_fast_gpu.py -k "prefetch or staged"
+      P='import megastep.model.fast as f; f.L2_PREFETCH = frozenset({"qr", "wo_a", "shared"})'
+      Q="$P; import megastep.kernels.linear_fp8_staged as s"
+      Q="$Q; s.SHAPES = frozenset({(8192, 4096, 8), (32768, 1024, 1), (8192, 1024, 1)})"
+      for arm in a b; do
+        bench "l2pf_off_$arm" 100 --layers 30 --batch 1,2,4
+        bench_with "l2pf_on_$arm" 50 "$P" --layers 30 --batch 1,2,4
+        bench_with "l2pf_staged_$arm" 50 "$Q" --layers 30 --batch 1,2,4
+      done ;;
     attnregs)  # HCA's and the window's one-row plans with the value columns over 8 programs instead of 4 (96 and 128
       # programs, one wave; Triton 3.6 as the step launches them: HCA 106 registers and 1077 SASS instructions per KV
       # step against 141 and 1163, the window 72 registers and 1832 instructions against 96 and 2152;

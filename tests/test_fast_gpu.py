@@ -354,9 +354,39 @@ def test_shared_expert_in_the_combine_gives_the_same_bits(experts, where):
     assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
+def test_l2_prefetch_changes_no_bits(monkeypatch):
+    """L2_PREFETCH (the qr group before each attention sublayer, wo_a beside the attention, the
+    shared expert before each MoE sublayer, asked of L2 on a stream of their own): the step's greedy
+    logits at 1 row (graphs with PDL) and in a batch of 16 (above L2_PREFETCH_MAX_ROWS: none), bit
+    for bit against no prefetch, the prefetches launched and joined inside the graphs."""
+    from megastep.kernels import prefetch
+    from megastep.model import fast
+
+    calls = []
+    launch = prefetch.prefetch_l2
+    monkeypatch.setattr(prefetch, "prefetch_l2", lambda t: calls.append(t.shape) or launch(t))
+
+    def run():
+        cfg, dec, runner = built = build(experts="lut")
+        out = greedy_logits(steps=6, built=built)[1]
+        for s in range(16):
+            dec.pools.reset(s)
+        toks = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).cuda()
+        for t in range(3):
+            out.append(runner.run(toks, torch.full((16,), t, device="cuda"), torch.arange(16, device="cuda"))[0])
+        return out
+
+    want = run()
+    assert not calls
+    monkeypatch.setattr(fast, "L2_PREFETCH", frozenset({"qr", "wo_a", "shared"}))
+    got = run()
+    assert len(calls) >= 2 * 4  # two layers: the qr group, wo_a, w13 and w2 each, at least once
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
 def test_staged_linears_change_no_bits(monkeypatch):
     """linear_fp8_staged (the CUDA twin of the plain FP8 linear that copies its weights into shared
-    memory before it waits for its input) taking the small preset's wo_a, wo_b and x group, the
+    memory before it waits for its input) taking the small preset's wo_a, wo_b, x group and qr launches, the
     attention releasing its dependents at entry (attention.RELEASE_AT_ENTRY_ROWS), then the staged
     launches too (RELEASE_AT_ENTRY) with the later waves' L2 prefetch (PREFETCH_LATER_WAVES): the
     step's greedy logits at 1 row (graphs with PDL) and in a batch of 16, bit for bit against the
@@ -386,9 +416,13 @@ def test_staged_linears_change_no_bits(monkeypatch):
     x_group = (cfg.q_lora_rank + cfg.head_dim, cfg.hidden_size, 1)
     monkeypatch.setattr(attention, "RELEASE_AT_ENTRY_ROWS", 16)
     wo_b = (cfg.hidden_size, G * cfg.o_lora_rank, 1)
-    _, got = run((wo_a, x_group, wo_b))
+    # wq_b and the indexer's rows of a CSA layer's qr group (launched apart at these rows: their inputs' codes
+    # made by the norm are ignored, the staged kernel quantizing qr itself)
+    qr = [(cfg.num_attention_heads * cfg.head_dim, cfg.q_lora_rank, 1),
+          (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, 1)]
+    _, got = run((wo_a, x_group, wo_b, *qr))
     assert calls  # the staged kernel ran
     monkeypatch.setattr(staged, "RELEASE_AT_ENTRY", True)  # wo_a releasing wo_b at entry
     monkeypatch.setattr(staged, "PREFETCH_LATER_WAVES", True)
-    _, got_early = run((wo_a, x_group, wo_b))
+    _, got_early = run((wo_a, x_group, wo_b, *qr))
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(want, got, got_early))

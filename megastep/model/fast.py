@@ -39,6 +39,7 @@ from megastep.kernels import linear_fp8 as _lin
 from megastep.kernels import mhc as _mhc
 from megastep.kernels import moe as _moe
 from megastep.kernels import moe_lut as _moe_lut
+from megastep.kernels import prefetch as _pf
 from megastep.kernels import rope_norm as _rn
 from megastep.kernels import route_cuda as _route_cuda
 from megastep.model import ops
@@ -135,6 +136,15 @@ VOCAB_SPLIT = False
 # measurement): 1 row 6.143, 6 rows 10.987, 16 rows 18.296, 64 rows 45.878 ms, within the split's own
 # A/B spread: off.
 BESIDE_ON_RANKS = False
+# Weights asked of L2 (kernels/prefetch.py) on a stream of their own during the latency-bound stretch
+# before they are streamed, in steps of at most L2_PREFETCH_MAX_ROWS rows on one GPU: "qr" a layer's
+# wq_b (and the indexer's) during the mHC before its attention sublayer, "wo_a" during the attention,
+# "shared" the shared expert's w1/w3 and w2 during the mHC, gate and routing before its MoE sublayer.
+# HBM idles in those stretches at few rows (docs/PERFORMANCE.md, 2026-12-04 night, item 3). No value
+# depends on a prefetch. Empty: off (built 2026-12-04 without a device; benchmarks/h200_checks.sh
+# `l2pf` measures it).
+L2_PREFETCH: frozenset[str] = frozenset()
+L2_PREFETCH_MAX_ROWS = 4
 
 
 def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
@@ -273,6 +283,9 @@ class FastDecoder(MoeSublayer):
         self.hc_stream = torch.cuda.Stream(self.device) if self.side_stream is not None else None
         # INDEXER_BESIDE_ROWS' stream
         self.idx_stream = torch.cuda.Stream(self.device) if self.side_stream is not None else None
+        # L2_PREFETCH's stream, and whether this step has launched on it (joined before the head)
+        self.pf_stream = torch.cuda.Stream(self.device) if self.side_stream is not None else None
+        self._prefetched = False
         if shared_w2 not in (None, "residual", "combine", "mhc"):
             raise ValueError(f"shared_w2 must be residual, combine or mhc, got {shared_w2!r}")
         self.shared_w2 = shared_w2
@@ -509,6 +522,25 @@ class FastDecoder(MoeSublayer):
         self._join(t)
         return t
 
+    def _prefetch(self, what: str, rows: int, *weights: torch.Tensor) -> None:
+        """L2_PREFETCH's `what`: ask L2 for `weights` on the prefetch stream, ordered after the main
+        stream's work so far, beside what it launches next; only the step's end waits for it."""
+        if what not in L2_PREFETCH or self.pf_stream is None or rows > L2_PREFETCH_MAX_ROWS or self.world_size > 1:
+            return
+        with self._on_side(self.pf_stream, "prefetch"):
+            for w in weights:
+                _pf.prefetch_l2(w)
+        self._prefetched = True
+
+    def _prefetch_sublayer(self, L: int, kind: str, rows: int) -> None:
+        """The prefetches of L2_PREFETCH that start with sublayer (L, kind), before its mHC launch."""
+        lw = self.layers[L]
+        if kind == "attn":
+            qr = lw["qr_fp8"]
+            self._prefetch("qr", rows, *([qr.fused.w] if qr.fused is not None else [p.w for p in qr.parts]))
+        elif "shared13" in lw:
+            self._prefetch("shared", rows, lw["shared13"][0], lw["shared"][2].w)
+
     # ---- pieces ---------------------------------------------------------------------------
     def _kernel(self, module, name: str):
         """The Triton kernel on CUDA, its torch `*_ref` twin elsewhere."""
@@ -616,6 +648,7 @@ class FastDecoder(MoeSublayer):
         elif r == CSA_RATIO:
             with stage(T, "indexer", L):
                 kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)
+        self._prefetch("wo_a", B, lw["wo_a"].w)  # beside the attention
         with stage(T, "attention", L):
             # window ring + selected / visible compressed entries read in place from the pools,
             # sinks, and the inverse RoPE of the output, in one kernel
@@ -706,6 +739,8 @@ class FastDecoder(MoeSublayer):
         lo, hi = MHC_SINKHORN_OWN_STREAM_ROWS
         hc_stream = self.hc_stream if lo <= tokens.shape[0] <= hi else self.side_stream
         sk = {"sinkhorn_stream": hc_stream} if beside else {}
+        self._prefetched = False
+        self._prefetch_sublayer(*subs[0], tokens.shape[0])
         with stage(T, "mhc_pre", 0):
             x, post, comb = mhc_pre(h, *mixes(0), **sk)
         for i, (L, kind) in enumerate(subs):
@@ -714,11 +749,14 @@ class FastDecoder(MoeSublayer):
             if beside:
                 self._join(stream=hc_stream)
             if i + 1 < len(subs):
+                self._prefetch_sublayer(*subs[i + 1], tokens.shape[0])
                 with stage(T, "mhc_pre", subs[i + 1][0]):
                     h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *mixes(i + 1), y2=y2, **sk)
             else:
                 with stage(T, "mhc_post", L):
                     h = mhc_post(y.contiguous(), h, post, comb, y2=y2)
+        if self._prefetched:
+            self._join(stream=self.pf_stream)
         with stage(T, "head"):
             z = self._kernel(_mhc, "mhc_head")(h, *self.hc_head, self.norm_w, hc_eps, eps)
             if self.vocab_peer is None:
