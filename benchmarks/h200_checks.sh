@@ -286,15 +286,16 @@ for group in "$@"; do
       bench_with staged_early_w4 50 "$S; s.WARPS = 4" --layers 30 --batch 1,2,4
       bench_with staged_early_wo_b_x 50 "$S; s.SHAPES |= {(4096, 8192, 1), (1536, 4096, 1)}; s.RELEASE_AT_ENTRY = True" \
         --layers 30 --batch 1,2,4 ;;
-    l2pf)  # fast.L2_PREFETCH (built 2026-12-04 without a device): the qr group during the mHC before each attention
-      # sublayer, wo_a during the attention, the shared expert during the mHC and routing, asked of L2 on a stream of
-      # their own. Its GPU tests (the kernel, the step's bits), then the step at 1-4 rows A/B/A/B: off; on with the
-      # Triton linears; on with wq_b, the indexer's rows and wo_a through the staged twin (reading L2 in its copies)
+    l2pf)  # fast.L2_PREFETCH (built 2026-12-04 without a device): the x and qr groups during the mHC before each
+      # attention sublayer, wo_a during the attention, the shared expert during the mHC and routing, asked of L2 on a
+      # stream of their own. Its GPU tests (the kernel, the step's bits), then the step at 1-4 rows A/B/A/B: off; on
+      # with the Triton linears; on with the x group, wq_b, the indexer's rows, wo_a and the shared w2 through the
+      # staged twin (reading L2 in its copies)
       step l2pf_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_prefetch.py \
         tests/test_fast_gpu.py -k "prefetch or staged"
-      P='import megastep.model.fast as f; f.L2_PREFETCH = frozenset({"qr", "wo_a", "shared"})'
-      Q="$P; import megastep.kernels.linear_fp8_staged as s"
-      Q="$Q; s.SHAPES = frozenset({(8192, 4096, 8), (32768, 1024, 1), (8192, 1024, 1)})"
+      P='import megastep.model.fast as f; f.L2_PREFETCH = frozenset({"x", "qr", "wo_a", "shared"})'
+      Q="$P; import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(1536, 4096, 1), (32768, 1024, 1),"
+      Q="$Q (8192, 1024, 1), (8192, 4096, 8), (4096, 2048, 1)})"
       for arm in a b; do
         bench "l2pf_off_$arm" 100 --layers 30 --batch 1,2,4
         bench_with "l2pf_on_$arm" 50 "$P" --layers 30 --batch 1,2,4

@@ -148,7 +148,7 @@ def test_second_stream_only_on_cuda(tiny):
 
 def test_l2_prefetch_asks_for_each_sublayers_weights(tiny, monkeypatch):
     """L2_PREFETCH's call sites and gate (the prefetch itself needs a CUDA stream, stood in for
-    here): in a step of few rows, each layer's qr group weight before its attention sublayer, wo_a
+    here): in a step of few rows, each layer's x and qr group weights before its attention sublayer, wo_a
     before the attention, the shared expert's w13 and w2 before its MoE sublayer, in that order, each
     name only when listed; nothing above L2_PREFETCH_MAX_ROWS rows or without the stream."""
     import contextlib
@@ -166,8 +166,9 @@ def test_l2_prefetch_asks_for_each_sublayers_weights(tiny, monkeypatch):
     monkeypatch.setattr(dec, "_join", lambda *a, stream=None: joined.append(stream))
     want = []
     for lw in dec.layers:
-        qr = lw["qr_fp8"]
-        want += [("qr", t) for t in ([qr.fused.w] if qr.fused is not None else [p.w for p in qr.parts])]
+        for what in ("x", "qr"):
+            g = lw[f"{what}_fp8"]
+            want += [(what, t) for t in ([g.fused.w] if g.fused is not None else [p.w for p in g.parts])]
         want += [("wo_a", lw["wo_a"].w), ("shared", lw["shared13"][0]), ("shared", lw["shared"][2].w)]
 
     def step(rows: int, listed) -> list[torch.Tensor]:
@@ -178,14 +179,14 @@ def test_l2_prefetch_asks_for_each_sublayers_weights(tiny, monkeypatch):
         dec.step(torch.full((rows,), 5), torch.zeros(rows, dtype=torch.long), torch.arange(rows))
         return list(launched)
 
-    assert step(1, {"qr", "wo_a", "shared"}) == []  # no stream: nothing
+    assert step(1, {"x", "qr", "wo_a", "shared"}) == []  # no stream: nothing
     monkeypatch.setattr(dec, "pf_stream", object())
-    got = step(1, {"qr", "wo_a", "shared"})
+    got = step(1, {"x", "qr", "wo_a", "shared"})
     assert len(got) == len(want) and all(t is u for t, (_, u) in zip(got, want))
     assert joined[-1] is dec.pf_stream  # joined before the head
     assert all(t is u for t, u in zip(step(fast.L2_PREFETCH_MAX_ROWS, {"wo_a"}), [u for n, u in want if n == "wo_a"]))
     assert len(step(fast.L2_PREFETCH_MAX_ROWS, {"wo_a"})) == len(dec.layers)
-    assert step(fast.L2_PREFETCH_MAX_ROWS + 1, {"qr", "wo_a", "shared"}) == []
+    assert step(fast.L2_PREFETCH_MAX_ROWS + 1, {"x", "qr", "wo_a", "shared"}) == []
     assert step(1, set()) == []
 
 

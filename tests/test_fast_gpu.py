@@ -355,7 +355,7 @@ def test_shared_expert_in_the_combine_gives_the_same_bits(experts, where):
 
 
 def test_l2_prefetch_changes_no_bits(monkeypatch):
-    """L2_PREFETCH (the qr group before each attention sublayer, wo_a beside the attention, the
+    """L2_PREFETCH (the x and qr groups before each attention sublayer, wo_a beside the attention, the
     shared expert before each MoE sublayer, asked of L2 on a stream of their own): the step's greedy
     logits at 1 row (graphs with PDL) and in a batch of 16 (above L2_PREFETCH_MAX_ROWS: none), bit
     for bit against no prefetch, the prefetches launched and joined inside the graphs."""
@@ -378,9 +378,9 @@ def test_l2_prefetch_changes_no_bits(monkeypatch):
 
     want = run()
     assert not calls
-    monkeypatch.setattr(fast, "L2_PREFETCH", frozenset({"qr", "wo_a", "shared"}))
+    monkeypatch.setattr(fast, "L2_PREFETCH", frozenset({"x", "qr", "wo_a", "shared"}))
     got = run()
-    assert len(calls) >= 2 * 4  # two layers: the qr group, wo_a, w13 and w2 each, at least once
+    assert len(calls) >= 2 * 5  # two layers: the x and qr groups, wo_a, w13 and w2 each, at least once
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 

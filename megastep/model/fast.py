@@ -137,8 +137,8 @@ VOCAB_SPLIT = False
 # A/B spread: off.
 BESIDE_ON_RANKS = False
 # Weights asked of L2 (kernels/prefetch.py) on a stream of their own during the latency-bound stretch
-# before they are streamed, in steps of at most L2_PREFETCH_MAX_ROWS rows on one GPU: "qr" a layer's
-# wq_b (and the indexer's) during the mHC before its attention sublayer, "wo_a" during the attention,
+# before they are streamed, in steps of at most L2_PREFETCH_MAX_ROWS rows on one GPU: "x" a layer's wq_a
+# and wkv and "qr" its wq_b (and the indexer's) during the mHC before its attention sublayer, "wo_a" during the attention,
 # "shared" the shared expert's w1/w3 and w2 during the mHC, gate and routing before its MoE sublayer.
 # HBM idles in those stretches at few rows (docs/PERFORMANCE.md, 2026-12-04 night, item 3). No value
 # depends on a prefetch. Empty: off (built 2026-12-04 without a device; benchmarks/h200_checks.sh
@@ -536,8 +536,9 @@ class FastDecoder(MoeSublayer):
         """The prefetches of L2_PREFETCH that start with sublayer (L, kind), before its mHC launch."""
         lw = self.layers[L]
         if kind == "attn":
-            qr = lw["qr_fp8"]
-            self._prefetch("qr", rows, *([qr.fused.w] if qr.fused is not None else [p.w for p in qr.parts]))
+            for what in ("x", "qr"):
+                g = lw[f"{what}_fp8"]
+                self._prefetch(what, rows, *([g.fused.w] if g.fused is not None else [p.w for p in g.parts]))
         elif "shared13" in lw:
             self._prefetch("shared", rows, lw["shared13"][0], lw["shared"][2].w)
 
