@@ -170,7 +170,8 @@ def main() -> None:
         flag = " cpu only" if r["cpu_only"] else ""
         tail = " <- last wave %d %%" % round(100 * (r["waves"] % 1)) if 1 < r["waves"] and r["waves"] % 1 else ""
         print(f"{r['rows']:4} {r['kernel']:38} {r['count']:2} {r['programs']:8} {r['warps']:2} {r['regs']:4} "
-              f"{r['spill_stores']:3} {r['shared'] / 1024:5.1f}K {r['per_sm']:3} {r['limit']:10} {r['waves']:6.2f}{tail}{flag}")
+              f"{r['spill_stores']:3} {r['shared'] / 1024:5.1f}K {r['per_sm']:3} {r['limit']:10} {r['waves']:6.2f}"
+              f"{tail}{flag}")
 
 
 if __name__ == "__main__":

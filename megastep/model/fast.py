@@ -137,12 +137,12 @@ VOCAB_SPLIT = False
 # A/B spread: off.
 BESIDE_ON_RANKS = False
 # Weights asked of L2 (kernels/prefetch.py) on a stream of their own during the latency-bound stretch
-# before they are streamed, in steps of at most L2_PREFETCH_MAX_ROWS rows on one GPU: "x" a layer's wq_a
-# and wkv and "qr" its wq_b (and the indexer's) during the mHC before its attention sublayer, "wo_a" during the attention,
-# "shared" the shared expert's w1/w3 and w2 during the mHC, gate and routing before its MoE sublayer.
-# HBM idles in those stretches at few rows (docs/PERFORMANCE.md, 2026-12-04 night, item 3). No value
-# depends on a prefetch. Empty: off (built 2026-12-04 without a device; benchmarks/h200_checks.sh
-# `l2pf` measures it).
+# before they are streamed, in steps of at most L2_PREFETCH_MAX_ROWS rows on one GPU: "x" a layer's
+# wq_a and wkv and "qr" its wq_b (and the indexer's) during the mHC before its attention sublayer,
+# "wo_a" during the attention, "shared" the shared expert's w1/w3 and w2 during the mHC, gate and
+# routing before its MoE sublayer. HBM idles in those stretches at few rows (docs/PERFORMANCE.md,
+# 2026-12-04 night, item 3). No value depends on a prefetch. Empty: off (built 2026-12-04 without a
+# device; benchmarks/h200_checks.sh `l2pf` measures it).
 L2_PREFETCH: frozenset[str] = frozenset()
 L2_PREFETCH_MAX_ROWS = 4
 

@@ -29,8 +29,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from megastep.kernels import prefetch as PF
 sig = {"p": "*u8", "nbytes": "i64", "CHUNK": "constexpr", "CHUNKS": "constexpr"}
-src = ASTSource(fn=PF._l2_prefetch_kernel, signature=sig, constexprs={"CHUNK": PF.CHUNK, "CHUNKS": PF.CHUNKS_PER_PROGRAM},
-                attrs={(0,): [["tt.divisibility", 16]]})
+const = {"CHUNK": PF.CHUNK, "CHUNKS": PF.CHUNKS_PER_PROGRAM}
+src = ASTSource(fn=PF._l2_prefetch_kernel, signature=sig, constexprs=const, attrs={(0,): [["tt.divisibility", 16]]})
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
 print(k.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"))
 """
