@@ -28,7 +28,7 @@
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step A/B/A/B (~9 min)
 #   bash benchmarks/h200_checks.sh staged     # wo_a in the CUDA kernel that stages its weights during the attention (and prefetches its later waves into L2): GPU tests, step bits, A/B/A/B (~9 min)
-#   bash benchmarks/h200_checks.sh staged_more # then with the attention's early release and one-wave CSA plan, CTAs of 4 warps, wo_b and the x group staged too (~9 min)
+#   bash benchmarks/h200_checks.sh staged_more # then with the attention's early release, CTAs of 4 warps, wo_b and the x group staged too (~9 min)
 #   bash benchmarks/h200_checks.sh l2pf       # weights asked of L2 beside the latency-bound stretches (fast.L2_PREFETCH), with Triton's and the staged linears: tests, step A/B/A/B (~9 min)
 #   bash benchmarks/h200_checks.sh attnregs   # the HCA and window attention's one-row plans in 8 value slabs: bits, kernels, step A/B/A/B (~6 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
