@@ -56,6 +56,19 @@ def greedy_logits(steps=24, built=None):
     return toks, logits
 
 
+def alone_then_batched(built) -> list[torch.Tensor]:
+    """The logits of greedy_logits(steps=6) (one sequence, 1-row graphs), then of three steps of a
+    batch of 16 fresh rows (the 16-row bucket)."""
+    cfg, dec, runner = built
+    out = greedy_logits(steps=6, built=built)[1]
+    for s in range(16):
+        dec.pools.reset(s)
+    toks = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).cuda()
+    for t in range(3):
+        out.append(runner.run(toks, torch.full((16,), t, device="cuda"), torch.arange(16, device="cuda"))[0])
+    return out
+
+
 @pytest.mark.parametrize("experts", ["triton", "lut"])
 def test_same_input_same_bits(experts):
     built = build(experts=experts)
@@ -156,20 +169,10 @@ def test_cuda_routing_gives_the_triton_routers_bits(experts, monkeypatch):
     bit, at 1 row (graphs with PDL) and in a batch of 16."""
     from megastep.kernels import route_cuda
 
-    def run(built):
-        out = greedy_logits(steps=6, built=built)[1]
-        cfg, dec, runner = built
-        for s in range(16):
-            dec.pools.reset(s)
-        toks = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).cuda()
-        for t in range(3):
-            out.append(runner.run(toks, torch.full((16,), t, device="cuda"), torch.arange(16, device="cuda"))[0])
-        return out
-
-    want = run(build(experts=experts, router="triton"))
-    got = run(build(experts=experts, router="cuda"))
+    want = alone_then_batched(build(experts=experts, router="triton"))
+    got = alone_then_batched(build(experts=experts, router="cuda"))
     monkeypatch.setattr(route_cuda, "MAX_GROUPED_PAIRS", 0)
-    ungrouped = run(build(experts=experts, router="cuda"))
+    ungrouped = alone_then_batched(build(experts=experts, router="cuda"))
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(want, got, ungrouped))
 
 
@@ -366,20 +369,10 @@ def test_l2_prefetch_changes_no_bits(monkeypatch):
     launch = prefetch.prefetch_l2
     monkeypatch.setattr(prefetch, "prefetch_l2", lambda t: calls.append(t.shape) or launch(t))
 
-    def run():
-        cfg, dec, runner = built = build(experts="lut")
-        out = greedy_logits(steps=6, built=built)[1]
-        for s in range(16):
-            dec.pools.reset(s)
-        toks = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).cuda()
-        for t in range(3):
-            out.append(runner.run(toks, torch.full((16,), t, device="cuda"), torch.arange(16, device="cuda"))[0])
-        return out
-
-    want = run()
+    want = alone_then_batched(build(experts="lut"))
     assert not calls
     monkeypatch.setattr(fast, "L2_PREFETCH", frozenset({"x", "qr", "wo_a", "shared"}))
-    got = run()
+    got = alone_then_batched(build(experts="lut"))
     assert len(calls) >= 2 * 5  # two layers: the x and qr groups, wo_a, w13 and w2 each, at least once
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
@@ -400,14 +393,8 @@ def test_staged_linears_change_no_bits(monkeypatch):
 
     def run(shapes):
         monkeypatch.setattr(staged, "SHAPES", frozenset(shapes))
-        cfg, dec, runner = built = build(experts="lut")
-        out = greedy_logits(steps=6, built=built)[1]
-        for s in range(16):
-            dec.pools.reset(s)
-        toks = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).cuda()
-        for t in range(3):
-            out.append(runner.run(toks, torch.full((16,), t, device="cuda"), torch.arange(16, device="cuda"))[0])
-        return cfg, out
+        built = build(experts="lut")
+        return built[0], alone_then_batched(built)
 
     cfg, want = run(())
     assert not calls
