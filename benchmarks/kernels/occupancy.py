@@ -47,8 +47,10 @@ SMS = 132  # an H200's
 SM_SHARED = 228 << 10  # shared memory an SM can give its CTAs (sm_90)
 CTA_RESERVED = 1 << 10  # what the system keeps of it per CTA
 REGS = 65536
-# the modules whose launches the GPU replaces at these row counts (moe_lut, route_cuda)
-CPU_ONLY = {"moe", "router"}
+# the launches the GPU replaces at these row counts: the Triton experts (by moe_lut's) and the Triton
+# routing (by route_cuda's; the activation quantization between the experts' launches and moe_route's
+# grouping stay Triton's there)
+CPU_ONLY = {"moe._moe_gate_up_kernel", "moe._moe_down_kernel", "router.*"}
 
 
 def per_sm(warps: int, regs: int, shared: int) -> tuple[int, str]:
@@ -125,7 +127,7 @@ def table(launches: list[dict], res: dict[str, dict]) -> list[dict]:
             continue
         programs = math.prod(r["grid"])
         row = dict(rows=r["rows"], kernel=k[1], grid=list(r["grid"]), programs=programs, count=1,
-                   cpu_only=r["module"] in CPU_ONLY,
+                   cpu_only=bool({k[1], f"{r['module']}.*"} & CPU_ONLY),
                    constexprs={c: v for c, v in r["constexprs"].items() if c.isupper() and c != "INTERPRET"},
                    options=r["options"], **res[key])
         if "error" not in row:
