@@ -48,9 +48,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 import bench_kernels as BK  # noqa: E402
 from triton.language.extra import cuda as tlc  # noqa: E402
 
-from megastep.kernels import common  # noqa: E402
 from megastep.kernels import linear_fp8 as LIN  # noqa: E402
-from megastep.kernels import linear_fp8_staged as ST  # noqa: E402
 
 SHAPES = {"x_group": (1536, 4096, 1), "qr_group": (40960, 1024, 1), "wo_a": (8192, 4096, 8),
           "wo_b": (4096, 8192, 1), "shared_w2": (4096, 2048, 1)}
@@ -95,13 +93,8 @@ def _spin_release_kernel(out_ptr, ns):
 def _with_staged(fn, shape: tuple[int, int, int] | None, prefetch: bool = False):
     """fn with linear_fp8 taking the twin for `shape` (None: never) and PDL on, meanwhile."""
     def run():
-        old = ST.SHAPES, ST.PREFETCH_LATER_WAVES, common.set_pdl(True)
-        ST.SHAPES, ST.PREFETCH_LATER_WAVES = frozenset({shape} if shape else ()), prefetch
-        try:
+        with BK.staged_twin(shape, prefetch=prefetch, pdl=True):
             return fn()
-        finally:
-            ST.SHAPES, ST.PREFETCH_LATER_WAVES = old[:2]
-            common.set_pdl(old[2])
     return run
 
 

@@ -92,12 +92,8 @@ def _staged(call, shape: tuple[int, int, int], warps: int, prefetch: bool):
     """`call` with linear_fp8 taking linear_fp8_staged (CTAs of `warps` warps, the later waves' L2
     prefetch on or off) for `shape` meanwhile."""
     def run(*a):
-        old = ST.SHAPES, ST.WARPS, ST.PREFETCH_LATER_WAVES
-        ST.SHAPES, ST.WARPS, ST.PREFETCH_LATER_WAVES = frozenset({shape}), warps, prefetch
-        try:
+        with BK.staged_twin(shape, warps, prefetch):
             return call(*a)
-        finally:
-            ST.SHAPES, ST.WARPS, ST.PREFETCH_LATER_WAVES = old
     return run
 
 

@@ -84,7 +84,7 @@ def record(rows: list[int], context: int) -> list[dict]:
         m = importlib.import_module(f"megastep.kernels.{mod}")
         if hasattr(m, "on_interpreter"):
             m.on_interpreter = lambda t: False
-    common._sm_count = lambda device: SMS
+    common.sm_count = lambda device: SMS
     launches: list[dict] = []
     now = {"rows": 0}
     KL.install_recorders(lambda rec: launches.append({**rec, "rows": now["rows"]}))

@@ -83,7 +83,7 @@ def pdl_enabled() -> bool:
     return _PDL
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     i = device.index if device.index is not None else torch.cuda.current_device()
     if i not in _SMS:
         _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
@@ -102,7 +102,7 @@ def launch_opts(t: torch.Tensor, grid: tuple[int, ...], stream_bytes: int = 0) -
     programs = 1
     for g in grid:
         programs *= g
-    return {"PDL": PDL_EARLY if programs <= _sm_count(t.device) else PDL_LATE, "launch_pdl": True}
+    return {"PDL": PDL_EARLY if programs <= sm_count(t.device) else PDL_LATE, "launch_pdl": True}
 
 
 def prefetch_lines(opts: dict, k_bytes: int) -> int:

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from megastep.kernels.common import pdl_enabled, workspace
+from megastep.kernels.common import pdl_enabled, sm_count, workspace
 from megastep.kernels.cuda_module import CudaModule, find_nvcc
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "linear_fp8_staged.cu")
@@ -60,11 +60,6 @@ SHAPES: frozenset[tuple[int, int, int]] = frozenset()
 @functools.cache
 def _have_nvcc() -> bool:
     return find_nvcc() is not None
-
-
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def shared_bytes(nt: int, nb: int, warps: int) -> int:
@@ -111,7 +106,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.T
     pdl = pdl_enabled()
     mode = (2 if RELEASE_AT_ENTRY else 1) if pdl else 0  # the .cu's pdl: 0 off, 1 release after the loop, 2 at entry
     # the .cu's pf: the first wave's CTAs, at least one per SM (more: the same bytes asked twice)
-    pf = _sms(x.device.index) if PREFETCH_LATER_WAVES else 0
+    pf = sm_count(x.device) if PREFETCH_LATER_WAVES else 0
     _KERNELS[(nt, nb, warps)].launch(grid, (32 * warps, 1, 1), shared_bytes(nt, nb, warps), None,
                               x, x.stride(0), w.view(torch.uint8), w.stride(0), w_scale.view(torch.uint8),
                               w_scale.stride(0), out, out.stride(0), int(out.dtype == torch.bfloat16), part, cnt,

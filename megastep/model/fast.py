@@ -537,8 +537,7 @@ class FastDecoder(MoeSublayer):
         lw = self.layers[L]
         if kind == "attn":
             for what in ("x", "qr"):
-                g = lw[f"{what}_fp8"]
-                self._prefetch(what, rows, *([g.fused.w] if g.fused is not None else [p.w for p in g.parts]))
+                self._prefetch(what, rows, *lw[f"{what}_fp8"].weights)
         elif "shared13" in lw:
             self._prefetch("shared", rows, lw["shared13"][0], lw["shared"][2].w)
 

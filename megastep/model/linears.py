@@ -82,6 +82,11 @@ class LinearGroup:
         if like_rows is not None and self.fused is None and len(parts) > 1:
             raise ValueError("like_rows needs the group in one launch: parts that fuse")
 
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """The weight tensors its launches stream: the fused one, or each part's."""
+        return [self.fused.w] if self.fused is not None else [p.w for p in self.parts]
+
     def _config(self, x: torch.Tensor, w: torch.Tensor) -> _lin.LinearFp8Config | None:
         """like_rows' configuration for x through w (None: the kernel's own pick)."""
         return None if self.like_rows is None else _lin.pick_config(x.shape[0], self.like_rows, w.shape[1])
