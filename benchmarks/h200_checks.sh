@@ -26,11 +26,10 @@
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
-#   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step A/B/A/B (~9 min)
-#   bash benchmarks/h200_checks.sh staged     # wo_a in the CUDA kernel that stages its weights during the attention (and prefetches its later waves into L2): GPU tests, step bits, A/B/A/B (~9 min)
-#   bash benchmarks/h200_checks.sh staged_more # then with the attention's early release, CTAs of 4 warps, wo_b and the x group staged too (~9 min)
-#   bash benchmarks/h200_checks.sh l2pf       # weights asked of L2 beside the latency-bound stretches (fast.L2_PREFETCH), with Triton's and the staged linears: tests, step A/B/A/B (~9 min)
-#   bash benchmarks/h200_checks.sh attnregs   # the HCA and window attention's one-row plans in 8 value slabs: bits, kernels, step A/B/A/B (~6 min)
+#   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
+#   bash benchmarks/h200_checks.sh arms       # the step arms built without a device (the staged wo_a / wo_b, the L2 prefetch, 8-slab attention plans), their kernels' tests first, 3 rounds in one process (~8 min)
+#   bash benchmarks/h200_checks.sh verify     # then the step's bit tests with them and each new kernel alone (~9 min)
+#   bash benchmarks/h200_checks.sh smallpins  # the x group's, the router gate's and the shared w2's K splits in the step, 3 rounds in one process (~6 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
 #   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
@@ -64,17 +63,20 @@ if [ "${1:-}" = "--deadline" ]; then
 fi
 DEADLINE=$((SECONDS + budget))
 
+last_rc=0  # the last step's exit status (a skipped step: 124)
 step() {  # step NAME SECONDS command...
   local name=$1 limit=$2
   shift 2
   local t0=$SECONDS left=$((DEADLINE - SECONDS))
   if [ "$left" -lt 20 ]; then
     summary+=("$(printf '%-26s skipped: the call has %ss left' "$name" "$left")")
+    last_rc=124
     return
   fi
   [ "$limit" -gt "$left" ] && limit=$left
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
+  last_rc=$rc
   summary+=("$(printf '%-26s rc=%-3s %4ss  ' "$name" "$rc" "$((SECONDS - t0))")$(tail -1 "$OUT/$name.log" | cut -c1-90)")
 }
 
@@ -93,6 +95,27 @@ bench_with() {  # bench_with NAME SECONDS PRE bench-args...
   step "$name" "$limit" python3 -c "$pre; import sys; from megastep.cli import main; sys.exit(main(sys.argv[1:]))" \
     bench --preset v4-flash --context 4096 --iters 20 --json "$OUT/$name.json" "$@"
 }
+
+# Arms of the step in one process (benchmarks/ab_step.py): the decoder is built once and each arm
+# (--arm NAME=STATEMENTS, settings read when a step is captured or a kernel launched) gets fresh
+# graphs, rounds interleaved; a few seconds an arm instead of bench_with's ~50. Its table is the
+# log's tail (the step's summary line shows only the last line).
+ab() {  # ab NAME SECONDS ab_step-args...
+  local name=$1 limit=$2
+  shift 2
+  step "$name" "$limit" python3 benchmarks/ab_step.py --preset v4-flash --context 4096 --iters 20 \
+    --json "$OUT/$name.json" "$@"
+  tail -n 40 "$OUT/$name.log" | grep -E '^ *[0-9]+ ' >"$OUT/$name.table" && summary+=("$(cat "$OUT/$name.table")")
+}
+
+# HCA's and the window's one-row attention plans with the value columns over 8 programs instead of 4 (96 and 128
+# programs, one wave; Triton 3.6 as the step launches them: HCA 106 registers and 1077 SASS instructions per KV
+# step against 141 and 1163, the window 72 and 1832 against 96 and 2152: benchmarks/kernels/occupancy.py). The same
+# bits (bit-neutral settings). (CSA's one-row plan takes 114 registers, two programs per SM: one wave already; its
+# value split over 8 would take 143, three waves.)
+ATTN_V8='import dataclasses, megastep.kernels.attention as a; f = a._PINNED_FEW_ROWS; r = dataclasses.replace'
+ATTN_V8="$ATTN_V8; f[(64, 161, 512)] = (1, r(f[(64, 161, 512)][1], dv_split=8))"
+ATTN_V8="$ATTN_V8; f[(64, 128, 512)] = (1, r(f[(64, 128, 512)][1], dv_split=8))"
 
 all_gpus() {  # the lent machines' NCCL settings; n = the GPUs, gpus = their ids for --gpus
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
@@ -243,7 +266,7 @@ for group in "$@"; do
     csa64)  # CSA attention on the 2026-12-04 sweep's winner, h16 n64 c64 w8 (alone 22.4 / 214.2 us at 1 / 64 rows against
       # the pin's 30.7 / 230.3; other sums, so for every batch), with the value split over 4 programs at 1 row (never
       # timed): that plan bit for bit against it and timed at 1-4 rows, the attention and step bit tests under it, then
-      # the step A/B/A/B against the pin. The candidate is a module setting (the pins in attention._PINNED).
+      # the step against the pin, 3 rounds in one process. The candidate is a module setting (attention._PINNED).
       C='import megastep.kernels.attention as a; C = a.AttnConfig'
       n64="$C; a._PINNED[(64, 640, 512)] = C(16, 64, 64, 2, 8, 2, 4, 128)"
       n64="$n64; a._PINNED_FEW_ROWS[(64, 640, 512)] = (1, C(16, 64, 64, 2, 8, 2, 4, 128, 4))"
@@ -252,74 +275,66 @@ for group in "$@"; do
       step csa64_tests 200 python3 -c "$n64; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', '--timeout', '150', \
         '-m', 'gpu', 'tests/kernels/test_attention.py', 'tests/test_fast_gpu.py', '-k', \
         'pools or few or v4_shapes or same_input or alone or graph_replay']))"
-      for arm in a b; do
-        bench "csa_pin_$arm" 120 --layers 30 --batch 1,2,4,16,64
-        bench_with "csa64_$arm" 60 "$n64" --layers 30 --batch 1,2,4,16,64
-      done ;;
-    staged)  # linear_fp8_staged (built 2026-12-04 without a device): each CTA copies its weights into shared memory
-      # before it waits for its input. Its GPU tests (Triton's bits), the step's bits with it, then the twin and the
-      # Triton loop alone and behind a 10 / 20 us spin that releases them at entry (l2_prefetch.py
-      # --staged: what staging is worth behind an idle predecessor, with and without the later waves' L2 prefetch);
-      # A/B/A/B: wo_a's launch staged with that prefetch (behind the attention, which releases it after its KV loop)
-      step staged_tests 110 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py
-      step staged_step_test 110 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/test_fast_gpu.py -k staged
-      step staged_spin 90 python3 benchmarks/kernels/l2_prefetch.py --staged --json "$OUT/staged_spin.json"
-      S='import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(8192, 4096, 8)})'
-      for arm in a b; do
-        bench "staged_off_$arm" 100 --layers 30 --batch 1,2,4,16
-        bench_with "staged_wo_a_pf_$arm" 50 "$S; s.PREFETCH_LATER_WAVES = True" --layers 30 --batch 1,2,4,16
-      done ;;
-    staged_more)  # after `staged`: wo_a staged (its later waves prefetched into L2) with the attention releasing it at
-      # entry, then wo_b staged too (behind wo_a, which releases it at entry), A/B; once each: wo_a in CTAs of 4 warps,
-      # and the x group staged too (behind the mHC);
-      # first the plain FP8 linears alone against the CUDA twin (nothing before a call to stage behind: its loop's time)
-      step staged_kernels 100 python3 benchmarks/kernels/linear_variants.py --out "$OUT/staged_kernels" --ms 1,4,16 \
-        --staged --shapes x_group,qr_group,wo_a,wo_b,shared_w2
+      ab csa64 240 --layers 30 --batch 1,2,4,16,64 --rounds 3 --arm pin= --arm "n64=$n64" ;;
+    arms)  # every step arm built without a device since the twenty-seventh measurement, in one process
+      # (ab_step.py), 3 rounds at 1-16 rows: wo_a through linear_fp8_staged (its weights copied into shared memory
+      # before it waits for the attention; built 2026-12-04), with its later waves prefetched into L2, with the
+      # attention releasing it at entry, in CTAs of 4 warps, with wo_b staged behind it (released at entry);
+      # fast.L2_PREFETCH with the Triton linears and with the plain shapes of few rows through the staged twin; HCA's
+      # and the window's one-row attention plans in 8 value slabs (attnregs). First the new kernels' own GPU tests:
+      # an arm whose kernel fails them is left out (a crash ends every later arm of the process). The step's bit
+      # tests with them: `verify`, for the winners.
+      step arms_staged_tests 150 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py
+      st=$last_rc
+      step arms_prefetch_tests 90 python3 -m pytest -q -rfE --timeout 80 -m gpu tests/kernels/test_prefetch.py
+      pf=$last_rc
       S='import megastep.kernels.linear_fp8_staged as s, megastep.kernels.attention as a'
-      S="$S; s.SHAPES = frozenset({(8192, 4096, 8)}); s.PREFETCH_LATER_WAVES = True; a.RELEASE_AT_ENTRY_ROWS = 1"
-      for arm in a b; do
-        bench "staged_more_off_$arm" 100 --layers 30 --batch 1,2,4
-        bench_with "staged_early_$arm" 50 "$S" --layers 30 --batch 1,2,4
-        bench_with "staged_early_wo_b_$arm" 50 "$S; s.SHAPES |= {(4096, 8192, 1)}; s.RELEASE_AT_ENTRY = True" \
-          --layers 30 --batch 1,2,4
-      done
-      bench_with staged_early_w4 50 "$S; s.WARPS = 4" --layers 30 --batch 1,2,4
-      bench_with staged_early_wo_b_x 50 "$S; s.SHAPES |= {(4096, 8192, 1), (1536, 4096, 1)}; s.RELEASE_AT_ENTRY = True" \
-        --layers 30 --batch 1,2,4 ;;
-    l2pf)  # fast.L2_PREFETCH (built 2026-12-04 without a device): the x and qr groups during the mHC before each
-      # attention sublayer, wo_a during the attention, the shared expert during the mHC and routing, asked of L2 on a
-      # stream of their own. Its GPU tests (the kernel, the step's bits), then the step at 1-4 rows A/B/A/B: off; on
-      # with the Triton linears; on with the x group, wq_b, the indexer's rows, wo_a and the shared w2 through the
-      # staged twin (reading L2 in its copies)
-      step l2pf_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_prefetch.py \
-        tests/test_fast_gpu.py -k "prefetch or staged"
+      S="$S; s.SHAPES = frozenset({(8192, 4096, 8)}); s.PREFETCH_LATER_WAVES = True"
       P='import megastep.model.fast as f; f.L2_PREFETCH = frozenset({"x", "qr", "wo_a", "shared"})'
-      Q="$P; import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(1536, 4096, 1), (32768, 1024, 1),"
-      Q="$Q (8192, 1024, 1), (8192, 4096, 8), (4096, 2048, 1)})"
-      for arm in a b; do
-        bench "l2pf_off_$arm" 100 --layers 30 --batch 1,2,4
-        bench_with "l2pf_on_$arm" 50 "$P" --layers 30 --batch 1,2,4
-        bench_with "l2pf_staged_$arm" 50 "$Q" --layers 30 --batch 1,2,4
-      done ;;
-    attnregs)  # HCA's and the window's one-row plans with the value columns over 8 programs instead of 4 (96 and 128
-      # programs, one wave; Triton 3.6 as the step launches them: HCA 106 registers and 1077 SASS instructions per KV
-      # step against 141 and 1163, the window 72 registers and 1832 instructions against 96 and 2152;
-      # benchmarks/kernels/occupancy.py's records). The same bits (bit-neutral settings). The plans' bit tests and
-      # times against the pins', then the step A/B/A/B at 1 row (the plans' only row count) and 2 (a control).
-      # (CSA's one-row plan takes 114 registers, two programs per SM: one wave already; its value split over 8
-      # would take 143, three waves.)
-      R='import dataclasses, megastep.kernels.attention as a; f = a._PINNED_FEW_ROWS; r = dataclasses.replace'
-      R="$R; f[(64, 161, 512)] = (1, r(f[(64, 161, 512)][1], dv_split=8))"
-      R="$R; f[(64, 128, 512)] = (1, r(f[(64, 128, 512)][1], dv_split=8))"
-      step attnregs_few 100 python3 -c "$R; import runpy, sys; sys.argv = ['attn_few_rows.py', '--rows', '1', \
-        '--json', '$OUT/attnregs_few.json']; runpy.run_path('benchmarks/kernels/attn_few_rows.py', run_name='__main__')"
-      step attnregs_tests 150 python3 -c "$R; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', '--timeout', \
-        '120', 'tests/kernels/test_attention.py', 'tests/test_fast_gpu.py', '-k', \
-        'few or register_cap or value_split or v4_shapes or alone or same_input']))"
-      for arm in a b; do
-        bench "regs_off_$arm" 100 --layers 30 --batch 1,2
-        bench_with "regs_plans_$arm" 50 "$R" --layers 30 --batch 1,2
-      done ;;
+      plain='(1536, 4096, 1), (32768, 1024, 1), (8192, 1024, 1), (8192, 4096, 8), (4096, 2048, 1)'
+      arms=(--arm off= --arm "attn_v8=$ATTN_V8")
+      if [ "$st" = 0 ]; then
+        arms+=(--arm "wo_a_st=${S/; s.PREFETCH_LATER_WAVES = True/}" --arm "wo_a_st_pf=$S"
+          --arm "st_early=$S; a.RELEASE_AT_ENTRY_ROWS = 1" --arm "st_early_w4=$S; a.RELEASE_AT_ENTRY_ROWS = 1; s.WARPS = 4"
+          --arm "st_early_wo_b=$S; a.RELEASE_AT_ENTRY_ROWS = 1; s.SHAPES |= {(4096, 8192, 1)}; s.RELEASE_AT_ENTRY = True")
+      else
+        summary+=("the staged arms left out: the kernel's GPU tests did not pass")
+      fi
+      if [ "$pf" = 0 ]; then
+        arms+=(--arm "l2pf=$P")
+        [ "$st" = 0 ] && arms+=(--arm "l2pf_st=$P; import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({$plain})")
+      else
+        summary+=("the L2 prefetch arms left out: the kernel's GPU tests did not pass")
+      fi
+      ab arms 330 --layers 30 --batch 1,2,4,16 --rounds 3 "${arms[@]}" ;;
+    smallpins)  # the short launches on the 1-row step's latency chain with other K splits: the x group (wq_a + wkv,
+      # 6 MB, after each attention sublayer's mHC: 5.2 us after its input in the 1-row timeline) and the router's gate
+      # (bf16, 2 MB, after each MoE sublayer's mHC: 5.2 us), and the shared w2 that closes the MoE sublayer beside
+      # down. Their splits were tuned alone on cold weights; in the step they are placed early behind the mHC with
+      # their tiles prefetched into L2 (common.prefetch_lines: the whole tile at these sizes), where fewer and longer or
+      # more and shorter programs may win. Each split for every row bucket (other sums, the same at every batch), 3
+      # rounds in one process at 1-64 rows.
+      pin() {  # pin N K SPLIT: linear_fp8's pins of (N, K) for every row bucket, with SPLIT
+        echo "import dataclasses, megastep.kernels.linear_fp8 as L; [L._PINNED.__setitem__(($1, $2, mb), \
+dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 64)]"
+      }
+      G='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig'
+      ab smallpins 330 --layers 30 --batch 1,2,4,16,64 --rounds 3 --arm off= --arm "x4=$(pin 1536 4096 4)" \
+        --arm "x16=$(pin 1536 4096 16)" --arm "gate16=$G(32, 256, 16, 4, 3)" --arm "gate8=$G(32, 256, 8, 4, 3)" \
+        --arm "w2_2=$(pin 4096 2048 2)" --arm "w2_8=$(pin 4096 2048 8)" ;;
+    verify)  # after `arms`: the step's bit tests with the staged twin, the L2 prefetch and the 8-slab attention plans
+      # (their settings by the tests themselves; the plans as module settings), then each new kernel alone: the staged
+      # twin against the Triton loop alone, on weights in L2 and behind a spin that releases it at entry
+      # (l2_prefetch.py --staged), the plain linears and the twin (linear_variants.py --staged), the 8-slab plans
+      step verify_step_tests 180 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_fast_gpu.py -k "staged or prefetch"
+      step verify_attn_tests 120 python3 -c "$ATTN_V8; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', \
+        '--timeout', '100', 'tests/kernels/test_attention.py', 'tests/test_fast_gpu.py', '-k', \
+        'few or value_split or v4_shapes or alone or same_input']))"
+      step verify_spin 100 python3 benchmarks/kernels/l2_prefetch.py --staged --json "$OUT/staged_spin.json"
+      step verify_linears 90 python3 benchmarks/kernels/linear_variants.py --out "$OUT/staged_kernels" --ms 1,4,16 \
+        --staged --shapes x_group,qr_group,wo_a,wo_b,shared_w2
+      step verify_attn_few 60 python3 -c "$ATTN_V8; import runpy, sys; sys.argv = ['attn_few_rows.py', '--rows', '1', \
+        '--json', '$OUT/attn_v8_few.json']; runpy.run_path('benchmarks/kernels/attn_few_rows.py', run_name='__main__')" ;;
     probe)  # where a 1- and 4-row experts call's launches spend their time: the probe build's stamps (moe_lut_probe.py)
       step lut_probe 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT" --ms 1,4
       step lut_probe_pdl 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/pdl" --ms 1,4 --pdl
@@ -417,7 +432,7 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | staged | staged_more | attnregs | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | arms | verify | smallpins | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
       exit 2 ;;
   esac
 done

@@ -22,6 +22,7 @@ Method (docs/PERFORMANCE.md quotes it):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import re
@@ -271,12 +272,38 @@ def _check_args(args: argparse.Namespace, batches: list[int]) -> None:
         raise UserError("megastep bench needs a CUDA device")
 
 
-def run_bench(args: argparse.Namespace, rank=None) -> dict:
-    """The benchmark on one GPU, or (rank: a runtime.distributed.Rank) as one rank of an
-    expert-parallel run: the rank holds 1/W of the routed experts, every step all-reduces the
-    pair outputs (NCCL, inside the graphs), and bytes and roofline are per GPU."""
+@dataclasses.dataclass
+class BenchSetup:
+    """What a run sets up once before it times any step (`setup`): the decoder on its weights, its
+    bytes, placement and the bandwidths measured in the run."""
+    cfg: ModelConfig
+    dec: object  # model.fast.FastDecoder
+    batches: list[int]
+    world_size: int
+    wbytes: dict[str, int]
+    split_bytes: int  # of the weights a head-split attention divides over the ranks
+    placement: object  # runtime.experts.Placement
+    host_bw: float | None
+    cpu_bw: float | None
+    cpu_share: float | None
+    gen_s: float
+    bw: float  # the device's streaming read, GB/s
+    cold_bw: float | None  # the cold bytes' path, GB/s
+    peer: dict | None  # peer_transformers' line (--peer-layers, one GPU)
+
+    def runner(self, args: argparse.Namespace):
+        """A StepRunner of fresh CUDA graphs (captured at their first replay) for the batches."""
+        from megastep.runtime.step import StepRunner
+
+        step = self.dec.step if args.block == 1 else functools.partial(self.dec.step, block=args.block)
+        return StepRunner(step, self.dec.device, self.dec.pools.dummy_slot, buckets=self.batches)
+
+
+def setup(args: argparse.Namespace, rank=None) -> BenchSetup:
+    """Check the arguments, run the transformers peer (--peer-layers), build the decoder on synthetic
+    weights with every row's state filled at `--context`, and measure the bandwidths of the roofline
+    (rank: as in run_bench)."""
     from megastep.model.fast import FastDecoder
-    from megastep.runtime.step import StepRunner
 
     batches = _batches(args.batch)
     _check_args(args, batches)
@@ -321,29 +348,47 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
     bw = stream_read_bandwidth(dev)
     # the cold bytes' path: the GPU's host reads, the CPU's, or both at once (ideal split)
     cold_bw = {"gpu": host_bw, "cpu": cpu_bw, "hybrid": (host_bw or 0) + (cpu_bw or 0)}[args.cold_path]
-    step = dec.step if args.block == 1 else functools.partial(dec.step, block=args.block)
-    runner = StepRunner(step, dev, dec.pools.dummy_slot, buckets=batches)
+    return BenchSetup(cfg, dec, batches, W, wbytes, split_bytes, placement, host_bw, cpu_bw, cpu_share, gen_s, bw,
+                      cold_bw, peer)
+
+
+def measure(run: BenchSetup, runner, args: argparse.Namespace) -> list[dict]:
+    """Each batch's step times through `runner` (graph replays), with its bytes and roofline."""
     results = []
-    for B in batches:
+    W, dec = run.world_size, run.dec
+    for B in run.batches:
         ms = time_graph(runner, B, args.context, args.iters, block=args.block)
         p50 = pct(ms, 50)
-        nb = step_bytes(cfg, wbytes, B, args.context, placement)
+        nb = step_bytes(run.cfg, run.wbytes, B, args.context, run.placement)
         if W > 1:  # per GPU: its share of the routed experts (uniformly spread expectation)
             nb["routed_experts"] /= W
             if dec.split_peer is not None:  # and of the head-split attention weights
-                nb["dense"] -= split_bytes * (W - 1) / W
+                nb["dense"] -= run.split_bytes * (W - 1) / W
             if dec.vocab_peer is not None:  # and of the lm head
                 nb["head"] /= W
             nb["total"] = nb["dense"] + nb["routed_experts"] + nb["head"] + nb["state"]
-        roof_ms = (nb["total"] / (bw * 1e9) + (nb["host_experts"] / (cold_bw * 1e9) if cold_bw else 0.0)) * 1e3
+        roof_ms = (nb["total"] / (run.bw * 1e9)
+                   + (nb["host_experts"] / (run.cold_bw * 1e9) if run.cold_bw else 0.0)) * 1e3
         results.append({
             "batch": B, "ms_p50": p50, "ms_p90": pct(ms, 90), "ms_p99": pct(ms, 99),
             "tokens_per_s": B / p50 * 1e3, "bytes": nb, "roofline_ms": roof_ms,
             "pct_of_roofline": 100 * roof_ms / p50,
             "achieved_GBps": (nb["total"] + nb["host_experts"]) / (p50 / 1e3) / 1e9,
         })
+    return results
+
+
+def run_bench(args: argparse.Namespace, rank=None) -> dict:
+    """The benchmark on one GPU, or (rank: a runtime.distributed.Rank) as one rank of an
+    expert-parallel run: the rank holds 1/W of the routed experts, every step all-reduces the
+    pair outputs (NCCL, inside the graphs), and bytes and roofline are per GPU."""
+    run = setup(args, rank)
+    cfg, dec, W, batches, placement, peer = run.cfg, run.dec, run.world_size, run.batches, run.placement, run.peer
+    runner = run.runner(args)
+    results = measure(run, runner, args)
+    cpu_share, cpu_bw, host_bw, bw, gen_s = run.cpu_share, run.cpu_bw, run.host_bw, run.bw, run.gen_s
     out = {
-        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev),
+        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dec.device),
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers, "gpus": W,
         "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": cpu_share,
         "cpu_read_GBps": cpu_bw,

@@ -1,0 +1,94 @@
+"""benchmarks/ab_step.py's arms without a GPU: each arm sees its own settings and only its own (the
+modules are put back after every arm, pin tables changed in place included), a failing arm loses
+nothing, and bad --arm specs give one clear error."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import ab_step  # noqa: E402
+from megastep.errors import UserError  # noqa: E402
+from megastep.kernels import attention, linear_fp8_staged  # noqa: E402
+from megastep.model import fast  # noqa: E402
+
+ON = ("import megastep.model.fast as f, megastep.kernels.attention as a; f.L2_PREFETCH = frozenset({'x', 'qr'}); "
+      "a._PINNED_FEW_ROWS[(1, 2, 3)] = 'pin'; a.ARM_ONLY = 7; "
+      "import megastep.kernels.linear_fp8_staged as s; s.SHAPES |= {(8192, 4096, 8)}")
+
+
+def test_what_the_measurement_fills_stays():
+    """A cache the measurement fills (not the arm's statements) is left for the next arm."""
+    def fill():
+        fast._AB_CACHE = getattr(fast, "_AB_CACHE", 0) + 1
+        return [{"batch": 1, "ms_p50": float(fast._AB_CACHE)}]
+
+    try:
+        table = ab_step.run_arms([("off", ""), ("on", ON)], 1, fill, log=lambda *_: None)
+        assert [rec["results"][0]["ms_p50"] for rec in table[0]] == [1.0, 2.0] and fast._AB_CACHE == 2
+    finally:
+        del fast._AB_CACHE
+
+
+def seen():
+    """What a step launched now would read."""
+    return [{"batch": 1, "ms_p50": 1.0 + len(fast.L2_PREFETCH), "pin": attention._PINNED_FEW_ROWS.get((1, 2, 3)),
+             "arm_only": getattr(attention, "ARM_ONLY", None), "staged": sorted(linear_fp8_staged.SHAPES)}]
+
+
+def test_arms_see_their_settings_and_are_undone():
+    before = (fast.L2_PREFETCH, dict(attention._PINNED_FEW_ROWS), linear_fp8_staged.SHAPES)
+    seen_so_far = []
+    table = ab_step.run_arms([("off", ""), ("on", ON)], 2, seen, log=lambda *_: None,
+                             progress=lambda t: seen_so_far.append([[rec["arm"] for rec in row] for row in t]))
+    assert [[rec["arm"] for rec in row] for row in table] == [["off", "on"], ["off", "on"]]
+    assert seen_so_far == [[["off"]], [["off", "on"]], [["off", "on"], ["off"]], [["off", "on"], ["off", "on"]]]
+    for off, on in table:
+        assert off["results"][0] == {"batch": 1, "ms_p50": 1.0, "pin": None, "arm_only": None, "staged": []}
+        assert on["results"][0] == {"batch": 1, "ms_p50": 3.0, "pin": "pin", "arm_only": 7,
+                                    "staged": [(8192, 4096, 8)]}
+        assert off["changed"] == []
+        assert sorted(on["changed"]) == ["megastep.kernels.attention.ARM_ONLY",
+                                         "megastep.kernels.attention._PINNED_FEW_ROWS",
+                                         "megastep.kernels.linear_fp8_staged.SHAPES", "megastep.model.fast.L2_PREFETCH"]
+    assert fast.L2_PREFETCH is before[0] and attention._PINNED_FEW_ROWS == before[1]
+    assert linear_fp8_staged.SHAPES is before[2] and not hasattr(attention, "ARM_ONLY")
+    text = ab_step.summarize([("off", ""), ("on", ON)], table)
+    assert "1.000 / 1.000" in text and "3.000 / 3.000" in text and "+200.00%" in text
+
+
+def test_a_failing_arm_records_its_error_and_the_others_run():
+    bad = "import megastep.model.fast as f; f.L2_PREFETCH = frozenset({'x'}); raise RuntimeError('no kernel')"
+    table = ab_step.run_arms([("off", ""), ("bad", bad)], 1, seen, log=lambda *_: None)
+    off, failed = table[0]
+    assert off["results"][0]["ms_p50"] == 1.0
+    assert failed["error"] == "RuntimeError: no kernel" and "results" not in failed
+    assert failed["changed"] == ["megastep.model.fast.L2_PREFETCH"] and fast.L2_PREFETCH == frozenset()
+    assert "bad" in ab_step.summarize([("off", ""), ("bad", bad)], table).splitlines()[-1]
+
+
+@pytest.mark.parametrize("specs, message", [
+    ([], "at least one --arm"),
+    (["off"], "NAME=STATEMENTS"),
+    (["=x = 1"], "NAME=STATEMENTS"),
+    (["a b=x = 1"], "NAME=STATEMENTS"),
+    (["off=", "off=x = 1"], "given twice"),
+    (["on=x = = 1"], "do not parse"),
+])
+def test_bad_arms_are_refused(specs, message):
+    with pytest.raises(UserError, match=message):
+        ab_step.parse_arms(specs)
+
+
+def test_arms_parse():
+    assert ab_step.parse_arms(["off=", "l2pf=import x; x.Y = {'a': 1}"]) == [("off", ""),
+                                                                          ("l2pf", "import x; x.Y = {'a': 1}")]
+
+
+def test_cli_refuses_what_it_cannot_do(capsys):
+    assert ab_step.main(["--arm", "off=", "--trace"]) == 2
+    assert "--trace is megastep bench's alone" in capsys.readouterr().err
+    assert ab_step.main(["--arm", "off", "--layers", "2"]) == 2
+    assert "NAME=STATEMENTS" in capsys.readouterr().err
