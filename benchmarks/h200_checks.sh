@@ -105,7 +105,7 @@ ab() {  # ab NAME SECONDS ab_step-args...
   shift 2
   step "$name" "$limit" python3 benchmarks/ab_step.py --preset v4-flash --context 4096 --iters 20 \
     --json "$OUT/$name.json" "$@"
-  tail -n 40 "$OUT/$name.log" | grep -E '^ *[0-9]+ ' >"$OUT/$name.table" && summary+=("$(cat "$OUT/$name.table")")
+  tail -n 80 "$OUT/$name.log" | grep -E '^ *[0-9]+ ' >"$OUT/$name.table" && summary+=("$(cat "$OUT/$name.table")")
 }
 
 # HCA's and the window's one-row attention plans with the value columns over 8 programs instead of 4 (96 and 128

@@ -92,3 +92,38 @@ def test_cli_refuses_what_it_cannot_do(capsys):
     assert "--trace is megastep bench's alone" in capsys.readouterr().err
     assert ab_step.main(["--arm", "off", "--layers", "2"]) == 2
     assert "NAME=STATEMENTS" in capsys.readouterr().err
+
+
+def test_main_writes_each_arm_and_the_table(tmp_path, monkeypatch, capsys):
+    """main's wiring without a GPU: bench.setup and bench.measure stand-ins, the JSON after every arm."""
+    import json
+    import types
+
+    import torch
+
+    from megastep import bench
+
+    run = types.SimpleNamespace(cfg=types.SimpleNamespace(num_hidden_layers=2), bw=4400.0,
+                                dec=types.SimpleNamespace(device="cuda:0"), runner=lambda args: "runner")
+    writes = []
+
+    def measure(r, runner, args):
+        assert r is run and runner == "runner" and args.iters == 3
+        if writes:  # the previous arm's JSON is on disk before this arm measures
+            writes.append(len(json.load(open(tmp_path / "ab.json"))["rounds"][-1]))
+        else:
+            writes.append(0)
+        return [{"batch": B, "ms_p50": 1.0 + len(fast.L2_PREFETCH) + B} for B in (1, 4)]
+
+    monkeypatch.setattr(bench, "setup", lambda args: run)
+    monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: "Fake H200")
+    rc = ab_step.main(["--layers", "2", "--batch", "1,4", "--iters", "3", "--rounds", "2", "--json",
+                       str(tmp_path / "ab.json"), "--arm", "off=", "--arm",
+                       "pf=import megastep.model.fast as f; f.L2_PREFETCH = frozenset({'x'})"])
+    assert rc == 0 and writes == [0, 1, 2, 1]
+    out = json.load(open(tmp_path / "ab.json"))
+    assert out["device"] == "Fake H200" and [a["name"] for a in out["arms"]] == ["off", "pf"]
+    assert [[rec["results"][0]["ms_p50"] for rec in row] for row in out["rounds"]] == [[2.0, 3.0], [2.0, 3.0]]
+    text = capsys.readouterr().out
+    assert "2 rounds of 2 arms" in text and "    4 pf                   6.000 / 6.000" in text and "+20.00%" in text
