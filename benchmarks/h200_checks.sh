@@ -27,7 +27,7 @@
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
-#   bash benchmarks/h200_checks.sh arms       # the step arms built without a device (the staged wo_a / wo_b, the L2 prefetch, 8-slab attention plans), their kernels' tests first, 3 rounds in one process (~8 min)
+#   bash benchmarks/h200_checks.sh arms       # the step arms built without a device (the staged wo_a / wo_b, the L2 prefetch, 8-slab attention plans, the indexer first), their kernels' tests first, 3 rounds in one process (~8 min)
 #   bash benchmarks/h200_checks.sh verify     # then the step's bit tests with them and each new kernel alone (~9 min)
 #   bash benchmarks/h200_checks.sh smallpins  # the x group's, the router gate's and the shared w2's K splits in the step, 3 rounds in one process (~6 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
@@ -281,7 +281,8 @@ for group in "$@"; do
       # before it waits for the attention; built 2026-12-04), with its later waves prefetched into L2, with the
       # attention releasing it at entry, in CTAs of 4 warps, with wo_b staged behind it (released at entry);
       # fast.L2_PREFETCH with the Triton linears and with the plain shapes of few rows through the staged twin; HCA's
-      # and the window's one-row attention plans in 8 value slabs (attnregs). First the new kernels' own GPU tests:
+      # and the window's one-row attention plans in 8 value slabs (attnregs); a CSA layer's indexer work first on its
+      # streams (fast.INDEXER_FIRST: no new kernel). First the new kernels' own GPU tests:
       # an arm whose kernel fails them is left out (a crash ends every later arm of the process). The step's bit
       # tests with them: `verify`, for the winners.
       step arms_staged_tests 150 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py
@@ -292,7 +293,7 @@ for group in "$@"; do
       S="$S; s.SHAPES = frozenset({(8192, 4096, 8)}); s.PREFETCH_LATER_WAVES = True"
       P='import megastep.model.fast as f; f.L2_PREFETCH = frozenset({"x", "qr", "wo_a", "shared"})'
       plain='(1536, 4096, 1), (32768, 1024, 1), (8192, 1024, 1), (8192, 4096, 8), (4096, 2048, 1)'
-      arms=(--arm off= --arm "attn_v8=$ATTN_V8")
+      arms=(--arm off= --arm "attn_v8=$ATTN_V8" --arm "idx_first=import megastep.model.fast as f; f.INDEXER_FIRST = True")
       if [ "$st" = 0 ]; then
         arms+=(--arm "wo_a_st=${S/; s.PREFETCH_LATER_WAVES = True/}" --arm "wo_a_st_pf=$S"
           --arm "st_early=$S; a.RELEASE_AT_ENTRY_ROWS = 1" --arm "st_early_w4=$S; a.RELEASE_AT_ENTRY_ROWS = 1; s.WARPS = 4"
@@ -322,11 +323,13 @@ dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 6
       ab smallpins 330 --layers 30 --batch 1,2,4,16,64 --rounds 3 --arm off= --arm "x4=$(pin 1536 4096 4)" \
         --arm "x16=$(pin 1536 4096 16)" --arm "gate16=$G(32, 256, 16, 4, 3)" --arm "gate8=$G(32, 256, 8, 4, 3)" \
         --arm "w2_2=$(pin 4096 2048 2)" --arm "w2_8=$(pin 4096 2048 8)" ;;
-    verify)  # after `arms`: the step's bit tests with the staged twin, the L2 prefetch and the 8-slab attention plans
-      # (their settings by the tests themselves; the plans as module settings), then each new kernel alone: the staged
+    verify)  # after `arms`: the step's bit tests with the staged twin, the L2 prefetch, INDEXER_FIRST and the 8-slab
+      # attention plans (their settings by the tests themselves; the plans as module settings), then each new kernel
+      # alone: the staged
       # twin against the Triton loop alone, on weights in L2 and behind a spin that releases it at entry
       # (l2_prefetch.py --staged), the plain linears and the twin (linear_variants.py --staged), the 8-slab plans
-      step verify_step_tests 180 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_fast_gpu.py -k "staged or prefetch"
+      step verify_step_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_fast_gpu.py \
+        -k "staged or prefetch or indexer_first"
       step verify_attn_tests 120 python3 -c "$ATTN_V8; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', \
         '--timeout', '100', 'tests/kernels/test_attention.py', 'tests/test_fast_gpu.py', '-k', \
         'few or value_split or v4_shapes or alone or same_input']))"

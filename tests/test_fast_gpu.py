@@ -377,6 +377,33 @@ def test_l2_prefetch_changes_no_bits(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
+def test_indexer_first_changes_no_bits(monkeypatch):
+    """INDEXER_FIRST (a CSA layer's indexer rows of the bf16 projection in a launch of their own before
+    the compressor's, and its q rows on the indexer's stream beside wq_b): the step's greedy logits at
+    1 row (graphs with PDL) and in a batch of 16, bit for bit against the order before, the indexer's
+    q rows really launched on its stream."""
+    from megastep.model import fast
+    from megastep.model.linears import LinearGroup
+
+    on_streams = []
+    part = LinearGroup.part
+
+    def spy(self, i, *a, **k):
+        on_streams.append((i, torch.cuda.current_stream().cuda_stream))
+        return part(self, i, *a, **k)
+
+    monkeypatch.setattr(LinearGroup, "part", spy)
+    want = alone_then_batched(build(experts="lut"))
+    monkeypatch.setattr(fast, "INDEXER_FIRST", True)
+    built = build(experts="lut")
+    assert built[0].ratio(1) == 4  # layer 1: CSA
+    on_streams.clear()
+    got = alone_then_batched(built)
+    idx_stream = built[1].idx_stream.cuda_stream
+    assert (1, idx_stream) in on_streams and all(s != idx_stream for i, s in on_streams if i == 0)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
 def test_staged_linears_change_no_bits(monkeypatch):
     """linear_fp8_staged (the CUDA twin of the plain FP8 linear that copies its weights into shared
     memory before it waits for its input) taking the small preset's wo_a, wo_b, x group and qr launches, the

@@ -145,6 +145,16 @@ BESIDE_ON_RANKS = False
 # device; benchmarks/h200_checks.sh `l2pf` measures it).
 L2_PREFETCH: frozenset[str] = frozenset()
 L2_PREFETCH_MAX_ROWS = 4
+# A CSA layer of at most INDEXER_BESIDE_ROWS rows (one GPU): the indexer's work first on its streams.
+# On the side stream, the bf16 rows of the indexer's compressor and weights_proj (4.7 MB at V4-Flash
+# width) in a launch of their own before the attention compressor's (16.8 MB), so the index keys are
+# ready after the first; on the indexer's stream, its q rows (8 MB) beside the attention's wq_b
+# instead of before it. Each part takes the whole launch's configuration: the same bits. Why: in the
+# 1-row timeline (docs/PERFORMANCE.md, 2026-12-04 late night) wq_b starts only after the indexer's
+# q rows (7 us), and the select that the attention waits for ends 10 us after the 21 MB projection
+# does; the attention starts 42.9 us into the sublayer against 30.1 in an HCA layer. Off until
+# measured (built 2026-12-04 without a device; benchmarks/h200_checks.sh `arms`).
+INDEXER_FIRST = False
 
 
 def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
@@ -546,10 +556,11 @@ class FastDecoder(MoeSublayer):
         """The Triton kernel on CUDA, its torch `*_ref` twin elsewhere."""
         return getattr(module, name if self.triton else name + "_ref")
 
-    def _dense(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """A BF16 weight in fp32 math (compressor, gate, weights_proj, head): fp32 out."""
+    def _dense(self, x: torch.Tensor, w: torch.Tensor, config=None) -> torch.Tensor:
+        """A BF16 weight in fp32 math (compressor, gate, weights_proj, head): fp32 out. config: the
+        kernel's configuration (default: its own for w's shape)."""
         if self.triton and w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
-            return _dense.linear_bf16(x.contiguous(), w, torch.float32)
+            return _dense.linear_bf16(x.contiguous(), w, torch.float32, config=config)
         return x.float() @ w.float().T
 
     def _compress(self, kv, score, pos, passes, L, which: str):
@@ -608,17 +619,32 @@ class FastDecoder(MoeSublayer):
         beside = (r == CSA_RATIO and tr and self.idx_stream is not None and B <= INDEXER_BESIDE_ROWS
                   and (self.world_size == 1 or BESIDE_ON_RANKS) and self.sidecar is None)
         keys_ready = torch.cuda.Event() if beside else None
+        # INDEXER_FIRST: the indexer's bf16 rows in a launch of their own before the compressor's, and
+        # (beside) its q rows on its own stream
+        first = (INDEXER_FIRST and r == CSA_RATIO and tr and B <= INDEXER_BESIDE_ROWS
+                 and (self.world_size == 1 or BESIDE_ON_RANKS) and self.sidecar is None)
+        made = []  # what the side stream allocates, joined below
         if r:  # the compressors' (and the indexer's) bf16 projections and updates, beside the q/kv path
             with self._on_side():
                 with stage(T, "attn_proj", L):
                     wd, sizes = lw["x_dense"]
-                    xd_all = self._dense(x, wd)
-                    xd = xd_all.split(sizes, dim=1)
+                    if first:  # rows [lo, end): the indexer's compressor and weights_proj, with the whole
+                        # launch's configuration, so each output is the same sum (LinearGroup.part's rule)
+                        lo, whole = sizes[0] + sizes[1], _dense.pick_config(wd.shape[0], wd.shape[1])
+                        made.append(self._dense(x, wd[lo:], config=whole))
+                        xd = [None, None, *made[0].split(sizes[2:], dim=1)]
+                    else:
+                        made.append(self._dense(x, wd))
+                        xd = made[0].split(sizes, dim=1)
                 if r == CSA_RATIO:
                     with stage(T, "indexer", L):
                         self._compress(xd[2], xd[3], pos, passes, L, "idx")
                     if beside:
                         keys_ready.record()
+                if first:
+                    with stage(T, "attn_proj", L):
+                        made.append(self._dense(x, wd[:lo], config=whole))
+                        xd[0], xd[1] = made[1].split(sizes[:2], dim=1)
                 with stage(T, "compressor", L):
                     self._compress(xd[0], xd[1], pos, passes, L, "comp")
             kw["comp"] = P.cent[L]
@@ -632,17 +658,19 @@ class FastDecoder(MoeSublayer):
                 qr, qrq = _rn.rms_norm(qa, lw["q_norm"], eps, codes=True)
             else:
                 qr, qrq = _rn.rms_norm_ref(qa, lw["q_norm"], eps), None
-            if beside:  # the indexer's rows of the qr group first: the indexer starts on them
+            if beside and not first:  # the indexer's rows of the qr group first: the indexer starts on them
                 qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq)
-            else:
+            elif not beside:
                 qb = lw["qr_fp8"](qr, tr, codes=qrq)
         if beside:
             with self._on_side(self.idx_stream, "indexer"), stage(T, "indexer", L):
+                if first:  # beside wq_b instead of before it
+                    qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq)
                 kw["idx"], kw["idx_ok"] = self._indexer(qi, xd[4], pos, slots, L, keys_ready)
         with stage(T, "attn_proj", L):
             qh = lw["qr_fp8"].part(0, qr, tr, codes=qrq) if beside else qb[0]  # the attention's wq_b
             q = self._kernel(_rn, "q_norm_rope")(qh.view(B, H, hd), inv_freq, pos, eps, **heads_kw)
-        self._join(*([xd_all] if r else []))  # the side stream's work of this layer so far
+        self._join(*made)  # the side stream's work of this layer so far
         if beside:
             self._join(kw["idx"], kw["idx_ok"], stream=self.idx_stream)
         elif r == CSA_RATIO:

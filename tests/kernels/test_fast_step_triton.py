@@ -244,3 +244,43 @@ def test_shared_expert_in_the_experts_combine_gives_the_same_bits():
         runs.append(out)
     for outs in zip(*runs):
         assert torch.isfinite(outs[0]).all() and all(torch.equal(o, outs[-1]) for o in outs)
+
+
+def test_indexer_first_gives_the_same_bits(monkeypatch):
+    """fast.INDEXER_FIRST: a CSA layer's bf16 projection in two launches, the indexer's rows (its
+    compressor's and weights_proj's) first, each with the whole launch's configuration, gives the
+    same logits bit for bit over two steps. (On a GPU the indexer's q rows also move to its stream:
+    tests/test_fast_gpu.py.)"""
+    from megastep.kernels import dense
+    from megastep.model import fast
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = tiny_cfg(num_hidden_layers=2)
+    assert cfg.ratio(1) == 4  # layer 1 is a CSA layer
+    w = synthesize_weights(cfg, seed=7, device=dev, include_mtp=False)
+    launches = []
+    real = dense.linear_bf16
+
+    def spy(x, wt, *a, **k):
+        launches.append((wt.shape[0], k.get("config")))
+        return real(x, wt, *a, **k)
+
+    monkeypatch.setattr(dense, "linear_bf16", spy)
+    ids = torch.randint(0, 512, (2, 2), generator=torch.Generator().manual_seed(4)).to(dev)
+    logits, seen = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(fast, "INDEXER_FIRST", on)
+        d = FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=True)
+        d.pools.reset(0), d.pools.reset(1)
+        launches.clear()
+        logits[on] = [d.step(ids[t], torch.full((2,), t, device=dev), torch.arange(2, device=dev)) for t in range(2)]
+        seen[on] = list(launches)
+        wd, sizes = d.layers[1]["x_dense"]
+    for a, b in zip(logits[False], logits[True]):
+        assert torch.equal(a, b)
+    whole = dense.pick_config(*wd.shape)
+    idx_rows, comp_rows = sum(sizes[2:]), sizes[0] + sizes[1]
+    assert (wd.shape[0], None) in seen[False] and (idx_rows, whole) not in seen[False]
+    i = seen[True].index((idx_rows, whole))  # the indexer's rows, then the compressor's, in each step
+    assert seen[True][i + 1] == (comp_rows, whole) and seen[True].count((idx_rows, whole)) == 2
+    assert (wd.shape[0], None) not in seen[True]
