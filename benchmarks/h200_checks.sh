@@ -325,9 +325,8 @@ dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 6
         --arm "w2_2=$(pin 4096 2048 2)" --arm "w2_8=$(pin 4096 2048 8)" ;;
     verify)  # after `arms`: the step's bit tests with the staged twin, the L2 prefetch, INDEXER_FIRST and the 8-slab
       # attention plans (their settings by the tests themselves; the plans as module settings), then each new kernel
-      # alone: the staged
-      # twin against the Triton loop alone, on weights in L2 and behind a spin that releases it at entry
-      # (l2_prefetch.py --staged), the plain linears and the twin (linear_variants.py --staged), the 8-slab plans
+      # alone: the staged twin against the Triton loop alone, on weights in L2 and behind a spin that releases it at
+      # entry (l2_prefetch.py --staged), the plain linears and the twin (linear_variants.py --staged), the 8-slab plans
       step verify_step_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_fast_gpu.py \
         -k "staged or prefetch or indexer_first"
       step verify_attn_tests 120 python3 -c "$ATTN_V8; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', \
