@@ -6,7 +6,9 @@ arm on fresh CUDA graphs, an arm being a few Python statements that change modul
         --arm 'l2pf=import megastep.model.fast as f; f.L2_PREFETCH = frozenset({"x", "qr"})'
 
 Takes `megastep bench`'s arguments (one GPU; no --trace, --timeline, --peer-layers, --gpus) and prints,
-per batch, each arm's p50 in every round and its median's change against the first arm's.
+per batch, each arm's p50 in every round and its median's change against the first arm's;
+--timeline-batch B adds each arm's device timeline of one replay at B rows (the layers' anatomy, as
+`megastep bench --timeline` prints it).
 
 Why: a `megastep bench` process of a 30-layer step spends ~50 s (weights, decoder, compile cache,
 graph captures) before it times half a second of steps, so a device call of ~9 minutes held about
@@ -132,6 +134,21 @@ def restore(snap: dict, keys: list[tuple[str, str]]) -> None:
             v.update(contents)
 
 
+def with_arm(name: str, code: str, fn, changed_names: list[str]):
+    """fn() with the arm's statements in effect, then what they changed put back (their names
+    appended to changed_names, also when they or fn raise); fn's result."""
+    snap, changed = snapshot(), []
+    try:
+        try:
+            exec(compile(code, f"<arm {name}>", "exec"), {"__name__": f"arm_{name}"})
+        finally:
+            changed = changes(snap)
+            changed_names += [f"{m}.{k}" for m, k in changed]
+        return fn()
+    finally:
+        restore(snap, changed)
+
+
 def run_arms(arms: list[tuple[str, str]], rounds: int, measure, log=print, progress=None) -> list[list[dict]]:
     """For each round, each arm: run its statements, `measure()` (a list of result rows), then put back
     what the statements changed (only that: caches the measurement fills stay). An arm that fails
@@ -143,19 +160,11 @@ def run_arms(arms: list[tuple[str, str]], rounds: int, measure, log=print, progr
         row = []
         for name, code in arms:
             rec = {"arm": name, "round": r, "changed": []}
-            snap, changed = snapshot(), []
             try:
-                try:
-                    exec(compile(code, f"<arm {name}>", "exec"), {"__name__": f"arm_{name}"})
-                finally:
-                    changed = changes(snap)
-                    rec["changed"] = [f"{m}.{k}" for m, k in changed]
-                rec["results"] = measure()
+                rec["results"] = with_arm(name, code, measure, rec["changed"])
             except Exception as e:  # noqa: BLE001 (one arm's failure must not lose the others)
                 traceback.print_exc()
                 rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            finally:
-                restore(snap, changed)
             log(f"round {r} arm {name}: " + (rec.get("error") or ", ".join(
                 f"{x['batch']} rows {x['ms_p50']:.3f} ms" for x in rec["results"])))
             row.append(rec)
@@ -193,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_bench_arguments(ap)
     ap.add_argument("--arm", action="append", default=[], help="NAME=STATEMENTS (repeat; the first is the base)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--timeline-batch", type=int, default=0,
+                    help="after the rounds, each arm's device timeline of one graph replay at this batch (one of "
+                         "--batch): in the JSON, and each layer period's anatomy printed")
     args = ap.parse_args(argv)
     try:
         arms = parse_arms(args.arm)
@@ -200,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--rounds must be at least 1")
         for flag in ("trace", "timeline", "peer_layers", "gpus"):
             if getattr(args, flag):
-                raise UserError(f"--{flag.replace('_', '-')} is megastep bench's alone: arms time graph replays on one GPU")
+                raise UserError(f"--{flag.replace('_', '-')} is megastep bench's alone: arms time graph replays on one "
+                                "GPU (--timeline-batch B: each arm's timeline)")
+        if args.timeline_batch and args.timeline_batch not in bench._batches(args.batch):
+            raise UserError(f"--timeline-batch {args.timeline_batch} must be one of --batch {args.batch}")
         run = bench.setup(args)  # (checks --json's path too)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -224,9 +239,29 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(out, f, indent=1, default=str)
 
     table = run_arms(arms, args.rounds, measure, progress=write)
+    if args.timeline_batch:
+        from megastep.runtime.trace import timeline_summary
+
+        out["timelines"] = {}
+        for name, code in arms:
+            def profile():
+                acts = bench.timeline_graph(run.runner(args), args.timeline_batch, args.context, args.block)
+                return {"summary": timeline_summary(acts), "activities": acts}
+
+            try:
+                out["timelines"][name] = with_arm(name, code, profile, [])
+            except Exception as e:  # noqa: BLE001 (as in run_arms)
+                traceback.print_exc()
+                out["timelines"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            write(table)
     print(f"\n{run.cfg.num_hidden_layers} layers, context {args.context}, stream read {run.bw:.0f} GB/s, "
           f"{args.rounds} rounds of {len(arms)} arms")
-    print(summarize(arms, table))
+    for name, tl in (out.get("timelines") or {}).items():
+        if "error" in tl:
+            print(f"\narm {name}: no timeline ({tl['error']})")
+        else:
+            bench.print_timeline(f"arm {name}, one graph replay of batch {args.timeline_batch}", tl)
+    print(summarize(arms, table))  # last: h200_checks.sh's summary takes the table from the log's tail
     return 0
 
 

@@ -275,7 +275,7 @@ for group in "$@"; do
       step csa64_tests 200 python3 -c "$n64; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', '--timeout', '150', \
         '-m', 'gpu', 'tests/kernels/test_attention.py', 'tests/test_fast_gpu.py', '-k', \
         'pools or few or v4_shapes or same_input or alone or graph_replay']))"
-      ab csa64 240 --layers 30 --batch 1,2,4,16,64 --rounds 3 --arm pin= --arm "n64=$n64" ;;
+      ab csa64 240 --layers 30 --batch 1,2,4,16,64 --rounds 3 --timeline-batch 1 --arm pin= --arm "n64=$n64" ;;
     arms)  # every step arm built without a device since the twenty-seventh measurement, in one process
       # (ab_step.py), 3 rounds at 1-16 rows: wo_a through linear_fp8_staged (its weights copied into shared memory
       # before it waits for the attention; built 2026-12-04), with its later waves prefetched into L2, with the
@@ -307,7 +307,7 @@ for group in "$@"; do
       else
         summary+=("the L2 prefetch arms left out: the kernel's GPU tests did not pass")
       fi
-      ab arms 330 --layers 30 --batch 1,2,4,16 --rounds 3 "${arms[@]}" ;;
+      ab arms 330 --layers 30 --batch 1,2,4,16 --rounds 3 --timeline-batch 1 "${arms[@]}" ;;
     smallpins)  # the short launches on the 1-row step's latency chain with other K splits: the x group (wq_a + wkv,
       # 6 MB, after each attention sublayer's mHC: 5.2 us after its input in the 1-row timeline) and the router's gate
       # (bf16, 2 MB, after each MoE sublayer's mHC: 5.2 us), and the shared w2 that closes the MoE sublayer beside
@@ -320,7 +320,7 @@ for group in "$@"; do
 dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 64)]"
       }
       G='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig'
-      ab smallpins 330 --layers 30 --batch 1,2,4,16,64 --rounds 3 --arm off= --arm "x4=$(pin 1536 4096 4)" \
+      ab smallpins 330 --layers 30 --batch 1,2,4,16,64 --rounds 3 --timeline-batch 1 --arm off= --arm "x4=$(pin 1536 4096 4)" \
         --arm "x16=$(pin 1536 4096 16)" --arm "gate16=$G(32, 256, 16, 4, 3)" --arm "gate8=$G(32, 256, 8, 4, 3)" \
         --arm "w2_2=$(pin 4096 2048 2)" --arm "w2_8=$(pin 4096 2048 8)" ;;
     verify)  # after `arms`: the step's bit tests with the staged twin, the L2 prefetch, INDEXER_FIRST and the 8-slab

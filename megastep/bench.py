@@ -432,8 +432,6 @@ def _placement(cfg: ModelConfig, weights, hbm_budget_gb: float | None):
 
 
 def print_report(out: dict) -> None:
-    from megastep.runtime.trace import timeline_phases
-
     L = out["layers"]
     ep = f" (experts split, {out['ep_combine']} combine)" if out.get("ep_combine") else ""
     for key, what in (("attn_split", "attention heads"), ("vocab_split", "vocabulary")):
@@ -463,23 +461,7 @@ def print_report(out: dict) -> None:
         print(f"peer transformers ({p['best_impl']}, {p['layers']} layers, batch 1): {p['ms_per_step']}  "
               f"-> {p['ms_per_layer']} ms/layer")
     for B, tl in (out.get("timeline") or {}).items():
-        sm = tl["summary"]
-        print(f"\ntimeline of one graph replay, batch {B}: {sm['activities']} kernels over {sm['span_us'] / 1e3:.3f} ms, "
-              f"{sm['sum_us'] / 1e3:.3f} ms of kernel time, covered {sm['busy_us'] / 1e3:.3f} ms, idle "
-              f"{sm['idle_us'] / 1e3:.3f} ms; largest idle stretches (us, after): "
-              + ", ".join(f"{g['us']:.1f} {g['after'][:30]}" for g in sm["largest_gaps"][:4]))
-        ph = timeline_phases(tl["activities"])
-        if ph["moe_phase_median_us"] is not None:
-            print(f"  MoE sublayer (routing's end to the experts' end) median {ph['moe_phase_median_us']:.1f} us, "
-                  f"layer period median {ph['layer_period_median_us'] or 0:.1f} us")
-        print("  the span by the kernel that ends each stretch, us: "
-              + ", ".join(f"{name[:28]} {us:.0f}" for name, us in list(ph["span_by_kernel_us"].items())[:6]))
-        an = ph["anatomy"]
-        for k in an["kinds"]:  # a layer's path: what each part of its period closes
-            period = sum(p["charge_us"] for p in k["parts"])
-            print(f"  {k['periods']} of {an['periods']} layer periods alike ({period:.1f} us), the stretch each part "
-                  "closes, us: " + ", ".join(f"{p['name'].strip('_').replace('_kernel', '')[:26]} {p['charge_us']:.1f}"
-                                            for p in k["parts"]))
+        print_timeline(f"timeline of one graph replay, batch {B}", tl)
     for B, tr in (out.get("trace") or {}).items():
         tot = sum(tr["by_stage_us"].values())
         print(f"\ntrace batch {B}: eager wall {tr['eager_wall_ms']:.2f} ms, sum of stages {tot / 1e3:.2f} ms")
@@ -496,6 +478,29 @@ def print_report(out: dict) -> None:
                 top = sorted(v.get("names", {}).items(), key=lambda kv: -kv[1][0])[:3]
                 print(f"  {name:<16} {v['device_us'] / L:7.1f} us/layer  {v['kernels'] / L:5.1f} launches/layer  "
                       + ", ".join(f"{n[:40]} {us / L:.1f}" for n, (us, _) in top))
+
+
+def print_timeline(title: str, tl: dict) -> None:
+    """A timeline's lines of the report (tl: {"summary": timeline_summary, "activities": ...})."""
+    from megastep.runtime.trace import timeline_phases
+
+    sm = tl["summary"]
+    print(f"\n{title}: {sm['activities']} kernels over {sm['span_us'] / 1e3:.3f} ms, "
+          f"{sm['sum_us'] / 1e3:.3f} ms of kernel time, covered {sm['busy_us'] / 1e3:.3f} ms, idle "
+          f"{sm['idle_us'] / 1e3:.3f} ms; largest idle stretches (us, after): "
+          + ", ".join(f"{g['us']:.1f} {g['after'][:30]}" for g in sm["largest_gaps"][:4]))
+    ph = timeline_phases(tl["activities"])
+    if ph["moe_phase_median_us"] is not None:
+        print(f"  MoE sublayer (routing's end to the experts' end) median {ph['moe_phase_median_us']:.1f} us, "
+              f"layer period median {ph['layer_period_median_us'] or 0:.1f} us")
+    print("  the span by the kernel that ends each stretch, us: "
+          + ", ".join(f"{name[:28]} {us:.0f}" for name, us in list(ph["span_by_kernel_us"].items())[:6]))
+    an = ph["anatomy"]
+    for k in an["kinds"]:  # a layer's path: what each part of its period closes
+        period = sum(p["charge_us"] for p in k["parts"])
+        print(f"  {k['periods']} of {an['periods']} layer periods alike ({period:.1f} us), the stretch each part "
+              "closes, us: " + ", ".join(f"{p['name'].strip('_').replace('_kernel', '')[:26]} {p['charge_us']:.1f}"
+                                        for p in k["parts"]))
 
 
 def _bench_rank(rank, args: argparse.Namespace) -> dict | None:

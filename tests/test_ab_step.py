@@ -115,15 +115,24 @@ def test_main_writes_each_arm_and_the_table(tmp_path, monkeypatch, capsys):
             writes.append(0)
         return [{"batch": B, "ms_p50": 1.0 + len(fast.L2_PREFETCH) + B} for B in (1, 4)]
 
+    def timeline(runner, B, context, block):  # one kernel whose length is the arm's L2_PREFETCH size
+        assert runner == "runner" and B == 4 and block == 1
+        return [{"name": "k", "start_us": 0.0, "dur_us": 10.0 + len(fast.L2_PREFETCH), "stream": 7}]
+
     monkeypatch.setattr(bench, "setup", lambda args: run)
     monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setattr(bench, "timeline_graph", timeline)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: "Fake H200")
-    rc = ab_step.main(["--layers", "2", "--batch", "1,4", "--iters", "3", "--rounds", "2", "--json",
-                       str(tmp_path / "ab.json"), "--arm", "off=", "--arm",
-                       "pf=import megastep.model.fast as f; f.L2_PREFETCH = frozenset({'x'})"])
-    assert rc == 0 and writes == [0, 1, 2, 1]
+    argv = ["--layers", "2", "--batch", "1,4", "--iters", "3", "--rounds", "2", "--json", str(tmp_path / "ab.json"),
+            "--arm", "off=", "--arm", "pf=import megastep.model.fast as f; f.L2_PREFETCH = frozenset({'x'})"]
+    assert ab_step.main(argv + ["--timeline-batch", "4"]) == 0 and writes == [0, 1, 2, 1]
     out = json.load(open(tmp_path / "ab.json"))
     assert out["device"] == "Fake H200" and [a["name"] for a in out["arms"]] == ["off", "pf"]
     assert [[rec["results"][0]["ms_p50"] for rec in row] for row in out["rounds"]] == [[2.0, 3.0], [2.0, 3.0]]
+    assert {k: v["summary"]["span_us"] for k, v in out["timelines"].items()} == {"off": 10.0, "pf": 11.0}
+    assert fast.L2_PREFETCH == frozenset()
     text = capsys.readouterr().out
     assert "2 rounds of 2 arms" in text and "    4 pf                   6.000 / 6.000" in text and "+20.00%" in text
+    assert "arm pf, one graph replay of batch 4: 1 kernels over 0.011 ms" in text
+    assert ab_step.main(argv + ["--timeline-batch", "2"]) == 2
+    assert "--timeline-batch 2 must be one of --batch 1,4" in capsys.readouterr().err
