@@ -27,9 +27,9 @@
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
-#   bash benchmarks/h200_checks.sh arms       # the step arms built without a device (the staged wo_a / wo_b, the L2 prefetch, 8-slab attention plans, the indexer first), their kernels' tests first, 3 rounds in one process (~8 min)
-#   bash benchmarks/h200_checks.sh verify     # then the step's bit tests with them and each new kernel alone (~9 min)
-#   bash benchmarks/h200_checks.sh smallpins  # the x group's, the router gate's and the shared w2's K splits in the step, 3 rounds in one process (~6 min)
+#   bash benchmarks/h200_checks.sh arms       # the weight-staging arms built without a device (the staged wo_a / wo_b, the L2 prefetch), their kernels' tests first, 3 rounds in one process (~8 min)
+#   bash benchmarks/h200_checks.sh arms2      # the latency-chain arms (the indexer first, the gate in the routing's launch, 8-slab attention plans, the short launches' K splits), 3 rounds in one process (~8 min)
+#   bash benchmarks/h200_checks.sh verify     # then the step's bit tests with the winners and each new kernel alone (~9 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
 #   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
@@ -276,15 +276,13 @@ for group in "$@"; do
         '-m', 'gpu', 'tests/kernels/test_attention.py', 'tests/test_fast_gpu.py', '-k', \
         'pools or few or v4_shapes or same_input or alone or graph_replay']))"
       ab csa64 240 --layers 30 --batch 1,2,4,16,64 --rounds 3 --timeline-batch 1 --arm pin= --arm "n64=$n64" ;;
-    arms)  # every step arm built without a device since the twenty-seventh measurement, in one process
+    arms)  # the weight-staging arms built without a device since the twenty-seventh measurement, in one process
       # (ab_step.py), 3 rounds at 1-16 rows: wo_a through linear_fp8_staged (its weights copied into shared memory
       # before it waits for the attention; built 2026-12-04), with its later waves prefetched into L2, with the
       # attention releasing it at entry, in CTAs of 4 warps, with wo_b staged behind it (released at entry);
-      # fast.L2_PREFETCH with the Triton linears and with the plain shapes of few rows through the staged twin; HCA's
-      # and the window's one-row attention plans in 8 value slabs (attnregs); a CSA layer's indexer work first on its
-      # streams (fast.INDEXER_FIRST: no new kernel). First the new kernels' own GPU tests:
-      # an arm whose kernel fails them is left out (a crash ends every later arm of the process). The step's bit
-      # tests with them: `verify`, for the winners.
+      # fast.L2_PREFETCH with the Triton linears and with the plain shapes of few rows through the staged twin.
+      # First the new kernels' own GPU tests: an arm whose kernel fails them is left out (a crash ends every later
+      # arm of the process). The step's bit tests with them: `verify`, for the winners.
       step arms_staged_tests 150 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py
       st=$last_rc
       step arms_prefetch_tests 90 python3 -m pytest -q -rfE --timeout 80 -m gpu tests/kernels/test_prefetch.py
@@ -293,7 +291,7 @@ for group in "$@"; do
       S="$S; s.SHAPES = frozenset({(8192, 4096, 8)}); s.PREFETCH_LATER_WAVES = True"
       P='import megastep.model.fast as f; f.L2_PREFETCH = frozenset({"x", "qr", "wo_a", "shared"})'
       plain='(1536, 4096, 1), (32768, 1024, 1), (8192, 1024, 1), (8192, 4096, 8), (4096, 2048, 1)'
-      arms=(--arm off= --arm "attn_v8=$ATTN_V8" --arm "idx_first=import megastep.model.fast as f; f.INDEXER_FIRST = True")
+      arms=(--arm off=)
       if [ "$st" = 0 ]; then
         arms+=(--arm "wo_a_st=${S/; s.PREFETCH_LATER_WAVES = True/}" --arm "wo_a_st_pf=$S"
           --arm "st_early=$S; a.RELEASE_AT_ENTRY_ROWS = 1" --arm "st_early_w4=$S; a.RELEASE_AT_ENTRY_ROWS = 1; s.WARPS = 4"
@@ -308,27 +306,37 @@ for group in "$@"; do
         summary+=("the L2 prefetch arms left out: the kernel's GPU tests did not pass")
       fi
       ab arms 330 --layers 30 --batch 1,2,4,16 --rounds 3 --timeline-batch 1 "${arms[@]}" ;;
-    smallpins)  # the short launches on the 1-row step's latency chain with other K splits: the x group (wq_a + wkv,
-      # 6 MB, after each attention sublayer's mHC: 5.2 us after its input in the 1-row timeline) and the router's gate
-      # (bf16, 2 MB, after each MoE sublayer's mHC: 5.2 us), and the shared w2 that closes the MoE sublayer beside
-      # down. Their splits were tuned alone on cold weights; in the step they are placed early behind the mHC with
-      # their tiles prefetched into L2 (common.prefetch_lines: the whole tile at these sizes), where fewer and longer or
-      # more and shorter programs may win. Each split for every row bucket (other sums, the same at every batch), 3
-      # rounds in one process at 1-64 rows.
+    arms2)  # the latency-chain arms, 3 rounds in one process at 1-64 rows: a CSA layer's indexer work first on its
+      # streams (fast.INDEXER_FIRST, no new kernel); the MoE gate GEMV inside the routing's launch
+      # (route_cuda.FUSED_GATE_ROWS, after the routing's GPU tests); HCA's and the window's one-row attention plans
+      # in 8 value slabs (ATTN_V8); the short launches on the 1-row chain with other K splits: the x group (wq_a +
+      # wkv, 6 MB, 5.2 us after its input in the 1-row timeline), the router's gate (bf16, 2 MB, 5.2 us) and the
+      # shared w2 that closes the MoE sublayer beside down, tuned alone on cold weights but placed early behind the
+      # mHC with their tiles prefetched into L2 in the step (each split for every row bucket: other sums, the same
+      # at every batch)
+      step arms2_route_tests 90 python3 -m pytest -q -rfE --timeout 80 -m gpu tests/kernels/test_route_cuda.py
+      rt=$last_rc
       pin() {  # pin N K SPLIT: linear_fp8's pins of (N, K) for every row bucket, with SPLIT
         echo "import dataclasses, megastep.kernels.linear_fp8 as L; [L._PINNED.__setitem__(($1, $2, mb), \
 dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 64)]"
       }
       G='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig'
-      ab smallpins 330 --layers 30 --batch 1,2,4,16,64 --rounds 3 --timeline-batch 1 --arm off= --arm "x4=$(pin 1536 4096 4)" \
-        --arm "x16=$(pin 1536 4096 16)" --arm "gate16=$G(32, 256, 16, 4, 3)" --arm "gate8=$G(32, 256, 8, 4, 3)" \
-        --arm "w2_2=$(pin 4096 2048 2)" --arm "w2_8=$(pin 4096 2048 8)" ;;
-    verify)  # after `arms`: the step's bit tests with the staged twin, the L2 prefetch, INDEXER_FIRST and the 8-slab
-      # attention plans (their settings by the tests themselves; the plans as module settings), then each new kernel
+      arms=(--arm off= --arm "idx_first=import megastep.model.fast as f; f.INDEXER_FIRST = True"
+        --arm "attn_v8=$ATTN_V8" --arm "x4=$(pin 1536 4096 4)" --arm "x16=$(pin 1536 4096 16)"
+        --arm "gate16=$G(32, 256, 16, 4, 3)" --arm "gate8=$G(32, 256, 8, 4, 3)" --arm "w2_2=$(pin 4096 2048 2)"
+        --arm "w2_8=$(pin 4096 2048 8)")
+      if [ "$rt" = 0 ]; then
+        arms+=(--arm "gate_route=import megastep.kernels.route_cuda as r; r.FUSED_GATE_ROWS = 8")
+      else
+        summary+=("the fused gate's arm left out: the routing's GPU tests did not pass")
+      fi
+      ab arms2 420 --layers 30 --batch 1,2,4,16,64 --rounds 3 --timeline-batch 1 "${arms[@]}" ;;
+    verify)  # after `arms` and `arms2`: the step's bit tests with the staged twin, the L2 prefetch, INDEXER_FIRST, the fused gate
+      # and the 8-slab attention plans (their settings by the tests themselves; the plans as module settings), then each new kernel
       # alone: the staged twin against the Triton loop alone, on weights in L2 and behind a spin that releases it at
       # entry (l2_prefetch.py --staged), the plain linears and the twin (linear_variants.py --staged), the 8-slab plans
       step verify_step_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_fast_gpu.py \
-        -k "staged or prefetch or indexer_first"
+        -k "staged or prefetch or indexer_first or fused_gate"
       step verify_attn_tests 120 python3 -c "$ATTN_V8; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', \
         '--timeout', '100', 'tests/kernels/test_attention.py', 'tests/test_fast_gpu.py', '-k', \
         'few or value_split or v4_shapes or alone or same_input']))"
@@ -434,7 +442,7 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | arms | verify | smallpins | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
+      echo "unknown group $group (tests | resident | trace | overlap | tune | attn | pdl | offload | offload_a | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | arms | arms2 | verify | sms | probe | f16 | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
       exit 2 ;;
   esac
 done

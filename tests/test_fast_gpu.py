@@ -377,6 +377,23 @@ def test_l2_prefetch_changes_no_bits(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
+def test_fused_gate_route_changes_no_bits(monkeypatch):
+    """route_cuda.FUSED_GATE_ROWS (the MoE gate GEMV inside the routing's launch up to 8 rows): the
+    step's greedy logits at 1 row (graphs with PDL) and in a batch of 16 (above it: the two launches),
+    bit for bit against the gate apart, the fused launch really taken."""
+    from megastep.kernels import route_cuda
+
+    calls = []
+    fused = route_cuda.gate_route_group
+    monkeypatch.setattr(route_cuda, "gate_route_group", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    want = alone_then_batched(build(experts="lut"))
+    assert not calls
+    monkeypatch.setattr(route_cuda, "FUSED_GATE_ROWS", 8)
+    got = alone_then_batched(build(experts="lut"))
+    assert calls
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
 def test_indexer_first_changes_no_bits(monkeypatch):
     """INDEXER_FIRST (a CSA layer's indexer rows of the bf16 projection in a launch of their own before
     the compressor's, and its q rows on the indexer's stream beside wq_b): the step's greedy logits at

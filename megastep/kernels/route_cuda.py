@@ -41,12 +41,19 @@ from megastep.kernels.common import pdl_enabled, workspace
 from megastep.kernels.cuda_module import CudaModule, find_nvcc
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "route_cuda.cu")
-SIGNATURE = "pqppqpppfpqpqppppppiiiii"  # route_group's arguments by kind (cuda_module.Kernel)
+SIGNATURES = {"route_group": "pqppqpppfpqpqppppppiiiii",  # the kernels' arguments by kind (cuda_module.Kernel)
+              "gate_route_group": "pqpqpppqpppfpqppppppiiii"}
+SIGNATURE = SIGNATURES["route_group"]
 THREADS = 256
 ROWS_PER_CTA = THREADS // 32  # a warp per row
 MAX_EXPERTS = 512  # 16 experts per lane
 MAX_TOPK = 32  # a warp's lanes
 MAX_GROUPED_PAIRS = THREADS  # the grouping: a thread per pair
+# Steps of at most this many rows (and 8 at most: one MMA's columns) take gate_route_group, the gate GEMV
+# inside the routing's launch (`gate_route_group` below), where FastDecoder routes with this module. 0:
+# never. Off until measured (built 2026-12-04 without a device; benchmarks/h200_checks.sh `arms`).
+FUSED_GATE_ROWS = 0
+FUSED_MAX_ROWS = 8
 
 
 def build_flags(E: int) -> tuple[str, ...]:
@@ -55,9 +62,14 @@ def build_flags(E: int) -> tuple[str, ...]:
 
 
 @functools.cache
-def kernel_for(E: int):
-    """route_group built for E experts (one build per expert count, cached)."""
-    return CudaModule(SOURCE, extra_flags=build_flags(E)).kernel("route_group", SIGNATURE)
+def _module(E: int) -> CudaModule:
+    return CudaModule(SOURCE, extra_flags=build_flags(E))
+
+
+@functools.cache
+def kernel_for(E: int, name: str = "route_group"):
+    """Kernel `name` built for E experts (one build per expert count, cached)."""
+    return _module(E).kernel(name, SIGNATURES[name])
 
 
 @functools.cache
@@ -115,3 +127,52 @@ def route_group(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.
                                *ptrs, cnt, B, D, k, int(group), int(permute), pdl=pdl_enabled())
     routing = _mr.Routing(pairs, slot_e, slot_start, slot_cnt, nslots, xq, permute) if group else None
     return idx, w, routing
+
+
+def fused_gate_ok(x: torch.Tensor, gate: torch.Tensor, k: int) -> bool:
+    """Whether gate_route_group takes this step: at most FUSED_GATE_ROWS (<= 8) rows, bf16 x and gate,
+    the gate's configuration one 128-column block per split (dense.linear_bf16's, so the same sums),
+    16-byte-aligned rows, the grouping's pair limit, `supported`."""
+    from megastep.kernels import dense
+
+    B, D = x.shape
+    E = gate.shape[0]
+    if not 0 < B <= min(FUSED_GATE_ROWS, FUSED_MAX_ROWS) or x.dtype != torch.bfloat16 or gate.dtype != torch.bfloat16:
+        return False
+    if dense.split_plan(D, dense.pick_config(E, D)) != (D // 128, 128) or B * k > MAX_GROUPED_PAIRS:
+        return False
+    if x.stride(1) != 1 or gate.stride(1) != 1 or x.stride(0) % 8 or gate.stride(0) % 8 or x.data_ptr() % 16 \
+            or gate.data_ptr() % 16:
+        return False
+    return supported(x.device, E, D, k)
+
+
+def gate_route_group(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+                     tokens: torch.Tensor | None, k: int, scaling: float, permute: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor, _mr.Routing]:
+    """route_group(dense.linear_bf16(x, gate), ..., x) in one launch, the same results bit for bit: x
+    [B, D] bf16 (B <= 8), gate [E, D] bf16; the rest as route_group's. Call it where fused_gate_ok."""
+    B, D = x.shape
+    E = gate.shape[0]
+    dev = x.device
+    assert fused_gate_ok(x, gate, k), (x.shape, gate.shape, k)
+    if bias is not None:
+        assert bias.shape == (E,) and bias.dtype == torch.float32 and bias.is_contiguous() and bias.device == dev
+    hashed = tid2eid is not None
+    if hashed:
+        assert tid2eid.dim() == 2 and tid2eid.shape[1] == k and tid2eid.dtype == torch.int64 and tid2eid.stride(1) == 1
+        assert tokens is not None and tokens.shape == (B,) and tokens.dtype == torch.int64 and tokens.is_contiguous()
+    idx = torch.empty(B, k, dtype=torch.int32, device=dev)
+    w = torch.empty(B, k, dtype=torch.float32, device=dev)
+    pairs, slot_e, slot_start, slot_cnt, nslots, xq = _mr.routing_buffers(B * k, E, x, dev)
+    S = D // 128
+    part = workspace(dev, "partials_gate_route", S * E * FUSED_MAX_ROWS, torch.float32)
+    cnt = workspace(dev, "counters_gate_route_cuda", 1, torch.int32)
+    gate_ctas = (E // 16) * S // ROWS_PER_CTA  # a warp per (16 experts, split)
+    quant_ctas = -(-(B * D // 128) // ROWS_PER_CTA)
+    kernel_for(E, "gate_route_group").launch(
+        (gate_ctas + quant_ctas, 1, 1), (THREADS, 1, 1), 0, None,
+        x, x.stride(0), gate, gate.stride(0), part, 0 if bias is None else bias, tid2eid if hashed else 0,
+        tid2eid.stride(0) if hashed else 0, tokens if hashed else 0, idx, w, float(scaling), xq, xq.stride(0),
+        pairs, slot_e, slot_start, slot_cnt, nslots, cnt, B, D, k, int(permute), pdl=pdl_enabled())
+    return idx, w, _mr.Routing(pairs, slot_e, slot_start, slot_cnt, nslots, xq, permute)

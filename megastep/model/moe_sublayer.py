@@ -131,10 +131,15 @@ class MoeSublayer:
 
     def _route_cuda(self, x, tokens, lw):
         """The gate GEMV, then route_cuda's one launch: routing (a hash layer's rows looked up
-        inside), the pairs grouped and x quantized for the experts -> (idx, w, routing or None)."""
+        inside), the pairs grouped and x quantized for the experts -> (idx, w, routing or None).
+        Up to route_cuda.FUSED_GATE_ROWS rows the gate GEMV runs inside that launch (the same bits)."""
         cfg = self.cfg
         k = cfg.num_experts_per_tok
         group = "experts" in lw and x.dtype == torch.bfloat16 and x.shape[0] * k <= _route_cuda.MAX_GROUPED_PAIRS
+        if group and self.triton and _route_cuda.fused_gate_ok(x, lw["gate"], k):
+            return _route_cuda.gate_route_group(x, lw["gate"], lw.get("gate_bias"), lw.get("tid2eid"),
+                                                tokens.contiguous() if "tid2eid" in lw else None, k,
+                                                cfg.routed_scaling_factor, permute=_moe.permutes(self.moe_mode))
         return _route_cuda.route_group(self._dense(x, lw["gate"]).contiguous(), lw.get("gate_bias"), lw.get("tid2eid"),
                                        tokens.contiguous() if "tid2eid" in lw else None, k, cfg.routed_scaling_factor,
                                        x.contiguous() if group else None, permute=_moe.permutes(self.moe_mode))
