@@ -131,15 +131,18 @@ def route_group(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.
 
 def fused_gate_ok(x: torch.Tensor, gate: torch.Tensor, k: int) -> bool:
     """Whether gate_route_group takes this step: at most FUSED_GATE_ROWS (<= 8) rows, bf16 x and gate,
-    the gate's configuration one 128-column block per split (dense.linear_bf16's, so the same sums),
-    16-byte-aligned rows, the grouping's pair limit, `supported`."""
+    the gate's configuration one 128-column step per split (dense.linear_bf16's, so the same sums),
+    whole CTAs of warp tasks, 16-byte-aligned rows, the grouping's pair limit, `supported`."""
     from megastep.kernels import dense
 
     B, D = x.shape
     E = gate.shape[0]
     if not 0 < B <= min(FUSED_GATE_ROWS, FUSED_MAX_ROWS) or x.dtype != torch.bfloat16 or gate.dtype != torch.bfloat16:
         return False
-    if dense.split_plan(D, dense.pick_config(E, D)) != (D // 128, 128) or B * k > MAX_GROUPED_PAIRS:
+    cfg = dense.pick_config(E, D)
+    if cfg.block_k != 128 or dense.split_plan(D, cfg) != (D // 128, 128) or B * k > MAX_GROUPED_PAIRS:
+        return False
+    if E % 16 or (E // 16) * (D // 128) % ROWS_PER_CTA:  # whole CTAs of (16 experts, split) warp tasks
         return False
     if x.stride(1) != 1 or gate.stride(1) != 1 or x.stride(0) % 8 or gate.stride(0) % 8 or x.data_ptr() % 16 \
             or gate.data_ptr() % 16:

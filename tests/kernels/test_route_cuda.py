@@ -105,7 +105,10 @@ def test_fused_gate_only_where_its_sums_are_the_gate_launch_s(monkeypatch):
     assert not RC.fused_gate_ok(torch.zeros(3, 4096, dtype=torch.bfloat16), gate, 6)
     assert not RC.fused_gate_ok(x.float(), gate, 6) and not RC.fused_gate_ok(x, gate.float(), 6)
     assert not RC.fused_gate_ok(torch.zeros(1, 4100, dtype=torch.bfloat16)[:, :4096], gate, 6)  # rows not 16-byte
+    assert not RC.fused_gate_ok(torch.zeros(1, 256, dtype=torch.bfloat16), gate[:32, :256], 6)  # 4 warp tasks
     monkeypatch.setitem(dense._PINNED, (256, 4096), dense.DenseConfig(32, 256, 16, 4, 3))  # 256 columns a split
+    assert not RC.fused_gate_ok(x, gate, 6)
+    monkeypatch.setitem(dense._PINNED, (256, 4096), dense.DenseConfig(32, 64, 32, 4, 3))  # 128 in two steps
     assert not RC.fused_gate_ok(x, gate, 6)
 
 
