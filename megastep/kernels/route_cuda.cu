@@ -172,6 +172,18 @@ __device__ __forceinline__ void group_pairs(const int* ids, unsigned* present, i
   }
 }
 
+// Whether this CTA is the last of n to arrive at counter, for every thread of it (flag: a shared int);
+// each CTA's earlier writes are issued before its count, and the last one fences before it reads
+// them. The caller resets the counter once it has read what the others wrote.
+__device__ __forceinline__ bool last_to_arrive(int* counter, int n, int& flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) flag = atomicAdd(counter, 1) == n - 1;
+  __syncthreads();
+  if (flag) __threadfence();
+  return flag;
+}
+
 }  // namespace
 
 // grid: R + ceil(B * D / 128 / 8) CTAs of 256 threads (R = ceil(B / 8); no quantization CTAs when
@@ -206,12 +218,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) route_group(
 
   // grouping: only the last routing CTA (every row's experts visible to it), or the only one
   if (R > 1) {
-    __threadfence();  // this CTA's ids are issued before its count
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == R - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
+    if (!last_to_arrive(counter, R, is_last)) return;  // (this CTA's ids written before its count)
     for (int p = threadIdx.x; p < B * k; p += kThreads) ids[p] = __ldcg(idx + p);  // past L1
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (and graph replay)
   }
@@ -285,12 +292,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) gate_route_group(
   float* ps = part + static_cast<long long>(split) * E * 8;
   if (n0 < B) ps[e0 * 8 + n0] = d[0], ps[(e0 + 8) * 8 + n0] = d[2];
   if (n0 + 1 < B) ps[e0 * 8 + n0 + 1] = d[1], ps[(e0 + 8) * 8 + n0 + 1] = d[3];
-  __threadfence();  // this CTA's partials are issued before its count
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == G - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (!last_to_arrive(counter, G, is_last)) return;
   // every logit: its splits in order 0..S-1 (bf16_tile's combine: groups of kGroup loads from split 1 on,
   // a masked one adding +0.0)
   for (int i = threadIdx.x; i < E * B; i += kThreads) {

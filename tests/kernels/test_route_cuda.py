@@ -60,6 +60,16 @@ def _case(B, E, D, k, kind, seed):
     return tuple(cuda(t) for t in (logits, bias, t2e, tokens, x))
 
 
+def assert_same_grouping(got, want, permute: bool) -> None:
+    """Two moe_route.Routing the same: slots, pairs and quantized x exactly, in the x order asked."""
+    n = int(want.nslots)
+    assert int(got.nslots) == n and got.permuted == permute and torch.equal(got.pairs, want.pairs)
+    for a, b in ((got.slot_expert, want.slot_expert), (got.slot_start, want.slot_start),
+                 (got.slot_count, want.slot_count)):
+        assert torch.equal(a[:n], b[:n])
+    assert torch.equal(got.xq.view(torch.int16), want.xq.view(torch.int16))
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("B", [1, 3, 8, 9, 16, 42, 64])
@@ -79,13 +89,7 @@ def test_gpu_route_cuda_equals_the_triton_launches(B, E, D, k, kind):
         if not group:
             assert got is None
             continue
-        want = moe_route(want_i, E, x, permute=permute)
-        n = int(want.nslots)
-        assert int(got.nslots) == n and got.permuted == permute and torch.equal(got.pairs, want.pairs)
-        for a, b in ((got.slot_expert, want.slot_expert), (got.slot_start, want.slot_start),
-                     (got.slot_count, want.slot_count)):
-            assert torch.equal(a[:n], b[:n])
-        assert torch.equal(got.xq.view(torch.int16), want.xq.view(torch.int16))
+        assert_same_grouping(got, moe_route(want_i, E, x, permute=permute), permute)
     if B > 2 and kind == "plain":  # row 2's equal keys: the lowest ids
         assert torch.equal(i[2].cpu(), torch.arange(k, dtype=torch.int32))
 
@@ -133,12 +137,7 @@ def test_gpu_gate_route_group_equals_the_gate_then_the_routing(B, E, D, k, kind,
         want_i, want_w, want = RC.route_group(logits, bias, t2e, tokens, k, SCALING, x, permute=permute)
         i, w, got = RC.gate_route_group(x, gate, bias, t2e, tokens, k, SCALING, permute=permute)
         assert torch.equal(i, want_i) and torch.equal(w.view(torch.int32), want_w.view(torch.int32))
-        n = int(want.nslots)
-        assert int(got.nslots) == n and got.permuted == permute and torch.equal(got.pairs, want.pairs)
-        for a, b in ((got.slot_expert, want.slot_expert), (got.slot_start, want.slot_start),
-                     (got.slot_count, want.slot_count)):
-            assert torch.equal(a[:n], b[:n])
-        assert torch.equal(got.xq.view(torch.int16), want.xq.view(torch.int16))
+        assert_same_grouping(got, want, permute)
 
 
 @pytest.mark.gpu
