@@ -72,7 +72,7 @@ _COUNTERS = 1 << 14  # arrival counters kept per device (B x head blocks)
 # launches only once every attention program has started, so none of them waits for room, and
 # a next kernel that copies its weights before it waits (linear_fp8_staged behind wo_a) gets the
 # whole attention to do it. Where the CTAs start changes no bits. 0: never (not measured yet:
-# benchmarks/h200_checks.sh `staged`).
+# benchmarks/h200_checks.sh `arms`).
 RELEASE_AT_ENTRY_ROWS = 0
 
 # where a program's KV entries come from (the kernel's SRC)

@@ -19,7 +19,7 @@ Reference: `linear_fp8_staged_ref`, which is linear_fp8's (`linear_fp8_ref`).
 
 Off by default: `SHAPES` lists the (N, K, groups) launches that take it at most 16 rows. Built on
 2026-12-04 without a device (nvcc compiles it here; its GPU tests and the step's arm are
-benchmarks/h200_checks.sh `staged`); not yet run.
+benchmarks/h200_checks.sh `arms` and `verify`); not yet run.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ PREFETCH_LATER_WAVES = False
 MAX_ROWS = 16  # rows of x per CTA: 8 (NT 1) or 16 (NT 2)
 MAX_SPLIT = 32  # the .cu's kMaxSplit
 # (N, K, groups) of the linear_fp8 launches that take this kernel at <= MAX_ROWS rows. Empty: none
-# (h200_checks.sh `staged` measures wo_a's, (8192, 4096, 8), as a module setting).
+# (h200_checks.sh `arms` measures wo_a's, (8192, 4096, 8), as a module setting).
 SHAPES: frozenset[tuple[int, int, int]] = frozenset()
 
 

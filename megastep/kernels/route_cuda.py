@@ -51,7 +51,7 @@ MAX_TOPK = 32  # a warp's lanes
 MAX_GROUPED_PAIRS = THREADS  # the grouping: a thread per pair
 # Steps of at most this many rows (and 8 at most: one MMA's columns) take gate_route_group, the gate GEMV
 # inside the routing's launch (`gate_route_group` below), where FastDecoder routes with this module. 0:
-# never. Off until measured (built 2026-12-04 without a device; benchmarks/h200_checks.sh `arms`).
+# never. Off until measured (built 2026-12-04 without a device; benchmarks/h200_checks.sh `arms2`).
 FUSED_GATE_ROWS = 0
 FUSED_MAX_ROWS = 8
 

@@ -142,7 +142,7 @@ BESIDE_ON_RANKS = False
 # "wo_a" during the attention, "shared" the shared expert's w1/w3 and w2 during the mHC, gate and
 # routing before its MoE sublayer. HBM idles in those stretches at few rows (docs/PERFORMANCE.md,
 # 2026-12-04 night, item 3). No value depends on a prefetch. Empty: off (built 2026-12-04 without a
-# device; benchmarks/h200_checks.sh `l2pf` measures it).
+# device; benchmarks/h200_checks.sh `arms` measures it).
 L2_PREFETCH: frozenset[str] = frozenset()
 L2_PREFETCH_MAX_ROWS = 4
 # A CSA layer of at most INDEXER_BESIDE_ROWS rows (one GPU): the indexer's work first on its streams.
@@ -153,7 +153,7 @@ L2_PREFETCH_MAX_ROWS = 4
 # 1-row timeline (docs/PERFORMANCE.md, 2026-12-04 late night) wq_b starts only after the indexer's
 # q rows (7 us), and the select that the attention waits for ends 10 us after the 21 MB projection
 # does; the attention starts 42.9 us into the sublayer against 30.1 in an HCA layer. Off until
-# measured (built 2026-12-04 without a device; benchmarks/h200_checks.sh `arms`).
+# measured (built 2026-12-04 without a device; benchmarks/h200_checks.sh `arms2`).
 INDEXER_FIRST = False
 
 
