@@ -48,33 +48,53 @@ E, D, K, SCALING = 256, 4096, 6, 2.5
 # (name, [(text in route_cuda.cu, replacement)], exact): exits keep what they skip past alive
 # through a store that never happens (a value no input gives), so the compiler cannot drop the work;
 # an exact variant must give the production build's results bit for bit (checked before timing)
-_REDUX_ARGMAX = "        {  // the warp's best in two redux.sync: the largest key (its bits made unsigned-ordered, -0 as\n           // +0 as float compares see it), then the lowest id among the lanes holding it\n          uint32_t u = __float_as_uint(bv);\n          u = u == 0x80000000u ? 0u : u;\n          u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);\n          const uint32_t top = __reduce_max_sync(0xffffffffu, u);\n          be = __reduce_min_sync(0xffffffffu, u == top ? be : 0x7FFFFFFF);\n        }\n"
-_SHUFFLE_ARGMAX = """#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-          const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-          if (beats(ov, oe, bv, be)) {
-            bv = ov;
-            be = oe;
-          }
-        }
-"""
-_SMEM_READOUT = '      __shared__ int order[kWarps][32];  // the chosen set in ascending order: each chosen expert\n      int base = 0;                       // writes itself at its position\n#pragma unroll\n      for (int i = 0; i < kEPL; ++i) {\n        const unsigned m = __ballot_sync(0xffffffffu, (chosen >> i) & 1u);\n        if ((chosen >> i) & 1u) order[warp][base + __popc(m & ((1u << lane) - 1u))] = i * 32 + lane;\n        base += __popc(m);\n      }\n      __syncwarp();\n      if (lane < k) my = order[warp][lane];\n'
-_FNS_READOUT = """      int base = 0;  // the chosen set read out in ascending order
-#pragma unroll
-      for (int i = 0; i < kEPL; ++i) {
-        const unsigned m = __ballot_sync(0xffffffffu, (chosen >> i) & 1u);
-        const int c = __popc(m);
-        if (lane >= base && lane < base + c) my = i * 32 + static_cast<int>(__fns(m, 0, lane - base + 1));
-        base += c;
+_REDUX_ARGMAX = """      {  // the warp's best in two redux.sync: the largest key (its bits made unsigned-ordered, -0 as
+         // +0 as float compares see it), then the lowest id among the lanes holding it
+        uint32_t u = __float_as_uint(bv);
+        u = u == 0x80000000u ? 0u : u;
+        u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+        const uint32_t top = __reduce_max_sync(0xffffffffu, u);
+        be = __reduce_min_sync(0xffffffffu, u == top ? be : 0x7FFFFFFF);
       }
 """
+_SHUFFLE_ARGMAX = """#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+        if (beats(ov, oe, bv, be)) {
+          bv = ov;
+          be = oe;
+        }
+      }
+"""
+_SMEM_READOUT = """    int base = 0;  // the chosen set in ascending order: each chosen expert writes itself at its position
+#pragma unroll
+    for (int i = 0; i < kEPL; ++i) {
+      const unsigned m = __ballot_sync(0xffffffffu, (chosen >> i) & 1u);
+      if ((chosen >> i) & 1u) order[base + __popc(m & ((1u << lane) - 1u))] = i * 32 + lane;
+      base += __popc(m);
+    }
+    __syncwarp();
+    if (lane < k) my = order[lane];
+"""
+_FNS_READOUT = """    int base = 0;  // the chosen set read out in ascending order
+#pragma unroll
+    for (int i = 0; i < kEPL; ++i) {
+      const unsigned m = __ballot_sync(0xffffffffu, (chosen >> i) & 1u);
+      const int c = __popc(m);
+      if (lane >= base && lane < base + c) my = i * 32 + static_cast<int>(__fns(m, 0, lane - base + 1));
+      base += c;
+    }
+"""
+_WAIT = "  pdl_wait();  // the logits and x are the previous kernels' outputs\n  pdl_release();\n"
+# route_row (route_cuda.cu's device function, which route_group calls) returns a row's expert: the exits
+# return early from it, route_group then stops (no grouping in the probes)
 PROBES = [
-    ("exit_after_wait", [("  pdl_release();\n", "  pdl_release();\n  return;\n")], False),
-    ("exit_after_scores", [("    int my = 0;  // lane t < k", "    if (s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7] == -1.f) wts[0] = 0.f;\n"
-                            "    return;\n    int my = 0;  // lane t < k")], False),
-    ("exit_after_topk", [("    // the weights: the chosen scores", "    if (my == -1) wts[0] = 0.f;\n    return;\n"
-                          "    // the weights: the chosen scores")], False),
+    ("exit_after_wait", [(_WAIT, _WAIT + "  return;\n")], False),
+    ("exit_after_scores", [("  int my = 0;  // lane t < k", "  if (s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7] == -1.f) "
+                            "wts[0] = 0.f;\n  return 0;\n  int my = 0;  // lane t < k")], False),
+    ("exit_after_topk", [("  // the weights: the chosen scores", "  if (my == -1) wts[0] = 0.f;\n  return my;\n"
+                          "  // the weights: the chosen scores")], False),
     # the top-k of the thirteenth measurement's first build, piece by piece
     ("shuffle_argmax", [(_REDUX_ARGMAX, _SHUFFLE_ARGMAX)], True),
     ("fns_readout", [(_SMEM_READOUT, _FNS_READOUT)], True),
