@@ -10,9 +10,10 @@ per batch, each arm's p50 in every round and its median's change against the fir
 --timeline-batch B adds each arm's device timeline of one replay at B rows (the layers' anatomy, as
 `megastep bench --timeline` prints it).
 
-Why: a `megastep bench` process of a 30-layer step spends ~50 s (weights, decoder, compile cache,
-graph captures) before it times half a second of steps, so a device call of ~9 minutes held about
-eight arms. Here an arm costs its captures and its replays, a few seconds per batch. Rounds are
+Why: a `megastep bench` process of a 30-layer step took 20-36 s after the call's first (weights,
+decoder, compile cache, graph captures: the twenty-seventh measurement's calls) to time ~2 s of
+steps, and a call's arms A/B/A/B as separate processes left few of them. Here an arm costs its
+captures and its replays, a few seconds. Rounds are
 interleaved (A B C, A B C) so that drift in clocks or temperature falls on every arm alike.
 
 What an arm may change: settings of megastep's modules read when a step is captured or a kernel is

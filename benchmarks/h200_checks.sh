@@ -98,7 +98,7 @@ bench_with() {  # bench_with NAME SECONDS PRE bench-args...
 
 # Arms of the step in one process (benchmarks/ab_step.py): the decoder is built once and each arm
 # (--arm NAME=STATEMENTS, settings read when a step is captured or a kernel launched) gets fresh
-# graphs, rounds interleaved; a few seconds an arm instead of bench_with's ~50. Its table is the
+# graphs, rounds interleaved; a few seconds an arm instead of bench_with's 20-36. Its table is the
 # log's tail (the step's summary line shows only the last line).
 ab() {  # ab NAME SECONDS ab_step-args...
   local name=$1 limit=$2
