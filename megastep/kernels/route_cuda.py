@@ -24,6 +24,10 @@ us per call after the gate GEMV, with grouping and x's quantization: 4.07 agains
 
 Grid: R = ceil(B / 8) routing CTAs (a warp per row) and, with `group`, a CTA per 8 of x's
 128-blocks; the last routing CTA to arrive groups (an arrival counter it resets; none when R = 1).
+
+`gate_route_group` takes the gate GEMV into the same launch for up to 8 rows (FUSED_GATE_ROWS; off
+until measured): `dense.linear_bf16`'s sums for the gate (the .cu says how), then the same routing,
+grouping and quantization, so the same results bit for bit.
 The experts per lane (E / 32) are fixed at build time, one build per expert count. Static grids,
 so CUDA graphs capture it; built and loaded at the first call (`cuda_module`), which must come
 before any capture (the runtime's warm-up steps do it).
