@@ -28,6 +28,7 @@ a workspace or a compiled kernel, stays for the next arm).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -226,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         runner = run.runner(args)
         try:
             return bench.measure(run, runner, args)
-        finally:
-            del runner  # its graphs (and their memory) before the next arm's
+        finally:  # its graphs and their memory pools, before the next arm captures its own
+            del runner
+            gc.collect()
+            torch.cuda.empty_cache()
 
     out = {"device": torch.cuda.get_device_name(run.dec.device), "preset": args.preset,
            "layers": run.cfg.num_hidden_layers, "context": args.context, "iters": args.iters,
@@ -246,7 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         out["timelines"] = {}
         for name, code in arms:
             def profile():
-                acts = bench.timeline_graph(run.runner(args), args.timeline_batch, args.context, args.block)
+                runner = run.runner(args)
+                try:
+                    acts = bench.timeline_graph(runner, args.timeline_batch, args.context, args.block)
+                finally:
+                    del runner
+                    gc.collect()
+                    torch.cuda.empty_cache()
                 return {"summary": timeline_summary(acts), "activities": acts}
 
             try:

@@ -123,6 +123,7 @@ def test_main_writes_each_arm_and_the_table(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "measure", measure)
     monkeypatch.setattr(bench, "timeline_graph", timeline)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: "Fake H200")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     argv = ["--layers", "2", "--batch", "1,4", "--iters", "3", "--rounds", "2", "--json", str(tmp_path / "ab.json"),
             "--arm", "off=", "--arm", "pf=import megastep.model.fast as f; f.L2_PREFETCH = frozenset({'x'})"]
     assert ab_step.main(argv + ["--timeline-batch", "4"]) == 0 and writes == [0, 1, 2, 1]
