@@ -283,7 +283,10 @@ for group in "$@"; do
       # fast.L2_PREFETCH with the Triton linears and with the plain shapes of few rows through the staged twin.
       # First the new kernels' own GPU tests: an arm whose kernel fails them is left out (a crash ends every later
       # arm of the process). The step's bit tests with them: `verify`, for the winners.
-      step arms_staged_tests 150 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py
+      # (the staged twin's bits against the Triton loop here with PDL and bf16 output, the later waves' prefetch and
+      # the graph: 48 of its 138 GPU tests, so that a slow compile cannot cost the arms; `verify` runs them all)
+      step arms_staged_tests 150 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py \
+        -k "dtype0-True or not loops_bits"
       st=$last_rc
       step arms_prefetch_tests 90 python3 -m pytest -q -rfE --timeout 80 -m gpu tests/kernels/test_prefetch.py
       pf=$last_rc
@@ -331,10 +334,13 @@ dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 6
         summary+=("the fused gate's arm left out: the routing's GPU tests did not pass")
       fi
       ab arms2 420 --layers 30 --batch 1,2,4,16,64 --rounds 3 --timeline-batch 1 "${arms[@]}" ;;
-    verify)  # after `arms` and `arms2`: the step's bit tests with the staged twin, the L2 prefetch, INDEXER_FIRST, the fused gate
-      # and the 8-slab attention plans (their settings by the tests themselves; the plans as module settings), then each new kernel
-      # alone: the staged twin against the Triton loop alone, on weights in L2 and behind a spin that releases it at
-      # entry (l2_prefetch.py --staged), the plain linears and the twin (linear_variants.py --staged), the 8-slab plans
+    verify)  # after `arms` and `arms2`: all of the staged twin's GPU tests, the step's bit tests with the staged twin,
+      # the L2 prefetch, INDEXER_FIRST, the fused gate and the 8-slab attention plans (their settings by the tests
+      # themselves; the plans as module settings), then each new kernel alone: the staged twin against the Triton loop
+      # alone, on weights in L2 and behind a spin that releases it at entry (l2_prefetch.py --staged), the plain
+      # linears and the twin (linear_variants.py --staged), the 8-slab plans. (The tests first: the call's deadline
+      # cuts the last measurements if the tests take their limits.)
+      step verify_staged_tests 150 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py
       step verify_step_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_fast_gpu.py \
         -k "staged or prefetch or indexer_first or fused_gate"
       step verify_attn_tests 120 python3 -c "$ATTN_V8; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', \
