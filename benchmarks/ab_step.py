@@ -223,14 +223,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    def measure():
+    def on_fresh_graphs(fn):
+        """fn(a StepRunner of new graphs); then the graphs and their memory pools go, before the
+        next arm captures its own."""
         runner = run.runner(args)
         try:
-            return bench.measure(run, runner, args)
-        finally:  # its graphs and their memory pools, before the next arm captures its own
+            return fn(runner)
+        finally:
             del runner
             gc.collect()
             torch.cuda.empty_cache()
+
+    def measure():
+        return on_fresh_graphs(lambda runner: bench.measure(run, runner, args))
 
     out = {"device": torch.cuda.get_device_name(run.dec.device), "preset": args.preset,
            "layers": run.cfg.num_hidden_layers, "context": args.context, "iters": args.iters,
@@ -249,13 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         out["timelines"] = {}
         for name, code in arms:
             def profile():
-                runner = run.runner(args)
-                try:
-                    acts = bench.timeline_graph(runner, args.timeline_batch, args.context, args.block)
-                finally:
-                    del runner
-                    gc.collect()
-                    torch.cuda.empty_cache()
+                acts = on_fresh_graphs(lambda runner: bench.timeline_graph(runner, args.timeline_batch, args.context,
+                                                                           args.block))
                 return {"summary": timeline_summary(acts), "activities": acts}
 
             try:

@@ -383,25 +383,25 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
     expert-parallel run: the rank holds 1/W of the routed experts, every step all-reduces the
     pair outputs (NCCL, inside the graphs), and bytes and roofline are per GPU."""
     run = setup(args, rank)
-    cfg, dec, W, batches, placement, peer = run.cfg, run.dec, run.world_size, run.batches, run.placement, run.peer
+    cfg, dec, W, batches, placement = run.cfg, run.dec, run.world_size, run.batches, run.placement
     runner = run.runner(args)
     results = measure(run, runner, args)
-    cpu_share, cpu_bw, host_bw, bw, gen_s = run.cpu_share, run.cpu_bw, run.host_bw, run.bw, run.gen_s
     out = {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dec.device),
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers, "gpus": W,
-        "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": cpu_share,
-        "cpu_read_GBps": cpu_bw,
+        "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": run.cpu_share,
+        "cpu_read_GBps": run.cpu_bw,
         "sidecar": None if dec.sidecar is None else "poll" if dec.sidecar.poll else "host_fn",
         "moe_mode": dec.moe_mode or "default", "pdl": args.pdl, "overlap": dec.side_stream is not None,
         "shared_w2": args.shared_w2, "shared_after_router": args.shared_after_router,
         "router": args.router or "auto",
         "ep_combine": None if W == 1 else "p2p" if dec.peer is not None else "allreduce",
-        "attn_split": dec.split_peer is not None, "vocab_split": dec.vocab_peer is not None, "stream_read_GBps": bw, "host_read_GBps": host_bw, "weights_generated_s": gen_s,
+        "attn_split": dec.split_peer is not None, "vocab_split": dec.vocab_peer is not None,
+        "stream_read_GBps": run.bw, "host_read_GBps": run.host_bw, "weights_generated_s": run.gen_s,
         "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
                                                "n_hot": placement.n_hot, "n_cold": placement.n_cold,
                                                "cold_slot_fraction": placement.cold_fraction},
-        "state_pool_bytes": dec.pools.bytes(), "results": results, "peer": peer,
+        "state_pool_bytes": dec.pools.bytes(), "results": results, "peer": run.peer,
     }
     if args.timeline:
         from megastep.runtime.trace import timeline_summary

@@ -88,6 +88,16 @@ def supported(device: torch.device, E: int, D: int, k: int) -> bool:
             and D % 128 == 0 and _have_nvcc())
 
 
+def _check_rows(bias, tid2eid, tokens, B: int, E: int, k: int, dev: torch.device) -> None:
+    """The routing's inputs besides the logits: bias [E] f32 or None; tid2eid [V, k] int64 with tokens
+    [B] int64, or None."""
+    if bias is not None:
+        assert bias.shape == (E,) and bias.dtype == torch.float32 and bias.is_contiguous() and bias.device == dev
+    if tid2eid is not None:
+        assert tid2eid.dim() == 2 and tid2eid.shape[1] == k and tid2eid.dtype == torch.int64 and tid2eid.stride(1) == 1
+        assert tokens is not None and tokens.shape == (B,) and tokens.dtype == torch.int64 and tokens.is_contiguous()
+
+
 def route_group(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
                 tokens: torch.Tensor | None, k: int, scaling: float, x: torch.Tensor | None = None,
                 permute: bool = True, kernel=None) -> tuple[torch.Tensor, torch.Tensor, _mr.Routing | None]:
@@ -102,11 +112,7 @@ def route_group(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.
     assert logits.dtype == torch.float32 and logits.stride(1) == 1, (logits.dtype, logits.stride())
     D = x.shape[1] if x is not None else 128
     assert supported(dev, E, D, k), (dev, E, D, k)
-    if bias is not None:
-        assert bias.shape == (E,) and bias.dtype == torch.float32 and bias.is_contiguous() and bias.device == dev
-    if tid2eid is not None:
-        assert tid2eid.dim() == 2 and tid2eid.shape[1] == k and tid2eid.dtype == torch.int64 and tid2eid.stride(1) == 1
-        assert tokens is not None and tokens.shape == (B,) and tokens.dtype == torch.int64 and tokens.is_contiguous()
+    _check_rows(bias, tid2eid, tokens, B, E, k, dev)
     group = x is not None
     if group:
         assert x.shape[0] == B and x.dtype == torch.bfloat16 and x.device == dev, (x.shape, x.dtype)
@@ -163,12 +169,8 @@ def gate_route_group(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | N
     E = gate.shape[0]
     dev = x.device
     assert fused_gate_ok(x, gate, k), (x.shape, gate.shape, k)
-    if bias is not None:
-        assert bias.shape == (E,) and bias.dtype == torch.float32 and bias.is_contiguous() and bias.device == dev
+    _check_rows(bias, tid2eid, tokens, B, E, k, dev)
     hashed = tid2eid is not None
-    if hashed:
-        assert tid2eid.dim() == 2 and tid2eid.shape[1] == k and tid2eid.dtype == torch.int64 and tid2eid.stride(1) == 1
-        assert tokens is not None and tokens.shape == (B,) and tokens.dtype == torch.int64 and tokens.is_contiguous()
     idx = torch.empty(B, k, dtype=torch.int32, device=dev)
     w = torch.empty(B, k, dtype=torch.float32, device=dev)
     pairs, slot_e, slot_start, slot_cnt, nslots, xq = _mr.routing_buffers(B * k, E, x, dev)

@@ -616,13 +616,13 @@ class FastDecoder(MoeSublayer):
             kw["heads_like"] = cfg.num_attention_heads
         # INDEXER_BESIDE_ROWS: the indexer on its own stream, beside the attention's wq_b
         # (one GPU without the CPU sidecar: the only setting measured)
-        beside = (r == CSA_RATIO and tr and self.idx_stream is not None and B <= INDEXER_BESIDE_ROWS
-                  and (self.world_size == 1 or BESIDE_ON_RANKS) and self.sidecar is None)
+        few = (r == CSA_RATIO and tr and B <= INDEXER_BESIDE_ROWS and (self.world_size == 1 or BESIDE_ON_RANKS)
+               and self.sidecar is None)
+        beside = few and self.idx_stream is not None
         keys_ready = torch.cuda.Event() if beside else None
         # INDEXER_FIRST: the indexer's bf16 rows in a launch of their own before the compressor's, and
         # (beside) its q rows on its own stream
-        first = (INDEXER_FIRST and r == CSA_RATIO and tr and B <= INDEXER_BESIDE_ROWS
-                 and (self.world_size == 1 or BESIDE_ON_RANKS) and self.sidecar is None)
+        first = few and INDEXER_FIRST
         made = []  # what the side stream allocates, joined below
         if r:  # the compressors' (and the indexer's) bf16 projections and updates, beside the q/kv path
             with self._on_side():
