@@ -44,13 +44,38 @@
 # Logs and JSON are written under $OUT/h200_checks_run, then packed into one archive in $OUT,
 # h200_checks-<date>.tgz, with summary.txt (the table printed last): the device brings back only a
 # few files of its $OUT (on 2026-11-30 a group's 13 files did not come back).
+#
+# Compile caches built on the CPU machine (a call's first step process spent 40-90 s compiling):
+#   bash benchmarks/h200_checks.sh --precompile PYTHON GROUP...   # here, before the device calls
+# runs nothing of the groups: each `bench`, `bench_with` and `ab` step compiles its step's kernels for the
+# H200 (benchmarks/kernels/precompile.py under PYTHON, a Python 3.12 with the device's triton 3.6.0 and
+# torch: its --batch rows, each arm's statements) into build/device_cache.tgz; carry that file on the
+# device calls (`run`'s carry). A call that finds it unpacks it first and says last how many kernels it
+# still compiled.
 set -u
+PRECOMPILE=
+if [ "${1:-}" = "--precompile" ]; then
+  PRECOMPILE=$2
+  shift 2
+fi
 FINAL=${OUT:-/tmp/h200_checks}
 OUT=$FINAL/h200_checks_run
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
-python3 -m pip install -e . --no-deps --no-build-isolation -q >/dev/null 2>&1 || true
+[ -z "$PRECOMPILE" ] && { python3 -m pip install -e . --no-deps --no-build-isolation -q >/dev/null 2>&1 || true; }
 summary=()
+
+cache_root=$(${PRECOMPILE:-python3} -c "import sys; sys.path.insert(0, 'benchmarks/kernels'); import precompile; \
+print(precompile.CACHE_ROOT)")
+carried=
+if [ -z "$PRECOMPILE" ] && [ -f build/device_cache.tgz ]; then
+  # (where it was built: a Triton cache entry names its files by absolute path)
+  rm -rf "$cache_root" && tar -xzf build/device_cache.tgz -C "$(dirname "$cache_root")"
+  export TRITON_CACHE_DIR=$cache_root/triton
+  cuda_cache=$(python3 -c 'from megastep.kernels.cuda_module import cache_dir; print(cache_dir())')
+  mkdir -p "$cuda_cache" && cp -n "$cache_root"/cuda/*.cubin "$cuda_cache"/ 2>/dev/null
+  carried=$(ls "$TRITON_CACHE_DIR" | wc -l)
+fi
 
 # One device call runs at most 600 s, and a killed call brings back only a few of its files (not the
 # archive), so the steps together stop at 560 s (or at `--deadline SECONDS`, given first, for a call
@@ -67,6 +92,10 @@ last_rc=0  # the last step's exit status (a skipped step: 124)
 step() {  # step NAME SECONDS command...
   local name=$1 limit=$2
   shift 2
+  if [ -n "$PRECOMPILE" ]; then  # (nothing runs: a test step passes, so that the arms behind it are compiled)
+    last_rc=0
+    return
+  fi
   local t0=$SECONDS left=$((DEADLINE - SECONDS))
   if [ "$left" -lt 20 ]; then
     summary+=("$(printf '%-26s skipped: the call has %ss left' "$name" "$left")")
@@ -80,9 +109,27 @@ step() {  # step NAME SECONDS command...
   summary+=("$(printf '%-26s rc=%-3s %4ss  ' "$name" "$rc" "$((SECONDS - t0))")$(tail -1 "$OUT/$name.log" | cut -c1-90)")
 }
 
+# --precompile: the kernels of a step process's steps, with PRE's statements (an arm) in effect and at its
+# --batch rows, and each of its --arm's (ab_step.py); its other arguments are not read (a decoder built
+# with other arguments, e.g. --shared-after-router, may launch kernels not compiled here)
+precompile() {  # precompile PRE bench-or-ab_step-args...
+  local pre=$1 rows=1 arms=()
+  shift
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --batch) rows=$2; shift 2 ;;
+      --arm) arms+=(--arm "$2"); shift 2 ;;
+      *) shift ;;
+    esac
+  done
+  [ -n "$pre" ] && arms+=(--arm "pre=$pre")
+  "$PRECOMPILE" benchmarks/kernels/precompile.py --rows "$rows" "${arms[@]}" || exit 1
+}
+
 bench() {  # bench NAME SECONDS bench-args...
   local name=$1 limit=$2
   shift 2
+  [ -n "$PRECOMPILE" ] && { precompile "" "$@"; return; }
   step "$name" "$limit" python3 -m megastep.cli bench --preset v4-flash --context 4096 --iters 20 \
     --json "$OUT/$name.json" "$@"
 }
@@ -92,6 +139,7 @@ bench() {  # bench NAME SECONDS bench-args...
 bench_with() {  # bench_with NAME SECONDS PRE bench-args...
   local name=$1 limit=$2 pre=$3
   shift 3
+  [ -n "$PRECOMPILE" ] && { precompile "$pre" "$@"; return; }
   step "$name" "$limit" python3 -c "$pre; import sys; from megastep.cli import main; sys.exit(main(sys.argv[1:]))" \
     bench --preset v4-flash --context 4096 --iters 20 --json "$OUT/$name.json" "$@"
 }
@@ -103,6 +151,7 @@ bench_with() {  # bench_with NAME SECONDS PRE bench-args...
 ab() {  # ab NAME SECONDS ab_step-args...
   local name=$1 limit=$2
   shift 2
+  [ -n "$PRECOMPILE" ] && { precompile "" "$@"; return; }
   step "$name" "$limit" python3 benchmarks/ab_step.py --preset v4-flash --context 4096 --iters 20 \
     --json "$OUT/$name.json" "$@"
   tail -n 80 "$OUT/$name.log" | grep -E '^ *[0-9]+ ' >"$OUT/$name.table" && summary+=("$(cat "$OUT/$name.table")")
@@ -452,5 +501,11 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       exit 2 ;;
   esac
 done
+[ -n "$PRECOMPILE" ] && exit 0
+if [ -n "$carried" ]; then
+  key() { python3 -c "import sys; sys.path.insert(0, 'benchmarks/kernels'); import precompile; print(precompile.key())"; }
+  summary+=("compile caches: $carried Triton kernels carried (built under Triton key $(cat "$cache_root/triton_key.txt"), \
+this machine's $(key)), $(($(ls "$TRITON_CACHE_DIR" | wc -l) - carried)) compiled in this call")
+fi
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 tar czf "$FINAL/h200_checks-$(date +%Y%m%d-%H%M%S).tgz" -C "$OUT" . && rm -rf "$OUT"

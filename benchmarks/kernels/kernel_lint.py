@@ -99,6 +99,43 @@ def install_recorders(sink) -> None:
                 setattr(m, name, Recorder(mod, name, obj, sink))
 
 
+def gpu_launch_options(sms: int = 132) -> None:
+    """Make a step on CPU tensors take an H200's launch options: every kernel module's interpreter check
+    (which turns off PDL and register caps and picks the interpreter's fp32 paths) answers no, and
+    the SM count is the H200's."""
+    import importlib
+    import pkgutil
+
+    import megastep.kernels as kernels
+    from megastep.kernels import common
+
+    for info in pkgutil.iter_modules(kernels.__path__):
+        m = importlib.import_module(f"megastep.kernels.{info.name}")
+        if hasattr(m, "on_interpreter"):
+            m.on_interpreter = lambda t: False
+    common.sm_count = lambda device: sms
+
+
+def v4_flash_decoder(max_rows: int, context: int, compress_ratios=(0, 4, 128), num_hash_layers: int = 1):
+    """A FastDecoder of V4-Flash width on the CPU, one layer per entry of compress_ratios (the first
+    num_hash_layers hash-routed), weights uninitialized (their pages are never touched: a step's
+    kernels are recorded or compiled, not run), the bench's pools (context + 128 positions: the
+    attention's entry counts, so its pinned plans)."""
+    import dataclasses
+
+    import torch
+
+    from megastep.checkpoint.synthetic import preset
+    from megastep.checkpoint.tensors import expected_tensors
+    from megastep.model.fast import FastDecoder
+
+    cfg = dataclasses.replace(preset("v4-flash", layers=len(compress_ratios)), compress_ratios=tuple(compress_ratios),
+                              num_hash_layers=num_hash_layers)
+    weights = {n: torch.empty(s.shape, dtype=s.dtype) for n, s in expected_tensors(cfg, include_mtp=False).items()}
+    return FastDecoder(cfg, weights, max_seqs=max_rows, max_ctx=context + 128, device="cpu", triton=True,
+                       consume=True)
+
+
 def record() -> list[dict]:
     """Run the decode steps under the interpreter, the kernels' launches recorded and skipped; one
     record per distinct (kernel, signature, constexprs)."""

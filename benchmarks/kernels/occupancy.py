@@ -68,31 +68,15 @@ def record(rows: list[int], context: int) -> list[dict]:
     """The launches of one step at each row count, in order, each with its row count."""
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, ROOT)
-    import dataclasses
-    import importlib
-
     import torch
 
     from megastep.bench import _rows
-    from megastep.checkpoint.synthetic import preset
-    from megastep.checkpoint.tensors import expected_tensors
-    from megastep.kernels import common
-    from megastep.model.fast import FastDecoder
 
-    # the GPU's launch options: the interpreter's own checks would turn off PDL and register caps
-    for mod in (*KL.MODULES, "common"):
-        m = importlib.import_module(f"megastep.kernels.{mod}")
-        if hasattr(m, "on_interpreter"):
-            m.on_interpreter = lambda t: False
-    common.sm_count = lambda device: SMS
+    KL.gpu_launch_options(SMS)
     launches: list[dict] = []
     now = {"rows": 0}
     KL.install_recorders(lambda rec: launches.append({**rec, "rows": now["rows"]}))
-    cfg = dataclasses.replace(preset("v4-flash", layers=3), compress_ratios=(0, 4, 128), num_hash_layers=1)
-    weights = {n: torch.empty(s.shape, dtype=s.dtype) for n, s in expected_tensors(cfg, include_mtp=False).items()}
-    # bench.py's pools (context + 128 positions): the attention's entry counts, so its pinned plans
-    dec = FastDecoder(cfg, weights, max_seqs=max(rows), max_ctx=context + 128, device="cpu", triton=True,
-                      consume=True)
+    dec = KL.v4_flash_decoder(max(rows), context)
     for r in rows:
         now["rows"] = r
         dec.step(*_rows(torch.device("cpu"), r, context, 1))

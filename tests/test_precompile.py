@@ -1,0 +1,78 @@
+"""benchmarks/kernels/precompile.py: a step's Triton kernels compiled for an H200 into a Triton cache
+on a machine without a GPU (Triton's own launcher, a stand-in sm_90 driver, every launch a warm-up),
+here on a tiny model with the installed Triton. A second pass finds every kernel in the cache (the
+keys are stable across passes and processes), an arm compiles its own kernels and is put back, the
+step takes the GPU's paths (the Triton neighbours of the CUDA C++ experts and routing, not the
+Triton experts and router), and everything the tool patched is restored. Runs in a process of its
+own: the compile needs Triton without the interpreter."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia")
+HERE = os.path.dirname(os.path.abspath(__file__))
+KERNELS = os.path.join(HERE, "..", "benchmarks", "kernels")
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    sys.path[:0] = [{kernels!r}, {tests!r}]
+    import precompile as PC, kernel_lint as KL, torch, triton
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+    from test_fast_step_triton import tiny_cfg
+    from megastep.checkpoint.synthetic import synthesize_weights
+    from megastep.model.fast import FastDecoder
+
+    cache = os.environ["TRITON_CACHE_DIR"]
+    run, stream = JITFunction.run, torch.cuda.current_stream
+    KL.gpu_launch_options(PC.SMS)
+    cfg = tiny_cfg(o_lora_rank=128).replace(vocab_size=1024)  # (bench's rows draw ids below 1000)
+    dec = FastDecoder(cfg, synthesize_weights(cfg, seed=0, device="cpu", include_mtp=False), max_seqs=2,
+                      max_ctx=72, device="cpu", triton=True)
+    def pdl_of(d):  # the entry's launch_pdl compile option, from its metadata
+        js = [x for x in os.listdir(os.path.join(cache, d)) if x.endswith(".json") and not x.startswith("__grp__")]
+        meta = json.load(open(os.path.join(cache, d, js[0])))
+        assert (meta["target"]["backend"], meta["target"]["arch"]) == ("cuda", 90), meta["target"]
+        return meta["launch_pdl"]
+
+    out = {{"new": [], "launched": []}}
+    arms = [("default", ""), ("default", ""), ("nopdl", "import megastep.model.fast as f; f.PDL_MAX_ROWS = 0"),
+            ("default", "")]
+    for name, code in arms:
+        seen = PC.triton_entries(cache)
+        launched = PC.compile_steps(dec, [1], [(name, code)], 8, cache, log=lambda m: None)
+        out["new"].append(sorted(pdl_of(d) for d in PC.triton_entries(cache) - seen))
+        out["launched"].append(dict(launched))
+    import megastep.model.fast as f
+    out["restored"] = [JITFunction.run is run, torch.cuda.current_stream is stream, driver._active is None,
+                       f.PDL_MAX_ROWS == 4, dec.side_stream is None, dec.moe_mode is None]
+    print(json.dumps(out))
+""")
+
+
+def test_compiles_a_gpu_shaped_step_into_the_cache_once(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    script = SCRIPT.format(kernels=KERNELS, tests=os.path.join(HERE, "kernels"))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.join(HERE, ".."))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    first, again, nopdl, back = out["new"]
+    assert len(first) > 10 and again == [] and back == [], out["new"]  # compiled once, found after
+    # launch_pdl is a compile option: the arm without PDL compiles a twin of each PDL launch, and only those
+    assert True in first and nopdl == [False] * first.count(True), out["new"]
+    launched = out["launched"][0]
+    assert out["launched"][1] == launched and out["launched"][3] == launched
+    # the H200's paths: the CUDA C++ experts and routing (their launches skipped) with the Triton
+    # activation quantization between the experts' launches; the greedy tokens' launch
+    assert launched.get("_moe_act_quant_kernel") and launched.get("_argmax_kernel"), launched
+    for cpu_only in ("_moe_gate_up_kernel", "_moe_down_kernel", "_route_kernel", "_route_group_kernel",
+                     "_gate_route_group_kernel"):
+        assert cpu_only not in launched, launched
+    assert all(out["restored"]), out["restored"]
