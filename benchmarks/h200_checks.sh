@@ -45,12 +45,14 @@
 # h200_checks-<date>.tgz, with summary.txt (the table printed last): the device brings back only a
 # few files of its $OUT (on 2026-11-30 a group's 13 files did not come back).
 #
-# Compile caches built on the CPU machine (a call's first step process spent 40-90 s compiling):
-#   bash benchmarks/h200_checks.sh --precompile PYTHON GROUP...   # here, before the device calls
+# Compile caches (a call's first step process spent 40-90 s compiling): each call packs the Triton kernels and
+# CUDA C++ cubins it compiled or was given into $OUT/device_cache.tgz (benchmarks/kernels/precompile.py --pack:
+# without the intermediate IR); copy that file to build/device_cache.tgz here and carry it on the next call
+# (`run`'s carry), which unpacks it first. A session's first call can carry one built on the CPU machine:
+#   bash benchmarks/h200_checks.sh --precompile PYTHON GROUP...
 # runs nothing of the groups: each `bench`, `bench_with` and `ab` step compiles its step's kernels for the
-# H200 (benchmarks/kernels/precompile.py under PYTHON, a Python 3.12 with the device's triton 3.6.0 and
-# torch: its --batch rows, each arm's statements) into build/device_cache.tgz; carry that file on the
-# device calls (`run`'s carry). A call that finds it unpacks it first and says last how many kernels it
+# H200 (precompile.py under PYTHON, a Python 3.12 with the device's triton 3.6.0 and torch: its --batch rows,
+# each arm's statements) into build/device_cache.tgz. The last summary line says how many kernels the call
 # still compiled.
 set -u
 PRECOMPILE=
@@ -67,14 +69,15 @@ summary=()
 
 cache_root=$(${PRECOMPILE:-python3} -c "import sys; sys.path.insert(0, 'benchmarks/kernels'); import precompile; \
 print(precompile.CACHE_ROOT)")
-carried=
-if [ -z "$PRECOMPILE" ] && [ -f build/device_cache.tgz ]; then
-  # (where it was built: a Triton cache entry names its files by absolute path)
-  rm -rf "$cache_root" && tar -xzf build/device_cache.tgz -C "$(dirname "$cache_root")"
+if [ -z "$PRECOMPILE" ]; then
+  # (unpacked where it was built: a Triton cache entry names its files by absolute path)
+  rm -rf "$cache_root" && mkdir -p "$cache_root/triton"
+  [ -f build/device_cache.tgz ] && tar -xzf build/device_cache.tgz -C "$(dirname "$cache_root")"
   export TRITON_CACHE_DIR=$cache_root/triton
   cuda_cache=$(python3 -c 'from megastep.kernels.cuda_module import cache_dir; print(cache_dir())')
   mkdir -p "$cuda_cache" && cp -n "$cache_root"/cuda/*.cubin "$cuda_cache"/ 2>/dev/null
   carried=$(ls "$TRITON_CACHE_DIR" | wc -l)
+  touch "$cache_root/unpacked"  # (a kernel compiled or found missing after this writes its group file anew)
 fi
 
 # One device call runs at most 600 s, and a killed call brings back only a few of its files (not the
@@ -502,10 +505,10 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
   esac
 done
 [ -n "$PRECOMPILE" ] && exit 0
-if [ -n "$carried" ]; then
-  key() { python3 -c "import sys; sys.path.insert(0, 'benchmarks/kernels'); import precompile; print(precompile.key())"; }
-  summary+=("compile caches: $carried Triton kernels carried (built under Triton key $(cat "$cache_root/triton_key.txt"), \
-this machine's $(key)), $(($(ls "$TRITON_CACHE_DIR" | wc -l) - carried)) compiled in this call")
-fi
+key() { python3 -c "import sys; sys.path.insert(0, 'benchmarks/kernels'); import precompile; print(precompile.key())"; }
+built=$(cat "$cache_root/triton_key.txt" 2>/dev/null || echo none)
+summary+=("compile caches: $carried Triton kernels carried (Triton key: $built built, $(key) here), \
+$(find "$TRITON_CACHE_DIR" -name '__grp__*' -newer "$cache_root/unpacked" | wc -l) compiled in this call; \
+$(python3 benchmarks/kernels/precompile.py --pack "$FINAL/device_cache.tgz" 2>&1 | tail -1)")
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 tar czf "$FINAL/h200_checks-$(date +%Y%m%d-%H%M%S).tgz" -C "$OUT" . && rm -rf "$OUT"

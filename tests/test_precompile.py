@@ -76,3 +76,28 @@ def test_compiles_a_gpu_shaped_step_into_the_cache_once(tmp_path):
                      "_gate_route_group_kernel"):
         assert cpu_only not in launched, launched
     assert all(out["restored"]), out["restored"]
+
+
+def test_pack_keeps_what_a_cache_hit_reads(tmp_path):
+    sys.path.insert(0, KERNELS)
+    import tarfile
+
+    import precompile as PC
+
+    root, cuda = tmp_path / "megastep-device-cache", tmp_path / "cuda"
+    entry = root / "triton" / "KEY"
+    entry.mkdir(parents=True)
+    cuda.mkdir()
+    names = ["k.json", "k.cubin", "k.ptx", "k.ttir", "k.ttgir", "k.llir", "k.source", "__grp__k.json"]
+    for n in names:
+        (entry / n).write_text(n)
+    (cuda / "abc.cubin").write_text("cubin")
+    (cuda / "abc.tmp").write_text("a partial build")
+    line = PC.pack(str(tmp_path / "out.tgz"), str(root), str(cuda))
+    with tarfile.open(tmp_path / "out.tgz") as tar:
+        members = {m.name for m in tar.getmembers() if m.isfile()}
+    top = "megastep-device-cache"
+    assert members == {f"{top}/triton/KEY/{n}" for n in ("k.json", "k.cubin", "k.ptx", "__grp__k.json")} | {
+        f"{top}/cuda/abc.cubin", f"{top}/triton_key.txt"}, members
+    assert (root / "triton_key.txt").read_text().strip() == PC.key()
+    assert "1 Triton kernels and 1 CUDA C++ cubins" in line, line

@@ -3,9 +3,13 @@ device's compile caches, so that a device call does not spend its first minute c
 
     <python 3.12 with triton 3.6.0 and torch> benchmarks/kernels/precompile.py \\
         [--rows 1,2,4,8,16,32,64] [--context 4096] [--arm NAME=STATEMENTS]... [--out build/device_cache.tgz]
+    python3 benchmarks/kernels/precompile.py --pack OUT     # (on the device, h200_checks.sh's last step)
 
 Then carry the archive on the device call (`run`'s carry: build/device_cache.tgz); h200_checks.sh
-unpacks it before its steps and reports how many kernels the call still compiled.
+unpacks it before its steps, says last how many kernels the call still compiled, and packs what the
+call compiled or was given (--pack) into its $OUT for the next call to carry: those keys are the
+device's own, the Triton launchers' modules included (24 for the step, built with the host's C
+compiler on first use; not built here).
 
 Why: a device call's first step process took 60-111 s against 20-38 s for the same process run again
 in the call (docs/data/m2*-summary-*.txt, the first arm of each call; one call's first arm ran out
@@ -169,6 +173,32 @@ def triton_entries(cache: str) -> set[str]:
             if any(f.startswith("__grp__") for f in os.listdir(os.path.join(cache, d)))}
 
 
+INTERMEDIATE = (".ttir", ".ttgir", ".llir", ".source")  # (kept: metadata, cubin, and PTX, which some tools read)
+
+
+def pack(out: str, root: str = CACHE_ROOT, cuda_src: str | None = None) -> str:
+    """The caches under `root` packed into `out` (.tgz) without the Triton kernels' intermediate IR
+    (a cache hit reads only their metadata and cubin), with the CUDA C++ cubins of cuda_src
+    (default: cuda_module's cache) and this Triton's key; a line saying what was packed."""
+    from megastep.kernels import cuda_module
+
+    triton_dir, cuda_dir = os.path.join(root, "triton"), os.path.join(root, "cuda")
+    os.makedirs(cuda_dir, exist_ok=True)
+    src = cuda_module.cache_dir() if cuda_src is None else cuda_src
+    if os.path.isdir(src) and os.path.realpath(src) != os.path.realpath(cuda_dir):
+        for f in os.listdir(src):
+            if f.endswith(".cubin"):
+                shutil.copy2(os.path.join(src, f), cuda_dir)
+    with open(os.path.join(root, "triton_key.txt"), "w") as f:
+        f.write(key() + "\n")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with tarfile.open(out, "w:gz") as tar:
+        tar.add(root, arcname=os.path.basename(root), filter=lambda t: None if t.name.endswith(INTERMEDIATE) else t)
+    cubins = len([f for f in os.listdir(cuda_dir) if f.endswith(".cubin")])
+    return (f"packed {len(triton_entries(triton_dir))} Triton kernels and {cubins} CUDA C++ cubins into {out} "
+            f"({os.path.getsize(out) / 2**20:.1f} MiB)")
+
+
 def build_cubins() -> list[str]:
     """Every CUDA C++ module the step loads, built into cuda_module's cache (the cubin files)."""
     from megastep.kernels import linear_fp8_staged, moe_lut, route_cuda
@@ -211,7 +241,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="ab_step.py's arms: each one's statements in effect for a pass of steps of its own")
     ap.add_argument("--out", default=os.path.join(os.path.abspath(ROOT), "build", "device_cache.tgz"))
     ap.add_argument("--fresh", action="store_true", help="empty CACHE_ROOT first (else entries accumulate)")
+    ap.add_argument("--pack", metavar="OUT", help="only pack CACHE_ROOT into OUT (a device call's caches, "
+                    "h200_checks.sh's last step): compile nothing")
     args = ap.parse_args(argv)
+    if args.pack:
+        print(pack(args.pack))
+        return 0
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("precompile compiles for the GPU: run it without TRITON_INTERPRET=1")
     import triton
@@ -241,14 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     dec = KL.v4_flash_decoder(max(rows), args.context, compress_ratios=(0, 4, 4, 128, 0), num_hash_layers=2)
     launched = compile_steps(dec, rows, arms, args.context, triton_dir, log=lambda m: print(m, flush=True))
     after = triton_entries(triton_dir)
-    with open(os.path.join(CACHE_ROOT, "triton_key.txt"), "w") as f:
-        f.write(key() + "\n")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with tarfile.open(args.out, "w:gz") as tar:
-        tar.add(CACHE_ROOT, arcname=os.path.basename(CACHE_ROOT))
     print(f"Triton {triton.__version__}, sm_90: {len(after)} kernels in {triton_dir} ({len(after - before)} new, "
-          f"{sum(launched.values())} launches) in {time.perf_counter() - t0:.0f} s; packed into {args.out} "
-          f"({os.path.getsize(args.out) / 2**20:.1f} MiB)")
+          f"{sum(launched.values())} launches) in {time.perf_counter() - t0:.0f} s; {pack(args.out)}")
     return 0
 
 
