@@ -176,12 +176,13 @@ def triton_entries(cache: str) -> set[str]:
 INTERMEDIATE = (".ttir", ".ttgir", ".llir", ".source")  # (kept: metadata, cubin, and PTX, which some tools read)
 
 
-def pack(out: str, root: str = CACHE_ROOT, cuda_src: str | None = None) -> str:
-    """The caches under `root` packed into `out` (.tgz) without the Triton kernels' intermediate IR
+def pack(out: str, root: str | None = None, cuda_src: str | None = None) -> str:
+    """The caches under `root` (default CACHE_ROOT) packed into `out` (.tgz) without the Triton kernels' intermediate IR
     (a cache hit reads only their metadata and cubin), with the CUDA C++ cubins of cuda_src
     (default: cuda_module's cache) and this Triton's key; a line saying what was packed."""
     from megastep.kernels import cuda_module
 
+    root = root or CACHE_ROOT
     triton_dir, cuda_dir = os.path.join(root, "triton"), os.path.join(root, "cuda")
     os.makedirs(cuda_dir, exist_ok=True)
     src = cuda_module.cache_dir() if cuda_src is None else cuda_src
