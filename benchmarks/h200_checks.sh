@@ -76,7 +76,7 @@ if [ -z "$PRECOMPILE" ]; then
   export TRITON_CACHE_DIR=$cache_root/triton
   cuda_cache=$(python3 -c 'from megastep.kernels.cuda_module import cache_dir; print(cache_dir())')
   mkdir -p "$cuda_cache" && cp -n "$cache_root"/cuda/*.cubin "$cuda_cache"/ 2>/dev/null
-  carried=$(ls "$TRITON_CACHE_DIR" | wc -l)
+  carried=$(find "$TRITON_CACHE_DIR" -name '__grp__*' | wc -l)  # (a kernel's entry; a launcher module's has none)
   touch "$cache_root/unpacked"  # (a kernel compiled or found missing after this writes its group file anew)
 fi
 
