@@ -119,8 +119,9 @@ def gpu_launch_options(sms: int = 132) -> None:
 def v4_flash_decoder(max_rows: int, context: int, compress_ratios=(0, 4, 128), num_hash_layers: int = 1):
     """A FastDecoder of V4-Flash width on the CPU, one layer per entry of compress_ratios (the first
     num_hash_layers hash-routed), weights uninitialized (no kernel runs: a step's launches are
-    recorded or compiled; the decoder's own repacking still touches ~2.5 GB a layer), the bench's
-    pools (context + 128 positions: the attention's entry counts, so its pinned plans)."""
+    recorded or compiled; the decoder's own repacking still touches ~3.5 GB a layer: 18 GB for
+    precompile.py's 5 layers), the bench's pools (context + 128 positions: the attention's entry
+    counts, so its pinned plans)."""
     import dataclasses
 
     import torch
