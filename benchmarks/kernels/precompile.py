@@ -177,9 +177,10 @@ INTERMEDIATE = (".ttir", ".ttgir", ".llir", ".source")  # (kept: metadata, cubin
 
 
 def pack(out: str, root: str | None = None, cuda_src: str | None = None) -> str:
-    """The caches under `root` (default CACHE_ROOT) packed into `out` (.tgz) without the Triton kernels' intermediate IR
-    (a cache hit reads only their metadata and cubin), with the CUDA C++ cubins of cuda_src
-    (default: cuda_module's cache) and this Triton's key; a line saying what was packed."""
+    """The caches under `root` (default CACHE_ROOT) packed into `out` (.tgz) without the Triton
+    kernels' intermediate IR (a cache hit reads only their metadata and cubin), with the CUDA C++
+    cubins of cuda_src (default: cuda_module's cache) and this Triton's key; a line saying what was
+    packed."""
     from megastep.kernels import cuda_module
 
     root = root or CACHE_ROOT
