@@ -3,7 +3,8 @@ on a machine without a GPU (Triton's own launcher, a stand-in sm_90 driver, ever
 here on a tiny model with the installed Triton. A second pass finds every kernel in the cache (the
 keys are stable across passes and processes), an arm compiles its own kernels and is put back, the
 step takes the GPU's paths (the Triton neighbours of the CUDA C++ experts and routing, not the
-Triton experts and router), and everything the tool patched is restored. Runs in a process of its
+Triton experts and router; the staged twin where SHAPES lists a linear), and everything the tool
+patched is restored. Runs in a process of its
 own: the compile needs Triton without the interpreter."""
 
 import json
@@ -41,16 +42,19 @@ SCRIPT = textwrap.dedent("""
         return meta["launch_pdl"]
 
     out = {{"new": [], "launched": []}}
+    staged = "import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({{(256, 128, 2), (128, 256, 1)}})"
     arms = [("default", ""), ("default", ""), ("nopdl", "import megastep.model.fast as f; f.PDL_MAX_ROWS = 0"),
-            ("default", "")]
+            ("default", ""), ("staged", staged)]
     for name, code in arms:
         seen = PC.triton_entries(cache)
         launched = PC.compile_steps(dec, [1], [(name, code)], 8, cache, log=lambda m: None)
         out["new"].append(sorted(pdl_of(d) for d in PC.triton_entries(cache) - seen))
         out["launched"].append(dict(launched))
     import megastep.model.fast as f
+    import megastep.kernels.linear_fp8_staged as s
+    out["layers"] = cfg.num_hidden_layers
     out["restored"] = [JITFunction.run is run, torch.cuda.current_stream is stream, driver._active is None,
-                       f.PDL_MAX_ROWS == 4, dec.side_stream is None, dec.moe_mode is None]
+                       f.PDL_MAX_ROWS == 4, dec.side_stream is None, dec.moe_mode is None, not s.SHAPES]
     print(json.dumps(out))
 """)
 
@@ -63,7 +67,7 @@ def test_compiles_a_gpu_shaped_step_into_the_cache_once(tmp_path):
                           cwd=os.path.join(HERE, ".."))
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    first, again, nopdl, back = out["new"]
+    first, again, nopdl, back, staged = out["new"]
     assert len(first) > 10 and again == [] and back == [], out["new"]  # compiled once, found after
     # launch_pdl is a compile option: the arm without PDL compiles a twin of each PDL launch, and only those
     assert True in first and nopdl == [False] * first.count(True), out["new"]
@@ -75,6 +79,10 @@ def test_compiles_a_gpu_shaped_step_into_the_cache_once(tmp_path):
     for cpu_only in ("_moe_gate_up_kernel", "_moe_down_kernel", "_route_kernel", "_route_group_kernel",
                      "_gate_route_group_kernel"):
         assert cpu_only not in launched, launched
+    # the staged twin listed for the tiny wo_a (2 groups) and wo_b: their Triton launches give way to it
+    # (its CUDA launch skipped) in every layer, and nothing new compiles
+    fp8 = launched["_linear_fp8_kernel"]
+    assert staged == [] and out["launched"][4]["_linear_fp8_kernel"] == fp8 - 2 * out["layers"], out
     assert all(out["restored"]), out["restored"]
 
 

@@ -107,13 +107,13 @@ def gpu_launch_options(sms: int = 132) -> None:
     import pkgutil
 
     import megastep.kernels as kernels
-    from megastep.kernels import common
 
     for info in pkgutil.iter_modules(kernels.__path__):
         m = importlib.import_module(f"megastep.kernels.{info.name}")
         if hasattr(m, "on_interpreter"):
             m.on_interpreter = lambda t: False
-    common.sm_count = lambda device: sms
+        if hasattr(m, "sm_count"):  # (common's, and the modules that import it by name)
+            m.sm_count = lambda device: sms
 
 
 def v4_flash_decoder(max_rows: int, context: int, compress_ratios=(0, 4, 128), num_hash_layers: int = 1):

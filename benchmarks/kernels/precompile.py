@@ -126,11 +126,12 @@ class _Ordering:
 @contextlib.contextmanager
 def gpu_shaped(dec):
     """The CPU decoder's step made to take the paths an H200 takes where they launch other Triton
-    kernels: the side streams' orders (stand-in streams and events), the CUDA C++ experts and
-    routing (mode "lut", route_cuda: their launches skipped) with an H200's SMs and shared memory."""
+    kernels: the side streams' orders (stand-in streams and events), the CUDA C++ experts, routing
+    and staged linears (mode "lut", route_cuda, linear_fp8_staged where SHAPES lists a launch: their
+    launches skipped) with an H200's SMs and shared memory."""
     import torch
 
-    from megastep.kernels import cuda_module, moe_lut, prefetch, route_cuda
+    from megastep.kernels import cuda_module, linear_fp8_staged, moe_lut, prefetch, route_cuda
 
     patches = [(torch.cuda, "current_stream", lambda device=None: _Ordering()),
                (torch.cuda, "stream", lambda s: contextlib.nullcontext()),
@@ -139,6 +140,7 @@ def gpu_shaped(dec):
                (torch.Tensor, "record_stream", lambda self, s: None),
                (cuda_module.Kernel, "launch", lambda self, *args, **kwargs: None),
                (moe_lut, "supported", lambda *args: True), (route_cuda, "supported", lambda *args: True),
+               (linear_fp8_staged, "supported", lambda device: True),
                (moe_lut, "_sms", lambda index: SMS),
                (moe_lut, "_ring_fits", lambda index, nbytes: nbytes <= 227 << 10),  # an H200's CTA limit
                (prefetch, "_hopper", lambda index: True),

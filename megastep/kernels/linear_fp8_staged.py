@@ -62,6 +62,11 @@ def _have_nvcc() -> bool:
     return find_nvcc() is not None
 
 
+def supported(device: torch.device) -> bool:
+    """Whether the kernel can run on `device`: a CUDA device, and nvcc to build it."""
+    return device.type == "cuda" and _have_nvcc()
+
+
 def shared_bytes(nt: int, nb: int, warps: int) -> int:
     """Dynamic shared memory of a CTA: its warps' weights (16 rows x 128 nb bytes each), x's codes
     in fp16 (8 nt rows, padded) and their scales."""
@@ -79,7 +84,7 @@ def plan(x: torch.Tensor, w: torch.Tensor, groups: int, k_per_split: int, mode: 
     if (N, K, groups) not in SHAPES or residual is not None or mode != "f16":
         return None
     M = x.shape[0]
-    if x.device.type != "cuda" or x.dtype != torch.bfloat16 or not 0 < M <= MAX_ROWS or not _have_nvcc():
+    if not supported(x.device) or x.dtype != torch.bfloat16 or not 0 < M <= MAX_ROWS:
         return None
     if x.data_ptr() % 16 or x.stride(0) % 8 or w.data_ptr() % 16 or w.stride(0) % 16:
         return None
