@@ -20,12 +20,12 @@ second compiles each distinct launch for sm_90 with the installed Triton (the de
 first on the path, as sass_loop.py says) and reads its registers and shared memory.
 Programs per SM: the least of 32, 64 warps / the program's warps, the 64K registers (a warp takes
 its registers per thread rounded up to 8, times 32, rounded up to 256), and 228 KB of shared memory
-(each program 1 KB more for the system). Not counted: the CUDA C++ launches the GPU takes instead
-of some Triton ones (moe_lut's experts, route_cuda's routing: one CTA per SM slot by construction;
-linear_fp8_staged where listed), and what runs beside a launch on a second stream. On the CPU the
-step has no second stream and no CUDA C++: it takes the Triton experts and router (marked "cpu only":
-the GPU runs moe_lut and route_cuda at these row counts), and a CSA layer's qr group runs in one
-launch (640 programs) where the GPU, up to fast.INDEXER_BESIDE_ROWS rows, splits it (512 and 128).
+(each program 1 KB more for the system). The step takes the H200's paths (precompile.gpu_shaped:
+the side streams' orders, e.g. a CSA layer's qr group in two launches up to
+fast.INDEXER_BESIDE_ROWS rows, and the CUDA C++ experts, routing and staged linears with the Triton
+launches around them). Not counted: those CUDA C++ launches (moe_lut's experts, route_cuda's
+routing: one CTA per SM slot by construction; linear_fp8_staged where listed), and what runs beside
+a launch on a second stream.
 """
 
 from __future__ import annotations
@@ -47,10 +47,6 @@ SMS = 132  # an H200's
 SM_SHARED = 228 << 10  # shared memory an SM can give its CTAs (sm_90)
 CTA_RESERVED = 1 << 10  # what the system keeps of it per CTA
 REGS = 65536
-# the launches the GPU replaces at these row counts: the Triton experts (by moe_lut's) and the Triton
-# routing (by route_cuda's; the activation quantization between the experts' launches and moe_route's
-# grouping stay Triton's there)
-CPU_ONLY = {"moe._moe_gate_up_kernel", "moe._moe_down_kernel", "router.*"}
 
 
 def per_sm(warps: int, regs: int, shared: int) -> tuple[int, str]:
@@ -72,14 +68,17 @@ def record(rows: list[int], context: int) -> list[dict]:
 
     from megastep.bench import _rows
 
+    import precompile
+
     KL.gpu_launch_options(SMS)
     launches: list[dict] = []
     now = {"rows": 0}
     KL.install_recorders(lambda rec: launches.append({**rec, "rows": now["rows"]}))
     dec = KL.v4_flash_decoder(max(rows), context)
-    for r in rows:
-        now["rows"] = r
-        dec.step(*_rows(torch.device("cpu"), r, context, 1))
+    with precompile.gpu_shaped(dec):
+        for r in rows:
+            now["rows"] = r
+            dec.step(*_rows(torch.device("cpu"), r, context, 1))
     return launches
 
 
@@ -111,7 +110,6 @@ def table(launches: list[dict], res: dict[str, dict]) -> list[dict]:
             continue
         programs = math.prod(r["grid"])
         row = dict(rows=r["rows"], kernel=k[1], grid=list(r["grid"]), programs=programs, count=1,
-                   cpu_only=bool({k[1], f"{r['module']}.*"} & CPU_ONLY),
                    constexprs={c: v for c, v in r["constexprs"].items() if c.isupper() and c != "INTERPRET"},
                    options=r["options"], **res[key])
         if "error" not in row:
@@ -153,11 +151,10 @@ def main() -> None:
         if "error" in r:
             print(f"{r['rows']:4} {r['kernel']:38} error: {r['error']}")
             continue
-        flag = " cpu only" if r["cpu_only"] else ""
         tail = " <- last wave %d %%" % round(100 * (r["waves"] % 1)) if 1 < r["waves"] and r["waves"] % 1 else ""
         print(f"{r['rows']:4} {r['kernel']:38} {r['count']:2} {r['programs']:8} {r['warps']:2} {r['regs']:4} "
               f"{r['spill_stores']:3} {r['shared'] / 1024:5.1f}K {r['per_sm']:3} {r['limit']:10} {r['waves']:6.2f}"
-              f"{tail}{flag}")
+              f"{tail}")
 
 
 if __name__ == "__main__":
