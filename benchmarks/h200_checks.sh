@@ -331,8 +331,8 @@ for group in "$@"; do
     arms)  # the weight-staging arms built without a device since the twenty-seventh measurement, in one process
       # (ab_step.py), 3 rounds at 1-16 rows: wo_a through linear_fp8_staged (its weights copied into shared memory
       # before it waits for the attention; built 2026-12-04), with its later waves prefetched into L2, with the
-      # attention releasing it at entry, in CTAs of 4 warps, with wo_b staged behind it (released at entry);
-      # fast.L2_PREFETCH with the Triton linears and with the plain shapes of few rows through the staged twin.
+      # attention releasing it at entry, in CTAs of 4 warps, with wo_b staged behind it (released at entry); the
+      # plain shapes of few rows through the staged twin; fast.L2_PREFETCH with the Triton linears and with the twin.
       # First the new kernels' own GPU tests: an arm whose kernel fails them is left out (a crash ends every later
       # arm of the process). The step's bit tests with them: `verify`, for the winners.
       # (the staged twin's bits against the Triton loop here with PDL and bf16 output, the later waves' prefetch and
@@ -354,6 +354,8 @@ for group in "$@"; do
       else
         summary+=("the staged arms left out: the kernel's GPU tests did not pass")
       fi
+      # (the plain shapes of few rows through the twin without the prefetch: what l2pf_st owes to each)
+      [ "$st" = 0 ] && arms+=(--arm "plain_st=import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({$plain})")
       if [ "$pf" = 0 ]; then
         arms+=(--arm "l2pf=$P")
         [ "$st" = 0 ] && arms+=(--arm "l2pf_st=$P; import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({$plain})")
