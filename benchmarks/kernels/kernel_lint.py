@@ -45,6 +45,7 @@ def _type_of(v) -> str:
     raise TypeError(type(v))
 
 
+H200_SMS = 132  # an H200's multiprocessors: the launch options the tools here give a step on the CPU
 MODULES = ("attention", "compressor", "dense", "indexer", "linear_fp8", "mhc", "moe", "moe_route", "pair_combine",
            "rope_norm", "router")
 
@@ -99,7 +100,7 @@ def install_recorders(sink) -> None:
                 setattr(m, name, Recorder(mod, name, obj, sink))
 
 
-def gpu_launch_options(sms: int = 132) -> None:
+def gpu_launch_options(sms: int = H200_SMS) -> None:
     """Make a step on CPU tensors take an H200's launch options: every kernel module's interpreter check
     (which turns off PDL and register caps and picks the interpreter's fp32 paths) answers no, and
     the SM count is the H200's."""

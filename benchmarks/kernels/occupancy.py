@@ -43,7 +43,7 @@ ROOT = os.path.join(HERE, "..", "..")
 sys.path.insert(0, HERE)
 import kernel_lint as KL  # noqa: E402
 
-SMS = 132  # an H200's
+SMS = KL.H200_SMS
 SM_SHARED = 228 << 10  # shared memory an SM can give its CTAs (sm_90)
 CTA_RESERVED = 1 << 10  # what the system keeps of it per CTA
 REGS = 65536

@@ -59,10 +59,11 @@ ROOT = os.path.join(HERE, "..", "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import kernel_lint as KL  # noqa: E402
 
 CACHE_ROOT = "/tmp/megastep-device-cache"  # where the caches are built here and unpacked on the device
 DEVICE_TRITON = "3.6.0"
-SMS = 132  # an H200's
+SMS = KL.H200_SMS
 
 
 class H200Driver:
@@ -260,7 +261,6 @@ def main(argv: list[str] | None = None) -> int:
                          f"Triton {triton.__version__} on Python {sys.version.split()[0]}'s: run precompile with that "
                          "pair (e.g. a Python 3.12 venv with triton==3.6.0 and torch)")
     import ab_step
-    import kernel_lint as KL
 
     from megastep.kernels import cuda_module
 

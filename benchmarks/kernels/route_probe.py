@@ -122,8 +122,8 @@ def probe_kernels(out_dir: str) -> dict:
             f.write(text)
         with open(os.path.join(os.path.dirname(path), os.path.basename(_HEADER)), "w") as f:
             f.write(header)
-        kernels[name] = (CudaModule(path, extra_flags=route_cuda.build_flags(E)).kernel("route_group",
-                                                                                    route_cuda.SIGNATURE), exact)
+        module = CudaModule(path, extra_flags=route_cuda.build_flags(E))
+        kernels[name] = (module.kernel("route_group", route_cuda.SIGNATURES["route_group"]), exact)
     return kernels
 
 

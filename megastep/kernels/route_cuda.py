@@ -47,7 +47,6 @@ from megastep.kernels.cuda_module import CudaModule, find_nvcc
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "route_cuda.cu")
 SIGNATURES = {"route_group": "pqppqpppfpqpqppppppiiiii",  # the kernels' arguments by kind (cuda_module.Kernel)
               "gate_route_group": "pqpqpppqpppfpqppppppiiii"}
-SIGNATURE = SIGNATURES["route_group"]
 THREADS = 256
 ROWS_PER_CTA = THREADS // 32  # a warp per row
 MAX_EXPERTS = 512  # 16 experts per lane
