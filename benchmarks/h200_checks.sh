@@ -29,6 +29,7 @@
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh arms       # the weight-staging arms built without a device (the staged wo_a / wo_b, the L2 prefetch), their kernels' tests first, 3 rounds in one process (~8 min)
 #   bash benchmarks/h200_checks.sh arms2      # the latency-chain arms (the indexer first, the gate in the routing's launch, 8-slab attention plans, the short launches' K splits), 3 rounds in one process (~8 min)
+#   bash benchmarks/h200_checks.sh one        # a session's only call: the 1-row arms of both groups at 1-4 rows, 3 rounds in one process (~9 min)
 #   bash benchmarks/h200_checks.sh verify     # then the step's bit tests with the winners and each new kernel alone (~9 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
@@ -388,6 +389,25 @@ dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 6
         summary+=("the fused gate's arm left out: the routing's GPU tests did not pass")
       fi
       ab arms2 420 --layers 30 --batch 1,2,4,16,64 --rounds 3 --timeline-batch 1 "${arms[@]}" ;;
+    one)  # for a session that may get one device call: the 1-row bar's arms of `arms` and `arms2` in one process at
+      # 1-4 rows, 3 rounds, each kernel's own GPU tests first (shorter limits than theirs in `arms` / `arms2`)
+      step one_staged_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py \
+        -k "dtype0-True or not loops_bits"
+      st=$last_rc
+      step one_prefetch_tests 60 python3 -m pytest -q -rfE --timeout 50 -m gpu tests/kernels/test_prefetch.py
+      pf=$last_rc
+      step one_route_tests 60 python3 -m pytest -q -rfE --timeout 50 -m gpu tests/kernels/test_route_cuda.py
+      rt=$last_rc
+      S='import megastep.kernels.linear_fp8_staged as s, megastep.kernels.attention as a'
+      S="$S; s.SHAPES = frozenset({(8192, 4096, 8)}); s.PREFETCH_LATER_WAVES = True"
+      plain='(1536, 4096, 1), (32768, 1024, 1), (8192, 1024, 1), (8192, 4096, 8), (4096, 2048, 1)'
+      arms=(--arm off= --arm "idx_first=import megastep.model.fast as f; f.INDEXER_FIRST = True" --arm "attn_v8=$ATTN_V8")
+      [ "$st" = 0 ] && arms+=(--arm "wo_a_st_pf=$S"
+        --arm "st_early_wo_b=$S; a.RELEASE_AT_ENTRY_ROWS = 1; s.SHAPES |= {(4096, 8192, 1)}; s.RELEASE_AT_ENTRY = True")
+      [ "$st" = 0 ] && [ "$pf" = 0 ] && arms+=(--arm "l2pf_st=import megastep.model.fast as f; \
+f.L2_PREFETCH = frozenset({'x', 'qr', 'wo_a', 'shared'}); import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({$plain})")
+      [ "$rt" = 0 ] && arms+=(--arm "gate_route=import megastep.kernels.route_cuda as r; r.FUSED_GATE_ROWS = 8")
+      ab one 330 --layers 30 --batch 1,2,4 --rounds 3 --timeline-batch 1 "${arms[@]}" ;;
     verify)  # after `arms` and `arms2`: all of the staged twin's GPU tests, the step's bit tests with the staged twin,
       # the L2 prefetch, INDEXER_FIRST, the fused gate and the 8-slab attention plans (their settings by the tests
       # themselves; the plans as module settings), then each new kernel alone: the staged twin against the Triton loop
