@@ -170,6 +170,17 @@ ATTN_V8='import dataclasses, megastep.kernels.attention as a; f = a._PINNED_FEW_
 ATTN_V8="$ATTN_V8; f[(64, 161, 512)] = (1, r(f[(64, 161, 512)][1], dv_split=8))"
 ATTN_V8="$ATTN_V8; f[(64, 128, 512)] = (1, r(f[(64, 128, 512)][1], dv_split=8))"
 
+# The weight-staging and latency-chain arms' statements, shared by `arms`, `arms2` and `one`: wo_a through the staged
+# twin with its later waves prefetched into L2 (STAGED_WO_A; s and a name the twin's and the attention's modules);
+# the L2 prefetch of the short launches' weights (L2PF); the plain shapes of few rows (x group, wq_b, the indexer's q
+# rows, wo_a, the shared w2) through the twin (PLAIN_ST); a CSA layer's indexer first; the gate in the routing's launch
+STAGED_WO_A='import megastep.kernels.linear_fp8_staged as s, megastep.kernels.attention as a'
+STAGED_WO_A="$STAGED_WO_A; s.SHAPES = frozenset({(8192, 4096, 8)}); s.PREFETCH_LATER_WAVES = True"
+L2PF='import megastep.model.fast as f; f.L2_PREFETCH = frozenset({"x", "qr", "wo_a", "shared"})'
+PLAIN_ST='import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(1536, 4096, 1), (32768, 1024, 1), (8192, 1024, 1), (8192, 4096, 8), (4096, 2048, 1)})'
+IDX_FIRST='import megastep.model.fast as f; f.INDEXER_FIRST = True'
+GATE_ROUTE='import megastep.kernels.route_cuda as r; r.FUSED_GATE_ROWS = 8'
+
 all_gpus() {  # the lent machines' NCCL settings; n = the GPUs, gpus = their ids for --gpus
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
@@ -343,10 +354,7 @@ for group in "$@"; do
       st=$last_rc
       step arms_prefetch_tests 90 python3 -m pytest -q -rfE --timeout 80 -m gpu tests/kernels/test_prefetch.py
       pf=$last_rc
-      S='import megastep.kernels.linear_fp8_staged as s, megastep.kernels.attention as a'
-      S="$S; s.SHAPES = frozenset({(8192, 4096, 8)}); s.PREFETCH_LATER_WAVES = True"
-      P='import megastep.model.fast as f; f.L2_PREFETCH = frozenset({"x", "qr", "wo_a", "shared"})'
-      plain='(1536, 4096, 1), (32768, 1024, 1), (8192, 1024, 1), (8192, 4096, 8), (4096, 2048, 1)'
+      S=$STAGED_WO_A
       arms=(--arm off=)
       if [ "$st" = 0 ]; then
         arms+=(--arm "wo_a_st=${S/; s.PREFETCH_LATER_WAVES = True/}" --arm "wo_a_st_pf=$S"
@@ -356,10 +364,10 @@ for group in "$@"; do
         summary+=("the staged arms left out: the kernel's GPU tests did not pass")
       fi
       # (the plain shapes of few rows through the twin without the prefetch: what l2pf_st owes to each)
-      [ "$st" = 0 ] && arms+=(--arm "plain_st=import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({$plain})")
+      [ "$st" = 0 ] && arms+=(--arm "plain_st=$PLAIN_ST")
       if [ "$pf" = 0 ]; then
-        arms+=(--arm "l2pf=$P")
-        [ "$st" = 0 ] && arms+=(--arm "l2pf_st=$P; import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({$plain})")
+        arms+=(--arm "l2pf=$L2PF")
+        [ "$st" = 0 ] && arms+=(--arm "l2pf_st=$L2PF; $PLAIN_ST")
       else
         summary+=("the L2 prefetch arms left out: the kernel's GPU tests did not pass")
       fi
@@ -379,12 +387,12 @@ for group in "$@"; do
 dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 64)]"
       }
       G='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig'
-      arms=(--arm off= --arm "idx_first=import megastep.model.fast as f; f.INDEXER_FIRST = True"
+      arms=(--arm off= --arm "idx_first=$IDX_FIRST"
         --arm "attn_v8=$ATTN_V8" --arm "x4=$(pin 1536 4096 4)" --arm "x16=$(pin 1536 4096 16)"
         --arm "gate16=$G(32, 256, 16, 4, 3)" --arm "gate8=$G(32, 256, 8, 4, 3)" --arm "w2_2=$(pin 4096 2048 2)"
         --arm "w2_8=$(pin 4096 2048 8)")
       if [ "$rt" = 0 ]; then
-        arms+=(--arm "gate_route=import megastep.kernels.route_cuda as r; r.FUSED_GATE_ROWS = 8")
+        arms+=(--arm "gate_route=$GATE_ROUTE")
       else
         summary+=("the fused gate's arm left out: the routing's GPU tests did not pass")
       fi
@@ -398,15 +406,12 @@ dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 6
       pf=$last_rc
       step one_route_tests 60 python3 -m pytest -q -rfE --timeout 50 -m gpu tests/kernels/test_route_cuda.py
       rt=$last_rc
-      S='import megastep.kernels.linear_fp8_staged as s, megastep.kernels.attention as a'
-      S="$S; s.SHAPES = frozenset({(8192, 4096, 8)}); s.PREFETCH_LATER_WAVES = True"
-      plain='(1536, 4096, 1), (32768, 1024, 1), (8192, 1024, 1), (8192, 4096, 8), (4096, 2048, 1)'
-      arms=(--arm off= --arm "idx_first=import megastep.model.fast as f; f.INDEXER_FIRST = True" --arm "attn_v8=$ATTN_V8")
+      S=$STAGED_WO_A
+      arms=(--arm off= --arm "idx_first=$IDX_FIRST" --arm "attn_v8=$ATTN_V8")
       [ "$st" = 0 ] && arms+=(--arm "wo_a_st_pf=$S"
         --arm "st_early_wo_b=$S; a.RELEASE_AT_ENTRY_ROWS = 1; s.SHAPES |= {(4096, 8192, 1)}; s.RELEASE_AT_ENTRY = True")
-      [ "$st" = 0 ] && [ "$pf" = 0 ] && arms+=(--arm "l2pf_st=import megastep.model.fast as f; \
-f.L2_PREFETCH = frozenset({'x', 'qr', 'wo_a', 'shared'}); import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({$plain})")
-      [ "$rt" = 0 ] && arms+=(--arm "gate_route=import megastep.kernels.route_cuda as r; r.FUSED_GATE_ROWS = 8")
+      [ "$st" = 0 ] && [ "$pf" = 0 ] && arms+=(--arm "l2pf_st=$L2PF; $PLAIN_ST")
+      [ "$rt" = 0 ] && arms+=(--arm "gate_route=$GATE_ROUTE")
       ab one 330 --layers 30 --batch 1,2,4 --rounds 3 --timeline-batch 1 "${arms[@]}" ;;
     verify)  # after `arms` and `arms2`: all of the staged twin's GPU tests, the step's bit tests with the staged twin,
       # the L2 prefetch, INDEXER_FIRST, the fused gate and the 8-slab attention plans (their settings by the tests
