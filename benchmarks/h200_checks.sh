@@ -412,6 +412,9 @@ dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 6
         --arm "st_early_wo_b=$S; a.RELEASE_AT_ENTRY_ROWS = 1; s.SHAPES |= {(4096, 8192, 1)}; s.RELEASE_AT_ENTRY = True")
       [ "$st" = 0 ] && [ "$pf" = 0 ] && arms+=(--arm "l2pf_st=$L2PF; $PLAIN_ST")
       [ "$rt" = 0 ] && arms+=(--arm "gate_route=$GATE_ROUTE")
+      [ "$st" = 0 ] || summary+=("the staged arms left out: the kernel's GPU tests did not pass")
+      [ "$pf" = 0 ] || summary+=("the L2 prefetch arm left out: the kernel's GPU tests did not pass")
+      [ "$rt" = 0 ] || summary+=("the fused gate's arm left out: the routing's GPU tests did not pass")
       ab one 330 --layers 30 --batch 1,2,4 --rounds 3 --timeline-batch 1 "${arms[@]}" ;;
     verify)  # after `arms` and `arms2`: all of the staged twin's GPU tests, the step's bit tests with the staged twin,
       # the L2 prefetch, INDEXER_FIRST, the fused gate and the 8-slab attention plans (their settings by the tests
