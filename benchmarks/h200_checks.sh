@@ -176,6 +176,8 @@ ATTN_V8="$ATTN_V8; f[(64, 128, 512)] = (1, r(f[(64, 128, 512)][1], dv_split=8))"
 # rows, wo_a, the shared w2) through the twin (PLAIN_ST); a CSA layer's indexer first; the gate in the routing's launch
 STAGED_WO_A='import megastep.kernels.linear_fp8_staged as s, megastep.kernels.attention as a'
 STAGED_WO_A="$STAGED_WO_A; s.SHAPES = frozenset({(8192, 4096, 8)}); s.PREFETCH_LATER_WAVES = True"
+# (and wo_b staged behind it, both released at the attention's entry)
+STAGED_WO_AB="$STAGED_WO_A; a.RELEASE_AT_ENTRY_ROWS = 1; s.SHAPES |= {(4096, 8192, 1)}; s.RELEASE_AT_ENTRY = True"
 L2PF='import megastep.model.fast as f; f.L2_PREFETCH = frozenset({"x", "qr", "wo_a", "shared"})'
 PLAIN_ST='import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(1536, 4096, 1), (32768, 1024, 1), (8192, 1024, 1), (8192, 4096, 8), (4096, 2048, 1)})'
 IDX_FIRST='import megastep.model.fast as f; f.INDEXER_FIRST = True'
@@ -359,7 +361,7 @@ for group in "$@"; do
       if [ "$st" = 0 ]; then
         arms+=(--arm "wo_a_st=${S/; s.PREFETCH_LATER_WAVES = True/}" --arm "wo_a_st_pf=$S"
           --arm "st_early=$S; a.RELEASE_AT_ENTRY_ROWS = 1" --arm "st_early_w4=$S; a.RELEASE_AT_ENTRY_ROWS = 1; s.WARPS = 4"
-          --arm "st_early_wo_b=$S; a.RELEASE_AT_ENTRY_ROWS = 1; s.SHAPES |= {(4096, 8192, 1)}; s.RELEASE_AT_ENTRY = True")
+          --arm "st_early_wo_b=$STAGED_WO_AB")
       else
         summary+=("the staged arms left out: the kernel's GPU tests did not pass")
       fi
@@ -406,10 +408,8 @@ dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 6
       pf=$last_rc
       step one_route_tests 60 python3 -m pytest -q -rfE --timeout 50 -m gpu tests/kernels/test_route_cuda.py
       rt=$last_rc
-      S=$STAGED_WO_A
       arms=(--arm off= --arm "idx_first=$IDX_FIRST" --arm "attn_v8=$ATTN_V8")
-      [ "$st" = 0 ] && arms+=(--arm "wo_a_st_pf=$S"
-        --arm "st_early_wo_b=$S; a.RELEASE_AT_ENTRY_ROWS = 1; s.SHAPES |= {(4096, 8192, 1)}; s.RELEASE_AT_ENTRY = True")
+      [ "$st" = 0 ] && arms+=(--arm "wo_a_st_pf=$STAGED_WO_A" --arm "st_early_wo_b=$STAGED_WO_AB")
       [ "$st" = 0 ] && [ "$pf" = 0 ] && arms+=(--arm "l2pf_st=$L2PF; $PLAIN_ST")
       [ "$rt" = 0 ] && arms+=(--arm "gate_route=$GATE_ROUTE")
       [ "$st" = 0 ] || summary+=("the staged arms left out: the kernel's GPU tests did not pass")
