@@ -30,6 +30,7 @@
 #   bash benchmarks/h200_checks.sh arms       # the weight-staging arms built without a device (the staged wo_a / wo_b, the L2 prefetch), their kernels' tests first, 3 rounds in one process (~8 min)
 #   bash benchmarks/h200_checks.sh arms2      # the latency-chain arms (the indexer first, the gate in the routing's launch, 8-slab attention plans, the short launches' K splits), 3 rounds in one process (~8 min)
 #   bash benchmarks/h200_checks.sh one        # a session's only call: the 1-row arms of both groups at 1-4 rows, 3 rounds in one process (~9 min)
+#   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh verify     # then the step's bit tests with the winners and each new kernel alone (~9 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
@@ -182,6 +183,7 @@ L2PF='import megastep.model.fast as f; f.L2_PREFETCH = frozenset({"x", "qr", "wo
 PLAIN_ST='import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(1536, 4096, 1), (32768, 1024, 1), (8192, 1024, 1), (8192, 4096, 8), (4096, 2048, 1)})'
 IDX_FIRST='import megastep.model.fast as f; f.INDEXER_FIRST = True'
 GATE_ROUTE='import megastep.kernels.route_cuda as r; r.FUSED_GATE_ROWS = 8'
+GATE8='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig(32, 256, 8, 4, 3)'
 
 all_gpus() {  # the lent machines' NCCL settings; n = the GPUs, gpus = their ids for --gpus
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
@@ -416,6 +418,16 @@ dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 6
       [ "$pf" = 0 ] || summary+=("the L2 prefetch arm left out: the kernel's GPU tests did not pass")
       [ "$rt" = 0 ] || summary+=("the fused gate's arm left out: the routing's GPU tests did not pass")
       ab one 330 --layers 30 --batch 1,2,4 --rounds 3 --timeline-batch 1 "${arms[@]}" ;;
+    pins)  # the winners of 2026-12-05's `one` and `arms2` (1 row: the gate's split 8 -1.2 %, the 8-slab plans -0.3 %;
+      # 4-64 rows: the indexer first -0.3 to -0.65 %): the step's and their kernels' bit tests under all three, then the
+      # step at 1-64 rows (8 and 32 never measured with them) with each alone and together, 3 rounds in one process
+      all3="$IDX_FIRST; $ATTN_V8; $GATE8"
+      step pins_tests 230 python3 -c "$all3; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', '--timeout', '100', \
+        '-m', 'gpu', 'tests/test_fast_gpu.py', 'tests/kernels/test_dense.py', 'tests/kernels/test_router.py', \
+        'tests/kernels/test_attention.py', '-k', 'same_input or alone or graph_replay or indexer or fused_gate or few \
+        or value_split or dense or router']))"
+      ab pins 260 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm off= --arm "gate8=$GATE8" \
+        --arm "idx_v8=$IDX_FIRST; $ATTN_V8" --arm "all3=$all3" ;;
     verify)  # after `arms` and `arms2`: all of the staged twin's GPU tests, the step's bit tests with the staged twin,
       # the L2 prefetch, INDEXER_FIRST, the fused gate and the 8-slab attention plans (their settings by the tests
       # themselves; the plans as module settings), then each new kernel alone: the staged twin against the Triton loop
