@@ -92,6 +92,25 @@ if [ "${1:-}" = "--deadline" ]; then
   shift 2
 fi
 DEADLINE=$((SECONDS + budget))
+# --layers N (after --deadline): every step's --layers N instead of its own, for a GPU with less memory (the
+# 30-layer step holds ~110 GB: an H100's 80 GB takes 16). Its numbers compare only with the same call's.
+LAYERS=
+if [ "${1:-}" = "--layers" ]; then
+  LAYERS=$2
+  shift 2
+fi
+relayer() {  # relayer ARGS...: ARGS into the array `args`, with --layers N made --layers $LAYERS when given
+  args=()
+  while [ $# -gt 0 ]; do
+    if [ "$1" = --layers ] && [ -n "$LAYERS" ]; then
+      args+=(--layers "$LAYERS")
+      shift 2
+    else
+      args+=("$1")
+      shift
+    fi
+  done
+}
 
 last_rc=0  # the last step's exit status (a skipped step: 124)
 step() {  # step NAME SECONDS command...
@@ -135,8 +154,9 @@ bench() {  # bench NAME SECONDS bench-args...
   local name=$1 limit=$2
   shift 2
   [ -n "$PRECOMPILE" ] && { precompile "" "$@"; return; }
+  relayer "$@"
   step "$name" "$limit" python3 -m megastep.cli bench --preset v4-flash --context 4096 --iters 20 \
-    --json "$OUT/$name.json" "$@"
+    --json "$OUT/$name.json" "${args[@]}"
 }
 
 # An experiment's arm in the same tree: python statements PRE (module settings, e.g.
@@ -145,8 +165,9 @@ bench_with() {  # bench_with NAME SECONDS PRE bench-args...
   local name=$1 limit=$2 pre=$3
   shift 3
   [ -n "$PRECOMPILE" ] && { precompile "$pre" "$@"; return; }
+  relayer "$@"
   step "$name" "$limit" python3 -c "$pre; import sys; from megastep.cli import main; sys.exit(main(sys.argv[1:]))" \
-    bench --preset v4-flash --context 4096 --iters 20 --json "$OUT/$name.json" "$@"
+    bench --preset v4-flash --context 4096 --iters 20 --json "$OUT/$name.json" "${args[@]}"
 }
 
 # Arms of the step in one process (benchmarks/ab_step.py): the decoder is built once and each arm
@@ -157,8 +178,9 @@ ab() {  # ab NAME SECONDS ab_step-args...
   local name=$1 limit=$2
   shift 2
   [ -n "$PRECOMPILE" ] && { precompile "" "$@"; return; }
+  relayer "$@"
   step "$name" "$limit" python3 benchmarks/ab_step.py --preset v4-flash --context 4096 --iters 20 \
-    --json "$OUT/$name.json" "$@"
+    --json "$OUT/$name.json" "${args[@]}"
   tail -n 80 "$OUT/$name.log" | grep -E '^ *[0-9]+ ' >"$OUT/$name.table" && summary+=("$(cat "$OUT/$name.table")")
 }
 
@@ -424,7 +446,7 @@ dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 6
       all3="$IDX_FIRST; $ATTN_V8; $GATE8"
       step pins_tests 230 python3 -c "$all3; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', '--timeout', '100', \
         '-m', 'gpu', 'tests/test_fast_gpu.py', 'tests/kernels/test_dense.py', 'tests/kernels/test_router.py', \
-        'tests/kernels/test_attention.py', '-k', 'same_input or alone or graph_replay or indexer or fused_gate or few \
+        'tests/kernels/test_attention.py', '-k', 'same_input or alone or graph_replay or indexer or few \
         or value_split or dense or router']))"
       ab pins 260 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm off= --arm "gate8=$GATE8" \
         --arm "idx_v8=$IDX_FIRST; $ATTN_V8" --arm "all3=$all3" ;;
