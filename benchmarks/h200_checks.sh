@@ -27,11 +27,7 @@
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
-#   bash benchmarks/h200_checks.sh arms       # the weight-staging arms built without a device (the staged wo_a / wo_b, the L2 prefetch), their kernels' tests first, 3 rounds in one process (~8 min)
-#   bash benchmarks/h200_checks.sh arms2      # the latency-chain arms (the indexer first, the gate in the routing's launch, 8-slab attention plans, the short launches' K splits), 3 rounds in one process (~8 min)
-#   bash benchmarks/h200_checks.sh one        # a session's only call: the 1-row arms of both groups at 1-4 rows, 3 rounds in one process (~9 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
-#   bash benchmarks/h200_checks.sh verify     # then the step's bit tests with the winners and each new kernel alone (~9 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
 #   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
@@ -193,18 +189,9 @@ ATTN_V8='import dataclasses, megastep.kernels.attention as a; f = a._PINNED_FEW_
 ATTN_V8="$ATTN_V8; f[(64, 161, 512)] = (1, r(f[(64, 161, 512)][1], dv_split=8))"
 ATTN_V8="$ATTN_V8; f[(64, 128, 512)] = (1, r(f[(64, 128, 512)][1], dv_split=8))"
 
-# The weight-staging and latency-chain arms' statements, shared by `arms`, `arms2` and `one`: wo_a through the staged
-# twin with its later waves prefetched into L2 (STAGED_WO_A; s and a name the twin's and the attention's modules);
-# the L2 prefetch of the short launches' weights (L2PF); the plain shapes of few rows (x group, wq_b, the indexer's q
-# rows, wo_a, the shared w2) through the twin (PLAIN_ST); a CSA layer's indexer first; the gate in the routing's launch
-STAGED_WO_A='import megastep.kernels.linear_fp8_staged as s, megastep.kernels.attention as a'
-STAGED_WO_A="$STAGED_WO_A; s.SHAPES = frozenset({(8192, 4096, 8)}); s.PREFETCH_LATER_WAVES = True"
-# (and wo_b staged behind it, both released at the attention's entry)
-STAGED_WO_AB="$STAGED_WO_A; a.RELEASE_AT_ENTRY_ROWS = 1; s.SHAPES |= {(4096, 8192, 1)}; s.RELEASE_AT_ENTRY = True"
-L2PF='import megastep.model.fast as f; f.L2_PREFETCH = frozenset({"x", "qr", "wo_a", "shared"})'
-PLAIN_ST='import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({(1536, 4096, 1), (32768, 1024, 1), (8192, 1024, 1), (8192, 4096, 8), (4096, 2048, 1)})'
+# The winners of 2026-12-05's arms (docs/PERFORMANCE.md, twenty-eighth measurement), for `pins`: a CSA layer's
+# indexer work first on its streams; the router's gate in 8 splits of 256 columns (the rule: 32 of 128)
 IDX_FIRST='import megastep.model.fast as f; f.INDEXER_FIRST = True'
-GATE_ROUTE='import megastep.kernels.route_cuda as r; r.FUSED_GATE_ROWS = 8'
 GATE8='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig(32, 256, 8, 4, 3)'
 
 all_gpus() {  # the lent machines' NCCL settings; n = the GPUs, gpus = their ids for --gpus
@@ -366,83 +353,10 @@ for group in "$@"; do
         '-m', 'gpu', 'tests/kernels/test_attention.py', 'tests/test_fast_gpu.py', '-k', \
         'pools or few or v4_shapes or same_input or alone or graph_replay']))"
       ab csa64 240 --layers 30 --batch 1,2,4,16,64 --rounds 3 --timeline-batch 1 --arm pin= --arm "n64=$n64" ;;
-    arms)  # the weight-staging arms built without a device since the twenty-seventh measurement, in one process
-      # (ab_step.py), 3 rounds at 1-16 rows: wo_a through linear_fp8_staged (its weights copied into shared memory
-      # before it waits for the attention; built 2026-12-04), with its later waves prefetched into L2, with the
-      # attention releasing it at entry, in CTAs of 4 warps, with wo_b staged behind it (released at entry); the
-      # plain shapes of few rows through the staged twin; fast.L2_PREFETCH with the Triton linears and with the twin.
-      # First the new kernels' own GPU tests: an arm whose kernel fails them is left out (a crash ends every later
-      # arm of the process). The step's bit tests with them: `verify`, for the winners.
-      # (the staged twin's bits against the Triton loop here with PDL and bf16 output, the later waves' prefetch and
-      # the graph: 48 of its 138 GPU tests, so that a slow compile cannot cost the arms; `verify` runs them all)
-      step arms_staged_tests 150 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py \
-        -k "dtype0-True or not loops_bits"
-      st=$last_rc
-      step arms_prefetch_tests 90 python3 -m pytest -q -rfE --timeout 80 -m gpu tests/kernels/test_prefetch.py
-      pf=$last_rc
-      S=$STAGED_WO_A
-      arms=(--arm off=)
-      if [ "$st" = 0 ]; then
-        arms+=(--arm "wo_a_st=${S/; s.PREFETCH_LATER_WAVES = True/}" --arm "wo_a_st_pf=$S"
-          --arm "st_early=$S; a.RELEASE_AT_ENTRY_ROWS = 1" --arm "st_early_w4=$S; a.RELEASE_AT_ENTRY_ROWS = 1; s.WARPS = 4"
-          --arm "st_early_wo_b=$STAGED_WO_AB")
-      else
-        summary+=("the staged arms left out: the kernel's GPU tests did not pass")
-      fi
-      # (the plain shapes of few rows through the twin without the prefetch: what l2pf_st owes to each)
-      [ "$st" = 0 ] && arms+=(--arm "plain_st=$PLAIN_ST")
-      if [ "$pf" = 0 ]; then
-        arms+=(--arm "l2pf=$L2PF")
-        [ "$st" = 0 ] && arms+=(--arm "l2pf_st=$L2PF; $PLAIN_ST")
-      else
-        summary+=("the L2 prefetch arms left out: the kernel's GPU tests did not pass")
-      fi
-      ab arms 330 --layers 30 --batch 1,2,4,16 --rounds 3 --timeline-batch 1 "${arms[@]}" ;;
-    arms2)  # the latency-chain arms, 3 rounds in one process at 1-64 rows: a CSA layer's indexer work first on its
-      # streams (fast.INDEXER_FIRST, no new kernel); the MoE gate GEMV inside the routing's launch
-      # (route_cuda.FUSED_GATE_ROWS, after the routing's GPU tests); HCA's and the window's one-row attention plans
-      # in 8 value slabs (ATTN_V8); the short launches on the 1-row chain with other K splits: the x group (wq_a +
-      # wkv, 6 MB, 5.2 us after its input in the 1-row timeline), the router's gate (bf16, 2 MB, 5.2 us) and the
-      # shared w2 that closes the MoE sublayer beside down, tuned alone on cold weights but placed early behind the
-      # mHC with their tiles prefetched into L2 in the step (each split for every row bucket: other sums, the same
-      # at every batch)
-      step arms2_route_tests 90 python3 -m pytest -q -rfE --timeout 80 -m gpu tests/kernels/test_route_cuda.py
-      rt=$last_rc
-      pin() {  # pin N K SPLIT: linear_fp8's pins of (N, K) for every row bucket, with SPLIT
-        echo "import dataclasses, megastep.kernels.linear_fp8 as L; [L._PINNED.__setitem__(($1, $2, mb), \
-dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 64)]"
-      }
-      G='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig'
-      arms=(--arm off= --arm "idx_first=$IDX_FIRST"
-        --arm "attn_v8=$ATTN_V8" --arm "x4=$(pin 1536 4096 4)" --arm "x16=$(pin 1536 4096 16)"
-        --arm "gate16=$G(32, 256, 16, 4, 3)" --arm "gate8=$G(32, 256, 8, 4, 3)" --arm "w2_2=$(pin 4096 2048 2)"
-        --arm "w2_8=$(pin 4096 2048 8)")
-      if [ "$rt" = 0 ]; then
-        arms+=(--arm "gate_route=$GATE_ROUTE")
-      else
-        summary+=("the fused gate's arm left out: the routing's GPU tests did not pass")
-      fi
-      ab arms2 420 --layers 30 --batch 1,2,4,16,64 --rounds 3 --timeline-batch 1 "${arms[@]}" ;;
-    one)  # for a session that may get one device call: the 1-row bar's arms of `arms` and `arms2` in one process at
-      # 1-4 rows, 3 rounds, each kernel's own GPU tests first (shorter limits than theirs in `arms` / `arms2`)
-      step one_staged_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py \
-        -k "dtype0-True or not loops_bits"
-      st=$last_rc
-      step one_prefetch_tests 60 python3 -m pytest -q -rfE --timeout 50 -m gpu tests/kernels/test_prefetch.py
-      pf=$last_rc
-      step one_route_tests 60 python3 -m pytest -q -rfE --timeout 50 -m gpu tests/kernels/test_route_cuda.py
-      rt=$last_rc
-      arms=(--arm off= --arm "idx_first=$IDX_FIRST" --arm "attn_v8=$ATTN_V8")
-      [ "$st" = 0 ] && arms+=(--arm "wo_a_st_pf=$STAGED_WO_A" --arm "st_early_wo_b=$STAGED_WO_AB")
-      [ "$st" = 0 ] && [ "$pf" = 0 ] && arms+=(--arm "l2pf_st=$L2PF; $PLAIN_ST")
-      [ "$rt" = 0 ] && arms+=(--arm "gate_route=$GATE_ROUTE")
-      [ "$st" = 0 ] || summary+=("the staged arms left out: the kernel's GPU tests did not pass")
-      [ "$pf" = 0 ] || summary+=("the L2 prefetch arm left out: the kernel's GPU tests did not pass")
-      [ "$rt" = 0 ] || summary+=("the fused gate's arm left out: the routing's GPU tests did not pass")
-      ab one 330 --layers 30 --batch 1,2,4 --rounds 3 --timeline-batch 1 "${arms[@]}" ;;
     pins)  # the winners of 2026-12-05's `one` and `arms2` (1 row: the gate's split 8 -1.2 %, the 8-slab plans -0.3 %;
-      # 4-64 rows: the indexer first -0.3 to -0.65 %): the step's and their kernels' bit tests under all three, then the
-      # step at 1-64 rows (8 and 32 never measured with them) with each alone and together, 3 rounds in one process
+      # 4-64 rows: the indexer first -0.3 to -0.65 %; the groups, decided, are at c1d9043): the step's and their
+      # kernels' bit tests under all three, then the step at 1-64 rows (8 and 32 never measured with them) with each
+      # alone and together, 3 rounds in one process. Pinned by the branch pin_defaults once these pass.
       all3="$IDX_FIRST; $ATTN_V8; $GATE8"
       step pins_tests 230 python3 -c "$all3; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', '--timeout', '100', \
         '-m', 'gpu', 'tests/test_fast_gpu.py', 'tests/kernels/test_dense.py', 'tests/kernels/test_router.py', \
@@ -450,23 +364,6 @@ dataclasses.replace(L.pick_config(mb, $1, $2), split_k=$3)) for mb in (16, 32, 6
         or value_split or dense or router']))"
       ab pins 260 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm off= --arm "gate8=$GATE8" \
         --arm "idx_v8=$IDX_FIRST; $ATTN_V8" --arm "all3=$all3" ;;
-    verify)  # after `arms` and `arms2`: all of the staged twin's GPU tests, the step's bit tests with the staged twin,
-      # the L2 prefetch, INDEXER_FIRST, the fused gate and the 8-slab attention plans (their settings by the tests
-      # themselves; the plans as module settings), then each new kernel alone: the staged twin against the Triton loop
-      # alone, on weights in L2 and behind a spin that releases it at entry (l2_prefetch.py --staged), the plain
-      # linears and the twin (linear_variants.py --staged), the 8-slab plans. (The tests first: the call's deadline
-      # cuts the last measurements if the tests take their limits.)
-      step verify_staged_tests 150 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_linear_fp8_staged.py
-      step verify_step_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_fast_gpu.py \
-        -k "staged or prefetch or indexer_first or fused_gate"
-      step verify_attn_tests 120 python3 -c "$ATTN_V8; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', \
-        '--timeout', '100', 'tests/kernels/test_attention.py', 'tests/test_fast_gpu.py', '-k', \
-        'few or value_split or v4_shapes or alone or same_input']))"
-      step verify_spin 100 python3 benchmarks/kernels/l2_prefetch.py --staged --json "$OUT/staged_spin.json"
-      step verify_linears 90 python3 benchmarks/kernels/linear_variants.py --out "$OUT/staged_kernels" --ms 1,4,16 \
-        --staged --shapes x_group,qr_group,wo_a,wo_b,shared_w2
-      step verify_attn_few 60 python3 -c "$ATTN_V8; import runpy, sys; sys.argv = ['attn_few_rows.py', '--rows', '1', \
-        '--json', '$OUT/attn_v8_few.json']; runpy.run_path('benchmarks/kernels/attn_few_rows.py', run_name='__main__')" ;;
     probe)  # where a 1- and 4-row experts call's launches spend their time: the probe build's stamps (moe_lut_probe.py)
       step lut_probe 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT" --ms 1,4
       step lut_probe_pdl 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/pdl" --ms 1,4 --pdl

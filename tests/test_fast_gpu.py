@@ -397,8 +397,8 @@ def test_fused_gate_route_changes_no_bits(monkeypatch):
 def test_indexer_first_changes_no_bits(monkeypatch):
     """INDEXER_FIRST (a CSA layer's indexer rows of the bf16 projection in a launch of their own before
     the compressor's, and its q rows on the indexer's stream beside wq_b): the step's greedy logits at
-    1 row (graphs with PDL) and in a batch of 16, bit for bit against the order before, the indexer's
-    q rows really launched on its stream."""
+    1 row (graphs with PDL) and in a batch of 16, bit for bit against the order without it, the
+    indexer's q rows really launched on its stream."""
     from megastep.model import fast
     from megastep.model.linears import LinearGroup
 
@@ -410,6 +410,7 @@ def test_indexer_first_changes_no_bits(monkeypatch):
         return part(self, i, *a, **k)
 
     monkeypatch.setattr(LinearGroup, "part", spy)
+    monkeypatch.setattr(fast, "INDEXER_FIRST", False)
     want = alone_then_batched(build(experts="lut"))
     monkeypatch.setattr(fast, "INDEXER_FIRST", True)
     built = build(experts="lut")
