@@ -71,8 +71,8 @@ _COUNTERS = 1 << 14  # arrival counters kept per device (B x head blocks)
 # attention starts (common.PDL_EARLY) instead of after its KV loop: the dependent grid still
 # launches only once every attention program has started, so none of them waits for room, and
 # a next kernel that copies its weights before it waits (linear_fp8_staged behind wo_a) gets the
-# whole attention to do it. Where the CTAs start changes no bits. 0: never (not measured yet:
-# benchmarks/h200_checks.sh `arms`).
+# whole attention to do it. Where the CTAs start changes no bits. 0: never (measured 2026-12-05 with
+# wo_a and wo_b staged behind it: slower, linear_fp8_staged's docstring).
 RELEASE_AT_ENTRY_ROWS = 0
 
 # where a program's KV entries come from (the kernel's SRC)

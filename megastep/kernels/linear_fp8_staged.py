@@ -18,8 +18,11 @@ may take only the launches of few rows.
 Reference: `linear_fp8_staged_ref`, which is linear_fp8's (`linear_fp8_ref`).
 
 Off by default: `SHAPES` lists the (N, K, groups) launches that take it at most 16 rows. Built on
-2026-12-04 without a device (nvcc compiles it here; its GPU tests and the step's arm are
-benchmarks/h200_checks.sh `arms` and `verify`); not yet run.
+2026-12-04 without a device; measured 2026-12-05 (docs/PERFORMANCE.md, twenty-eighth measurement):
+its GPU tests pass (48 of them), and the 30-layer step is 2.4-4.7 % slower at 1-4 rows with wo_a (and
+wo_b) through it. Its waiting CTAs slow the one-wave attention beside them by ~5 us, and once released
+it streams wo_a no faster than the Triton loop (14.8 against 14.0 us): the loop, not HBM, bounds
+these linears at few rows, so staging earlier buys nothing. Kept, off, for a loop that is HBM-bound.
 """
 
 from __future__ import annotations
@@ -48,12 +51,12 @@ RELEASE_AT_ENTRY = False
 # The CTAs of a launch's first wave (one per SM slot) prefetch the later waves' weights into L2 at
 # entry, while the predecessor runs and HBM idles, so those CTAs copy from L2 (one
 # `cp.async.bulk.prefetch.L2` per weight row; no value changes). wo_a in CTAs of 8 warps is ~2 waves
-# (256 CTAs of 128 KB at one per SM). Not measured yet.
+# (256 CTAs of 128 KB at one per SM). Measured with wo_a: no faster (the module's docstring).
 PREFETCH_LATER_WAVES = False
 MAX_ROWS = 16  # rows of x per CTA: 8 (NT 1) or 16 (NT 2)
 MAX_SPLIT = 32  # the .cu's kMaxSplit
 # (N, K, groups) of the linear_fp8 launches that take this kernel at <= MAX_ROWS rows. Empty: none
-# (h200_checks.sh `arms` measures wo_a's, (8192, 4096, 8), as a module setting).
+# (wo_a's, (8192, 4096, 8), measured as a module setting: slower; the module's docstring).
 SHAPES: frozenset[tuple[int, int, int]] = frozenset()
 
 

@@ -8,10 +8,11 @@ Shapes and dtypes: any contiguous tensor of a multiple of 16 bytes from a 16-byt
 (the FP8 and BF16 weights at V4 shapes); for another tensor, on the CPU (the interpreter runs no PTX)
 or below sm_90, nothing happens: a prefetch is a hint.
 
-Used by FastDecoder's L2_PREFETCH (off: not measured; benchmarks/h200_checks.sh `arms`). Whether it
+Used by FastDecoder's L2_PREFETCH (off: measured slower, fast.L2_PREFETCH says why). Whether it
 pays depends on how much faster a linear reads L2 than HBM: the Triton FP8 loop gained 8-17 % with
-its whole weight in L2 (docs/PERFORMANCE.md, ninth measurement), the CUDA twin that stages its
-weights in shared memory (linear_fp8_staged) is untested there.
+its whole weight in L2 (docs/PERFORMANCE.md, ninth measurement); the CUDA twin that stages its
+weights in shared memory (linear_fp8_staged), with its later waves prefetched, streamed wo_a no
+faster than the Triton loop (twenty-eighth measurement).
 """
 
 from __future__ import annotations

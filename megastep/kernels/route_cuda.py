@@ -25,8 +25,8 @@ us per call after the gate GEMV, with grouping and x's quantization: 4.07 agains
 Grid: R = ceil(B / 8) routing CTAs (a warp per row) and, with `group`, a CTA per 8 of x's
 128-blocks; the last routing CTA to arrive groups (an arrival counter it resets; none when R = 1).
 
-`gate_route_group` takes the gate GEMV into the same launch for up to 8 rows (FUSED_GATE_ROWS; off
-until measured): `dense.linear_bf16`'s sums for the gate (the .cu says how), then the same routing,
+`gate_route_group` takes the gate GEMV into the same launch for up to 8 rows (FUSED_GATE_ROWS; off:
+measured slower): `dense.linear_bf16`'s sums for the gate (the .cu says how), then the same routing,
 grouping and quantization, so the same results bit for bit.
 The experts per lane (E / 32) are fixed at build time, one build per expert count. Static grids,
 so CUDA graphs capture it; built and loaded at the first call (`cuda_module`), which must come
@@ -54,7 +54,9 @@ MAX_TOPK = 32  # a warp's lanes
 MAX_GROUPED_PAIRS = THREADS  # the grouping: a thread per pair
 # Steps of at most this many rows (and 8 at most: one MMA's columns) take gate_route_group, the gate GEMV
 # inside the routing's launch (`gate_route_group` below), where FastDecoder routes with this module. 0:
-# never. Off until measured (built 2026-12-04 without a device; benchmarks/h200_checks.sh `arms2`).
+# never. Off: measured 2026-12-05 (benchmarks/h200_checks.sh `one` and `arms2`; docs/PERFORMANCE.md,
+# twenty-eighth measurement), the 30-layer step 4.0-4.3 % slower at 1 row, 2.5-5.4 % at 2-4: gate-up,
+# launched under PDL, holds its SMs waiting for the longer launch and the shared expert starts late.
 FUSED_GATE_ROWS = 0
 FUSED_MAX_ROWS = 8
 

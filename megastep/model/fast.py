@@ -141,8 +141,10 @@ BESIDE_ON_RANKS = False
 # wq_a and wkv and "qr" its wq_b (and the indexer's) during the mHC before its attention sublayer,
 # "wo_a" during the attention, "shared" the shared expert's w1/w3 and w2 during the mHC, gate and
 # routing before its MoE sublayer. HBM idles in those stretches at few rows (docs/PERFORMANCE.md,
-# 2026-12-04 night, item 3). No value depends on a prefetch. Empty: off (built 2026-12-04 without a
-# device; benchmarks/h200_checks.sh `arms` measures it).
+# 2026-12-04 night, item 3). No value depends on a prefetch. Empty: off. Measured 2026-12-05 with
+# all four and the plain shapes of few rows through linear_fp8_staged: the 30-layer step 8-10 % slower
+# at 1-4 rows (docs/PERFORMANCE.md, twenty-eighth measurement): the linears after the prefetch are no
+# faster (bound by their loop, not by HBM) and the prefetch launches lengthen every chain.
 L2_PREFETCH: frozenset[str] = frozenset()
 L2_PREFETCH_MAX_ROWS = 4
 # A CSA layer of at most INDEXER_BESIDE_ROWS rows (one GPU): the indexer's work first on its streams.
@@ -152,8 +154,10 @@ L2_PREFETCH_MAX_ROWS = 4
 # instead of before it. Each part takes the whole launch's configuration: the same bits. Why: in the
 # 1-row timeline (docs/PERFORMANCE.md, 2026-12-04 late night) wq_b starts only after the indexer's
 # q rows (7 us), and the select that the attention waits for ends 10 us after the 21 MB projection
-# does; the attention starts 42.9 us into the sublayer against 30.1 in an HCA layer. Off until
-# measured (built 2026-12-04 without a device; benchmarks/h200_checks.sh `arms2`).
+# does; the attention starts 42.9 us into the sublayer against 30.1 in an HCA layer. Measured
+# 2026-12-05 (benchmarks/h200_checks.sh `one`, `arms2`; docs/PERFORMANCE.md, twenty-eighth
+# measurement): 4 and 16 rows -0.65 %, 2 and 64 -0.33 %, 1 row even. Off until its GPU bit test has run
+# (`pins`).
 INDEXER_FIRST = False
 
 
