@@ -143,8 +143,8 @@ BESIDE_ON_RANKS = False
 # routing before its MoE sublayer. HBM idles in those stretches at few rows (docs/PERFORMANCE.md,
 # 2026-12-04 night, item 3). No value depends on a prefetch. Empty: off. Measured 2026-12-05 with
 # all four and the plain shapes of few rows through linear_fp8_staged: the 30-layer step 8-10 % slower
-# at 1-4 rows (docs/PERFORMANCE.md, twenty-eighth measurement): the linears after the prefetch are no
-# faster (bound by their loop, not by HBM) and the prefetch launches lengthen every chain.
+# at 1-4 rows (docs/PERFORMANCE.md, twenty-eighth measurement): the linears after the prefetch gain
+# little (bound by their loop, not by HBM) and the prefetch launches lengthen every chain.
 L2_PREFETCH: frozenset[str] = frozenset()
 L2_PREFETCH_MAX_ROWS = 4
 # A CSA layer of at most INDEXER_BESIDE_ROWS rows (one GPU): the indexer's work first on its streams.
