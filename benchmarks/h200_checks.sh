@@ -88,8 +88,9 @@ if [ "${1:-}" = "--deadline" ]; then
   shift 2
 fi
 DEADLINE=$((SECONDS + budget))
-# --layers N (after --deadline): every step's --layers N instead of its own, for a GPU with less memory (the
-# 30-layer step holds ~110 GB: an H100's 80 GB takes 16). Its numbers compare only with the same call's.
+# --layers N (after --deadline): every bench / bench_with / ab step at N layers instead of its own, for a GPU with
+# less memory (the 30-layer step holds ~110 GB: an H100's 80 GB takes 16). Its numbers compare only with the same
+# call's.
 LAYERS=
 if [ "${1:-}" = "--layers" ]; then
   LAYERS=$2
@@ -180,18 +181,17 @@ ab() {  # ab NAME SECONDS ab_step-args...
   tail -n 80 "$OUT/$name.log" | grep -E '^ *[0-9]+ ' >"$OUT/$name.table" && summary+=("$(cat "$OUT/$name.table")")
 }
 
-# HCA's and the window's one-row attention plans with the value columns over 8 programs instead of 4 (96 and 128
-# programs, one wave; Triton 3.6 as the step launches them: HCA 106 registers and 1077 SASS instructions per KV
-# step against 141 and 1163, the window 72 and 1832 against 96 and 2152: benchmarks/kernels/occupancy.py). The same
-# bits (bit-neutral settings). (CSA's one-row plan takes 114 registers, two programs per SM: one wave already; its
-# value split over 8 would take 143, three waves.)
+# The winners of 2026-12-05's arms (docs/PERFORMANCE.md, twenty-eighth measurement), for `pins`: a CSA layer's
+# indexer work first on its streams (IDX_FIRST); HCA's and the window's one-row attention plans with the value columns
+# over 8 programs instead of 4 (ATTN_V8: 96 and 128 programs, one wave; Triton 3.6 as the step launches them: HCA 106
+# registers and 1077 SASS instructions per KV step against 141 and 1163, the window 72 and 1832 against 96 and 2152:
+# benchmarks/kernels/occupancy.py; the same bits, bit-neutral settings; CSA's one-row plan takes 114 registers, two
+# programs per SM: one wave already, and over 8 it would take 143, three waves); the router's gate in 8 splits of 256
+# columns (GATE8; the rule: 32 of 128)
+IDX_FIRST='import megastep.model.fast as f; f.INDEXER_FIRST = True'
 ATTN_V8='import dataclasses, megastep.kernels.attention as a; f = a._PINNED_FEW_ROWS; r = dataclasses.replace'
 ATTN_V8="$ATTN_V8; f[(64, 161, 512)] = (1, r(f[(64, 161, 512)][1], dv_split=8))"
 ATTN_V8="$ATTN_V8; f[(64, 128, 512)] = (1, r(f[(64, 128, 512)][1], dv_split=8))"
-
-# The winners of 2026-12-05's arms (docs/PERFORMANCE.md, twenty-eighth measurement), for `pins`: a CSA layer's
-# indexer work first on its streams; the router's gate in 8 splits of 256 columns (the rule: 32 of 128)
-IDX_FIRST='import megastep.model.fast as f; f.INDEXER_FIRST = True'
 GATE8='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig(32, 256, 8, 4, 3)'
 
 all_gpus() {  # the lent machines' NCCL settings; n = the GPUs, gpus = their ids for --gpus
