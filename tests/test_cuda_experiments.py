@@ -8,9 +8,11 @@ lines and build. (The runtime's CUDA kernels themselves are checked beside their
 kernels/moe_lut.cu in tests/kernels/test_moe.py, kernels/route_cuda.cu in tests/kernels/test_route_cuda.py.)"""
 
 import os
+import re
 import sys
 
 import pytest
+import torch
 
 from megastep.kernels import cuda_module as cm
 
@@ -79,3 +81,136 @@ def test_route_probes_edit_once_and_build(tmp_path, monkeypatch):
         assert exact == name.startswith(("shuffle", "fns"))  # the variants are checked against production
         path = str(tmp_path / name / "route_cuda.cu")
         assert cm.build_cubin(path, extra_flags=route_cuda.build_flags(RP.E))[:4] == b"\x7fELF"
+
+
+# ---- chain_probe.{cu,py}: a chain of FP8 GEMVs in one persistent launch against one launch per layer
+
+
+@needs_nvcc
+def test_chain_probe_builds_every_entry_with_the_signature(tmp_path, monkeypatch):
+    import chain_probe as CP
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cubin = cm.build_cubin(CP.SOURCE)
+    assert cubin[:4] == b"\x7fELF"
+    with open(CP.SOURCE) as f:
+        src = f.read()
+    assert _params(src, "chain_##NAME##_w##W##_r##R##_kc##KC") == len(CP.SIGNATURE)
+    macro = {"gemv": "CHAIN_ENTRY", "tri": "CHAIN_TRI_ENTRY", "xor": "CHAIN_XOR_ENTRY"}
+    for kind, shapes in CP.KINDS.items():
+        for shape in shapes:
+            assert CP.entry(*shape, kind).encode() in cubin, (kind, shape)
+            assert f"{macro[kind]}({shape[0]}, {shape[1]}, {shape[2]})" in src, (kind, shape)
+    listed = re.findall(r"^CHAIN_(?:TRI_|XOR_)?ENTRY\(\d+, \d+, \d+\)$", src, re.MULTILINE)
+    assert len(listed) == sum(len(v) for v in CP.KINDS.values())  # no entry the script does not run
+    assert f"CHAIN_ENTRY_OF(tri, kTri, W, R, KC, {CP.TRI_XMAX})" in src
+    for name, value in (("kDesc", CP.DESC), ("kMaxLayers", CP.MAX_LAYERS), ("kMaxTiles", CP.MAX_TILES),
+                        ("kTileCounters", CP.TILE_COUNTERS)):
+        assert f"constexpr int {name} = {value};" in src, name
+
+
+def test_chain_probe_shapes_fit_the_kernel():
+    """Every entry fits one CTA per SM (more than half of the shared memory: never two); the chains fit
+    the entries the script runs them with, "tri" in linear_fp8's own splits; bad chains are refused."""
+    import chain_probe as CP
+
+    for kind, shapes in CP.KINDS.items():
+        for shape in shapes:
+            assert CP.SMEM_LIMIT // 2 < CP.smem_bytes(*shape, kind) <= CP.SMEM_LIMIT, (kind, shape)
+            assert shape[0] * 32 * 128 <= 65536  # registers: every thread may use 128 at one CTA per SM
+    for name in ("hca", "wo"):  # every entry runs the timed chains
+        for kind, shapes in CP.KINDS.items():
+            for shape in shapes:
+                CP.check_chain(CP.CHAINS[name], shape[2], kind)
+    small = CP.CHAINS["small"]
+    assert CP.splits(small, 256, "tri") == (4, 2, 16) and CP.splits(small, 256, "gemv") == (4, 2, 16)
+    assert CP.fits(small, 256, "tri") and not CP.fits(small, 512, "tri") and CP.fits(small, 512, "gemv")
+    assert CP.splits(CP.CHAINS["hca"], 512, "tri") == (1, 4, 8)  # the step's: K / 1024 per split
+    assert CP.chain_bytes(CP.CHAINS["hca"]) == 3 * 32768 * 1024 + 3 * 256 * 8
+    for bad, match in ((((512, 512, 1), (512, 256, 1)), "reads 1 x 256"), (((520, 512, 1),), "multiple of 16"),
+                       (((512, 384, 1),), "multiple of KC"), (((256, 256, 1),) * 5, "1..4 layers"),
+                       (((512, 256, 3),), "multiple of 16")):
+        with pytest.raises(ValueError, match=match):
+            CP.check_chain(bad, 256)
+
+
+def test_chain_probe_check_can_fail():
+    """The probe's check passes the exact ref's outputs and fails when one element of a grouped
+    layer is off by a tenth of the layer's largest output (so the GPU check below has power)."""
+    import chain_probe as CP
+
+    from megastep.kernels import linear_fp8 as LIN
+
+    chain = CP.Chain(((256, 256, 1), (512, 128, 2)), torch.Generator().manual_seed(0), device="cpu")
+    x = chain.x0[None]
+    for ly, y in zip(chain.layers, chain.ys):
+        x = LIN.linear_fp8_ref(x, ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)
+        y.copy_(x[0])
+    assert chain.check() == 0.0
+    y = chain.ys[1]
+    y[300] += 0.1 * y.abs().max().item()
+    with pytest.raises(AssertionError, match="layer 1"):
+        chain.check()
+
+
+def test_chain_probe_launches_one_or_per_layer():
+    """"chain" is one launch over every layer's descriptor, the gap between its layers; "sep" / "sep_pdl"
+    one launch per layer, each pointing at its own descriptor and counters, the gap before every launch
+    but the first, PDL only in "sep_pdl"; one CTA per SM, W warps; the descriptors carry each kind's
+    splits (linear_fp8's for "tri")."""
+    import chain_probe as CP
+
+    calls = []
+
+    class Kernel:
+        def launch(self, grid, block, smem, stream, *args, pdl=False):
+            calls.append((grid, block, smem, args, pdl))
+
+    class Module:
+        def kernel(self, name, signature):
+            assert name in ("chain_gemv_w8_r6_kc256", "chain_tri_w16_r2_kc256") and signature == CP.SIGNATURE
+            return Kernel()
+
+    chain = CP.Chain(CP.CHAINS["small"], torch.Generator().manual_seed(0), device="cpu")
+    chain.launch(Module(), (8, 6, 256), "chain", 5000, sms=132)
+    (grid, block, smem, args, pdl), = calls
+    assert grid == (132, 1, 1) and block == (256, 1, 1) and smem == CP.smem_bytes(8, 6, 256) and not pdl
+    assert args[0] is chain.desc(256, "gemv") and args[1] == 3
+    assert args[2].data_ptr() == chain.counters[0].data_ptr()
+    assert args[4:] == (0, 5000, 0) and len(args) == len(CP.SIGNATURE)
+    desc = chain.desc(256, "gemv").view(3, CP.DESC)
+    assert desc[1, 2].item() == chain.ys[0].data_ptr() and desc[2, 2].item() == chain.ys[1].data_ptr()
+    assert desc[0, 2].item() == chain.x0.data_ptr() and desc[1, 5:].tolist() == [8192, 512, 8, 2]
+    for mode in ("sep", "sep_pdl"):
+        calls.clear()
+        chain.launch(Module(), (8, 6, 256), mode, 5000, sms=132)
+        assert len(calls) == 3
+        for i, (_, _, _, args, pdl) in enumerate(calls):
+            assert args[0] == chain.desc(256, "gemv").data_ptr() + 8 * CP.DESC * i and args[1] == 1
+            assert args[2].data_ptr() == chain.counters[i].data_ptr()
+            assert pdl == (mode == "sep_pdl") and args[4:] == (int(pdl), 0, 5000 if i else 0)
+    calls.clear()
+    chain.launch(Module(), (16, 2, 256), "chain", sms=132, kind="tri")
+    (_, _, smem, args, _), = calls
+    assert smem == CP.smem_bytes(16, 2, 256, "tri") == 16 * 2 * 16 * 256 + 16 * (2 * CP.TRI_XMAX + 64)
+    assert args[0].view(3, CP.DESC)[:, 8].tolist() == list(CP.splits(CP.CHAINS["small"], 256, "tri"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_chain_probe_matches_the_ref_and_its_own_bits():
+    """The small chain (a grouped layer in the middle) in every entry that takes it: each layer within
+    1e-5 of the |products| sum of linear_fp8_ref ("tri": linear_fp8's bits), the per-layer launches
+    (plain and PDL) and the one persistent launch (twice) the same bits, no warp giving up on a
+    layer's input."""
+    import chain_probe as CP
+
+    lines = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    module, chain = cm.CudaModule(CP.SOURCE), CP.Chain(CP.CHAINS["small"], gen)
+    entries = [(k, s) for k in ("gemv", "tri") for s in CP.KINDS[k] if CP.fits(CP.CHAINS["small"], s[2], k)]
+    assert len(entries) == 7
+    for kind, shape in entries:
+        CP.check_shape(module, chain, shape, lines.append, kind)  # raises on any failure
+    assert sum("same bits" in line for line in lines) == len(entries)
+    assert sum("linear_fp8's bits" in line for line in lines) == 2

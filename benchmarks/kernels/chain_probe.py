@@ -1,0 +1,349 @@
+"""A probe, not used by the runtime: what does a persistent launch buy a chain of weight streams at
+one row? (chain_probe.cu; one H200, ~1 min.)
+
+    python benchmarks/kernels/chain_probe.py [--out DIR] [--chain hca|wo|small] [--reps 20] [--gap-us 0,10]
+
+Why: at one row the FP8 linears on a layer's critical path stream at ~2.3 TB/s against 4.2-4.35
+measured (docs/PERFORMANCE.md, twenty-eighth measurement: wq_b, wo_a and wo_b of an HCA sublayer,
+33.5 MB each, close 13.7, 14.1 and 14.7 us). Every way of starting a launch's loads earlier tried so
+far lost (its waiting CTAs take SMs from the launch before it), and each launch pays its own ramp
+and tail. The step's notes name "a persistent launch per sublayer that streams the next weights while
+the latency-bound work runs" as the structural lever, never measured. This measures its core on the
+simplest case, before anyone builds it: the three linears back to back, with nothing between them or
+with a latency-bound stage's worth of waiting (--gap-us: the attention between wq_b and wo_a).
+
+What runs (x [1, K] fp32 in, y [N] fp32 out, layer l's y the input of layer l + 1; the "hca" chain is
+wq_b 32768 x 1024, wo_a 8 groups of 1024 x 4096, wo_b 4096 x 8192, 100.7 MB):
+- triton: today's `linear_fp8`, one launch per layer, with the step's PDL settings;
+- sep: chain_probe.cu's kernel, one launch per layer (stream order);
+- sep_pdl: the same with programmatic dependent launch: a layer's CTAs copy their first weight tiles
+  as soon as an SM frees, before they wait for the previous layer;
+- chain: ONE launch of the same kernel for all layers: a warp copies its next tasks' weights (the
+  next layer's too) before it waits for a layer's input, so HBM need not idle between layers;
+- sep xor / chain xor: the same launches with the arithmetic replaced by an XOR of the tiles (the
+  floor of that structure: what the copies, waits and stores cost alone).
+The kernel's entries: "gemv" (its own K order inside a 128-block, that of the fastest CUDA loop
+measured at one row, and a task of KC bytes of K) and "tri" (Triton's k16 column sets and
+linear_fp8's own K splits: every output has linear_fp8's bits, checked, so such a launch could
+replace the Triton linears at few rows without changing a bit), in several shapes (W warps per CTA,
+R ring slots per warp, KC bytes of K per sub-tile).
+sep, sep_pdl and chain of one entry do the same arithmetic in the same order, so they must give the
+same bits (checked), and each layer's output must match `linear_fp8_ref` of its input (checked:
+within 1e-5 of the sum of |products|).
+Each call of a timed graph reads another copy of the weights (two copies, 2 x 100 MB > the 60 MB L2).
+Prints a table last: us per chain, GB/s of the chain's weight bytes, % of the streaming read
+measured in the same run; the full log and a JSON under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
+
+from megastep.kernels.cuda_module import CudaModule  # noqa: E402
+
+SOURCE = os.path.join(HERE, "chain_probe.cu")
+SIGNATURE = "pippiii"  # desc, layers, counters, err, pdl, gap_ns, lead_ns
+# the .cu's entries (W warps, R ring slots, KC bytes of K per sub-tile) by kind: "gemv" its own K order
+# (a task is one sub-tile), "tri" Triton's k16 sets and linear_fp8's splits (a task of at most
+# TRI_XMAX bytes of K), "xor" the same launch without arithmetic
+KINDS = {
+    "gemv": ((8, 3, 512), (12, 2, 512), (16, 3, 256), (8, 6, 256), (16, 2, 256)),
+    "tri": ((8, 3, 512), (16, 3, 256), (16, 2, 256)),
+    "xor": ((8, 3, 512), (16, 3, 256)),
+}
+TRI_XMAX = 1024  # the .cu's XMAX of CHAIN_TRI_ENTRY
+DESC = 9  # the .cu's kDesc
+MAX_LAYERS = 4  # kMaxLayers
+MAX_TILES = 4096  # kMaxTiles
+TILE_COUNTERS = 64  # kTileCounters
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory an H100 / H200 CTA may opt into
+CHAINS = {  # name: layers (N, K, G); layer l + 1 reads layer l's y, so G_{l+1} K_{l+1} == N_l
+    "hca": ((32768, 1024, 1), (8192, 4096, 8), (4096, 8192, 1)),
+    "wo": ((8192, 4096, 8), (4096, 8192, 1)),
+    # the GPU test's: 4 MB a layer, a grouped layer in the middle, linear_fp8 taking 256 bytes of K per split
+    "small": ((4096, 1024, 1), (8192, 512, 8), (1024, 4096, 2)),
+}
+
+
+def entry(w: int, r: int, kc: int, kind: str = "gemv") -> str:
+    return f"chain_{kind}_w{w}_r{r}_kc{kc}"
+
+
+def xmax(kc: int, kind: str) -> int:
+    return TRI_XMAX if kind == "tri" else kc
+
+
+def smem_bytes(w: int, r: int, kc: int, kind: str = "gemv") -> int:
+    """The .cu's layout: W x R weight slots of 16 rows x KC bytes, then per warp XMAX fp16 x codes
+    and 64 bytes of block scales."""
+    return w * r * 16 * kc + w * (xmax(kc, kind) * 2 + 64)
+
+
+def splits(layers, kc: int, kind: str) -> tuple[int, ...]:
+    """The launch's split of each layer's K: linear_fp8's for "tri" (so its sums), else K / KC."""
+    if kind == "tri":
+        from megastep.kernels import linear_fp8 as LIN
+        return tuple(LIN.pick_config(1, N, K).split_k for N, K, _ in layers)
+    return tuple(K // kc for _, K, _ in layers)
+
+
+def check_chain(layers: tuple[tuple[int, int, int], ...], kc: int, kind: str = "gemv") -> None:
+    """The shapes the kernel takes with KC bytes per sub-tile; a ValueError says what does not fit."""
+    if not 1 <= len(layers) <= MAX_LAYERS:
+        raise ValueError(f"a chain has 1..{MAX_LAYERS} layers, got {len(layers)}")
+    for i, ((N, K, G), S) in enumerate(zip(layers, splits(layers, kc, kind))):
+        if N % 16 or N // 16 > MAX_TILES or G < 1 or N % G or (N // G) % 16:
+            raise ValueError(f"layer {i}: N {N} must be a multiple of 16 (of 16 G per group), at most {16 * MAX_TILES}")
+        if K % S or (K // S) % kc or K // S > xmax(kc, kind):
+            raise ValueError(f"layer {i}: K {K} in {S} splits must be a multiple of KC {kc}, each split at most "
+                             f"{xmax(kc, kind)}")
+        if i and G * K != layers[i - 1][0]:
+            raise ValueError(f"layer {i} reads {G} x {K} inputs but layer {i - 1} writes {layers[i - 1][0]}")
+
+
+def fits(layers, kc: int, kind: str) -> bool:
+    try:
+        check_chain(layers, kc, kind)
+        return True
+    except ValueError:
+        return False
+
+
+def chain_bytes(layers) -> int:
+    return sum(N * K + (N // 128) * (K // 128) for N, K, _ in layers)
+
+
+@dataclass
+class Layer:
+    w: torch.Tensor  # e4m3 [N, K]
+    ws: torch.Tensor  # e8m0 [N/128, K/128]
+    G: int
+
+
+class Chain:
+    """One copy of a chain's weights and buffers, launched by any of the kernel's entries."""
+
+    def __init__(self, layers, gen: torch.Generator, device="cuda"):
+        self.shapes = layers
+        self.layers = []
+        for N, K, G in layers:
+            w = (torch.randn(N, K, device=device, generator=gen) * 64).to(torch.float8_e4m3fn)
+            s = torch.randint(118, 125, (N // 128, K // 128), device=device, generator=gen, dtype=torch.uint8)
+            self.layers.append(Layer(w, s.view(torch.float8_e8m0fnu), G))
+        self.x0 = torch.randn(layers[0][2] * layers[0][1], device=device, generator=gen)
+        self.ys = [torch.empty(N, device=device) for N, _, _ in layers]
+        self.parts = [torch.empty(K // 128 * N, device=device) for N, K, _ in layers]  # enough for any split
+        self._descs: dict[tuple[int, ...], torch.Tensor] = {}
+        # one counter block per launch of a "sep" run, so a PDL launch never touches its predecessor's
+        self.counters = torch.zeros(len(layers), TILE_COUNTERS + MAX_LAYERS * MAX_TILES, dtype=torch.int32,
+                                    device=device)
+        self.err = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def desc(self, kc: int, kind: str) -> torch.Tensor:
+        """The layers' descriptors for an entry (the .cu's kDesc fields), made once per split set."""
+        key = splits(self.shapes, kc, kind)
+        if key not in self._descs:
+            self._descs[key] = torch.tensor([v for i, ((N, K, G), S) in enumerate(zip(self.shapes, key)) for v in (
+                self.layers[i].w.data_ptr(), self.layers[i].ws.data_ptr(),
+                (self.x0 if i == 0 else self.ys[i - 1]).data_ptr(), self.ys[i].data_ptr(), self.parts[i].data_ptr(),
+                N, K, G, S)], dtype=torch.int64, device=self.x0.device)
+        return self._descs[key]
+
+    def launch(self, module: CudaModule, shape: tuple[int, int, int], mode: str, gap_ns: int = 0,
+               sms: int | None = None, kind: str = "gemv") -> None:
+        """mode "chain": one launch for every layer; "sep" / "sep_pdl": one launch per layer, each with
+        its own counters, plain or with PDL. gap_ns: a latency-bound stage's length before every layer
+        but the first. One CTA per SM (sms: the device's count). kind: the entry's (KINDS)."""
+        w, r, kc = shape
+        k = module.kernel(entry(w, r, kc, kind), SIGNATURE)
+        sms = sms or torch.cuda.get_device_properties(self.x0.device).multi_processor_count
+        smem = smem_bytes(w, r, kc, kind)
+        desc = self.desc(kc, kind)
+        if mode == "chain":
+            k.launch((sms, 1, 1), (32 * w, 1, 1), smem, None, desc, len(self.layers), self.counters[0],
+                     self.err, 0, gap_ns, 0)
+            return
+        pdl = mode == "sep_pdl"
+        for i in range(len(self.layers)):
+            k.launch((sms, 1, 1), (32 * w, 1, 1), smem, None, desc.data_ptr() + 8 * DESC * i, 1,
+                     self.counters[i], self.err, int(pdl), 0, gap_ns if i else 0, pdl=pdl)
+
+    def triton(self, gap_ns: int = 0, spin=None) -> torch.Tensor:
+        """The same chain through today's FP8 linear, one launch per layer (for its time only); with
+        gap_ns, a one-program kernel spinning that long (spin(ns)) before every layer but the first."""
+        from megastep.kernels import linear_fp8 as LIN
+        x = self.x0[None]
+        for i, ly in enumerate(self.layers):
+            if i and gap_ns:
+                spin(gap_ns)
+            x = LIN.linear_fp8(x, ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)
+        return x
+
+    def check(self, tol: float = 1e-5) -> float:
+        """Each layer's y against linear_fp8_ref of the input it read; returns the largest error
+        relative to the sum of |products| of its element. Raises when over tol."""
+        from megastep.checkpoint import formats
+        from megastep.kernels import linear_fp8 as LIN
+        worst = 0.0
+        for i, ly in enumerate(self.layers):
+            x = (self.x0 if i == 0 else self.ys[i - 1])[None]
+            ref = LIN.linear_fp8_ref(x, ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)[0]
+            xq = formats.fp8_act_sim(x.float(), 128).abs()
+            wd = formats.dequantize_fp8_weight(ly.w, ly.ws, 128).abs()
+            N, K = ly.w.shape
+            bound = torch.einsum("gk,gnk->gn", xq.view(ly.G, K), wd.view(ly.G, N // ly.G, K)).reshape(N)
+            err = ((self.ys[i] - ref).abs() / bound.clamp_min(1e-30)).max().item()
+            worst = max(worst, err)
+            if not err <= tol:
+                raise AssertionError(f"layer {i}: error {err:.3e} of the |products| sum (tolerance {tol:.0e})")
+        return worst
+
+
+def check_shape(module: CudaModule, chain: Chain, shape, log, kind: str = "gemv") -> None:
+    """One entry: every mode checked against the ref; sep, sep_pdl and chain (without and with a gap)
+    the same bits, run to run too; no spin gave up (all CTAs resident); "tri" also linear_fp8's bits,
+    layer by layer. Raises AssertionError."""
+    from megastep.kernels import linear_fp8 as LIN
+    name = entry(*shape, kind)
+    outs = {}
+    for mode, gap in (("sep", 0), ("sep_pdl", 2000), ("chain", 0), ("chain", 2000)):
+        for y in chain.ys:
+            y.fill_(float("nan"))
+        chain.err.zero_()
+        chain.launch(module, shape, mode, gap, kind=kind)
+        torch.cuda.synchronize()
+        if chain.err.item():
+            raise AssertionError(f"{name} {mode}: a warp gave up waiting for layer {chain.err.item() - 1} "
+                                 "(not all CTAs resident?)")
+        err = chain.check()
+        key = mode if mode not in outs else mode + "2"
+        outs[key] = [y.clone() for y in chain.ys]
+        log(f"{name} {mode}: ok, largest error {err:.2e} of the |products| sum")
+    for key in ("sep_pdl", "chain", "chain2"):
+        for i, (a, b) in enumerate(zip(outs["sep"], outs[key])):
+            if not torch.equal(a, b):
+                raise AssertionError(f"{name}: {key} differs from sep in layer {i}")
+    log(f"{name}: sep, sep_pdl, chain (without and with a 2 us gap) give the same bits")
+    if kind == "tri":
+        for i, ly in enumerate(chain.layers):
+            x = (chain.x0 if i == 0 else chain.ys[i - 1])[None]
+            ref = LIN.linear_fp8(x, ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)[0]
+            if not torch.equal(ref, chain.ys[i]):
+                n = int((ref != chain.ys[i]).sum())
+                raise AssertionError(f"{name}: layer {i} differs from linear_fp8 in {n} of {ref.numel()} outputs")
+        log(f"{name}: every layer has linear_fp8's bits")
+
+
+def run_checks(module: CudaModule, chain: Chain, entries, log) -> list:
+    """check_shape for each (kind, shape); returns those that passed (a failure is logged, not raised,
+    so that one wrong entry does not cost the call the others' times)."""
+    passed = []
+    for kind, shape in entries:
+        try:
+            check_shape(module, chain, shape, log, kind)
+            passed.append((kind, shape))
+        except AssertionError as e:
+            log(f"FAILED {e}")
+    return passed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "out/chain_probe"))
+    ap.add_argument("--chain", default="hca", choices=sorted(CHAINS))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--gap-us", default="0,10", help="latency-bound stages between the layers (the attention: ~10 us)")
+    args = ap.parse_args(argv)
+    import bench_kernels as BK
+    import l2_prefetch as LP
+    from megastep.kernels import common
+
+    os.makedirs(args.out, exist_ok=True)
+    BK.LOG = open(os.path.join(args.out, "chain_probe.log"), "w")
+    module = CudaModule(SOURCE)
+    layers = CHAINS[args.chain]
+    entries = [(kind, s) for kind, shapes in KINDS.items() for s in shapes if fits(layers, s[2], kind)]
+    for kind, s in entries:
+        assert smem_bytes(*s, kind) <= SMEM_LIMIT, (kind, s)
+        a = module.kernel(entry(*s, kind), SIGNATURE).attributes()
+        BK.log(f"{entry(*s, kind)}: {a['num_regs']} registers, {a['local_size_bytes']} B local, "
+               f"{smem_bytes(*s, kind)} B shared; splits {splits(layers, s[2], kind)}")
+    bw = BK.measure_bandwidth()
+    nbytes = chain_bytes(layers)
+    BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw['read']:.0f} GB/s; chain {args.chain} "
+           f"{layers}: {nbytes / 1e6:.1f} MB of weights, {nbytes / bw['read'] / 1e3:.2f} us at that rate")
+
+    # the checks (the xor entries have no values to check): on the small chain where it fits, then on
+    # the timed chain; only what passed both is timed
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    small = CHAINS["small"]
+    checked = [e for e in entries if e[0] != "xor"]
+    ok = set(run_checks(module, Chain(small, gen), [e for e in checked if fits(small, e[1][2], e[0])], BK.log))
+    ok |= {e for e in checked if not fits(small, e[1][2], e[0])}
+    copies = [Chain(layers, gen) for _ in range(2)]
+    ok = set(run_checks(module, copies[0], [e for e in checked if e in ok], BK.log))
+    entries = [e for e in entries if e in ok or e[0] == "xor"]
+
+    rows = []
+    spin_out = torch.empty(1, dtype=torch.int64, device="cuda")
+
+    def spin(ns: int) -> None:
+        LP._spin_kernel[(1,)](spin_out, ns)
+
+    def timed(name: str, gap_us: float, fn) -> None:
+        # once eagerly first: a launch whose warps gave up waiting (CTAs not all resident) is reported
+        # and skipped, not replayed for minutes
+        for c in copies:
+            c.err.zero_()
+            fn(c)
+        torch.cuda.synchronize()
+        if any(c.err.item() for c in copies):
+            BK.log(f"{name}: a warp gave up waiting for a layer's input; not timed")
+            rows.append({"variant": name, "gap_us": gap_us, "error": "gave up waiting"})
+            return
+        us, best = BK.graph_time([lambda c=c: fn(c) for _ in range(5) for c in copies], reps=args.reps)
+        stream_us = us - (len(layers) - 1) * gap_us  # the chain's time less its latency-bound stages
+        rows.append({"variant": name, "gap_us": gap_us, "us": us, "best_us": best, "stream_us": stream_us,
+                     "gb_s": nbytes / stream_us / 1e3, "pct_read": 100 * nbytes / stream_us / 1e3 / bw["read"]})
+        BK.log(f"{name}, gaps of {gap_us} us: {us:.2f} us per chain (best {best:.2f}); less the gaps "
+               f"{stream_us:.2f} us, {nbytes / stream_us / 1e3:.0f} GB/s")
+
+    for gap_us in [float(v) for v in args.gap_us.split(",")]:
+        ns = int(gap_us * 1000)
+        old = common.set_pdl(True)  # the step's launch settings at one row
+        try:
+            timed("triton (the step's linear_fp8)", gap_us, lambda c, ns=ns: c.triton(ns, spin))
+        finally:
+            common.set_pdl(old)
+        for kind, s in entries:
+            for mode in ("sep", "chain") if kind == "xor" else ("sep", "sep_pdl", "chain"):
+                timed(f"{mode} {kind} w{s[0]} r{s[1]} kc{s[2]}", gap_us,
+                      lambda c, s=s, mode=mode, ns=ns, kind=kind: c.launch(module, s, mode, ns, kind=kind))
+
+    with open(os.path.join(args.out, "chain_probe.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(0), "bandwidth": bw, "chain": args.chain,
+                   "layers": layers, "bytes": nbytes, "rows": rows}, f, indent=1)
+    BK.log(f"\n| variant | gaps (us) | us per chain | less the gaps | GB/s | % of the streaming read "
+           f"({bw['read']:.0f} GB/s) |")
+    BK.log("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        if "error" in r:
+            BK.log(f"| {r['variant']} | {r['gap_us']:g} | {r['error']} | | | |")
+        else:
+            BK.log(f"| {r['variant']} | {r['gap_us']:g} | {r['us']:.2f} | {r['stream_us']:.2f} | {r['gb_s']:.0f} | "
+                   f"{r['pct_read']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
