@@ -28,7 +28,7 @@
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
-#   bash benchmarks/h200_checks.sh chain      # a chain of FP8 GEMVs at 1 row in one persistent launch against one launch per layer (chain_probe.py) (~2 min)
+#   bash benchmarks/h200_checks.sh chain      # an HCA sublayer's FP8 weight streams at 1 row in one persistent launch against one launch per layer (chain_probe.py) (~4 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
 #   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
@@ -365,14 +365,15 @@ for group in "$@"; do
         or value_split or dense or router']))"
       ab pins 260 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm off= --arm "gate8=$GATE8" \
         --arm "idx_v8=$IDX_FIRST; $ATTN_V8" --arm "all3=$all3" ;;
-    chain)  # what a persistent launch buys a chain of weight streams at 1 row (2026-12-05, built without a device): HCA's
-      # wq_b -> wo_a -> wo_b (100.7 MB) and wo_a -> wo_b, each in one launch of chain_probe.cu against one launch per
-      # layer (plain, PDL) and the step's Triton linears; its checks (the ref, the same bits every way) run first
+    chain)  # what a persistent launch buys a sublayer's chain of weight streams at 1 row (2026-12-05, built without a
+      # device): an HCA sublayer's x group -> wq_b -> wo_a -> wo_b (107 MB), the last three, and wo_a -> wo_b, each in one
+      # launch of chain_probe.cu against one launch per layer (plain, PDL) and the step's Triton linears, with the
+      # stages between them off and on (as waits); its checks (the ref, linear_fp8's bits, the same bits every way) first
       step chain_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/test_cuda_experiments.py -k chain
-      step chain_hca 150 python3 benchmarks/kernels/chain_probe.py --out "$OUT/chain_hca" --chain hca
-      summary+=("$(grep '^|' "$OUT/chain_hca.log" 2>/dev/null)")
-      step chain_wo 120 python3 benchmarks/kernels/chain_probe.py --out "$OUT/chain_wo" --chain wo
-      summary+=("$(grep '^|' "$OUT/chain_wo.log" 2>/dev/null)") ;;
+      for c in hca4 hca wo; do
+        step "chain_$c" 150 python3 benchmarks/kernels/chain_probe.py --out "$OUT/chain_$c" --chain "$c"
+        summary+=("$(grep '^|' "$OUT/chain_$c.log" 2>/dev/null)")
+      done ;;
     probe)  # where a 1- and 4-row experts call's launches spend their time: the probe build's stamps (moe_lut_probe.py)
       step lut_probe 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT" --ms 1,4
       step lut_probe_pdl 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/pdl" --ms 1,4 --pdl

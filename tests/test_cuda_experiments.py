@@ -118,7 +118,7 @@ def test_chain_probe_shapes_fit_the_kernel():
         for shape in shapes:
             assert CP.SMEM_LIMIT // 2 < CP.smem_bytes(*shape, kind) <= CP.SMEM_LIMIT, (kind, shape)
             assert shape[0] * 32 * 128 <= 65536  # registers: every thread may use 128 at one CTA per SM
-    for name in ("hca", "wo"):  # every entry runs the timed chains
+    for name in ("hca4", "hca", "wo"):  # every entry runs the timed chains
         for kind, shapes in CP.KINDS.items():
             for shape in shapes:
                 CP.check_chain(CP.CHAINS[name], shape[2], kind)
@@ -126,12 +126,15 @@ def test_chain_probe_shapes_fit_the_kernel():
     assert CP.splits(small, 256, "tri") == (4, 2, 16) and CP.splits(small, 256, "gemv") == (4, 2, 16)
     assert CP.fits(small, 256, "tri") and not CP.fits(small, 512, "tri") and CP.fits(small, 512, "gemv")
     assert CP.splits(CP.CHAINS["hca"], 512, "tri") == (1, 4, 8)  # the step's: K / 1024 per split
+    assert CP.splits(CP.CHAINS["hca4"], 512, "tri") == (8, 1, 4, 8)
     assert CP.chain_bytes(CP.CHAINS["hca"]) == 3 * 32768 * 1024 + 3 * 256 * 8
-    for bad, match in ((((512, 512, 1), (512, 256, 1)), "reads 1 x 256"), (((520, 512, 1),), "multiple of 16"),
-                       (((512, 384, 1),), "multiple of KC"), (((256, 256, 1),) * 5, "1..4 layers"),
-                       (((512, 256, 3),), "multiple of 16")):
+    assert CP.gaps_us(CP.CHAINS["hca4"], True) == [0.0, 2.7, 13.8, 0.0] and not any(CP.gaps_us(small, False))
+    for bad, match in ((((512, 512, 1, 0), (512, 1024, 1, 0)), "reads 1 x 1024"), (((520, 512, 1, 0),), "multiple of 16"),
+                       (((512, 384, 1, 0),), "multiple of KC"), (((256, 256, 1, 0),) * 5, "1..4 layers"),
+                       (((512, 256, 3, 0),), "multiple of 16")):
         with pytest.raises(ValueError, match=match):
             CP.check_chain(bad, 256)
+    CP.check_chain(((512, 512, 1, 0), (256, 256, 1, 0)), 256)  # a layer may read the first part of y
 
 
 def test_chain_probe_check_can_fail():
@@ -141,11 +144,10 @@ def test_chain_probe_check_can_fail():
 
     from megastep.kernels import linear_fp8 as LIN
 
-    chain = CP.Chain(((256, 256, 1), (512, 128, 2)), torch.Generator().manual_seed(0), device="cpu")
-    x = chain.x0[None]
-    for ly, y in zip(chain.layers, chain.ys):
-        x = LIN.linear_fp8_ref(x, ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)
-        y.copy_(x[0])
+    chain = CP.Chain(((384, 256, 1, 0), (512, 128, 2, 0)), torch.Generator().manual_seed(0), device="cpu")
+    for i, (ly, y) in enumerate(zip(chain.layers, chain.ys)):  # layer 1 reads the first 256 of 384
+        y.copy_(LIN.linear_fp8_ref(chain.x(i), ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)[0])
+    assert chain.x(1).shape == (1, 256) and chain.x(1).data_ptr() == chain.ys[0].data_ptr()
     assert chain.check() == 0.0
     y = chain.ys[1]
     y[300] += 0.1 * y.abs().max().item()
@@ -154,10 +156,9 @@ def test_chain_probe_check_can_fail():
 
 
 def test_chain_probe_launches_one_or_per_layer():
-    """"chain" is one launch over every layer's descriptor, the gap between its layers; "sep" / "sep_pdl"
-    one launch per layer, each pointing at its own descriptor and counters, the gap before every launch
-    but the first, PDL only in "sep_pdl"; one CTA per SM, W warps; the descriptors carry each kind's
-    splits (linear_fp8's for "tri")."""
+    """"chain" is one launch over every layer's descriptor; "sep" / "sep_pdl" one launch per layer, each
+    pointing at its own descriptor and counters, PDL only in "sep_pdl"; one CTA per SM, W warps; the
+    descriptors carry each kind's splits (linear_fp8's for "tri") and the stages' gaps in ns, or none."""
     import chain_probe as CP
 
     calls = []
@@ -172,28 +173,30 @@ def test_chain_probe_launches_one_or_per_layer():
             return Kernel()
 
     chain = CP.Chain(CP.CHAINS["small"], torch.Generator().manual_seed(0), device="cpu")
-    chain.launch(Module(), (8, 6, 256), "chain", 5000, sms=132)
+    chain.launch(Module(), (8, 6, 256), "chain", True, sms=132)
     (grid, block, smem, args, pdl), = calls
     assert grid == (132, 1, 1) and block == (256, 1, 1) and smem == CP.smem_bytes(8, 6, 256) and not pdl
-    assert args[0] is chain.desc(256, "gemv") and args[1] == 3
+    assert args[0] is chain.desc(256, "gemv", True) and args[1] == 3
     assert args[2].data_ptr() == chain.counters[0].data_ptr()
-    assert args[4:] == (0, 5000, 0) and len(args) == len(CP.SIGNATURE)
-    desc = chain.desc(256, "gemv").view(3, CP.DESC)
+    assert args[4] == 0 and len(args) == len(CP.SIGNATURE)
+    desc = chain.desc(256, "gemv", True).view(3, CP.DESC)
     assert desc[1, 2].item() == chain.ys[0].data_ptr() and desc[2, 2].item() == chain.ys[1].data_ptr()
-    assert desc[0, 2].item() == chain.x0.data_ptr() and desc[1, 5:].tolist() == [8192, 512, 8, 2]
+    assert desc[0, 2].item() == chain.x0.data_ptr() and desc[1, 5:].tolist() == [8192, 512, 8, 2, 2000]
+    assert desc[:, 9].tolist() == [0, 2000, 0] and chain.desc(256, "gemv", False)[9::CP.DESC].tolist() == [0, 0, 0]
     for mode in ("sep", "sep_pdl"):
         calls.clear()
-        chain.launch(Module(), (8, 6, 256), mode, 5000, sms=132)
+        chain.launch(Module(), (8, 6, 256), mode, False, sms=132)
         assert len(calls) == 3
         for i, (_, _, _, args, pdl) in enumerate(calls):
-            assert args[0] == chain.desc(256, "gemv").data_ptr() + 8 * CP.DESC * i and args[1] == 1
+            assert args[0] == chain.desc(256, "gemv", False).data_ptr() + 8 * CP.DESC * i and args[1] == 1
             assert args[2].data_ptr() == chain.counters[i].data_ptr()
-            assert pdl == (mode == "sep_pdl") and args[4:] == (int(pdl), 0, 5000 if i else 0)
+            assert pdl == (mode == "sep_pdl") and args[4] == int(pdl)
     calls.clear()
     chain.launch(Module(), (16, 2, 256), "chain", sms=132, kind="tri")
     (_, _, smem, args, _), = calls
     assert smem == CP.smem_bytes(16, 2, 256, "tri") == 16 * 2 * 16 * 256 + 16 * (2 * CP.TRI_XMAX + 64)
     assert args[0].view(3, CP.DESC)[:, 8].tolist() == list(CP.splits(CP.CHAINS["small"], 256, "tri"))
+    assert len(chain._descs) == 2  # once per split set and gaps on / off (gemv and tri split "small" alike)
 
 
 @pytest.mark.gpu

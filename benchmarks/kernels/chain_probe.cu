@@ -10,10 +10,11 @@
 // end of, the layer before: HBM need not idle at a layer boundary. A layer's input is read only after
 // all of the previous layer's row tiles are stored (a counter per layer, spun on by lane 0 of a
 // waiting warp; after ~2 s it gives up and flags `err`, so a launch whose CTAs are not all resident
-// fails instead of hanging). gap_ns stands for a latency-bound stage between two layers (the
-// attention between wq_b and wo_a): a warp that found a layer's input complete waits that long more
-// before it reads it. lead_ns is the same before the launch's first layer (per-layer launches after
-// the first: the stage before them, spent after the launch's first copies are issued).
+// fails instead of hanging). A layer's `gap` (ns) stands for the latency-bound stage before it (the
+// attention between wq_b and wo_a): a warp that found the layer's input complete waits that long
+// more before it reads it, its copies of the layer's first sub-tiles already in flight (in per-layer
+// launches: after the launch's first copies). A layer reads the first G x K values of the layer
+// before's output.
 //
 // Arithmetic per task, the FP8 linear's (linear_fp8_ref): the task's x slice is fp8-quantized per
 // 128-block (power-of-two scale, e4m3 codes as fp16); each 128-block's dot is 8 chained
@@ -54,8 +55,8 @@ constexpr long long kSpinLimit = 4000000000LL;  // ~2 s of clock64 at the H200's
 constexpr int kOwn = 0, kTri = 1, kXor = 2;     // what a sub-tile's compute does (file comment)
 
 // desc[l * kDesc + i]: w (e4m3 [N, K]), ws (e8m0 [N/128, K/128]), x (fp32 [G*K]), y (fp32 [N]),
-// part (fp32 [S, N], unused with one split), N, K, G, S
-constexpr int kDesc = 9;
+// part (fp32 [S, N], unused with one split), N, K, G, S, gap (ns)
+constexpr int kDesc = 10;
 
 struct Layer {
   const uint8_t* w;
@@ -63,7 +64,7 @@ struct Layer {
   const float* x;
   float* y;
   float* part;
-  int N, K, G, S, KT, tiles;  // KT: bytes of K per task (one split)
+  int N, K, G, S, KT, tiles, gap;  // KT: bytes of K per task (one split)
 };
 
 __device__ __forceinline__ Layer layer_of(const long long* desc, int l) {
@@ -78,6 +79,7 @@ __device__ __forceinline__ Layer layer_of(const long long* desc, int l) {
   L.K = int(d[6]);
   L.G = int(d[7]);
   L.S = int(d[8]);
+  L.gap = int(d[9]);
   L.KT = L.K / L.S;
   L.tiles = L.N / 16;
   return L;
@@ -209,8 +211,7 @@ __device__ __forceinline__ void xor_sub(const unsigned char* slot, int lane, flo
 
 // W warps, R ring slots per warp, KC bytes of K per sub-tile, XMAX the most K one task may take
 template <int W, int R, int KC, int XMAX, int KIND>
-__device__ __forceinline__ void chain(const long long* desc, int L, unsigned* counters, int* err, int pdl,
-                                      int gap_ns, int lead_ns) {
+__device__ __forceinline__ void chain(const long long* desc, int L, unsigned* counters, int* err, int pdl) {
   constexpr int SLOT = 16 * KC;  // bytes of one sub-tile
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -256,7 +257,6 @@ __device__ __forceinline__ void chain(const long long* desc, int L, unsigned* co
     const Layer ly = layer_of(desc, cc.l);
     if (cc.l != cur) {  // the first task of a layer: its input must be complete
       if (cur < 0 && pdl) pdl_wait();
-      const bool first = cur < 0;
       cur = cc.l;
       if (lane == 0) {
         if (cur > 0) {
@@ -270,10 +270,9 @@ __device__ __forceinline__ void chain(const long long* desc, int L, unsigned* co
             }
           }
         }
-        const unsigned wait = cur > 0 ? gap_ns : (first ? lead_ns : 0);
-        if (wait) {
+        if (ly.gap > 0) {
           const unsigned long long t0 = global_ns();
-          while (global_ns() - t0 < wait) __nanosleep(64);
+          while (global_ns() - t0 < (unsigned long long)ly.gap) __nanosleep(64);
         }
       }
       __syncwarp();
@@ -348,9 +347,8 @@ __device__ __forceinline__ void chain(const long long* desc, int L, unsigned* co
 
 #define CHAIN_ENTRY_OF(NAME, KIND, W, R, KC, XMAX)                                                   \
   extern "C" __global__ void __launch_bounds__(W * 32, 1)                                            \
-      chain_##NAME##_w##W##_r##R##_kc##KC(const long long* desc, int L, unsigned* counters, int* err, int pdl, \
-                                          int gap_ns, int lead_ns) {                                 \
-    chain<W, R, KC, XMAX, KIND>(desc, L, counters, err, pdl, gap_ns, lead_ns);                       \
+      chain_##NAME##_w##W##_r##R##_kc##KC(const long long* desc, int L, unsigned* counters, int* err, int pdl) { \
+    chain<W, R, KC, XMAX, KIND>(desc, L, counters, err, pdl);                                        \
   }
 // own order and xor: a task is one sub-tile (the host sets S = K / KC); tri: linear_fp8's splits, a
 // task of at most 1024 bytes of K (every V4-Flash shape the probe runs)

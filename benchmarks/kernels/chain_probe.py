@@ -1,7 +1,7 @@
 """A probe, not used by the runtime: what does a persistent launch buy a chain of weight streams at
-one row? (chain_probe.cu; one H200, ~1 min.)
+one row? (chain_probe.cu; one H200, ~1-2 min a chain.)
 
-    python benchmarks/kernels/chain_probe.py [--out DIR] [--chain hca|wo|small] [--reps 20] [--gap-us 0,10]
+    python benchmarks/kernels/chain_probe.py [--out DIR] [--chain hca4|hca|wo|small] [--reps 20] [--gaps off,on]
 
 Why: at one row the FP8 linears on a layer's critical path stream at ~2.3 TB/s against 4.2-4.35
 measured (docs/PERFORMANCE.md, twenty-eighth measurement: wq_b, wo_a and wo_b of an HCA sublayer,
@@ -9,12 +9,16 @@ measured (docs/PERFORMANCE.md, twenty-eighth measurement: wq_b, wo_a and wo_b of
 far lost (its waiting CTAs take SMs from the launch before it), and each launch pays its own ramp
 and tail. The step's notes name "a persistent launch per sublayer that streams the next weights while
 the latency-bound work runs" as the structural lever, never measured. This measures its core on the
-simplest case, before anyone builds it: the three linears back to back, with nothing between them or
-with a latency-bound stage's worth of waiting (--gap-us: the attention between wq_b and wo_a).
+simplest case, before anyone builds it: the sublayer's weight streams back to back, with nothing
+between them ("off") or with the latency-bound stages between them as waits of their measured length
+("on": the RMS norm between the x group and wq_b, q norm + RoPE and the attention between wq_b and
+wo_a; in one launch the waits stand for those stages inside a persistent sublayer).
 
-What runs (x [1, K] fp32 in, y [N] fp32 out, layer l's y the input of layer l + 1; the "hca" chain is
-wq_b 32768 x 1024, wo_a 8 groups of 1024 x 4096, wo_b 4096 x 8192, 100.7 MB):
-- triton: today's `linear_fp8`, one launch per layer, with the step's PDL settings;
+What runs (x [1, K] fp32 in, y [N] fp32 out, layer l + 1 reading layer l's first G K values; the "hca4"
+chain is an HCA sublayer's: the x group 1536 x 4096, wq_b 32768 x 1024, wo_a 8 groups of 1024 x 4096,
+wo_b 4096 x 8192, 107 MB; "hca" the last three, "wo" the last two):
+- triton: today's `linear_fp8`, one launch per layer, with the step's PDL settings (the stages:
+  a one-program kernel spinning that long);
 - sep: chain_probe.cu's kernel, one launch per layer (stream order);
 - sep_pdl: the same with programmatic dependent launch: a layer's CTAs copy their first weight tiles
   as soon as an SM frees, before they wait for the previous layer;
@@ -31,8 +35,9 @@ sep, sep_pdl and chain of one entry do the same arithmetic in the same order, so
 same bits (checked), and each layer's output must match `linear_fp8_ref` of its input (checked:
 within 1e-5 of the sum of |products|).
 Each call of a timed graph reads another copy of the weights (two copies, 2 x 100 MB > the 60 MB L2).
-Prints a table last: us per chain, GB/s of the chain's weight bytes, % of the streaming read
-measured in the same run; the full log and a JSON under --out.
+Prints a table last: us per chain, the same less the gaps, that as GB/s of the chain's weight bytes
+and % of the streaming read measured in the same run (over 100 %: weights streamed during the
+gaps); the full log and a JSON under --out.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 from megastep.kernels.cuda_module import CudaModule  # noqa: E402
 
 SOURCE = os.path.join(HERE, "chain_probe.cu")
-SIGNATURE = "pippiii"  # desc, layers, counters, err, pdl, gap_ns, lead_ns
+SIGNATURE = "pippi"  # desc, layers, counters, err, pdl
 # the .cu's entries (W warps, R ring slots, KC bytes of K per sub-tile) by kind: "gemv" its own K order
 # (a task is one sub-tile), "tri" Triton's k16 sets and linear_fp8's splits (a task of at most
 # TRI_XMAX bytes of K), "xor" the same launch without arithmetic
@@ -62,16 +67,21 @@ KINDS = {
     "xor": ((8, 3, 512), (16, 3, 256)),
 }
 TRI_XMAX = 1024  # the .cu's XMAX of CHAIN_TRI_ENTRY
-DESC = 9  # the .cu's kDesc
+DESC = 10  # the .cu's kDesc
 MAX_LAYERS = 4  # kMaxLayers
 MAX_TILES = 4096  # kMaxTiles
 TILE_COUNTERS = 64  # kTileCounters
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory an H100 / H200 CTA may opt into
-CHAINS = {  # name: layers (N, K, G); layer l + 1 reads layer l's y, so G_{l+1} K_{l+1} == N_l
-    "hca": ((32768, 1024, 1), (8192, 4096, 8), (4096, 8192, 1)),
-    "wo": ((8192, 4096, 8), (4096, 8192, 1)),
+# name: layers (N, K, G, gap): layer l + 1 reads the first G_{l+1} K_{l+1} <= N_l values of layer l's y;
+# gap (us), the latency-bound stage before the layer: from the twenty-eighth measurement's one-row HCA
+# sublayer (medians), the x group's end to wq_b's start (the RMS norm) 2.7 us, wq_b's end to wo_a's
+# start (q norm + RoPE, the attention) 13.8 us, wo_a's end to wo_b's start 0.3 us (a launch: none here)
+CHAINS = {
+    "hca4": ((1536, 4096, 1, 0.0), (32768, 1024, 1, 2.7), (8192, 4096, 8, 13.8), (4096, 8192, 1, 0.0)),
+    "hca": ((32768, 1024, 1, 0.0), (8192, 4096, 8, 13.8), (4096, 8192, 1, 0.0)),
+    "wo": ((8192, 4096, 8, 0.0), (4096, 8192, 1, 0.0)),
     # the GPU test's: 4 MB a layer, a grouped layer in the middle, linear_fp8 taking 256 bytes of K per split
-    "small": ((4096, 1024, 1), (8192, 512, 8), (1024, 4096, 2)),
+    "small": ((4096, 1024, 1, 0.0), (8192, 512, 8, 2.0), (1024, 4096, 2, 0.0)),
 }
 
 
@@ -93,21 +103,21 @@ def splits(layers, kc: int, kind: str) -> tuple[int, ...]:
     """The launch's split of each layer's K: linear_fp8's for "tri" (so its sums), else K / KC."""
     if kind == "tri":
         from megastep.kernels import linear_fp8 as LIN
-        return tuple(LIN.pick_config(1, N, K).split_k for N, K, _ in layers)
-    return tuple(K // kc for _, K, _ in layers)
+        return tuple(LIN.pick_config(1, N, K).split_k for N, K, *_ in layers)
+    return tuple(K // kc for _, K, *_ in layers)
 
 
-def check_chain(layers: tuple[tuple[int, int, int], ...], kc: int, kind: str = "gemv") -> None:
+def check_chain(layers: tuple[tuple[int, int, int, float], ...], kc: int, kind: str = "gemv") -> None:
     """The shapes the kernel takes with KC bytes per sub-tile; a ValueError says what does not fit."""
     if not 1 <= len(layers) <= MAX_LAYERS:
         raise ValueError(f"a chain has 1..{MAX_LAYERS} layers, got {len(layers)}")
-    for i, ((N, K, G), S) in enumerate(zip(layers, splits(layers, kc, kind))):
+    for i, ((N, K, G, _), S) in enumerate(zip(layers, splits(layers, kc, kind))):
         if N % 16 or N // 16 > MAX_TILES or G < 1 or N % G or (N // G) % 16:
             raise ValueError(f"layer {i}: N {N} must be a multiple of 16 (of 16 G per group), at most {16 * MAX_TILES}")
         if K % S or (K // S) % kc or K // S > xmax(kc, kind):
             raise ValueError(f"layer {i}: K {K} in {S} splits must be a multiple of KC {kc}, each split at most "
                              f"{xmax(kc, kind)}")
-        if i and G * K != layers[i - 1][0]:
+        if i and G * K > layers[i - 1][0]:
             raise ValueError(f"layer {i} reads {G} x {K} inputs but layer {i - 1} writes {layers[i - 1][0]}")
 
 
@@ -120,7 +130,12 @@ def fits(layers, kc: int, kind: str) -> bool:
 
 
 def chain_bytes(layers) -> int:
-    return sum(N * K + (N // 128) * (K // 128) for N, K, _ in layers)
+    return sum(N * K + (N // 128) * (K // 128) for N, K, *_ in layers)
+
+
+def gaps_us(layers, on: bool) -> list[float]:
+    """The latency-bound stage before each layer, us (all 0 when off)."""
+    return [gap if on else 0.0 for *_, gap in layers]
 
 
 @dataclass
@@ -136,58 +151,65 @@ class Chain:
     def __init__(self, layers, gen: torch.Generator, device="cuda"):
         self.shapes = layers
         self.layers = []
-        for N, K, G in layers:
+        for N, K, G, _ in layers:
             w = (torch.randn(N, K, device=device, generator=gen) * 64).to(torch.float8_e4m3fn)
             s = torch.randint(118, 125, (N // 128, K // 128), device=device, generator=gen, dtype=torch.uint8)
             self.layers.append(Layer(w, s.view(torch.float8_e8m0fnu), G))
         self.x0 = torch.randn(layers[0][2] * layers[0][1], device=device, generator=gen)
-        self.ys = [torch.empty(N, device=device) for N, _, _ in layers]
-        self.parts = [torch.empty(K // 128 * N, device=device) for N, K, _ in layers]  # enough for any split
+        self.ys = [torch.empty(N, device=device) for N, *_ in layers]
+        self.parts = [torch.empty(K // 128 * N, device=device) for N, K, *_ in layers]  # enough for any split
         self._descs: dict[tuple[int, ...], torch.Tensor] = {}
         # one counter block per launch of a "sep" run, so a PDL launch never touches its predecessor's
         self.counters = torch.zeros(len(layers), TILE_COUNTERS + MAX_LAYERS * MAX_TILES, dtype=torch.int32,
                                     device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
 
-    def desc(self, kc: int, kind: str) -> torch.Tensor:
-        """The layers' descriptors for an entry (the .cu's kDesc fields), made once per split set."""
-        key = splits(self.shapes, kc, kind)
+    def desc(self, kc: int, kind: str, gaps: bool) -> torch.Tensor:
+        """The layers' descriptors for an entry (the .cu's kDesc fields), made once per split set and
+        gaps on / off."""
+        key = (splits(self.shapes, kc, kind), gaps)
         if key not in self._descs:
-            self._descs[key] = torch.tensor([v for i, ((N, K, G), S) in enumerate(zip(self.shapes, key)) for v in (
+            self._descs[key] = torch.tensor([v for i, ((N, K, G, _), S, gap) in enumerate(
+                zip(self.shapes, key[0], gaps_us(self.shapes, gaps))) for v in (
                 self.layers[i].w.data_ptr(), self.layers[i].ws.data_ptr(),
                 (self.x0 if i == 0 else self.ys[i - 1]).data_ptr(), self.ys[i].data_ptr(), self.parts[i].data_ptr(),
-                N, K, G, S)], dtype=torch.int64, device=self.x0.device)
+                N, K, G, S, round(gap * 1000))], dtype=torch.int64, device=self.x0.device)
         return self._descs[key]
 
-    def launch(self, module: CudaModule, shape: tuple[int, int, int], mode: str, gap_ns: int = 0,
+    def x(self, i: int) -> torch.Tensor:
+        """Layer i's input [1, G K]: x0, or the first G K values of the layer before's output."""
+        ly = self.layers[i]
+        return (self.x0 if i == 0 else self.ys[i - 1][:ly.G * ly.w.shape[1]])[None]
+
+    def launch(self, module: CudaModule, shape: tuple[int, int, int], mode: str, gaps: bool = False,
                sms: int | None = None, kind: str = "gemv") -> None:
         """mode "chain": one launch for every layer; "sep" / "sep_pdl": one launch per layer, each with
-        its own counters, plain or with PDL. gap_ns: a latency-bound stage's length before every layer
-        but the first. One CTA per SM (sms: the device's count). kind: the entry's (KINDS)."""
+        its own counters, plain or with PDL. gaps: the latency-bound stages before the layers as waits
+        (CHAINS). One CTA per SM (sms: the device's count). kind: the entry's (KINDS)."""
         w, r, kc = shape
         k = module.kernel(entry(w, r, kc, kind), SIGNATURE)
         sms = sms or torch.cuda.get_device_properties(self.x0.device).multi_processor_count
         smem = smem_bytes(w, r, kc, kind)
-        desc = self.desc(kc, kind)
+        desc = self.desc(kc, kind, gaps)
         if mode == "chain":
-            k.launch((sms, 1, 1), (32 * w, 1, 1), smem, None, desc, len(self.layers), self.counters[0],
-                     self.err, 0, gap_ns, 0)
+            k.launch((sms, 1, 1), (32 * w, 1, 1), smem, None, desc, len(self.layers), self.counters[0], self.err, 0)
             return
         pdl = mode == "sep_pdl"
         for i in range(len(self.layers)):
             k.launch((sms, 1, 1), (32 * w, 1, 1), smem, None, desc.data_ptr() + 8 * DESC * i, 1,
-                     self.counters[i], self.err, int(pdl), 0, gap_ns if i else 0, pdl=pdl)
+                     self.counters[i], self.err, int(pdl), pdl=pdl)
 
-    def triton(self, gap_ns: int = 0, spin=None) -> torch.Tensor:
+    def triton(self, gaps: bool = False, spin=None) -> torch.Tensor:
         """The same chain through today's FP8 linear, one launch per layer (for its time only); with
-        gap_ns, a one-program kernel spinning that long (spin(ns)) before every layer but the first."""
+        gaps, a one-program kernel spinning for each stage (spin(ns)) before its layer."""
         from megastep.kernels import linear_fp8 as LIN
-        x = self.x0[None]
-        for i, ly in enumerate(self.layers):
-            if i and gap_ns:
-                spin(gap_ns)
-            x = LIN.linear_fp8(x, ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)
-        return x
+        y = None
+        for i, (ly, gap) in enumerate(zip(self.layers, gaps_us(self.shapes, gaps))):
+            if gap:
+                spin(round(gap * 1000))
+            x = self.x0[None] if i == 0 else y[:, :ly.G * ly.w.shape[1]]
+            y = LIN.linear_fp8(x, ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)
+        return y
 
     def check(self, tol: float = 1e-5) -> float:
         """Each layer's y against linear_fp8_ref of the input it read; returns the largest error
@@ -196,7 +218,7 @@ class Chain:
         from megastep.kernels import linear_fp8 as LIN
         worst = 0.0
         for i, ly in enumerate(self.layers):
-            x = (self.x0 if i == 0 else self.ys[i - 1])[None]
+            x = self.x(i)
             ref = LIN.linear_fp8_ref(x, ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)[0]
             xq = formats.fp8_act_sim(x.float(), 128).abs()
             wd = formats.dequantize_fp8_weight(ly.w, ly.ws, 128).abs()
@@ -210,17 +232,17 @@ class Chain:
 
 
 def check_shape(module: CudaModule, chain: Chain, shape, log, kind: str = "gemv") -> None:
-    """One entry: every mode checked against the ref; sep, sep_pdl and chain (without and with a gap)
-    the same bits, run to run too; no spin gave up (all CTAs resident); "tri" also linear_fp8's bits,
-    layer by layer. Raises AssertionError."""
+    """One entry: every mode checked against the ref; sep, sep_pdl and chain (without and with the
+    chain's gaps) the same bits, run to run too; no spin gave up (all CTAs resident); "tri" also
+    linear_fp8's bits, layer by layer. Raises AssertionError."""
     from megastep.kernels import linear_fp8 as LIN
     name = entry(*shape, kind)
     outs = {}
-    for mode, gap in (("sep", 0), ("sep_pdl", 2000), ("chain", 0), ("chain", 2000)):
+    for mode, gaps in (("sep", False), ("sep_pdl", True), ("chain", False), ("chain", True)):
         for y in chain.ys:
             y.fill_(float("nan"))
         chain.err.zero_()
-        chain.launch(module, shape, mode, gap, kind=kind)
+        chain.launch(module, shape, mode, gaps, kind=kind)
         torch.cuda.synchronize()
         if chain.err.item():
             raise AssertionError(f"{name} {mode}: a warp gave up waiting for layer {chain.err.item() - 1} "
@@ -233,11 +255,10 @@ def check_shape(module: CudaModule, chain: Chain, shape, log, kind: str = "gemv"
         for i, (a, b) in enumerate(zip(outs["sep"], outs[key])):
             if not torch.equal(a, b):
                 raise AssertionError(f"{name}: {key} differs from sep in layer {i}")
-    log(f"{name}: sep, sep_pdl, chain (without and with a 2 us gap) give the same bits")
+    log(f"{name}: sep, sep_pdl, chain (without and with the gaps) give the same bits")
     if kind == "tri":
         for i, ly in enumerate(chain.layers):
-            x = (chain.x0 if i == 0 else chain.ys[i - 1])[None]
-            ref = LIN.linear_fp8(x, ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)[0]
+            ref = LIN.linear_fp8(chain.x(i), ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)[0]
             if not torch.equal(ref, chain.ys[i]):
                 n = int((ref != chain.ys[i]).sum())
                 raise AssertionError(f"{name}: layer {i} differs from linear_fp8 in {n} of {ref.numel()} outputs")
@@ -260,10 +281,12 @@ def run_checks(module: CudaModule, chain: Chain, entries, log) -> list:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/chain_probe"))
-    ap.add_argument("--chain", default="hca", choices=sorted(CHAINS))
+    ap.add_argument("--chain", default="hca4", choices=sorted(CHAINS))
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--gap-us", default="0,10", help="latency-bound stages between the layers (the attention: ~10 us)")
+    ap.add_argument("--gaps", default="off,on", help="the latency-bound stages between the layers as waits (CHAINS)")
     args = ap.parse_args(argv)
+    if not set(args.gaps.split(",")) <= {"off", "on"}:
+        ap.error(f"--gaps takes off and / or on, got {args.gaps!r}")
     import bench_kernels as BK
     import l2_prefetch as LP
     from megastep.kernels import common
@@ -300,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     def spin(ns: int) -> None:
         LP._spin_kernel[(1,)](spin_out, ns)
 
-    def timed(name: str, gap_us: float, fn) -> None:
+    def timed(name: str, gaps: bool, fn) -> None:
+        gap_us = sum(gaps_us(layers, gaps))
         # once eagerly first: a launch whose warps gave up waiting (CTAs not all resident) is reported
         # and skipped, not replayed for minutes
         for c in copies:
@@ -312,23 +336,22 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"variant": name, "gap_us": gap_us, "error": "gave up waiting"})
             return
         us, best = BK.graph_time([lambda c=c: fn(c) for _ in range(5) for c in copies], reps=args.reps)
-        stream_us = us - (len(layers) - 1) * gap_us  # the chain's time less its latency-bound stages
+        stream_us = us - gap_us  # the chain's time less its latency-bound stages
         rows.append({"variant": name, "gap_us": gap_us, "us": us, "best_us": best, "stream_us": stream_us,
                      "gb_s": nbytes / stream_us / 1e3, "pct_read": 100 * nbytes / stream_us / 1e3 / bw["read"]})
-        BK.log(f"{name}, gaps of {gap_us} us: {us:.2f} us per chain (best {best:.2f}); less the gaps "
+        BK.log(f"{name}, gaps of {gap_us:g} us in all: {us:.2f} us per chain (best {best:.2f}); less the gaps "
                f"{stream_us:.2f} us, {nbytes / stream_us / 1e3:.0f} GB/s")
 
-    for gap_us in [float(v) for v in args.gap_us.split(",")]:
-        ns = int(gap_us * 1000)
+    for gaps in [{"off": False, "on": True}[v] for v in args.gaps.split(",")]:
         old = common.set_pdl(True)  # the step's launch settings at one row
         try:
-            timed("triton (the step's linear_fp8)", gap_us, lambda c, ns=ns: c.triton(ns, spin))
+            timed("triton (the step's linear_fp8)", gaps, lambda c, gaps=gaps: c.triton(gaps, spin))
         finally:
             common.set_pdl(old)
         for kind, s in entries:
             for mode in ("sep", "chain") if kind == "xor" else ("sep", "sep_pdl", "chain"):
-                timed(f"{mode} {kind} w{s[0]} r{s[1]} kc{s[2]}", gap_us,
-                      lambda c, s=s, mode=mode, ns=ns, kind=kind: c.launch(module, s, mode, ns, kind=kind))
+                timed(f"{mode} {kind} w{s[0]} r{s[1]} kc{s[2]}", gaps,
+                      lambda c, s=s, mode=mode, gaps=gaps, kind=kind: c.launch(module, s, mode, gaps, kind=kind))
 
     with open(os.path.join(args.out, "chain_probe.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(0), "bandwidth": bw, "chain": args.chain,
