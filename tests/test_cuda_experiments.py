@@ -4,7 +4,8 @@ signatures pass; the GEMV's shape rules keep within its kernel's limits; the tim
 launch_floor.py still find the lines they edit. Their numerics are checked on the GPU by their
 scripts (gemv_variants.py: against the torch ref, run to run, a row alone against the batch).
 The probes of route_probe.py (edited copies of the runtime's kernels/route_cuda.cu) still find their
-lines and build. (The runtime's CUDA kernels themselves are checked beside their tests:
+lines and build. chain_probe.py (a chain of FP8 GEMVs in one persistent launch): its shapes, splits,
+launch arguments and check on the CPU, its numerics and bits on the GPU (one test, marked). (The runtime's CUDA kernels themselves are checked beside their tests:
 kernels/moe_lut.cu in tests/kernels/test_moe.py, kernels/route_cuda.cu in tests/kernels/test_route_cuda.py.)"""
 
 import os
@@ -131,9 +132,9 @@ def test_chain_probe_shapes_fit_the_kernel():
     assert CP.gaps_us(CP.CHAINS["hca4"], True) == [0.0, 2.7, 13.8, 0.0] and not any(CP.gaps_us(small, False))
     for bad, match in ((((512, 512, 1, 0), (512, 1024, 1, 0)), "reads 1 x 1024"), (((520, 512, 1, 0),), "multiple of 16"),
                        (((512, 384, 1, 0),), "multiple of KC"), (((256, 256, 1, 0),) * 5, "1..4 layers"),
-                       (((512, 256, 3, 0),), "multiple of 16")):
+                       (((512, 256, 3, 0),), "multiple of 16"), (((512, 256, 1, 0),), "multiple of KC 512")):
         with pytest.raises(ValueError, match=match):
-            CP.check_chain(bad, 256)
+            CP.check_chain(bad, 512 if "512" in match else 256)
     CP.check_chain(((512, 512, 1, 0), (256, 256, 1, 0)), 256)  # a layer may read the first part of y
 
 

@@ -114,7 +114,7 @@ def check_chain(layers: tuple[tuple[int, int, int, float], ...], kc: int, kind: 
     for i, ((N, K, G, _), S) in enumerate(zip(layers, splits(layers, kc, kind))):
         if N % 16 or N // 16 > MAX_TILES or G < 1 or N % G or (N // G) % 16:
             raise ValueError(f"layer {i}: N {N} must be a multiple of 16 (of 16 G per group), at most {16 * MAX_TILES}")
-        if K % S or (K // S) % kc or K // S > xmax(kc, kind):
+        if S < 1 or K % S or (K // S) % kc or K // S > xmax(kc, kind):
             raise ValueError(f"layer {i}: K {K} in {S} splits must be a multiple of KC {kc}, each split at most "
                              f"{xmax(kc, kind)}")
         if i and G * K > layers[i - 1][0]:
