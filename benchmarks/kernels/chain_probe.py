@@ -158,7 +158,7 @@ class Chain:
         self.x0 = torch.randn(layers[0][2] * layers[0][1], device=device, generator=gen)
         self.ys = [torch.empty(N, device=device) for N, *_ in layers]
         self.parts = [torch.empty(K // 128 * N, device=device) for N, K, *_ in layers]  # enough for any split
-        self._descs: dict[tuple[int, ...], torch.Tensor] = {}
+        self._descs: dict[tuple[tuple[int, ...], bool], torch.Tensor] = {}  # (splits, gaps on)
         # one counter block per launch of a "sep" run, so a PDL launch never touches its predecessor's
         self.counters = torch.zeros(len(layers), TILE_COUNTERS + MAX_LAYERS * MAX_TILES, dtype=torch.int32,
                                     device=device)
