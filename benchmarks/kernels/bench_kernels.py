@@ -269,9 +269,11 @@ def check_moe(y, ref):
 
 
 # ---- linear_fp8 -----------------------------------------------------------------------------------
-def fp8_weight(N, K, g):
-    w = (torch.randn(N, K, device=DEV, generator=g) * 64).to(torch.float8_e4m3fn)
-    s = torch.randint(118, 125, (triton.cdiv(N, 128), triton.cdiv(K, 128)), device=DEV, generator=g, dtype=torch.uint8)
+def fp8_weight(N, K, g, device=None):
+    device = device or DEV
+    w = (torch.randn(N, K, device=device, generator=g) * 64).to(torch.float8_e4m3fn)
+    s = torch.randint(118, 125, (triton.cdiv(N, 128), triton.cdiv(K, 128)), device=device, generator=g,
+                      dtype=torch.uint8)
     return w, s.view(torch.float8_e8m0fnu)
 
 

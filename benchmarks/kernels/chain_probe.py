@@ -151,10 +151,9 @@ class Chain:
     def __init__(self, layers, gen: torch.Generator, device="cuda"):
         self.shapes = layers
         self.layers = []
+        import bench_kernels as BK
         for N, K, G, _ in layers:
-            w = (torch.randn(N, K, device=device, generator=gen) * 64).to(torch.float8_e4m3fn)
-            s = torch.randint(118, 125, (N // 128, K // 128), device=device, generator=gen, dtype=torch.uint8)
-            self.layers.append(Layer(w, s.view(torch.float8_e8m0fnu), G))
+            self.layers.append(Layer(*BK.fp8_weight(N, K, gen, device), G))
         self.x0 = torch.randn(layers[0][2] * layers[0][1], device=device, generator=gen)
         self.ys = [torch.empty(N, device=device) for N, *_ in layers]
         self.parts = [torch.empty(K // 128 * N, device=device) for N, K, *_ in layers]  # enough for any split
