@@ -17,7 +17,10 @@ from megastep.errors import UserError, check_output_file, check_output_folder, c
 
 def _model_dir(arg: str | None) -> Path:
     if arg is not None:
-        return Path(arg)
+        d = Path(arg).expanduser()
+        if not d.exists():  # said before any other check of what the folder lacks (its tokenizer, say)
+            raise UserError(f"model directory {d} does not exist")
+        return d
     from megastep.builtin import builtin_model_dir
 
     return builtin_model_dir()

@@ -96,6 +96,8 @@ def test_no_quant_sim_flag_changes_numerics_not_interface(small_dir, capsys):
         (["bench", "--json", "/nonexistent/dir/r.json"], "no such folder"),
         (["bench", "--json", "{small}"], "is a folder"),
         (["profile-routing", "--model", "{small}", "--prompt-ids", "1,2", "--out", "/nonexistent/p.json"], "no such folder"),
+        (["profile-routing", "--model", "/nonexistent", "--prompts", "/nonexistent.txt", "--out", "p.json"],
+         "model directory /nonexistent does not exist"),
         (["make-checkpoint", "--preset", "tiny", "--out", "{small}/config.json"], "a file is in the way"),
         (["make-checkpoint", "--preset", "tiny", "--out", "{small}/config.json/sub"], "cannot write into"),
     ],
