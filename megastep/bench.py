@@ -357,6 +357,8 @@ def measure(run: BenchSetup, runner, args: argparse.Namespace) -> list[dict]:
     results = []
     W, dec = run.world_size, run.dec
     for B in run.batches:
+        if dec.sidecar is not None:
+            dec.sidecar.reset_counters()
         ms = time_graph(runner, B, args.context, args.iters, block=args.block)
         p50 = pct(ms, 50)
         nb = step_bytes(run.cfg, run.wbytes, B, args.context, run.placement)
@@ -374,6 +376,8 @@ def measure(run: BenchSetup, runner, args: argparse.Namespace) -> list[dict]:
             "tokens_per_s": B / p50 * 1e3, "bytes": nb, "roofline_ms": roof_ms,
             "pct_of_roofline": 100 * roof_ms / p50,
             "achieved_GBps": (nb["total"] + nb["host_experts"]) / (p50 / 1e3) / 1e9,
+            # what the CPU sidecar did in these steps (recipe B / hybrid): its own time, not the GPU's wait
+            "sidecar_cpu": dec.sidecar.report() if dec.sidecar is not None else None,
         })
     return results
 
@@ -456,6 +460,15 @@ def print_report(out: dict) -> None:
         print(f"{r['batch']:>5} {r['ms_p50']:>8.3f} {r['ms_p90']:>8.3f} {r['ms_p99']:>8.3f} {r['tokens_per_s']:>9.1f} "
               f"{r['bytes']['total'] / 1e9:>8.3f} {r['roofline_ms']:>8.3f} {r['pct_of_roofline']:>6.1f} "
               f"{per_layer:>8.3f} {per_layer * 43:>8.2f}")
+    for r in out["results"]:
+        c = r.get("sidecar_cpu")  # (older results lack it)
+        if c:
+            busy = (f"a busy job {c['busy_job_us_mean']:.0f} us mean, {c['busy_job_us_max']:.0f} max, "
+                    f"{c['cpu_GBps']:.1f} GB/s of expert bytes" if c["busy_jobs_per_step"] else "no job read an expert")
+            idle = f"; the other jobs {c['idle_job_us_mean']:.1f} us each" if c["idle_job_us_mean"] is not None else ""
+            print(f"CPU sidecar, batch {r['batch']}: {c['busy_jobs_per_step']:.2f} of {c['jobs_per_step']} jobs a step "
+                  f"read {c['experts_per_step']:.2f} experts in {c['busy_ms_per_step']:.3f} ms of CPU time ({busy}){idle}; "
+                  f"{c['steps']} steps")
     if out.get("peer"):
         p = out["peer"]
         print(f"peer transformers ({p['best_impl']}, {p['layers']} layers, batch 1): {p['ms_per_step']}  "

@@ -36,6 +36,22 @@ def test_report_lines(capsys):
             "3.700 ms, idle 0.200 ms; largest idle stretches (us, after): 12.5 _linear_fp8_kernel") in text
 
 
+def test_sidecar_line(capsys):
+    """Recipes B and hybrid: what the CPU did per step, under the table (a result without it: no line)."""
+    out = _out("cpu")
+    out["results"][0]["sidecar_cpu"] = {
+        "steps": 40, "jobs_per_step": 43, "busy_jobs_per_step": 3.5, "experts_per_step": 4.1,
+        "busy_ms_per_step": 0.82, "busy_job_us_mean": 234.3, "busy_job_us_max": 910.0, "idle_job_us_mean": 3.25,
+        "cpu_GBps": 66.8}
+    print_report(out)
+    text = capsys.readouterr().out
+    assert ("CPU sidecar, batch 1: 3.50 of 43 jobs a step read 4.10 experts in 0.820 ms of CPU time (a busy job "
+            "234 us mean, 910 max, 66.8 GB/s of expert bytes); the other jobs 3.2 us each; 40 steps") in text
+    out["results"][0]["sidecar_cpu"] = None
+    print_report(out)
+    assert "CPU sidecar" not in capsys.readouterr().out
+
+
 def test_cpu_share_only_for_hybrid(capsys):
     out = _out("cpu")
     del out["sidecar"]  # a result from before the field

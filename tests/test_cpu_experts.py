@@ -9,6 +9,7 @@ of the reference (|y - ref| <= 2^(floor(log2|ref|) - 7)), and we count how many 
 (expected: none or a handful; measured so far: 0 of every output on all paths).
 """
 
+import ctypes
 import warnings
 
 import pytest
@@ -212,10 +213,73 @@ def test_poller_thread_runs_posted_jobs():
         flag[0] = 1
         wait_done(flag)
         assert torch.equal(y, want(x, ids, w))
+        assert (jobs[1][4].runs, jobs[0][4].runs) == (2, 0)  # the poller's runs are counted too
     finally:
         poller.close()
     with pytest.raises(RuntimeError, match="closed"):
         poller.add(jobs[0][4], jobs[0][5])
+
+
+@pytest.mark.skipif(not ce.available_isas(), reason="compiled kernel unavailable")
+def test_job_counters_say_what_the_runs_did():
+    """A sidecar job's counters (the benchmark's report of the CPU's share): every run counts; a run
+    with slots of the job's experts is busy and adds the distinct experts it read (an expert of two
+    slots once) and its wall time; a run without any only zeroes y and adds to the idle time. The
+    ctypes mirror has the C struct's size, and a reset zeroes the counters."""
+    g = torch.Generator().manual_seed(6)
+    D, I, E, M, k = 512, 256, 5, 2, 3
+    st = _stack(D, I, E, g)
+    x, w = _x(M, D, g), torch.rand(M, k, generator=g) + 0.05
+    ids = torch.tensor([[0, 3, -1], [3, -1, 4]], dtype=torch.int32)  # experts 0, 3, 4
+    y = torch.empty(M, k, D, dtype=torch.bfloat16)
+    job = ce.sidecar_job(x, ids, w, st["w13"], st["w13_scale"], st["w2"], st["w2_scale"], y, num_threads=2)
+    assert ce._load().ms_sidecar_job_size() == ctypes.sizeof(ce.SidecarJob)
+    assert job.counters() == dict.fromkeys(ce.SidecarJob.COUNTERS, 0)
+    ce.run_sidecar_job(job)
+    c = job.counters()
+    assert (c["runs"], c["busy_runs"], c["experts"], c["idle_ns"]) == (1, 1, 3, 0)
+    assert c["busy_ns"] > 0 and c["max_ns"] == c["busy_ns"]
+    ce.run_sidecar_job(job)
+    ids.fill_(-1)  # no slot of this job's experts: y zeroed only
+    ce.run_sidecar_job(job)
+    c2 = job.counters()
+    assert (c2["runs"], c2["busy_runs"], c2["experts"]) == (3, 2, 6)
+    assert c2["busy_ns"] > c["busy_ns"] and c2["max_ns"] >= c["max_ns"] and c2["idle_ns"] > 0
+    assert not bool(y.any())
+    job.reset_counters()
+    assert job.counters() == dict.fromkeys(ce.SidecarJob.COUNTERS, 0)
+
+
+@pytest.mark.skipif(not ce.available_isas(), reason="compiled kernel unavailable")
+def test_sidecar_report_per_step():
+    """CpuSidecar.report (runtime/sidecar.py, printed by `megastep bench` for recipes B and hybrid):
+    over the steps since reset_counters, per step, the jobs (one per layer with CPU experts), the
+    busy ones, the experts they read, their CPU time and its GB/s of expert bytes. On a CPU device
+    the jobs run at `start`, as the step would post them."""
+    from megastep.runtime.sidecar import CpuSidecar
+
+    g = torch.Generator().manual_seed(7)
+    D, I, E, k = 512, 256, 8, 2
+    car = CpuSidecar(torch.device("cpu"), 10.0)
+    st = {L: _stack(D, I, 2, g) for L in (0, 1)}
+    car.add_layer(0, st[0], [1, 5], E)  # layer 0 computes experts 1 and 5 of 8 on the CPU
+    car.add_layer(1, st[1], [2, 6], E)
+    assert car.report() is None  # nothing ran
+    x, w = _x(1, D, g), torch.rand(1, k, generator=g) + 0.05
+    routes = [([1, 5], [0, 3]), ([0, 3], [0, 3]), ([5, 4], [2, 7])]  # per step: layer 0's ids, layer 1's
+    for ids0, ids1 in routes:
+        car.finish(car.start(0, x, torch.tensor([ids0]), w))
+        car.finish(car.start(1, x, torch.tensor([ids1]), w))
+    r = car.report()
+    nb = sum(t[0].numel() * t.element_size() for t in st[0].values())
+    assert (r["steps"], r["jobs_per_step"]) == (3, 2)
+    assert r["busy_jobs_per_step"] == pytest.approx(3 / 3)  # layer 0 in steps 1 and 3, layer 1 in step 3
+    assert r["experts_per_step"] == pytest.approx((2 + 1 + 1) / 3)
+    assert r["busy_ms_per_step"] > 0 and r["busy_job_us_max"] >= r["busy_job_us_mean"] > 0
+    assert r["idle_job_us_mean"] > 0
+    assert r["cpu_GBps"] == pytest.approx(4 * nb / (r["busy_ms_per_step"] * 3 * 1e6))
+    car.reset_counters()
+    assert car.report() is None
 
 
 def test_build_failure_falls_back_to_torch(monkeypatch):

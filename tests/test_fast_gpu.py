@@ -292,6 +292,9 @@ def test_polling_sidecar_gives_the_host_functions_bits(cold_path, monkeypatch):
             pos = torch.full((1,), t, device="cuda")
             g, _ = runner.run(tok, pos, torch.zeros(1, dtype=torch.long, device="cuda"))
             rows.append((g[0].clone(), dec.step(tok, pos, torch.ones(1, dtype=torch.long, device="cuda"))[0].clone()))
+        torch.cuda.synchronize()
+        r = dec.sidecar.report()  # the jobs' counters, whichever way they were started
+        assert r is not None and r["steps"] >= 6 and r["experts_per_step"] > 0 and r["cpu_GBps"] > 0
         out[poll] = rows
         del runner, dec
     for (g0, e0), (g1, e1) in zip(out[False], out[True]):

@@ -81,6 +81,7 @@ def _load() -> ctypes.CDLL | None:
             lib.ms_experts_forward.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, p, p, f32, p, i32, i32]
             lib.ms_experts_forward.restype = i32
             lib.ms_sidecar_run.argtypes, lib.ms_sidecar_run.restype = [p], None
+            lib.ms_sidecar_job_size.argtypes, lib.ms_sidecar_job_size.restype = [], i64
             lib.ms_poller_start.argtypes, lib.ms_poller_start.restype = [], p
             lib.ms_poller_add.argtypes, lib.ms_poller_add.restype = [p, p, p], i32
             lib.ms_poller_stop.argtypes, lib.ms_poller_stop.restype = [p], None
@@ -252,15 +253,26 @@ def experts_forward_ref(x, ids, weights, w13, w13_scale, w2, w2_scale, limit: fl
 class SidecarJob(ctypes.Structure):
     """Mirror of `MsSidecarJob` in mxfp4_gemv.cpp: the arguments of one experts_forward call over
     fixed buffers (page-locked on a GPU host). `ms_sidecar_run(&job)` zeroes y, then writes the
-    slots whose id >= 0."""
+    slots whose id >= 0. Its counters (`COUNTERS`) say what the runs did: see `counters`."""
 
+    COUNTERS = ("runs", "busy_runs", "experts", "busy_ns", "max_ns", "idle_ns")
     _fields_ = [
         ("x", ctypes.c_void_p), ("M", ctypes.c_int64), ("D", ctypes.c_int64), ("I", ctypes.c_int64),
         ("k", ctypes.c_int64), ("ids", ctypes.c_void_p), ("rw", ctypes.c_void_p), ("E", ctypes.c_int64),
         ("w13", ctypes.c_void_p), ("w13s", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("w2s", ctypes.c_void_p),
         ("limit", ctypes.c_float), ("y", ctypes.c_void_p), ("isa", ctypes.c_int), ("nthreads", ctypes.c_int),
         ("status", ctypes.c_int),
-    ]
+    ] + [(name, ctypes.c_int64) for name in COUNTERS]
+
+    def counters(self) -> dict[str, int]:
+        """The runs since the last reset: all of them; those with a slot of this job's experts
+        ("busy"), the distinct experts they read, their wall time in ns (sum and longest); the wall
+        time of the others (zeroing y only). Read them only while no run is in flight."""
+        return {name: int(getattr(self, name)) for name in self.COUNTERS}
+
+    def reset_counters(self) -> None:
+        for name in self.COUNTERS:
+            setattr(self, name, 0)
 
 
 def sidecar_job(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
@@ -279,6 +291,9 @@ def sidecar_job(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     lib = _load()
     if lib is None:
         return None
+    if lib.ms_sidecar_job_size() != ctypes.sizeof(SidecarJob):  # the mirror and the C struct disagree: a bug
+        raise RuntimeError(f"SidecarJob is {ctypes.sizeof(SidecarJob)} bytes, MsSidecarJob "
+                           f"{lib.ms_sidecar_job_size()}: update the mirror in megastep/cpu/experts.py")
     t13, s13, t2, s2 = (_u8(t) for t in (w13, w13_scale, w2, w2_scale))
     for t in (t13, s13, t2, s2):
         if not t.is_contiguous():

@@ -509,7 +509,12 @@ int ms_experts_forward(const uint16_t* x, int64_t M, int64_t D, int64_t I, int64
 // decode step is built (page-locked staging buffers and one layer's cold experts). The CUDA driver
 // runs ms_sidecar_run as a host function when the stream reaches it (cuLaunchHostFunc, also inside
 // a CUDA graph): y is zeroed first (the slots of the experts the GPU computes must read 0 in the
-// combine), then the cold slots are written. status: the return code of the last run.
+// combine), then the cold slots are written. status: the return code of the last run. The counters
+// after it are for the benchmark's report (the engine never reads them): every run; the runs that
+// had at least one slot of this job's experts, the distinct experts they read and their wall time
+// (steady clock around zeroing y and the experts, on the running thread), the longest of them; and
+// the wall time of the other runs, which only zero y. They are written by the one thread that runs
+// the job and read once the GPU has finished.
 struct MsSidecarJob {
   const uint16_t* x;
   int64_t M, D, I, k;
@@ -522,13 +527,34 @@ struct MsSidecarJob {
   int isa;
   int nthreads;
   int status;
+  int64_t runs, busy_runs, experts, busy_ns, max_ns, idle_ns;
 };
+
+int64_t ms_sidecar_job_size() { return sizeof(MsSidecarJob); }  // the ctypes mirror checks its layout
 
 void ms_sidecar_run(void* job) {
   MsSidecarJob* j = static_cast<MsSidecarJob*>(job);
+  const auto t0 = std::chrono::steady_clock::now();
   std::memset(j->y, 0, sizeof(uint16_t) * j->M * j->k * j->D);
   j->status = ms_experts_forward(j->x, j->M, j->D, j->I, j->k, j->ids, j->rw, j->E, j->w13, j->w13s, j->w2, j->w2s,
                                  j->limit, j->y, j->isa, j->nthreads);
+  const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  thread_local std::vector<char> seen;
+  seen.assign(j->E, 0);
+  int64_t n = 0;
+  for (int64_t i = 0; i < j->M * j->k; ++i) {
+    const int32_t e = j->ids[i];
+    if (e >= 0 && e < j->E && !seen[e]) seen[e] = 1, ++n;
+  }
+  ++j->runs;
+  if (n) {
+    ++j->busy_runs;
+    j->experts += n;
+    j->busy_ns += ns;
+    if (ns > j->max_ns) j->max_ns = ns;
+  } else {
+    j->idle_ns += ns;
+  }
 }
 
 // The polling worker: recipe B without a host node per layer. A host node makes the GPU stream

@@ -204,6 +204,41 @@ class CpuSidecar:
             torch.cuda.current_stream(self.device).wait_stream(self._side)  # join
         return st.y_dev
 
+    # ---- what the CPU did (the benchmark's report; the step never reads it) ----------------------
+    def reset_counters(self) -> None:
+        """Zero every job's counters. Only while no job is in flight (the GPU idle)."""
+        for st in self._staging.values():
+            if st.job is not None:
+                st.job.reset_counters()
+
+    def report(self) -> dict | None:
+        """The CPU's share of the steps run since `reset_counters`, per step: every job that ran
+        since then ran once a step (one per layer with CPU experts, for the one batch size run);
+        None when none ran (or no compiled kernel). A busy job is one that had a slot of its
+        experts: `cpu_GBps` is the bytes of the distinct experts the busy jobs read over their wall
+        time (zeroing y included), to hold against the CPU's streaming read (`cpu_read_bandwidth`)."""
+        ran = [(L, st.job.counters()) for (L, _), st in self._staging.items() if st.job is not None and st.job.runs]
+        if not ran:
+            return None
+        steps = max(c["runs"] for _, c in ran)
+        busy = sum(c["busy_runs"] for _, c in ran)
+        idle = sum(c["runs"] - c["busy_runs"] for _, c in ran)
+        busy_ns = sum(c["busy_ns"] for _, c in ran)
+        nbytes = sum(c["experts"] * self._expert_bytes(L) for L, c in ran)
+        return {
+            "steps": steps, "jobs_per_step": len(ran), "busy_jobs_per_step": busy / steps,
+            "experts_per_step": sum(c["experts"] for _, c in ran) / steps,
+            "busy_ms_per_step": busy_ns / steps / 1e6,
+            "busy_job_us_mean": busy_ns / busy / 1e3 if busy else None,
+            "busy_job_us_max": max(c["max_ns"] for _, c in ran) / 1e3 if busy else None,
+            "idle_job_us_mean": sum(c["idle_ns"] for _, c in ran) / idle / 1e3 if idle else None,
+            "cpu_GBps": nbytes / busy_ns if busy_ns else None,
+        }
+
+    def _expert_bytes(self, L: int) -> int:
+        """Bytes of one of layer L's CPU experts (weights and scales)."""
+        return sum(t[0].numel() * t.element_size() for t in self.layers[L].stacked.values())
+
 
 def add_pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Two per-slot output buffers of which at most one is non-zero at every element, combined
