@@ -12,7 +12,7 @@
 #   bash benchmarks/h200_checks.sh attn       # attention only: sweep and pin, the few-rows plan at 1-4 rows, its GPU tests (~7 min)
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget: B, hybrid (skewed), A (uniform, skewed) (~9 min)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
-#   bash benchmarks/h200_checks.sh offload_b  # recipe B only, with the CPU's share per step; the CPU kernel's thread scaling (~4 min)
+#   bash benchmarks/h200_checks.sh offload_b  # why B loses: B with the CPU's share per step and timelines (A's beside), the CPU kernel alone (~7 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
 #   bash benchmarks/h200_checks.sh small_ncu  # the 1-row step's small launches (attention, indexer, q norm + RoPE, mHC, norms): per-instruction stall samples from ncu (~3 min)
 #   bash benchmarks/h200_checks.sh stalls     # why the weight-streaming loops stall: every raw counter (warp stall reasons included) of the experts and FP8 linear at batch 1 (~3 min)
@@ -241,13 +241,17 @@ for group in "$@"; do
       done
       bench offload_uniform_gpu 150 --batch 1,6 --routing uniform --hbm-budget 125 --cold-path gpu
       bench offload_skewed_gpu 150 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;
-    offload_b)  # recipe B alone, with what the CPU did per step (the bench's "CPU sidecar" lines: busy jobs,
-      # experts, CPU time and its GB/s in the step), and the CPU kernel's thread scaling on this host alone (no GPU)
-      step cpu_experts 120 python3 benchmarks/cpu_experts.py --threads 1 4 8 15 16 --rows 1 6 --no-torch --reps 3
-      bench offload_skewed_cpu 200 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path cpu
-      if [ -f "$OUT/offload_skewed_cpu.log" ]; then
-        while IFS= read -r line; do summary+=("$line"); done < <(grep -h '^CPU sidecar' "$OUT/offload_skewed_cpu.log")
-      fi ;;
+    offload_b)  # why recipe B loses: B with what the CPU did per step (the bench's "CPU sidecar" lines: busy jobs,
+      # experts, CPU time and its GB/s in the step) and the device timeline of one replay (copies and the GPU's idle
+      # stretches: its waits for the CPU), A's timeline beside it, then the CPU kernel's thread scaling on this host
+      # alone (no GPU) (~7 min)
+      bench offload_skewed_cpu 220 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path cpu --timeline
+      bench offload_skewed_gpu_tl 150 --batch 1 --routing skewed --hbm-budget 125 --cold-path gpu --timeline
+      for name in offload_skewed_cpu offload_skewed_gpu_tl; do
+        [ -f "$OUT/$name.log" ] || continue
+        while IFS= read -r line; do summary+=("$name: $line"); done < <(grep -h -E '^(CPU sidecar|timeline of)' "$OUT/$name.log" | cut -c1-400)
+      done
+      step cpu_experts 100 python3 benchmarks/cpu_experts.py --threads 1 4 8 15 16 --rows 1 6 --no-torch --reps 3 ;;
     offload_a)  # recipe A alone (the winner of the offload group)
       bench offload_skewed_gpu 280 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;
     ncu)  # why the weight-streaming kernels reach 1.1-1.5 TB/s and attention takes 20-30 us at batch 1:
