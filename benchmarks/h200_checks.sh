@@ -13,6 +13,7 @@
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget: B, hybrid (skewed), A (uniform, skewed) (~9 min)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh offload_b  # why B loses: B with the CPU's share per step and timelines (A's beside), the CPU kernel alone (~7 min)
+#   bash benchmarks/h200_checks.sh offload_zc # the zero-copy sidecar: its GPU tests, then B and hybrid with it (~8 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
 #   bash benchmarks/h200_checks.sh small_ncu  # the 1-row step's small launches (attention, indexer, q norm + RoPE, mHC, norms): per-instruction stall samples from ncu (~3 min)
 #   bash benchmarks/h200_checks.sh stalls     # why the weight-streaming loops stall: every raw counter (warp stall reasons included) of the experts and FP8 linear at batch 1 (~3 min)
@@ -252,6 +253,20 @@ for group in "$@"; do
         while IFS= read -r line; do summary+=("$name: $line"); done < <(grep -h -E '^(CPU sidecar|timeline of)' "$OUT/$name.log" | cut -c1-400)
       done
       step cpu_experts 100 python3 benchmarks/cpu_experts.py --threads 1 4 8 15 16 --rows 1 6 --no-torch --reps 3 ;;
+    offload_zc)  # recipe B's job posted and collected by two kernels through page-locked memory in place
+      # (runtime/sidecar.ZERO_COPY, built 2026-12-05 without a device): its GPU tests, then B and hybrid with it, with
+      # the CPU's counters (and B's timeline at one row) (~8 min)
+      zc='import megastep.runtime.sidecar as s; s.ZERO_COPY = True'
+      step zc_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_sidecar_zero_copy.py \
+        'tests/test_fast_gpu.py::test_polling_sidecar_gives_the_host_functions_bits'
+      if [ "$last_rc" = 0 ]; then
+        bench_with offload_skewed_cpu_zc 220 "$zc" --batch 1,6 --routing skewed --hbm-budget 125 --cold-path cpu --timeline
+        bench_with offload_skewed_hybrid_zc 170 "$zc" --batch 1,6 --routing skewed --hbm-budget 125 --cold-path hybrid
+      fi
+      for name in offload_skewed_cpu_zc offload_skewed_hybrid_zc; do
+        [ -f "$OUT/$name.log" ] || continue
+        while IFS= read -r line; do summary+=("$name: $line"); done < <(grep -h -E '^(CPU sidecar|timeline of)' "$OUT/$name.log" | cut -c1-400)
+      done ;;
     offload_a)  # recipe A alone (the winner of the offload group)
       bench offload_skewed_gpu 280 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;
     ncu)  # why the weight-streaming kernels reach 1.1-1.5 TB/s and attention takes 20-30 us at batch 1:
@@ -484,7 +499,7 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | attn | tune | overlap | pdl | offload | offload_a | offload_b | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | pins | chain | probe | ringmix | sms | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
+      echo "unknown group $group (tests | resident | trace | attn | tune | overlap | pdl | offload | offload_a | offload_b | offload_zc | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | pins | chain | probe | ringmix | sms | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
       exit 2 ;;
   esac
 done

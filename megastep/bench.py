@@ -360,6 +360,8 @@ def measure(run: BenchSetup, runner, args: argparse.Namespace) -> list[dict]:
         if dec.sidecar is not None:
             dec.sidecar.reset_counters()
         ms = time_graph(runner, B, args.context, args.iters, block=args.block)
+        if dec.sidecar is not None:
+            dec.sidecar.check()  # a step whose CPU experts never came back is no measurement
         p50 = pct(ms, 50)
         nb = step_bytes(run.cfg, run.wbytes, B, args.context, run.placement)
         if W > 1:  # per GPU: its share of the routed experts (uniformly spread expectation)
@@ -395,7 +397,8 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
         "torch": torch.__version__, "preset": args.preset, "layers": cfg.num_hidden_layers, "gpus": W,
         "context": args.context, "block": args.block, "cold_path": args.cold_path, "cpu_share": run.cpu_share,
         "cpu_read_GBps": run.cpu_bw,
-        "sidecar": None if dec.sidecar is None else "poll" if dec.sidecar.poll else "host_fn",
+        "sidecar": (None if dec.sidecar is None else "zero_copy" if dec.sidecar.zero_copy
+                    else "poll" if dec.sidecar.poll else "host_fn"),
         "moe_mode": dec.moe_mode or "default", "pdl": args.pdl, "overlap": dec.side_stream is not None,
         "shared_w2": args.shared_w2, "shared_after_router": args.shared_after_router,
         "router": args.router or "auto",

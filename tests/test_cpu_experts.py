@@ -268,8 +268,12 @@ def test_sidecar_report_per_step():
     x, w = _x(1, D, g), torch.rand(1, k, generator=g) + 0.05
     routes = [([1, 5], [0, 3]), ([0, 3], [0, 3]), ([5, 4], [2, 7])]  # per step: layer 0's ids, layer 1's
     for ids0, ids1 in routes:
-        car.finish(car.start(0, x, torch.tensor([ids0]), w))
-        car.finish(car.start(1, x, torch.tensor([ids1]), w))
+        for L, ids in ((0, ids0), (1, ids1)):
+            pairs = torch.zeros(1, k, D, dtype=torch.bfloat16)
+            out = car.finish(car.start(L, x, torch.tensor([ids]), w), pairs)
+            cpu = torch.tensor([[e in (car.layers[L].local >= 0).nonzero().flatten().tolist() for e in ids]])
+            assert bool(out[cpu].ne(0).any(dim=-1).all())  # every CPU slot filled (none: vacuous)
+            assert not bool(out[~cpu].any())  # and only those
     r = car.report()
     nb = sum(t[0].numel() * t.element_size() for t in st[0].values())
     assert (r["steps"], r["jobs_per_step"]) == (3, 2)

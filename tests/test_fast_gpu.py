@@ -271,19 +271,21 @@ def test_cold_expert_recipes_in_a_graph(cold_path):
 @pytest.mark.parametrize("cold_path", ["cpu", "hybrid"])
 def test_polling_sidecar_gives_the_host_functions_bits(cold_path, monkeypatch):
     """sidecar.POLL (a flag word per job in page-locked memory, written and awaited by the side
-    stream, and a CPU thread that scans them, instead of a host node per layer) gives the host-
-    function sidecar's logits bit for bit, replayed from a CUDA graph (bucket 2: a padded row) and
-    eagerly, over 6 steps of one sequence."""
+    stream, and a CPU thread that scans them, instead of a host node per layer) and sidecar.ZERO_COPY
+    (the job posted and collected by two kernels on the step's stream, through page-locked memory in
+    place) give the host-function sidecar's logits bit for bit, replayed from a CUDA graph (bucket 2:
+    a padded row) and eagerly, over 6 steps of one sequence."""
     from megastep.model.fast import FastDecoder
     from megastep.runtime import sidecar
     from megastep.runtime.step import StepRunner
 
     cfg, w, plan = _half_cold()
     out = {}
-    for poll in (False, True):
+    for poll, zero_copy in ((False, False), (True, False), (False, True)):
         monkeypatch.setattr(sidecar, "POLL", poll)
+        monkeypatch.setattr(sidecar, "ZERO_COPY", zero_copy)
         dec = FastDecoder(cfg, w, max_seqs=2, max_ctx=512, device="cuda", placement=plan, cold_path=cold_path)
-        assert dec.sidecar is not None and dec.sidecar.poll == poll
+        assert dec.sidecar is not None and (dec.sidecar.poll, dec.sidecar.zero_copy) == (poll, zero_copy)
         runner = StepRunner(dec.step, dec.device, dec.pools.dummy_slot, buckets=(2,))
         dec.pools.reset(0), dec.pools.reset(1)
         rows = []
@@ -295,10 +297,13 @@ def test_polling_sidecar_gives_the_host_functions_bits(cold_path, monkeypatch):
         torch.cuda.synchronize()
         r = dec.sidecar.report()  # the jobs' counters, whichever way they were started
         assert r is not None and r["steps"] >= 6 and r["experts_per_step"] > 0 and r["cpu_GBps"] > 0
-        out[poll] = rows
+        dec.sidecar.check()  # no zero-copy wait gave up
+        out[poll, zero_copy] = rows
         del runner, dec
-    for (g0, e0), (g1, e1) in zip(out[False], out[True]):
-        assert torch.equal(g0, e0) and torch.equal(g1, e1) and torch.equal(g0, g1)
+    host_fn = out[False, False]
+    for mode in ((True, False), (False, True)):
+        for (g0, e0), (g1, e1) in zip(host_fn, out[mode]):
+            assert torch.equal(g0, e0) and torch.equal(g1, e1) and torch.equal(g0, g1), mode
 
 
 def test_lut_experts_agree_with_the_triton_kernels():

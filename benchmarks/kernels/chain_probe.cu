@@ -43,6 +43,8 @@ using megastep::cp_async_commit;
 using megastep::e4m3x4_to_f16x2;
 using megastep::e8m0_to_f32;
 using megastep::fp8_pair;
+using megastep::global_ns;
+using megastep::ld_acquire_gpu;
 using megastep::mma16816;
 using megastep::pdl_release;
 using megastep::pdl_wait;
@@ -83,18 +85,6 @@ __device__ __forceinline__ Layer layer_of(const long long* desc, int l) {
   L.KT = L.K / L.S;
   L.tiles = L.N / 16;
   return L;
-}
-
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
 }
 
 // Where 16-byte unit u of weight row r sits in its slot row. "own": at u ^ 4 when r is odd, so a
@@ -262,7 +252,7 @@ __device__ __forceinline__ void chain(const long long* desc, int L, unsigned* co
         if (cur > 0) {
           const unsigned need = unsigned(layer_of(desc, cur - 1).tiles);
           const long long t0 = clock64();
-          while (ld_acquire(done + cur - 1) < need) {
+          while (ld_acquire_gpu(done + cur - 1) < need) {
             __nanosleep(32);
             if (clock64() - t0 > kSpinLimit) {
               atomicExch(err, 1 + cur);

@@ -1,6 +1,7 @@
-// Device helpers of the hand-written CUDA C++ kernels (moe_lut.cu, route_cuda.cu, linear_fp8_staged.cu;
-// the experiments under benchmarks/kernels include it too): the streaming weight load, the bf16
-// rounding, the activation quantization's twins of kernels/common.py, the FP8 GEMV's pieces, PDL.
+// Device helpers of the hand-written CUDA C++ kernels (moe_lut.cu, route_cuda.cu, linear_fp8_staged.cu,
+// sidecar_zero_copy.cu; the experiments under benchmarks/kernels include it too): the streaming weight
+// load, the bf16 rounding, the activation quantization's twins of kernels/common.py, the FP8 GEMV's
+// pieces, PDL, flags.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -181,5 +182,26 @@ __device__ __forceinline__ bool splitk_sum(float* red, float* part, int* cnt, in
 // wait for this grid's completion before they read what it writes).
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_release() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+
+// Flags between CTAs (gpu scope) or with a host thread (sys scope), and the clock a wait on them
+// reads to give up (a spin must never hang the device)
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 
 }  // namespace megastep

@@ -16,7 +16,7 @@ from megastep.kernels import route_cuda as _route_cuda
 from megastep.kernels import router as _router
 from megastep.model import ops
 from megastep.runtime.distributed import ordered_combine
-from megastep.runtime.sidecar import CpuSidecar, add_pairs
+from megastep.runtime.sidecar import CpuSidecar
 from megastep.runtime.trace import stage
 
 
@@ -205,7 +205,7 @@ class MoeSublayer:
         def routed_sum() -> torch.Tensor:
             pairs = out
             if job is not None:  # one rank only: the sidecar and EP do not mix (checked at init)
-                pairs = add_pairs(pairs, self.sidecar.finish(job))
+                pairs = self.sidecar.finish(job, pairs)
             if work is not None:
                 work.wait()
             return _pairs.sum_pairs(pairs) if self.triton else _moe.sum_pairs(pairs)

@@ -27,6 +27,11 @@ H200): recipe B 10.55 ms at 1 row against 11.79 with host functions, 28.44 again
 6-row block; hybrid 10.06 against 11.32, and 27.31 against 26.70 for 6 rows. A driver without
 the stream memory operations gets the host functions, with a warning.
 
+With ZERO_COPY (off until measured) the step's own stream posts and collects the job with two
+one-CTA kernels (`kernels/sidecar_zero_copy.py`) that read and write the page-locked buffers in
+place: no side stream, no copies, no stream memory operations, and a layer whose rows chose none
+of its CPU experts posts nothing (the CPU thread does nothing, the GPU waits for nothing).
+
 Staging buffers and jobs are made per (layer, rows) on first use and kept: a captured graph
 points at them. The CPU experts' weights stay where the caller put them (host memory); the job
 holds their addresses.
@@ -41,9 +46,11 @@ from dataclasses import dataclass
 import torch
 
 from megastep.cpu import experts as cpu_experts
+from megastep.kernels import sidecar_zero_copy as _zc
 from megastep.runtime.distributed import bit_words
 
 POLL = True  # the flags instead of a host function (module doc)
+ZERO_COPY = False  # post and collect on the step's stream, no copies (module doc); takes precedence over POLL
 
 _CUDA_SUCCESS = 0
 _WAIT_VALUE_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
@@ -54,6 +61,8 @@ def _driver() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.cuLaunchHostFunc.restype = ctypes.c_int
+    lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    lib.cuMemHostGetDevicePointer_v2.restype = ctypes.c_int
     return lib
 
 
@@ -72,8 +81,6 @@ def _memop_driver(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         fn.restype = ctypes.c_int
-    lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-    lib.cuMemHostGetDevicePointer_v2.restype = ctypes.c_int
     return lib
 
 
@@ -99,14 +106,16 @@ class _Staging:
     job: cpu_experts.SidecarJob | None
     flag: torch.Tensor | None = None  # POLL: the job's flag word, int32 [1], page-locked
     flag_dev: int = 0  # its device address
+    zc: _zc.ZeroCopyJob | None = None  # ZERO_COPY: the buffers the two kernels use (x, ids, rw, y, flag above)
 
 
 class CpuSidecar:
     """The CPU experts of every layer that has some, and the machinery to run them beside the GPU.
 
-    `start(L, x, idx, w)` enqueues layer L's CPU slots of this MoE call; `finish(handle)` makes the
-    current stream wait for them and returns their per-slot outputs [M, k, D] (x's dtype, zero at
-    the slots of other experts) on x's device."""
+    `start(L, x, idx, w)` enqueues layer L's CPU slots of this MoE call; `finish(handle, pairs)`
+    makes the current stream wait for them and returns the GPU's per-slot outputs `pairs` [M, k, D]
+    (zero at the CPU's slots) with the CPU's added there bit for bit (`add_pairs`; in place with
+    ZERO_COPY)."""
 
     def __init__(self, device: torch.device, swiglu_limit: float, num_threads: int | None = None):
         self.device = torch.device(device)
@@ -115,7 +124,12 @@ class CpuSidecar:
         self.layers: dict[int, _Layer] = {}
         self._staging: dict[tuple[int, int], _Staging] = {}
         self._cuda = self.device.type == "cuda"
-        self.poll = POLL and self._cuda
+        self.zero_copy = ZERO_COPY and self._cuda
+        if self.zero_copy and not _zc.supported(self.device):
+            warnings.warn("the zero-copy sidecar needs nvcc to build its kernels: the CPU sidecar polls instead",
+                          stacklevel=2)
+            self.zero_copy = False
+        self.poll = POLL and self._cuda and not self.zero_copy
         if self._cuda:
             lib = _driver()
             missing = _missing_memops(lib) if self.poll else []
@@ -126,7 +140,8 @@ class CpuSidecar:
             self._driver = _memop_driver(lib) if self.poll else lib
             self._fn = cpu_experts.sidecar_host_fn()
             self._side = torch.cuda.Stream(self.device)
-        self._poller = cpu_experts.Poller() if self.poll else None
+        self._poller = cpu_experts.Poller() if self.poll or self.zero_copy else None
+        self._err = torch.zeros(1, dtype=torch.int32, device=self.device) if self.zero_copy else None
 
     def add_layer(self, L: int, stacked: dict[str, torch.Tensor], expert_ids: list[int], n_experts: int) -> None:
         """Layer L's CPU experts: `stacked` (w13, w13_scale, w2, w2_scale, host tensors) holds
@@ -151,7 +166,14 @@ class CpuSidecar:
                 raise RuntimeError("the CPU sidecar needs the compiled CPU expert kernel (megastep.cpu)")
             st = _Staging(x, ids, rw, y, torch.empty(M, k, dtype=torch.int32, device=self.device),
                           torch.empty(M, k, D, dtype=torch.bfloat16, device=self.device), job)
-            if self._poller is not None:
+            if self.zero_copy:
+                st.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+                posted, calls = torch.zeros(2, 1, dtype=torch.int32, device=self.device)
+                st.zc = _zc.ZeroCopyJob(x, ids, rw, y, st.flag, st.ids_dev, posted, calls, self._err)
+                for name in ("x", "ids", "rw", "y", "flag"):
+                    setattr(st.zc, name + "_dev", _zc.host_address(self._driver, getattr(st.zc, name)))
+                self._poller.add(job, st.flag)
+            elif self._poller is not None:
                 st.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
                 dev = ctypes.c_uint64()
                 _check(self._driver.cuMemHostGetDevicePointer_v2(ctypes.byref(dev), st.flag.data_ptr(), 0),
@@ -167,6 +189,12 @@ class CpuSidecar:
         if x.dtype != torch.bfloat16:
             raise ValueError("the CPU sidecar takes bf16 activations")
         st = self._buffers(L, M, k, D)
+        if self.zero_copy:  # the kernel maps the ids and writes the host buffers itself
+            x = x.contiguous()
+            if x.data_ptr() % 16:  # (the kernel moves x in 16-byte words)
+                x = x.clone()
+            _zc.post(x, idx.to(torch.int32).contiguous(), w.to(torch.float32).contiguous(), self.layers[L].local, st.zc)
+            return st
         torch.index_select(self.layers[L].local, 0, idx.reshape(-1).long(), out=st.ids_dev.view(-1))
         if not self._cuda:  # one thread of control: run it now
             st.x.copy_(x)
@@ -199,10 +227,17 @@ class CpuSidecar:
                 st.y_dev.copy_(st.y, non_blocking=True)
         return st
 
-    def finish(self, st: _Staging) -> torch.Tensor:
+    def finish(self, st: _Staging, pairs: torch.Tensor) -> torch.Tensor:
+        if self.zero_copy:
+            return _zc.collect(pairs, st.zc)
         if self._cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._side)  # join
-        return st.y_dev
+        return add_pairs(pairs, st.y_dev)
+
+    def check(self) -> None:
+        """Raise if a zero-copy wait gave up on the CPU (~2 s: its thread is gone or stuck). Syncs."""
+        if self._err is not None and int(self._err[0]):
+            raise RuntimeError("the CPU sidecar did not answer within ~2 s: its experts' slots were left at zero")
 
     # ---- what the CPU did (the benchmark's report; the step never reads it) ----------------------
     def reset_counters(self) -> None:
@@ -210,6 +245,8 @@ class CpuSidecar:
         for st in self._staging.values():
             if st.job is not None:
                 st.job.reset_counters()
+            if st.zc is not None:
+                st.zc.calls.zero_()
 
     def report(self) -> dict | None:
         """The CPU's share of the steps run since `reset_counters`, per step: every job that ran
@@ -217,7 +254,15 @@ class CpuSidecar:
         None when none ran (or no compiled kernel). A busy job is one that had a slot of its
         experts: `cpu_GBps` is the bytes of the distinct experts the busy jobs read over their wall
         time (zeroing y included), to hold against the CPU's streaming read (`cpu_read_bandwidth`)."""
-        ran = [(L, st.job.counters()) for (L, _), st in self._staging.items() if st.job is not None and st.job.runs]
+        ran = []
+        for (L, _), st in self._staging.items():
+            if st.job is None:
+                continue
+            c = st.job.counters()
+            if st.zc is not None:  # only posted jobs run: the kernel counts the calls
+                c["runs"] = int(st.zc.calls[0])
+            if c["runs"]:
+                ran.append((L, c))
         if not ran:
             return None
         steps = max(c["runs"] for _, c in ran)
