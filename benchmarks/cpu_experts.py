@@ -8,6 +8,13 @@ Python wrapper (~20 us per call).
 
     python benchmarks/cpu_experts.py                      # M = 1, 2, 6; 1 and 2 threads
     python benchmarks/cpu_experts.py --threads 1 2 4 8 16 --json out.json
+    python benchmarks/cpu_experts.py --sporadic --threads 1 2   # one expert at a time, as Recipe B calls it
+
+--sporadic times single one-row calls the way the sidecar makes them in a step (one cold expert now
+and then, the team's threads idle in between: --gap-us apart) instead of back to back, each alone
+and with --busy processes spinning beside the team (what the thread that replays the GPU's graphs
+does while it waits for the step): the per-call p50 / p90 / max, to see whether a busy core stalls
+the team's barriers.
 """
 
 from __future__ import annotations
@@ -88,6 +95,51 @@ def _once(fn) -> float:
     return time.perf_counter() - t
 
 
+def _spin(stop) -> None:
+    while not stop.is_set():
+        pass
+
+
+def sporadic(pool: dict[str, torch.Tensor], threads: list[int], calls: int, gap_us: float, busy: int) -> list[dict]:
+    """One-row single-expert calls `gap_us` apart, per thread count, without and with `busy` spinning
+    processes: p50 / p90 / max us per call."""
+    import multiprocessing as mp
+
+    x = (torch.randn(1, D) * 2).bfloat16()
+    w = torch.ones(1, 1)
+    ids = torch.zeros(1, 1, dtype=torch.int32)
+    E = pool["w13"].shape[0]
+    rows = []
+    for spinning in (0, busy):
+        stop = mp.Event()
+        procs = [mp.Process(target=_spin, args=(stop,), daemon=True) for _ in range(spinning)]
+        for p in procs:
+            p.start()
+        time.sleep(0.3)
+        try:
+            for t in threads:
+                us = []
+                for i in range(calls + 5):
+                    ids[0, 0] = i % E
+                    t0 = time.perf_counter()
+                    ce.experts_forward(x, ids, w, **pool, num_threads=t)
+                    if i >= 5:  # (the first calls warm the team up)
+                        us.append((time.perf_counter() - t0) * 1e6)
+                    end = time.perf_counter() + gap_us * 1e-6
+                    while time.perf_counter() < end:
+                        pass
+                us.sort()
+                row = {"threads": t, "busy": spinning, "p50_us": statistics.median(us),
+                       "p90_us": us[int(0.9 * (len(us) - 1))], "max_us": us[-1]}
+                rows.append(row)
+                print(f"| {t} | {spinning} | {row['p50_us']:.0f} | {row['p90_us']:.0f} | {row['max_us']:.0f} |", flush=True)
+        finally:
+            stop.set()
+            for p in procs:
+                p.join()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 6], help="M values")
@@ -98,7 +150,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-torch", action="store_true", help="skip the (slow) torch baselines")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sporadic", action="store_true", help="only the sporadic one-expert calls (module doc)")
+    ap.add_argument("--gap-us", type=float, default=200.0, help="--sporadic: between calls")
+    ap.add_argument("--busy", type=int, default=1, help="--sporadic: spinning processes beside the team")
     a = ap.parse_args()
+    if a.sporadic:
+        pool = make_pool(a.pool)
+        print(f"# CPU: {cpu_name()}; backend {ce.backend()}; one-row calls of one expert of {a.pool}, {a.gap_us:.0f} us apart")
+        print("| threads | busy processes | p50 us | p90 us | max us |\n|---|---|---|---|---|")
+        rows = sporadic(pool, a.threads, a.calls * 10, a.gap_us, a.busy)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"cpu": cpu_name(), "gap_us": a.gap_us, "sporadic": rows}, f, indent=1)
+        return
 
     print(f"# CPU: {cpu_name()}, {torch.get_num_threads()} torch threads by default; torch {torch.__version__}")
     print(f"# backend: {ce.backend()}; ISA paths here: {ce.available_isas()}")

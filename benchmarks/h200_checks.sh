@@ -252,7 +252,8 @@ for group in "$@"; do
         [ -f "$OUT/$name.log" ] || continue
         while IFS= read -r line; do summary+=("$name: $line"); done < <(grep -h -E '^(CPU sidecar|timeline of)' "$OUT/$name.log" | cut -c1-400)
       done
-      step cpu_experts 100 python3 benchmarks/cpu_experts.py --threads 1 4 8 15 16 --rows 1 6 --no-torch --reps 3 ;;
+      step cpu_experts 100 python3 benchmarks/cpu_experts.py --threads 1 4 8 15 16 --rows 1 6 --no-torch --reps 3
+      step cpu_sporadic 60 python3 benchmarks/cpu_experts.py --sporadic --threads 4 8 14 15 16 --calls 30 ;;
     offload_zc)  # recipe B's job posted and collected by two kernels through page-locked memory in place
       # (runtime/sidecar.ZERO_COPY, built 2026-12-05 without a device): its GPU tests, then B and hybrid with it, with
       # the CPU's counters (and B's timeline at one row) (~8 min)
