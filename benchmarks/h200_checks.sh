@@ -12,8 +12,8 @@
 #   bash benchmarks/h200_checks.sh attn       # attention only: sweep and pin, the few-rows plan at 1-4 rows, its GPU tests (~7 min)
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget: B, hybrid (skewed), A (uniform, skewed) (~9 min)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
-#   bash benchmarks/h200_checks.sh offload_b  # why B loses: B with the CPU's share per step and timelines (A's beside), the CPU kernel alone (~7 min)
-#   bash benchmarks/h200_checks.sh offload_zc # the zero-copy sidecar: its GPU tests, then B and hybrid with it (~8 min)
+#   bash benchmarks/h200_checks.sh offload_zc # B zero-copy (its GPU tests first) and B polling, the CPU's share per step, timelines (~8 min)
+#   bash benchmarks/h200_checks.sh offload_b  # A's timeline, the CPU kernel alone (back to back, sporadic), B zero-copy on all cores but 2, hybrid (~9 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
 #   bash benchmarks/h200_checks.sh small_ncu  # the 1-row step's small launches (attention, indexer, q norm + RoPE, mHC, norms): per-instruction stall samples from ncu (~3 min)
 #   bash benchmarks/h200_checks.sh stalls     # why the weight-streaming loops stall: every raw counter (warp stall reasons included) of the experts and FP8 linear at batch 1 (~3 min)
@@ -184,6 +184,14 @@ ab() {  # ab NAME SECONDS ab_step-args...
   tail -n 80 "$OUT/$name.log" | grep -E '^ *[0-9]+ ' >"$OUT/$name.table" && summary+=("$(cat "$OUT/$name.table")")
 }
 
+sidecar_lines() {  # sidecar_lines NAME...: the "CPU sidecar" and "timeline of" lines of those bench logs, into the summary
+  local name line
+  for name in "$@"; do
+    [ -f "$OUT/$name.log" ] || continue
+    while IFS= read -r line; do summary+=("$name: $line"); done < <(grep -h -E '^(CPU sidecar|timeline of)' "$OUT/$name.log" | cut -c1-400)
+  done
+}
+
 # The winners of 2026-12-05's arms (docs/PERFORMANCE.md, twenty-eighth measurement), for `pins`: a CSA layer's
 # indexer work first on its streams (IDX_FIRST); HCA's and the window's one-row attention plans with the value columns
 # over 8 programs instead of 4 (ATTN_V8: 96 and 128 programs, one wave; Triton 3.6 as the step launches them: HCA 106
@@ -242,32 +250,30 @@ for group in "$@"; do
       done
       bench offload_uniform_gpu 150 --batch 1,6 --routing uniform --hbm-budget 125 --cold-path gpu
       bench offload_skewed_gpu 150 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;
-    offload_b)  # why recipe B loses: B with what the CPU did per step (the bench's "CPU sidecar" lines: busy jobs,
-      # experts, CPU time and its GB/s in the step) and the device timeline of one replay (copies and the GPU's idle
-      # stretches: its waits for the CPU), A's timeline beside it, then the CPU kernel's thread scaling on this host
-      # alone (no GPU) (~7 min)
-      bench offload_skewed_cpu 220 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path cpu --timeline
-      bench offload_skewed_gpu_tl 150 --batch 1 --routing skewed --hbm-budget 125 --cold-path gpu --timeline
-      for name in offload_skewed_cpu offload_skewed_gpu_tl; do
-        [ -f "$OUT/$name.log" ] || continue
-        while IFS= read -r line; do summary+=("$name: $line"); done < <(grep -h -E '^(CPU sidecar|timeline of)' "$OUT/$name.log" | cut -c1-400)
-      done
-      step cpu_experts 100 python3 benchmarks/cpu_experts.py --threads 1 4 8 15 16 --rows 1 6 --no-torch --reps 3
-      step cpu_sporadic 60 python3 benchmarks/cpu_experts.py --sporadic --threads 4 8 14 15 16 --calls 30 ;;
     offload_zc)  # recipe B's job posted and collected by two kernels through page-locked memory in place
-      # (runtime/sidecar.ZERO_COPY, built 2026-12-05 without a device): its GPU tests, then B and hybrid with it, with
-      # the CPU's counters (and B's timeline at one row) (~8 min)
+      # (runtime/sidecar.ZERO_COPY, built 2026-12-05 without a device): its GPU tests, then B with it and B as it is
+      # (polling), each with what the CPU did per step (the bench's "CPU sidecar" lines: busy jobs, experts, CPU
+      # time and its GB/s) and the device timeline of one replay (copies, and the GPU's idle stretches: its waits for
+      # the CPU) (~8 min)
       zc='import megastep.runtime.sidecar as s; s.ZERO_COPY = True'
       step zc_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_sidecar_zero_copy.py \
         'tests/test_fast_gpu.py::test_polling_sidecar_gives_the_host_functions_bits'
       if [ "$last_rc" = 0 ]; then
         bench_with offload_skewed_cpu_zc 220 "$zc" --batch 1,6 --routing skewed --hbm-budget 125 --cold-path cpu --timeline
-        bench_with offload_skewed_hybrid_zc 170 "$zc" --batch 1,6 --routing skewed --hbm-budget 125 --cold-path hybrid
       fi
-      for name in offload_skewed_cpu_zc offload_skewed_hybrid_zc; do
-        [ -f "$OUT/$name.log" ] || continue
-        while IFS= read -r line; do summary+=("$name: $line"); done < <(grep -h -E '^(CPU sidecar|timeline of)' "$OUT/$name.log" | cut -c1-400)
-      done ;;
+      bench offload_skewed_cpu 220 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path cpu --timeline
+      sidecar_lines offload_skewed_cpu_zc offload_skewed_cpu ;;
+    offload_b)  # the rest of why B loses: A's timeline at one row; the CPU kernel on this host alone (no GPU), back to
+      # back at 1-16 threads and one call now and then beside a spinning process; B zero-copy with 2 cores left to
+      # the host's other threads (the team takes torch's thread count otherwise), and hybrid zero-copy (~9 min)
+      bench offload_skewed_gpu_tl 150 --batch 1 --routing skewed --hbm-budget 125 --cold-path gpu --timeline
+      step cpu_experts 100 python3 benchmarks/cpu_experts.py --threads 1 4 8 15 16 --rows 1 6 --no-torch --reps 3
+      step cpu_sporadic 60 python3 benchmarks/cpu_experts.py --sporadic --threads 4 8 14 15 16 --calls 30
+      zc='import megastep.runtime.sidecar as s; s.ZERO_COPY = True'
+      bench_with offload_skewed_cpu_zc_less2 170 "$zc; import os; s.THREADS = max(1, os.cpu_count() - 2)" --batch 1,6 \
+        --routing skewed --hbm-budget 125 --cold-path cpu
+      bench_with offload_skewed_hybrid_zc 170 "$zc" --batch 1,6 --routing skewed --hbm-budget 125 --cold-path hybrid
+      sidecar_lines offload_skewed_gpu_tl offload_skewed_cpu_zc_less2 offload_skewed_hybrid_zc ;;
     offload_a)  # recipe A alone (the winner of the offload group)
       bench offload_skewed_gpu 280 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;
     ncu)  # why the weight-streaming kernels reach 1.1-1.5 TB/s and attention takes 20-30 us at batch 1:

@@ -286,6 +286,23 @@ def test_sidecar_report_per_step():
     assert car.report() is None
 
 
+@pytest.mark.skipif(not ce.available_isas(), reason="compiled kernel unavailable")
+def test_sidecar_team_size(monkeypatch):
+    """The sidecar's jobs run on the threads it was given, else on sidecar.THREADS, else on torch's
+    intra-op count."""
+    from megastep.runtime import sidecar
+
+    g = torch.Generator().manual_seed(8)
+    D, I, E = 512, 256, 4
+    st = _stack(D, I, 2, g)
+    x, idx, w = _x(1, D, g), torch.tensor([[0, 1]]), torch.ones(1, 2)
+    for given, setting, want in ((None, None, torch.get_num_threads()), (None, 1, 1), (2, 1, 2)):
+        monkeypatch.setattr(sidecar, "THREADS", setting)
+        car = sidecar.CpuSidecar(torch.device("cpu"), 10.0, num_threads=given)
+        car.add_layer(0, st, [0, 1], E)
+        assert car.start(0, x, idx, w).job.nthreads == want, (given, setting)
+
+
 def test_build_failure_falls_back_to_torch(monkeypatch):
     from torch.utils import cpp_extension
 

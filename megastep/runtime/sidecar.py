@@ -51,6 +51,10 @@ from megastep.runtime.distributed import bit_words
 
 POLL = True  # the flags instead of a host function (module doc)
 ZERO_COPY = False  # post and collect on the step's stream, no copies (module doc); takes precedence over POLL
+# The CPU team's threads (the polling thread among them) when the sidecar is not given a number; None:
+# torch's intra-op count, every core of the host. Whether to leave a core to the thread that replays
+# the step's graphs (it spins while it waits) is to be measured (benchmarks/cpu_experts.py --sporadic).
+THREADS: int | None = None
 
 _CUDA_SUCCESS = 0
 _WAIT_VALUE_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
@@ -161,7 +165,8 @@ class CpuSidecar:
             y = torch.zeros(M, k, D, dtype=torch.bfloat16, pin_memory=pin)
             lay = self.layers[L]
             job = cpu_experts.sidecar_job(x, ids, rw, lay.stacked["w13"], lay.stacked["w13_scale"], lay.stacked["w2"],
-                                          lay.stacked["w2_scale"], y, self.limit, self.num_threads)
+                                          lay.stacked["w2_scale"], y, self.limit,
+                                          self.num_threads if self.num_threads is not None else THREADS)
             if job is None and self._cuda:
                 raise RuntimeError("the CPU sidecar needs the compiled CPU expert kernel (megastep.cpu)")
             st = _Staging(x, ids, rw, y, torch.empty(M, k, dtype=torch.int32, device=self.device),
