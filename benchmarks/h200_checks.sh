@@ -269,6 +269,7 @@ for group in "$@"; do
       bench offload_skewed_gpu_tl 150 --batch 1 --routing skewed --hbm-budget 125 --cold-path gpu --timeline
       step cpu_experts 100 python3 benchmarks/cpu_experts.py --threads 1 4 8 15 16 --rows 1 6 --no-torch --reps 3
       step cpu_sporadic 60 python3 benchmarks/cpu_experts.py --sporadic --threads 4 8 14 15 16 --calls 30
+      step cpu_sporadic_1500 60 python3 benchmarks/cpu_experts.py --sporadic --threads 8 14 16 --calls 15 --gap-us 1500
       zc='import megastep.runtime.sidecar as s; s.ZERO_COPY = True'
       bench_with offload_skewed_cpu_zc_less2 170 "$zc; import os; s.THREADS = max(1, os.cpu_count() - 2)" --batch 1,6 \
         --routing skewed --hbm-budget 125 --cold-path cpu

@@ -563,10 +563,14 @@ void ms_sidecar_run(void* job) {
 // flag word in page-locked memory: the GPU stream writes 1 after copying the job's inputs
 // (cuStreamWriteValue32, which orders after the copies), this thread runs the job and stores 2,
 // the GPU stream waits for 2 (cuStreamWaitValue32) before copying y back and then writes 0. The
-// thread scans every registered flag; between jobs it spins (pause), and after kSpinIdle empty
-// scans it sleeps kSleepUs between scans, so an idle engine does not hold a core.
+// thread scans every registered flag; it spins (pause) for kSpinFor after its last job, then sleeps
+// kSleepUs between scans, so an idle engine does not hold a core. The spin is timed, not counted:
+// with the zero-copy sidecar (kernels/sidecar_zero_copy.cu) only the layers whose rows chose a CPU
+// expert post a job, ~4 a token at one row (one every ~1.6 ms), and a count of empty scans lasts
+// only as long as the scans take, so the thread could nap between two jobs of one step and answer
+// one 50 us late.
 constexpr int kMaxPollJobs = 4096;
-constexpr int kSpinIdle = 20000;
+constexpr auto kSpinFor = std::chrono::milliseconds(20);  // a few steps
 constexpr int kSleepUs = 50;
 
 struct MsPoller {
@@ -578,7 +582,7 @@ struct MsPoller {
 };
 
 static void ms_poller_loop(MsPoller* p) {
-  int idle = 0;
+  auto last = std::chrono::steady_clock::now();  // of the last job (or the start)
   while (!p->stop.load(std::memory_order_relaxed)) {
     bool ran = false;
     const int n = p->n.load(std::memory_order_acquire);
@@ -591,9 +595,8 @@ static void ms_poller_loop(MsPoller* p) {
       ran = true;
     }
     if (ran) {
-      idle = 0;
-    } else if (idle < kSpinIdle) {
-      ++idle;
+      last = std::chrono::steady_clock::now();
+    } else if (std::chrono::steady_clock::now() - last < kSpinFor) {
       _mm_pause();
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(kSleepUs));
