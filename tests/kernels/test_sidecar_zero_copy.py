@@ -45,8 +45,8 @@ def _layer(g, device="cpu"):
 
 
 def _job(M, device="cpu", pin=False):
-    host = dict(pin_memory=pin)
-    dev = dict(dtype=torch.int32, device=device)
+    host = {"pin_memory": pin}
+    dev = {"dtype": torch.int32, "device": device}
     return Z.ZeroCopyJob(torch.full((M, D), 3.0, dtype=torch.bfloat16, **host), torch.full((M, K), 9, dtype=torch.int32, **host),
                          torch.full((M, K), 5.0, **host), torch.zeros(M, K, D, dtype=torch.bfloat16, **host),
                          torch.zeros(1, dtype=torch.int32, **host), torch.empty(M, K, **dev), torch.zeros(1, **dev),
