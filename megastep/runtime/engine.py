@@ -249,7 +249,10 @@ class FastEngine(_EngineBase):
     def _run(self, rows: list[tuple[int, int, int]], runner) -> torch.Tensor:
         if self.channel is not None:  # the other ranks run the same step
             self.channel.run(0 if runner is self.runner else 1, rows)
-        return self._step(rows, runner).float().cpu()
+        out = self._step(rows, runner).float().cpu()
+        if self.decoder.sidecar is not None:  # (zero-copy: a wait for the CPU that gave up left zeros)
+            self.decoder.sidecar.check()
+        return out
 
     @torch.inference_mode()
     def follow(self) -> None:

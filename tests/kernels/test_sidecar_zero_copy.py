@@ -101,12 +101,18 @@ def test_collect_ref_refuses_a_job_the_cpu_did_not_run():
 
 
 def test_zero_copy_is_for_cuda_devices_only(monkeypatch):
-    """On a CPU device the sidecar runs each job at `start`, whatever ZERO_COPY says."""
+    """On a CPU device the sidecar runs each job at `start`, whatever ZERO_COPY says; `check` (the
+    engine's after every step, the bench's after every batch) has nothing to read then, and raises
+    once a zero-copy wait has given up."""
     from megastep.runtime import sidecar
 
     monkeypatch.setattr(sidecar, "ZERO_COPY", True)
     car = sidecar.CpuSidecar(torch.device("cpu"), 10.0)
     assert not car.zero_copy and car._poller is None
+    car.check()
+    car._err = torch.ones(1, dtype=torch.int32)  # what sidecar_collect writes when it gives up
+    with pytest.raises(RuntimeError, match="did not answer"):
+        car.check()
 
 
 # ---- on a GPU -------------------------------------------------------------------------------------
