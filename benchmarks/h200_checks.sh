@@ -204,6 +204,8 @@ ATTN_V8='import dataclasses, megastep.kernels.attention as a; f = a._PINNED_FEW_
 ATTN_V8="$ATTN_V8; f[(64, 161, 512)] = (1, r(f[(64, 161, 512)][1], dv_split=8))"
 ATTN_V8="$ATTN_V8; f[(64, 128, 512)] = (1, r(f[(64, 128, 512)][1], dv_split=8))"
 GATE8='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig(32, 256, 8, 4, 3)'
+# recipe B's job posted and collected without copies (runtime/sidecar.ZERO_COPY), for offload_zc and offload_b
+ZC='import megastep.runtime.sidecar as s; s.ZERO_COPY = True'
 
 all_gpus() {  # the lent machines' NCCL settings; n = the GPUs, gpus = their ids for --gpus
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
@@ -255,11 +257,10 @@ for group in "$@"; do
       # (polling), each with what the CPU did per step (the bench's "CPU sidecar" lines: busy jobs, experts, CPU
       # time and its GB/s) and the device timeline of one replay (copies, and the GPU's idle stretches: its waits for
       # the CPU) (~8 min)
-      zc='import megastep.runtime.sidecar as s; s.ZERO_COPY = True'
       step zc_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_sidecar_zero_copy.py \
         'tests/test_fast_gpu.py::test_polling_sidecar_gives_the_host_functions_bits'
       if [ "$last_rc" = 0 ]; then
-        bench_with offload_skewed_cpu_zc 220 "$zc" --batch 1,6 --routing skewed --hbm-budget 125 --cold-path cpu --timeline
+        bench_with offload_skewed_cpu_zc 220 "$ZC" --batch 1,6 --routing skewed --hbm-budget 125 --cold-path cpu --timeline
       fi
       bench offload_skewed_cpu 220 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path cpu --timeline
       sidecar_lines offload_skewed_cpu_zc offload_skewed_cpu ;;
@@ -270,10 +271,9 @@ for group in "$@"; do
       step cpu_experts 100 python3 benchmarks/cpu_experts.py --threads 1 4 8 15 16 --rows 1 6 --no-torch --reps 3
       step cpu_sporadic 60 python3 benchmarks/cpu_experts.py --sporadic --threads 4 8 14 15 16 --calls 30
       step cpu_sporadic_1500 60 python3 benchmarks/cpu_experts.py --sporadic --threads 8 14 16 --calls 15 --gap-us 1500
-      zc='import megastep.runtime.sidecar as s; s.ZERO_COPY = True'
-      bench_with offload_skewed_cpu_zc_less2 170 "$zc; import os; s.THREADS = max(1, os.cpu_count() - 2)" --batch 1,6 \
+      bench_with offload_skewed_cpu_zc_less2 170 "$ZC; import os; s.THREADS = max(1, os.cpu_count() - 2)" --batch 1,6 \
         --routing skewed --hbm-budget 125 --cold-path cpu
-      bench_with offload_skewed_hybrid_zc 170 "$zc" --batch 1,6 --routing skewed --hbm-budget 125 --cold-path hybrid
+      bench_with offload_skewed_hybrid_zc 170 "$ZC" --batch 1,6 --routing skewed --hbm-budget 125 --cold-path hybrid
       sidecar_lines offload_skewed_gpu_tl offload_skewed_cpu_zc_less2 offload_skewed_hybrid_zc ;;
     offload_a)  # recipe A alone (the winner of the offload group)
       bench offload_skewed_gpu 280 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;

@@ -66,6 +66,12 @@ class ZeroCopyJob:
     y_dev: int = 0
     flag_dev: int = 0
 
+    def map_host(self, driver: ctypes.CDLL) -> ZeroCopyJob:
+        """Fills the `*_dev` addresses of the host buffers (`host_address`); returns the job."""
+        for name in ("x", "ids", "rw", "y", "flag"):
+            setattr(self, name + "_dev", host_address(driver, getattr(self, name)))
+        return self
+
 
 def host_address(driver: ctypes.CDLL, t: torch.Tensor) -> int:
     """The device-visible address of page-locked host memory (cuMemHostGetDevicePointer)."""

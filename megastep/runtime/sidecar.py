@@ -171,19 +171,13 @@ class CpuSidecar:
                 raise RuntimeError("the CPU sidecar needs the compiled CPU expert kernel (megastep.cpu)")
             st = _Staging(x, ids, rw, y, torch.empty(M, k, dtype=torch.int32, device=self.device),
                           torch.empty(M, k, D, dtype=torch.bfloat16, device=self.device), job)
-            if self.zero_copy:
+            if self._poller is not None:  # POLL or ZERO_COPY: the job's flag word, scanned by the CPU thread
                 st.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-                posted, calls = torch.zeros(2, 1, dtype=torch.int32, device=self.device)
-                st.zc = _zc.ZeroCopyJob(x, ids, rw, y, st.flag, st.ids_dev, posted, calls, self._err)
-                for name in ("x", "ids", "rw", "y", "flag"):
-                    setattr(st.zc, name + "_dev", _zc.host_address(self._driver, getattr(st.zc, name)))
-                self._poller.add(job, st.flag)
-            elif self._poller is not None:
-                st.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-                dev = ctypes.c_uint64()
-                _check(self._driver.cuMemHostGetDevicePointer_v2(ctypes.byref(dev), st.flag.data_ptr(), 0),
-                       "cuMemHostGetDevicePointer")
-                st.flag_dev = dev.value
+                st.flag_dev = _zc.host_address(self._driver, st.flag)
+                if self.zero_copy:
+                    posted, calls = torch.zeros(2, 1, dtype=torch.int32, device=self.device)
+                    st.zc = _zc.ZeroCopyJob(x, ids, rw, y, st.flag, st.ids_dev, posted, calls,
+                                            self._err).map_host(self._driver)
                 self._poller.add(job, st.flag)
             self._staging[key] = st
         return st

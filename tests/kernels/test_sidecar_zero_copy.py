@@ -138,10 +138,7 @@ def test_gpu_kernels_give_the_refs_bits(M):
 
     g = torch.Generator().manual_seed(M)
     st, local = _layer(g, "cuda")
-    job, ref = _job(M, "cuda", pin=True), _job(M)
-    drv = _driver()
-    for name in ("x", "ids", "rw", "y", "flag"):
-        setattr(job, name + "_dev", Z.host_address(drv, getattr(job, name)))
+    job, ref = _job(M, "cuda", pin=True).map_host(_driver()), _job(M)
     stacked = (st["w13"], st["w13_scale"], st["w2"], st["w2_scale"])
     cpu_job = ce.sidecar_job(job.x, job.ids, job.rw, *stacked, job.y, num_threads=2)
     ref_job = ce.sidecar_job(ref.x, ref.ids, ref.rw, *stacked, ref.y, num_threads=1)
@@ -192,10 +189,7 @@ def test_gpu_collect_gives_up_without_a_cpu_thread():
 
     g = torch.Generator().manual_seed(9)
     _, local = _layer(g, "cuda")
-    job = _job(1, "cuda", pin=True)
-    drv = _driver()
-    for name in ("x", "ids", "rw", "y", "flag"):
-        setattr(job, name + "_dev", Z.host_address(drv, getattr(job, name)))
+    job = _job(1, "cuda", pin=True).map_host(_driver())
     idx = torch.tensor([[1, 0, 6]], dtype=torch.int32, device="cuda")
     Z.post(_x(1, D, g).cuda(), idx, torch.ones(1, K, device="cuda"), local, job)
     pairs = torch.randn(1, K, D, device="cuda").bfloat16()
