@@ -360,8 +360,7 @@ def measure(run: BenchSetup, runner, args: argparse.Namespace) -> list[dict]:
         if dec.sidecar is not None:
             dec.sidecar.reset_counters()
         ms = time_graph(runner, B, args.context, args.iters, block=args.block)
-        if dec.sidecar is not None:
-            dec.sidecar.check()  # a step whose CPU experts never came back is no measurement
+        dec.check_waits()  # a step whose device-side wait gave up (the CPU's experts, u) is no measurement
         p50 = pct(ms, 50)
         nb = step_bytes(run.cfg, run.wbytes, B, args.context, run.placement)
         if W > 1:  # per GPU: its share of the routed experts (uniformly spread expectation)

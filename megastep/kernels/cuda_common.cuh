@@ -106,6 +106,20 @@ __device__ __forceinline__ uint32_t fp8_pair(float a, float b) {
   return out;
 }
 
+// fp32 a, b -> fp16x2 (round to nearest even: Triton's .to(tl.float16))
+__device__ __forceinline__ uint32_t f16_pair(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// common.f16_pow2_scale (wo_a's bf16 activation into fp16's range): s = 2^(floor(log2(max(amax,
+// 2^-64))) - 14)
+__device__ __forceinline__ void f16_pow2_scale(float amax, float& s, float& inv) {
+  const int se = ((__float_as_int(fmaxf(amax, 5.421010862427522e-20f)) >> 23) & 0xFF) - 14;
+  s = __int_as_float(se << 23);
+  inv = __int_as_float((254 - se) << 23);
+}
+
 // A lane's four outputs after a 128-block's dot blk (from zero, as Triton's per-block tl.dot), for
 // its NT n-tiles of 8 rows of x: acc += blk * (activation scale x weight scale sw), the scales of x
 // row m of the block at sc[m * nb] (rows past mv add nothing), Triton's "f16" loop's arithmetic

@@ -37,6 +37,8 @@ using megastep::cp_async16;
 using megastep::cp_async_commit;
 using megastep::e4m3x4_to_f16x2;
 using megastep::e8m0_to_f32;
+using megastep::f16_pair;
+using megastep::f16_pow2_scale;
 using megastep::fp8_pair;
 using megastep::l2_prefetch;
 using megastep::mma16816;
@@ -47,19 +49,6 @@ using megastep::store_rows;
 
 constexpr int kPad = 8;        // fp16 elements of padding per shared x row (spreads rows over banks)
 constexpr int kMaxSplit = 32;  // CTAs along K at most (linear_fp8_staged.py's MAX_SPLIT)
-
-// fp32 a, b -> fp16x2 (round to nearest even: Triton's .to(tl.float16))
-__device__ __forceinline__ uint32_t f16_pair(float a, float b) {
-  const __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-// common.f16_pow2_scale: s = 2^(floor(log2(max(amax, 2^-64))) - 14)
-__device__ __forceinline__ void f16_pow2_scale(float amax, float& s, float& inv) {
-  const int se = ((__float_as_int(fmaxf(amax, 5.421010862427522e-20f)) >> 23) & 0xFF) - 14;
-  s = __int_as_float(se << 23);
-  inv = __int_as_float((254 - se) << 23);
-}
 
 // cp.async.wait_group n for n in 0..7 (its operand must be an immediate: in the unrolled block
 // loop below the switch folds away)

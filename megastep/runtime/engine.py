@@ -250,8 +250,7 @@ class FastEngine(_EngineBase):
         if self.channel is not None:  # the other ranks run the same step
             self.channel.run(0 if runner is self.runner else 1, rows)
         out = self._step(rows, runner).float().cpu()
-        if self.decoder.sidecar is not None:  # (zero-copy: a wait for the CPU that gave up left zeros)
-            self.decoder.sidecar.check()
+        self.decoder.check_waits()  # (a device-side wait that gave up left wrong values)
         return out
 
     @torch.inference_mode()
