@@ -179,6 +179,7 @@ __device__ __forceinline__ void wo_tail(const Args& a, int pdl) {
                 if (px) ready |= 1u << gg;
               }
             }
+            __syncwarp();  // lane 0's acquire orders the other lanes' copies of u too
           }
         }
       }

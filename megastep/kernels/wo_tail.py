@@ -60,8 +60,8 @@ def shared_bytes(entry: tuple[int, int, int]) -> int:
 def splits(M: int, wa: torch.Tensor, wb: torch.Tensor) -> tuple[int, int]:
     """wo_a's and wo_b's K splits: linear_fp8's own for these shapes (so the same partial sums)."""
     (na, ka), (nb, kb) = wa.shape, wb.shape
-    return (ka // _lin._k_per_split(ka, _lin.pick_config(M, na, ka)),
-            kb // _lin._k_per_split(kb, _lin.pick_config(M, nb, kb)))
+    return (ka // _lin.split_cols(ka, _lin.pick_config(M, na, ka)),
+            kb // _lin.split_cols(kb, _lin.pick_config(M, nb, kb)))
 
 
 def plan(o: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, groups: int,
