@@ -406,13 +406,15 @@ for group in "$@"; do
     wotail)  # wo_a -> wo_b in one persistent launch (kernels/wo_tail.py, 2026-12-05, built without a device): its GPU
       # tests (the two Triton launches' bits at 1-4 rows, any grid, in a graph with PDL; then in the step), the pair
       # alone at 1, 2 and 4 rows against the Triton launches (wo_tail_bench.py: each entry checked before it is
-      # timed), then the 30-layer step at 1, 2 and 4 rows with three entries, 3 rounds in one process
+      # timed), then the 30-layer step at 1, 2 and 4 rows with three entries and one launched without PDL, 3 rounds
+      # in one process
       step wotail_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/kernels/test_wo_tail.py
       step wotail_step_test 150 python3 -m pytest -q -rfE --timeout 140 -m gpu tests/test_fast_gpu.py -k wo_tail
       step wotail_bench 150 python3 benchmarks/kernels/wo_tail_bench.py --out "$OUT/wotail_bench"
       summary+=("$(grep -E '^\||FAILED' "$OUT/wotail_bench.log" 2>/dev/null)")
       ab wotail 200 --layers 30 --batch 1,2,4 --rounds 3 --arm off= --arm "tail=$WT" \
-        --arm "tail_w12r2=$WT; t.ENTRY = (12, 2, 256)" --arm "tail_kc512=$WT; t.ENTRY = (8, 2, 512)" ;;
+        --arm "tail_w12r2=$WT; t.ENTRY = (12, 2, 256)" --arm "tail_kc512=$WT; t.ENTRY = (8, 2, 512)" \
+        --arm "tail_plain=$WT; t.PDL = False" ;;
     chain)  # what a persistent launch buys a sublayer's chain of weight streams at 1 row (2026-12-05, built without a
       # device): an HCA sublayer's x group -> wq_b -> wo_a -> wo_b (107 MB), the last three, and wo_a -> wo_b, each in one
       # launch of chain_probe.cu against one launch per layer (plain, PDL) and the step's Triton linears, with the

@@ -38,6 +38,10 @@ ENTRIES = ((8, 4, 256), (8, 3, 256), (12, 2, 256), (8, 2, 512), (8, 4, 128))
 _KERNELS = {e: _MODULE.kernel(f"wo_tail_w{e[0]}_r{e[1]}_kc{e[2]}", _SIGNATURE) for e in ENTRIES}
 ENABLED = False  # the step's wo_a -> wo_b of <= MAX_ROWS rows through this launch (not measured yet)
 ENTRY = (8, 4, 256)  # 32 sub-tiles of 4 KB in flight per SM (~128 KB: ~4 us of its share of HBM)
+# Launched with PDL when the step uses it (its CTAs placed while the attention drains copy their
+# first sub-tiles' weights, then wait), or plainly (False: placed once the attention completes; the
+# staged linear's early CTAs slowed the attention beside them, docs/PERFORMANCE.md). Not measured.
+PDL = True
 MAX_ROWS = 4  # the .cu's kRows
 MAX_GROUPS = 16  # the .cu's kMaxGroups
 _PAD = 16  # the .cu's kPad
@@ -119,7 +123,7 @@ def wo_tail(o: torch.Tensor, wa: torch.Tensor, sa: torch.Tensor, wb: torch.Tenso
     # each warp's first tasks, its own (no ticket): as many as the ring's first sub-tiles, copied
     # before the launch may touch the ticket counter
     first = -(-r // (min(ka // sa_, na // sb_) // kc))
-    pdl = pdl_enabled()
+    pdl = pdl_enabled() and PDL
     _KERNELS[entry].launch((ctas or sm_count(dev), 1, 1), (32 * w, 1, 1), shared_bytes(entry), None,
                            o, o.stride(0), wa.view(torch.uint8), sa.view(torch.uint8), wb.view(torch.uint8),
                            sb.view(torch.uint8), u, out, out.stride(0), pa, pb, sync, err,
