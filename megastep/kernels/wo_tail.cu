@@ -11,9 +11,9 @@
 // Work. One CTA per SM, W warps, every warp on its own (no CTA barrier). A task is 16 weight rows x
 // one split of K (linear_fp8's split for the shape, so the same partial sums). Warp w's first F
 // tasks are w, w + nw, ... (nw warps; F covers the ring's first sub-tiles, copied before the
-// predecessor completes); after that, tasks are handed out by a ticket counter. The order is all of wo_a's (row
-// tile major, so u's groups complete in order), then all of wo_b's (split major: wo_b's split s
-// reads u's group s). A warp waits only for u, at a wo_b task, and every wo_a task is handed out
+// predecessor completes); after that, tasks are handed out by a ticket counter. The order is all
+// of wo_a's (row tile major, so u's groups complete in order), then all of wo_b's (split major:
+// wo_b's split s reads u's group s). A warp waits only for u, at a wo_b task, and every wo_a task is handed out
 // before any wo_b ticket, so the launch completes as long as each CTA is placed once SMs free up
 // (the grid is at most one CTA per SM, so it need not be resident at once beside other kernels; a
 // wait still gives up after ~2 s and flags `err`, never hangs). The counter is touched only after
@@ -25,7 +25,8 @@
 // shared-memory slots, R sub-tiles ahead of the one it computes (16-byte unit c of weight row r at
 // c ^ (r & 7), x rows padded: the lanes' reads below hit distinct banks). x does not exist yet for
 // a sub-tile copied before the predecessor completed (o, under PDL) or before its group of u was
-// complete: such a slot is marked late and its x is read when it is computed.
+// complete: such a slot is marked late, and when it is reached the warp copies its x and that of
+// the task's later late slots at once (waiting for u's groups first) and waits for every copy.
 //
 // Arithmetic, linear_fp8's "f16" loop (linear_fp8_staged.cu's, bit for bit against it on one
 // H200): a sub-tile's x is brought, in place, to fp16 codes per 128-block and x row (wo_a: the
@@ -144,14 +145,14 @@ __device__ __forceinline__ void wo_tail(const Args& a, int pdl) {
   const int total = a.G * a.R / 16 * a.Sa + a.N / 16 * a.Sb;
 
   // ---- the producer side: copy the next sub-tile of the warp's tasks into its ring slot
-  bool waited = false;  // the predecessor is complete (o exists; the counters are this launch's)
+  bool waited = !pdl;   // the predecessor is complete (o exists; the counters are this launch's)
   bool owed = false;    // a ticket to ask for once waited
   unsigned ahead = 0;   // lane 0: the counter's answer for the next task
   int taken = 0;        // tasks taken so far (the first F are the warp's own)
   unsigned ready = 0;   // u's groups this warp has seen complete
   int pt = 0, pk = 0, posted = 0, issued = 0;  // the task being copied, its next sub-tile, tasks posted
   Task ptask{};
-  bool px = false;  // the task's x can be copied with its weights
+  unsigned pneed = 0;  // the groups of u the task copied reads (wo_b)
   auto ask = [&]() {
     if (lane == 0) ahead = atomicAdd(tickets, 1u);
   };
@@ -167,23 +168,25 @@ __device__ __forceinline__ void wo_tail(const Args& a, int pdl) {
           if (taken >= a.F) {  // the next task's ticket, asked for while this one's copies go out
             if (waited) ask(); else owed = true;
           }
-          px = waited;
-          if (px && ptask.layer == 1) {  // u's group(s) complete already?
+          pneed = 0;
+          if (ptask.layer == 1) {
             int g0, g1;
             groups_of(a, ptask, g0, g1);
-            for (int gg = g0; gg <= g1 && px; ++gg) {
-              if (!(ready >> gg & 1u)) {
+            pneed = ((2u << g1) - 1) & ~((1u << g0) - 1);
+            if (waited && (ready & pneed) != pneed) {  // complete already? (one look a task, no wait)
+              for (int gg = g0; gg <= g1; ++gg) {
                 unsigned v = 0;
-                if (lane == 0) v = ld_acquire_gpu(a.sync + kGroupDone + gg);
-                px = __shfl_sync(0xFFFFFFFFu, v, 0) >= unsigned(a.R / 16);
-                if (px) ready |= 1u << gg;
+                if (lane == 0 && !(ready >> gg & 1u)) v = ld_acquire_gpu(a.sync + kGroupDone + gg);
+                if (__shfl_sync(0xFFFFFFFFu, v, 0) >= unsigned(a.R / 16)) ready |= 1u << gg;
               }
+              __syncwarp();  // lane 0's acquire orders the other lanes' copies of u too
             }
-            __syncwarp();  // lane 0's acquire orders the other lanes' copies of u too
           }
         }
       }
       if (pt < total) {
+        // x goes with the weights once it exists: o after the predecessor, u once its groups are complete
+        const bool px = waited && (ready & pneed) == pneed;
         unsigned char* slot = ring + (issued % RING) * SLOT;
         const uint8_t* src = ptask.w + (long long)ptask.tile * 16 * ptask.K + ptask.s * ptask.KT + pk * KC;
         constexpr int UNITS = KC / 16;  // 16-byte units per weight row
@@ -206,10 +209,12 @@ __device__ __forceinline__ void wo_tail(const Args& a, int pdl) {
     ++issued;
   };
 #pragma unroll
-  for (int i = 0; i < RING; ++i) issue();  // weights only when launched early (PDL): x may not exist
-  if (pdl) pdl_wait();
-  waited = true;
-  if (owed) ask();
+  for (int i = 0; i < RING; ++i) issue();  // under PDL weights only: x may not exist yet
+  if (pdl) {
+    pdl_wait();
+    waited = true;
+    if (owed) ask();
+  }
 
   // ---- the consumer side, a task at a time
   int i = 0;
@@ -226,7 +231,7 @@ __device__ __forceinline__ void wo_tail(const Args& a, int pdl) {
       __half* xs = reinterpret_cast<__half*>(slot + WBYTES);
       asm volatile("cp.async.wait_group %0;" ::"n"(RING - 1) : "memory");
       __syncwarp();  // every lane's copies of the slot, and lane 0's `late`, visible to the warp
-      if (late[i % RING]) {  // x now: after the predecessor (o) or once u's group is complete
+      if (late[i % RING]) {  // x now (o exists; u: wait for its groups), for this slot and the task's later ones
         if (k.layer == 1) {
           int g0, g1;
           groups_of(a, k, g0, g1);
@@ -236,13 +241,21 @@ __device__ __forceinline__ void wo_tail(const Args& a, int pdl) {
               ready |= 1u << gg;
             }
           }
-          __syncwarp();
-          __threadfence();
+          __syncwarp();  // lane 0's acquire orders the other lanes' copies of u too
         }
-        for (int e = lane; e < a.M * XUNITS; e += 32) {
-          const int m = e / XUNITS, cc = e % XUNITS;
-          *reinterpret_cast<uint4*>(xs + m * XS + cc * 8) =
-              __ldcg(reinterpret_cast<const uint4*>(k.x + m * k.sx + sub * KC + cc * 8));
+        for (int j = 0; j < RING && i + j < issued && sub + j < k.KT / KC; ++j) {
+          if (!late[(i + j) % RING]) continue;
+          __half* xj = reinterpret_cast<__half*>(ring + ((i + j) % RING) * SLOT + WBYTES);
+          for (int e = lane; e < a.M * XUNITS; e += 32) {
+            const int m = e / XUNITS, cc = e % XUNITS;
+            cp_async16(xj + m * XS + cc * 8, k.x + m * k.sx + (sub + j) * KC + cc * 8);
+          }
+        }
+        // every copy in flight done, these too (a later sub-tile's wait then finds fewer groups pending)
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncwarp();
+        if (lane == 0) {
+          for (int j = 0; j < RING && i + j < issued && sub + j < k.KT / KC; ++j) late[(i + j) % RING] = 0;
         }
         __syncwarp();
       }
