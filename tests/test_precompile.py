@@ -4,7 +4,7 @@ here on a tiny model with the installed Triton. A second pass finds every kernel
 keys are stable across passes and processes), an arm compiles its own kernels and is put back, the
 step takes the GPU's paths (the Triton neighbours of the CUDA C++ experts and routing, not the
 Triton experts and router; the staged twin where SHAPES lists a linear; the side streams' launches
-of INDEXER_FIRST and L2_PREFETCH), and everything the tool patched is restored. Runs in a process of its
+of INDEXER_FIRST (on) and L2_PREFETCH), and everything the tool patched is restored. Runs in a process of its
 own: the compile needs Triton without the interpreter."""
 
 import json
@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent("""
     staged = "import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({{(256, 128, 2), (128, 256, 1)}})"
     arms = [("default", ""), ("default", ""), ("nopdl", "import megastep.model.fast as f; f.PDL_MAX_ROWS = 0"),
             ("default", ""), ("staged", staged),
-            ("idx_first", "import megastep.model.fast as f; f.INDEXER_FIRST = True"),
+            ("idx_off", "import megastep.model.fast as f; f.INDEXER_FIRST = False"),
             ("l2pf", 'import megastep.model.fast as f; f.L2_PREFETCH = frozenset({{"x", "qr", "wo_a", "shared"}})')]
     for name, code in arms:
         seen = PC.triton_entries(cache)
@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent("""
     out["layers"], out["csa_layers"] = cfg.num_hidden_layers, cfg.compress_ratios.count(4)
     out["restored"] = [JITFunction.run is run, torch.cuda.current_stream is stream, driver._active is None,
                        f.PDL_MAX_ROWS == 4, dec.side_stream is None, dec.moe_mode is None, not s.SHAPES,
-                       not f.INDEXER_FIRST, not f.L2_PREFETCH]
+                       f.INDEXER_FIRST, not f.L2_PREFETCH]
     print(json.dumps(out))
 """)
 
@@ -87,9 +87,10 @@ def test_compiles_a_gpu_shaped_step_into_the_cache_once(tmp_path):
     fp8 = launched["_linear_fp8_kernel"]
     assert staged == [] and out["launched"][4]["_linear_fp8_kernel"] == fp8 - 2 * out["layers"], out
     # the side streams' arms on the H200's paths: a CSA layer's indexer rows in a launch of their own
-    # (INDEXER_FIRST), the prefetch stream's launches (L2_PREFETCH); nothing else changes
-    idx_first, l2pf = out["launched"][5], out["launched"][6]
-    assert idx_first == {**launched, "_linear_bf16_kernel": launched["_linear_bf16_kernel"] + out["csa_layers"]}
+    # (INDEXER_FIRST, the default: the arm without it has one launch fewer per CSA layer), the prefetch
+    # stream's launches (L2_PREFETCH); nothing else changes
+    idx_off, l2pf = out["launched"][5], out["launched"][6]
+    assert idx_off == {**launched, "_linear_bf16_kernel": launched["_linear_bf16_kernel"] - out["csa_layers"]}
     assert l2pf.pop("_l2_prefetch_kernel", 0) > 0 and l2pf == launched, l2pf
     assert all(out["restored"]), out["restored"]
 

@@ -143,9 +143,12 @@ _PINNED: dict[tuple[int, int, int], AttnConfig] = {
 # row's result still does not depend on the batch. The value columns split over 4 programs at one
 # row, for every kind since 2026-12-04 (the sweep above); CSA's since 2026-11-29
 # (benchmarks/kernels/attn_few_rows.py at 1 / 2 / 4 rows: 25.3 / 39.0 / 59.0 us against 30.1 / 32.0 /
-# 44.3, so one row only).
+# 44.3, so one row only). HCA's and the window's over 8 since 2026-12-05: the 30-layer step at 1 row
+# -0.32 / -0.34 % (p50 of 3 rounds, 4.446 / 4.461 ms against 4.460 / 4.476, in two calls: `arms2`
+# and `one` of benchmarks/h200_checks.sh, docs/PERFORMANCE.md twenty-eighth measurement).
+_FEW_ROWS_DV_SPLIT = {(64, 128, 512): 8, (64, 161, 512): 8}  # the rest: 4
 _PINNED_FEW_ROWS: dict[tuple[int, int, int], tuple[int, AttnConfig]] = {
-    key: (1, replace(c, dv_split=4)) for key, c in _PINNED.items()
+    key: (1, replace(c, dv_split=_FEW_ROWS_DV_SPLIT.get(key, 4))) for key, c in _PINNED.items()
 }
 _BIT_NEUTRAL = ("num_stages", "combine_group", "combine_cols", "dv_split", "maxnreg")
 

@@ -157,9 +157,8 @@ L2_PREFETCH_MAX_ROWS = 4
 # q rows (7 us), and the select that the attention waits for ends 10 us after the 21 MB projection
 # does; the attention starts 42.9 us into the sublayer against 30.1 in an HCA layer. Measured
 # 2026-12-05 (benchmarks/h200_checks.sh `one`, `arms2`; docs/PERFORMANCE.md, twenty-eighth
-# measurement): 4 and 16 rows -0.65 %, 2 and 64 -0.33 %, 1 row even. Off until its GPU bit test has run
-# (`pins`).
-INDEXER_FIRST = False
+# measurement): 4 and 16 rows -0.65 %, 2 and 64 -0.33 %, 1 row even (p50 of 3 rounds in one process).
+INDEXER_FIRST = True
 
 
 def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
