@@ -145,7 +145,8 @@ _PINNED: dict[tuple[int, int, int], AttnConfig] = {
 # (benchmarks/kernels/attn_few_rows.py at 1 / 2 / 4 rows: 25.3 / 39.0 / 59.0 us against 30.1 / 32.0 /
 # 44.3, so one row only). HCA's and the window's over 8 since 2026-12-05: the 30-layer step at 1 row
 # -0.32 / -0.34 % (p50 of 3 rounds, 4.446 / 4.461 ms against 4.460 / 4.476, in two calls: `arms2`
-# and `one` of benchmarks/h200_checks.sh, docs/PERFORMANCE.md twenty-eighth measurement).
+# and `one` of benchmarks/h200_checks.sh, docs/PERFORMANCE.md twenty-eighth measurement; with
+# INDEXER_FIRST on one H100, `pins`: -0.16 % at 1 row).
 _FEW_ROWS_DV_SPLIT = {(64, 128, 512): 8, (64, 161, 512): 8}  # the rest: 4
 _PINNED_FEW_ROWS: dict[tuple[int, int, int], tuple[int, AttnConfig]] = {
     key: (1, replace(c, dv_split=_FEW_ROWS_DV_SPLIT.get(key, 4))) for key, c in _PINNED.items()

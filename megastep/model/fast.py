@@ -158,6 +158,8 @@ L2_PREFETCH_MAX_ROWS = 4
 # does; the attention starts 42.9 us into the sublayer against 30.1 in an HCA layer. Measured
 # 2026-12-05 (benchmarks/h200_checks.sh `one`, `arms2`; docs/PERFORMANCE.md, twenty-eighth
 # measurement): 4 and 16 rows -0.65 %, 2 and 64 -0.33 %, 1 row even (p50 of 3 rounds in one process).
+# Pinned after `pins` (one H100, 16 layers, 2026-12-05: its GPU bit tests pass; with the 8-slab plans
+# below -0.14 to -0.59 % at 1-64 rows).
 INDEXER_FIRST = True
 
 
