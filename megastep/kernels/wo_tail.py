@@ -15,8 +15,18 @@ sub-tile copies in flight over both projections, and wo_b's tasks start on u's f
 wo_a finishes the others. The .cu says how: tasks by ticket (no co-residency assumed), x copied with
 its weights when it exists, the Triton loop's arithmetic, split order.
 
-Reference: `wo_tail_ref` (linear_fp8_ref twice). Off until measured (`ENABLED`); `plan` says which
-launches take it; `check` raises if a wait in it gave up (it never should: the .cu says why).
+Reference: `wo_tail_ref` (linear_fp8_ref twice). `plan` says which launches take it; `check` raises
+if a wait in it gave up (it never should: the .cu says why).
+
+Off (`ENABLED`): measured slower. Built 2026-12-05 without a device; the same day on one H100
+(benchmarks/h200_checks.sh `wotail`, docs/PERFORMANCE.md "2026-12-05 from 10:52 UTC") its 85 GPU
+tests passed at once (linear_fp8's bits at every shape, entry, row count, grid and PDL setting, in a
+graph and in the step), but the pair alone took 42.4-46.4 us at one row against 34.7 for the two
+Triton launches (51.7 % of the streaming read at best against 63.2 %), 45.6-61.5 against 36.1-36.3
+at 2 and 4 rows, and the 16-layer step was 2.6-8.8 % slower at 1-4 rows. The chain probe in the same
+session put every per-warp cp.async ring below Triton's launches too, persistent or not: the copy
+structure, not the launch boundary, is what loses. Kept for its tested persistence (tickets, the
+groups of u, late slots), which a loader that streams faster (bulk/TMA copies) could reuse.
 """
 
 from __future__ import annotations
@@ -36,11 +46,14 @@ _SIGNATURE = "pqppppppqppppiiiiiiiii"
 # (warps per CTA, ring slots per warp, bytes of K per sub-tile): the .cu's entries
 ENTRIES = ((8, 4, 256), (8, 3, 256), (12, 2, 256), (8, 2, 512), (8, 4, 128))
 _KERNELS = {e: _MODULE.kernel(f"wo_tail_w{e[0]}_r{e[1]}_kc{e[2]}", _SIGNATURE) for e in ENTRIES}
-ENABLED = False  # the step's wo_a -> wo_b of <= MAX_ROWS rows through this launch (not measured yet)
-ENTRY = (8, 4, 256)  # 32 sub-tiles of 4 KB in flight per SM (~128 KB: ~4 us of its share of HBM)
+ENABLED = False  # the step's wo_a -> wo_b of <= MAX_ROWS rows through this launch (measured slower: docstring)
+# 32 sub-tiles of 4 KB in flight per SM (~128 KB: ~4 us of its share of HBM). Of the entries, (12, 2,
+# 256) lost least in the step on one H100 (+2.6 / +3.3 / +5.3 % at 1 / 2 / 4 rows).
+ENTRY = (8, 4, 256)
 # Launched with PDL when the step uses it (its CTAs placed while the attention drains copy their
 # first sub-tiles' weights, then wait), or plainly (False: placed once the attention completes; the
-# staged linear's early CTAs slowed the attention beside them, docs/PERFORMANCE.md). Not measured.
+# staged linear's early CTAs slowed the attention beside them, docs/PERFORMANCE.md). Measured on one
+# H100 (16 layers, 1 / 2 / 4 rows): plain +6.3 / +6.5 / +8.8 % against +5.5 / +5.6 / +8.4 % with PDL.
 PDL = True
 MAX_ROWS = 4  # the .cu's kRows
 MAX_GROUPS = 16  # the .cu's kMaxGroups
