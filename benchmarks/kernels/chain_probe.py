@@ -1,6 +1,11 @@
 """A probe, not used by the runtime: what does a persistent launch buy a chain of weight streams at
 one row? (chain_probe.cu; one H200, ~1-2 min a chain.)
 
+Answered 2026-12-05 on one H100 (docs/PERFORMANCE.md, "2026-12-05 from 10:52 UTC"): nothing. Every
+entry, persistent or a launch a layer, streamed below the step's Triton linears (hca4: 58.8 us for
+Triton, 63.9 at best a launch a layer with PDL, 68.9 persistent; 50-59 % of the streaming read
+against 60-65 %), and the chain was no faster than sep_pdl.
+
     python benchmarks/kernels/chain_probe.py [--out DIR] [--chain hca4|hca|wo|small] [--reps 20] [--gaps off,on]
 
 Why: at one row the FP8 linears on a layer's critical path stream at ~2.3 TB/s against 4.2-4.35
