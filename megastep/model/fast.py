@@ -693,11 +693,11 @@ class FastDecoder(MoeSublayer):
         with stage(T, "out_proj", L):
             G, R = cfg.o_groups, cfg.o_lora_rank
             if not split:
-                wa, wb = lw["wo_a"], lw["wo_b"]
-                entry = (_wo_tail.plan(o.reshape(B, -1), wa.w, wb.w, G)
+                wa, wb, flat = lw["wo_a"], lw["wo_b"], o.reshape(B, -1)
+                entry = (_wo_tail.plan(flat, wa.w, wb.w, G)
                          if tr and wa.kernel_block and wb.kernel_block and None not in (wa.scale, wb.scale) else None)
                 if entry is not None:  # both in one persistent launch (kernels/wo_tail.py; the same bits)
-                    return _wo_tail.wo_tail(o.reshape(B, -1), wa.w, wa.scale, wb.w, wb.scale, G, entry)
+                    return _wo_tail.wo_tail(flat, wa.w, wa.scale, wb.w, wb.scale, G, entry)
                 return wb(wa.grouped(o.reshape(B, G, -1), G, R, tr), tr)
             # this rank's groups of wo_a, then its splits of wo_b, gathered and summed with the others'
             wo_a, wo_b, Gl = lw["wo_a"], lw["wo_b"], G // self.world_size
