@@ -97,14 +97,16 @@ def test_chain_probe_builds_every_entry_with_the_signature(tmp_path, monkeypatch
     with open(CP.SOURCE) as f:
         src = f.read()
     assert _params(src, "chain_##NAME##_w##W##_r##R##_kc##KC") == len(CP.SIGNATURE)
-    macro = {"gemv": "CHAIN_ENTRY", "tri": "CHAIN_TRI_ENTRY", "xor": "CHAIN_XOR_ENTRY"}
+    macro = {"gemv": "CHAIN_ENTRY", "tri": "CHAIN_TRI_ENTRY", "xor": "CHAIN_XOR_ENTRY", "bulk": "CHAIN_BULK_ENTRY",
+             "bxor": "CHAIN_BXOR_ENTRY"}
     for kind, shapes in CP.KINDS.items():
         for shape in shapes:
             assert CP.entry(*shape, kind).encode() in cubin, (kind, shape)
             assert f"{macro[kind]}({shape[0]}, {shape[1]}, {shape[2]})" in src, (kind, shape)
-    listed = re.findall(r"^CHAIN_(?:TRI_|XOR_)?ENTRY\(\d+, \d+, \d+\)$", src, re.MULTILINE)
+    listed = re.findall(r"^CHAIN_(?:TRI_|XOR_|BULK_|BXOR_)?ENTRY\(\d+, \d+, \d+\)$", src, re.MULTILINE)
     assert len(listed) == sum(len(v) for v in CP.KINDS.values())  # no entry the script does not run
     assert f"CHAIN_ENTRY_OF(tri, kTri, W, R, KC, {CP.TRI_XMAX})" in src
+    assert f"CHAIN_ENTRY_OF(bulk, kBulk, W, R, KC, {CP.TRI_XMAX})" in src
     for name, value in (("kDesc", CP.DESC), ("kMaxLayers", CP.MAX_LAYERS), ("kMaxTiles", CP.MAX_TILES),
                         ("kTileCounters", CP.TILE_COUNTERS)):
         assert f"constexpr int {name} = {value};" in src, name
@@ -170,7 +172,8 @@ def test_chain_probe_launches_one_or_per_layer():
 
     class Module:
         def kernel(self, name, signature):
-            assert name in ("chain_gemv_w8_r6_kc256", "chain_tri_w16_r2_kc256") and signature == CP.SIGNATURE
+            assert name in ("chain_gemv_w8_r6_kc256", "chain_tri_w16_r2_kc256", "chain_bulk_w8_r6_kc256")
+            assert signature == CP.SIGNATURE
             return Kernel()
 
     chain = CP.Chain(CP.CHAINS["small"], torch.Generator().manual_seed(0), device="cpu")
@@ -198,6 +201,11 @@ def test_chain_probe_launches_one_or_per_layer():
     assert smem == CP.smem_bytes(16, 2, 256, "tri") == 16 * 2 * 16 * 256 + 16 * (2 * CP.TRI_XMAX + 64)
     assert args[0].view(3, CP.DESC)[:, 8].tolist() == list(CP.splits(CP.CHAINS["small"], 256, "tri"))
     assert len(chain._descs) == 2  # once per split set and gaps on / off (gemv and tri split "small" alike)
+    calls.clear()
+    chain.launch(Module(), (8, 6, 256), "chain", sms=132, kind="bulk")  # rows KC + 16 apart, 8-byte mbarriers
+    (_, _, smem, args, _), = calls
+    assert smem == CP.smem_bytes(8, 6, 256, "bulk") == 8 * 6 * 16 * 272 + 8 * (2 * CP.TRI_XMAX + 64) + 8 * 8 * 6
+    assert args[0].view(3, CP.DESC)[:, 8].tolist() == list(CP.splits(CP.CHAINS["small"], 256, "tri"))
 
 
 @pytest.mark.gpu
@@ -212,9 +220,9 @@ def test_gpu_chain_probe_matches_the_ref_and_its_own_bits():
     lines = []
     gen = torch.Generator(device="cuda").manual_seed(1)
     module, chain = cm.CudaModule(CP.SOURCE), CP.Chain(CP.CHAINS["small"], gen)
-    entries = [(k, s) for k in ("gemv", "tri") for s in CP.KINDS[k] if CP.fits(CP.CHAINS["small"], s[2], k)]
-    assert len(entries) == 7
+    entries = [(k, s) for k in ("gemv", "tri", "bulk") for s in CP.KINDS[k] if CP.fits(CP.CHAINS["small"], s[2], k)]
+    assert len(entries) == 9
     for kind, shape in entries:
         CP.check_shape(module, chain, shape, lines.append, kind)  # raises on any failure
     assert sum("same bits" in line for line in lines) == len(entries)
-    assert sum("linear_fp8's bits" in line for line in lines) == 2
+    assert sum("linear_fp8's bits" in line for line in lines) == 4

@@ -30,6 +30,11 @@
 // per-layer launches give the same bits. The `xor` entries (chain_xor_*) keep the copies, waits and
 // stores but only XOR the tiles: the floor of the same launch without the arithmetic (their
 // outputs mean nothing).
+//
+// The bulk loader (chain_bulk_*, chain_bxor_*: "tri" and "xor" otherwise): a slot is filled by 16
+// cp.async.bulk copies, one row segment of KC bytes per lane 0..15, completing on the slot's mbarrier
+// (lane 0 arrives expecting 16 x KC bytes); the consumer waits on the barrier's phase parity instead of
+// a cp.async group. One bulk copy cannot swizzle, so rows sit KC + 16 bytes apart instead.
 
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -55,6 +60,7 @@ constexpr int kMaxTiles = 4096;           // row tiles (16 rows) per layer at mo
 constexpr int kTileCounters = 64;         // counters[0, kMaxLayers): layers done; [kMaxLayers]: warps out
 constexpr long long kSpinLimit = 4000000000LL;  // ~2 s of clock64 at the H200's clocks: then give up
 constexpr int kOwn = 0, kTri = 1, kXor = 2;     // what a sub-tile's compute does (file comment)
+constexpr int kBulk = 3, kBxor = 4;             // kTri / kXor with the bulk-copy loader (file comment)
 
 // desc[l * kDesc + i]: w (e4m3 [N, K]), ws (e8m0 [N/128, K/128]), x (fp32 [G*K]), y (fp32 [N]),
 // part (fp32 [S, N], unused with one split), N, K, G, S, gap (ns)
@@ -92,8 +98,44 @@ __device__ __forceinline__ Layer layer_of(const long long* desc, int l) {
 // at u ^ (r & 7), so the 32 lanes' 4-byte reads (rows g, segments j ^ g, words q) hit 32 banks
 template <int KIND>
 __device__ __forceinline__ int swz(int r, int u) {
+  if constexpr (KIND == kBulk || KIND == kBxor) return u;  // a bulk copy writes its row segment as it is
   return KIND == kTri ? u ^ (r & 7) : u ^ ((r & 1) << 2);
 }
+
+// The bulk loader's rows are KC + 16 bytes apart (one bulk copy per row cannot swizzle): row g's word q
+// of unit u sits in bank (4 g + 4 u + q) mod 32, so the 32 lanes of a "tri" read hit 32 banks
+template <int KIND>
+__host__ __device__ constexpr bool bulk_kind() {
+  return KIND == kBulk || KIND == kBxor;
+}
+template <int KIND, int KC>
+__host__ __device__ constexpr int row_stride() {
+  return bulk_kind<KIND>() ? KC + 16 : KC;
+}
+
+// The bulk loader: a slot's 16 row segments are 16 cp.async.bulk copies (one per lane 0..15) that
+// complete on the slot's mbarrier (one arrival, lane 0's, expecting 16 x KC bytes)
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      "WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}"
+      ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+// this warp's generic reads of a slot before the async proxy's next writes into it
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // A warp's walk over its sub-tiles: sub-tile k of task t of layer l, for t = wid, wid + nw, ...
 struct Cursor {
@@ -149,6 +191,7 @@ template <int KIND, int KC>
 __device__ __forceinline__ void gemv_sub(const unsigned char* slot, const __half* xs, const float* xsc,
                                          const uint8_t* wsr, int lane, float (&acc)[4]) {
   const int g = lane >> 2, q = lane & 3;
+  constexpr int RS = row_stride<KIND, KC>();
 #pragma unroll
   for (int b = 0; b < KC / 128; ++b) {
     float blk[4] = {0.f, 0.f, 0.f, 0.f};
@@ -175,8 +218,8 @@ __device__ __forceinline__ void gemv_sub(const unsigned char* slot, const __half
       for (int j = 0; j < 8; ++j) {  // MMA j: the block's columns [16j, 16j + 16), word q of each row's segment
         const int off = (swz<KIND>(g, 8 * b + j) << 4) + 4 * q;  // rows g and g + 8 share the swizzle
         uint32_t a0, a1, a2, a3;
-        e4m3x4_to_f16x2(*reinterpret_cast<const uint32_t*>(slot + g * KC + off), a0, a2);
-        e4m3x4_to_f16x2(*reinterpret_cast<const uint32_t*>(slot + (g + 8) * KC + off), a1, a3);
+        e4m3x4_to_f16x2(*reinterpret_cast<const uint32_t*>(slot + g * RS + off), a0, a2);
+        e4m3x4_to_f16x2(*reinterpret_cast<const uint32_t*>(slot + (g + 8) * RS + off), a1, a3);
         const uint2 xb = *reinterpret_cast<const uint2*>(xs + b * 128 + 16 * j + 4 * q);
         mma16816<false>(blk, a0, a1, a2, a3, xb.x, xb.y);
       }
@@ -188,12 +231,13 @@ __device__ __forceinline__ void gemv_sub(const unsigned char* slot, const __half
 }
 
 // The floor: the sub-tile only XORed (the outputs mean nothing)
-template <int KC>
+template <int KIND, int KC>
 __device__ __forceinline__ void xor_sub(const unsigned char* slot, int lane, float (&acc)[4]) {
   uint32_t h = __float_as_uint(acc[0]);
+  constexpr int UNITS = KC / 16;
 #pragma unroll
   for (int k = lane; k < KC; k += 32) {  // 16 rows x KC bytes = KC 16-byte words
-    const uint4 v = *reinterpret_cast<const uint4*>(slot + k * 16);
+    const uint4 v = *reinterpret_cast<const uint4*>(slot + (k / UNITS) * row_stride<KIND, KC>() + (k % UNITS) * 16);
     h ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   acc[0] = acc[2] = __uint_as_float(h & 0x3fffffffu);
@@ -202,7 +246,8 @@ __device__ __forceinline__ void xor_sub(const unsigned char* slot, int lane, flo
 // W warps, R ring slots per warp, KC bytes of K per sub-tile, XMAX the most K one task may take
 template <int W, int R, int KC, int XMAX, int KIND>
 __device__ __forceinline__ void chain(const long long* desc, int L, unsigned* counters, int* err, int pdl) {
-  constexpr int SLOT = 16 * KC;  // bytes of one sub-tile
+  constexpr bool BULK = bulk_kind<KIND>();
+  constexpr int SLOT = 16 * row_stride<KIND, KC>();  // bytes of one sub-tile's slot
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, q = lane & 3;
@@ -213,6 +258,13 @@ __device__ __forceinline__ void chain(const long long* desc, int L, unsigned* co
   unsigned* done = counters;
   unsigned* out = counters + kMaxLayers;
   unsigned* tcnt = counters + kTileCounters;
+  // the bulk loader's mbarriers, R per warp, after every warp's x codes
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + W * R * SLOT + W * (XMAX * 2 + 64)) + warp * R;
+  if constexpr (BULK) {
+    if (lane < R) mbar_init(bars + lane);
+    fence_proxy_async();  // the initialized barriers, visible to the copies' completions
+    __syncwarp();
+  }
 
   // ---- the producer side: copy the next sub-tile in the list into its slot
   Cursor pc{0, wid - nw, 0};
@@ -224,15 +276,23 @@ __device__ __forceinline__ void chain(const long long* desc, int L, unsigned* co
       const int tile = pc.t / ly.S, s = pc.t % ly.S;
       const uint8_t* src = ly.w + (long long)tile * 16 * ly.K + s * ly.KT + pc.k * KC;
       unsigned char* dst = ring + (issued % R) * SLOT;
-      constexpr int UNITS = KC / 16;  // 16-byte units per row
+      if constexpr (BULK) {
+        uint64_t* bar = bars + issued % R;
+        fence_proxy_async();  // (the slot's reads by this warp, done: the __syncwarp before issue)
+        if (lane == 0) mbar_expect(bar, 16 * KC);
+        __syncwarp();
+        if (lane < 16) bulk_copy(dst + lane * (KC + 16), src + (long long)lane * ly.K, KC, bar);
+      } else {
+        constexpr int UNITS = KC / 16;  // 16-byte units per row
 #pragma unroll
-      for (int i = lane; i < 16 * UNITS; i += 32) {
-        const int r = i / UNITS, u = i % UNITS;
-        cp_async16(dst + r * KC + swz<KIND>(r, u) * 16, src + (long long)r * ly.K + u * 16);
+        for (int i = lane; i < 16 * UNITS; i += 32) {
+          const int r = i / UNITS, u = i % UNITS;
+          cp_async16(dst + r * KC + swz<KIND>(r, u) * 16, src + (long long)r * ly.K + u * 16);
+        }
       }
       advance<KC>(pc, desc, L, wid, nw);
     }
-    cp_async_commit();  // an empty group when the list is done: group i is always sub-tile i's
+    if constexpr (!BULK) cp_async_commit();  // an empty group when the list is done: group i is always sub-tile i's
     ++issued;
   };
 #pragma unroll
@@ -270,14 +330,18 @@ __device__ __forceinline__ void chain(const long long* desc, int L, unsigned* co
     const int tile = cc.t / ly.S, s = cc.t % ly.S;
     const int n0 = tile * 16, grp = n0 / (ly.N / ly.G);
     const int k0 = s * ly.KT;  // the task's first byte of K
-    if constexpr (KIND != kXor) quantize_x(ly.x + (long long)grp * ly.K + k0, ly.KT, xs, xsc, lane);
+    if constexpr (KIND != kXor && KIND != kBxor) quantize_x(ly.x + (long long)grp * ly.K + k0, ly.KT, xs, xsc, lane);
     const uint8_t* wsr = ly.ws + (long long)(n0 / 128) * (ly.K / 128) + k0 / 128;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int k = 0; k < ly.KT / KC; ++k, ++i) {
-      wait_tile<R>();
+      if constexpr (BULK) {
+        mbar_wait(bars + i % R, (i / R) & 1);  // the slot's (i / R)-th fill
+      } else {
+        wait_tile<R>();
+      }
       const unsigned char* slot = ring + (i % R) * SLOT;
-      if constexpr (KIND == kXor) {
-        xor_sub<KC>(slot, lane, acc);
+      if constexpr (KIND == kXor || KIND == kBxor) {
+        xor_sub<KIND, KC>(slot, lane, acc);
       } else {
         gemv_sub<KIND, KC>(slot, xs + k * KC, xsc + k * (KC / 128), wsr + k * (KC / 128), lane, acc);
       }
@@ -319,7 +383,7 @@ __device__ __forceinline__ void chain(const long long* desc, int L, unsigned* co
     }
     __syncwarp();  // the x codes are free for the next task
   }
-  asm volatile("cp.async.wait_all;" ::: "memory");
+  if constexpr (!BULK) asm volatile("cp.async.wait_all;" ::: "memory");  // (bulk: every copy was waited for)
 
   // the last warp out resets the layer counters for the next launch (every wait is behind it)
   __syncwarp();
@@ -345,6 +409,9 @@ __device__ __forceinline__ void chain(const long long* desc, int L, unsigned* co
 #define CHAIN_ENTRY(W, R, KC) CHAIN_ENTRY_OF(gemv, kOwn, W, R, KC, KC)
 #define CHAIN_TRI_ENTRY(W, R, KC) CHAIN_ENTRY_OF(tri, kTri, W, R, KC, 1024)
 #define CHAIN_XOR_ENTRY(W, R, KC) CHAIN_ENTRY_OF(xor, kXor, W, R, KC, KC)
+// the bulk-copy loader: "tri"'s arithmetic (so linear_fp8's bits) and "xor"'s floor
+#define CHAIN_BULK_ENTRY(W, R, KC) CHAIN_ENTRY_OF(bulk, kBulk, W, R, KC, 1024)
+#define CHAIN_BXOR_ENTRY(W, R, KC) CHAIN_ENTRY_OF(bxor, kBxor, W, R, KC, KC)
 
 CHAIN_ENTRY(8, 3, 512)
 CHAIN_ENTRY(12, 2, 512)
@@ -356,3 +423,9 @@ CHAIN_TRI_ENTRY(16, 3, 256)
 CHAIN_TRI_ENTRY(16, 2, 256)
 CHAIN_XOR_ENTRY(8, 3, 512)
 CHAIN_XOR_ENTRY(16, 3, 256)
+CHAIN_BULK_ENTRY(8, 3, 512)
+CHAIN_BULK_ENTRY(8, 6, 256)
+CHAIN_BULK_ENTRY(16, 2, 256)
+CHAIN_BULK_ENTRY(4, 6, 512)
+CHAIN_BXOR_ENTRY(8, 3, 512)
+CHAIN_BXOR_ENTRY(16, 3, 256)

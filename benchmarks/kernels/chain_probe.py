@@ -31,6 +31,12 @@ wo_b 4096 x 8192, 107 MB; "hca" the last three, "wo" the last two):
   next layer's too) before it waits for a layer's input, so HBM need not idle between layers;
 - sep xor / chain xor: the same launches with the arithmetic replaced by an XOR of the tiles (the
   floor of that structure: what the copies, waits and stores cost alone).
+- bulk / bxor (added after that answer, `--kinds`): "tri" and "xor" with another loader. A warp's ring
+  slot is filled by 16 cp.async.bulk copies (lane r copies row r's KC bytes; the rows KC + 16 bytes
+  apart, so a "tri" read hits 32 banks without a swizzle) completing on the slot's mbarrier, instead of
+  16-byte cp.async per lane in commit groups: the copy engine, not the warp's lanes, moves the bytes.
+  The XOR-only entries were slower than the MMA ones, so the per-warp copies themselves looked like the
+  bound; this asks whether the bulk engine lifts it.
 The kernel's entries: "gemv" (its own K order inside a 128-block, that of the fastest CUDA loop
 measured at one row, and a task of KC bytes of K) and "tri" (Triton's k16 column sets and
 linear_fp8's own K splits: every output has linear_fp8's bits, checked, so such a launch could
@@ -70,7 +76,12 @@ KINDS = {
     "gemv": ((8, 3, 512), (12, 2, 512), (16, 3, 256), (8, 6, 256), (16, 2, 256)),
     "tri": ((8, 3, 512), (16, 3, 256), (16, 2, 256)),
     "xor": ((8, 3, 512), (16, 3, 256)),
+    "bulk": ((8, 3, 512), (8, 6, 256), (16, 2, 256), (4, 6, 512)),
+    "bxor": ((8, 3, 512), (16, 3, 256)),
 }
+TRI_KINDS = ("tri", "bulk")  # linear_fp8's splits and bits
+XOR_KINDS = ("xor", "bxor")  # no arithmetic: nothing to check
+BULK_KINDS = ("bulk", "bxor")  # the bulk-copy loader: rows KC + 16 bytes apart, an mbarrier per slot
 TRI_XMAX = 1024  # the .cu's XMAX of CHAIN_TRI_ENTRY
 DESC = 10  # the .cu's kDesc
 MAX_LAYERS = 4  # kMaxLayers
@@ -95,18 +106,19 @@ def entry(w: int, r: int, kc: int, kind: str = "gemv") -> str:
 
 
 def xmax(kc: int, kind: str) -> int:
-    return TRI_XMAX if kind == "tri" else kc
+    return TRI_XMAX if kind in TRI_KINDS else kc
 
 
 def smem_bytes(w: int, r: int, kc: int, kind: str = "gemv") -> int:
-    """The .cu's layout: W x R weight slots of 16 rows x KC bytes, then per warp XMAX fp16 x codes
-    and 64 bytes of block scales."""
-    return w * r * 16 * kc + w * (xmax(kc, kind) * 2 + 64)
+    """The .cu's layout: W x R weight slots of 16 rows x KC bytes (KC + 16 with the bulk loader), then
+    per warp XMAX fp16 x codes and 64 bytes of block scales, then the bulk loader's W x R mbarriers."""
+    bulk = kind in BULK_KINDS
+    return w * r * 16 * (kc + 16 * bulk) + w * (xmax(kc, kind) * 2 + 64) + 8 * w * r * bulk
 
 
 def splits(layers, kc: int, kind: str) -> tuple[int, ...]:
     """The launch's split of each layer's K: linear_fp8's for "tri" (so its sums), else K / KC."""
-    if kind == "tri":
+    if kind in TRI_KINDS:
         from megastep.kernels import linear_fp8 as LIN
         return tuple(LIN.pick_config(1, N, K).split_k for N, K, *_ in layers)
     return tuple(K // kc for _, K, *_ in layers)
@@ -260,7 +272,7 @@ def check_shape(module: CudaModule, chain: Chain, shape, log, kind: str = "gemv"
             if not torch.equal(a, b):
                 raise AssertionError(f"{name}: {key} differs from sep in layer {i}")
     log(f"{name}: sep, sep_pdl, chain (without and with the gaps) give the same bits")
-    if kind == "tri":
+    if kind in TRI_KINDS:
         for i, ly in enumerate(chain.layers):
             ref = LIN.linear_fp8(chain.x(i), ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)[0]
             if not torch.equal(ref, chain.ys[i]):
@@ -288,9 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chain", default="hca4", choices=sorted(CHAINS))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--gaps", default="off,on", help="the latency-bound stages between the layers as waits (CHAINS)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="the entries' kinds to check and time (KINDS)")
     args = ap.parse_args(argv)
     if not set(args.gaps.split(",")) <= {"off", "on"}:
         ap.error(f"--gaps takes off and / or on, got {args.gaps!r}")
+    kinds = args.kinds.split(",")
+    if not kinds or not set(kinds) <= set(KINDS):
+        ap.error(f"--kinds takes some of {', '.join(KINDS)}, got {args.kinds!r}")
     import bench_kernels as BK
     import l2_prefetch as LP
     from megastep.kernels import common
@@ -299,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     BK.LOG = open(os.path.join(args.out, "chain_probe.log"), "w")
     module = CudaModule(SOURCE)
     layers = CHAINS[args.chain]
-    entries = [(kind, s) for kind, shapes in KINDS.items() for s in shapes if fits(layers, s[2], kind)]
+    entries = [(kind, s) for kind in kinds for s in KINDS[kind] if fits(layers, s[2], kind)]
     for kind, s in entries:
         assert smem_bytes(*s, kind) <= SMEM_LIMIT, (kind, s)
         a = module.kernel(entry(*s, kind), SIGNATURE).attributes()
@@ -314,12 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     # the timed chain; only what passed both is timed
     gen = torch.Generator(device="cuda").manual_seed(0)
     small = CHAINS["small"]
-    checked = [e for e in entries if e[0] != "xor"]
+    checked = [e for e in entries if e[0] not in XOR_KINDS]
     ok = set(run_checks(module, Chain(small, gen), [e for e in checked if fits(small, e[1][2], e[0])], BK.log))
     ok |= {e for e in checked if not fits(small, e[1][2], e[0])}
     copies = [Chain(layers, gen) for _ in range(2)]
     ok = set(run_checks(module, copies[0], [e for e in checked if e in ok], BK.log))
-    entries = [e for e in entries if e in ok or e[0] == "xor"]
+    entries = [e for e in entries if e in ok or e[0] in XOR_KINDS]
 
     rows = []
     spin_out = torch.empty(1, dtype=torch.int64, device="cuda")
@@ -353,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             common.set_pdl(old)
         for kind, s in entries:
-            for mode in ("sep", "chain") if kind == "xor" else ("sep", "sep_pdl", "chain"):
+            for mode in ("sep", "chain") if kind in XOR_KINDS else ("sep", "sep_pdl", "chain"):
                 timed(f"{mode} {kind} w{s[0]} r{s[1]} kc{s[2]}", gaps,
                       lambda c, s=s, mode=mode, gaps=gaps, kind=kind: c.launch(module, s, mode, gaps, kind=kind))
 
