@@ -28,6 +28,7 @@
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
+#   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh wotail     # wo_a -> wo_b in one persistent launch: its GPU tests, the pair alone at 1-4 rows, the step A/B with 3 entries (~7 min)
@@ -379,6 +380,8 @@ for group in "$@"; do
       step final_tests 380 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
         tests/kernels/test_moe.py tests/kernels/test_route_cuda.py \
         -k "cold_expert or alone or same_input or graph_replay or indexer_beside or lut or route"
+      bench final 170 --layers 30 --batch 1,2,4,8,16,32,64 ;;
+    table)  # final's step alone (its bit tests already run on the same defaults): the table at the top of PERFORMANCE.md
       bench final 170 --layers 30 --batch 1,2,4,8,16,32,64 ;;
     csa64)  # CSA attention on the 2026-12-04 sweep's winner, h16 n64 c64 w8 (alone 22.4 / 214.2 us at 1 / 64 rows against
       # the pin's 30.7 / 230.3; other sums, so for every batch), with the value split over 4 programs at 1 row (never
