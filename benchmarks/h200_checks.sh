@@ -13,6 +13,7 @@
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget: B, hybrid (skewed), A (uniform, skewed) (~9 min)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh offload_zc # B zero-copy (its GPU tests first) and B polling, the CPU's share per step, timelines (~8 min)
+#   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~8 min)
 #   bash benchmarks/h200_checks.sh offload_b  # A's timeline, the CPU kernel alone (back to back, sporadic), B zero-copy on all cores but 2, hybrid (~9 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
 #   bash benchmarks/h200_checks.sh small_ncu  # the 1-row step's small launches (attention, indexer, q norm + RoPE, mHC, norms): per-instruction stall samples from ncu (~3 min)
@@ -269,6 +270,17 @@ for group in "$@"; do
       fi
       bench offload_skewed_cpu 220 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path cpu --timeline
       sidecar_lines offload_skewed_cpu_zc offload_skewed_cpu ;;
+    offload_zc16)  # offload_zc on an 80 GB GPU: its GPU tests, then 16 layers with a 45 GB budget (~30 % of the
+      # expert bytes cold, as the 43 layers' 125 GB leave), B zero-copy, B polling and A; compare only within the call
+      step zc_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_sidecar_zero_copy.py \
+        'tests/test_fast_gpu.py::test_polling_sidecar_gives_the_host_functions_bits'
+      if [ "$last_rc" = 0 ]; then
+        bench_with offload16_skewed_cpu_zc 130 "$ZC" --layers 16 --batch 1,6 --routing skewed --hbm-budget 45 \
+          --cold-path cpu --timeline
+      fi
+      bench offload16_skewed_cpu 130 --layers 16 --batch 1,6 --routing skewed --hbm-budget 45 --cold-path cpu --timeline
+      bench offload16_skewed_gpu 110 --layers 16 --batch 1,6 --routing skewed --hbm-budget 45 --cold-path gpu
+      sidecar_lines offload16_skewed_cpu_zc offload16_skewed_cpu ;;
     offload_b)  # the rest of why B loses: A's timeline at one row; the CPU kernel on this host alone (no GPU), back to
       # back at 1-16 threads and one call now and then beside a spinning process; B zero-copy with 2 cores left to
       # the host's other threads (the team takes torch's thread count otherwise), and hybrid zero-copy (~9 min)
