@@ -262,6 +262,7 @@ __device__ __forceinline__ void chain(const long long* desc, int L, unsigned* co
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + W * R * SLOT + W * (XMAX * 2 + 64)) + warp * R;
   if constexpr (BULK) {
     if (lane < R) mbar_init(bars + lane);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // (as CUTLASS after its barriers' init)
     fence_proxy_async();  // the initialized barriers, visible to the copies' completions
     __syncwarp();
   }
