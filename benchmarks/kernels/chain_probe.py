@@ -36,7 +36,11 @@ wo_b 4096 x 8192, 107 MB; "hca" the last three, "wo" the last two):
   apart, so a "tri" read hits 32 banks without a swizzle) completing on the slot's mbarrier, instead of
   16-byte cp.async per lane in commit groups: the copy engine, not the warp's lanes, moves the bytes.
   The XOR-only entries were slower than the MMA ones, so the per-warp copies themselves looked like the
-  bound; this asks whether the bulk engine lifts it.
+  bound; this asks whether the bulk engine lifts it (`bash benchmarks/h200_checks.sh bulk`). The rule
+  set before it runs: if "sep_pdl bulk" beats the Triton launches by 5 % or more on hca4 and wo, a
+  runtime FP8 linear for few rows gets this loader (wo_tail.cu's persistence, or a launch a linear:
+  the entries already have linear_fp8's bits); if even "bxor" (copies only) stays under Triton's rate,
+  the loader is not what holds the 1-row linears and the loop direction ends here.
 The kernel's entries: "gemv" (its own K order inside a 128-block, that of the fastest CUDA loop
 measured at one row, and a task of KC bytes of K) and "tri" (Triton's k16 column sets and
 linear_fp8's own K splits: every output has linear_fp8's bits, checked, so such a launch could
