@@ -245,7 +245,9 @@ class CpuSidecar:
             if st.job is not None:
                 st.job.reset_counters()
             if st.zc is not None:
-                st.zc.calls.zero_()
+                # (made by the first step, under the step's inference mode: only there may they change in place)
+                with torch.inference_mode():
+                    st.zc.calls.zero_()
 
     def report(self) -> dict | None:
         """The CPU's share of the steps run since `reset_counters`, per step: every job that ran
