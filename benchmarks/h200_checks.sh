@@ -34,7 +34,6 @@
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh wotail     # wo_a -> wo_b in one persistent launch: its GPU tests, the pair alone at 1-4 rows, the step A/B with 3 entries (~7 min)
 #   bash benchmarks/h200_checks.sh chain      # an HCA sublayer's FP8 weight streams at 1 row in one persistent launch against one launch per layer (chain_probe.py) (~4 min)
-#   bash benchmarks/h200_checks.sh bulk       # the chain probe's bulk-copy loader against its cp.async ring and the Triton linears (~3 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
 #   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
@@ -441,16 +440,6 @@ for group in "$@"; do
         summary+=("$(grep -E '^\||FAILED' "$OUT/chain_$c.log" 2>/dev/null)")
       done
       step chain_tests 150 python3 -m pytest -q -rfE --timeout 140 -m gpu tests/test_cuda_experiments.py -k chain ;;
-    bulk)  # the bulk-copy loader (chain_probe.cu's "bulk" and "bxor", 2026-12-05, built without a device): a warp's
-      # ring slots filled by cp.async.bulk (a lane a row, an mbarrier a slot) instead of 16-byte cp.async per lane,
-      # "tri"'s arithmetic (linear_fp8's bits, checked) and the XOR floor, against "tri", "xor" and the step's Triton
-      # linears on an HCA sublayer's chain and wo_a -> wo_b; the GPU test (its checks on the small chain) first
-      step chain_tests 150 python3 -m pytest -q -rfE --timeout 140 -m gpu tests/test_cuda_experiments.py -k chain
-      for c in hca4 wo; do
-        step "bulk_$c" 150 python3 benchmarks/kernels/chain_probe.py --out "$OUT/bulk_$c" --chain "$c" \
-          --kinds tri,xor,bulk,bxor --gaps off
-        summary+=("$(grep -E '^\||FAILED' "$OUT/bulk_$c.log" 2>/dev/null)")
-      done ;;
     probe)  # where a 1- and 4-row experts call's launches spend their time: the probe build's stamps (moe_lut_probe.py)
       step lut_probe 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT" --ms 1,4
       step lut_probe_pdl 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/pdl" --ms 1,4 --pdl

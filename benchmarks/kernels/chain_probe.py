@@ -41,6 +41,10 @@ wo_b 4096 x 8192, 107 MB; "hca" the last three, "wo" the last two):
   runtime FP8 linear for few rows gets this loader (wo_tail.cu's persistence, or a launch a linear:
   the entries already have linear_fp8's bits); if even "bxor" (copies only) stays under Triton's rate,
   the loader is not what holds the 1-row linears and the loop direction ends here.
+  Answered 2026-12-05 on one H100 (docs/PERFORMANCE.md, "2026-12-05 from 12:51 UTC"): no. The best bulk
+  entry streamed at the cp.async ring's rate (hca4 65.06 against 63.78 us, wo 39.35 against 39.09; Triton
+  58.05 and 35.27), so the loop direction ends. (The copy-only floors take K / KC splits, more split
+  traffic than the MMA entries, and bound nothing: the rule's second clause was void.)
 The kernel's entries: "gemv" (its own K order inside a 128-block, that of the fastest CUDA loop
 measured at one row, and a task of KC bytes of K) and "tri" (Triton's k16 column sets and
 linear_fp8's own K splits: every output has linear_fp8's bits, checked, so such a launch could
