@@ -13,7 +13,7 @@
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget: B, hybrid (skewed), A (uniform, skewed) (~9 min)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh offload_zc # B zero-copy (its GPU tests first) and B polling, the CPU's share per step, timelines (~8 min)
-#   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~8 min)
+#   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
 #   bash benchmarks/h200_checks.sh offload_b  # A's timeline, the CPU kernel alone (back to back, sporadic), B zero-copy on all cores but 2, hybrid (~9 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
 #   bash benchmarks/h200_checks.sh small_ncu  # the 1-row step's small launches (attention, indexer, q norm + RoPE, mHC, norms): per-instruction stall samples from ncu (~3 min)
