@@ -1,6 +1,7 @@
 """The named step trace: event timing per stage, and the profiler-based kernel summary (stage
 ranges, kernels attributed to the stage that launched them)."""
 
+import pytest
 import torch
 
 from megastep.checkpoint.synthetic import preset, synthesize_weights
@@ -143,3 +144,47 @@ def test_layer_anatomy_parts_of_alike_periods():
         ("side", 8.0), ("attn", 2.0), ("lin#1", 5.0), ("lin#2", 5.0), ("route_group", 2.0), ("moe_down_lut", 8.0)]
     assert sum(p["charge_us"] for p in second["parts"]) == 30.0
     assert T.timeline_phases([])["anatomy"] == {"periods": 0, "kinds": []}
+
+
+def test_delays_wait_at_their_stages_and_change_no_value(monkeypatch):
+    """trace.DELAY_NS (a timing probe): a wait at the entry of every stage of a name, every layer,
+    none elsewhere; the step's logits are the same bits with and without; set_delays refuses names
+    that are not stages and negative waits, and a call without delays clears them."""
+    from megastep.kernels import spin
+
+    calls = []
+    real = spin.spin
+
+    def counting(out, ns):
+        calls.append(ns)
+        real(out, ns)
+
+    monkeypatch.setattr(spin, "spin", counting)
+    monkeypatch.setattr(T, "DELAY_NS", {})
+    dec = _decoder()
+    plain = _step(dec).clone()
+    assert calls == []
+    T.set_delays("cpu", router=20_000, shared_expert=1_000)
+    assert T.DELAY_NS == {"router": 20_000, "shared_expert": 1_000} and T._DELAY_OUT[0].device.type == "cpu"
+    dec2 = _decoder()
+    delayed = _step(dec2)
+    n = dec2.cfg.num_hidden_layers
+    assert sorted(calls) == [1_000] * calls.count(1_000) + [20_000] * n  # the router once a layer
+    assert calls.count(1_000) >= n  # the shared expert's stages, at least once a layer
+    assert torch.equal(delayed, plain)
+    with pytest.raises(ValueError, match="not stage names: nope"):
+        T.set_delays("cpu", nope=5)
+    with pytest.raises(ValueError, match="at least 0 ns"):
+        T.set_delays("cpu", router=-1)
+    T.set_delays("cpu")
+    assert T.DELAY_NS == {}
+
+
+def test_spin_waits_and_refuses_a_negative_wait():
+    from megastep.kernels import spin
+
+    out = torch.zeros(1, dtype=torch.int64)
+    spin.spin(out, 200_000)
+    assert int(out[0]) >= 200_000  # ns the host spun (the CPU twin)
+    with pytest.raises(ValueError, match="at least 0 ns"):
+        spin.spin(out, -1)

@@ -49,6 +49,7 @@ import bench_kernels as BK  # noqa: E402
 from triton.language.extra import cuda as tlc  # noqa: E402
 
 from megastep.kernels import linear_fp8 as LIN  # noqa: E402
+from megastep.kernels.spin import _spin_kernel  # noqa: E402
 
 SHAPES = {"x_group": (1536, 4096, 1), "qr_group": (40960, 1024, 1), "wo_a": (8192, 4096, 8),
           "wo_b": (4096, 8192, 1), "shared_w2": (4096, 2048, 1)}
@@ -64,16 +65,6 @@ def _prefetch_kernel(p, nbytes, LINES: tl.constexpr):
         o = tl.where(o < nbytes, o, off)
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
                                   [(p + o).to(tl.int64, bitcast=True)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _spin_kernel(out_ptr, ns):
-    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [ns], dtype=tl.int64, is_pure=False, pack=1)
-    t = t0
-    while t - t0 < ns:
-        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [ns], dtype=tl.int64, is_pure=False,
-                                      pack=1)
-    tl.store(out_ptr, t - t0)
 
 
 @triton.jit
