@@ -32,7 +32,7 @@
 #   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
-#   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us at its entry, 1 and 4 rows, 3 rounds (~8 min)
+#   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
 #   bash benchmarks/h200_checks.sh wotail     # wo_a -> wo_b in one persistent launch: its GPU tests, the pair alone at 1-4 rows, the step A/B with 3 entries (~7 min)
 #   bash benchmarks/h200_checks.sh chain      # an HCA sublayer's FP8 weight streams at 1 row in one persistent launch against one launch per layer (chain_probe.py) (~4 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
@@ -420,11 +420,12 @@ for group in "$@"; do
       ab pins 260 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm off= --arm "gate8=$GATE8" \
         --arm "idx_v8=$IDX_FIRST; $ATTN_V8" --arm "all3=$all3" ;;
     slack)  # which stages the 1- and 4-row step waits for (runtime/trace.DELAY_NS, 2026-12-05, built without a device):
-      # each stage name in turn delayed by 5 and by 10 us at its entry, in every layer; the step's growth from the
-      # 5 us arm to the 10 us arm, over 5 us x the stage's entries a step, is the share of a delay there that the step
-      # could not hide (1: the stage is on the critical path; 0: it has that much slack), 3 rounds in one process
+      # each stage name in turn delayed by 5 and by 10 us at its first entry in each layer; the step's growth from the
+      # 5 us arm to the 10 us arm, over 5 us x the layers with that stage (30; compressor 29, indexer 15), is the share
+      # of a delay there that the step could not hide (1: the stage starts on the critical path; 0: it has that much
+      # slack), 3 rounds in one process
       arms=(--arm off=)
-      for st in mhc_pre attn_proj compressor indexer attention out_proj mhc_post router routed_experts shared_expert; do
+      for st in mhc_pre attn_proj compressor indexer attention out_proj router routed_experts shared_expert; do
         for us in 5 10; do
           arms+=(--arm "${st}_$us=import megastep.runtime.trace as t; t.set_delays('cuda', $st=${us}000)")
         done

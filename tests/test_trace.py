@@ -147,9 +147,10 @@ def test_layer_anatomy_parts_of_alike_periods():
 
 
 def test_delays_wait_at_their_stages_and_change_no_value(monkeypatch):
-    """trace.DELAY_NS (a timing probe): a wait at the entry of every stage of a name, every layer,
-    none elsewhere; the step's logits are the same bits with and without; set_delays refuses names
-    that are not stages and negative waits, and a call without delays clears them."""
+    """trace.DELAY_NS (a timing probe): a wait at the first entry of a stage of that name in each
+    layer, every step, none elsewhere; the step's logits are the same bits with and without;
+    set_delays refuses names that are not stages and negative waits, and a call without delays
+    clears them."""
     from megastep.kernels import spin
 
     calls = []
@@ -164,14 +165,17 @@ def test_delays_wait_at_their_stages_and_change_no_value(monkeypatch):
     dec = _decoder()
     plain = _step(dec).clone()
     assert calls == []
-    T.set_delays("cpu", router=20_000, shared_expert=1_000)
-    assert T.DELAY_NS == {"router": 20_000, "shared_expert": 1_000} and T._DELAY_OUT[0].device.type == "cpu"
+    monkeypatch.setattr(T, "_DELAYED", set())
+    T.set_delays("cpu", router=20_000, shared_expert=1_000, mhc_pre=3_000)
+    assert T.DELAY_NS == {"router": 20_000, "shared_expert": 1_000, "mhc_pre": 3_000}
+    assert T._DELAY_OUT[0].device.type == "cpu"
     dec2 = _decoder()
-    delayed = _step(dec2)
     n = dec2.cfg.num_hidden_layers
-    assert sorted(calls) == [1_000] * calls.count(1_000) + [20_000] * n  # the router once a layer
-    assert calls.count(1_000) >= n  # the shared expert's stages, at least once a layer
-    assert torch.equal(delayed, plain)
+    for _ in range(2):  # every step: once a layer for each, though mhc_pre and shared_expert enter twice a layer
+        calls.clear()
+        delayed = _step(dec2)
+        assert sorted(calls) == [1_000] * n + [3_000] * n + [20_000] * n
+        assert torch.equal(delayed, plain)
     with pytest.raises(ValueError, match="not stage names: nope"):
         T.set_delays("cpu", nope=5)
     with pytest.raises(ValueError, match="at least 0 ns"):

@@ -35,14 +35,15 @@ STAGES = (
 RANGE_PREFIX = "megastep::"  # profiler range of a stage: megastep::<stage>::<layer>
 
 # Timing probes only (empty in every served step): a wait of DELAY_NS[name] nanoseconds
-# (kernels/spin.py) on the current stream at the entry of every stage of that name, in every layer,
-# captured into the step's graphs like any launch. Set through `set_delays`. If the step grows by
-# the delay once per occurrence, it waited for that stage's start (the stage is on the critical
-# path); if it grows less, the stage had that much slack. The spin also takes the PDL overlap
-# between the launches around it, so compare two delays (5 and 10 us), not a delay with none
-# (benchmarks/h200_checks.sh slack).
+# (kernels/spin.py) on the current stream at the first entry of a stage of that name in each layer
+# (a step's stages start with "embed"), captured into the step's graphs like any launch. Set through
+# `set_delays`. If the step grows by the delay once per layer the stage is in, it waited for that
+# stage's start (the stage is on the critical path); if it grows less, the stage had that much
+# slack. The spin also takes the PDL overlap between the launches around it, so compare two delays
+# (5 and 10 us), not a delay with none (benchmarks/h200_checks.sh slack).
 DELAY_NS: dict[str, int] = {}
 _DELAY_OUT: list[torch.Tensor] = []  # the spin's output word, made by set_delays (never during a capture)
+_DELAYED: set[tuple[str, int]] = set()  # (stage, layer) delayed since the step's "embed"
 
 
 def set_delays(device: torch.device | str, **ns: int) -> None:
@@ -53,6 +54,7 @@ def set_delays(device: torch.device | str, **ns: int) -> None:
     if any(v < 0 for v in ns.values()):
         raise ValueError(f"delays are at least 0 ns, got {ns}")
     _DELAY_OUT[:] = [torch.zeros(1, dtype=torch.int64, device=device)]
+    _DELAYED.clear()
     DELAY_NS.clear()
     DELAY_NS.update(ns)
 
@@ -281,8 +283,12 @@ def _trace_events(prof) -> list[dict]:
 
 def stage(trace: StepTrace | None, name: str, layer: int = -1):
     """`with stage(trace, "attention", L):` — a no-op when no trace is attached (and no DELAY_NS)."""
-    if DELAY_NS.get(name):
-        from megastep.kernels import spin
+    if DELAY_NS:
+        if name == "embed":
+            _DELAYED.clear()
+        if DELAY_NS.get(name) and (name, layer) not in _DELAYED:
+            from megastep.kernels import spin
 
-        spin.spin(_DELAY_OUT[0], DELAY_NS[name])
+            _DELAYED.add((name, layer))
+            spin.spin(_DELAY_OUT[0], DELAY_NS[name])
     return nullcontext() if trace is None else trace.stage(name, layer)
