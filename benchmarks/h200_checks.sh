@@ -11,6 +11,7 @@
 #   bash benchmarks/h200_checks.sh tune       # measure and pin attention / mHC configs, then their GPU tests (~5 min)
 #   bash benchmarks/h200_checks.sh attn       # attention only: sweep and pin, the few-rows plan at 1-4 rows, its GPU tests (~7 min)
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget: B, hybrid (skewed), A (uniform, skewed) (~9 min)
+#   bash benchmarks/h200_checks.sh cpu_host   # the host's CPU on the CPU expert kernel: cold and cached experts, 1 and 4 threads, perf stat (~4 min, any GPU kind)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh offload_zc # B zero-copy (its GPU tests first) and B polling, the CPU's share per step, timelines (~8 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
@@ -292,6 +293,16 @@ for group in "$@"; do
         --routing skewed --hbm-budget 125 --cold-path cpu
       bench_with offload_skewed_hybrid_zc 170 "$ZC" --batch 1,6 --routing skewed --hbm-budget 125 --cold-path hybrid
       sidecar_lines offload_skewed_gpu_tl offload_skewed_cpu_zc_less2 offload_skewed_hybrid_zc ;;
+    cpu_host)  # why the GPU host's cores run the CPU expert kernel 4.4-6x slower per thread than the CPU machine's
+      # (2026-12-05): the machine (lscpu, cgroup CPU limit, clocks), one thread at M = 1 and 6 on cold experts and on
+      # one expert again and again (--pool 1: from the caches, so compute alone), then under perf stat if it is there
+      step cpu_host_info 20 bash -c 'lscpu; cat /sys/fs/cgroup/cpu.max 2>/dev/null; grep MHz /proc/cpuinfo | sort | uniq -c'
+      step cpu_host_cold 90 python3 benchmarks/cpu_experts.py --threads 1 4 --rows 1 6 --no-torch --reps 3
+      step cpu_host_hot 60 python3 benchmarks/cpu_experts.py --threads 1 4 --rows 1 6 --no-torch --reps 3 --pool 1
+      if command -v perf >/dev/null; then
+        step cpu_host_perf 60 perf stat -e cycles,instructions,task-clock python3 benchmarks/cpu_experts.py \
+          --threads 1 --rows 1 --no-torch --reps 3 --isa avx512
+      fi ;;
     offload_a)  # recipe A alone (the winner of the offload group)
       bench offload_skewed_gpu 280 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;
     ncu)  # why the weight-streaming kernels reach 1.1-1.5 TB/s and attention takes 20-30 us at batch 1:
