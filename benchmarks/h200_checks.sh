@@ -432,16 +432,18 @@ for group in "$@"; do
         --arm "idx_v8=$IDX_FIRST; $ATTN_V8" --arm "all3=$all3" ;;
     slack)  # which stages the 1- and 4-row step waits for (runtime/trace.DELAY_NS, 2026-12-05, built without a device):
       # each stage name in turn delayed by 5 and by 10 us at its first entry in each layer; the step's growth from the
-      # 5 us arm to the 10 us arm, over 5 us x the layers with that stage (30; compressor 29, indexer 15), is the share
-      # of a delay there that the step could not hide (1: the stage starts on the critical path; 0: it has that much
-      # slack), 3 rounds in one process
+      # 5 us arm to the 10 us arm, over 5 us x the layers with that stage, is the share of a delay there that the step
+      # could not hide (1: the stage starts on the critical path; 0: it has that much slack), 3 rounds in one process;
+      # benchmarks/slack_table.py prints the shares
       arms=(--arm off=)
       for st in mhc_pre attn_proj compressor indexer attention out_proj router routed_experts shared_expert; do
         for us in 5 10; do
           arms+=(--arm "${st}_$us=import megastep.runtime.trace as t; t.set_delays('cuda', $st=${us}000)")
         done
       done
-      ab slack 520 --layers 30 --batch 1,4 --rounds 3 "${arms[@]}" ;;
+      ab slack 500 --layers 30 --batch 1,4 --rounds 3 "${arms[@]}"
+      step slack_table 20 python3 benchmarks/slack_table.py "$OUT/slack.json"
+      summary+=("$(grep -E '^\|' "$OUT/slack_table.log" 2>/dev/null)") ;;
     wotail)  # wo_a -> wo_b in one persistent launch (kernels/wo_tail.py, 2026-12-05, built without a device): its GPU
       # tests (the two Triton launches' bits at 1-4 rows, any grid, in a graph with PDL; then in the step), the pair
       # alone at 1, 2 and 4 rows against the Triton launches (wo_tail_bench.py: each entry checked before it is
