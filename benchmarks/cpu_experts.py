@@ -227,12 +227,13 @@ def main() -> None:
         torch.set_num_threads(max(a.threads))
 
     # Recipe B layer calls: M rows x 6 slots of cold experts, per-slot outputs (6 distinct experts a row)
-    if a.pool < 6:
-        print(f"\n(no layer calls: a pool of {a.pool} experts has fewer than the 6 a row takes)")
-    else:
+    layer_calls = ((1, 6), (6, 6)) if a.pool >= 6 else ()
+    if layer_calls:
         print("\n| call | threads | us | GB/s |")
         print("|---|---|---|---|")
-    for M, k in ((1, 6), (6, 6)) if a.pool >= 6 else ():
+    else:
+        print(f"\n(no layer calls: a pool of {a.pool} experts has fewer than the 6 a row takes)")
+    for M, k in layer_calls:
         x = (torch.randn(M, D) * 2).bfloat16()
         w = torch.rand(M, k) + 0.1
         g = torch.Generator().manual_seed(1)
