@@ -214,6 +214,14 @@ WT='import megastep.kernels.wo_tail as t; t.ENABLED = True'
 # recipe B's job posted and collected without copies (runtime/sidecar.ZERO_COPY), for offload_zc and offload_b
 ZC='import megastep.runtime.sidecar as s; s.ZERO_COPY = True'
 
+zc_tests() {  # the zero-copy sidecar's GPU tests (offload_zc, offload_zc16)
+  step zc_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_sidecar_zero_copy.py \
+    'tests/test_fast_gpu.py::test_polling_sidecar_gives_the_host_functions_bits'
+}
+final_step() {  # the step of the table at the top of docs/PERFORMANCE.md (final, table)
+  bench final 170 --layers 30 --batch 1,2,4,8,16,32,64
+}
+
 all_gpus() {  # the lent machines' NCCL settings; n = the GPUs, gpus = their ids for --gpus
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # required on lent machines
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
@@ -264,8 +272,7 @@ for group in "$@"; do
       # (polling), each with what the CPU did per step (the bench's "CPU sidecar" lines: busy jobs, experts, CPU
       # time and its GB/s) and the device timeline of one replay (copies, and the GPU's idle stretches: its waits for
       # the CPU) (~8 min)
-      step zc_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_sidecar_zero_copy.py \
-        'tests/test_fast_gpu.py::test_polling_sidecar_gives_the_host_functions_bits'
+      zc_tests
       if [ "$last_rc" = 0 ]; then
         bench_with offload_skewed_cpu_zc 220 "$ZC" --batch 1,6 --routing skewed --hbm-budget 125 --cold-path cpu --timeline
       fi
@@ -273,8 +280,7 @@ for group in "$@"; do
       sidecar_lines offload_skewed_cpu_zc offload_skewed_cpu ;;
     offload_zc16)  # offload_zc on an 80 GB GPU: its GPU tests, then 16 layers with a 45 GB budget (~30 % of the
       # expert bytes cold, as the 43 layers' 125 GB leave), B zero-copy, B polling and A; compare only within the call
-      step zc_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_sidecar_zero_copy.py \
-        'tests/test_fast_gpu.py::test_polling_sidecar_gives_the_host_functions_bits'
+      zc_tests
       if [ "$last_rc" = 0 ]; then
         bench_with offload16_skewed_cpu_zc 130 "$ZC" --layers 16 --batch 1,6 --routing skewed --hbm-budget 45 \
           --cold-path cpu --timeline
@@ -403,9 +409,9 @@ for group in "$@"; do
       step final_tests 380 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
         tests/kernels/test_moe.py tests/kernels/test_route_cuda.py \
         -k "cold_expert or alone or same_input or graph_replay or indexer_beside or lut or route"
-      bench final 170 --layers 30 --batch 1,2,4,8,16,32,64 ;;
+      final_step ;;
     table)  # final's step alone (its bit tests already run on the same defaults): the table at the top of PERFORMANCE.md
-      bench final 170 --layers 30 --batch 1,2,4,8,16,32,64 ;;
+      final_step ;;
     csa64)  # CSA attention on the 2026-12-04 sweep's winner, h16 n64 c64 w8 (alone 22.4 / 214.2 us at 1 / 64 rows against
       # the pin's 30.7 / 230.3; other sums, so for every batch), with the value split over 4 programs at 1 row (never
       # timed): that plan bit for bit against it and timed at 1-4 rows, the attention and step bit tests under it, then

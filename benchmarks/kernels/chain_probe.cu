@@ -97,17 +97,22 @@ __device__ __forceinline__ Layer layer_of(const long long* desc, int l) {
 // quarter warp's LDS.128 (rows g and g + 1, four units each) covers 8 distinct bank groups; "tri":
 // at u ^ (r & 7), so the 32 lanes' 4-byte reads (rows g, segments j ^ g, words q) hit 32 banks
 template <int KIND>
+__host__ __device__ constexpr bool bulk_kind() {  // the bulk-copy loader's kinds
+  return KIND == kBulk || KIND == kBxor;
+}
+template <int KIND>
+__host__ __device__ constexpr bool xor_kind() {  // the copy-only floors
+  return KIND == kXor || KIND == kBxor;
+}
+
+template <int KIND>
 __device__ __forceinline__ int swz(int r, int u) {
-  if constexpr (KIND == kBulk || KIND == kBxor) return u;  // a bulk copy writes its row segment as it is
+  if constexpr (bulk_kind<KIND>()) return u;  // a bulk copy writes its row segment as it is
   return KIND == kTri ? u ^ (r & 7) : u ^ ((r & 1) << 2);
 }
 
 // The bulk loader's rows are KC + 16 bytes apart (one bulk copy per row cannot swizzle): row g's word q
 // of unit u sits in bank (4 g + 4 u + q) mod 32, so the 32 lanes of a "tri" read hit 32 banks
-template <int KIND>
-__host__ __device__ constexpr bool bulk_kind() {
-  return KIND == kBulk || KIND == kBxor;
-}
 template <int KIND, int KC>
 __host__ __device__ constexpr int row_stride() {
   return bulk_kind<KIND>() ? KC + 16 : KC;
@@ -331,7 +336,7 @@ __device__ __forceinline__ void chain(const long long* desc, int L, unsigned* co
     const int tile = cc.t / ly.S, s = cc.t % ly.S;
     const int n0 = tile * 16, grp = n0 / (ly.N / ly.G);
     const int k0 = s * ly.KT;  // the task's first byte of K
-    if constexpr (KIND != kXor && KIND != kBxor) quantize_x(ly.x + (long long)grp * ly.K + k0, ly.KT, xs, xsc, lane);
+    if constexpr (!xor_kind<KIND>()) quantize_x(ly.x + (long long)grp * ly.K + k0, ly.KT, xs, xsc, lane);
     const uint8_t* wsr = ly.ws + (long long)(n0 / 128) * (ly.K / 128) + k0 / 128;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int k = 0; k < ly.KT / KC; ++k, ++i) {
@@ -341,7 +346,7 @@ __device__ __forceinline__ void chain(const long long* desc, int L, unsigned* co
         wait_tile<R>();
       }
       const unsigned char* slot = ring + (i % R) * SLOT;
-      if constexpr (KIND == kXor || KIND == kBxor) {
+      if constexpr (xor_kind<KIND>()) {
         xor_sub<KIND, KC>(slot, lane, acc);
       } else {
         gemv_sub<KIND, KC>(slot, xs + k * KC, xsc + k * (KC / 128), wsr + k * (KC / 128), lane, acc);
