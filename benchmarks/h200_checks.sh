@@ -12,6 +12,7 @@
 #   bash benchmarks/h200_checks.sh attn       # attention only: sweep and pin, the few-rows plan at 1-4 rows, its GPU tests (~7 min)
 #   bash benchmarks/h200_checks.sh offload    # all 43 layers, 125 GB budget: B, hybrid (skewed), A (uniform, skewed) (~9 min)
 #   bash benchmarks/h200_checks.sh cpu_host   # the host's CPU on the CPU expert kernel: cold and cached experts, 1 and 4 threads, perf stat (~4 min, any GPU kind)
+#   bash benchmarks/h200_checks.sh cpu_omp    # the CPU expert kernel's thread scaling under OpenMP's placement and wait policy, back to back and sporadic (~4 min, any GPU kind)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh offload_zc # B zero-copy (its GPU tests first) and B polling, the CPU's share per step, timelines (~8 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
@@ -310,6 +311,24 @@ for group in "$@"; do
         step cpu_host_perf 60 perf stat -e cycles,instructions,task-clock python3 benchmarks/cpu_experts.py \
           --threads 1 --rows 1 --no-torch --reps 3 --isa avx512
       fi ;;
+    cpu_omp)  # the CPU expert kernel's thread scaling on the GPU host (2026-12-05: one expert at M = 1 takes 406 us on 16
+      # threads, 33 GB/s, where 16 threads' torch.sum reads 90 GB/s; recipe B's job 605 us in the step): OpenMP's
+      # placement and wait policy, back to back on 8 / 14 / 16 threads and sporadic as the sidecar calls it, on a pool
+      # of 48 experts (642 MB, twice the L3)
+      for e in plain bind active bind_active; do
+        case $e in
+          plain) envs=() ;;
+          bind) envs=(OMP_PROC_BIND=close OMP_PLACES=cores) ;;
+          active) envs=(OMP_WAIT_POLICY=active) ;;
+          bind_active) envs=(OMP_PROC_BIND=close OMP_PLACES=cores OMP_WAIT_POLICY=active) ;;
+        esac
+        step "cpu_omp_$e" 60 env "${envs[@]}" python3 benchmarks/cpu_experts.py --threads 8 14 16 --rows 1 6 \
+          --isa avx512 --no-torch --pool 48 --reps 3
+        step "cpu_omp_${e}_sporadic" 60 env "${envs[@]}" python3 benchmarks/cpu_experts.py --sporadic \
+          --threads 8 14 16 --pool 48
+        summary+=("$e: $(grep -E '^\| [16] \| avx512 ' "$OUT/cpu_omp_$e.log" | tr -s ' ' | tr '\n' ' ')")
+        summary+=("$e sporadic: $(grep -E '^\| 1?[0-9] \| [01] \|' "$OUT/cpu_omp_${e}_sporadic.log" | tr -s ' ' | tr '\n' ' ')")
+      done ;;
     offload_a)  # recipe A alone (the winner of the offload group)
       bench offload_skewed_gpu 280 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;
     ncu)  # why the weight-streaming kernels reach 1.1-1.5 TB/s and attention takes 20-30 us at batch 1:
