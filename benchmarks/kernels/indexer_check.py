@@ -9,8 +9,7 @@ Agreement per row: "same" = identical idx and ok; "tie" = the selected sets diff
 whose ref score is within 1e-5 x the row's largest |score| of the ref's k-th score (the kernel's
 documented tie rule and its different fp32 summation order); "BAD" = anything else. Also 5 runs
 bit-identical and batch invariance (row 0 alone).
-With --sweep, other configurations are timed too (the score and select kernels' tile and warps; the radix
-select and, for rows of up to 4096 entries, the rank select: entries per program and warps).
+With --sweep, other configurations are timed too (the score and select kernels' tile and warps).
 Timing: a CUDA graph of back-to-back calls, each on another copy of the key pool (so the keys come
 from HBM, as in decode where each layer has its own pool), median of 20 replays, µs per call.
 """
@@ -84,15 +83,10 @@ def sweep(q, wl, pools, slots, pos, n):
     for bn, per in ((32, 1), (128, 1), (64, 2), (64, 8)):
         if -(-n // (bn * per)) >= 8:
             cands.add(replace(base, block_n=bn, blocks_per_prog=per, score_warps=4 if bn < 128 else 8))
-    radix = replace(base, sel_rank=0, sel_warps=4 if base.sel_block <= 256 else 8 if base.sel_block <= 8192 else 16)
     for w in (4, 8, 16, 32):
         for r in (4, 5, 6, 8):
             if w * 32 <= base.sel_block:
-                cands.add(replace(radix, sel_warps=w, radix_bits=r))
-    if base.sel_block <= 4096:  # the rank select (indexer.RANK_MAX_N)
-        for w in (2, 4, 8):
-            for c in (8, 16, 32):
-                cands.add(replace(base, sel_rank=c, sel_warps=w))
+                cands.add(replace(base, sel_warps=w, radix_bits=r))
     out = []
     for c in sorted(cands, key=str):
         us = graph_time([lambda p=p: indexer_topk(q, wl, p, slots, pos, TOPK, RATIO, c) for p in pools])[0]

@@ -27,16 +27,6 @@ n = 16384 the row stays in registers (one load); longer rows are walked in block
 When visible <= k the answer is exactly 0..k-1: all visible entries, then the smallest invisible
 ids (ok False). When visible > k no invisible entry is chosen.
 
-Kernel 2' (`_rank_select_kernel`, grid (np / sel_rank, B), np = next_pow2(n); pick_config's choice
-up to n = RANK_MAX_N): the same selection by rank. Each program takes sel_rank entries of the row
-and counts, for each, the candidates ordered before it (a larger key, or an equal key and a lower
-id: a strict total order, so the ranks of the m candidates are 0..m-1); the entries of rank < k are
-exactly the k that the radix select takes. It stores a byte per entry (chosen or not); the row's
-last program to arrive (an int32 arrival counter per row, reset by it) writes the chosen ids in
-ascending order by one prefix count. O(n^2 / programs) compares per program, in parallel, against
-the radix select's 2-4 passes of cross-warp histograms in one program: one warp's serial chain of
-~2700 instructions at n = 1024 (eighteenth measurement), which the 1-row step waits for.
-
 What differs from torch:
 - ties: among equal scores the lower entry id wins (torch.topk's choice among equal values is
   unspecified). With visible <= k, the invisible ids emitted are visible..k-1 (torch: any).
@@ -57,8 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megastep.kernels.common import (f32_order_key, launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16,
-                                     workspace)
+from megastep.kernels.common import f32_order_key, launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
 
 CSA_RATIO = 4
 
@@ -71,22 +60,12 @@ class IndexerConfig:
     sel_block: int = 1024  # entries per step of the selection passes
     sel_warps: int = 4
     radix_bits: int = 5  # key bits resolved per selection pass (32 bins cost the same as 16)
-    sel_rank: int = 0  # entries per program of the rank select (a power of two; 0: the radix select)
 
     def check(self) -> None:
         assert self.block_n in (16, 32, 64, 128), self
         assert self.blocks_per_prog >= 1, self
         assert 16 <= self.sel_block <= 16384 and self.sel_block & (self.sel_block - 1) == 0, self
         assert 1 <= self.radix_bits <= 8, self
-        assert self.sel_rank == 0 or (self.sel_rank & (self.sel_rank - 1) == 0 and self.sel_rank <= self.sel_block), self
-
-
-# The rank select for rows of up to RANK_MAX_N entries (0: never), RANK_CHUNK entries per program in
-# RANK_WARPS warps; its compares grow as n^2, the radix select's passes as n.
-RANK_MAX_N = 2048
-RANK_CHUNK = 16
-RANK_WARPS = 4
-_COUNTERS = 1 << 12  # arrival counters kept per device and lane (one per batch row)
 
 
 def pick_config(n: int, H: int, di: int) -> IndexerConfig:
@@ -102,8 +81,6 @@ def pick_config(n: int, H: int, di: int) -> IndexerConfig:
     # H200 sweep (benchmarks/kernels/indexer_check.py --sweep): n 1024 best at 8 warps (8.1 vs
     # 8.6 µs at 4, B = 1), n 16384 at 16; radix 5 bits best or within noise of 4 and 6
     warps = 4 if sel <= 256 else 8 if sel <= 8192 else 16
-    if sel <= RANK_MAX_N:
-        return IndexerConfig(64, per, 4, sel, RANK_WARPS, 5, min(RANK_CHUNK, sel))
     return IndexerConfig(64, per, 4, sel, warps, 5)
 
 
@@ -270,36 +247,6 @@ def _select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, n, K, stride_sb, stride_ib, 
             eq_seen += last >> 16
 
 
-@triton.jit
-def _rank_select_kernel(s_ptr, pos_ptr, idx_ptr, ok_ptr, flag_ptr, cnt_ptr, n, K, stride_sb, stride_ib, stride_okb,
-                        RATIO: tl.constexpr, NP: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    vis = tl.minimum(tl.maximum((tl.load(pos_ptr + b) + 1) // RATIO, 0), n).to(tl.int32)
-    m = tl.maximum(vis, K)  # candidates: entries < m (K <= n)
-    s_row = s_ptr + b * stride_sb
-    flag_row = flag_ptr + b * NP
-    every = tl.arange(0, NP)
-    start = pid * CHUNK
-    if start < m:
-        offs = start + tl.arange(0, CHUNK)
-        key, live = _ordered_key(s_row, offs, vis, m)
-        all_key, all_live = _ordered_key(s_row, every, vis, m)
-        before = (all_key[None, :] > key[:, None]) | ((all_key[None, :] == key[:, None]) & (every[None, :] < offs[:, None]))
-        rank = tl.sum((before & all_live[None, :]).to(tl.int32), axis=1)
-        tl.store(flag_row + offs, (live & (rank < K)).to(tl.int8))
-    tl.debug_barrier()  # every thread's flags are stored before the arrival is counted
-    arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
-    if arrived == NP // CHUNK - 1:  # the row's last program: the chosen ids, ascending
-        tl.debug_barrier()
-        chosen = tl.load(flag_row + every, mask=every < m, other=0).to(tl.int32)
-        slot = tl.cumsum(chosen, axis=0) - 1
-        tl.store(idx_ptr + b * stride_ib + slot, every.to(tl.int64), mask=chosen != 0)
-        tl.store(ok_ptr + b * stride_okb + slot, (every < vis).to(tl.uint8), mask=chosen != 0)
-        tl.store(cnt_ptr + b, 0)
-
-
 def _check_inputs(q, wl, keys_pool, slots, pos):
     assert q.dim() == 3 and keys_pool.dim() == 3, (q.shape, keys_pool.shape)
     B, H, di = q.shape
@@ -350,17 +297,6 @@ def indexer_topk(q: torch.Tensor, wl: torch.Tensor, keys_pool: torch.Tensor, slo
     idx = torch.empty(B, k, dtype=torch.int64, device=q.device)
     ok = torch.empty(B, k, dtype=torch.bool, device=q.device)
     if B == 0:
-        return idx, ok
-    if cfg.sel_rank:
-        NP = max(next_pow2(n), cfg.sel_rank)
-        assert NP <= cfg.sel_block, (n, cfg)
-        flags = workspace(q.device, "indexer_flags", B * NP, torch.int8)
-        cnt = workspace(q.device, "counters_indexer", max(B, _COUNTERS), torch.int32)
-        grid = (NP // cfg.sel_rank, B)
-        _rank_select_kernel[grid](
-            scores, pos.contiguous(), idx, ok.view(torch.uint8), flags, cnt, n, k, scores.stride(0), idx.stride(0),
-            ok.stride(0), RATIO=ratio, NP=NP, CHUNK=cfg.sel_rank, num_warps=cfg.sel_warps, **launch_opts(scores, grid),
-        )
         return idx, ok
     grid = (B,)
     _select_kernel[grid](
