@@ -35,7 +35,7 @@
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
-#   bash benchmarks/h200_checks.sh rank       # the CSA indexer's rank select: its tests, the indexer alone (sweep), the step against the radix select, 3 rounds (~8 min)
+#   bash benchmarks/h200_checks.sh prio       # the graphs with their kernels' stream priorities: the bit test, the step with 4 priority arms, 3 rounds (~5 min)
 #   bash benchmarks/h200_checks.sh wotail     # wo_a -> wo_b in one persistent launch: its GPU tests, the pair alone at 1-4 rows, the step A/B with 3 entries (~7 min)
 #   bash benchmarks/h200_checks.sh chain      # an HCA sublayer's FP8 weight streams at 1 row in one persistent launch against one launch per layer (chain_probe.py) (~4 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
@@ -470,17 +470,22 @@ for group in "$@"; do
       ab slack 500 --layers 30 --batch 1,4 --rounds 3 "${arms[@]}"
       step slack_table 20 python3 benchmarks/slack_table.py "$OUT/slack.json"
       summary+=("$(grep -E '^\|' "$OUT/slack_table.log" 2>/dev/null)") ;;
-    rank)  # the CSA indexer's rank select (indexer.RANK_MAX_N, 2026-12-05, built without a device; the 1-row select
-      # ends ~12 us after the scores on the H200, share 0.94 in `slack`): the indexer's tests on the GPU and the step's
-      # indexer and bit tests, the indexer alone against the radix select (indexer_check.py --sweep), then the step
-      # with each, 3 rounds in one process
-      step rank_tests 200 python3 -m pytest -q -rfE --timeout 150 tests/kernels/test_indexer.py
-      step rank_step_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_fast_gpu.py \
-        -k "indexer or same_input or alone or graph_replay"
-      step rank_check 150 python3 benchmarks/kernels/indexer_check.py --sweep
-      summary+=("$(grep -E '^\||picked|FAIL|BAD [1-9]' "$OUT/rank_check.log" 2>/dev/null | head -30)")
-      ab rank 240 --layers 30 --batch 1,2,4,16,64 --rounds 3 --timeline-batch 1 --arm rank= \
-        --arm "radix=import megastep.kernels.indexer as i; i.RANK_MAX_N = 0" ;;
+    prio)  # the graphs run with their kernels' stream priorities (runtime/graph_exec.py, fast.STREAM_PRIORITY,
+      # step.CAPTURE_PRIORITY / NODE_PRIORITY; 2026-12-05 evening, after `slack` and the rank select: at 1 row every
+      # main-stream stage is on the critical path, the side stream's have slack, and the CSA select ends 6.6-22 us after
+      # its scores as the kernels beside it take the SMs): the bit test, then the step, 3 rounds in one process:
+      # torch's replay; the driver's instantiation alone; the indexer's stream urgent; the main stream above the side
+      # stream with the indexer's above both or beside the main one
+      step prio_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_fast_gpu.py \
+        -k "stream_priorities or graph_replay"
+      P='import megastep.runtime.step as s; s.NODE_PRIORITY = True; import megastep.model.fast as f'
+      ab prio 300 --layers 30 --batch 1,2,4,16 --rounds 3 --timeline-batch 1 --arm off= --arm "node=$P" \
+        --arm "idx_hi=$P; f.STREAM_PRIORITY['idx'] = -5" \
+        --arm "main_hi=$P; s.CAPTURE_PRIORITY = -3; f.STREAM_PRIORITY['idx'] = -5" \
+        --arm "main_idx=$P; s.CAPTURE_PRIORITY = -3; f.STREAM_PRIORITY['idx'] = -3" ;;
+    prio2)  # `prio`'s winner (the indexer's stream urgent, -0.53 % at 1 row) against the defaults at the rows `prio` left out
+      P='import megastep.runtime.step as s; s.NODE_PRIORITY = True; import megastep.model.fast as f'
+      ab prio2 140 --layers 30 --batch 1,8,32,64 --rounds 3 --arm off= --arm "idx_hi=$P; f.STREAM_PRIORITY['idx'] = -5" ;;
     wotail)  # wo_a -> wo_b in one persistent launch (kernels/wo_tail.py, 2026-12-05, built without a device): its GPU
       # tests (the two Triton launches' bits at 1-4 rows, any grid, in a graph with PDL; then in the step), the pair
       # alone at 1, 2 and 4 rows against the Triton launches (wo_tail_bench.py: each entry checked before it is

@@ -180,7 +180,7 @@ def test_l2_prefetch_asks_for_each_sublayers_weights(tiny, monkeypatch):
         return list(launched)
 
     assert step(1, {"x", "qr", "wo_a", "shared"}) == []  # no stream: nothing
-    monkeypatch.setattr(dec, "pf_stream", object())
+    monkeypatch.setitem(dec._streams, "pf", object())
     got = step(1, {"x", "qr", "wo_a", "shared"})
     assert len(got) == len(want) and all(t is u for t, (_, u) in zip(got, want))
     assert joined[-1] is dec.pf_stream  # joined before the head

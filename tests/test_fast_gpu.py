@@ -431,6 +431,28 @@ def test_indexer_first_changes_no_bits(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
+def test_stream_priorities_change_no_bits(monkeypatch):
+    """fast.STREAM_PRIORITY with step.CAPTURE_PRIORITY and NODE_PRIORITY (the graphs instantiated by
+    runtime/graph_exec.py to run with their kernels' priorities): the greedy logits at 1 row and in
+    a batch of 16, bit for bit against torch's replay; the side streams really are the priority twins
+    and the graphs really are the driver-instantiated ones."""
+    from megastep.model import fast
+    from megastep.runtime import step
+
+    want = alone_then_batched(build(experts="lut"))
+    lo, hi = torch.cuda.Stream.priority_range()  # (least, greatest urgency): (0, -5) on Hopper
+    monkeypatch.setattr(fast, "STREAM_PRIORITY", {"side": lo, "hc": lo, "pf": lo, "idx": hi})
+    monkeypatch.setattr(step, "CAPTURE_PRIORITY", max(hi, lo - 2))
+    monkeypatch.setattr(step, "NODE_PRIORITY", True)
+    built = build(experts="lut")
+    got = alone_then_batched(built)
+    dec, runner = built[1], built[2]
+    assert dec.idx_stream.priority == hi and dec.side_stream.priority == lo
+    assert dec.idx_stream is not dec._streams["idx"] and dec.idx_stream is dec._stream("idx")
+    assert all(b.priority_graph is not None for b in runner.buckets.values())
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
 def test_staged_linears_change_no_bits(monkeypatch):
     """linear_fp8_staged (the CUDA twin of the plain FP8 linear that copies its weights into shared
     memory before it waits for its input) taking the small preset's wo_a, wo_b, x group and qr launches, the

@@ -161,6 +161,12 @@ L2_PREFETCH_MAX_ROWS = 4
 # Pinned after `pins` (one H100, 16 layers, 2026-12-05: its GPU bit tests pass; with the 8-slab plans
 # below -0.14 to -0.59 % at 1-64 rows).
 INDEXER_FIRST = True
+# A probe (2026-12-05, evening): the side streams' priorities by name ("side", "hc", "idx", "pf"; lower is
+# more urgent, CUDA's range on Hopper is 0..-5), read when a step is run or captured. A kernel captured
+# into a graph keeps its stream's priority as the node's, which the block scheduler honours only in a
+# graph instantiated to use them (runtime/step.NODE_PRIORITY); the streams' own default is 0, the least
+# urgent, so a side stream below the main one needs the capture stream raised (step.CAPTURE_PRIORITY).
+STREAM_PRIORITY: dict[str, int] = {}
 
 
 def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
@@ -294,13 +300,12 @@ class FastDecoder(MoeSublayer):
         on_cuda = self.triton and self.device.type == "cuda"
         if overlap and not on_cuda:
             raise ValueError("overlap needs the Triton kernels on a CUDA device")
-        self.side_stream = torch.cuda.Stream(self.device) if (on_cuda if overlap is None else overlap) else None
-        # MHC_SINKHORN_OWN_STREAM_ROWS' stream (made here: a graph captures the streams it is given)
-        self.hc_stream = torch.cuda.Stream(self.device) if self.side_stream is not None else None
-        # INDEXER_BESIDE_ROWS' stream
-        self.idx_stream = torch.cuda.Stream(self.device) if self.side_stream is not None else None
-        # L2_PREFETCH's stream, and whether this step has launched on it (joined before the head)
-        self.pf_stream = torch.cuda.Stream(self.device) if self.side_stream is not None else None
+        # the side stream; MHC_SINKHORN_OWN_STREAM_ROWS' ("hc"), INDEXER_BESIDE_ROWS' ("idx") and
+        # L2_PREFETCH's ("pf") (made here: a graph captures the streams it is given; see _stream)
+        side = on_cuda if overlap is None else overlap
+        self._streams = {name: torch.cuda.Stream(self.device) if side else None for name in ("side", "hc", "idx", "pf")}
+        self._priority_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+        # whether this step has launched on the "pf" stream (joined before the head)
         self._prefetched = False
         if shared_w2 not in (None, "residual", "combine", "mhc"):
             raise ValueError(f"shared_w2 must be residual, combine or mhc, got {shared_w2!r}")
@@ -508,6 +513,22 @@ class FastDecoder(MoeSublayer):
                 "wo_b": _cols_of(lw["wo_b"], r * cols, (r + 1) * cols)}
 
     # ---- the second stream --------------------------------------------------------------------
+    def _stream(self, name: str) -> torch.cuda.Stream | None:
+        """The stream `name`, or its twin of priority STREAM_PRIORITY[name] (made on first use: a
+        step's eager warm-up runs before its capture)."""
+        base, p = self._streams[name], STREAM_PRIORITY.get(name)
+        if base is None or p is None:
+            return base
+        key = (name, p)
+        if key not in self._priority_streams:
+            self._priority_streams[key] = torch.cuda.Stream(self.device, priority=p)
+        return self._priority_streams[key]
+
+    side_stream = property(lambda self: self._stream("side"))
+    hc_stream = property(lambda self: self._stream("hc"))
+    idx_stream = property(lambda self: self._stream("idx"))
+    pf_stream = property(lambda self: self._stream("pf"))
+
     @contextlib.contextmanager
     def _on_side(self, stream: torch.cuda.Stream | None = None, lane: str = "side"):
         """Launch on the side stream (or `stream`, with the workspace lane `lane`), ordered after
