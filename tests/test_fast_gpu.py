@@ -453,6 +453,36 @@ def test_stream_priorities_change_no_bits(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
+def test_urgent_indexer_changes_no_bits(monkeypatch):
+    """fast.INDEXER_URGENT_ROWS = 1 with NODE_PRIORITY: the greedy logits at 1 row and in a batch of
+    16, bit for bit against the defaults; the 1-row steps launch the CSA indexer's q rows on the
+    indexer stream's most urgent twin, the 16-row steps on the stream itself."""
+    from megastep.model import fast
+    from megastep.model.linears import LinearGroup
+    from megastep.runtime import step
+
+    on_streams = []
+    part = LinearGroup.part
+
+    def spy(self, i, *a, **k):
+        on_streams.append((i, torch.cuda.current_stream().cuda_stream))
+        return part(self, i, *a, **k)
+
+    monkeypatch.setattr(LinearGroup, "part", spy)
+    want = alone_then_batched(build(experts="lut"))
+    monkeypatch.setattr(fast, "INDEXER_URGENT_ROWS", 1)
+    monkeypatch.setattr(step, "NODE_PRIORITY", True)
+    built = build(experts="lut")
+    on_streams.clear()
+    got = alone_then_batched(built)
+    dec = built[1]
+    urgent, plain = dec._stream("idx", urgent=True), dec._stream("idx")
+    assert urgent.priority == torch.cuda.Stream.priority_range()[1] and urgent is not plain
+    used = {s for i, s in on_streams if i == 1}
+    assert used == {urgent.cuda_stream, plain.cuda_stream}, used
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
 def test_staged_linears_change_no_bits(monkeypatch):
     """linear_fp8_staged (the CUDA twin of the plain FP8 linear that copies its weights into shared
     memory before it waits for its input) taking the small preset's wo_a, wo_b, x group and qr launches, the

@@ -145,7 +145,7 @@ def gpu_shaped(dec):
                (moe_lut, "_sms", lambda index: SMS),
                (moe_lut, "_ring_fits", lambda index, nbytes: nbytes <= 227 << 10),  # an H200's CTA limit
                (prefetch, "_hopper", lambda index: True),
-               (dec, "_stream", lambda name: _Ordering()),  # every side stream, whatever its priority
+               (dec, "_stream", lambda name, urgent=False: _Ordering()),  # every side stream, any priority
                (dec, "moe_mode", "lut"), (dec, "route_cuda_ok", True)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, v in patches:

@@ -167,6 +167,13 @@ INDEXER_FIRST = True
 # graph instantiated to use them (runtime/step.NODE_PRIORITY); the streams' own default is 0, the least
 # urgent, so a side stream below the main one needs the capture stream raised (step.CAPTURE_PRIORITY).
 STREAM_PRIORITY: dict[str, int] = {}
+# Steps of at most this many rows launch the CSA indexer (INDEXER_BESIDE_ROWS' stream) at the most urgent
+# priority, so that its scores and select take SMs ahead of the weight streams beside them; it needs the
+# graphs run with their nodes' priorities (runtime/step.NODE_PRIORITY). 0: never. Twenty-ninth measurement
+# (docs/PERFORMANCE.md, item 4), the indexer's stream at -5 in the driver's graphs, p50 of 3 rounds: 1 row
+# -0.53 / -0.56 % (two calls), 8 rows -0.11 %, 2-4 and 16-64 rows within noise. Off until the GPU tests of
+# `final` have run under it with NODE_PRIORITY (benchmarks/h200_checks.sh prio_pin).
+INDEXER_URGENT_ROWS = 0
 
 
 def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
@@ -513,12 +520,15 @@ class FastDecoder(MoeSublayer):
                 "wo_b": _cols_of(lw["wo_b"], r * cols, (r + 1) * cols)}
 
     # ---- the second stream --------------------------------------------------------------------
-    def _stream(self, name: str) -> torch.cuda.Stream | None:
-        """The stream `name`, or its twin of priority STREAM_PRIORITY[name] (made on first use: a
-        step's eager warm-up runs before its capture)."""
+    def _stream(self, name: str, urgent: bool = False) -> torch.cuda.Stream | None:
+        """The stream `name`, or its twin of priority STREAM_PRIORITY[name] (else, if urgent, of the
+        most urgent priority); twins are made on first use (a step's eager warm-up runs before its
+        capture)."""
         base, p = self._streams[name], STREAM_PRIORITY.get(name)
-        if base is None or p is None:
+        if base is None or (p is None and not urgent):
             return base
+        if p is None:
+            p = torch.cuda.Stream.priority_range()[1]  # (least, most) urgent
         key = (name, p)
         if key not in self._priority_streams:
             self._priority_streams[key] = torch.cuda.Stream(self.device, priority=p)
@@ -645,7 +655,8 @@ class FastDecoder(MoeSublayer):
         # (one GPU without the CPU sidecar: the only setting measured)
         few = (r == CSA_RATIO and tr and B <= INDEXER_BESIDE_ROWS and (self.world_size == 1 or BESIDE_ON_RANKS)
                and self.sidecar is None)
-        beside = few and self.idx_stream is not None
+        idx_stream = self._stream("idx", urgent=B <= INDEXER_URGENT_ROWS) if few else None
+        beside = idx_stream is not None
         keys_ready = torch.cuda.Event() if beside else None
         # INDEXER_FIRST: the indexer's bf16 rows in a launch of their own before the compressor's, and
         # (beside) its q rows on its own stream
@@ -690,7 +701,7 @@ class FastDecoder(MoeSublayer):
             elif not beside:
                 qb = lw["qr_fp8"](qr, tr, codes=qrq)
         if beside:
-            with self._on_side(self.idx_stream, "indexer"), stage(T, "indexer", L):
+            with self._on_side(idx_stream, "indexer"), stage(T, "indexer", L):
                 if first:  # beside wq_b instead of before it
                     qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq)
                 kw["idx"], kw["idx_ok"] = self._indexer(qi, xd[4], pos, slots, L, keys_ready)
@@ -699,7 +710,7 @@ class FastDecoder(MoeSublayer):
             q = self._kernel(_rn, "q_norm_rope")(qh.view(B, H, hd), inv_freq, pos, eps, **heads_kw)
         self._join(*made)  # the side stream's work of this layer so far
         if beside:
-            self._join(kw["idx"], kw["idx_ok"], stream=self.idx_stream)
+            self._join(kw["idx"], kw["idx_ok"], stream=idx_stream)
         elif r == CSA_RATIO:
             with stage(T, "indexer", L):
                 kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)
