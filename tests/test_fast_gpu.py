@@ -403,12 +403,8 @@ def test_fused_gate_route_changes_no_bits(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
-def test_indexer_first_changes_no_bits(monkeypatch):
-    """INDEXER_FIRST (a CSA layer's indexer rows of the bf16 projection in a launch of their own before
-    the compressor's, and its q rows on the indexer's stream beside wq_b): the step's greedy logits at
-    1 row (graphs with PDL) and in a batch of 16, bit for bit against the order without it, the
-    indexer's q rows really launched on its stream."""
-    from megastep.model import fast
+def spy_group_parts(monkeypatch) -> list[tuple[int, int]]:
+    """A list that each LinearGroup.part call appends (part index, the current stream's handle) to."""
     from megastep.model.linears import LinearGroup
 
     on_streams = []
@@ -419,6 +415,17 @@ def test_indexer_first_changes_no_bits(monkeypatch):
         return part(self, i, *a, **k)
 
     monkeypatch.setattr(LinearGroup, "part", spy)
+    return on_streams
+
+
+def test_indexer_first_changes_no_bits(monkeypatch):
+    """INDEXER_FIRST (a CSA layer's indexer rows of the bf16 projection in a launch of their own before
+    the compressor's, and its q rows on the indexer's stream beside wq_b): the step's greedy logits at
+    1 row (graphs with PDL) and in a batch of 16, bit for bit against the order without it, the
+    indexer's q rows really launched on its stream."""
+    from megastep.model import fast
+
+    on_streams = spy_group_parts(monkeypatch)
     monkeypatch.setattr(fast, "INDEXER_FIRST", False)
     want = alone_then_batched(build(experts="lut"))
     monkeypatch.setattr(fast, "INDEXER_FIRST", True)
@@ -458,17 +465,9 @@ def test_urgent_indexer_changes_no_bits(monkeypatch):
     16, bit for bit against the defaults; the 1-row steps launch the CSA indexer's q rows on the
     indexer stream's most urgent twin, the 16-row steps on the stream itself."""
     from megastep.model import fast
-    from megastep.model.linears import LinearGroup
     from megastep.runtime import step
 
-    on_streams = []
-    part = LinearGroup.part
-
-    def spy(self, i, *a, **k):
-        on_streams.append((i, torch.cuda.current_stream().cuda_stream))
-        return part(self, i, *a, **k)
-
-    monkeypatch.setattr(LinearGroup, "part", spy)
+    on_streams = spy_group_parts(monkeypatch)
     want = alone_then_batched(build(experts="lut"))
     monkeypatch.setattr(fast, "INDEXER_URGENT_ROWS", 1)
     monkeypatch.setattr(step, "NODE_PRIORITY", True)
