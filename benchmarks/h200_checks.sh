@@ -37,6 +37,7 @@
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
 #   bash benchmarks/h200_checks.sh prio       # the graphs with their kernels' stream priorities: the bit test, the step with 4 priority arms, 3 rounds (~5 min)
 #   bash benchmarks/h200_checks.sh prio_pin   # the urgent indexer stream with node priorities: final's GPU tests under it, the step at 1-64 rows A/B, 3 rounds (~9 min)
+#   bash benchmarks/h200_checks.sh prio_more  # the Sinkhorn's and the side stream made urgent beside the indexer's, the step at 1-8 rows, 3 rounds (~4 min)
 #   bash benchmarks/h200_checks.sh wotail     # wo_a -> wo_b in one persistent launch: its GPU tests, the pair alone at 1-4 rows, the step A/B with 3 entries (~7 min)
 #   bash benchmarks/h200_checks.sh chain      # an HCA sublayer's FP8 weight streams at 1 row in one persistent launch against one launch per layer (chain_probe.py) (~4 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
@@ -495,6 +496,13 @@ for group in "$@"; do
         '120', '-m', 'gpu', 'tests/test_fast_gpu.py', 'tests/kernels/test_moe.py', 'tests/kernels/test_route_cuda.py', \
         '-k', 'cold_expert or alone or same_input or graph_replay or indexer or lut or route or priorit or urgent']))"
       ab prio_pin 200 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm off= --arm "pin=$PIN" ;;
+    prio_more)  # the other side streams made urgent beside the indexer's (after `prio`: only the indexer's gained, the
+      # main stream above the side streams lost 5 %): the Sinkhorn's own stream (2-4 rows), the side stream (the
+      # compressors' projection, which a CSA layer's indexer waits for; the shared expert), 3 rounds in one process
+      P='import megastep.runtime.step as s; s.NODE_PRIORITY = True; import megastep.model.fast as f'
+      ab prio_more 240 --layers 30 --batch 1,2,4,8 --rounds 3 --arm off= --arm "idx=$P; f.STREAM_PRIORITY['idx'] = -5" \
+        --arm "idx_hc=$P; f.STREAM_PRIORITY.update(idx=-5, hc=-5)" --arm "idx_side=$P; f.STREAM_PRIORITY.update(idx=-5, side=-3)" \
+        --arm "all_side=$P; f.STREAM_PRIORITY.update(idx=-5, hc=-5, side=-5)" ;;
     wotail)  # wo_a -> wo_b in one persistent launch (kernels/wo_tail.py, 2026-12-05, built without a device): its GPU
       # tests (the two Triton launches' bits at 1-4 rows, any grid, in a graph with PDL; then in the step), the pair
       # alone at 1, 2 and 4 rows against the Triton launches (wo_tail_bench.py: each entry checked before it is
