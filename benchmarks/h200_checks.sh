@@ -35,7 +35,6 @@
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
-#   bash benchmarks/h200_checks.sh prio       # the graphs with their kernels' stream priorities: the bit test, the step with 4 priority arms, 3 rounds (~5 min)
 #   bash benchmarks/h200_checks.sh prio_pin   # the urgent indexer stream with node priorities: final's GPU tests under it, the step at 1-64 rows A/B, 3 rounds (~9 min)
 #   bash benchmarks/h200_checks.sh prio_more  # the Sinkhorn's and the side stream made urgent beside the indexer's, the step at 1-8 rows, 3 rounds (~4 min)
 #   bash benchmarks/h200_checks.sh wotail     # wo_a -> wo_b in one persistent launch: its GPU tests, the pair alone at 1-4 rows, the step A/B with 3 entries (~7 min)
@@ -472,22 +471,6 @@ for group in "$@"; do
       ab slack 500 --layers 30 --batch 1,4 --rounds 3 "${arms[@]}"
       step slack_table 20 python3 benchmarks/slack_table.py "$OUT/slack.json"
       summary+=("$(grep -E '^\|' "$OUT/slack_table.log" 2>/dev/null)") ;;
-    prio)  # the graphs run with their kernels' stream priorities (runtime/graph_exec.py, fast.STREAM_PRIORITY,
-      # step.CAPTURE_PRIORITY / NODE_PRIORITY; 2026-12-05 evening, after `slack` and the rank select: at 1 row every
-      # main-stream stage is on the critical path, the side stream's have slack, and the CSA select ends 6.6-22 us after
-      # its scores as the kernels beside it take the SMs): the bit test, then the step, 3 rounds in one process:
-      # torch's replay; the driver's instantiation alone; the indexer's stream urgent; the main stream above the side
-      # stream with the indexer's above both or beside the main one
-      step prio_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_fast_gpu.py \
-        -k "stream_priorities or graph_replay"
-      P='import megastep.runtime.step as s; s.NODE_PRIORITY = True; import megastep.model.fast as f'
-      ab prio 300 --layers 30 --batch 1,2,4,16 --rounds 3 --timeline-batch 1 --arm off= --arm "node=$P" \
-        --arm "idx_hi=$P; f.STREAM_PRIORITY['idx'] = -5" \
-        --arm "main_hi=$P; s.CAPTURE_PRIORITY = -3; f.STREAM_PRIORITY['idx'] = -5" \
-        --arm "main_idx=$P; s.CAPTURE_PRIORITY = -3; f.STREAM_PRIORITY['idx'] = -3" ;;
-    prio2)  # `prio`'s winner (the indexer's stream urgent, -0.53 % at 1 row) against the defaults at the rows `prio` left out
-      P='import megastep.runtime.step as s; s.NODE_PRIORITY = True; import megastep.model.fast as f'
-      ab prio2 140 --layers 30 --batch 1,8,32,64 --rounds 3 --arm off= --arm "idx_hi=$P; f.STREAM_PRIORITY['idx'] = -5" ;;
     prio_pin)  # the pin `prio` and `prio2` point at (fast.INDEXER_URGENT_ROWS = 8 with step.NODE_PRIORITY, the graphs
       # instantiated by the driver): final's GPU tests and the priority tests under it, then the step at 1-64 rows
       # against the defaults, 3 rounds in one process. Pinned (both settings) if the tests pass and 1 row gains.
@@ -496,9 +479,10 @@ for group in "$@"; do
         '120', '-m', 'gpu', 'tests/test_fast_gpu.py', 'tests/kernels/test_moe.py', 'tests/kernels/test_route_cuda.py', \
         '-k', 'cold_expert or alone or same_input or graph_replay or indexer or lut or route or priorit or urgent']))"
       ab prio_pin 200 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm off= --arm "pin=$PIN" ;;
-    prio_more)  # the other side streams made urgent beside the indexer's (after `prio`: only the indexer's gained, the
-      # main stream above the side streams lost 5 %): the Sinkhorn's own stream (2-4 rows), the side stream (the
-      # compressors' projection, which a CSA layer's indexer waits for; the shared expert), 3 rounds in one process
+    prio_more)  # the other side streams made urgent beside the indexer's (after `prio`, read at 6dc83fd: only the
+      # indexer's gained, the main stream above the side streams lost 5 %): the Sinkhorn's own stream (2-4 rows), the
+      # side stream (the compressors' projection, which a CSA layer's indexer waits for; the shared expert), 3 rounds
+      # in one process
       P='import megastep.runtime.step as s; s.NODE_PRIORITY = True; import megastep.model.fast as f'
       ab prio_more 240 --layers 30 --batch 1,2,4,8 --rounds 3 --arm off= --arm "idx=$P; f.STREAM_PRIORITY['idx'] = -5" \
         --arm "idx_hc=$P; f.STREAM_PRIORITY.update(idx=-5, hc=-5)" --arm "idx_side=$P; f.STREAM_PRIORITY.update(idx=-5, side=-3)" \

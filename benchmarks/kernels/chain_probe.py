@@ -317,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     if not kinds or not set(kinds) <= set(KINDS):
         ap.error(f"--kinds takes some of {', '.join(KINDS)}, got {args.kinds!r}")
     import bench_kernels as BK
-    import l2_prefetch as LP
     from megastep.kernels import common
+    from megastep.kernels.spin import _spin_kernel
 
     os.makedirs(args.out, exist_ok=True)
     BK.LOG = open(os.path.join(args.out, "chain_probe.log"), "w")
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     spin_out = torch.empty(1, dtype=torch.int64, device="cuda")
 
     def spin(ns: int) -> None:
-        LP._spin_kernel[(1,)](spin_out, ns)
+        _spin_kernel[(1,)](spin_out, ns)
 
     def timed(name: str, gaps: bool, fn) -> None:
         gap_us = sum(gaps_us(layers, gaps))

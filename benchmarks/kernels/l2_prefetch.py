@@ -49,7 +49,7 @@ import bench_kernels as BK  # noqa: E402
 from triton.language.extra import cuda as tlc  # noqa: E402
 
 from megastep.kernels import linear_fp8 as LIN  # noqa: E402
-from megastep.kernels.spin import _spin_kernel  # noqa: E402
+from megastep.kernels.spin import _spin_kernel, wait_ns  # noqa: E402
 
 SHAPES = {"x_group": (1536, 4096, 1), "qr_group": (40960, 1024, 1), "wo_a": (8192, 4096, 8),
           "wo_b": (4096, 8192, 1), "shared_w2": (4096, 2048, 1)}
@@ -72,13 +72,9 @@ def _spin_release_kernel(out_ptr, ns):
     """_spin_kernel as a PDL predecessor that lets the next kernel's CTAs be placed at once; it waits
     for its own predecessor before it ends, so each kernel still completes after the one before."""
     tlc.gdc_launch_dependents()
-    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [ns], dtype=tl.int64, is_pure=False, pack=1)
-    t = t0
-    while t - t0 < ns:
-        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [ns], dtype=tl.int64, is_pure=False,
-                                      pack=1)
+    spun = wait_ns(ns)
     tlc.gdc_wait()
-    tl.store(out_ptr, t - t0)
+    tl.store(out_ptr, spun)
 
 
 def _with_staged(fn, shape: tuple[int, int, int] | None, prefetch: bool = False):

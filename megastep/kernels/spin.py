@@ -20,13 +20,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _spin_kernel(out_ptr, ns):
+def wait_ns(ns):
+    """Spin on the global timer until `ns` nanoseconds have passed; returns the nanoseconds spun."""
     t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [ns], dtype=tl.int64, is_pure=False, pack=1)
     t = t0
     while t - t0 < ns:
         t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [ns], dtype=tl.int64, is_pure=False,
                                       pack=1)
-    tl.store(out_ptr, t - t0)
+    return t - t0
+
+
+@triton.jit
+def _spin_kernel(out_ptr, ns):
+    tl.store(out_ptr, wait_ns(ns))
 
 
 def spin(out: torch.Tensor, ns: int) -> None:
