@@ -37,6 +37,7 @@
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
 #   bash benchmarks/h200_checks.sh prio_pin   # the urgent indexer stream with node priorities: final's GPU tests under it, the step at 1-64 rows A/B, 3 rounds (~9 min)
 #   bash benchmarks/h200_checks.sh prio_more  # the Sinkhorn's and the side stream made urgent beside the indexer's, the step at 1-8 rows, 3 rounds (~4 min)
+#   bash benchmarks/h200_checks.sh qnorm      # the q norm inside the qr group's launches: its GPU tests, the step at 1-64 rows A/B, 3 rounds (~8 min)
 #   bash benchmarks/h200_checks.sh wotail     # wo_a -> wo_b in one persistent launch: its GPU tests, the pair alone at 1-4 rows, the step A/B with 3 entries (~7 min)
 #   bash benchmarks/h200_checks.sh chain      # an HCA sublayer's FP8 weight streams at 1 row in one persistent launch against one launch per layer (chain_probe.py) (~4 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
@@ -487,6 +488,14 @@ for group in "$@"; do
       ab prio_more 240 --layers 30 --batch 1,2,4,8 --rounds 3 --arm off= --arm "idx=$P; f.STREAM_PRIORITY['idx'] = -5" \
         --arm "idx_hc=$P; f.STREAM_PRIORITY.update(idx=-5, hc=-5)" --arm "idx_side=$P; f.STREAM_PRIORITY.update(idx=-5, side=-3)" \
         --arm "all_side=$P; f.STREAM_PRIORITY.update(idx=-5, hc=-5, side=-5)" ;;
+    qnorm)  # the q norm inside the qr group's launches (fast.QNORM_IN_QR_ROWS; linear_fp8(norm=), rms_norm's exact sum
+      # of squares; 2026-12-05, built without a device): its GPU tests (the kernels' bits against rms_norm's launch and
+      # the linear at every row tile; the step at 1 and 16 rows), then the step at 1-64 rows A/B, 3 rounds in one process
+      step qnorm_tests 300 python3 -m pytest -q -rfE --timeout 200 tests/kernels/test_rope_norm.py \
+        tests/kernels/test_linear_fp8.py tests/kernels/test_fast_step_triton.py tests/test_fast_gpu.py \
+        -k 'rms_norm or norm_prologue or qr_group or q_norm'
+      ab qnorm 220 --layers 30 --batch 1,2,4,8,16,64 --rounds 3 --arm off= \
+        --arm "qn=import megastep.model.fast as f; f.QNORM_IN_QR_ROWS = 64" ;;
     wotail)  # wo_a -> wo_b in one persistent launch (kernels/wo_tail.py, 2026-12-05, built without a device): its GPU
       # tests (the two Triton launches' bits at 1-4 rows, any grid, in a graph with PDL; then in the step), the pair
       # alone at 1, 2 and 4 rows against the Triton launches (wo_tail_bench.py: each entry checked before it is

@@ -482,6 +482,28 @@ def test_urgent_indexer_changes_no_bits(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
+def test_q_norm_in_the_qr_launches_changes_no_bits(monkeypatch):
+    """fast.QNORM_IN_QR_ROWS = 16: the q norm inside the qr group's launches (both of a CSA layer's, on
+    their two streams) instead of rms_norm's launch: the greedy logits at 1 row (graphs with PDL) and
+    in a batch of 16, bit for bit against the defaults; the steps really passed the norm."""
+    from megastep.kernels import linear_fp8 as lin
+    from megastep.model import fast
+
+    want = alone_then_batched(build(experts="lut"))
+    normed = []
+    real = lin.linear_fp8
+
+    def spy(*a, **k):
+        normed.append(k.get("norm") is not None)
+        return real(*a, **k)
+
+    monkeypatch.setattr(lin, "linear_fp8", spy)
+    monkeypatch.setattr(fast, "QNORM_IN_QR_ROWS", 16)
+    got = alone_then_batched(build(experts="lut"))
+    assert any(normed)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
 def test_staged_linears_change_no_bits(monkeypatch):
     """linear_fp8_staged (the CUDA twin of the plain FP8 linear that copies its weights into shared
     memory before it waits for its input) taking the small preset's wo_a, wo_b, x group and qr launches, the

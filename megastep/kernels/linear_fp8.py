@@ -64,6 +64,7 @@ from triton.language.extra import libdevice
 
 from megastep.checkpoint import formats
 from megastep.kernels import linear_fp8_staged as _staged
+from megastep.kernels.rope_norm import fix_bits, fixed_squares, pow2_f64, rms_norm_exact_ref, rms_scale, sq_exponent
 from megastep.model import ops
 from megastep.kernels.common import (
     e8m0_to_f32,
@@ -239,16 +240,40 @@ def _code_dot(w, q, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _norm_scales(x_rows, m_mask, K, eps, BLOCK_M: tl.constexpr, FIX: tl.constexpr, INTERPRET: tl.constexpr):
+    """rms_norm's 1 / sqrt(mean square + eps) of each of the tile's rows [BLOCK_M], read in 128-wide
+    chunks: the largest square, then the squares in whole units (rope_norm's exact sum, in two
+    passes over the row: its bits whatever the chunking or the tile)."""
+    offs = tl.arange(0, 128)
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, 128):
+        xt = tl.load(x_rows + k0 + offs[None, :], mask=m_mask[:, None] & (k0 + offs < K)[None, :],
+                     other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(xt * xt, axis=1))
+    e = sq_exponent(amax)
+    up = pow2_f64(FIX - e)
+    tot = tl.zeros([BLOCK_M], dtype=tl.float64)
+    for k0 in range(0, K, 128):
+        xt = tl.load(x_rows + k0 + offs[None, :], mask=m_mask[:, None] & (k0 + offs < K)[None, :],
+                     other=0.0).to(tl.float32)
+        tot += tl.sum(fixed_squares(xt, up[:, None]), axis=1)
+    return rms_scale((tot * pow2_f64(e - FIX)).to(tl.float32), K, eps, INTERPRET)
+
+
+@triton.jit
 def _linear_fp8_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr, xc_ptr, xs_ptr,
-    M, N, K, K_PER_SPLIT, limit,
+    x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr, xc_ptr, xs_ptr, nw_ptr,
+    M, N, K, K_PER_SPLIT, limit, eps,
     stride_xm, stride_wn, stride_wsn, stride_om, stride_rm, stride_cm, stride_sm, stride_os,
     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, QUANT_ACT: tl.constexpr,
     GROUP_N: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, HAS_RES: tl.constexpr, CODES: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, SPLITS_OUT: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, SPLITS_OUT: tl.constexpr, NORM_FIX: tl.constexpr,
+    X_BF16: tl.constexpr,
 ):
     # SPLITS_OUT: out is fp32 [SPLIT_K, M, N] (split stride stride_os): each split's partial, unsummed
+    # NORM_FIX > 0 (`norm=`, "f16" with QUANT_ACT): x's rows RMS-normalized by weight nw_ptr first, with
+    # rope_norm's exact sum of squares (NORM_FIX its fix_bits(K)); X_BF16: the norm rounds to bf16
     # GATED: N is I (output channels); w3's rows (and scale rows) start N rows below w1's
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -278,6 +303,8 @@ def _linear_fp8_kernel(
     x_rows = x_ptr + ((pid_n * BLOCK_N) // GROUP_N) * K + offs_m[:, None] * stride_xm
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    if NORM_FIX > 0:  # each row's norm scale, from the whole row (rope_norm.rms_norm's bits in any tile)
+        rr = _norm_scales(x_rows, m_mask, K, eps, BLOCK_M, NORM_FIX, INTERPRET)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + offs_kk
         k_mask = offs_k < K
@@ -290,6 +317,10 @@ def _linear_fp8_kernel(
                 s = tl.load(xs_ptr + offs_m * stride_sm + k0 // 128, mask=m_mask, other=0.0)
             else:
                 xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+                if NORM_FIX > 0:  # rms_norm's w * (x * r), rounded to x's dtype
+                    xt = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)[None, :] * (xt * rr[:, None])
+                    if X_BF16:
+                        xt = round_bf16(xt, INTERPRET)
                 if QUANT_ACT:
                     s, inv = fp8_pow2_scale(tl.max(tl.abs(xt), axis=1))  # [BLOCK_M]
                     q = fp8_round(xt, inv[:, None], INTERPRET)
@@ -366,9 +397,10 @@ def _k_per_split(K: int, cfg: LinearFp8Config) -> int:
     return -(-k_per_split // cfg.block_k) * cfg.block_k
 
 
-def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residual, x_codes, split_cols=None):
+def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residual, x_codes, split_cols=None,
+            norm=None):
     """Grid, split and workspace for x [M, K] -> out [M, N] (N = I when gated), or with split_cols
-    (the columns per split) out [S, M, N] fp32, the S split-K partials."""
+    (the columns per split) out [S, M, N] fp32, the S split-K partials. norm: `linear_fp8`'s."""
     M, N = out.shape[-2:]
     K = w.shape[1]
     splits_out = split_cols is not None
@@ -388,17 +420,18 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     res = out if residual is None else residual  # unused without a residual
     codes = x_codes is not None and cfg.mode == "f16"  # "dot16" quantizes x itself (the same values)
     xc, xs = x_codes if codes else (out, out)
+    nw, eps = norm if norm is not None else (out, 0.0)  # unused without a norm
     opts = launch_opts(x, grid, w.numel() * w.element_size())
     _linear_fp8_kernel[grid](
-        x, w, w_scale.view(torch.uint8), out, part, cnt, res, xc, xs,
-        M, N, K, k_per_split, float(limit),
+        x, w, w_scale.view(torch.uint8), out, part, cnt, res, xc, xs, nw,
+        M, N, K, k_per_split, float(limit), float(eps),
         x.stride(0), w.stride(0), w_scale.stride(0), out.stride(-2), res.stride(0), xc.stride(0), xs.stride(0),
         out.stride(0) if splits_out else 0,
         MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         SPLIT_K=split, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
         GROUP_N=N // groups, GATED=gated, CLAMP=limit > 0, HAS_RES=residual is not None, CODES=codes,
         PREFETCH_LINES=prefetch_lines(opts, k_per_split * w.element_size()), SPLITS_OUT=splits_out,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **opts,
+        NORM_FIX=fix_bits(K) if norm is not None else 0, X_BF16=x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **opts,
     )
     return out
 
@@ -438,6 +471,7 @@ def linear_fp8(
     groups: int = 1,
     residual: torch.Tensor | None = None,
     x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """x [M, K] bf16/fp32, w e4m3 [N, K], w_scale e8m0 [ceil(N/128), ceil(K/128)] -> [M, N].
     quantize_act=False skips the activation quantization (the official wo_a: a plain weight).
@@ -448,9 +482,17 @@ def linear_fp8(
     .to(out_dtype)` (the shared expert's w2 plus the routed sum), in the same launch.
     x_codes = (e4m3 [M, K], fp32 scales [M, ceil(K/128)]), exactly `formats.fp8_act_quant(x, 128)`
     as the kernel that made x writes it beside x (rms_norm with codes=True): the "f16"
-    loop then loads them instead of quantizing x in every program. Same bits either way."""
+    loop then loads them instead of quantizing x in every program. Same bits either way.
+    norm = (nw fp32 [K], eps): the linear of rope_norm.rms_norm(x, nw, eps), bit for bit, with the
+    norm in each program's prologue instead of a launch before it (the qr group behind the q norm:
+    each of its programs reads x's rows, 2 KB each at V4's K, twice more; "f16" only)."""
     assert block == BLOCK, "V4 FP8 weights use 128x128 blocks"
     _check_operands(x, w, w_scale, out_dtype)
+    if norm is not None:
+        nw = norm[0]
+        assert quantize_act and groups == 1 and x_codes is None, "norm= takes a plain linear of x itself"
+        assert nw.shape == (x.shape[1],) and nw.dtype == torch.float32 and nw.is_contiguous(), (nw.shape, nw.dtype)
+        assert nw.device == x.device
     x_codes = x_codes if quantize_act else None  # wo_a reads x itself
     _check_codes(x, x_codes)
     assert x.shape[1] == groups * w.shape[1], (x.shape, w.shape, groups)
@@ -462,14 +504,15 @@ def linear_fp8(
         assert residual.dtype in (torch.float32, torch.bfloat16) and residual.device == x.device, residual.dtype
     cfg = config or pick_config(M, N, K, quantize_act)
     cfg.check()
+    assert norm is None or cfg.mode == "f16", "norm= runs in the \"f16\" loop"
     out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     # a listed launch of few rows: the CUDA twin that stages its weights before its input (same bits)
-    staged = _staged.plan(x, w, groups, _k_per_split(K, cfg), cfg.mode, residual)
+    staged = None if norm is not None else _staged.plan(x, w, groups, _k_per_split(K, cfg), cfg.mode, residual)
     if staged is not None:
         return _staged.linear(x, w, w_scale, out, quantize_act, groups, staged)
-    return _launch(x, w, w_scale, out, cfg, quantize_act, groups, False, 0.0, residual, x_codes)
+    return _launch(x, w, w_scale, out, cfg, quantize_act, groups, False, 0.0, residual, x_codes, norm=norm)
 
 
 def linear_fp8_swiglu(
@@ -540,9 +583,13 @@ def linear_fp8_ref(
     groups: int = 1,
     residual: torch.Tensor | None = None,
     x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """The exact semantics: fp32 dequantized weight times fp32 quantized activation."""
+    """The exact semantics: fp32 dequantized weight times fp32 quantized activation (of
+    rope_norm.rms_norm's output with norm=; its torch twin here)."""
     del config, x_codes  # by contract x's own quantization
+    if norm is not None:
+        x = rms_norm_exact_ref(x, *norm)
     xq = formats.fp8_act_sim(x.float(), block) if quantize_act else x.float()
     wd = formats.dequantize_fp8_weight(w, w_scale, block)
     if groups == 1:

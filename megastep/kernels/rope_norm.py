@@ -25,8 +25,9 @@ power-of-two scales computed from the bits of amax (common.fp8_pow2_scale, `fp4_
 here): exact twins of formats.fp8_act_sim / fp4_act_sim, ties to even.
 
 What differs from torch:
-- fp32 summation order of the sum of squares (and, in `indexer_q`, of the 128-point Hadamard:
-  log2(n) butterfly stages here, a matmul in torch). Each can move an fp32 result by an ulp and
+- fp32 summation order of the sum of squares (`rms_norm`'s is exact instead: the block comment
+  above `fix_bits`; `rms_norm_exact_ref` is its twin) and, in `indexer_q`, of the 128-point
+  Hadamard (log2(n) butterfly stages here, a matmul in torch). Each can move an fp32 result by an ulp and
   so, rarely, a bf16 rounding by one step, and through it an fp8/fp4 rounding by one grid step.
 - transcendental functions. On the GPU they are libdevice's (__nv_cosf, __nv_sinf, __nv_rsqrtf,
   __nv_expf, __nv_log1pf): the CUDA math library functions that torch's CUDA kernels call
@@ -118,6 +119,51 @@ def t_rsqrt(x, INTERPRET: tl.constexpr):
         return tl.div_rn(1.0, tl.sqrt_rn(x))
     else:
         return libdevice.rsqrt(x)
+
+
+# ---- rms_norm's sum of squares, exact ------------------------------------------------------------
+# rms_norm sums its squares as whole multiples of one unit per row, in fp64 where each partial sum is
+# an exact integer: the sum does not depend on the order of the additions, so any launch with any
+# layout that reads a row (the qr linear's prologue, `linear_fp8(norm=)`, does it in 128-wide chunks
+# whose row tiles depend on the batch) gets the bits of this kernel. The unit: 2^(e - fix), 2^e the
+# power of two above the row's largest square and fix = `fix_bits(D)`, so D terms sum below 2^53.
+# Squares below the unit are dropped: the sum is off by under D units, 2^-32 of it at D = 1024,
+# below fp32's half ulp 2^-24. The one rounding is the final fp64 -> fp32 (`sumsq_exact_ref`).
+def fix_bits(D: int) -> int:
+    """The unit's bits for rows of D channels: D multiples below 2^fix sum below 2^53."""
+    return 53 - max(1, (D - 1).bit_length())
+
+
+@triton.jit
+def pow2_f64(k):
+    """2^k in fp64 (int k in [-1022, 1023]), exactly: from the exponent bits."""
+    return ((k.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def sq_exponent(amax_sq):
+    """e with amax_sq < 2^e for an fp32 amax_sq >= 0, from its exponent bits (0 and subnormals: -126)."""
+    return (amax_sq.to(tl.int32, bitcast=True) >> 23) - 126
+
+
+@triton.jit
+def fixed_squares(x, up):
+    """x^2 (fp32) in whole units 1/up, rounded down: an exact integer in fp64."""
+    return tl.floor((x * x).to(tl.float64) * up)
+
+
+@triton.jit
+def sumsq_row(x, FIX: tl.constexpr):
+    """The exact sum of squares of a row held whole (fp32 [BLOCK], zeros past its end) -> fp32."""
+    e = sq_exponent(tl.max(x * x, axis=0))
+    tot = tl.sum(fixed_squares(x, pow2_f64(FIX - e)), axis=0)
+    return (tot * pow2_f64(e - FIX)).to(tl.float32)
+
+
+@triton.jit
+def rms_scale(ss, D, eps, INTERPRET: tl.constexpr):
+    """1 / sqrt(mean square + eps) from the row's sum of squares."""
+    return t_rsqrt(tl.div_rn(ss, D.to(tl.float32)) + eps, INTERPRET)
 
 
 @triton.jit
@@ -238,15 +284,14 @@ def hadamard_pairs(e, o, R: tl.constexpr, HALF: tl.constexpr, LOG_HALF: tl.const
 # ---- kernels -------------------------------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, codes_ptr, scales_ptr, D, stride_xb, stride_ob, stride_cb, stride_sb, eps,
-                     BLOCK_D: tl.constexpr, HAS_W: tl.constexpr, OUT_BF16: tl.constexpr, CODES: tl.constexpr,
+                     BLOCK_D: tl.constexpr, FIX: tl.constexpr, HAS_W: tl.constexpr, OUT_BF16: tl.constexpr, CODES: tl.constexpr,
                      INTERPRET: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
     x = tl.load(x_ptr + b * stride_xb + offs, mask=m, other=0.0).to(tl.float32)
-    r = t_rsqrt(tl.div_rn(tl.sum(x * x, axis=0), D.to(tl.float32)) + eps, INTERPRET)
-    y = x * r
+    y = x * rms_scale(sumsq_row(x, FIX), D, eps, INTERPRET)
     if HAS_W:
         y = tl.load(w_ptr + offs, mask=m, other=0.0) * y
     y = round_to(y, OUT_BF16, INTERPRET)
@@ -395,7 +440,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, codes: bool = 
         bd = max(128 if codes else 16, next_pow2(D))
         grid = (B,)
         _rms_norm_kernel[grid](x, x if w is None else w, out, cq, cs, D, x.stride(0), out.stride(0), cq.stride(0),
-                               cs.stride(0), float(eps), BLOCK_D=bd, HAS_W=w is not None,
+                               cs.stride(0), float(eps), BLOCK_D=bd, FIX=fix_bits(D), HAS_W=w is not None,
                                OUT_BF16=x.dtype == torch.bfloat16, CODES=codes, INTERPRET=on_interpreter(x),
                                num_warps=4 if bd <= 2048 else 8, **TORCH_MATH, **launch_opts(x, grid))
     return (out, (cq, cs)) if codes else out
@@ -485,6 +530,28 @@ def apply_rope_ref(x: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor) -> to
 
 def rms_norm_ref(x, w, eps):
     return ops.rms_norm(x, w, eps)
+
+
+def _pow2_f64(k: torch.Tensor) -> torch.Tensor:
+    return ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def sumsq_exact_ref(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' sum of squares over the last dim (fp32), step by step (block comment above)."""
+    xf = x.float()
+    sq = xf * xf
+    e = (sq.amax(-1).view(torch.int32) >> 23) - 126
+    fix = fix_bits(x.shape[-1])
+    tot = torch.floor(sq.double() * _pow2_f64(fix - e)[..., None]).sum(-1)
+    return (tot * _pow2_f64(e - fix)).float()
+
+
+def rms_norm_exact_ref(x, w, eps):
+    """`rms_norm`'s arithmetic in torch: the exact sum of squares, torch.rsqrt (the interpreter's
+    bits; the GPU's rsqrtf may differ by an ulp), w * (x * r), rounded to x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(sumsq_exact_ref(x) / x.shape[-1] + eps)[..., None]
+    return (y if w is None else w * y).to(x.dtype)
 
 
 def q_norm_rope_ref(q, rope, pos, eps, config=None):

@@ -174,6 +174,11 @@ STREAM_PRIORITY: dict[str, int] = {}
 # -0.53 / -0.56 % (two calls), 8 rows -0.11 %, 2-4 and 16-64 rows within noise. Off until the GPU tests of
 # `final` have run under it with NODE_PRIORITY (benchmarks/h200_checks.sh prio_pin).
 INDEXER_URGENT_ROWS = 0
+# Steps of at most this many rows run the q norm inside the qr group's launches (linear_fp8(norm=): each
+# program normalizes the rows it reads) instead of a launch of its own between wq_a and wq_b: one launch
+# fewer on the 1-row chain per attention sublayer (the norm measured ~2.2 us there, twenty-eighth
+# measurement). The same bits: rms_norm's sum of squares is exact, whatever reads it. 0: never.
+QNORM_IN_QR_ROWS = 0
 
 
 def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
@@ -692,21 +697,24 @@ class FastDecoder(MoeSublayer):
                 # kv norm, RoPE, fp8 simulation of the nope dims, and the write into the window ring
                 self._kernel(_rn, "kv_rope_sim_store")(kv, lw["kv_norm"], inv_freq, pos, P.win[L], slots,
                                                        eps, cfg.nope_head_dim)
-            if tr:  # the norm also writes qr's fp8 activation codes, which qr_fp8 loads (same values)
+            qn = None  # QNORM_IN_QR_ROWS: (weight, eps) of the norm each qr launch applies to qa itself
+            if tr and B <= QNORM_IN_QR_ROWS and lw["qr_fp8"].kernel_block:
+                qr, qrq, qn = qa, None, (lw["q_norm"], eps)
+            elif tr:  # the norm also writes qr's fp8 activation codes, which qr_fp8 loads (same values)
                 qr, qrq = _rn.rms_norm(qa, lw["q_norm"], eps, codes=True)
             else:
                 qr, qrq = _rn.rms_norm_ref(qa, lw["q_norm"], eps), None
             if beside and not first:  # the indexer's rows of the qr group first: the indexer starts on them
-                qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq)
+                qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq, norm=qn)
             elif not beside:
-                qb = lw["qr_fp8"](qr, tr, codes=qrq)
+                qb = lw["qr_fp8"](qr, tr, codes=qrq, norm=qn)
         if beside:
             with self._on_side(idx_stream, "indexer"), stage(T, "indexer", L):
                 if first:  # beside wq_b instead of before it
-                    qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq)
+                    qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq, norm=qn)
                 kw["idx"], kw["idx_ok"] = self._indexer(qi, xd[4], pos, slots, L, keys_ready)
         with stage(T, "attn_proj", L):
-            qh = lw["qr_fp8"].part(0, qr, tr, codes=qrq) if beside else qb[0]  # the attention's wq_b
+            qh = lw["qr_fp8"].part(0, qr, tr, codes=qrq, norm=qn) if beside else qb[0]  # the attention's wq_b
             q = self._kernel(_rn, "q_norm_rope")(qh.view(B, H, hd), inv_freq, pos, eps, **heads_kw)
         self._join(*made)  # the side stream's work of this layer so far
         if beside:

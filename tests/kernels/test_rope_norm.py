@@ -127,6 +127,32 @@ def test_rms_norm_codes_are_the_outputs_quantization(dtype, B, D):
     assert torch.equal(c.view(torch.uint8), q[:, :D].view(torch.uint8)) and torch.equal(s, qs)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [32, 300, 1024])
+def test_rms_norm_sums_its_squares_exactly(dtype, D):
+    """rms_norm's sum of squares is exact (whole units of the row, summed in fp64): the kernel gives
+    rms_norm_exact_ref's bits (rsqrt aside on the GPU), the same bits for its channels in any order,
+    and the sum is float64's, rounded once (on these rows). Rows: 30 binades of magnitudes, zeros, one huge value."""
+    g = torch.Generator().manual_seed(D)
+    x = torch.randn(5, D, generator=g) * torch.exp2(torch.randint(-15, 15, (5, D), generator=g).float())
+    x[1] = 0
+    x[2, :] = x[2, :].sign() * 2.0**-20
+    x[2, 3] = 2.0**40
+    x = x.to(dtype).to(DEV)
+    w = (torch.rand(D, generator=g) + 0.5).to(DEV)
+    y = rn.rms_norm(x, w, EPS)
+    assert torch.isfinite(y).all()
+    if on_interpreter(x):
+        assert torch.equal(y, rn.rms_norm_exact_ref(x, w, EPS))
+    else:
+        check(y, rn.rms_norm_exact_ref(x, w, EPS))
+    perm = torch.randperm(D, generator=g).to(DEV)
+    assert torch.equal(rn.rms_norm(x[:, perm].contiguous(), w[perm].contiguous(), EPS), y[:, perm])
+    ss = rn.sumsq_exact_ref(x.cpu())
+    true = (x.cpu().double() ** 2).sum(-1) if dtype == torch.bfloat16 else (x.cpu() * x.cpu()).double().sum(-1)
+    assert torch.equal(ss, true.float())  # bf16 squares are exact in fp32; fp32 ones rounded first
+
+
 # ---- q_norm_rope ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B,H,cfg", [(1, 4, None), (3, 5, rn.HeadsConfig(2, 2))])
