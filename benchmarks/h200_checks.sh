@@ -35,9 +35,7 @@
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
-#   bash benchmarks/h200_checks.sh prio_pin   # the urgent indexer stream with node priorities: final's GPU tests under it, the step at 1-64 rows A/B, 3 rounds (~9 min)
-#   bash benchmarks/h200_checks.sh prio_more  # the Sinkhorn's and the side stream made urgent beside the indexer's, the step at 1-8 rows, 3 rounds (~4 min)
-#   bash benchmarks/h200_checks.sh qnorm      # the q norm inside the qr group's launches: its GPU tests, the step at 1-64 rows A/B, 3 rounds (~8 min)
+#   bash benchmarks/h200_checks.sh qtail      # the q norm made by the x group's launch: its GPU tests, the step at 1-64 rows A/B, 3 rounds (~8 min)
 #   bash benchmarks/h200_checks.sh wotail     # wo_a -> wo_b in one persistent launch: its GPU tests, the pair alone at 1-4 rows, the step A/B with 3 entries (~7 min)
 #   bash benchmarks/h200_checks.sh chain      # an HCA sublayer's FP8 weight streams at 1 row in one persistent launch against one launch per layer (chain_probe.py) (~4 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
@@ -472,30 +470,14 @@ for group in "$@"; do
       ab slack 500 --layers 30 --batch 1,4 --rounds 3 "${arms[@]}"
       step slack_table 20 python3 benchmarks/slack_table.py "$OUT/slack.json"
       summary+=("$(grep -E '^\|' "$OUT/slack_table.log" 2>/dev/null)") ;;
-    prio_pin)  # the pin `prio` and `prio2` point at (fast.INDEXER_URGENT_ROWS = 8 with step.NODE_PRIORITY, the graphs
-      # instantiated by the driver): final's GPU tests and the priority tests under it, then the step at 1-64 rows
-      # against the defaults, 3 rounds in one process. Pinned (both settings) if the tests pass and 1 row gains.
-      PIN='import megastep.runtime.step as s; s.NODE_PRIORITY = True; import megastep.model.fast as f; f.INDEXER_URGENT_ROWS = 8'
-      step prio_pin_tests 380 python3 -c "$PIN; import pytest, sys; sys.exit(pytest.main(['-q', '-rfE', '--timeout', \
-        '120', '-m', 'gpu', 'tests/test_fast_gpu.py', 'tests/kernels/test_moe.py', 'tests/kernels/test_route_cuda.py', \
-        '-k', 'cold_expert or alone or same_input or graph_replay or indexer or lut or route or priorit or urgent']))"
-      ab prio_pin 200 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm off= --arm "pin=$PIN" ;;
-    prio_more)  # the other side streams made urgent beside the indexer's (after `prio`, read at 6dc83fd: only the
-      # indexer's gained, the main stream above the side streams lost 5 %): the Sinkhorn's own stream (2-4 rows), the
-      # side stream (the compressors' projection, which a CSA layer's indexer waits for; the shared expert), 3 rounds
-      # in one process
-      P='import megastep.runtime.step as s; s.NODE_PRIORITY = True; import megastep.model.fast as f'
-      ab prio_more 240 --layers 30 --batch 1,2,4,8 --rounds 3 --arm off= --arm "idx=$P; f.STREAM_PRIORITY['idx'] = -5" \
-        --arm "idx_hc=$P; f.STREAM_PRIORITY.update(idx=-5, hc=-5)" --arm "idx_side=$P; f.STREAM_PRIORITY.update(idx=-5, side=-3)" \
-        --arm "all_side=$P; f.STREAM_PRIORITY.update(idx=-5, hc=-5, side=-5)" ;;
-    qnorm)  # the q norm inside the qr group's launches (fast.QNORM_IN_QR_ROWS; linear_fp8(norm=), rms_norm's exact sum
-      # of squares; 2026-12-05, built without a device): its GPU tests (the kernels' bits against rms_norm's launch and
-      # the linear at every row tile; the step at 1 and 16 rows), then the step at 1-64 rows A/B, 3 rounds in one process
-      step qnorm_tests 300 python3 -m pytest -q -rfE --timeout 200 tests/kernels/test_rope_norm.py \
+    qtail)  # the q norm made by the x group's launch (fast.QNORM_TAIL_ROWS; linear_fp8(norm_tail=), rms_norm's exact sum
+      # of squares; 2026-12-05, built without a device): its GPU tests (the normed rows against rms_norm's launch at
+      # every row tile; the step at 1 and 16 rows), then the step at 1-64 rows A/B, 3 rounds in one process
+      step qtail_tests 300 python3 -m pytest -q -rfE --timeout 200 tests/kernels/test_rope_norm.py \
         tests/kernels/test_linear_fp8.py tests/kernels/test_fast_step_triton.py tests/test_fast_gpu.py \
-        -k 'rms_norm or norm_prologue or qr_group or q_norm'
-      ab qnorm 220 --layers 30 --batch 1,2,4,8,16,64 --rounds 3 --arm off= \
-        --arm "qn=import megastep.model.fast as f; f.QNORM_IN_QR_ROWS = 64" ;;
+        -k 'rms_norm or norm_tail or x_group or q_norm'
+      ab qtail 220 --layers 30 --batch 1,2,4,8,16,64 --rounds 3 --arm off= \
+        --arm "tail=import megastep.model.fast as f; f.QNORM_TAIL_ROWS = 64" ;;
     wotail)  # wo_a -> wo_b in one persistent launch (kernels/wo_tail.py, 2026-12-05, built without a device): its GPU
       # tests (the two Triton launches' bits at 1-4 rows, any grid, in a graph with PDL; then in the step), the pair
       # alone at 1, 2 and 4 rows against the Triton launches (wo_tail_bench.py: each entry checked before it is

@@ -482,25 +482,25 @@ def test_urgent_indexer_changes_no_bits(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
-def test_q_norm_in_the_qr_launches_changes_no_bits(monkeypatch):
-    """fast.QNORM_IN_QR_ROWS = 16: the q norm inside the qr group's launches (both of a CSA layer's, on
-    their two streams) instead of rms_norm's launch: the greedy logits at 1 row (graphs with PDL) and
-    in a batch of 16, bit for bit against the defaults; the steps really passed the norm."""
+def test_q_norm_in_the_x_launch_changes_no_bits(monkeypatch):
+    """fast.QNORM_TAIL_ROWS = 16: the q norm made by the x group's launch instead of rms_norm's launch
+    after it: the greedy logits at 1 row (graphs with PDL) and in a batch of 16, bit for bit against
+    the defaults; the steps really asked the linear for it."""
     from megastep.kernels import linear_fp8 as lin
     from megastep.model import fast
 
     want = alone_then_batched(build(experts="lut"))
-    normed = []
+    tails = []
     real = lin.linear_fp8
 
     def spy(*a, **k):
-        normed.append(k.get("norm") is not None)
+        tails.append(k.get("norm_tail") is not None)
         return real(*a, **k)
 
     monkeypatch.setattr(lin, "linear_fp8", spy)
-    monkeypatch.setattr(fast, "QNORM_IN_QR_ROWS", 16)
+    monkeypatch.setattr(fast, "QNORM_TAIL_ROWS", 16)
     got = alone_then_batched(build(experts="lut"))
-    assert any(normed)
+    assert any(tails)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 

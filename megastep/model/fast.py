@@ -171,14 +171,15 @@ STREAM_PRIORITY: dict[str, int] = {}
 # priority, so that its scores and select take SMs ahead of the weight streams beside them; it needs the
 # graphs run with their nodes' priorities (runtime/step.NODE_PRIORITY). 0: never. Twenty-ninth measurement
 # (docs/PERFORMANCE.md, item 4), the indexer's stream at -5 in the driver's graphs, p50 of 3 rounds: 1 row
-# -0.53 / -0.56 % (two calls), 8 rows -0.11 %, 2-4 and 16-64 rows within noise. Off until the GPU tests of
-# `final` have run under it with NODE_PRIORITY (benchmarks/h200_checks.sh prio_pin).
+# -0.53 / -0.56 % (two calls), 8 rows -0.11 %, 2-4 and 16-64 rows within noise. Thirtieth measurement, item 1
+# (8 with NODE_PRIORITY, against the defaults, 3 rounds): `final`'s GPU tests pass under it, but the step at 1 row
+# -0.15 %, 2-32 rows +0.0 to +0.21 %, 64 rows -0.15 %: noise. Not pinned.
 INDEXER_URGENT_ROWS = 0
-# Steps of at most this many rows run the q norm inside the qr group's launches (linear_fp8(norm=): each
-# program normalizes the rows it reads) instead of a launch of its own between wq_a and wq_b: one launch
-# fewer on the 1-row chain per attention sublayer (the norm measured ~2.2 us there, twenty-eighth
-# measurement). The same bits: rms_norm's sum of squares is exact, whatever reads it. 0: never.
-QNORM_IN_QR_ROWS = 0
+# Steps of at most this many rows make the q norm in the x group's launch (linear_fp8(norm_tail=): the
+# last program to write a row tile's wq_a columns norms them) instead of a launch of its own between
+# wq_a and wq_b, which took ~2.2 us of the 1-row chain per attention sublayer (twenty-eighth measurement).
+# The same bits: rms_norm's sum of squares is exact, whatever reads the row. 0: never.
+QNORM_TAIL_ROWS = 0
 
 
 def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
@@ -692,29 +693,28 @@ class FastDecoder(MoeSublayer):
                     self._compress(xd[0], xd[1], pos, passes, L, "comp")
             kw["comp"] = P.cent[L]
         with stage(T, "attn_proj", L):  # every projection of x and of qr
-            qa, kv = lw["x_fp8"](x, tr)
+            # QNORM_TAIL_ROWS: qr = the q norm of qa (with its fp8 codes) made by the x group's launch
+            tail = lw["x_fp8"].with_norm_tail(x, (lw["q_norm"], eps)) if tr and B <= QNORM_TAIL_ROWS else None
+            (qa, kv), qr, qrq = tail or (lw["x_fp8"](x, tr), None, None)
             with self._on_side():  # beside the q path below
                 # kv norm, RoPE, fp8 simulation of the nope dims, and the write into the window ring
                 self._kernel(_rn, "kv_rope_sim_store")(kv, lw["kv_norm"], inv_freq, pos, P.win[L], slots,
                                                        eps, cfg.nope_head_dim)
-            qn = None  # QNORM_IN_QR_ROWS: (weight, eps) of the norm each qr launch applies to qa itself
-            if tr and B <= QNORM_IN_QR_ROWS and lw["qr_fp8"].kernel_block:
-                qr, qrq, qn = qa, None, (lw["q_norm"], eps)
-            elif tr:  # the norm also writes qr's fp8 activation codes, which qr_fp8 loads (same values)
+            if tail is None and tr:  # the norm also writes qr's fp8 activation codes, which qr_fp8 loads
                 qr, qrq = _rn.rms_norm(qa, lw["q_norm"], eps, codes=True)
-            else:
+            elif tail is None:
                 qr, qrq = _rn.rms_norm_ref(qa, lw["q_norm"], eps), None
             if beside and not first:  # the indexer's rows of the qr group first: the indexer starts on them
-                qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq, norm=qn)
+                qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq)
             elif not beside:
-                qb = lw["qr_fp8"](qr, tr, codes=qrq, norm=qn)
+                qb = lw["qr_fp8"](qr, tr, codes=qrq)
         if beside:
             with self._on_side(idx_stream, "indexer"), stage(T, "indexer", L):
                 if first:  # beside wq_b instead of before it
-                    qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq, norm=qn)
+                    qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq)
                 kw["idx"], kw["idx_ok"] = self._indexer(qi, xd[4], pos, slots, L, keys_ready)
         with stage(T, "attn_proj", L):
-            qh = lw["qr_fp8"].part(0, qr, tr, codes=qrq, norm=qn) if beside else qb[0]  # the attention's wq_b
+            qh = lw["qr_fp8"].part(0, qr, tr, codes=qrq) if beside else qb[0]  # the attention's wq_b
             q = self._kernel(_rn, "q_norm_rope")(qh.view(B, H, hd), inv_freq, pos, eps, **heads_kw)
         self._join(*made)  # the side stream's work of this layer so far
         if beside:

@@ -10,7 +10,6 @@ import torch
 
 from megastep.checkpoint import formats
 from megastep.kernels import linear_fp8 as _lin
-from megastep.kernels import rope_norm as _rn
 
 
 @dataclass
@@ -30,22 +29,18 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, triton: bool, out_dtype: torch.dtype | None = None,
                  codes: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 config: _lin.LinearFp8Config | None = None,
-                 norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                 config: _lin.LinearFp8Config | None = None) -> torch.Tensor:
         """codes: x's fp8 activation quantization made beside x (linear_fp8's x_codes), or None.
-        config: the FP8 kernel's configuration instead of its pick for this shape.
-        norm: (weight, eps): the linear of rope_norm.rms_norm(x, weight, eps) (linear_fp8's norm)."""
+        config: the FP8 kernel's configuration instead of its pick for this shape."""
         out_dtype = out_dtype or x.dtype
         if self.scale is None:  # unquantized checkpoint: plain fp32-accumulated matmul
-            if norm is not None:
-                x = _rn.rms_norm_exact_ref(x, *norm)
             return (x.float() @ self.w.float().T).to(out_dtype)
         if self.act_quant:
             if triton and self.kernel_block:
                 return _lin.linear_fp8(x.contiguous(), self.w, self.scale, block=self.block, out_dtype=out_dtype,
-                                       x_codes=codes, config=config, norm=norm)
+                                       x_codes=codes, config=config)
             return _lin.linear_fp8_ref(x.contiguous(), self.w, self.scale, block=self.block, out_dtype=out_dtype,
-                                       x_codes=codes, norm=norm)
+                                       x_codes=codes)
         raise ValueError("a linear without activation quantization is grouped (wo_a): call grouped()")
 
     def grouped(self, x: torch.Tensor, groups: int, rank: int, triton: bool,
@@ -92,34 +87,41 @@ class LinearGroup:
         """The weight tensors its launches stream: the fused one, or each part's."""
         return [self.fused.w] if self.fused is not None else [p.w for p in self.parts]
 
-    @property
-    def kernel_block(self) -> bool:
-        """Every launch of the group runs in the FP8 kernel when triton is asked for (not the twin)."""
-        return all(p.kernel_block and p.scale is not None and p.act_quant
-                   for p in ([self.fused] if self.fused is not None else self.parts))
+    def with_norm_tail(self, x: torch.Tensor, norm: tuple[torch.Tensor, float]):
+        """(outputs, normed, codes) from one launch: the group's outputs and rms_norm(outputs[0], *norm,
+        codes=True), the norm made by the last program to write a row tile's first-part columns
+        (linear_fp8(norm_tail=): the bits of rms_norm's own launch). None where the group is not one
+        FP8 kernel launch or its first part is not whole column tiles of it."""
+        f = self.fused
+        if f is None or not (f.kernel_block and f.scale is not None and f.act_quant):
+            return None
+        cfg = self._config(x, f.w) or _lin.pick_config(x.shape[0], *f.w.shape)
+        if self.sizes[0] % cfg.block_n:
+            return None
+        y, (normed, codes) = _lin.linear_fp8(x.contiguous(), f.w, f.scale, block=f.block, config=cfg, norm_tail=norm)
+        return list(y.split(self.sizes, dim=1)), normed, codes
 
     def _config(self, x: torch.Tensor, w: torch.Tensor) -> _lin.LinearFp8Config | None:
         """like_rows' configuration for x through w (None: the kernel's own pick)."""
         return None if self.like_rows is None else _lin.pick_config(x.shape[0], self.like_rows, w.shape[1])
 
-    def __call__(self, x: torch.Tensor, triton: bool, codes=None, norm=None) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor, triton: bool, codes=None) -> list[torch.Tensor]:
         if self.fused is None:
-            return [p(x, triton, codes=codes, config=self._config(x, p.w), norm=norm) for p in self.parts]
-        return list(self.fused(x, triton, codes=codes, config=self._config(x, self.fused.w), norm=norm)
-                    .split(self.sizes, dim=1))
+            return [p(x, triton, codes=codes, config=self._config(x, p.w)) for p in self.parts]
+        return list(self.fused(x, triton, codes=codes, config=self._config(x, self.fused.w)).split(self.sizes, dim=1))
 
-    def part(self, i: int, x: torch.Tensor, triton: bool, codes=None, norm=None) -> torch.Tensor:
+    def part(self, i: int, x: torch.Tensor, triton: bool, codes=None) -> torch.Tensor:
         """Part i's output alone, in a launch of its own: for a caller that starts what needs only
         this part before the other parts are read. Its rows of the fused weight go through the
         FP8 kernel with the group launch's configuration, so each output element is the same sum
         in the same order: the bits of `self(x)[i]` (the torch twin's, too: it is `self(x)[i]`)."""
         f = self.fused
         if f is None:
-            return self.parts[i](x, triton, codes=codes, norm=norm)
+            return self.parts[i](x, triton, codes=codes)
         if not (triton and f.kernel_block and f.scale is not None):
-            return self(x, triton, codes=codes, norm=norm)[i]
+            return self(x, triton, codes=codes)[i]
         lo = sum(self.sizes[:i])
         hi = lo + self.sizes[i]
         cfg = _lin.pick_config(x.shape[0], self.like_rows or f.w.shape[0], f.w.shape[1])
         rows = Linear(f.w[lo:hi], f.scale[lo // f.block:hi // f.block], f.block, f.act_quant)
-        return rows(x, triton, codes=codes, config=cfg, norm=norm)
+        return rows(x, triton, codes=codes, config=cfg)

@@ -420,40 +420,36 @@ def test_x_codes_give_the_same_bits(M, N, K):
     assert same_bits(linear_fp8_swiglu(xg, wg, sg, LIMIT, x_codes=codes_of(xg)), linear_fp8_swiglu(xg, wg, sg, LIMIT))
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 192, 640), (3, 200, 300), (20, 64, 1024)])
-@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_norm_prologue_gives_the_norm_launchs_bits(M, N, K, x_dtype):
-    """norm=: the q norm in each program's prologue gives the bits of rms_norm's launch followed by
-    the linear (on its codes), for any row tile and split, and through LinearGroup.part; the torch
-    twin agrees to the kernel's tolerance. Rows of very different magnitudes, so the norm matters."""
+@pytest.mark.parametrize("M,N,K,C", [(1, 384, 640, 256), (3, 200, 300, 128), (20, 256, 1024, 256)])
+@pytest.mark.parametrize("od", [torch.bfloat16, torch.float32], ids=str)
+def test_norm_tail_gives_the_norm_launchs_bits(M, N, K, C, od):
+    """norm_tail=: the linear's output unchanged, and beside it rms_norm(y[:, :C], codes=True) of
+    that output, bit for bit, for any row tile and split (the last program of a row tile's C columns
+    makes it); rows of very different magnitudes, so the norm matters."""
     from megastep.kernels import rope_norm as rn
-    from megastep.model.linears import Linear, LinearGroup
 
-    x, w, s = make(M, N, K, seed=M * K, x_dtype=x_dtype)
-    x = x * torch.exp2(torch.arange(M, device=DEV) % 7 * 3.0 - 9).to(x_dtype)[:, None]
-    nw = (torch.rand(K, generator=torch.Generator().manual_seed(K)) + 0.5).to(DEV)
-    y, c = rn.rms_norm(x, nw, 1e-6, codes=True)
+    x, w, s = make(M, N, K, seed=M * K + C)
+    x = x * torch.exp2(torch.arange(M, device=DEV) % 7 * 3.0 - 9).to(x.dtype)[:, None]
+    nw = (torch.rand(C, generator=torch.Generator().manual_seed(C)) + 0.5).to(DEV)
     mb = 16 if M <= 16 else 32
-    for cfg in (None, LinearFp8Config("f16", 32, mb, 128, 2), LinearFp8Config("f16", 64, 64, 128, 1)):
-        for od in (torch.bfloat16, torch.float32):
-            got = linear_fp8(x, w, s, config=cfg, out_dtype=od, norm=(nw, 1e-6))
-            assert same_bits(got, linear_fp8(y, w, s, config=cfg, out_dtype=od, x_codes=c)), (cfg, od)
-    check(linear_fp8(x, w, s, norm=(nw, 1e-6)), linear_fp8_ref(x, w, s, norm=(nw, 1e-6)))
-    if N % 128 == 0 and N > 128:
-        group = LinearGroup([Linear(w[:128], s[:1], 128, True), Linear(w[128:], s[1:], 128, True)])
-        whole = group(y, True, codes=c)
-        assert same_bits(group.part(1, x, True, norm=(nw, 1e-6)), whole[1])
+    for cfg in (None, LinearFp8Config("f16", 32, mb, 128, 2), LinearFp8Config("f16", 64, 16, 128, 1)):
+        y = linear_fp8(x, w, s, config=cfg, out_dtype=od)
+        got, (normed, (c, sc)) = linear_fp8(x, w, s, config=cfg, out_dtype=od, norm_tail=(nw, 1e-6))
+        want, (wc, wsc) = rn.rms_norm(y[:, :C], nw, 1e-6, codes=True)
+        assert same_bits(got, y) and same_bits(normed, want), (cfg, od)
+        assert torch.equal(c.view(torch.uint8), wc.view(torch.uint8)) and torch.equal(sc, wsc)
+        assert same_bits(linear_fp8(x, w, s, config=cfg, out_dtype=od, norm_tail=(nw, 1e-6))[1][0], want)  # again
 
 
-def test_norm_prologue_refuses_what_it_does_not_run():
+def test_norm_tail_refuses_what_it_does_not_run():
     x, w, s = make(2, 256, 256, seed=4)
     nw = torch.ones(256, device=DEV)
-    with pytest.raises(AssertionError):  # the weight of another width
-        linear_fp8(x, w, s, norm=(nw[:128].contiguous(), 1e-6))
-    with pytest.raises(AssertionError):  # codes of x are not codes of its norm
-        linear_fp8(x, w, s, norm=(nw, 1e-6), x_codes=codes_of(x))
+    with pytest.raises(AssertionError):  # columns that are not whole tiles
+        linear_fp8(x, w, s, norm_tail=(nw[:100].contiguous(), 1e-6))
+    with pytest.raises(AssertionError):  # more columns than the output has
+        linear_fp8(x, w, s, norm_tail=(torch.ones(384, device=DEV), 1e-6))
     with pytest.raises(AssertionError):
-        linear_fp8(x, w, s, norm=(nw, 1e-6), config=LinearFp8Config("dot16", 64, 16, 256, 1))
+        linear_fp8(x, w, s, norm_tail=(nw, 1e-6), residual=torch.zeros(2, 256, device=DEV))
 
 
 def test_x_codes_of_the_wrong_shape_are_refused():
@@ -467,13 +463,13 @@ def test_x_codes_of_the_wrong_shape_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kind", ["x_group", "qr_group", "qr_group_norm", "wo_a", "wo_b", "shared_w13", "shared_w2"])
+@pytest.mark.parametrize("kind", ["x_group", "x_group_norm", "qr_group", "wo_a", "wo_b", "shared_w13", "shared_w2"])
 @pytest.mark.parametrize("od", [torch.float32, torch.bfloat16], ids=str)
 def test_gpu_a_row_gets_the_same_bits_in_every_row_tile(kind, od):
     """The V4-Flash FP8 linears with their picked (pinned) configurations: a row computed in a step
     of 1, 16, 17 or 64 rows (row tiles of 16, 32 and 64; the shared w1/w3's former 2-warp pin at 16
     rows would fail it) gives the bits it gets in a batch of 64; fp32 output shows every bit of the sums."""
-    N, K = {"x_group": (1536, 4096), "qr_group": (40960, 1024), "qr_group_norm": (40960, 1024),
+    N, K = {"x_group": (1536, 4096), "x_group_norm": (1536, 4096), "qr_group": (40960, 1024),
             "wo_a": (8192, 4096), "wo_b": (4096, 8192),
             "shared_w13": (2048, 4096), "shared_w2": (4096, 2048)}[kind]
     if kind == "shared_w13":
@@ -484,14 +480,13 @@ def test_gpu_a_row_gets_the_same_bits_in_every_row_tile(kind, od):
         x, w, s = make(64, N, G * K, seed=5, dev="cuda")
         w, s = F.quantize_fp8_weight(F.dequantize_fp8_weight(w, s, 128)[:, :K], 128)
         fn = lambda xs: linear_fp8(xs, w, s, out_dtype=od, quantize_act=False, groups=G)  # noqa: E731
-    elif kind == "qr_group_norm":  # the q norm in the prologue (fast.QNORM_IN_QR_ROWS)
-        x, w, s = make(64, N, K, seed=5, dev="cuda")
-        nw = torch.rand(K, generator=torch.Generator().manual_seed(6)).cuda() + 0.5
-        fn = lambda xs: linear_fp8(xs, w, s, out_dtype=od, norm=(nw, 1e-6))  # noqa: E731
+    elif kind == "x_group_norm":  # the q norm made by the x group's launch (fast.QNORM_TAIL_ROWS): the normed rows
         from megastep.kernels import rope_norm as rn
 
-        y, c = rn.rms_norm(x, nw, 1e-6, codes=True)  # and the norm's launch before the linear
-        assert same_bits(fn(x), linear_fp8(y, w, s, out_dtype=od, x_codes=c))
+        x, w, s = make(64, N, K, seed=5, dev="cuda")
+        nw = torch.rand(1024, generator=torch.Generator().manual_seed(6)).cuda() + 0.5
+        fn = lambda xs: linear_fp8(xs, w, s, out_dtype=od, norm_tail=(nw, 1e-6))[1][0]  # noqa: E731
+        assert same_bits(fn(x), rn.rms_norm(linear_fp8(x, w, s, out_dtype=od)[:, :1024], nw, 1e-6))
     else:
         x, w, s = make(64, N, K, seed=5, dev="cuda")
         fn = lambda xs: linear_fp8(xs, w, s, out_dtype=od)  # noqa: E731
