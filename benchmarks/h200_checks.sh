@@ -35,7 +35,7 @@
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
-#   bash benchmarks/h200_checks.sh qtail      # the q norm made by the x group's launch: its GPU tests, the step at 1-64 rows A/B, 3 rounds (~8 min)
+#   bash benchmarks/h200_checks.sh qtail      # the q norm made by the x group's launch (pinned at 1 row) against its own launch: the step at 1-16 rows, 3 rounds, then its GPU tests (~4 min)
 #   bash benchmarks/h200_checks.sh wotail     # wo_a -> wo_b in one persistent launch: its GPU tests, the pair alone at 1-4 rows, the step A/B with 3 entries (~7 min)
 #   bash benchmarks/h200_checks.sh chain      # an HCA sublayer's FP8 weight streams at 1 row in one persistent launch against one launch per layer (chain_probe.py) (~4 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
@@ -470,14 +470,14 @@ for group in "$@"; do
       ab slack 500 --layers 30 --batch 1,4 --rounds 3 "${arms[@]}"
       step slack_table 20 python3 benchmarks/slack_table.py "$OUT/slack.json"
       summary+=("$(grep -E '^\|' "$OUT/slack_table.log" 2>/dev/null)") ;;
-    qtail)  # the q norm made by the x group's launch (fast.QNORM_TAIL_ROWS; linear_fp8(norm_tail=), rms_norm's exact sum
-      # of squares; 2026-12-05, built without a device): its GPU tests (the normed rows against rms_norm's launch at
-      # every row tile; the step at 1 and 16 rows), then the step at 1-64 rows A/B, 3 rounds in one process
+    qtail)  # the q norm made by the x group's launch (fast.QNORM_TAIL_ROWS, pinned at 1 row from one H100's A/B, 2026-12-05):
+      # the step at 1-4 and 16 rows against 0 (the norm's own launch), 3 rounds in one process, then its GPU tests (the
+      # normed rows against rms_norm's launch at every row tile; the step at 1 and 16 rows)
+      ab qtail 120 --layers 30 --batch 1,2,4,16 --rounds 3 --arm "off=import megastep.model.fast as f; f.QNORM_TAIL_ROWS = 0" \
+        --arm tail=
       step qtail_tests 300 python3 -m pytest -q -rfE --timeout 200 tests/kernels/test_rope_norm.py \
         tests/kernels/test_linear_fp8.py tests/kernels/test_fast_step_triton.py tests/test_fast_gpu.py \
-        -k 'rms_norm or norm_tail or x_group or q_norm'
-      ab qtail 220 --layers 30 --batch 1,2,4,8,16,64 --rounds 3 --arm off= \
-        --arm "tail=import megastep.model.fast as f; f.QNORM_TAIL_ROWS = 64" ;;
+        -k 'rms_norm or norm_tail or x_group or q_norm' ;;
     wotail)  # wo_a -> wo_b in one persistent launch (kernels/wo_tail.py, 2026-12-05, built without a device): its GPU
       # tests (the two Triton launches' bits at 1-4 rows, any grid, in a graph with PDL; then in the step), the pair
       # alone at 1, 2 and 4 rows against the Triton launches (wo_tail_bench.py: each entry checked before it is

@@ -178,8 +178,11 @@ INDEXER_URGENT_ROWS = 0
 # Steps of at most this many rows make the q norm in the x group's launch (linear_fp8(norm_tail=): the
 # last program to write a row tile's wq_a columns norms them) instead of a launch of its own between
 # wq_a and wq_b, which took ~2.2 us of the 1-row chain per attention sublayer (twenty-eighth measurement).
-# The same bits: rms_norm's sum of squares is exact, whatever reads the row. 0: never.
-QNORM_TAIL_ROWS = 0
+# The same bits: rms_norm's sum of squares is exact, whatever reads the row. 0: never. Thirtieth
+# measurement, item 3 (one H100, 16 layers, p50 of 3 rounds against 0): 1 row -1.09 % (every round below),
+# but 2 rows +0.74 %, 4 +0.83 %, 8 +1.37 %, 16 +2.18 %, 64 +3.57 % (one program norms the tile's rows one
+# after the other). (The norm in each qr program's prologue instead: +2.8 to +6.2 %, removed; read at 6d1efe0.)
+QNORM_TAIL_ROWS = 1
 
 
 def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
