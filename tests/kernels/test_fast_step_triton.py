@@ -246,13 +246,30 @@ def test_shared_expert_in_the_experts_combine_gives_the_same_bits():
         assert torch.isfinite(outs[0]).all() and all(torch.equal(o, outs[-1]) for o in outs)
 
 
+def two_steps_each(monkeypatch, cfg, w, setting: str, values, seed: int, calls: list):
+    """Two 2-row steps of a fresh decoder (on the kernels) with fast.<setting> at each value:
+    ({value: logits}, {value: what `calls` recorded in its steps}, the last decoder)."""
+    from megastep.model import fast
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = torch.randint(0, 512, (2, 2), generator=torch.Generator().manual_seed(seed)).to(dev)
+    logits, seen = {}, {}
+    for v in values:
+        monkeypatch.setattr(fast, setting, v)
+        d = FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=True)
+        d.pools.reset(0), d.pools.reset(1)
+        calls.clear()
+        logits[v] = [d.step(ids[t], torch.full((2,), t, device=dev), torch.arange(2, device=dev)) for t in range(2)]
+        seen[v] = list(calls)
+    return logits, seen, d
+
+
 def test_indexer_first_gives_the_same_bits(monkeypatch):
     """fast.INDEXER_FIRST: a CSA layer's bf16 projection in two launches, the indexer's rows (its
     compressor's and weights_proj's) first, each with the whole launch's configuration, gives the
     same logits bit for bit over two steps. (On a GPU the indexer's q rows also move to its stream:
     tests/test_fast_gpu.py.)"""
     from megastep.kernels import dense
-    from megastep.model import fast
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = tiny_cfg(num_hidden_layers=2)
@@ -266,16 +283,8 @@ def test_indexer_first_gives_the_same_bits(monkeypatch):
         return real(x, wt, *a, **k)
 
     monkeypatch.setattr(dense, "linear_bf16", spy)
-    ids = torch.randint(0, 512, (2, 2), generator=torch.Generator().manual_seed(4)).to(dev)
-    logits, seen = {}, {}
-    for on in (False, True):
-        monkeypatch.setattr(fast, "INDEXER_FIRST", on)
-        d = FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=True)
-        d.pools.reset(0), d.pools.reset(1)
-        launches.clear()
-        logits[on] = [d.step(ids[t], torch.full((2,), t, device=dev), torch.arange(2, device=dev)) for t in range(2)]
-        seen[on] = list(launches)
-        wd, sizes = d.layers[1]["x_dense"]
+    logits, seen, d = two_steps_each(monkeypatch, cfg, w, "INDEXER_FIRST", (False, True), 4, launches)
+    wd, sizes = d.layers[1]["x_dense"]
     for a, b in zip(logits[False], logits[True]):
         assert torch.equal(a, b)
     whole = dense.pick_config(*wd.shape)
@@ -292,7 +301,6 @@ def test_q_norm_in_the_x_launch_gives_the_same_bits(monkeypatch):
     really skip the norm's launch and ask the linear for it."""
     from megastep.kernels import linear_fp8 as lin
     from megastep.kernels import rope_norm as rn
-    from megastep.model import fast
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     # wq_a and wkv in one launch (each whole 128-row blocks), the tail on whole 64-column tiles
@@ -311,15 +319,7 @@ def test_q_norm_in_the_x_launch_gives_the_same_bits(monkeypatch):
 
     monkeypatch.setattr(lin, "linear_fp8", spy_lin)
     monkeypatch.setattr(rn, "rms_norm", spy_norm)
-    ids = torch.randint(0, 512, (2, 2), generator=torch.Generator().manual_seed(5)).to(dev)
-    logits, seen = {}, {}
-    for rows in (0, 2):
-        monkeypatch.setattr(fast, "QNORM_TAIL_ROWS", rows)
-        d = FastDecoder(cfg, w, max_seqs=2, max_ctx=32, device=dev, triton=True)
-        d.pools.reset(0), d.pools.reset(1)
-        calls.clear()
-        logits[rows] = [d.step(ids[t], torch.full((2,), t, device=dev), torch.arange(2, device=dev)) for t in range(2)]
-        seen[rows] = list(calls)
+    logits, seen, _ = two_steps_each(monkeypatch, cfg, w, "QNORM_TAIL_ROWS", (0, 2), 5, calls)
     for a, b in zip(logits[0], logits[2]):
         assert torch.equal(a, b)
     assert ("rms_norm", True) in seen[0] and ("linear", True) not in seen[0]
