@@ -258,7 +258,7 @@ def _norm_tail(out_ptr, stride_om, nw_ptr, qr_ptr, qc_ptr, qs_ptr, cnt2_ptr, str
         w = tl.load(nw_ptr + offs, mask=m, other=0.0)
         n = tl.full([], NORM_COLS, tl.int32)
         row0 = pid_m * BLOCK_M
-        for i in range(0, tl.minimum(BLOCK_M, M - row0)):
+        for i in range(tl.minimum(BLOCK_M, M - row0)):
             r = (row0 + i).to(tl.int64)
             x = tl.load(out_ptr + r * stride_om + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
             y = round_to(w * (x * rms_scale(sumsq_row(x, NORM_FIX), n, eps, INTERPRET)), OUT_BF16, INTERPRET)

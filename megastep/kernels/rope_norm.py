@@ -27,8 +27,9 @@ here): exact twins of formats.fp8_act_sim / fp4_act_sim, ties to even.
 What differs from torch:
 - fp32 summation order of the sum of squares (`rms_norm`'s is exact instead: the block comment
   above `fix_bits`; `rms_norm_exact_ref` is its twin) and, in `indexer_q`, of the 128-point
-  Hadamard (log2(n) butterfly stages here, a matmul in torch). Each can move an fp32 result by an ulp and
-  so, rarely, a bf16 rounding by one step, and through it an fp8/fp4 rounding by one grid step.
+  Hadamard (log2(n) butterfly stages here, a matmul in torch). Each can move an fp32 result by an
+  ulp and so, rarely, a bf16 rounding by one step, and through it an fp8/fp4 rounding by one grid
+  step.
 - transcendental functions. On the GPU they are libdevice's (__nv_cosf, __nv_sinf, __nv_rsqrtf,
   __nv_expf, __nv_log1pf): the CUDA math library functions that torch's CUDA kernels call
   (::cos, ::rsqrt, ...), expected bit-identical (to be confirmed by the gpu tests). Under the
@@ -124,8 +125,8 @@ def t_rsqrt(x, INTERPRET: tl.constexpr):
 # ---- rms_norm's sum of squares, exact ------------------------------------------------------------
 # rms_norm sums its squares as whole multiples of one unit per row, in fp64 where each partial sum is
 # an exact integer: the sum does not depend on the order of the additions, so any launch with any
-# layout that reads a row (the qr linear's prologue, `linear_fp8(norm=)`, does it in 128-wide chunks
-# whose row tiles depend on the batch) gets the bits of this kernel. The unit: 2^(e - fix), 2^e the
+# layout that reads a row (the x group's, `linear_fp8(norm_tail=)`, whose layout depends on its
+# configuration) gets the bits of this kernel. The unit: 2^(e - fix), 2^e the
 # power of two above the row's largest square and fix = `fix_bits(D)`, so D terms sum below 2^53.
 # Squares below the unit are dropped: the sum is off by under D units, 2^-32 of it at D = 1024,
 # below fp32's half ulp 2^-24. The one rounding is the final fp64 -> fp32 (`sumsq_exact_ref`).
@@ -284,8 +285,8 @@ def hadamard_pairs(e, o, R: tl.constexpr, HALF: tl.constexpr, LOG_HALF: tl.const
 # ---- kernels -------------------------------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, codes_ptr, scales_ptr, D, stride_xb, stride_ob, stride_cb, stride_sb, eps,
-                     BLOCK_D: tl.constexpr, FIX: tl.constexpr, HAS_W: tl.constexpr, OUT_BF16: tl.constexpr, CODES: tl.constexpr,
-                     INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_D: tl.constexpr, FIX: tl.constexpr, HAS_W: tl.constexpr, OUT_BF16: tl.constexpr,
+                     CODES: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
