@@ -36,7 +36,6 @@
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
 #   bash benchmarks/h200_checks.sh qtail      # the q norm made by the x group's launch (pinned at 1 row) against its own launch: the step at 1-16 rows, 3 rounds, then its GPU tests (~4 min)
-#   bash benchmarks/h200_checks.sh qrtail     # q's norm + RoPE made by wq_b's launch: its GPU tests, the step at 1-16 rows A/B, 3 rounds (~6 min)
 #   bash benchmarks/h200_checks.sh wotail     # wo_a -> wo_b in one persistent launch: its GPU tests, the pair alone at 1-4 rows, the step A/B with 3 entries (~7 min)
 #   bash benchmarks/h200_checks.sh chain      # an HCA sublayer's FP8 weight streams at 1 row in one persistent launch against one launch per layer (chain_probe.py) (~4 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
@@ -479,14 +478,6 @@ for group in "$@"; do
       step qtail_tests 300 python3 -m pytest -q -rfE --timeout 200 tests/kernels/test_rope_norm.py \
         tests/kernels/test_linear_fp8.py tests/kernels/test_fast_step_triton.py tests/test_fast_gpu.py \
         -k 'rms_norm or norm_tail or x_group or q_norm' ;;
-    qrtail)  # q's norm + RoPE made by wq_b's launch (fast.QROPE_TAIL_ROWS; linear_fp8(heads_tail=), q_norm_rope's exact
-      # sum of squares; 2026-12-05, built without a device): its GPU tests (the 64 heads against q_norm_rope's launch at
-      # every row tile; the step at 1 and 16 rows), then the step at 1-4 and 16 rows A/B, 3 rounds in one process
-      step qrtail_tests 300 python3 -m pytest -q -rfE --timeout 200 tests/kernels/test_rope_norm.py \
-        tests/kernels/test_linear_fp8.py tests/kernels/test_fast_step_triton.py tests/test_fast_gpu.py \
-        -k 'q_norm_rope or heads_tail or qr_group'
-      ab qrtail 150 --layers 30 --batch 1,2,4,16 --rounds 3 --arm off= \
-        --arm "rope=import megastep.model.fast as f; f.QROPE_TAIL_ROWS = 16" ;;
     wotail)  # wo_a -> wo_b in one persistent launch (kernels/wo_tail.py, 2026-12-05, built without a device): its GPU
       # tests (the two Triton launches' bits at 1-4 rows, any grid, in a graph with PDL; then in the step), the pair
       # alone at 1, 2 and 4 rows against the Triton launches (wo_tail_bench.py: each entry checked before it is

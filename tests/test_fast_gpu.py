@@ -505,30 +505,6 @@ def test_q_norm_in_the_x_launch_changes_no_bits(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
-def test_q_norm_rope_in_the_qr_launch_changes_no_bits(monkeypatch):
-    """fast.QROPE_TAIL_ROWS = 16: q's norm + RoPE made by wq_b's launch (both the CSA layers' part
-    launch beside the indexer and the others' group launch) instead of q_norm_rope's launch: the
-    greedy logits at 1 row (graphs with PDL) and in a batch of 16, bit for bit against 0; the steps
-    really asked the linear for it."""
-    from megastep.kernels import linear_fp8 as lin
-    from megastep.model import fast
-
-    monkeypatch.setattr(fast, "QROPE_TAIL_ROWS", 0)
-    want = alone_then_batched(build(experts="lut"))
-    tails = []
-    real = lin.linear_fp8
-
-    def spy(*a, **k):
-        tails.append(k.get("heads_tail") is not None)
-        return real(*a, **k)
-
-    monkeypatch.setattr(lin, "linear_fp8", spy)
-    monkeypatch.setattr(fast, "QROPE_TAIL_ROWS", 16)
-    got = alone_then_batched(build(experts="lut"))
-    assert any(tails)
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
-
-
 def test_staged_linears_change_no_bits(monkeypatch):
     """linear_fp8_staged (the CUDA twin of the plain FP8 linear that copies its weights into shared
     memory before it waits for its input) taking the small preset's wo_a, wo_b, x group and qr launches, the

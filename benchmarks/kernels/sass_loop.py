@@ -53,18 +53,15 @@ def _compile(fn, args: list[tuple[str, str]], const: dict, aligned: set[str], wa
 def linear(a) -> tuple[object, int]:
     """linear_fp8's kernel at V4 decode tiles; bytes per step: BLOCK_N x BLOCK_K (x2 gated)."""
     names = ["x_ptr", "w_ptr", "ws_ptr", "out_ptr", "part_ptr", "cnt_ptr", "res_ptr", "xc_ptr", "xs_ptr",
-             "nw_ptr", "qr_ptr", "qc_ptr", "qs_ptr", "cnt2_ptr", "rope_ptr", "pos_ptr", "hq_ptr", "cnt3_ptr",
+             "nw_ptr", "qr_ptr", "qc_ptr", "qs_ptr", "cnt2_ptr",
              "M", "N", "K", "K_PER_SPLIT", "limit", "eps", "stride_xm", "stride_wn", "stride_wsn", "stride_om",
-             "stride_rm", "stride_cm", "stride_sm", "stride_os", "stride_qr", "stride_qc", "stride_qs", "stride_hb",
-             "stride_hh"]
+             "stride_rm", "stride_cm", "stride_sm", "stride_os", "stride_qr", "stride_qc", "stride_qs"]
     types = ["*bf16", "*fp8e4nv", "*u8", "*bf16", "*fp32", "*i32", "*bf16", "*fp8e4nv", "*fp32"] + \
-        ["*fp32", "*bf16", "*fp8e4nv", "*fp32", "*i32", "*fp32", "*i64", "*bf16", "*i32"] + ["i32"] * 4 + \
-        ["fp32"] * 2 + ["i32"] * 13
+        ["*fp32", "*bf16", "*fp8e4nv", "*fp32", "*i32"] + ["i32"] * 4 + ["fp32"] * 2 + ["i32"] * 11
     const = dict(MODE=LIN._MODES[a.mode], BLOCK_N=a.block_n, BLOCK_M=a.block_m, BLOCK_K=a.block_k, SPLIT_K=2,
                  OUT_BF16=True, INTERPRET=False, QUANT_ACT=True, GROUP_N=4096, GATED=a.gated, CLAMP=a.gated,
                  HAS_RES=False, CODES=a.codes, PDL=a.pdl, PREFETCH_LINES=4 if a.pdl == 1 else 0, SPLITS_OUT=False,
-                 NORM_COLS=0, NORM_BLOCK=128, NORM_FIX=52, HEADS_COLS=0, HEAD_D=2, HEAD_NOPE_P=0, HEAD_ROPE_P=1,
-                 HEAD_TABLE=False, HEAD_FIX=52)
+                 NORM_COLS=0, NORM_BLOCK=128, NORM_FIX=52)
     aligned = {"N", "K", "K_PER_SPLIT", "stride_xm", "stride_wn", "stride_om", "stride_rm", "stride_cm"}
     k = _compile(LIN._linear_fp8_kernel, list(zip(names, types)), const, aligned, a.warps, a.stages)
     return k, a.block_n * a.block_k * (2 if a.gated else 1)

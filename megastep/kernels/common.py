@@ -249,17 +249,6 @@ def store_fp8_codes(y, offs, m, n, codes_ptr, scales_ptr, BLOCK: tl.constexpr, I
 
 
 @triton.jit
-def mul_rn(a, b, INTERPRET: tl.constexpr):
-    """a * b (fp32) rounded on its own, never contracted into an FMA with a following add, also in a
-    kernel compiled with FP fusion on: the bits a kernel compiled without fusion (rope_norm.TORCH_MATH)
-    gets from a plain product. Not libdevice's mul_rn, which flushes subnormals."""
-    if INTERPRET:  # numpy rounds every operation
-        return a * b
-    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
 def round_bf16(x, INTERPRET: tl.constexpr):
     """fp32 -> the nearest bf16 value (ties to even), kept in fp32.
 

@@ -64,8 +64,7 @@ from triton.language.extra import libdevice
 
 from megastep.checkpoint import formats
 from megastep.kernels import linear_fp8_staged as _staged
-from megastep.kernels import rope_norm as _rn
-from megastep.kernels.rope_norm import fix_bits, norm_rope_head, rms_scale, round_to, sumsq_row
+from megastep.kernels.rope_norm import fix_bits, rms_scale, round_to, sumsq_row
 from megastep.model import ops
 from megastep.kernels.common import (
     e8m0_to_f32,
@@ -270,54 +269,20 @@ def _norm_tail(out_ptr, stride_om, nw_ptr, qr_ptr, qc_ptr, qs_ptr, cnt2_ptr, str
 
 
 @triton.jit
-def _heads_tail(out_ptr, stride_om, rope_ptr, pos_ptr, hq_ptr, cnt3_ptr, stride_hb, stride_hh, eps, pid_n, pid_m, M,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-                HEADS_COLS: tl.constexpr, HEAD_D: tl.constexpr, HEAD_NOPE_P: tl.constexpr, HEAD_ROPE_P: tl.constexpr,
-                HEAD_TABLE: tl.constexpr, HEAD_FIX: tl.constexpr):
-    """`linear_fp8(heads_tail=)`: run by each program that wrote a tile of out's first HEADS_COLS
-    columns (heads of HEAD_D). The last of a head's HEAD_D / BLOCK_N programs in a row tile (an
-    arrival counter per row tile and head, reset by it) reads the head of its rows back and writes
-    rope_norm.q_norm_rope of it, with that kernel's own helper (the exact sum of squares, the
-    products rounded as there): its bits. Each head has its own last program: the heads go at once."""
-    head = (pid_n * BLOCK_N) // HEAD_D
-    slot = cnt3_ptr + pid_m * (HEADS_COLS // HEAD_D) + head
-    tl.debug_barrier()  # every thread's stores of the tile are issued before the release below
-    done = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
-    if done == HEAD_D // BLOCK_N - 1:
-        tl.debug_barrier()
-        HALF: tl.constexpr = HEAD_D // 2
-        p = tl.arange(0, HALF)[None, :]
-        row0 = pid_m * BLOCK_M
-        for i in range(tl.minimum(BLOCK_M, M - row0)):
-            b = (row0 + i).to(tl.int64)
-            src = out_ptr + b * stride_om + head * HEAD_D + 2 * p
-            e = tl.load(src, cache_modifier=".cg").to(tl.float32)
-            o = tl.load(src + 1, cache_modifier=".cg").to(tl.float32)
-            e, o = norm_rope_head(e, o, p, tl.load(pos_ptr + b), rope_ptr, eps, HALF, HEAD_NOPE_P, HEAD_ROPE_P,
-                                  HEAD_TABLE, HEAD_FIX, OUT_BF16, INTERPRET, True)
-            dst = hq_ptr + b * stride_hb + head * stride_hh + 2 * p
-            tl.store(dst, e.to(hq_ptr.dtype.element_ty))
-            tl.store(dst + 1, o.to(hq_ptr.dtype.element_ty))
-        tl.store(slot, 0)
-
-
-@triton.jit
 def _linear_fp8_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr, xc_ptr, xs_ptr,
-    nw_ptr, qr_ptr, qc_ptr, qs_ptr, cnt2_ptr, rope_ptr, pos_ptr, hq_ptr, cnt3_ptr,
+    nw_ptr, qr_ptr, qc_ptr, qs_ptr, cnt2_ptr,
     M, N, K, K_PER_SPLIT, limit, eps,
     stride_xm, stride_wn, stride_wsn, stride_om, stride_rm, stride_cm, stride_sm, stride_os,
-    stride_qr, stride_qc, stride_qs, stride_hb, stride_hh,
+    stride_qr, stride_qc, stride_qs,
     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, QUANT_ACT: tl.constexpr,
     GROUP_N: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, HAS_RES: tl.constexpr, CODES: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, SPLITS_OUT: tl.constexpr, NORM_COLS: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, NORM_FIX: tl.constexpr, HEADS_COLS: tl.constexpr, HEAD_D: tl.constexpr,
-    HEAD_NOPE_P: tl.constexpr, HEAD_ROPE_P: tl.constexpr, HEAD_TABLE: tl.constexpr, HEAD_FIX: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, NORM_FIX: tl.constexpr,
 ):
     # SPLITS_OUT: out is fp32 [SPLIT_K, M, N] (split stride stride_os): each split's partial, unsummed
     # NORM_COLS > 0 (`norm_tail`): the rows' first NORM_COLS outputs RMS-normalized into qr/qc/qs (_norm_tail)
-    # HEADS_COLS > 0 (`heads_tail`): the rows' first HEADS_COLS outputs, heads of HEAD_D, q_norm_rope'd into hq
     # GATED: N is I (output channels); w3's rows (and scale rows) start N rows below w1's
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -404,11 +369,6 @@ def _linear_fp8_kernel(
                 _norm_tail(out_ptr, stride_om, nw_ptr, qr_ptr, qc_ptr, qs_ptr, cnt2_ptr, stride_qr, stride_qc,
                            stride_qs, eps, pid_m, M, BLOCK_M, BLOCK_N, OUT_BF16, INTERPRET, NORM_COLS, NORM_BLOCK,
                            NORM_FIX)
-        if HEADS_COLS > 0:
-            if pid_n * BLOCK_N < HEADS_COLS:
-                _heads_tail(out_ptr, stride_om, rope_ptr, pos_ptr, hq_ptr, cnt3_ptr, stride_hb, stride_hh, eps, pid_n,
-                            pid_m, M, BLOCK_M, BLOCK_N, OUT_BF16, INTERPRET, HEADS_COLS, HEAD_D, HEAD_NOPE_P,
-                            HEAD_ROPE_P, HEAD_TABLE, HEAD_FIX)
     else:
         tile = pid_m * n_tiles + pid_n
         tile_elems = BLOCK_N * BLOCK_M
@@ -440,11 +400,6 @@ def _linear_fp8_kernel(
                     _norm_tail(out_ptr, stride_om, nw_ptr, qr_ptr, qc_ptr, qs_ptr, cnt2_ptr, stride_qr, stride_qc,
                                stride_qs, eps, pid_m, M, BLOCK_M, BLOCK_N, OUT_BF16, INTERPRET, NORM_COLS, NORM_BLOCK,
                                NORM_FIX)
-            if HEADS_COLS > 0:
-                if pid_n * BLOCK_N < HEADS_COLS:
-                    _heads_tail(out_ptr, stride_om, rope_ptr, pos_ptr, hq_ptr, cnt3_ptr, stride_hb, stride_hh, eps, pid_n,
-                                pid_m, M, BLOCK_M, BLOCK_N, OUT_BF16, INTERPRET, HEADS_COLS, HEAD_D, HEAD_NOPE_P,
-                                HEAD_ROPE_P, HEAD_TABLE, HEAD_FIX)
 
 
 def _k_per_split(K: int, cfg: LinearFp8Config) -> int:
@@ -456,10 +411,10 @@ def _k_per_split(K: int, cfg: LinearFp8Config) -> int:
 
 
 def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residual, x_codes, split_cols=None,
-            tail=None, heads=None):
+            tail=None):
     """Grid, split and workspace for x [M, K] -> out [M, N] (N = I when gated), or with split_cols
     (the columns per split) out [S, M, N] fp32, the S split-K partials. tail: (nw, eps, qr, (qc, qs))
-    of `linear_fp8(norm_tail=)`, heads: (rope, pos, eps, hq) of `heads_tail=`, their outputs allocated."""
+    of `linear_fp8(norm_tail=)`, its outputs allocated."""
     M, N = out.shape[-2:]
     K = w.shape[1]
     splits_out = split_cols is not None
@@ -485,25 +440,17 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     else:  # unused
         nw, eps, qr, qc, qs, cnt2 = out, 0.0, out, out, out, out
     norm_cols = nw.shape[0] if tail is not None else 0
-    if heads is not None:
-        rope, pos, eps, hq = heads
-        H, hd = hq.shape[1:]
-        rp, table = _rn._rope_arg(rope, hd)
-        cnt3 = workspace(x.device, "counters_heads", grid[2] * H, torch.int32)
-    else:  # unused
-        rope, pos, hq, cnt3, H, hd, rp, table = out, out, out.view(1, 1, -1), out, 0, 2, 1, False
     opts = launch_opts(x, grid, w.numel() * w.element_size())
     _linear_fp8_kernel[grid](
-        x, w, w_scale.view(torch.uint8), out, part, cnt, res, xc, xs, nw, qr, qc, qs, cnt2, rope, pos, hq, cnt3,
+        x, w, w_scale.view(torch.uint8), out, part, cnt, res, xc, xs, nw, qr, qc, qs, cnt2,
         M, N, K, k_per_split, float(limit), float(eps),
         x.stride(0), w.stride(0), w_scale.stride(0), out.stride(-2), res.stride(0), xc.stride(0), xs.stride(0),
-        out.stride(0) if splits_out else 0, qr.stride(0), qc.stride(0), qs.stride(0), hq.stride(0), hq.stride(1),
+        out.stride(0) if splits_out else 0, qr.stride(0), qc.stride(0), qs.stride(0),
         MODE=_MODES[cfg.mode], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         SPLIT_K=split, OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=on_interpreter(x), QUANT_ACT=quantize_act,
         GROUP_N=N // groups, GATED=gated, CLAMP=limit > 0, HAS_RES=residual is not None, CODES=codes,
         PREFETCH_LINES=prefetch_lines(opts, k_per_split * w.element_size()), SPLITS_OUT=splits_out,
         NORM_COLS=norm_cols, NORM_BLOCK=max(128, next_pow2(norm_cols)), NORM_FIX=fix_bits(max(norm_cols, 1)),
-        HEADS_COLS=H * hd, HEAD_D=hd, HEAD_NOPE_P=hd // 2 - rp, HEAD_ROPE_P=rp, HEAD_TABLE=table, HEAD_FIX=fix_bits(hd),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **opts,
     )
     return out
@@ -545,7 +492,6 @@ def linear_fp8(
     residual: torch.Tensor | None = None,
     x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
     norm_tail: tuple[torch.Tensor, float] | None = None,
-    heads_tail: tuple[torch.Tensor, torch.Tensor, float, int, int] | None = None,
 ):
     """x [M, K] bf16/fp32, w e4m3 [N, K], w_scale e8m0 [ceil(N/128), ceil(K/128)] -> [M, N].
     quantize_act=False skips the activation quantization (the official wo_a: a plain weight).
@@ -560,11 +506,7 @@ def linear_fp8(
     norm_tail = (nw fp32 [C], eps), C <= N a multiple of the configuration's BLOCK_N: also returns
     rope_norm.rms_norm(y[:, :C], nw, eps, codes=True) of the output y, bit for bit, made in the same
     launch by the last program to write those columns of a row tile (the x group's wq_a columns and the
-    q norm, without the norm's launch between wq_a and wq_b): (y, (normed, (codes, scales))).
-    heads_tail = (rope, pos [M] i64, eps, H, hd): also returns rope_norm.q_norm_rope(y[:, :H*hd].view(M,
-    H, hd), rope, pos, eps), bit for bit, made by the last program to write each head of a row tile
-    (wq_b's columns and q's norm + RoPE, without that launch between wq_b and the attention; hd a
-    multiple of the configuration's BLOCK_N): (y, q)."""
+    q norm, without the norm's launch between wq_a and wq_b): (y, (normed, (codes, scales)))."""
     assert block == BLOCK, "V4 FP8 weights use 128x128 blocks"
     _check_operands(x, w, w_scale, out_dtype)
     x_codes = x_codes if quantize_act else None  # wo_a reads x itself
@@ -590,24 +532,14 @@ def linear_fp8(
         codes = (torch.empty(M, C, dtype=torch.float8_e4m3fn, device=x.device),
                  torch.empty(M, -(-C // BLOCK), dtype=torch.float32, device=x.device))
         tail = (nw, float(eps), normed, codes)
-    heads = None
-    if heads_tail is not None:
-        rope, pos, eps, H, hd = heads_tail
-        assert tail is None and residual is None, "heads_tail alone, on the linear's own output"
-        assert hd % cfg.block_n == 0 and hd & (hd - 1) == 0 and 0 < H * hd <= N, (H, hd, N, cfg.block_n)
-        assert pos.shape == (M,) and pos.dtype == torch.int64 and pos.device == x.device, (pos.shape, pos.dtype)
-        _rn._rope_arg(rope, hd)
-        heads = (rope, pos, float(eps), torch.empty(M, H, hd, dtype=out_dtype, device=x.device))
-    extra = (tail[2], tail[3]) if tail is not None else heads[3] if heads is not None else None
     if M == 0 or N == 0:
-        return out if extra is None else (out, extra)
+        return out if tail is None else (out, (tail[2], tail[3]))
     # a listed launch of few rows: the CUDA twin that stages its weights before its input (same bits)
-    plain = tail is None and heads is None
-    staged = _staged.plan(x, w, groups, _k_per_split(K, cfg), cfg.mode, residual) if plain else None
+    staged = None if tail is not None else _staged.plan(x, w, groups, _k_per_split(K, cfg), cfg.mode, residual)
     if staged is not None:
         return _staged.linear(x, w, w_scale, out, quantize_act, groups, staged)
-    _launch(x, w, w_scale, out, cfg, quantize_act, groups, False, 0.0, residual, x_codes, tail=tail, heads=heads)
-    return out if extra is None else (out, extra)
+    _launch(x, w, w_scale, out, cfg, quantize_act, groups, False, 0.0, residual, x_codes, tail=tail)
+    return out if tail is None else (out, (tail[2], tail[3]))
 
 
 def linear_fp8_swiglu(

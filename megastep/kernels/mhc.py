@@ -28,7 +28,7 @@ Kernels:
 3. `_hc_post_kernel`, grid (B, cdiv(D, BLOCK_D)): elementwise over D.
 `mhc_post_pre` (a sublayer's post followed by the next one's pre, as the step runs them) folds 3
 into 1: each mixes program first makes its slice of the updated streams from the previous ones
-(the post kernel's arithmetic, products rounded on their own, `common.mul_rn`), stores it for the finish
+(the post kernel's arithmetic, products rounded on their own, `_mul_rn`), stores it for the finish
 and the next post, and mixes it: one launch per sublayer fewer, the same bits.
 
 Rounding points follow ops exactly: every product is rounded before it is summed (the finish and
@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from megastep.config import ModelConfig
-from megastep.kernels.common import launch_opts, mul_rn, next_pow2, on_interpreter, pdl_enter, round_bf16
+from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
 from megastep.model import ops
 
 
@@ -111,6 +111,17 @@ def pick_config(hc: int, D: int) -> MhcConfig:
 
 
 @triton.jit
+def _mul_rn(a, b, INTERPRET: tl.constexpr):
+    """a * b rounded on its own (never contracted into an FMA with a following add), in a kernel
+    compiled with FP fusion on: hc_post's products, bit for bit as `_hc_post_kernel` (compiled
+    without fusion: mul.rn.f32) makes them. Not libdevice's mul_rn, which flushes subnormals."""
+    if INTERPRET:  # numpy rounds every operation
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
 def _sublayer_out(y_ptr, y2_ptr, row, d, mask, stride_yb, stride_y2b, Y2: tl.constexpr, INTERPRET: tl.constexpr):
     """The sublayer output y at (row, d) as fp32; with Y2, rnd(y + y2) (y fp32, y2 bf16: the bits
     of linear_fp8's residual epilogue rnd(y + rnd(acc)), its second addend computed apart)."""
@@ -128,11 +139,11 @@ def _post_slice(y_ptr, y2_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, row, j, d, ma
     y = _sublayer_out(y_ptr, y2_ptr, row, d, mask, stride_yb, stride_y2b, Y2, INTERPRET)
     cb = comb_ptr + row * HC * HC
     h_row = h_ptr + row * stride_hb + d
-    acc = mul_rn(tl.load(cb + j, mask=mask, other=0.0), tl.load(h_row, mask=mask, other=0.0).to(tl.float32), INTERPRET)
+    acc = _mul_rn(tl.load(cb + j, mask=mask, other=0.0), tl.load(h_row, mask=mask, other=0.0).to(tl.float32), INTERPRET)
     for i in tl.static_range(1, HC):
         hi = tl.load(h_row + i * stride_hj, mask=mask, other=0.0).to(tl.float32)
-        acc = acc + mul_rn(tl.load(cb + i * HC + j, mask=mask, other=0.0), hi, INTERPRET)
-    o = mul_rn(tl.load(post_ptr + row * HC + j, mask=mask, other=0.0), y, INTERPRET) + acc
+        acc = acc + _mul_rn(tl.load(cb + i * HC + j, mask=mask, other=0.0), hi, INTERPRET)
+    o = _mul_rn(tl.load(post_ptr + row * HC + j, mask=mask, other=0.0), y, INTERPRET) + acc
     o = round_bf16(o, INTERPRET)
     tl.store(out_ptr + row * stride_ob + j * stride_oj + d, o.to(out_ptr.dtype.element_ty), mask=mask)
     return o

@@ -60,7 +60,6 @@ from megastep.kernels.common import (
     fp8_pow2_scale,
     fp8_round,
     launch_opts,
-    mul_rn,
     next_pow2,
     on_interpreter,
     pdl_enter,
@@ -163,15 +162,6 @@ def sumsq_row(x, FIX: tl.constexpr):
 
 
 @triton.jit
-def sumsq_pairs(e, o, FIX: tl.constexpr):
-    """The exact sum of squares of each row of (even, odd) channel pairs [R, HALF] -> fp32 [R]."""
-    x = sq_exponent(tl.maximum(tl.max(e * e, axis=1), tl.max(o * o, axis=1)))
-    up = pow2_f64(FIX - x)[:, None]
-    tot = tl.sum(fixed_squares(e, up) + fixed_squares(o, up), axis=1)
-    return (tot * pow2_f64(x - FIX)).to(tl.float32)
-
-
-@triton.jit
 def rms_scale(ss, D, eps, INTERPRET: tl.constexpr):
     """1 / sqrt(mean square + eps) from the row's sum of squares."""
     return t_rsqrt(tl.div_rn(ss, D.to(tl.float32)) + eps, INTERPRET)
@@ -189,12 +179,10 @@ def round_to(x, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
 # ---- pieces on (even, odd) channel pairs [R, HALF] ---------------------------------------------
 @triton.jit
 def rope_pairs(e, o, p, pos, rope_ptr, NOPE_P: tl.constexpr, ROPE_P: tl.constexpr, TABLE: tl.constexpr,
-               INTERPRET: tl.constexpr, INVERSE: tl.constexpr = False, FUSED_KERNEL: tl.constexpr = False):
+               INTERPRET: tl.constexpr, INVERSE: tl.constexpr = False):
     """ops.apply_rope on pairs p >= NOPE_P (pair NOPE_P + i turns with frequency i) at the
     scalar position pos (int64); the other pairs pass through. No rounding here. INVERSE: the
-    inverse rotation, computed as ops.apply_rope(.., inverse=True) does (sin negated).
-    FUSED_KERNEL: called from a kernel compiled with FP fusion on (linear_fp8's heads tail): the
-    products through common.mul_rn, so that they are rounded as in this module's kernels."""
+    inverse rotation, computed as ops.apply_rope(.., inverse=True) does (sin negated)."""
     j = p - NOPE_P
     is_rope = j >= 0
     j = tl.where(is_rope, j, 0)
@@ -207,12 +195,8 @@ def rope_pairs(e, o, p, pos, rope_ptr, NOPE_P: tl.constexpr, ROPE_P: tl.constexp
         s = t_sin(ang, INTERPRET)
     if INVERSE:
         s = -s
-    if FUSED_KERNEL:
-        re = mul_rn(e, c, INTERPRET) - mul_rn(o, s, INTERPRET)
-        ro = mul_rn(o, c, INTERPRET) + mul_rn(e, s, INTERPRET)
-    else:
-        re = e * c - o * s
-        ro = o * c + e * s
+    re = e * c - o * s
+    ro = o * c + e * s
     return tl.where(is_rope, re, e), tl.where(is_rope, ro, o)
 
 
@@ -318,23 +302,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, codes_ptr, scales_ptr, D, stride_xb,
 
 
 @triton.jit
-def norm_rope_head(e, o, p, pos, rope_ptr, eps, HALF: tl.constexpr, NOPE_P: tl.constexpr, ROPE_P: tl.constexpr,
-                   TABLE: tl.constexpr, FIX: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-                   FUSED_KERNEL: tl.constexpr):
-    """q_norm_rope of heads held as (even, odd) pairs [R, HALF] at position pos: the norm (its exact
-    sum of squares), rounded, RoPE, rounded; the values to store. FUSED_KERNEL: `rope_pairs`'."""
-    r = t_rsqrt(tl.div_rn(sumsq_pairs(e, o, FIX), 2.0 * HALF) + eps, INTERPRET)[:, None]
-    e = round_to(e * r, OUT_BF16, INTERPRET)
-    o = round_to(o * r, OUT_BF16, INTERPRET)
-    e, o = rope_pairs(e, o, p, pos, rope_ptr, NOPE_P, ROPE_P, TABLE, INTERPRET, False, FUSED_KERNEL)
-    return round_to(e, OUT_BF16, INTERPRET), round_to(o, OUT_BF16, INTERPRET)
-
-
-@triton.jit
 def _q_norm_rope_kernel(q_ptr, rope_ptr, pos_ptr, out_ptr, H, stride_qb, stride_qh, stride_ob, stride_oh, eps,
                         HALF: tl.constexpr, NOPE_P: tl.constexpr, ROPE_P: tl.constexpr, BLOCK_H: tl.constexpr,
-                        TABLE: tl.constexpr, FIX: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-                        PDL: tl.constexpr):
+                        TABLE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     hb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -344,12 +314,14 @@ def _q_norm_rope_kernel(q_ptr, rope_ptr, pos_ptr, out_ptr, H, stride_qb, stride_
     src = q_ptr + b * stride_qb + h * stride_qh + 2 * p
     e = tl.load(src, mask=hm, other=0.0).to(tl.float32)
     o = tl.load(src + 1, mask=hm, other=0.0).to(tl.float32)
-    e, o = norm_rope_head(e, o, p, tl.load(pos_ptr + b), rope_ptr, eps, HALF, NOPE_P, ROPE_P, TABLE, FIX, OUT_BF16,
-                          INTERPRET, False)
+    r = t_rsqrt(tl.div_rn(tl.sum(e * e + o * o, axis=1), 2.0 * HALF) + eps, INTERPRET)[:, None]
+    e = round_to(e * r, OUT_BF16, INTERPRET)
+    o = round_to(o * r, OUT_BF16, INTERPRET)
+    e, o = rope_pairs(e, o, p, tl.load(pos_ptr + b), rope_ptr, NOPE_P, ROPE_P, TABLE, INTERPRET)
     dst = out_ptr + b * stride_ob + h * stride_oh + 2 * p
     ty = out_ptr.dtype.element_ty
-    tl.store(dst, e.to(ty), mask=hm)
-    tl.store(dst + 1, o.to(ty), mask=hm)
+    tl.store(dst, round_to(e, OUT_BF16, INTERPRET).to(ty), mask=hm)
+    tl.store(dst + 1, round_to(o, OUT_BF16, INTERPRET).to(ty), mask=hm)
 
 
 @triton.jit
@@ -490,7 +462,7 @@ def q_norm_rope(q: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor, eps: flo
     grid = (triton.cdiv(H, cfg.block_h), B)
     _q_norm_rope_kernel[grid](
         q, rope, pos, out, H, q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(eps),
-        HALF=d // 2, NOPE_P=d // 2 - rp, ROPE_P=rp, BLOCK_H=cfg.block_h, TABLE=table, FIX=fix_bits(d),
+        HALF=d // 2, NOPE_P=d // 2 - rp, ROPE_P=rp, BLOCK_H=cfg.block_h, TABLE=table,
         OUT_BF16=q.dtype == torch.bfloat16, INTERPRET=on_interpreter(q), num_warps=cfg.num_warps,
         **TORCH_MATH, **launch_opts(q, grid))
     return out

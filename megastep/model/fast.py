@@ -183,11 +183,6 @@ INDEXER_URGENT_ROWS = 0
 # but 2 rows +0.74 %, 4 +0.83 %, 8 +1.37 %, 16 +2.18 %, 64 +3.57 % (one program norms the tile's rows one
 # after the other). (The norm in each qr program's prologue instead: +2.8 to +6.2 %, removed; read at 6d1efe0.)
 QNORM_TAIL_ROWS = 1
-# Steps of at most this many rows make q's norm + RoPE in the tail of the launch of wq_b (linear_fp8(heads_tail=):
-# each head's last program norms and turns that head) instead of q_norm_rope's launch between wq_b and the
-# attention (~2.2 us of the 1-row chain per attention sublayer, twenty-eighth measurement). The same bits:
-# q_norm_rope's sum of squares is exact, its products rounded alike. 0: never (built 2026-12-05, not measured).
-QROPE_TAIL_ROWS = 0
 
 
 def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
@@ -712,27 +707,18 @@ class FastDecoder(MoeSublayer):
                 qr, qrq = _rn.rms_norm(qa, lw["q_norm"], eps, codes=True)
             elif tail is None:
                 qr, qrq = _rn.rms_norm_ref(qa, lw["q_norm"], eps), None
-            # QROPE_TAIL_ROWS: q = q_norm_rope of wq_b's output, made by its launch (q stays None where it can't)
-            heads = (inv_freq, pos, eps, H, hd) if tr and B <= QROPE_TAIL_ROWS and not split else None
-            q = None
             if beside and not first:  # the indexer's rows of the qr group first: the indexer starts on them
                 qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq)
             elif not beside:
-                got = lw["qr_fp8"].with_heads_tail(qr, heads, codes=qrq) if heads else None
-                qb, q = got or (lw["qr_fp8"](qr, tr, codes=qrq), None)
+                qb = lw["qr_fp8"](qr, tr, codes=qrq)
         if beside:
             with self._on_side(idx_stream, "indexer"), stage(T, "indexer", L):
                 if first:  # beside wq_b instead of before it
                     qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq)
                 kw["idx"], kw["idx_ok"] = self._indexer(qi, xd[4], pos, slots, L, keys_ready)
         with stage(T, "attn_proj", L):
-            if beside:  # the attention's wq_b
-                got = lw["qr_fp8"].with_heads_tail(qr, heads, codes=qrq, part=0) if heads else None
-                qh, q = got or (lw["qr_fp8"].part(0, qr, tr, codes=qrq), None)
-            else:
-                qh = qb[0]
-            if q is None:
-                q = self._kernel(_rn, "q_norm_rope")(qh.view(B, H, hd), inv_freq, pos, eps, **heads_kw)
+            qh = lw["qr_fp8"].part(0, qr, tr, codes=qrq) if beside else qb[0]  # the attention's wq_b
+            q = self._kernel(_rn, "q_norm_rope")(qh.view(B, H, hd), inv_freq, pos, eps, **heads_kw)
         self._join(*made)  # the side stream's work of this layer so far
         if beside:
             self._join(kw["idx"], kw["idx_ok"], stream=idx_stream)

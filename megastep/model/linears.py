@@ -101,26 +101,6 @@ class LinearGroup:
         y, (normed, codes) = _lin.linear_fp8(x.contiguous(), f.w, f.scale, block=f.block, config=cfg, norm_tail=norm)
         return list(y.split(self.sizes, dim=1)), normed, codes
 
-    def with_heads_tail(self, x: torch.Tensor, heads: tuple, codes=None, part: int | None = None):
-        """(outputs, q) from one launch: the group's outputs (or part `part`'s, as `part` launches it)
-        and rope_norm.q_norm_rope of the first H heads of hd columns of them, made by each head's
-        last program (linear_fp8(heads_tail=): the bits of q_norm_rope's own launch). heads = (rope,
-        pos, eps, H, hd). None where that is not one FP8 kernel launch or hd is not whole tiles."""
-        f = self.fused if self.fused is not None else self.parts[0] if len(self.parts) == 1 else None
-        if f is None or not (f.kernel_block and f.scale is not None and f.act_quant):
-            return None
-        w, sc = f.w, f.scale
-        if part is not None:
-            lo = sum(self.sizes[:part])
-            hi = lo + self.sizes[part]
-            w, sc = w[lo:hi], sc[lo // f.block:hi // f.block]
-        # the group launch's configuration, as `part` takes it
-        cfg = _lin.pick_config(x.shape[0], self.like_rows or f.w.shape[0], f.w.shape[1])
-        if heads[4] % cfg.block_n or heads[3] * heads[4] > w.shape[0]:
-            return None
-        y, q = _lin.linear_fp8(x.contiguous(), w, sc, block=f.block, config=cfg, x_codes=codes, heads_tail=heads)
-        return (y if part is not None else list(y.split(self.sizes, dim=1))), q
-
     def _config(self, x: torch.Tensor, w: torch.Tensor) -> _lin.LinearFp8Config | None:
         """like_rows' configuration for x through w (None: the kernel's own pick)."""
         return None if self.like_rows is None else _lin.pick_config(x.shape[0], self.like_rows, w.shape[1])

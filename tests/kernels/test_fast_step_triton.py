@@ -324,33 +324,3 @@ def test_q_norm_in_the_x_launch_gives_the_same_bits(monkeypatch):
         assert torch.equal(a, b)
     assert ("rms_norm", True) in seen[0] and ("linear", True) not in seen[0]
     assert ("rms_norm", True) not in seen[2] and seen[2].count(("linear", True)) == 2 * 2  # 2 layers x 2 steps
-
-
-def test_q_norm_rope_in_the_qr_launch_gives_the_same_bits(monkeypatch):
-    """fast.QROPE_TAIL_ROWS: q's norm + RoPE made by the qr group's launch (linear_fp8(heads_tail=))
-    instead of q_norm_rope's launch after it gives the same logits bit for bit over two 2-row steps;
-    the steps really skip that launch and ask the linear for it."""
-    from megastep.kernels import linear_fp8 as lin
-    from megastep.kernels import rope_norm as rn
-
-    # wq_b and the indexer's in one launch (whole 128-row blocks), heads of whole 64-column tiles
-    cfg = tiny_cfg(num_hidden_layers=2, q_lora_rank=128, head_dim=128)
-    w = synthesize_weights(cfg, seed=9, device="cuda" if torch.cuda.is_available() else "cpu", include_mtp=False)
-    calls = []
-    real_lin, real_rope = lin.linear_fp8, rn.q_norm_rope
-
-    def spy_lin(*a, **k):
-        calls.append(("linear", k.get("heads_tail") is not None))
-        return real_lin(*a, **k)
-
-    def spy_rope(*a, **k):
-        calls.append(("q_norm_rope", True))
-        return real_rope(*a, **k)
-
-    monkeypatch.setattr(lin, "linear_fp8", spy_lin)
-    monkeypatch.setattr(rn, "q_norm_rope", spy_rope)
-    logits, seen, _ = two_steps_each(monkeypatch, cfg, w, "QROPE_TAIL_ROWS", (0, 2), 6, calls)
-    for a, b in zip(logits[0], logits[2]):
-        assert torch.equal(a, b)
-    assert ("q_norm_rope", True) in seen[0] and ("linear", True) not in seen[0]
-    assert ("q_norm_rope", True) not in seen[2] and seen[2].count(("linear", True)) == 2 * 2  # 2 layers x 2 steps

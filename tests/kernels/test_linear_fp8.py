@@ -441,31 +441,6 @@ def test_norm_tail_gives_the_norm_launchs_bits(M, N, K, C, od):
         assert same_bits(linear_fp8(x, w, s, config=cfg, out_dtype=od, norm_tail=(nw, 1e-6))[1][0], want)  # again
 
 
-@pytest.mark.parametrize("M,N,K,H,hd", [(1, 640, 256, 4, 128), (3, 384, 300, 2, 128), (20, 1024, 128, 2, 512)])
-@pytest.mark.parametrize("table", [False, True], ids=["inv_freq", "table"])
-def test_heads_tail_gives_q_norm_ropes_bits(M, N, K, H, hd, table):
-    """heads_tail=: the linear's output unchanged, and beside it q_norm_rope of its first H heads,
-    bit for bit, for any row tile and split (each head's last program makes it), with the inverse
-    frequencies (cos/sin computed) or a table; positions up to 2^20."""
-    from megastep.config import ModelConfig
-    from megastep.kernels import rope_norm as rn
-    from megastep.model import ops
-
-    x, w, s = make(M, N, K, seed=M * K + H)
-    x = x * torch.exp2(torch.arange(M, device=DEV) % 5 * 3.0 - 6).to(x.dtype)[:, None]
-    rope = ops.rope_inv_freq(ModelConfig().replace(qk_rope_head_dim=64), True).to(DEV)
-    pos = torch.randint(0, 1 << 20, (M,), generator=torch.Generator().manual_seed(M)).to(DEV)
-    if table:
-        pos = pos % 4096
-        rope = rn.rope_table(rope, 4096)
-    mb = 16 if M <= 16 else 32
-    for cfg in (None, LinearFp8Config("f16", 32, mb, 128, 2), LinearFp8Config("f16", 64, 16, 128, 1)):
-        y = linear_fp8(x, w, s, config=cfg)
-        got, q = linear_fp8(x, w, s, config=cfg, heads_tail=(rope, pos, 1e-6, H, hd))
-        assert same_bits(got, y) and q.shape == (M, H, hd)
-        assert same_bits(q, rn.q_norm_rope(y[:, :H * hd].reshape(M, H, hd), rope, pos, 1e-6)), cfg
-
-
 def test_norm_tail_refuses_what_it_does_not_run():
     x, w, s = make(2, 256, 256, seed=4)
     nw = torch.ones(256, device=DEV)
@@ -475,13 +450,6 @@ def test_norm_tail_refuses_what_it_does_not_run():
         linear_fp8(x, w, s, norm_tail=(torch.ones(384, device=DEV), 1e-6))
     with pytest.raises(AssertionError):
         linear_fp8(x, w, s, norm_tail=(nw, 1e-6), residual=torch.zeros(2, 256, device=DEV))
-    rope, pos = torch.ones(8, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV)
-    with pytest.raises(AssertionError):  # heads of 96 columns are not whole tiles
-        linear_fp8(x, w, s, heads_tail=(rope, pos, 1e-6, 2, 96))
-    with pytest.raises(AssertionError):  # more heads than the output has
-        linear_fp8(x, w, s, heads_tail=(rope, pos, 1e-6, 4, 128))
-    with pytest.raises(AssertionError):  # one tail per launch
-        linear_fp8(x, w, s, norm_tail=(nw, 1e-6), heads_tail=(rope, pos, 1e-6, 2, 128))
 
 
 def test_x_codes_of_the_wrong_shape_are_refused():
@@ -495,14 +463,13 @@ def test_x_codes_of_the_wrong_shape_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kind", ["x_group", "x_group_norm", "qr_group", "qr_group_heads", "wo_a", "wo_b", "shared_w13",
-                                  "shared_w2"])
+@pytest.mark.parametrize("kind", ["x_group", "x_group_norm", "qr_group", "wo_a", "wo_b", "shared_w13", "shared_w2"])
 @pytest.mark.parametrize("od", [torch.float32, torch.bfloat16], ids=str)
 def test_gpu_a_row_gets_the_same_bits_in_every_row_tile(kind, od):
     """The V4-Flash FP8 linears with their picked (pinned) configurations: a row computed in a step
     of 1, 16, 17 or 64 rows (row tiles of 16, 32 and 64; the shared w1/w3's former 2-warp pin at 16
     rows would fail it) gives the bits it gets in a batch of 64; fp32 output shows every bit of the sums."""
-    N, K = {"x_group": (1536, 4096), "x_group_norm": (1536, 4096), "qr_group": (40960, 1024), "qr_group_heads": (40960, 1024),
+    N, K = {"x_group": (1536, 4096), "x_group_norm": (1536, 4096), "qr_group": (40960, 1024),
             "wo_a": (8192, 4096), "wo_b": (4096, 8192),
             "shared_w13": (2048, 4096), "shared_w2": (4096, 2048)}[kind]
     if kind == "shared_w13":
@@ -520,17 +487,6 @@ def test_gpu_a_row_gets_the_same_bits_in_every_row_tile(kind, od):
         nw = torch.rand(1024, generator=torch.Generator().manual_seed(6)).cuda() + 0.5
         fn = lambda xs: linear_fp8(xs, w, s, out_dtype=od, norm_tail=(nw, 1e-6))[1][0]  # noqa: E731
         assert same_bits(fn(x), rn.rms_norm(linear_fp8(x, w, s, out_dtype=od)[:, :1024], nw, 1e-6))
-    elif kind == "qr_group_heads":  # q's norm + RoPE made by wq_b's launch (fast.QROPE_TAIL_ROWS): the 64 heads
-        from megastep.config import ModelConfig
-        from megastep.kernels import rope_norm as rn
-        from megastep.model import ops
-
-        x, w, s = make(64, N, K, seed=5, dev="cuda")
-        rope = ops.rope_inv_freq(ModelConfig().replace(qk_rope_head_dim=64), True).cuda()
-        pos = torch.randint(0, 1 << 20, (64,), generator=torch.Generator().manual_seed(7)).cuda()
-        fn = lambda xs: linear_fp8(xs, w, s, out_dtype=od, heads_tail=(rope, pos[:xs.shape[0]], 1e-6, 64, 512))[1]  # noqa: E731
-        y = linear_fp8(x, w, s, out_dtype=od)[:, :64 * 512].reshape(64, 64, 512)
-        assert same_bits(fn(x), rn.q_norm_rope(y, rope, pos, 1e-6))
     else:
         x, w, s = make(64, N, K, seed=5, dev="cuda")
         fn = lambda xs: linear_fp8(xs, w, s, out_dtype=od)  # noqa: E731
