@@ -492,7 +492,6 @@ def test_q_norm_in_the_x_launch_changes_no_bits(per_pass, monkeypatch):
     from megastep.model import fast
 
     monkeypatch.setattr(lin, "NORM_TAIL_ROWS_PER_PASS", per_pass)
-
     monkeypatch.setattr(fast, "QNORM_TAIL_ROWS", 0)
     want = alone_then_batched(build(experts="lut"))
     tails = []

@@ -432,7 +432,6 @@ def test_norm_tail_gives_the_norm_launchs_bits(M, N, K, C, od, per_pass, monkeyp
     from megastep.kernels import rope_norm as rn
 
     monkeypatch.setattr(lin, "NORM_TAIL_ROWS_PER_PASS", per_pass)
-
     x, w, s = make(M, N, K, seed=M * K + C)
     x = x * torch.exp2(torch.arange(M, device=DEV) % 7 * 3.0 - 9).to(x.dtype)[:, None]
     nw = (torch.rand(C, generator=torch.Generator().manual_seed(C)) + 0.5).to(DEV)
@@ -475,8 +474,8 @@ def test_gpu_a_row_gets_the_same_bits_in_every_row_tile(kind, od, monkeypatch):
     """The V4-Flash FP8 linears with their picked (pinned) configurations: a row computed in a step
     of 1, 16, 17 or 64 rows (row tiles of 16, 32 and 64; the shared w1/w3's former 2-warp pin at 16
     rows would fail it) gives the bits it gets in a batch of 64; fp32 output shows every bit of the sums."""
-    N, K = {"x_group": (1536, 4096), "x_group_norm": (1536, 4096), "x_group_norm4": (1536, 4096), "qr_group": (40960, 1024),
-            "wo_a": (8192, 4096), "wo_b": (4096, 8192),
+    N, K = {"x_group": (1536, 4096), "x_group_norm": (1536, 4096), "x_group_norm4": (1536, 4096),
+            "qr_group": (40960, 1024), "wo_a": (8192, 4096), "wo_b": (4096, 8192),
             "shared_w13": (2048, 4096), "shared_w2": (4096, 2048)}[kind]
     if kind == "shared_w13":
         x, w, s = make_w13(64, N, K, seed=5, dev="cuda")

@@ -132,7 +132,8 @@ def test_rms_norm_codes_are_the_outputs_quantization(dtype, B, D):
 def test_rms_norm_sums_its_squares_exactly(dtype, D):
     """rms_norm's sum of squares is exact (whole units of the row, summed in fp64): the kernel gives
     rms_norm_exact_ref's bits (rsqrt aside on the GPU), the same bits for its channels in any order,
-    and the sum is float64's, rounded once (on these rows). Rows: 30 binades of magnitudes, zeros, one huge value."""
+    and the sum is float64's, rounded once (on these rows). Rows: 30 binades of magnitudes, zeros,
+    one huge value."""
     g = torch.Generator().manual_seed(D)
     x = torch.randn(5, D, generator=g) * torch.exp2(torch.randint(-15, 15, (5, D), generator=g).float())
     x[1] = 0
