@@ -88,8 +88,11 @@ from megastep.kernels.common import (
 BLOCK = 128
 _MODES = {"dot16": 2, "f16": 3}
 # Rows the norm tail (`norm_tail=`) norms per pass: 1 norms a row tile's rows one after the other (measured, thirtieth
-# measurement: a row costs ~1-2 us of the launch's end, so the tail loses from 2 rows on); a power of two up to 16 loads
-# and norms that many rows as one block (the same bits: the exact sums), fewer passes for more registers. Not measured.
+# measurement: a row costs ~1-2 us of the launch's end, so the tail loses from 2 rows on); 2 or 4 load and norm that
+# many rows as one block (the same bits: the exact sums), fewer passes for more registers. Not measured on a GPU. The
+# V4 x group's launch, Triton 3.6 for sm_90 (benchmarks/kernels/occupancy.py): 112 registers without the tail, 98
+# with 1 row a pass, 112 with 2, 140 with 4 (3 programs an SM instead of 4; its 192 programs still one wave), 252
+# with 8 and 255 with spills with 16 (not allowed).
 NORM_TAIL_ROWS_PER_PASS = 1
 
 
@@ -457,6 +460,7 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     xc, xs = x_codes if codes else (out, out)
     if tail is not None:
         nw, eps, qr, (qc, qs) = tail
+        assert NORM_TAIL_ROWS_PER_PASS in (1, 2, 4), NORM_TAIL_ROWS_PER_PASS
         cnt2 = workspace(x.device, "counters_norm", grid[2], torch.int32)
     else:  # unused
         nw, eps, qr, qc, qs, cnt2 = out, 0.0, out, out, out, out

@@ -445,7 +445,9 @@ def test_norm_tail_gives_the_norm_launchs_bits(M, N, K, C, od, per_pass, monkeyp
         assert same_bits(linear_fp8(x, w, s, config=cfg, out_dtype=od, norm_tail=(nw, 1e-6))[1][0], want)  # again
 
 
-def test_norm_tail_refuses_what_it_does_not_run():
+def test_norm_tail_refuses_what_it_does_not_run(monkeypatch):
+    from megastep.kernels import linear_fp8 as lin
+
     x, w, s = make(2, 256, 256, seed=4)
     nw = torch.ones(256, device=DEV)
     with pytest.raises(AssertionError):  # columns that are not whole tiles
@@ -454,6 +456,9 @@ def test_norm_tail_refuses_what_it_does_not_run():
         linear_fp8(x, w, s, norm_tail=(torch.ones(384, device=DEV), 1e-6))
     with pytest.raises(AssertionError):
         linear_fp8(x, w, s, norm_tail=(nw, 1e-6), residual=torch.zeros(2, 256, device=DEV))
+    monkeypatch.setattr(lin, "NORM_TAIL_ROWS_PER_PASS", 8)  # 252 registers at V4's x group (the module's comment)
+    with pytest.raises(AssertionError):
+        linear_fp8(x, w, s, norm_tail=(nw, 1e-6))
 
 
 def test_x_codes_of_the_wrong_shape_are_refused():
