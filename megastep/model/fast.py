@@ -703,10 +703,9 @@ class FastDecoder(MoeSublayer):
                 # kv norm, RoPE, fp8 simulation of the nope dims, and the write into the window ring
                 self._kernel(_rn, "kv_rope_sim_store")(kv, lw["kv_norm"], inv_freq, pos, P.win[L], slots,
                                                        eps, cfg.nope_head_dim)
-            if tail is None and tr:  # the norm also writes qr's fp8 activation codes, which qr_fp8 loads
-                qr, qrq = _rn.rms_norm(qa, lw["q_norm"], eps, codes=True)
-            elif tail is None:
-                qr, qrq = _rn.rms_norm_ref(qa, lw["q_norm"], eps), None
+            if tail is None:  # the norm's own launch; it also writes qr's fp8 codes, which qr_fp8 loads
+                qr, qrq = (_rn.rms_norm(qa, lw["q_norm"], eps, codes=True) if tr
+                           else (_rn.rms_norm_ref(qa, lw["q_norm"], eps), None))
             if beside and not first:  # the indexer's rows of the qr group first: the indexer starts on them
                 qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq)
             elif not beside:

@@ -95,7 +95,7 @@ class LinearGroup:
         f = self.fused
         if f is None or not (f.kernel_block and f.scale is not None and f.act_quant):
             return None
-        cfg = self._config(x, f.w) or _lin.pick_config(x.shape[0], *f.w.shape)
+        cfg = self._fused_config(x)
         if self.sizes[0] % cfg.block_n:
             return None
         y, (normed, codes) = _lin.linear_fp8(x.contiguous(), f.w, f.scale, block=f.block, config=cfg, norm_tail=norm)
@@ -104,6 +104,11 @@ class LinearGroup:
     def _config(self, x: torch.Tensor, w: torch.Tensor) -> _lin.LinearFp8Config | None:
         """like_rows' configuration for x through w (None: the kernel's own pick)."""
         return None if self.like_rows is None else _lin.pick_config(x.shape[0], self.like_rows, w.shape[1])
+
+    def _fused_config(self, x: torch.Tensor) -> _lin.LinearFp8Config:
+        """The configuration the fused launch takes for x (like_rows', or the kernel's pick)."""
+        f = self.fused
+        return _lin.pick_config(x.shape[0], self.like_rows or f.w.shape[0], f.w.shape[1])
 
     def __call__(self, x: torch.Tensor, triton: bool, codes=None) -> list[torch.Tensor]:
         if self.fused is None:
@@ -122,6 +127,6 @@ class LinearGroup:
             return self(x, triton, codes=codes)[i]
         lo = sum(self.sizes[:i])
         hi = lo + self.sizes[i]
-        cfg = _lin.pick_config(x.shape[0], self.like_rows or f.w.shape[0], f.w.shape[1])
+        cfg = self._fused_config(x)
         rows = Linear(f.w[lo:hi], f.scale[lo // f.block:hi // f.block], f.block, f.act_quant)
         return rows(x, triton, codes=codes, config=cfg)
