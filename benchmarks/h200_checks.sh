@@ -36,7 +36,6 @@
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
 #   bash benchmarks/h200_checks.sh qtail      # the q norm made by the x group's launch (pinned at 1 row) against its own launch: the step at 1-16 rows, 3 rounds, then its GPU tests (~4 min)
-#   bash benchmarks/h200_checks.sh qtail2     # the q norm's tail at 2-4 rows, its rows 1, 2 or 4 at a time: its GPU tests, the step A/B/C/D at 1-4 rows, 3 rounds (~6 min)
 #   bash benchmarks/h200_checks.sh wotail     # wo_a -> wo_b in one persistent launch: its GPU tests, the pair alone at 1-4 rows, the step A/B with 3 entries (~7 min)
 #   bash benchmarks/h200_checks.sh chain      # an HCA sublayer's FP8 weight streams at 1 row in one persistent launch against one launch per layer (chain_probe.py) (~4 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
@@ -479,14 +478,6 @@ for group in "$@"; do
       step qtail_tests 300 python3 -m pytest -q -rfE --timeout 200 tests/kernels/test_rope_norm.py \
         tests/kernels/test_linear_fp8.py tests/kernels/test_fast_step_triton.py tests/test_fast_gpu.py \
         -k 'rms_norm or norm_tail or x_group or q_norm' ;;
-    qtail2)  # the q norm's tail at 2-4 rows with its rows normed 2 or 4 at a time (linear_fp8.NORM_TAIL_ROWS_PER_PASS;
-      # 2026-12-05, built without a device; one at a time it lost 0.7-0.8 % at 2-4 rows on an H100): its GPU tests, then
-      # the step at 1, 2 and 4 rows against the norm's own launch, 3 rounds in one process
-      step qtail2_tests 300 python3 -m pytest -q -rfE --timeout 200 tests/kernels/test_linear_fp8.py \
-        tests/test_fast_gpu.py -k 'x_group_norm or q_norm_in_the_x'
-      Q='import megastep.model.fast as f; import megastep.kernels.linear_fp8 as l; f.QNORM_TAIL_ROWS = 4'
-      ab qtail2 200 --layers 30 --batch 1,2,4 --rounds 3 --arm "off=$Q; f.QNORM_TAIL_ROWS = 0" --arm "one=$Q" \
-        --arm "two=$Q; l.NORM_TAIL_ROWS_PER_PASS = 2" --arm "four=$Q; l.NORM_TAIL_ROWS_PER_PASS = 4" ;;
     wotail)  # wo_a -> wo_b in one persistent launch (kernels/wo_tail.py, 2026-12-05, built without a device): its GPU
       # tests (the two Triton launches' bits at 1-4 rows, any grid, in a graph with PDL; then in the step), the pair
       # alone at 1, 2 and 4 rows against the Triton launches (wo_tail_bench.py: each entry checked before it is

@@ -61,7 +61,7 @@ def linear(a) -> tuple[object, int]:
     const = dict(MODE=LIN._MODES[a.mode], BLOCK_N=a.block_n, BLOCK_M=a.block_m, BLOCK_K=a.block_k, SPLIT_K=2,
                  OUT_BF16=True, INTERPRET=False, QUANT_ACT=True, GROUP_N=4096, GATED=a.gated, CLAMP=a.gated,
                  HAS_RES=False, CODES=a.codes, PDL=a.pdl, PREFETCH_LINES=4 if a.pdl == 1 else 0, SPLITS_OUT=False,
-                 NORM_COLS=0, NORM_BLOCK=128, NORM_FIX=52, NORM_R=1)
+                 NORM_COLS=0, NORM_BLOCK=128, NORM_FIX=52)
     aligned = {"N", "K", "K_PER_SPLIT", "stride_xm", "stride_wn", "stride_om", "stride_rm", "stride_cm"}
     k = _compile(LIN._linear_fp8_kernel, list(zip(names, types)), const, aligned, a.warps, a.stages)
     return k, a.block_n * a.block_k * (2 if a.gated else 1)

@@ -249,20 +249,6 @@ def store_fp8_codes(y, offs, m, n, codes_ptr, scales_ptr, BLOCK: tl.constexpr, I
 
 
 @triton.jit
-def store_fp8_codes_rows(y, offs, m, rm, n, codes_rows, scales_rows, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """`store_fp8_codes` of each row of y [R, BLOCK] at once: m [R, BLOCK] the elements kept, rm [R]
-    the rows kept, codes_rows / scales_rows [R, 1] each row's first code / scale (the same values)."""
-    R: tl.constexpr = y.shape[0]
-    NB: tl.constexpr = BLOCK // 128
-    y3 = tl.reshape(y, [R, NB, 128])
-    s, inv = fp8_pow2_scale(tl.max(tl.abs(y3), axis=2))
-    tl.store(tl.reshape(codes_rows + offs[None, :], [R, NB, 128]), fp8_round(y3, inv[:, :, None], INTERPRET),
-             mask=tl.reshape(m, [R, NB, 128]))
-    nb = tl.arange(0, NB)[None, :]
-    tl.store(scales_rows + nb, s, mask=rm[:, None] & (nb * 128 < n))
-
-
-@triton.jit
 def round_bf16(x, INTERPRET: tl.constexpr):
     """fp32 -> the nearest bf16 value (ties to even), kept in fp32.
 

@@ -64,7 +64,7 @@ from triton.language.extra import libdevice
 
 from megastep.checkpoint import formats
 from megastep.kernels import linear_fp8_staged as _staged
-from megastep.kernels.rope_norm import fix_bits, rms_scale, round_to, sumsq_row, sumsq_rows
+from megastep.kernels.rope_norm import fix_bits, rms_scale, round_to, sumsq_row
 from megastep.model import ops
 from megastep.kernels.common import (
     e8m0_to_f32,
@@ -81,19 +81,11 @@ from megastep.kernels.common import (
     prefetch_lines,
     round_bf16,
     store_fp8_codes,
-    store_fp8_codes_rows,
     workspace,
 )
 
 BLOCK = 128
 _MODES = {"dot16": 2, "f16": 3}
-# Rows the norm tail (`norm_tail=`) norms per pass: 1 norms a row tile's rows one after the other (measured, thirtieth
-# measurement: a row costs ~1-2 us of the launch's end, so the tail loses from 2 rows on); 2 or 4 load and norm that
-# many rows as one block (the same bits: the exact sums), fewer passes for more registers. Not measured on a GPU. The
-# V4 x group's launch, Triton 3.6 for sm_90 (benchmarks/kernels/occupancy.py): 112 registers without the tail, 98
-# with 1 row a pass, 112 with 2, 140 with 4 (3 programs an SM instead of 4; its 192 programs still one wave), 252
-# with 8 and 255 with spills with 16 (not allowed).
-NORM_TAIL_ROWS_PER_PASS = 1
 
 
 @dataclass(frozen=True)
@@ -251,13 +243,14 @@ def _code_dot(w, q, INTERPRET: tl.constexpr):
 @triton.jit
 def _norm_tail(out_ptr, stride_om, nw_ptr, qr_ptr, qc_ptr, qs_ptr, cnt2_ptr, stride_qr, stride_qc, stride_qs, eps,
                pid_m, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_BF16: tl.constexpr,
-               INTERPRET: tl.constexpr, NORM_COLS: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_FIX: tl.constexpr,
-               NORM_R: tl.constexpr):
+               INTERPRET: tl.constexpr, NORM_COLS: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_FIX: tl.constexpr):
     """`linear_fp8(norm_tail=)`: run by each program that wrote a tile of out's first NORM_COLS
     columns. The last of the row tile's NORM_COLS / BLOCK_N such programs (an arrival counter per
-    row tile, reset by it) reads those columns of its rows back and writes rope_norm.rms_norm's
-    output and fp8 codes of them, with rms_norm's own helpers: its bits, whatever the layout (the
-    sum of squares is exact)."""
+    row tile, reset by it) reads those columns of its rows back, one row after the other, and writes
+    rope_norm.rms_norm's output and fp8 codes of them, with rms_norm's own helpers: its bits, whatever
+    the layout (the sum of squares is exact). (Rows normed 2 or 4 at a time as one block were
+    measured on one H100 on 2026-12-05 and lost at 1-4 rows: docs/PERFORMANCE.md, thirty-first
+    measurement; read them at c74879f.)"""
     tl.debug_barrier()  # every thread's stores of the tile are issued before the release below
     done = tl.atomic_add(cnt2_ptr + pid_m, 1, sem="acq_rel", scope="gpu")
     if done == NORM_COLS // BLOCK_N - 1:
@@ -267,28 +260,13 @@ def _norm_tail(out_ptr, stride_om, nw_ptr, qr_ptr, qc_ptr, qs_ptr, cnt2_ptr, str
         w = tl.load(nw_ptr + offs, mask=m, other=0.0)
         n = tl.full([], NORM_COLS, tl.int32)
         row0 = pid_m * BLOCK_M
-        rows = tl.minimum(BLOCK_M, M - row0)
-        if NORM_R == 1:  # the rows one after the other
-            for i in range(rows):
-                r = (row0 + i).to(tl.int64)
-                x = tl.load(out_ptr + r * stride_om + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-                y = round_to(w * (x * rms_scale(sumsq_row(x, NORM_FIX), n, eps, INTERPRET)), OUT_BF16, INTERPRET)
-                tl.store(qr_ptr + r * stride_qr + offs, y.to(qr_ptr.dtype.element_ty), mask=m)
-                store_fp8_codes(y, offs, m, NORM_COLS, qc_ptr + r * stride_qc, qs_ptr + r * stride_qs, NORM_BLOCK,
-                                INTERPRET)
-        else:  # NORM_R rows at a time, as one block (the same values)
-            for i0 in range(0, rows, NORM_R):
-                ri = i0 + tl.arange(0, NORM_R)
-                rm = ri < rows
-                r = (row0 + ri).to(tl.int64)[:, None]
-                mm = rm[:, None] & m[None, :]
-                x = tl.load(out_ptr + r * stride_om + offs[None, :], mask=mm, other=0.0,
-                            cache_modifier=".cg").to(tl.float32)
-                scale = rms_scale(sumsq_rows(x, NORM_FIX), n, eps, INTERPRET)[:, None]
-                y = round_to(w[None, :] * (x * scale), OUT_BF16, INTERPRET)
-                tl.store(qr_ptr + r * stride_qr + offs[None, :], y.to(qr_ptr.dtype.element_ty), mask=mm)
-                store_fp8_codes_rows(y, offs, mm, rm, NORM_COLS, qc_ptr + r * stride_qc, qs_ptr + r * stride_qs,
-                                     NORM_BLOCK, INTERPRET)
+        for i in range(tl.minimum(BLOCK_M, M - row0)):
+            r = (row0 + i).to(tl.int64)
+            x = tl.load(out_ptr + r * stride_om + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+            y = round_to(w * (x * rms_scale(sumsq_row(x, NORM_FIX), n, eps, INTERPRET)), OUT_BF16, INTERPRET)
+            tl.store(qr_ptr + r * stride_qr + offs, y.to(qr_ptr.dtype.element_ty), mask=m)
+            store_fp8_codes(y, offs, m, NORM_COLS, qc_ptr + r * stride_qc, qs_ptr + r * stride_qs, NORM_BLOCK,
+                            INTERPRET)
         tl.store(cnt2_ptr + pid_m, 0)
 
 
@@ -303,7 +281,7 @@ def _linear_fp8_kernel(
     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, QUANT_ACT: tl.constexpr,
     GROUP_N: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, HAS_RES: tl.constexpr, CODES: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, SPLITS_OUT: tl.constexpr, NORM_COLS: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, NORM_FIX: tl.constexpr, NORM_R: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, NORM_FIX: tl.constexpr,
 ):
     # SPLITS_OUT: out is fp32 [SPLIT_K, M, N] (split stride stride_os): each split's partial, unsummed
     # NORM_COLS > 0 (`norm_tail`): the rows' first NORM_COLS outputs RMS-normalized into qr/qc/qs (_norm_tail)
@@ -392,7 +370,7 @@ def _linear_fp8_kernel(
             if pid_n * BLOCK_N < NORM_COLS:
                 _norm_tail(out_ptr, stride_om, nw_ptr, qr_ptr, qc_ptr, qs_ptr, cnt2_ptr, stride_qr, stride_qc,
                            stride_qs, eps, pid_m, M, BLOCK_M, BLOCK_N, OUT_BF16, INTERPRET, NORM_COLS, NORM_BLOCK,
-                           NORM_FIX, NORM_R)
+                           NORM_FIX)
     else:
         tile = pid_m * n_tiles + pid_n
         tile_elems = BLOCK_N * BLOCK_M
@@ -423,7 +401,7 @@ def _linear_fp8_kernel(
                 if pid_n * BLOCK_N < NORM_COLS:
                     _norm_tail(out_ptr, stride_om, nw_ptr, qr_ptr, qc_ptr, qs_ptr, cnt2_ptr, stride_qr, stride_qc,
                                stride_qs, eps, pid_m, M, BLOCK_M, BLOCK_N, OUT_BF16, INTERPRET, NORM_COLS, NORM_BLOCK,
-                               NORM_FIX, NORM_R)
+                               NORM_FIX)
 
 
 def _k_per_split(K: int, cfg: LinearFp8Config) -> int:
@@ -460,7 +438,6 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
     xc, xs = x_codes if codes else (out, out)
     if tail is not None:
         nw, eps, qr, (qc, qs) = tail
-        assert NORM_TAIL_ROWS_PER_PASS in (1, 2, 4), NORM_TAIL_ROWS_PER_PASS
         cnt2 = workspace(x.device, "counters_norm", grid[2], torch.int32)
     else:  # unused
         nw, eps, qr, qc, qs, cnt2 = out, 0.0, out, out, out, out
@@ -476,7 +453,6 @@ def _launch(x, w, w_scale, out, cfg, quantize_act, groups, gated, limit, residua
         GROUP_N=N // groups, GATED=gated, CLAMP=limit > 0, HAS_RES=residual is not None, CODES=codes,
         PREFETCH_LINES=prefetch_lines(opts, k_per_split * w.element_size()), SPLITS_OUT=splits_out,
         NORM_COLS=norm_cols, NORM_BLOCK=max(128, next_pow2(norm_cols)), NORM_FIX=fix_bits(max(norm_cols, 1)),
-        NORM_R=min(NORM_TAIL_ROWS_PER_PASS, cfg.block_m) if tail is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **opts,
     )
     return out

@@ -162,14 +162,6 @@ def sumsq_row(x, FIX: tl.constexpr):
 
 
 @triton.jit
-def sumsq_rows(x, FIX: tl.constexpr):
-    """`sumsq_row` of each row of x [R, BLOCK] -> fp32 [R] (the same values)."""
-    e = sq_exponent(tl.max(x * x, axis=1))
-    tot = tl.sum(fixed_squares(x, pow2_f64(FIX - e)[:, None]), axis=1)
-    return (tot * pow2_f64(e - FIX)).to(tl.float32)
-
-
-@triton.jit
 def rms_scale(ss, D, eps, INTERPRET: tl.constexpr):
     """1 / sqrt(mean square + eps) from the row's sum of squares."""
     return t_rsqrt(tl.div_rn(ss, D.to(tl.float32)) + eps, INTERPRET)

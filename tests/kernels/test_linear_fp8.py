@@ -422,16 +422,12 @@ def test_x_codes_give_the_same_bits(M, N, K):
 
 @pytest.mark.parametrize("M,N,K,C", [(1, 384, 640, 256), (3, 200, 300, 128), (20, 256, 1024, 256)])
 @pytest.mark.parametrize("od", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("per_pass", [1, 4])
-def test_norm_tail_gives_the_norm_launchs_bits(M, N, K, C, od, per_pass, monkeypatch):
+def test_norm_tail_gives_the_norm_launchs_bits(M, N, K, C, od):
     """norm_tail=: the linear's output unchanged, and beside it rms_norm(y[:, :C], codes=True) of
     that output, bit for bit, for any row tile and split (the last program of a row tile's C columns
-    makes it), its rows one after the other or 4 at a time (NORM_TAIL_ROWS_PER_PASS); rows of very
-    different magnitudes, so the norm matters."""
-    from megastep.kernels import linear_fp8 as lin
+    makes it); rows of very different magnitudes, so the norm matters."""
     from megastep.kernels import rope_norm as rn
 
-    monkeypatch.setattr(lin, "NORM_TAIL_ROWS_PER_PASS", per_pass)
     x, w, s = make(M, N, K, seed=M * K + C)
     x = x * torch.exp2(torch.arange(M, device=DEV) % 7 * 3.0 - 9).to(x.dtype)[:, None]
     nw = (torch.rand(C, generator=torch.Generator().manual_seed(C)) + 0.5).to(DEV)
@@ -445,9 +441,7 @@ def test_norm_tail_gives_the_norm_launchs_bits(M, N, K, C, od, per_pass, monkeyp
         assert same_bits(linear_fp8(x, w, s, config=cfg, out_dtype=od, norm_tail=(nw, 1e-6))[1][0], want)  # again
 
 
-def test_norm_tail_refuses_what_it_does_not_run(monkeypatch):
-    from megastep.kernels import linear_fp8 as lin
-
+def test_norm_tail_refuses_what_it_does_not_run():
     x, w, s = make(2, 256, 256, seed=4)
     nw = torch.ones(256, device=DEV)
     with pytest.raises(AssertionError):  # columns that are not whole tiles
@@ -456,9 +450,6 @@ def test_norm_tail_refuses_what_it_does_not_run(monkeypatch):
         linear_fp8(x, w, s, norm_tail=(torch.ones(384, device=DEV), 1e-6))
     with pytest.raises(AssertionError):
         linear_fp8(x, w, s, norm_tail=(nw, 1e-6), residual=torch.zeros(2, 256, device=DEV))
-    monkeypatch.setattr(lin, "NORM_TAIL_ROWS_PER_PASS", 8)  # 252 registers at V4's x group (the module's comment)
-    with pytest.raises(AssertionError):
-        linear_fp8(x, w, s, norm_tail=(nw, 1e-6))
 
 
 def test_x_codes_of_the_wrong_shape_are_refused():
@@ -472,15 +463,13 @@ def test_x_codes_of_the_wrong_shape_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kind", ["x_group", "x_group_norm", "x_group_norm4", "qr_group", "wo_a", "wo_b", "shared_w13",
-                                  "shared_w2"])
+@pytest.mark.parametrize("kind", ["x_group", "x_group_norm", "qr_group", "wo_a", "wo_b", "shared_w13", "shared_w2"])
 @pytest.mark.parametrize("od", [torch.float32, torch.bfloat16], ids=str)
-def test_gpu_a_row_gets_the_same_bits_in_every_row_tile(kind, od, monkeypatch):
+def test_gpu_a_row_gets_the_same_bits_in_every_row_tile(kind, od):
     """The V4-Flash FP8 linears with their picked (pinned) configurations: a row computed in a step
     of 1, 16, 17 or 64 rows (row tiles of 16, 32 and 64; the shared w1/w3's former 2-warp pin at 16
     rows would fail it) gives the bits it gets in a batch of 64; fp32 output shows every bit of the sums."""
-    N, K = {"x_group": (1536, 4096), "x_group_norm": (1536, 4096), "x_group_norm4": (1536, 4096),
-            "qr_group": (40960, 1024), "wo_a": (8192, 4096), "wo_b": (4096, 8192),
+    N, K = {"x_group": (1536, 4096), "x_group_norm": (1536, 4096), "qr_group": (40960, 1024), "wo_a": (8192, 4096), "wo_b": (4096, 8192),
             "shared_w13": (2048, 4096), "shared_w2": (4096, 2048)}[kind]
     if kind == "shared_w13":
         x, w, s = make_w13(64, N, K, seed=5, dev="cuda")
@@ -490,12 +479,8 @@ def test_gpu_a_row_gets_the_same_bits_in_every_row_tile(kind, od, monkeypatch):
         x, w, s = make(64, N, G * K, seed=5, dev="cuda")
         w, s = F.quantize_fp8_weight(F.dequantize_fp8_weight(w, s, 128)[:, :K], 128)
         fn = lambda xs: linear_fp8(xs, w, s, out_dtype=od, quantize_act=False, groups=G)  # noqa: E731
-    elif kind.startswith("x_group_norm"):  # the q norm made by the x group's launch (fast.QNORM_TAIL_ROWS): the normed
-        from megastep.kernels import linear_fp8 as lin  # rows, one after the other or 4 at a time
+    elif kind == "x_group_norm":  # the q norm made by the x group's launch (fast.QNORM_TAIL_ROWS): the normed rows
         from megastep.kernels import rope_norm as rn
-
-        if kind == "x_group_norm4":
-            monkeypatch.setattr(lin, "NORM_TAIL_ROWS_PER_PASS", 4)
 
         x, w, s = make(64, N, K, seed=5, dev="cuda")
         nw = torch.rand(1024, generator=torch.Generator().manual_seed(6)).cuda() + 0.5
