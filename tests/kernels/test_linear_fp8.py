@@ -469,8 +469,8 @@ def test_gpu_a_row_gets_the_same_bits_in_every_row_tile(kind, od):
     """The V4-Flash FP8 linears with their picked (pinned) configurations: a row computed in a step
     of 1, 16, 17 or 64 rows (row tiles of 16, 32 and 64; the shared w1/w3's former 2-warp pin at 16
     rows would fail it) gives the bits it gets in a batch of 64; fp32 output shows every bit of the sums."""
-    N, K = {"x_group": (1536, 4096), "x_group_norm": (1536, 4096), "qr_group": (40960, 1024), "wo_a": (8192, 4096), "wo_b": (4096, 8192),
-            "shared_w13": (2048, 4096), "shared_w2": (4096, 2048)}[kind]
+    N, K = {"x_group": (1536, 4096), "x_group_norm": (1536, 4096), "qr_group": (40960, 1024), "wo_a": (8192, 4096),
+            "wo_b": (4096, 8192), "shared_w13": (2048, 4096), "shared_w2": (4096, 2048)}[kind]
     if kind == "shared_w13":
         x, w, s = make_w13(64, N, K, seed=5, dev="cuda")
         fn = lambda xs: linear_fp8_swiglu(xs, w, s, LIMIT, out_dtype=od)  # noqa: E731
