@@ -317,11 +317,9 @@ def test_slot_state_is_isolated(tiny):
     pads = torch.randint(0, VOCAB, (24, 2, 2), generator=gen)
     for f in (fast1, fast2):
         f.pools.reset(1)
-    d = fast1.pools.dummy_slot
+    slots = torch.tensor([1, fast1.pools.dummy_slot, fast1.pools.dummy_slot])
     for t in range(24):
-        a = fast1.step(torch.tensor([int(ids[t]), *pads[t, 0].tolist()]), torch.tensor([t, t, 0]),
-                       torch.tensor([1, d, d]))
-        b = fast2.step(torch.tensor([int(ids[t]), *pads[t, 1].tolist()]), torch.tensor([t, 3 + t, 40]),
-                       torch.tensor([1, d, d]))
+        a = fast1.step(torch.cat([ids[t : t + 1], pads[t, 0]]), torch.tensor([t, t, 0]), slots)
+        b = fast2.step(torch.cat([ids[t : t + 1], pads[t, 1]]), torch.tensor([t, 3 + t, 40]), slots)
         assert not torch.equal(a[1:], b[1:]), t  # the padding rows really differ
         assert torch.equal(a[0], b[0]), t
