@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
 
     def measure():
-        return on_fresh_graphs(lambda runner: bench.measure(run, runner, args))
+        return on_fresh_graphs(lambda runner: bench.measure(run, runner, args, count_reads=False))  # times only
 
     out = {"device": torch.cuda.get_device_name(run.dec.device), "preset": args.preset,
            "layers": run.cfg.num_hidden_layers, "context": args.context, "iters": args.iters,

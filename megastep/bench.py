@@ -14,7 +14,9 @@ Method (docs/PERFORMANCE.md quotes it):
   host experts by the placement; host bytes count at the host-read bandwidth measured in the
   same run (a kernel reading page-locked memory through its device address), so with cold
   experts the roofline is the modeled limit HBM bytes / HBM bandwidth + host bytes / host-link
-  bandwidth.
+  bandwidth. Next to it, the routed experts the measured rows read (a few eager steps of the same
+  rows with the decoder's route log on) and the roofline with those reads: one sequence's routing
+  is one draw, not the expectation, and with cold experts each one read is a host-link transfer.
 - Peer: transformers' DeepseekV4ForCausalLM at the same width with a few layers, bf16, on the
   same synthetic weights (dequantized), cached decode at the same context, per layer.
 """
@@ -45,10 +47,11 @@ _HEAD_SPLIT = re.compile(r"\.attn\.(wq_b|wo_a|wo_b)\.(weight|scale)$")
 
 
 def step_bytes(cfg: ModelConfig, weights_bytes: dict[str, int], rows: int, context: int,
-               placement=None) -> dict[str, float]:
+               placement=None, reads: tuple[float, float] | None = None) -> dict[str, float]:
     """Bytes one step must read, by part. weights_bytes: bytes per tensor name. `placement`
     (runtime.experts.Placement, with the routing shares of the run) gives the expected distinct
-    routed experts in HBM and in host memory; without it, uniform routing, all in HBM."""
+    routed experts in HBM and in host memory; without it, uniform routing, all in HBM. `reads`:
+    (HBM, host) routed experts counted instead of expected (`routed_reads`)."""
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     dense = 0
     head = 0
@@ -63,7 +66,9 @@ def step_bytes(cfg: ModelConfig, weights_bytes: dict[str, int], rows: int, conte
         else:
             dense += nb
     per_expert /= E * cfg.num_hidden_layers
-    if placement is None:
+    if reads is not None:
+        hot, cold = reads
+    elif placement is None:
         hot, cold = cfg.num_hidden_layers * E * (1 - (1 - k / E) ** rows), 0.0
     else:
         hot, cold = placement.expert_reads_per_step(rows)
@@ -155,6 +160,25 @@ def trace_step(dec, rows: int, context: int, repeats: int = 3,
     dec.trace = None
     by_stage, by_layer = tr.summary()
     return ({k: v / repeats for k, v in by_stage.items()}, {k: v / repeats for k, v in by_layer.items()}, wall)
+
+
+def routed_reads(dec, placement, rows: int, context: int, block: int = 1, steps: int = 3) -> dict:
+    """The routed experts time_graph's rows actually read: `steps` eager steps of those rows with
+    the decoder's route log on, and in each the distinct (layer, expert) pairs, counted by where
+    `placement` keeps them (HBM: hot, host memory: cold)."""
+    tokens, pos, slots = _rows(dec.device, rows, context, block)
+    hot, cold = [], []
+    for _ in range(steps):
+        dec.route_log = []
+        try:
+            dec.step(tokens, pos, slots, block=block)
+        finally:
+            log, dec.route_log = dec.route_log, None
+        pairs = {(L, e) for L, idx in log for e in idx.flatten().tolist()}
+        n_cold = sum(not placement.is_hot(L, e) for L, e in pairs)
+        hot.append(len(pairs) - n_cold)
+        cold.append(n_cold)
+    return {"steps": steps, "hot_per_step": hot, "cold_per_step": cold}
 
 
 def trace_kernels(dec, rows: int, context: int, block: int = 1) -> dict[str, dict[str, float]]:
@@ -352,8 +376,9 @@ def setup(args: argparse.Namespace, rank=None) -> BenchSetup:
                       cold_bw, peer)
 
 
-def measure(run: BenchSetup, runner, args: argparse.Namespace) -> list[dict]:
-    """Each batch's step times through `runner` (graph replays), with its bytes and roofline."""
+def measure(run: BenchSetup, runner, args: argparse.Namespace, count_reads: bool = True) -> list[dict]:
+    """Each batch's step times through `runner` (graph replays), with its bytes and roofline, and
+    (count_reads, one GPU) the routed experts its rows read (`routed_reads`)."""
     results = []
     W, dec = run.world_size, run.dec
     for B in run.batches:
@@ -370,17 +395,29 @@ def measure(run: BenchSetup, runner, args: argparse.Namespace) -> list[dict]:
             if dec.vocab_peer is not None:  # and of the lm head
                 nb["head"] /= W
             nb["total"] = nb["dense"] + nb["routed_experts"] + nb["head"] + nb["state"]
-        roof_ms = (nb["total"] / (run.bw * 1e9)
-                   + (nb["host_experts"] / (run.cold_bw * 1e9) if run.cold_bw else 0.0)) * 1e3
+        roof_ms = _roofline_ms(run, nb)
+        # what the CPU sidecar did in these steps (recipe B / hybrid): its own time, not the GPU's wait
+        sidecar = dec.sidecar.report() if dec.sidecar is not None else None
+        # the experts these rows read (eager steps after the replays; one GPU: an eager step of a
+        # rank would have to run on every rank)
+        reads = routed_reads(dec, run.placement, B, args.context, args.block) if count_reads and W == 1 else None
+        if reads is not None:
+            mean = tuple(statistics.fmean(reads[k]) for k in ("hot_per_step", "cold_per_step"))
+            reads["roofline_ms"] = _roofline_ms(run, step_bytes(run.cfg, run.wbytes, B, args.context, reads=mean))
         results.append({
             "batch": B, "ms_p50": p50, "ms_p90": pct(ms, 90), "ms_p99": pct(ms, 99),
             "tokens_per_s": B / p50 * 1e3, "bytes": nb, "roofline_ms": roof_ms,
             "pct_of_roofline": 100 * roof_ms / p50,
             "achieved_GBps": (nb["total"] + nb["host_experts"]) / (p50 / 1e3) / 1e9,
-            # what the CPU sidecar did in these steps (recipe B / hybrid): its own time, not the GPU's wait
-            "sidecar_cpu": dec.sidecar.report() if dec.sidecar is not None else None,
+            "sidecar_cpu": sidecar,
+            "reads": reads,
         })
     return results
+
+
+def _roofline_ms(run: BenchSetup, nb: dict[str, float]) -> float:
+    """HBM bytes / HBM bandwidth + host bytes / the cold path's bandwidth, ms."""
+    return (nb["total"] / (run.bw * 1e9) + (nb["host_experts"] / (run.cold_bw * 1e9) if run.cold_bw else 0.0)) * 1e3
 
 
 def run_bench(args: argparse.Namespace, rank=None) -> dict:
@@ -471,6 +508,14 @@ def print_report(out: dict) -> None:
             print(f"CPU sidecar, batch {r['batch']}: {c['busy_jobs_per_step']:.2f} of {c['jobs_per_step']} jobs a step "
                   f"read {c['experts_per_step']:.2f} experts in {c['busy_ms_per_step']:.3f} ms of CPU time ({busy}){idle}; "
                   f"{c['steps']} steps")
+    for r in out["results"]:
+        rd = r.get("reads")  # (older results lack it)
+        if rd:
+            b = r["bytes"]
+            print(f"batch {r['batch']}: routed experts the rows read in {rd['steps']} eager steps: "
+                  f"{'/'.join(map(str, rd['hot_per_step']))} in HBM, {'/'.join(map(str, rd['cold_per_step']))} in "
+                  f"host memory (expected {b['hot_experts_per_step']:.1f} / {b['cold_experts_per_step']:.2f}); "
+                  f"roofline with these reads {rd['roofline_ms']:.3f} ms ({100 * rd['roofline_ms'] / r['ms_p50']:.1f}%)")
     if out.get("peer"):
         p = out["peer"]
         print(f"peer transformers ({p['best_impl']}, {p['layers']} layers, batch 1): {p['ms_per_step']}  "

@@ -107,8 +107,8 @@ def test_main_writes_each_arm_and_the_table(tmp_path, monkeypatch, capsys):
                                 dec=types.SimpleNamespace(device="cuda:0"), runner=lambda args: "runner")
     writes = []
 
-    def measure(r, runner, args):
-        assert r is run and runner == "runner" and args.iters == 3
+    def measure(r, runner, args, count_reads=True):
+        assert r is run and runner == "runner" and args.iters == 3 and not count_reads  # times only
         if writes:  # the previous arm's JSON is on disk before this arm measures
             writes.append(len(json.load(open(tmp_path / "ab.json"))["rounds"][-1]))
         else:

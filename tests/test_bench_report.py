@@ -78,3 +78,18 @@ def test_lut_experts_on_a_preset_they_cannot_run_is_one_clear_error(monkeypatch)
     args = p.parse_args(["--preset", "small", "--batch", "1", "--moe-mode", "lut"])
     with pytest.raises(UserError, match="--moe-mode lut needs"):
         bench.run_bench(args)
+
+
+def test_reads_line(capsys):
+    """The routed experts the measured rows read, next to the expectation, and the roofline with them."""
+    out = _out("gpu")
+    out["cpu_read_GBps"] = None  # recipe A: no CPU path
+    out["results"][0]["bytes"] = {"total": 8.0e9, "hot_experts_per_step": 254.0, "cold_experts_per_step": 4.09}
+    out["results"][0]["reads"] = {"steps": 3, "hot_per_step": [255, 255, 256], "cold_per_step": [3, 3, 2],
+                                  "roofline_ms": 1.8}
+    print_report(out)
+    assert ("batch 1: routed experts the rows read in 3 eager steps: 255/255/256 in HBM, 3/3/2 in host memory "
+            "(expected 254.0 / 4.09); roofline with these reads 1.800 ms (45.0%)") in capsys.readouterr().out
+    out["results"][0]["reads"] = None
+    print_report(out)
+    assert "eager steps" not in capsys.readouterr().out

@@ -323,3 +323,31 @@ def test_slot_state_is_isolated(tiny):
         b = fast2.step(torch.cat([ids[t : t + 1], pads[t, 1]]), torch.tensor([t, 3 + t, 40]), slots)
         assert not torch.equal(a[1:], b[1:]), t  # the padding rows really differ
         assert torch.equal(a[0], b[0]), t
+
+
+def test_routed_reads_count_what_the_rows_route_to(tiny):
+    """`megastep bench`'s count of the routed experts its rows read (bench.routed_reads): every MoE
+    layer once per step, a row's k experts distinct, and split by the placement. Layer 0 is a hash
+    layer, so its experts are known without the router: tid2eid of the rows' tokens. Made cold, they
+    are exactly what is counted cold."""
+    from megastep import bench
+    from megastep.runtime.experts import Placement
+
+    cfg, w = tiny
+    L, E, k = cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_experts_per_tok
+    assert cfg.num_hash_layers >= 1
+    dec = FastDecoder(cfg, w, max_seqs=4, max_ctx=32, device="cpu")
+
+    def placement(cold: set) -> Placement:  # every (layer, expert) in HBM but `cold`
+        pairs = [(layer, e) for layer in range(L) for e in range(E)]
+        order = tuple(p for p in pairs if p not in cold) + tuple(sorted(cold))
+        return Placement(L, E, k, 1, 0, L * E, order, L * E - len(cold), tuple((1 / E,) * E for _ in range(L)))
+
+    one = bench.routed_reads(dec, placement(set()), 1, 8, steps=2)
+    assert one == {"steps": 2, "hot_per_step": [L * k] * 2, "cold_per_step": [0, 0]}
+    assert dec.route_log is None  # off again: a graph captured later clones nothing
+    tokens = bench._tokens(3, torch.device("cpu"))
+    hashed = {(0, e) for e in w["layers.0.ffn.gate.tid2eid"][tokens].flatten().tolist()}
+    three = bench.routed_reads(dec, placement(hashed), 3, 8, steps=2)
+    assert three["cold_per_step"] == [len(hashed)] * 2
+    assert all(k * L <= h + c <= L * min(E, 3 * k) for h, c in zip(three["hot_per_step"], three["cold_per_step"]))

@@ -436,6 +436,8 @@ class FastDecoder(MoeSublayer):
         self.rope = {c: _rn.rope_table(f, max_ctx + 1) for c, f in self.inv_freq.items()}
         self.pools = StatePools(cfg, max_seqs, max_ctx, dtype, dev, max_block=max_block)
         self.trace: StepTrace | None = None  # attach one to time stages (eager steps only)
+        # a list to collect each MoE sublayer's (layer, expert ids [rows, k]) (eager steps only)
+        self.route_log: list[tuple[int, torch.Tensor]] | None = None
         self.peer = self._peer_pairs(ep_combine, max_seqs * max_block, on_cuda)
 
     def _peer_pairs(self, ep_combine: str | None, max_rows: int, on_cuda: bool):

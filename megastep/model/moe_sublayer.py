@@ -108,6 +108,8 @@ class MoeSublayer:
             # sqrtsoftplus scores, bias top-k (or the hash rows), ids ascending (the reference's
             # summation order), normalized weights times the routed scaling
             idx, w, routing = (self._route_cuda if router == "cuda" else self._route_triton)(x, tokens, lw)
+        if self.route_log is not None:
+            self.route_log.append((L, idx.clone()))
         if after_router:  # the side stream forks after the router: beside the experts only
             a = shared_half()
         with stage(T, "routed_experts", L):
