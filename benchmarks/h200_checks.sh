@@ -191,6 +191,14 @@ ab() {  # ab NAME SECONDS ab_step-args...
   tail -n 80 "$OUT/$name.log" | grep -E '^ *[0-9]+ ' >"$OUT/$name.table" && summary+=("$(cat "$OUT/$name.table")")
 }
 
+reads_lines() {  # reads_lines NAME...: the routed experts each batch's rows read (bench's "batch N: routed experts" lines)
+  local name line
+  for name in "$@"; do
+    [ -f "$OUT/$name.log" ] || continue
+    while IFS= read -r line; do summary+=("$name: $line"); done < <(grep -h -E '^batch [0-9]+: routed experts' "$OUT/$name.log" | cut -c1-300)
+  done
+}
+
 sidecar_lines() {  # sidecar_lines NAME...: the "CPU sidecar" and "timeline of" lines of those bench logs, into the summary
   local name line
   for name in "$@"; do
@@ -222,6 +230,7 @@ zc_tests() {  # the zero-copy sidecar's GPU tests (offload_zc, offload_zc16)
 }
 final_step() {  # the step of the table at the top of docs/PERFORMANCE.md (final, table)
   bench final 170 --layers 30 --batch 1,2,4,8,16,32,64
+  reads_lines final
 }
 
 all_gpus() {  # the lent machines' NCCL settings; n = the GPUs, gpus = their ids for --gpus
@@ -330,7 +339,8 @@ for group in "$@"; do
         summary+=("$e sporadic: $(grep -E '^\| 1?[0-9] \| [01] \|' "$OUT/cpu_omp_${e}_sporadic.log" | tr -s ' ' | tr '\n' ' ')")
       done ;;
     offload_a)  # recipe A alone (the winner of the offload group)
-      bench offload_skewed_gpu 280 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu ;;
+      bench offload_skewed_gpu 280 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu
+      reads_lines offload_skewed_gpu ;;
     ncu)  # why the weight-streaming kernels reach 1.1-1.5 TB/s and attention takes 20-30 us at batch 1:
       # throughput, memory, occupancy, warp stalls of each kind's launches in a 4-layer eager step
       step ncu 240 ncu --clock-control none --target-processes all --launch-skip 40 --launch-count 40 \
