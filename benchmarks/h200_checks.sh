@@ -15,6 +15,7 @@
 #   bash benchmarks/h200_checks.sh cpu_omp    # the CPU expert kernel's thread scaling under OpenMP's placement and wait policy, back to back and sporadic (~4 min, any GPU kind)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh offload_zc # B zero-copy (its GPU tests first) and B polling, the CPU's share per step, timelines (~8 min)
+#   bash benchmarks/h200_checks.sh offload_a16 # offload_a for an 80 GB GPU: 16 layers, 45 GB budget, recipe A (~1 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
 #   bash benchmarks/h200_checks.sh offload_b  # A's timeline, the CPU kernel alone (back to back, sporadic), B zero-copy on all cores but 2, hybrid (~9 min)
 #   bash benchmarks/h200_checks.sh ncu        # hardware counters of the slow kernels at batch 1 (~3 min, Firecracker machines)
@@ -289,6 +290,10 @@ for group in "$@"; do
       fi
       bench offload_skewed_cpu 220 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path cpu --timeline
       sidecar_lines offload_skewed_cpu_zc offload_skewed_cpu ;;
+    offload_a16)  # offload_a on an 80 GB GPU: 16 layers, 45 GB budget (~30 % of the expert bytes cold, as the 43 layers'
+      # 125 GB leave), recipe A with the routed experts each batch's rows read; compare only within the call
+      bench offload16_skewed_gpu 110 --layers 16 --batch 1,6 --routing skewed --hbm-budget 45 --cold-path gpu
+      reads_lines offload16_skewed_gpu ;;
     offload_zc16)  # offload_zc on an 80 GB GPU: its GPU tests, then 16 layers with a 45 GB budget (~30 % of the
       # expert bytes cold, as the 43 layers' 125 GB leave), B zero-copy, B polling and A; compare only within the call
       zc_tests
