@@ -37,7 +37,6 @@
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
 #   bash benchmarks/h200_checks.sh qtail      # the q norm made by the x group's launch (pinned at 1 row) against its own launch: the step at 1-16 rows, 3 rounds, then its GPU tests (~4 min)
-#   bash benchmarks/h200_checks.sh wotail     # wo_a -> wo_b in one persistent launch: its GPU tests, the pair alone at 1-4 rows, the step A/B with 3 entries (~7 min)
 #   bash benchmarks/h200_checks.sh chain      # an HCA sublayer's FP8 weight streams at 1 row in one persistent launch against one launch per layer (chain_probe.py) (~4 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
@@ -220,8 +219,6 @@ ATTN_V8='import dataclasses, megastep.kernels.attention as a; f = a._PINNED_FEW_
 ATTN_V8="$ATTN_V8; f[(64, 161, 512)] = (1, r(f[(64, 161, 512)][1], dv_split=8))"
 ATTN_V8="$ATTN_V8; f[(64, 128, 512)] = (1, r(f[(64, 128, 512)][1], dv_split=8))"
 GATE8='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig(32, 256, 8, 4, 3)'
-# wo_a -> wo_b in one persistent launch (kernels/wo_tail.ENABLED), for wotail
-WT='import megastep.kernels.wo_tail as t; t.ENABLED = True'
 # recipe B's job posted and collected without copies (runtime/sidecar.ZERO_COPY), for offload_zc and offload_b
 ZC='import megastep.runtime.sidecar as s; s.ZERO_COPY = True'
 
@@ -493,18 +490,6 @@ for group in "$@"; do
       step qtail_tests 300 python3 -m pytest -q -rfE --timeout 200 tests/kernels/test_rope_norm.py \
         tests/kernels/test_linear_fp8.py tests/kernels/test_fast_step_triton.py tests/test_fast_gpu.py \
         -k 'rms_norm or norm_tail or x_group or q_norm' ;;
-    wotail)  # wo_a -> wo_b in one persistent launch (kernels/wo_tail.py, 2026-12-05, built without a device): its GPU
-      # tests (the two Triton launches' bits at 1-4 rows, any grid, in a graph with PDL; then in the step), the pair
-      # alone at 1, 2 and 4 rows against the Triton launches (wo_tail_bench.py: each entry checked before it is
-      # timed), then the 30-layer step at 1, 2 and 4 rows with three entries and one launched without PDL, 3 rounds
-      # in one process
-      step wotail_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/kernels/test_wo_tail.py
-      step wotail_step_test 150 python3 -m pytest -q -rfE --timeout 140 -m gpu tests/test_fast_gpu.py -k wo_tail
-      step wotail_bench 150 python3 benchmarks/kernels/wo_tail_bench.py --out "$OUT/wotail_bench"
-      summary+=("$(grep -E '^\||FAILED' "$OUT/wotail_bench.log" 2>/dev/null)")
-      ab wotail 200 --layers 30 --batch 1,2,4 --rounds 3 --arm off= --arm "tail=$WT" \
-        --arm "tail_w12r2=$WT; t.ENTRY = (12, 2, 256)" --arm "tail_kc512=$WT; t.ENTRY = (8, 2, 512)" \
-        --arm "tail_plain=$WT; t.PDL = False" ;;
     chain)  # what a persistent launch buys a sublayer's chain of weight streams at 1 row (2026-12-05, built without a
       # device): an HCA sublayer's x group -> wq_b -> wo_a -> wo_b (107 MB), the last three, and wo_a -> wo_b, each in one
       # launch of chain_probe.cu against one launch per layer (plain, PDL) and the step's Triton linears, with the

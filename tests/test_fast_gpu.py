@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from megastep.kernels import common as _common
-from megastep.kernels.cuda_module import find_nvcc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -541,24 +540,3 @@ def test_staged_linears_change_no_bits(monkeypatch):
     monkeypatch.setattr(staged, "PREFETCH_LATER_WAVES", True)
     _, got_early = run((wo_a, x_group, wo_b, *qr))
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(want, got, got_early))
-
-
-@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
-def test_wo_tail_changes_no_bits(monkeypatch):
-    """wo_a -> wo_b in one persistent launch (kernels/wo_tail.py; the small preset's splits take the
-    128-byte sub-tiles) at 1 row, with PDL in the graphs: the step's greedy logits alone and in a
-    batch of 16 (whose 16 rows keep the two Triton launches), bit for bit against the two launches."""
-    from megastep.kernels import wo_tail
-
-    calls = []
-    launch = wo_tail.wo_tail
-    monkeypatch.setattr(wo_tail, "wo_tail", lambda *a, **k: calls.append(a[0].shape[0]) or launch(*a, **k))
-    want = alone_then_batched(build(experts="lut"))
-    assert not calls
-    monkeypatch.setattr(wo_tail, "ENABLED", True)
-    monkeypatch.setattr(wo_tail, "ENTRY", (8, 4, 128))
-    built = build(experts="lut")
-    got = alone_then_batched(built)
-    built[1].check_waits()
-    assert calls and set(calls) == {1}
-    assert all(torch.equal(a, b) for a, b in zip(want, got))

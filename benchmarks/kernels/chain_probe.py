@@ -38,9 +38,10 @@ wo_b 4096 x 8192, 107 MB; "hca" the last three, "wo" the last two):
   The XOR-only entries were slower than the MMA ones, so the per-warp copies themselves looked like the
   bound; this asks whether the bulk engine lifts it (`bash benchmarks/h200_checks.sh bulk`). The rule
   set before it runs: if "sep_pdl bulk" beats the Triton launches by 5 % or more on hca4 and wo, a
-  runtime FP8 linear for few rows gets this loader (wo_tail.cu's persistence, or a launch a linear:
-  the entries already have linear_fp8's bits); if even "bxor" (copies only) stays under Triton's rate,
-  the loader is not what holds the 1-row linears and the loop direction ends here.
+  runtime FP8 linear for few rows gets this loader (wo_tail.cu's persistence, removed since: read it at
+  4818dc0; or a launch a linear: the entries already have linear_fp8's bits); if even "bxor" (copies
+  only) stays under Triton's rate, the loader is not what holds the 1-row linears and the loop direction
+  ends here.
   Answered 2026-12-05 on one H100 (docs/PERFORMANCE.md, "2026-12-05 from 12:51 UTC"): no. The best bulk
   entry streamed at the cp.async ring's rate (hca4 65.06 against 63.78 us, wo 39.35 against 39.09; Triton
   58.05 and 35.27), so the loop direction ends. (The copy-only floors take K / KC splits, more split

@@ -206,10 +206,10 @@ def pack(out: str, root: str | None = None, cuda_src: str | None = None) -> str:
 
 def build_cubins() -> list[str]:
     """Every CUDA C++ module the step loads, built into cuda_module's cache (the cubin files)."""
-    from megastep.kernels import linear_fp8_staged, moe_lut, route_cuda, sidecar_zero_copy, wo_tail
+    from megastep.kernels import linear_fp8_staged, moe_lut, route_cuda, sidecar_zero_copy
 
     mods = [moe_lut._MODULE, linear_fp8_staged._MODULE, route_cuda._module(256),  # V4-Flash: 256 experts
-            sidecar_zero_copy._MODULE, wo_tail._MODULE]
+            sidecar_zero_copy._MODULE]
     for m in mods:
         m.cubin()
     return [os.path.basename(m.source_path) for m in mods]

@@ -42,7 +42,6 @@ from megastep.kernels import moe_lut as _moe_lut
 from megastep.kernels import prefetch as _pf
 from megastep.kernels import rope_norm as _rn
 from megastep.kernels import route_cuda as _route_cuda
-from megastep.kernels import wo_tail as _wo_tail
 from megastep.model import ops
 from megastep.model.linears import Linear, LinearGroup
 from megastep.model.moe_sublayer import MoeSublayer
@@ -737,12 +736,7 @@ class FastDecoder(MoeSublayer):
         with stage(T, "out_proj", L):
             G, R = cfg.o_groups, cfg.o_lora_rank
             if not split:
-                wa, wb, flat = lw["wo_a"], lw["wo_b"], o.reshape(B, -1)
-                entry = (_wo_tail.plan(flat, wa.w, wb.w, G)
-                         if tr and wa.kernel_block and wb.kernel_block and None not in (wa.scale, wb.scale) else None)
-                if entry is not None:  # both in one persistent launch (kernels/wo_tail.py; the same bits)
-                    return _wo_tail.wo_tail(flat, wa.w, wa.scale, wb.w, wb.scale, G, entry)
-                return wb(wa.grouped(o.reshape(B, G, -1), G, R, tr), tr)
+                return lw["wo_b"](lw["wo_a"].grouped(o.reshape(B, G, -1), G, R, tr), tr)
             # this rank's groups of wo_a, then its splits of wo_b, gathered and summed with the others'
             wo_a, wo_b, Gl = lw["wo_a"], lw["wo_b"], G // self.world_size
             u = wo_a.grouped(o.reshape(B, Gl, -1), Gl, R, tr, config=_lin.pick_config(B, G * R, wo_a.w.shape[1]))
@@ -764,13 +758,11 @@ class FastDecoder(MoeSublayer):
                 self.shared_w2 or w2)
 
     def check_waits(self) -> None:
-        """Raise if a device-side wait of the steps run since the last call gave up (~2 s; each
+        """Raise if a device-side wait of the steps run since the last call gave up (~2 s; it
         leaves wrong values instead of hanging the device): the zero-copy sidecar's wait for the
-        CPU, the wo_a -> wo_b launch's for u. Syncs where one can have run."""
+        CPU. Syncs where one can have run."""
         if self.sidecar is not None:
             self.sidecar.check()
-        if _wo_tail.ENABLED and self.device.type == "cuda":
-            _wo_tail.check(self.device)
 
     # ---- the step -------------------------------------------------------------------------
     @torch.inference_mode()
