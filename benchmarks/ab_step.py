@@ -3,7 +3,7 @@ arm on fresh CUDA graphs, an arm being a few Python statements that change modul
 
     python benchmarks/ab_step.py --layers 30 --batch 1,2,4 --rounds 2 --json OUT.json \\
         --arm off= \\
-        --arm 'l2pf=import megastep.model.fast as f; f.L2_PREFETCH = frozenset({"x", "qr"})'
+        --arm 'qtail0=import megastep.model.fast as f; f.QNORM_TAIL_ROWS = 0'
 
 Takes `megastep bench`'s arguments (one GPU; no --trace, --timeline, --peer-layers, --gpus) and prints,
 per batch, each arm's p50 in every round and its median's change against the first arm's;
@@ -17,7 +17,7 @@ captures and its replays, a few seconds. Rounds are
 interleaved (A B C, A B C) so that drift in clocks or temperature falls on every arm alike.
 
 What an arm may change: settings of megastep's modules read when a step is captured or a kernel is
-launched (a pin table, `fast.L2_PREFETCH`, `linear_fp8_staged.SHAPES`, ...): every arm gets fresh
+launched (a pin table, `fast.QNORM_TAIL_ROWS`, `fast.INDEXER_FIRST`, ...): every arm gets fresh
 graphs. Not what FastDecoder reads or packs when it is built (its constructor's arguments: run
 those as separate `megastep bench` processes). Every megastep module is imported before the
 first arm; after each arm the globals its statements changed are put back, the contents of dicts,

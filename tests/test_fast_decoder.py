@@ -146,50 +146,6 @@ def test_second_stream_only_on_cuda(tiny):
         FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu", overlap=True)
 
 
-def test_l2_prefetch_asks_for_each_sublayers_weights(tiny, monkeypatch):
-    """L2_PREFETCH's call sites and gate (the prefetch itself needs a CUDA stream, stood in for
-    here): in a step of few rows, each layer's x and qr group weights before its attention sublayer, wo_a
-    before the attention, the shared expert's w13 and w2 before its MoE sublayer, in that order, each
-    name only when listed; nothing above L2_PREFETCH_MAX_ROWS rows or without the stream."""
-    import contextlib
-
-    from megastep.kernels import prefetch
-    from megastep.model import fast
-
-    cfg = tiny[0].replace(moe_intermediate_size=128)  # whole 128-row blocks: the shared w1 / w3 fused (w13)
-    dec = FastDecoder(cfg, synthesize_weights(cfg, seed=2, include_mtp=False), max_seqs=8, max_ctx=32, device="cpu")
-    assert dec.pf_stream is None
-    launched = []
-    monkeypatch.setattr(prefetch, "prefetch_l2", launched.append)
-    monkeypatch.setattr(dec, "_on_side", lambda *a: contextlib.nullcontext())
-    joined = []
-    monkeypatch.setattr(dec, "_join", lambda *a, stream=None: joined.append(stream))
-    want = []
-    for lw in dec.layers:
-        for what in ("x", "qr"):
-            g = lw[f"{what}_fp8"]
-            want += [(what, t) for t in ([g.fused.w] if g.fused is not None else [p.w for p in g.parts])]
-        want += [("wo_a", lw["wo_a"].w), ("shared", lw["shared13"][0]), ("shared", lw["shared"][2].w)]
-
-    def step(rows: int, listed) -> list[torch.Tensor]:
-        launched.clear()
-        monkeypatch.setattr(fast, "L2_PREFETCH", frozenset(listed))
-        for s in range(rows):
-            dec.pools.reset(s)
-        dec.step(torch.full((rows,), 5), torch.zeros(rows, dtype=torch.long), torch.arange(rows))
-        return list(launched)
-
-    assert step(1, {"x", "qr", "wo_a", "shared"}) == []  # no stream: nothing
-    monkeypatch.setitem(dec._streams, "pf", object())
-    got = step(1, {"x", "qr", "wo_a", "shared"})
-    assert len(got) == len(want) and all(t is u for t, (_, u) in zip(got, want))
-    assert joined[-1] is dec.pf_stream  # joined before the head
-    assert all(t is u for t, u in zip(step(fast.L2_PREFETCH_MAX_ROWS, {"wo_a"}), [u for n, u in want if n == "wo_a"]))
-    assert len(step(fast.L2_PREFETCH_MAX_ROWS, {"wo_a"})) == len(dec.layers)
-    assert step(fast.L2_PREFETCH_MAX_ROWS + 1, {"x", "qr", "wo_a", "shared"}) == []
-    assert step(1, set()) == []
-
-
 def test_priority_streams_are_twins_made_once(tiny, monkeypatch):
     """FastDecoder._stream (the CUDA streams stood in for): a stream without a priority asked is the
     decoder's own; STREAM_PRIORITY[name], or `urgent` (the most urgent priority of the range), gives
@@ -210,7 +166,7 @@ def test_priority_streams_are_twins_made_once(tiny, monkeypatch):
     cfg, w = tiny
     dec = FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu")
     assert dec._stream("idx", urgent=True) is None  # no side streams on the CPU
-    own = {name: object() for name in ("side", "hc", "idx", "pf")}
+    own = {name: object() for name in ("side", "hc", "idx")}
     monkeypatch.setattr(dec, "_streams", own)
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     assert dec.idx_stream is own["idx"] and dec._stream("idx") is own["idx"]
@@ -218,7 +174,7 @@ def test_priority_streams_are_twins_made_once(tiny, monkeypatch):
     assert urgent.priority == -5 and dec._stream("idx", urgent=True) is urgent and len(FakeStream.made) == 1
     monkeypatch.setitem(fast.STREAM_PRIORITY, "side", -2)
     assert dec.side_stream.priority == -2 and dec.side_stream is dec._stream("side", urgent=True)
-    assert dec.hc_stream is own["hc"] and dec.pf_stream is own["pf"] and len(FakeStream.made) == 2
+    assert dec.hc_stream is own["hc"] and len(FakeStream.made) == 2
 
 
 def test_lut_experts_only_where_they_run(tiny):

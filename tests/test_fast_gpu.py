@@ -365,26 +365,6 @@ def test_shared_expert_in_the_combine_gives_the_same_bits(experts, where):
     assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
-def test_l2_prefetch_changes_no_bits(monkeypatch):
-    """L2_PREFETCH (the x and qr groups before each attention sublayer, wo_a beside the attention, the
-    shared expert before each MoE sublayer, asked of L2 on a stream of their own): the step's greedy
-    logits at 1 row (graphs with PDL) and in a batch of 16 (above L2_PREFETCH_MAX_ROWS: none), bit
-    for bit against no prefetch, the prefetches launched and joined inside the graphs."""
-    from megastep.kernels import prefetch
-    from megastep.model import fast
-
-    calls = []
-    launch = prefetch.prefetch_l2
-    monkeypatch.setattr(prefetch, "prefetch_l2", lambda t: calls.append(t.shape) or launch(t))
-
-    want = alone_then_batched(build(experts="lut"))
-    assert not calls
-    monkeypatch.setattr(fast, "L2_PREFETCH", frozenset({"x", "qr", "wo_a", "shared"}))
-    got = alone_then_batched(build(experts="lut"))
-    assert len(calls) >= 2 * 5  # two layers: the x and qr groups, wo_a, w13 and w2 each, at least once
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
-
-
 def test_fused_gate_route_changes_no_bits(monkeypatch):
     """route_cuda.FUSED_GATE_ROWS (the MoE gate GEMV inside the routing's launch up to 8 rows): the
     step's greedy logits at 1 row (graphs with PDL) and in a batch of 16 (above it: the two launches),
@@ -447,7 +427,7 @@ def test_stream_priorities_change_no_bits(monkeypatch):
 
     want = alone_then_batched(build(experts="lut"))
     lo, hi = torch.cuda.Stream.priority_range()  # (least, greatest urgency): (0, -5) on Hopper
-    monkeypatch.setattr(fast, "STREAM_PRIORITY", {"side": lo, "hc": lo, "pf": lo, "idx": hi})
+    monkeypatch.setattr(fast, "STREAM_PRIORITY", {"side": lo, "hc": lo, "idx": hi})
     monkeypatch.setattr(step, "CAPTURE_PRIORITY", max(hi, lo - 2))
     monkeypatch.setattr(step, "NODE_PRIORITY", True)
     built = build(experts="lut")

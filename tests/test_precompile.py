@@ -3,9 +3,9 @@ on a machine without a GPU (Triton's own launcher, a stand-in sm_90 driver, ever
 here on a tiny model with the installed Triton. A second pass finds every kernel in the cache (the
 keys are stable across passes and processes), an arm compiles its own kernels and is put back, the
 step takes the GPU's paths (the Triton neighbours of the CUDA C++ experts and routing, not the
-Triton experts and router; the staged twin where SHAPES lists a linear; the side streams' launches
-of INDEXER_FIRST (on) and L2_PREFETCH), and everything the tool patched is restored. Runs in a process of its
-own: the compile needs Triton without the interpreter."""
+Triton experts and router; the side streams' launches of MHC_SINKHORN_BESIDE_ROWS, INDEXER_BESIDE_ROWS
+and INDEXER_FIRST, all on at 1 row), and everything the tool patched is restored. Runs in a process of
+its own: the compile needs Triton without the interpreter."""
 
 import json
 import os
@@ -42,22 +42,21 @@ SCRIPT = textwrap.dedent("""
         return meta["launch_pdl"]
 
     out = {{"new": [], "launched": []}}
-    staged = "import megastep.kernels.linear_fp8_staged as s; s.SHAPES = frozenset({{(256, 128, 2), (128, 256, 1)}})"
+    import megastep.model.fast as f
+    pins = (f.PDL_MAX_ROWS, f.MHC_SINKHORN_BESIDE_ROWS, f.INDEXER_FIRST, f.INDEXER_BESIDE_ROWS)
     arms = [("default", ""), ("default", ""), ("nopdl", "import megastep.model.fast as f; f.PDL_MAX_ROWS = 0"),
-            ("default", ""), ("staged", staged),
+            ("default", ""), ("hc_inline", "import megastep.model.fast as f; f.MHC_SINKHORN_BESIDE_ROWS = 0"),
             ("idx_off", "import megastep.model.fast as f; f.INDEXER_FIRST = False"),
-            ("l2pf", 'import megastep.model.fast as f; f.L2_PREFETCH = frozenset({{"x", "qr", "wo_a", "shared"}})')]
+            ("beside_off", "import megastep.model.fast as f; f.INDEXER_BESIDE_ROWS = 0")]
     for name, code in arms:
         seen = PC.triton_entries(cache)
         launched = PC.compile_steps(dec, [1], [(name, code)], 8, cache, log=lambda m: None)
         out["new"].append(sorted(pdl_of(d) for d in PC.triton_entries(cache) - seen))
         out["launched"].append(dict(launched))
-    import megastep.model.fast as f
-    import megastep.kernels.linear_fp8_staged as s
     out["layers"], out["csa_layers"] = cfg.num_hidden_layers, cfg.compress_ratios.count(4)
     out["restored"] = [JITFunction.run is run, torch.cuda.current_stream is stream, driver._active is None,
-                       f.PDL_MAX_ROWS == 4, dec.side_stream is None, dec.moe_mode is None, not s.SHAPES,
-                       f.INDEXER_FIRST, not f.L2_PREFETCH]
+                       dec.side_stream is None, dec.moe_mode is None,
+                       (f.PDL_MAX_ROWS, f.MHC_SINKHORN_BESIDE_ROWS, f.INDEXER_FIRST, f.INDEXER_BESIDE_ROWS) == pins]
     print(json.dumps(out))
 """)
 
@@ -70,7 +69,7 @@ def test_compiles_a_gpu_shaped_step_into_the_cache_once(tmp_path):
                           cwd=os.path.join(HERE, ".."))
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    first, again, nopdl, back, staged, _, _ = out["new"]
+    first, again, nopdl, back, hc_inline, _, _ = out["new"]
     assert len(first) > 10 and again == [] and back == [], out["new"]  # compiled once, found after
     # launch_pdl is a compile option: the arm without PDL compiles a twin of each PDL launch, and only those
     assert True in first and nopdl == [False] * first.count(True), out["new"]
@@ -82,16 +81,17 @@ def test_compiles_a_gpu_shaped_step_into_the_cache_once(tmp_path):
     for cpu_only in ("_moe_gate_up_kernel", "_moe_down_kernel", "_route_kernel", "_route_group_kernel",
                      "_gate_route_group_kernel"):
         assert cpu_only not in launched, launched
-    # the staged twin listed for the tiny wo_a (2 groups) and wo_b: their Triton launches give way to it
-    # (its CUDA launch skipped) in every layer, and nothing new compiles
-    fp8 = launched["_linear_fp8_kernel"]
-    assert staged == [] and out["launched"][4]["_linear_fp8_kernel"] == fp8 - 2 * out["layers"], out
-    # the side streams' arms on the H200's paths: a CSA layer's indexer rows in a launch of their own
-    # (INDEXER_FIRST, the default: the arm without it has one launch fewer per CSA layer), the prefetch
-    # stream's launches (L2_PREFETCH); nothing else changes
-    idx_off, l2pf = out["launched"][5], out["launched"][6]
-    assert idx_off == {**launched, "_linear_bf16_kernel": launched["_linear_bf16_kernel"] - out["csa_layers"]}
-    assert l2pf.pop("_l2_prefetch_kernel", 0) > 0 and l2pf == launched, l2pf
+    # the side streams' arms on the H200's paths, each changing only its own launches: every sublayer's
+    # Sinkhorn in a launch of its own beside (MHC_SINKHORN_BESIDE_ROWS: the arm without it has one mHC
+    # finish launch fewer per sublayer, and nothing new compiles), a CSA layer's indexer rows in a launch
+    # of their own (INDEXER_FIRST: one launch fewer without it), the qr group in two launches with the
+    # indexer's beside (INDEXER_BESIDE_ROWS: without it, one FP8 and one bf16 launch fewer per CSA layer)
+    csa, fp8, bf16 = out["csa_layers"], launched["_linear_fp8_kernel"], launched["_linear_bf16_kernel"]
+    hc_off, idx_off, beside_off = out["launched"][4:7]
+    assert hc_inline == [] and hc_off == {**launched, "_hc_finish_kernel": launched["_hc_finish_kernel"]
+                                          - 2 * out["layers"]}, hc_off
+    assert idx_off == {**launched, "_linear_bf16_kernel": bf16 - csa}, idx_off
+    assert beside_off == {**launched, "_linear_fp8_kernel": fp8 - csa, "_linear_bf16_kernel": bf16 - csa}, beside_off
     assert all(out["restored"]), out["restored"]
 
 

@@ -12,7 +12,9 @@ median of 20 (weights rotated over copies past L2 unless said):
               stretch), then the linear, on one stream;
 - spin+pf:    the same with the prefetch forked onto a second stream at the spin's start and
               joined before the linear (what the step would do).
-spin+pf against spin says what the idea is worth at that idle length.
+spin+pf against spin says what the idea is worth at that idle length. (The step's prefetch on a stream
+of its own, fast.L2_PREFETCH, measured slower: docs/PERFORMANCE.md, twenty-eighth measurement;
+removed, read it at 00105ef.)
 
 --staged adds, with PDL on, the CUDA twin that copies its weights into shared memory before it waits
 for its input (kernels/linear_fp8_staged.py) behind a spin that releases its dependents at entry (the

@@ -132,7 +132,7 @@ def gpu_shaped(dec):
     launches skipped) with an H200's SMs and shared memory."""
     import torch
 
-    from megastep.kernels import cuda_module, linear_fp8_staged, moe_lut, prefetch, route_cuda
+    from megastep.kernels import cuda_module, linear_fp8_staged, moe_lut, route_cuda
 
     patches = [(torch.cuda, "current_stream", lambda device=None: _Ordering()),
                (torch.cuda, "stream", lambda s: contextlib.nullcontext()),
@@ -144,7 +144,6 @@ def gpu_shaped(dec):
                (linear_fp8_staged, "supported", lambda device: True),
                (moe_lut, "_sms", lambda index: SMS),
                (moe_lut, "_ring_fits", lambda index, nbytes: nbytes <= 227 << 10),  # an H200's CTA limit
-               (prefetch, "_hopper", lambda index: True),
                (dec, "_stream", lambda name, urgent=False: _Ordering()),  # every side stream, any priority
                (dec, "moe_mode", "lut"), (dec, "route_cuda_ok", True)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]

@@ -39,7 +39,6 @@ from megastep.kernels import linear_fp8 as _lin
 from megastep.kernels import mhc as _mhc
 from megastep.kernels import moe as _moe
 from megastep.kernels import moe_lut as _moe_lut
-from megastep.kernels import prefetch as _pf
 from megastep.kernels import rope_norm as _rn
 from megastep.kernels import route_cuda as _route_cuda
 from megastep.model import ops
@@ -136,17 +135,6 @@ VOCAB_SPLIT = False
 # measurement): 1 row 6.143, 6 rows 10.987, 16 rows 18.296, 64 rows 45.878 ms, within the split's own
 # A/B spread: off.
 BESIDE_ON_RANKS = False
-# Weights asked of L2 (kernels/prefetch.py) on a stream of their own during the latency-bound stretch
-# before they are streamed, in steps of at most L2_PREFETCH_MAX_ROWS rows on one GPU: "x" a layer's
-# wq_a and wkv and "qr" its wq_b (and the indexer's) during the mHC before its attention sublayer,
-# "wo_a" during the attention, "shared" the shared expert's w1/w3 and w2 during the mHC, gate and
-# routing before its MoE sublayer. HBM idles in those stretches at few rows (docs/PERFORMANCE.md,
-# 2026-12-04 night, item 3). No value depends on a prefetch. Empty: off. Measured 2026-12-05 with
-# all four and the plain shapes of few rows through linear_fp8_staged: the 30-layer step 8-10 % slower
-# at 1-4 rows (docs/PERFORMANCE.md, twenty-eighth measurement): the linears after the prefetch gain
-# little (bound by their loop, not by HBM) and the prefetch launches lengthen every chain.
-L2_PREFETCH: frozenset[str] = frozenset()
-L2_PREFETCH_MAX_ROWS = 4
 # A CSA layer of at most INDEXER_BESIDE_ROWS rows (one GPU): the indexer's work first on its streams.
 # On the side stream, the bf16 rows of the indexer's compressor and weights_proj (4.7 MB at V4-Flash
 # width) in a launch of their own before the attention compressor's (16.8 MB), so the index keys are
@@ -160,8 +148,8 @@ L2_PREFETCH_MAX_ROWS = 4
 # Pinned after `pins` (one H100, 16 layers, 2026-12-05: its GPU bit tests pass; with the 8-slab plans
 # below -0.14 to -0.59 % at 1-64 rows).
 INDEXER_FIRST = True
-# A probe (2026-12-05, evening): the side streams' priorities by name ("side", "hc", "idx", "pf"; lower is
-# more urgent, CUDA's range on Hopper is 0..-5), read when a step is run or captured. A kernel captured
+# A probe (2026-12-05, evening): the side streams' priorities by name ("side", "hc", "idx"; lower is more
+# urgent, CUDA's range on Hopper is 0..-5), read when a step is run or captured. A kernel captured
 # into a graph keeps its stream's priority as the node's, which the block scheduler honours only in a
 # graph instantiated to use them (runtime/step.NODE_PRIORITY); the streams' own default is 0, the least
 # urgent, so a side stream below the main one needs the capture stream raised (step.CAPTURE_PRIORITY).
@@ -315,13 +303,11 @@ class FastDecoder(MoeSublayer):
         on_cuda = self.triton and self.device.type == "cuda"
         if overlap and not on_cuda:
             raise ValueError("overlap needs the Triton kernels on a CUDA device")
-        # the side stream; MHC_SINKHORN_OWN_STREAM_ROWS' ("hc"), INDEXER_BESIDE_ROWS' ("idx") and
-        # L2_PREFETCH's ("pf") (made here: a graph captures the streams it is given; see _stream)
+        # the side stream, MHC_SINKHORN_OWN_STREAM_ROWS' ("hc") and INDEXER_BESIDE_ROWS' ("idx") (made
+        # here: a graph captures the streams it is given; see _stream)
         side = on_cuda if overlap is None else overlap
-        self._streams = {name: torch.cuda.Stream(self.device) if side else None for name in ("side", "hc", "idx", "pf")}
+        self._streams = {name: torch.cuda.Stream(self.device) if side else None for name in ("side", "hc", "idx")}
         self._priority_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
-        # whether this step has launched on the "pf" stream (joined before the head)
-        self._prefetched = False
         if shared_w2 not in (None, "residual", "combine", "mhc"):
             raise ValueError(f"shared_w2 must be residual, combine or mhc, got {shared_w2!r}")
         self.shared_w2 = shared_w2
@@ -547,7 +533,6 @@ class FastDecoder(MoeSublayer):
     side_stream = property(lambda self: self._stream("side"))
     hc_stream = property(lambda self: self._stream("hc"))
     idx_stream = property(lambda self: self._stream("idx"))
-    pf_stream = property(lambda self: self._stream("pf"))
 
     @contextlib.contextmanager
     def _on_side(self, stream: torch.cuda.Stream | None = None, lane: str = "side"):
@@ -578,25 +563,6 @@ class FastDecoder(MoeSublayer):
         """`_join(t)`, then t: a tensor made on the side stream, ready for the main stream."""
         self._join(t)
         return t
-
-    def _prefetch(self, what: str, rows: int, *weights: torch.Tensor) -> None:
-        """L2_PREFETCH's `what`: ask L2 for `weights` on the prefetch stream, ordered after the main
-        stream's work so far, beside what it launches next; only the step's end waits for it."""
-        if what not in L2_PREFETCH or self.pf_stream is None or rows > L2_PREFETCH_MAX_ROWS or self.world_size > 1:
-            return
-        with self._on_side(self.pf_stream, "prefetch"):
-            for w in weights:
-                _pf.prefetch_l2(w)
-        self._prefetched = True
-
-    def _prefetch_sublayer(self, L: int, kind: str, rows: int) -> None:
-        """The prefetches of L2_PREFETCH that start with sublayer (L, kind), before its mHC launch."""
-        lw = self.layers[L]
-        if kind == "attn":
-            for what in ("x", "qr"):
-                self._prefetch(what, rows, *lw[f"{what}_fp8"].weights)
-        elif "shared13" in lw:
-            self._prefetch("shared", rows, lw["shared13"][0], lw["shared"][2].w)
 
     # ---- pieces ---------------------------------------------------------------------------
     def _kernel(self, module, name: str):
@@ -725,7 +691,6 @@ class FastDecoder(MoeSublayer):
         elif r == CSA_RATIO:
             with stage(T, "indexer", L):
                 kw["idx"], kw["idx_ok"] = self._indexer(qb[1], xd[4], pos, slots, L)
-        self._prefetch("wo_a", B, lw["wo_a"].w)  # beside the attention
         with stage(T, "attention", L):
             # window ring + selected / visible compressed entries read in place from the pools,
             # sinks, and the inverse RoPE of the output, in one kernel
@@ -822,8 +787,6 @@ class FastDecoder(MoeSublayer):
         lo, hi = MHC_SINKHORN_OWN_STREAM_ROWS
         hc_stream = self.hc_stream if lo <= tokens.shape[0] <= hi else self.side_stream
         sk = {"sinkhorn_stream": hc_stream} if beside else {}
-        self._prefetched = False
-        self._prefetch_sublayer(*subs[0], tokens.shape[0])
         with stage(T, "mhc_pre", 0):
             x, post, comb = mhc_pre(h, *mixes(0), **sk)
         for i, (L, kind) in enumerate(subs):
@@ -832,14 +795,11 @@ class FastDecoder(MoeSublayer):
             if beside:
                 self._join(stream=hc_stream)
             if i + 1 < len(subs):
-                self._prefetch_sublayer(*subs[i + 1], tokens.shape[0])
                 with stage(T, "mhc_pre", subs[i + 1][0]):
                     h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *mixes(i + 1), y2=y2, **sk)
             else:
                 with stage(T, "mhc_post", L):
                     h = mhc_post(y.contiguous(), h, post, comb, y2=y2)
-        if self._prefetched:
-            self._join(stream=self.pf_stream)
         with stage(T, "head"):
             z = self._kernel(_mhc, "mhc_head")(h, *self.hc_head, self.norm_w, hc_eps, eps)
             if self.vocab_peer is None:

@@ -82,11 +82,6 @@ class LinearGroup:
         if like_rows is not None and self.fused is None and len(parts) > 1:
             raise ValueError("like_rows needs the group in one launch: parts that fuse")
 
-    @property
-    def weights(self) -> list[torch.Tensor]:
-        """The weight tensors its launches stream: the fused one, or each part's."""
-        return [self.fused.w] if self.fused is not None else [p.w for p in self.parts]
-
     def with_norm_tail(self, x: torch.Tensor, norm: tuple[torch.Tensor, float]):
         """(outputs, normed, codes) from one launch: the group's outputs and rms_norm(outputs[0], *norm,
         codes=True), the norm made by the last program to write a row tile's first-part columns
