@@ -18,7 +18,7 @@ def test_programs_per_sm():
     assert OCC.per_sm(4, 32, 0) == (16, "warps+regs")  # 64 warps; 1024 a warp: 64 warps too
     assert OCC.per_sm(1, 16, 0) == (32, "ctas")
     assert OCC.per_sm(4, 255, 65536) == (2, "regs")  # 256 x 32 = 8192: 8 warps
-    assert OCC.per_sm(8, 64, 144 << 10) == (1, "smem")  # a staged wo_a CTA of 8 warps
+    assert OCC.per_sm(8, 64, 144 << 10) == (1, "smem")  # 144 KB: 233472 // 148480
 
 
 def test_table_counts_waves_and_repeats():

@@ -17,7 +17,6 @@ Prints a short table last; full log and JSON under --out (default $OUT or out/be
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -34,9 +33,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from megastep.kernels import common  # noqa: E402
 from megastep.kernels import linear_fp8 as LIN  # noqa: E402
-from megastep.kernels import linear_fp8_staged as ST  # noqa: E402
 from megastep.kernels import moe as MOE  # noqa: E402
 from megastep.kernels.common import next_pow2  # noqa: E402
 
@@ -123,24 +120,6 @@ def write_results(path: str | None, results: list) -> None:
     if path:
         with open(path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
-
-
-@contextlib.contextmanager
-def staged_twin(shape: tuple[int, int, int] | None, warps: int | None = None, prefetch: bool = False,
-                pdl: bool | None = None):
-    """Meanwhile, linear_fp8 takes its CUDA twin linear_fp8_staged for the launch shape (N, K, groups)
-    (None: for none), in CTAs of `warps` warps (None: ST.WARPS as it is), with the later waves' L2
-    prefetch on or off, and PDL on or off (None: as it is)."""
-    old = ST.SHAPES, ST.WARPS, ST.PREFETCH_LATER_WAVES
-    ST.SHAPES, ST.PREFETCH_LATER_WAVES = frozenset({shape} if shape else ()), prefetch
-    ST.WARPS = warps or ST.WARPS
-    old_pdl = common.set_pdl(pdl) if pdl is not None else None
-    try:
-        yield
-    finally:
-        ST.SHAPES, ST.WARPS, ST.PREFETCH_LATER_WAVES = old
-        if pdl is not None:
-            common.set_pdl(old_pdl)
 
 
 def graph_time(calls, reps=20):

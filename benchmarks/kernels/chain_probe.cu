@@ -24,8 +24,9 @@
 // - "own" (chain_gemv_*): a lane's 16 contiguous weight bytes of a row spread over 4 MMAs
 //   (benchmarks/kernels/gemv_fp8_cuda.cu's loop, the fastest CUDA loop measured at one row);
 // - "tri" (chain_tri_*): MMA j takes the block's columns [16j, 16j + 16), as Triton's k16 steps do,
-//   lane (g, q) holding word q of each 16-byte segment (kernels/linear_fp8_staged.cu's loop). With
-//   the launch's splits set to linear_fp8's, every output has linear_fp8's bits.
+//   lane (g, q) holding word q of each 16-byte segment (the loop of kernels/linear_fp8_staged.cu,
+//   removed; read it at 00105ef). With the launch's splits set to linear_fp8's, every output has
+//   linear_fp8's bits.
 // Either way the result does not depend on timing or on how the launches are cut: the chain and the
 // per-layer launches give the same bits. The `xor` entries (chain_xor_*) keep the copies, waits and
 // stores but only XOR the tiles: the floor of the same launch without the arithmetic (their

@@ -16,19 +16,7 @@ spin+pf against spin says what the idea is worth at that idle length. (The step'
 of its own, fast.L2_PREFETCH, measured slower: docs/PERFORMANCE.md, twenty-eighth measurement;
 removed, read it at 00105ef.)
 
---staged adds, with PDL on, the CUDA twin that copies its weights into shared memory before it waits
-for its input (kernels/linear_fp8_staged.py) behind a spin that releases its dependents at entry (the
-attention with attention.RELEASE_AT_ENTRY_ROWS), so its CTAs stage while the spin runs:
-- st, st+lpf:       the twin alone (weights rotated), without / with its first wave prefetching the
-                    later waves' weights into L2 (PREFETCH_LATER_WAVES);
-- st_warm:          the twin on one weight copy (all of it in L2);
-- spinR{us}:        the releasing spin, then the Triton linear (today's step, the predecessor PDL);
-- spinR{us}_st, spinR{us}_st+lpf: the releasing spin, then the twin;
-- spin{us}+pf_st:   spin+pf with the twin in place of the Triton linear.
-spinR{us}_st against spinR{us} says what staging is worth behind that idle length (the spin's own
-time is in each), spin{us}+pf_st against spin{us}+pf what the twin's loop gains from weights in L2.
-
-    python benchmarks/kernels/l2_prefetch.py --json OUT.json [--staged]
+    python benchmarks/kernels/l2_prefetch.py --json OUT.json
 """
 
 from __future__ import annotations
@@ -48,10 +36,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 import bench_kernels as BK  # noqa: E402
-from triton.language.extra import cuda as tlc  # noqa: E402
 
 from megastep.kernels import linear_fp8 as LIN  # noqa: E402
-from megastep.kernels.spin import _spin_kernel, wait_ns  # noqa: E402
+from megastep.kernels.spin import _spin_kernel  # noqa: E402
 
 SHAPES = {"x_group": (1536, 4096, 1), "qr_group": (40960, 1024, 1), "wo_a": (8192, 4096, 8),
           "wo_b": (4096, 8192, 1), "shared_w2": (4096, 2048, 1)}
@@ -69,24 +56,6 @@ def _prefetch_kernel(p, nbytes, LINES: tl.constexpr):
                                   [(p + o).to(tl.int64, bitcast=True)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
-def _spin_release_kernel(out_ptr, ns):
-    """_spin_kernel as a PDL predecessor that lets the next kernel's CTAs be placed at once; it waits
-    for its own predecessor before it ends, so each kernel still completes after the one before."""
-    tlc.gdc_launch_dependents()
-    spun = wait_ns(ns)
-    tlc.gdc_wait()
-    tl.store(out_ptr, spun)
-
-
-def _with_staged(fn, shape: tuple[int, int, int] | None, prefetch: bool = False):
-    """fn with linear_fp8 taking the twin for `shape` (None: never) and PDL on, meanwhile."""
-    def run():
-        with BK.staged_twin(shape, prefetch=prefetch, pdl=True):
-            return fn()
-    return run
-
-
 def graph_time(fn) -> float:
     """fn records the whole sequence once (several streams allowed); µs per replay."""
     return BK.graph_time([fn])[0]
@@ -97,7 +66,6 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--spin-us", default="10,20")
     ap.add_argument("--programs", type=int, default=132)
-    ap.add_argument("--staged", action="store_true", help="the CUDA twin that stages its weights too (see above)")
     args = ap.parse_args()
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -142,24 +110,6 @@ def main() -> None:
 
             r[f"spin{sp:g}"] = graph_time(spin_only) / copies
             r[f"spin{sp:g}+pf"] = graph_time(spin_pf) / copies
-            if args.staged:  # the same with the twin reading what the prefetch brought into L2
-                r[f"spin{sp:g}+pf_st"] = graph_time(_with_staged(spin_pf, (N, K, G))) / copies
-        if args.staged:
-            shape = (N, K, G)
-            for tag, lpf in (("st", False), ("st+lpf", True)):
-                r[tag] = graph_time(_with_staged(lambda: [lin(w, s) for w, s in ws], shape, lpf)) / copies
-            r["st_warm"] = graph_time(_with_staged(lambda: [lin(*ws[0]) for _ in range(copies)], shape)) / copies
-            for sp in [float(v) for v in args.spin_us.split(",")]:
-                ns = int(sp * 1000)
-
-                def spin_release():
-                    for w, s in ws:
-                        _spin_release_kernel[(1,)](spin_out, ns, launch_pdl=True)
-                        lin(w, s)
-
-                r[f"spinR{sp:g}"] = graph_time(_with_staged(spin_release, None)) / copies
-                for tag, lpf in (("st", False), ("st+lpf", True)):
-                    r[f"spinR{sp:g}_{tag}"] = graph_time(_with_staged(spin_release, shape, lpf)) / copies
         rows.append(r)
         BK.log(json.dumps(r))
         ws.clear()  # free the copies before the next shape

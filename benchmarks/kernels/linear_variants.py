@@ -5,7 +5,7 @@ invariance only with the same bits), then timed (CUDA graph of calls on rotated 
 nothing from L2); the picked "f16" configuration also with x's activation codes given ("f16+c":
 x_codes, the quantization that x's producer writes beside x).
 
-    python benchmarks/kernels/linear_variants.py --out DIR [--ms 1,64] [--shapes shared_w13,wo_b] [--staged]
+    python benchmarks/kernels/linear_variants.py --out DIR [--ms 1,64] [--shapes shared_w13,wo_b]
     python benchmarks/kernels/linear_variants.py --smoke --out DIR   (CPU interpreter, tiny shapes)
 
 Shapes are the fused launches of one layer (model/fast.py): the x group (wq_a + wkv, 1536 x
@@ -13,11 +13,7 @@ Shapes are the fused launches of one layer (model/fast.py): the x group (wq_a + 
 bf16 activation: "dot16" only), wo_b (4096 x 8192), the shared expert's gated w1/w3
 (2 x 2048 x 4096) and its w2 (4096 x 2048). Prints a table last (µs per
 call, GB/s of the bytes that must be read; "=" where a candidate gives the picked one's bits) and
-writes linear_variants.json under --out. --staged adds, for the plain and wo_a shapes at up to 16 rows,
-the picked configuration through `linear_fp8_staged` (its weights copied into shared memory before the
-input is read; the same bits) in CTAs of 8 and 4 warps ("st8", "st4"), and with the first wave's CTAs
-prefetching the later waves' weights into L2 ("st8p", "st4p"): here each call follows another call,
-so no predecessor leaves it time to stage, and the time is its loop's alone.
+writes linear_variants.json under --out.
 """
 
 from __future__ import annotations
@@ -40,7 +36,6 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 import bench_kernels as BK  # noqa: E402
 from megastep.checkpoint import formats  # noqa: E402
 from megastep.kernels import linear_fp8 as LIN  # noqa: E402
-from megastep.kernels import linear_fp8_staged as ST  # noqa: E402
 
 WO_A_GROUPS = 8  # V4-Flash o_groups: wo_a is one launch over 8 groups of 1024 rows, each reading its 4096 columns
 SHAPES = {  # name: (N, K, kind); kind "gated": w13 = 2 x N rows; "wo_a": grouped, bf16 activation
@@ -88,15 +83,6 @@ def candidates(M: int, N: int, K: int, kind: str, regs: tuple[int, ...] = ()) ->
     return list(dict.fromkeys(out))
 
 
-def _staged(call, shape: tuple[int, int, int], warps: int, prefetch: bool):
-    """`call` with linear_fp8 taking linear_fp8_staged (CTAs of `warps` warps, the later waves' L2
-    prefetch on or off) for `shape` meanwhile."""
-    def run(*a):
-        with BK.staged_twin(shape, warps, prefetch):
-            return call(*a)
-    return run
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out/linear_variants"))
@@ -104,7 +90,6 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
     ap.add_argument("--regs", default="", help="register caps (maxnreg) to try beside the other candidates, e.g. 64,80")
-    ap.add_argument("--staged", action="store_true", help="the picked configuration through linear_fp8_staged too")
     args = ap.parse_args()
     regs = tuple(int(r) for r in args.regs.split(",") if r)
     os.makedirs(args.out, exist_ok=True)
@@ -136,23 +121,18 @@ def main() -> None:
             else:
                 fn, ref = LIN.linear_fp8, LIN.linear_fp8_ref(x, *ws[0])
             codes = formats.fp8_act_quant(x.float(), 128) if K % 128 == 0 and kind != "wo_a" else None
-            cands = [(c, None, (0, False)) for c in candidates(M, N, K, kind, regs)]
+            cands = [(c, None) for c in candidates(M, N, K, kind, regs)]
             if codes is not None and kind != "wo_a":  # the picked configuration with x's codes
-                cands += [(cands[0][0], codes, (0, False))]
-            if args.staged and kind != "gated" and M <= ST.MAX_ROWS:  # the picked one through the CUDA twin
-                cands += [(cands[0][0], None, (w, pf)) for w in (8, 4) for pf in (False, True)]
+                cands += [(cands[0][0], codes)]
             picked_y = None  # the picked configuration's output: same_bits compares each candidate's
-            for i, (c, xc, st) in enumerate(cands):
-                r = dict(shape=name, N=N, K=K, M=M, config=asdict(c), picked=i == 0, codes=xc is not None,
-                         staged=st[0], prefetch=st[1])
+            for i, (c, xc) in enumerate(cands):
+                r = dict(shape=name, N=N, K=K, M=M, config=asdict(c), picked=i == 0, codes=xc is not None)
                 if kind == "gated":
                     call = (lambda c, w, s, xc=xc: fn(x, w, s, 10.0, config=c, x_codes=xc))  # noqa: E731
                 elif kind == "wo_a":
                     call = (lambda c, w, s: fn(x, w, s, config=c, quantize_act=False, groups=G))  # noqa: E731
                 else:
                     call = (lambda c, w, s, xc=xc: fn(x, w, s, config=c, x_codes=xc))  # noqa: E731
-                if st[0]:
-                    call = _staged(call, (N, K, G), *st)
                 try:
                     y = call(c, *ws[0])
                     picked_y = y if i == 0 else picked_y
@@ -174,8 +154,7 @@ def main() -> None:
           f"{'GB/s':>6} ok")
     for r in rows:
         c = r["config"]
-        mode = c["mode"] + ("+c" if r["codes"] else "") if not r["staged"] else \
-            f"st{r['staged']}{'p' if r['prefetch'] else ''}"
+        mode = c["mode"] + ("+c" if r["codes"] else "")
         print(f"{r['shape']:11} {r['M']:3} {mode:5} {c['block_n']:3} {c['block_m']:3} {c['block_k']:3} {c['split_k']:3} "
               f"{c['num_warps']:2} {c['num_stages']:2} {c['maxnreg']:3} {r.get('us', float('nan')):7.2f} {r.get('gbps', 0):6.0f} "
               f"{'ok' if r['ok'] else 'FAIL'} {r.get('check', r.get('error', ''))[:70]}{'' if r.get('row0_same') else ' ROW0!'}"

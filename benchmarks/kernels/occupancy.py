@@ -22,10 +22,9 @@ Programs per SM: the least of 32, 64 warps / the program's warps, the 64K regist
 its registers per thread rounded up to 8, times 32, rounded up to 256), and 228 KB of shared memory
 (each program 1 KB more for the system). The step takes the H200's paths (precompile.gpu_shaped:
 the side streams' orders, e.g. a CSA layer's qr group in two launches up to
-fast.INDEXER_BESIDE_ROWS rows, and the CUDA C++ experts, routing and staged linears with the Triton
-launches around them). Not counted: those CUDA C++ launches (moe_lut's experts, route_cuda's
-routing: one CTA per SM slot by construction; linear_fp8_staged where listed), and what runs beside
-a launch on a second stream.
+fast.INDEXER_BESIDE_ROWS rows, and the CUDA C++ experts and routing with the Triton launches around
+them). Not counted: those CUDA C++ launches (moe_lut's experts, route_cuda's routing: one CTA per SM
+slot by construction), and what runs beside a launch on a second stream.
 """
 
 from __future__ import annotations

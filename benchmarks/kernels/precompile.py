@@ -127,12 +127,11 @@ class _Ordering:
 @contextlib.contextmanager
 def gpu_shaped(dec):
     """The CPU decoder's step made to take the paths an H200 takes where they launch other Triton
-    kernels: the side streams' orders (stand-in streams and events), the CUDA C++ experts, routing
-    and staged linears (mode "lut", route_cuda, linear_fp8_staged where SHAPES lists a launch: their
-    launches skipped) with an H200's SMs and shared memory."""
+    kernels: the side streams' orders (stand-in streams and events), the CUDA C++ experts and routing
+    (mode "lut", route_cuda: their launches skipped) with an H200's SMs and shared memory."""
     import torch
 
-    from megastep.kernels import cuda_module, linear_fp8_staged, moe_lut, route_cuda
+    from megastep.kernels import cuda_module, moe_lut, route_cuda
 
     patches = [(torch.cuda, "current_stream", lambda device=None: _Ordering()),
                (torch.cuda, "stream", lambda s: contextlib.nullcontext()),
@@ -141,7 +140,6 @@ def gpu_shaped(dec):
                (torch.Tensor, "record_stream", lambda self, s: None),
                (cuda_module.Kernel, "launch", lambda self, *args, **kwargs: None),
                (moe_lut, "supported", lambda *args: True), (route_cuda, "supported", lambda *args: True),
-               (linear_fp8_staged, "supported", lambda device: True),
                (moe_lut, "_sms", lambda index: SMS),
                (moe_lut, "_ring_fits", lambda index, nbytes: nbytes <= 227 << 10),  # an H200's CTA limit
                (dec, "_stream", lambda name, urgent=False: _Ordering()),  # every side stream, any priority
@@ -205,10 +203,9 @@ def pack(out: str, root: str | None = None, cuda_src: str | None = None) -> str:
 
 def build_cubins() -> list[str]:
     """Every CUDA C++ module the step loads, built into cuda_module's cache (the cubin files)."""
-    from megastep.kernels import linear_fp8_staged, moe_lut, route_cuda, sidecar_zero_copy
+    from megastep.kernels import moe_lut, route_cuda, sidecar_zero_copy
 
-    mods = [moe_lut._MODULE, linear_fp8_staged._MODULE, route_cuda._module(256),  # V4-Flash: 256 experts
-            sidecar_zero_copy._MODULE]
+    mods = [moe_lut._MODULE, route_cuda._module(256), sidecar_zero_copy._MODULE]  # V4-Flash: 256 experts
     for m in mods:
         m.cubin()
     return [os.path.basename(m.source_path) for m in mods]

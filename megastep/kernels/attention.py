@@ -61,19 +61,12 @@ import torch
 import triton
 import triton.language as tl
 
-from megastep.kernels.common import (PDL_EARLY, launch_opts, next_pow2, on_interpreter, pdl_enter, pdl_release,
-                                     round_bf16, workspace)
+from megastep.kernels.common import (launch_opts, next_pow2, on_interpreter, pdl_enter, pdl_release, round_bf16,
+                                     workspace)
 from megastep.kernels.rope_norm import TORCH_MATH, _rope_arg, rope_pairs
 from megastep.model import ops
 
 _COUNTERS = 1 << 14  # arrival counters kept per device (B x head blocks)
-# Under PDL, launches of at most this many rows let the next kernel's CTAs be placed as the
-# attention starts (common.PDL_EARLY) instead of after its KV loop: the dependent grid still
-# launches only once every attention program has started, so none of them waits for room, and
-# a next kernel that copies its weights before it waits (linear_fp8_staged behind wo_a) gets the
-# whole attention to do it. Where the CTAs start changes no bits. 0: never (measured 2026-12-05 with
-# wo_a and wo_b staged behind it: slower, linear_fp8_staged's docstring).
-RELEASE_AT_ENTRY_ROWS = 0
 
 # where a program's KV entries come from (the kernel's SRC)
 _DENSE, _SWA, _HCA, _CSA = 0, 1, 2, 3
@@ -402,8 +395,6 @@ def _launch(src: int, q, H: int, N: int, cfg: AttnConfig | None, sink, scale, *,
         pacc = pml = cnt = out  # unused
     grid = (n_hb * dsplit, split, B)
     opts = launch_opts(q, grid)
-    if opts["launch_pdl"] and B <= RELEASE_AT_ENTRY_ROWS:
-        opts["PDL"] = PDL_EARLY
     row_starts = (win.data_ptr(), comp.data_ptr(), *(st * win.element_size() for st in strides[:4]))
     _sparse_attn_kernel[grid](
         q, win, comp, idx, ok, slots, pos, rope, sink, out, pacc, pml, cnt,

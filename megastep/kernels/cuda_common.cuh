@@ -1,7 +1,6 @@
-// Device helpers of the hand-written CUDA C++ kernels (moe_lut.cu, route_cuda.cu, linear_fp8_staged.cu,
-// sidecar_zero_copy.cu; the experiments under benchmarks/kernels include it too): the streaming weight
-// load, the bf16 rounding, the activation quantization's twins of kernels/common.py, the FP8 GEMV's
-// pieces, PDL, flags.
+// Device helpers of the hand-written CUDA C++ kernels (moe_lut.cu, route_cuda.cu, sidecar_zero_copy.cu;
+// the experiments under benchmarks/kernels include it too): the streaming weight load, the bf16 rounding,
+// the activation quantization's twins of kernels/common.py, the FP8 GEMV's pieces, PDL, flags.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -79,13 +78,7 @@ __device__ __forceinline__ void cp_async16(const void* dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
-// `bytes` (a multiple of 16, from a 16-byte aligned p) of global memory fetched into L2 by the bulk-copy
-// (TMA) unit; nothing to wait for and no effect on any value (sm_90)
-__device__ __forceinline__ void l2_prefetch(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
-// ---- the FP8 block-scaled GEMV pieces (linear_fp8_staged.cu; benchmarks/kernels/gemv_fp8_cuda.cu) ----
+// ---- the FP8 block-scaled GEMV pieces (benchmarks/kernels/gemv_fp8_cuda.cu, chain_probe.cu) ----
 
 // four e4m3 bytes -> (bytes 0,1) and (bytes 2,3) as fp16x2, low byte in the low half
 __device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
@@ -104,20 +97,6 @@ __device__ __forceinline__ uint32_t fp8_pair(float a, float b) {
   asm("{.reg .b16 q;\n\tcvt.rn.satfinite.e4m3x2.f32 q, %2, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, q;}"
       : "=r"(out) : "f"(a), "f"(b));
   return out;
-}
-
-// fp32 a, b -> fp16x2 (round to nearest even: Triton's .to(tl.float16))
-__device__ __forceinline__ uint32_t f16_pair(float a, float b) {
-  const __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-// common.f16_pow2_scale (wo_a's bf16 activation into fp16's range): s = 2^(floor(log2(max(amax,
-// 2^-64))) - 14)
-__device__ __forceinline__ void f16_pow2_scale(float amax, float& s, float& inv) {
-  const int se = ((__float_as_int(fmaxf(amax, 5.421010862427522e-20f)) >> 23) & 0xFF) - 14;
-  s = __int_as_float(se << 23);
-  inv = __int_as_float((254 - se) << 23);
 }
 
 // A lane's four outputs after a 128-block's dot blk (from zero, as Triton's per-block tl.dot), for

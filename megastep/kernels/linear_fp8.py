@@ -63,7 +63,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from megastep.checkpoint import formats
-from megastep.kernels import linear_fp8_staged as _staged
 from megastep.kernels.rope_norm import fix_bits, rms_scale, round_to, sumsq_row
 from megastep.model import ops
 from megastep.kernels.common import (
@@ -536,10 +535,6 @@ def linear_fp8(
         tail = (nw, float(eps), normed, codes)
     if M == 0 or N == 0:
         return out if tail is None else (out, (tail[2], tail[3]))
-    # a listed launch of few rows: the CUDA twin that stages its weights before its input (same bits)
-    staged = None if tail is not None else _staged.plan(x, w, groups, _k_per_split(K, cfg), cfg.mode, residual)
-    if staged is not None:
-        return _staged.linear(x, w, w_scale, out, quantize_act, groups, staged)
     _launch(x, w, w_scale, out, cfg, quantize_act, groups, False, 0.0, residual, x_codes, tail=tail)
     return out if tail is None else (out, (tail[2], tail[3]))
 
