@@ -191,21 +191,16 @@ ab() {  # ab NAME SECONDS ab_step-args...
   tail -n 80 "$OUT/$name.log" | grep -E '^ *[0-9]+ ' >"$OUT/$name.table" && summary+=("$(cat "$OUT/$name.table")")
 }
 
-reads_lines() {  # reads_lines NAME...: the routed experts each batch's rows read (bench's "batch N: routed experts" lines)
-  local name line
+log_lines() {  # log_lines REGEX NAME...: the lines of those steps' logs that match REGEX, into the summary
+  local re=$1 name line
+  shift
   for name in "$@"; do
     [ -f "$OUT/$name.log" ] || continue
-    while IFS= read -r line; do summary+=("$name: $line"); done < <(grep -h -E '^batch [0-9]+: routed experts' "$OUT/$name.log" | cut -c1-300)
+    while IFS= read -r line; do summary+=("$name: $line"); done < <(grep -h -E "$re" "$OUT/$name.log" | cut -c1-400)
   done
 }
-
-sidecar_lines() {  # sidecar_lines NAME...: the "CPU sidecar" and "timeline of" lines of those bench logs, into the summary
-  local name line
-  for name in "$@"; do
-    [ -f "$OUT/$name.log" ] || continue
-    while IFS= read -r line; do summary+=("$name: $line"); done < <(grep -h -E '^(CPU sidecar|timeline of)' "$OUT/$name.log" | cut -c1-400)
-  done
-}
+reads_lines() { log_lines '^batch [0-9]+: routed experts' "$@"; }  # what each batch's rows read (bench)
+sidecar_lines() { log_lines '^(CPU sidecar|timeline of)' "$@"; }  # the CPU sidecar's work and the timelines (bench)
 
 # The winners of 2026-12-05's arms (docs/PERFORMANCE.md, twenty-eighth measurement), for `pins`: a CSA layer's
 # indexer work first on its streams (IDX_FIRST); HCA's and the window's one-row attention plans with the value columns
