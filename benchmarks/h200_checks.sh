@@ -15,6 +15,7 @@
 #   bash benchmarks/h200_checks.sh cpu_omp    # the CPU expert kernel's thread scaling under OpenMP's placement and wait policy, back to back and sporadic (~4 min, any GPU kind)
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh offload_zc # B zero-copy (its GPU tests first) and B polling, the CPU's share per step, timelines (~8 min)
+#   bash benchmarks/h200_checks.sh offload_auto # recipe A with --hbm-budget auto (135 GB if auto fails) (~1.5 min)
 #   bash benchmarks/h200_checks.sh offload_a16 # offload_a for an 80 GB GPU: 16 layers, 45 GB budget, recipe A (~1 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
 #   bash benchmarks/h200_checks.sh offload_b  # A's timeline, the CPU kernel alone (back to back, sporadic), B zero-copy on all cores but 2, hybrid (~9 min)
@@ -199,7 +200,8 @@ log_lines() {  # log_lines REGEX NAME...: the lines of those steps' logs that ma
     while IFS= read -r line; do summary+=("$name: $line"); done < <(grep -h -E "$re" "$OUT/$name.log" | cut -c1-400)
   done
 }
-reads_lines() { log_lines '^batch [0-9]+: routed experts' "$@"; }  # what each batch's rows read (bench)
+reads_lines() { log_lines '^(batch [0-9]+: routed experts|HBM budget|device memory)' "$@"; }  # what each batch's rows
+# read, the placement and the device's memory (bench)
 sidecar_lines() { log_lines '^(CPU sidecar|timeline of)' "$@"; }  # the CPU sidecar's work and the timelines (bench)
 
 # The winners of 2026-12-05's arms (docs/PERFORMANCE.md, twenty-eighth measurement), for `pins`: a CSA layer's
@@ -338,6 +340,11 @@ for group in "$@"; do
     offload_a)  # recipe A alone (the winner of the offload group)
       bench offload_skewed_gpu 280 --batch 1,6 --routing skewed --hbm-budget 125 --cold-path gpu
       reads_lines offload_skewed_gpu ;;
+    offload_auto)  # recipe A with the budget the device leaves (--hbm-budget auto: ~138 GB on an H200 against 125, a
+      # third of the cold reads), then at 135 GB in case auto's margin is too thin; compare with offload_a's 125
+      bench offload_skewed_gpu_auto 280 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu
+      [ "$last_rc" != 0 ] && bench offload_skewed_gpu_135 280 --batch 1,6 --routing skewed --hbm-budget 135 --cold-path gpu
+      reads_lines offload_skewed_gpu_auto offload_skewed_gpu_135 ;;
     ncu)  # why the weight-streaming kernels reach 1.1-1.5 TB/s and attention takes 20-30 us at batch 1:
       # throughput, memory, occupancy, warp stalls of each kind's launches in a 4-layer eager step
       step ncu 240 ncu --clock-control none --target-processes all --launch-skip 40 --launch-count 40 \
@@ -592,7 +599,7 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | attn | tune | overlap | pdl | offload | offload_a | offload_b | offload_zc | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | pins | chain | probe | ringmix | sms | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
+      echo "unknown group $group (tests | resident | trace | attn | tune | overlap | pdl | offload | offload_a | offload_auto | offload_b | offload_zc | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | pins | chain | probe | ringmix | sms | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
       exit 2 ;;
   esac
 done

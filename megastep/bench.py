@@ -35,11 +35,12 @@ import torch
 
 from megastep.checkpoint.synthetic import LazyDeviceWeights, preset, synthesize_on_device
 from megastep.config import CSA_RATIO, ModelConfig
-from megastep.errors import UserError, check_output_file, comma_ints, writing
+from megastep.errors import AUTO, UserError, budget_arg, check_output_file, comma_ints, writing
 from megastep.kernels import moe_lut, route_cuda
 from megastep.runtime import distributed as D
 from megastep.runtime.bandwidth import (cpu_read_bandwidth, host_read_bandwidth, hybrid_cpu_share,
                                         stream_read_bandwidth)
+from megastep.runtime.experts import GB, auto_budget_bytes
 
 
 # the weights a head-split attention divides over the ranks (FastDecoder(attn_split=True))
@@ -314,6 +315,8 @@ class BenchSetup:
     bw: float  # the device's streaming read, GB/s
     cold_bw: float | None  # the cold bytes' path, GB/s
     peer: dict | None  # peer_transformers' line (--peer-layers, one GPU)
+    budget_gb: float | None  # --hbm-budget, "auto" resolved
+    free_at_start: int  # the device's free bytes before the weights were built
 
     def runner(self, args: argparse.Namespace):
         """A StepRunner of fresh CUDA graphs (captured at their first replay) for the batches."""
@@ -346,18 +349,23 @@ def setup(args: argparse.Namespace, rank=None) -> BenchSetup:
     if args.peer_layers and W == 1:  # first, while the device is empty: it needs bf16 copies of its layers
         peer = peer_transformers(preset(args.preset, layers=args.peer_layers), args.seed, dev, args.context, iters=10)
     torch.cuda.synchronize()
+    free_at_start = torch.cuda.mem_get_info(dev)[0]
+    budget_gb = args.hbm_budget
+    if budget_gb == AUTO:
+        budget_gb = auto_budget_bytes(cfg, dev, max_seqs=max(batches), max_ctx=args.context + 128,
+                                      max_block=args.block) / GB
     t0 = time.perf_counter()
     weights = LazyDeviceWeights(cfg, args.seed, dev, routing=args.routing)
     wbytes = weights.nbytes()
     split_bytes = sum(nb for n, nb in wbytes.items() if _HEAD_SPLIT.search(n))
-    placement = _placement(cfg, weights, args.hbm_budget)
+    placement = _placement(cfg, weights, budget_gb)
     host_bw = host_read_bandwidth(dev) if placement.n_cold else None
     cpu_bw = cpu_read_bandwidth() if placement.n_cold and args.cold_path != "gpu" else None
     cpu_share = args.cpu_share
     if cpu_share is None and args.cold_path == "hybrid" and placement.n_cold:  # the bandwidths just measured
         cpu_share = hybrid_cpu_share(dev, cpu_bw, host_bw)
     dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True,
-                      placement=placement if args.hbm_budget is not None else None, max_block=args.block,
+                      placement=placement if budget_gb is not None else None, max_block=args.block,
                       moe_mode=args.moe_mode, cold_path=args.cold_path, cpu_share=cpu_share,
                       pdl=_AUTO_ON_OFF[args.pdl],
                       overlap=False if args.no_overlap else None,
@@ -373,7 +381,7 @@ def setup(args: argparse.Namespace, rank=None) -> BenchSetup:
     # the cold bytes' path: the GPU's host reads, the CPU's, or both at once (ideal split)
     cold_bw = {"gpu": host_bw, "cpu": cpu_bw, "hybrid": (host_bw or 0) + (cpu_bw or 0)}[args.cold_path]
     return BenchSetup(cfg, dec, batches, W, wbytes, split_bytes, placement, host_bw, cpu_bw, cpu_share, gen_s, bw,
-                      cold_bw, peer)
+                      cold_bw, peer, budget_gb, free_at_start)
 
 
 def measure(run: BenchSetup, runner, args: argparse.Namespace, count_reads: bool = True) -> list[dict]:
@@ -441,11 +449,13 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
         "ep_combine": None if W == 1 else "p2p" if dec.peer is not None else "allreduce",
         "attn_split": dec.split_peer is not None, "vocab_split": dec.vocab_peer is not None,
         "stream_read_GBps": run.bw, "host_read_GBps": run.host_bw, "weights_generated_s": run.gen_s,
-        "routing": args.routing, "placement": {"hbm_budget_GB": args.hbm_budget, "profile": placement.profile_kind,
+        "routing": args.routing, "placement": {"hbm_budget_GB": run.budget_gb, "auto": args.hbm_budget == AUTO,
+                                               "hbm_bytes": placement.hbm_bytes, "profile": placement.profile_kind,
                                                "n_hot": placement.n_hot, "n_cold": placement.n_cold,
                                                "cold_slot_fraction": placement.cold_fraction},
         "state_pool_bytes": dec.pools.bytes(), "results": results, "peer": run.peer,
     }
+    out["device_memory"] = device_memory(dec.device, run.free_at_start)
     if args.timeline:
         from megastep.runtime.trace import timeline_summary
 
@@ -463,11 +473,21 @@ def run_bench(args: argparse.Namespace, rank=None) -> dict:
     return out
 
 
+def device_memory(dev: torch.device, free_at_start: int) -> dict[str, float]:
+    """GB of the device's memory: its total, free before the weights were built and now, and the
+    peaks of torch's allocator (allocated, and reserved: what it held from the device) over the run.
+    How close a budget came to the card (`--hbm-budget auto`'s margin is set from these)."""
+    free, total = torch.cuda.mem_get_info(dev)
+    return {"total_GB": total / 1e9, "free_at_start_GB": free_at_start / 1e9, "free_GB": free / 1e9,
+            "peak_allocated_GB": torch.cuda.max_memory_allocated(dev) / 1e9,
+            "peak_reserved_GB": torch.cuda.max_memory_reserved(dev) / 1e9}
+
+
 def _placement(cfg: ModelConfig, weights, hbm_budget_gb: float | None):
     """Expert placement for the run, from the routing of the synthetic gates themselves (random
     unit-RMS activations through each gate): every expert in HBM without a budget."""
     from megastep.routing import profile_from_random_activations
-    from megastep.runtime.experts import GB, plan_placement
+    from megastep.runtime.experts import plan_placement
 
     profile = profile_from_random_activations(cfg, weights)
     budget = float("inf") if hbm_budget_gb is None else hbm_budget_gb * GB
@@ -484,14 +504,21 @@ def print_report(out: dict) -> None:
           f"stream read {out['stream_read_GBps']:.0f} GB/s  routing {out['routing']}")
     pl = out["placement"]
     if pl["n_cold"]:
-        print(f"HBM budget {pl['hbm_budget_GB']} GB: {pl['n_hot']} experts in HBM, {pl['n_cold']} in host memory "
-              f"(cold share of routing slots {100 * pl['cold_slot_fraction']:.1f}%), host read "
+        auto = " (auto)" if pl.get("auto") else ""
+        print(f"HBM budget {pl['hbm_budget_GB']:.2f} GB{auto}: {pl['n_hot']} experts in HBM, {pl['n_cold']} in host "
+              f"memory (cold share of routing slots {100 * pl['cold_slot_fraction']:.1f}%), host read "
               f"{out['host_read_GBps']:.1f} GB/s; roofline = HBM bytes / HBM bw + host bytes / host bw")
         if out["cpu_read_GBps"]:
             share = f" (CPU share {out['cpu_share']:.2f})" if out["cold_path"] == "hybrid" else ""
             sidecar = f", sidecar {out['sidecar']}" if out.get("sidecar") else ""  # (older results lack it)
             print(f"cold experts: {out['cold_path']}{share}{sidecar}, CPU read {out['cpu_read_GBps']:.1f} "
                   "GB/s; host bw of the roofline: " + {"cpu": "the CPU's", "hybrid": "GPU + CPU"}[out["cold_path"]])
+    mem = out.get("device_memory")  # (older results lack it)
+    if mem:
+        weights = f", weights in HBM {pl['hbm_bytes'] / 1e9:.1f}" if "hbm_bytes" in pl else ""
+        print(f"device memory (GB): {mem['total_GB']:.1f}, free at start {mem['free_at_start_GB']:.1f}{weights}; "
+              f"peak allocated {mem['peak_allocated_GB']:.1f}, peak reserved {mem['peak_reserved_GB']:.1f}; "
+              f"free at the end {mem['free_GB']:.1f}")
     print(f"{'batch':>5} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'tok/s':>9} {'GB/step':>8} {'roof ms':>8} {'%roof':>6} "
           f"{'ms/layer':>8} {'x43 ms':>8}")
     for r in out["results"]:
@@ -636,5 +663,6 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-split", default="auto", choices=["auto", "on", "off"],
                    help="with --gpus: split the lm head's vocabulary over the GPUs (the same bits; auto: "
                         "model/fast.py's VOCAB_SPLIT)")
-    p.add_argument("--hbm-budget", type=float, default=None,
-                   help="GB of HBM for weights: the coldest routed experts go to page-locked host memory")
+    p.add_argument("--hbm-budget", type=budget_arg, default=None, metavar="GB|auto",
+                   help="GB of HBM for weights: the coldest routed experts go to page-locked host memory; auto: "
+                        "what the device has free, less the state, a layer's build and a margin (runtime/experts.py)")

@@ -4,7 +4,9 @@ The CLI and the server turn a `UserError` into one clear message and a non-zero 
 answer; any other exception is a bug in megastep and keeps its traceback.
 """
 
+import argparse
 import contextlib
+import math
 import os
 
 
@@ -52,6 +54,22 @@ def comma_ints(text: str, problem: str) -> list[int]:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise UserError(problem) from None
+
+
+AUTO = "auto"  # --hbm-budget auto (runtime/experts.auto_budget_bytes)
+
+
+def budget_arg(value: str) -> float | str:
+    """argparse type of --hbm-budget: decimal GB >= 0, or "auto"."""
+    if value == AUTO:
+        return AUTO
+    try:
+        gb = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of GB or '{AUTO}', got {value!r}") from None
+    if not math.isfinite(gb) or gb < 0:
+        raise argparse.ArgumentTypeError(f"a finite number of GB >= 0 or '{AUTO}', got {value!r}")
+    return gb
 
 
 @contextlib.contextmanager

@@ -93,3 +93,23 @@ def test_reads_line(capsys):
     out["results"][0]["reads"] = None
     print_report(out)
     assert "eager steps" not in capsys.readouterr().out
+
+
+def test_budget_and_memory_lines(capsys):
+    """The placement line says when the budget was sized by `auto`, and the device's memory follows it
+    (older results without it print no memory line)."""
+    out = _out("gpu")
+    out["cpu_read_GBps"] = None
+    out["placement"].update(hbm_budget_GB=138.25, auto=True, hbm_bytes=138.2e9)
+    out["device_memory"] = {"total_GB": 150.8, "free_at_start_GB": 149.9, "free_GB": 3.1, "peak_allocated_GB": 142.6,
+                            "peak_reserved_GB": 146.0}
+    print_report(out)
+    text = capsys.readouterr().out
+    assert "HBM budget 138.25 GB (auto): 10 experts in HBM, 2 in host memory" in text
+    assert ("device memory (GB): 150.8, free at start 149.9, weights in HBM 138.2; peak allocated 142.6, peak "
+            "reserved 146.0; free at the end 3.1") in text
+    del out["device_memory"]
+    out["placement"]["auto"] = False
+    print_report(out)
+    text = capsys.readouterr().out
+    assert "device memory" not in text and "HBM budget 138.25 GB: " in text

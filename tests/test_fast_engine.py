@@ -73,3 +73,5 @@ def test_hbm_budget_loads_lazily_with_a_placement(tmp_path):
         FastEngine(tmp_path, device="cpu", max_seqs=1, max_ctx=32, hbm_budget_gb=budget, cold_path="cpu")
     with pytest.raises(UserError, match="hbm-budget"):
         FastEngine(tmp_path, device="cpu", max_seqs=1, max_ctx=32, routing_profile=tmp_path / "p.json")
+    with pytest.raises(UserError, match="auto sizes the budget from a CUDA device"):
+        FastEngine(tmp_path, device="cpu", max_seqs=1, max_ctx=32, hbm_budget_gb="auto")

@@ -136,3 +136,33 @@ def test_describe_full_v4_flash_from_config_alone(tmp_path):
     text = describe_with_budget(tmp_path, 130)
     assert "43 layers x 256 = 11008, 13.37 MB each" in text
     assert "HBM:  130.00 GB" in text and "ASSUMED" in text
+
+
+def test_budget_argument():
+    """--hbm-budget takes decimal GB >= 0 or "auto"; anything else is one argparse message."""
+    import argparse
+
+    from megastep.errors import AUTO, budget_arg
+
+    assert budget_arg("auto") == AUTO and budget_arg("125") == 125.0 and budget_arg("0") == 0.0
+    for bad in ("12GB", "-1", "nan", "inf", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="number of GB"):
+            budget_arg(bad)
+
+
+def test_auto_budget_is_free_memory_less_state_build_and_margin(monkeypatch):
+    """`--hbm-budget auto`: the device's free bytes less the state pools (their layout sized without
+    allocating), twice a layer's routed experts (a layer's build) and the margin; never below 0."""
+    from megastep.model.state_pools import StatePools
+    from megastep.runtime import experts as ex
+
+    cfg = preset("small")
+    free = 150 * 10**9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 151 * 10**9))
+    state = StatePools(cfg, 6, 4224, torch.bfloat16, "cpu", max_block=6).bytes()  # real tensors: the same bytes
+    layer = cfg.n_routed_experts * routed_expert_bytes(cfg)
+    got = ex.auto_budget_bytes(cfg, torch.device("cuda"), max_seqs=6, max_ctx=4224, max_block=6)
+    assert got == free - state - 2 * layer - ex.AUTO_MARGIN_BYTES
+    assert state > StatePools(cfg, 1, 4224, torch.bfloat16, "cpu").bytes()  # rows and block are counted
+    free = ex.AUTO_MARGIN_BYTES
+    assert ex.auto_budget_bytes(cfg, torch.device("cuda"), max_seqs=6, max_ctx=4224) == 0

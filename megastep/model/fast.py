@@ -400,6 +400,9 @@ class FastDecoder(MoeSublayer):
                 del dense_parts
             if cfg.fp4_experts:
                 st = _moe.stack_experts(weights, f"layers.{L}", cfg.n_routed_experts, ids=self.owned)
+                if consume:  # the stack replaces them: placing it then holds two copies of a layer's experts
+                    for k in [k for k in weights if k.startswith(p + "ffn.experts.")]:  # at most, not three
+                        del weights[k]
                 if self.triton:
                     cold = placement.cold(L) if placement is not None else []
                     cpu = self._cpu_experts(L, cold, placement, cold_path, cpu_share)

@@ -31,7 +31,7 @@ from typing import Any, Protocol, Sequence as Seq
 
 import torch
 
-from megastep.errors import UserError
+from megastep.errors import AUTO, UserError
 
 
 @dataclass
@@ -155,7 +155,8 @@ class FastEngine(_EngineBase):
                  cold_path: str = "gpu", rank: int = 0, world_size: int = 1) -> None:
         """max_block: prefill tokens of a sequence per replay (1: one by one; 16 cuts a prompt's
         replays 16-fold; checked on the CPU, not yet run on a GPU, hence the default 1).
-        hbm_budget_gb: keep only that many GB of weights in device memory; the routed experts
+        hbm_budget_gb: keep only that many GB of weights in device memory ("auto": what the
+        device has free, less the state and a margin: runtime/experts.auto_budget_bytes); the routed experts
         the placement (runtime/experts.py, from `routing_profile` or uniform routing) finds
         coldest stay in page-locked host memory, handled by `cold_path` (FastDecoder). The
         checkpoint is then read tensor by tensor as each layer is built, so a model larger than
@@ -184,11 +185,19 @@ class FastEngine(_EngineBase):
         else:
             from megastep.checkpoint.loader import open_checkpoint
             from megastep.routing import load_profile
-            from megastep.runtime.experts import GB, plan_placement
+            from megastep.runtime.experts import GB, auto_budget_bytes, plan_placement
 
+            if hbm_budget_gb == AUTO and self.device.type != "cuda":
+                raise UserError("--hbm-budget auto sizes the budget from a CUDA device's free memory: give GB")
             cfg, weights = open_checkpoint(model_dir, device=self.device)
             profile = load_profile(routing_profile, cfg) if routing_profile is not None else None
-            placement = plan_placement(cfg, profile, int(hbm_budget_gb * GB))
+            if hbm_budget_gb == AUTO:
+                budget = auto_budget_bytes(cfg, self.device, max_seqs=max_seqs,
+                                           max_ctx=min(max_ctx, int(cfg.max_position_embeddings)),
+                                           max_block=max(1, min(int(max_block), int(cfg.sliding_window))))
+            else:
+                budget = int(hbm_budget_gb * GB)
+            placement = plan_placement(cfg, profile, budget)
         self.cfg = cfg
         self.placement = placement
         max_ctx = min(max_ctx, int(cfg.max_position_embeddings))

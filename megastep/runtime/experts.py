@@ -17,6 +17,10 @@ of slots per token, the plan minimizes the expected cold share of routing slots 
 
 The budget covers weights only: per-sequence state (KV, compressor and index caches), activations,
 CUDA graph workspaces and the CUDA context need HBM beyond it. MTP weights are not placed.
+
+`--hbm-budget auto` (`auto_budget_bytes`) takes what the device has free when the run starts, less
+that: every routed expert kept in HBM is one fewer read over the host link per step that routes to
+it (~262 us each for V4-Flash at ~51 GB/s), so a budget left unused is time lost.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from megastep.config import ModelConfig
 from megastep.errors import UserError
 
 GB = 1e9  # --hbm-budget and every size printed are decimal GB, as `megastep inspect` prints them
+# Held back by `--hbm-budget auto` beyond the state pools and a layer's build: the graphs' activations
+# and workspaces, the logits, the allocator's rounding, and the bench's 4 GiB bandwidth buffer.
+AUTO_MARGIN_BYTES = 4 << 30
 # Host-path bandwidths for the modeled host time that describe() prints (shared/DESIGN.md,
 # measured on the lent H200 host): one path (GPU zero-copy reads of pinned memory or 16 CPU
 # threads) ~50 GB/s; both at once ~100 GB/s.
@@ -192,6 +199,21 @@ class Placement:
             lines.append(f"  cold share per layer: {min(cf):.1%}-{max(cf):.1%}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def auto_budget_bytes(cfg: ModelConfig, device: torch.device, *, max_seqs: int, max_ctx: int,
+                      max_block: int = 1) -> int:
+    """The weight budget of `--hbm-budget auto`: the device's free memory now, less the fast path's
+    state pools for `max_seqs` x `max_ctx`, less what building one layer holds for a moment (its
+    routed experts stacked, and the HBM copies taken from the stack: twice a layer's experts),
+    less AUTO_MARGIN_BYTES. Call it before the weights are built."""
+    from megastep.model.state_pools import StatePools
+
+    free, _ = torch.cuda.mem_get_info(device)
+    # the pools' layout without allocating them ("meta" tensors have shapes and no storage)
+    state = StatePools(cfg, max_seqs, max_ctx, torch.bfloat16, "meta", max_block=max_block).bytes()
+    building = 2 * cfg.n_routed_experts * routed_expert_bytes(cfg)
+    return max(0, free - state - building - AUTO_MARGIN_BYTES)
 
 
 def _gb(n: float) -> str:

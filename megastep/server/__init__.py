@@ -11,6 +11,8 @@ import logging
 import sys
 import time
 
+from megastep.errors import budget_arg
+
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
@@ -39,9 +41,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "step (CUDA only); auto: fast on cuda, reference on cpu")
     parser.add_argument("--prefill-block", type=int, default=1,
                         help="fast engine: prompt tokens of a sequence per step (a causal block; e.g. 16)")
-    parser.add_argument("--hbm-budget", type=float, default=None,
+    parser.add_argument("--hbm-budget", type=budget_arg, default=None, metavar="GB|auto",
                         help="fast engine: GB of device memory for weights; the coldest routed experts (by "
-                             "--routing-profile, else uniform) stay in page-locked host memory")
+                             "--routing-profile, else uniform) stay in page-locked host memory; auto: what the "
+                             "device has free, less the state of --max-seqs and a margin")
     parser.add_argument("--routing-profile", default=None, help="a `megastep profile-routing` JSON for --hbm-budget")
     parser.add_argument("--cold-path", default="gpu", choices=["gpu", "cpu", "hybrid"],
                         help="with --hbm-budget: the GPU reads cold experts in host memory, the CPU computes them, "
