@@ -156,8 +156,8 @@ class FastEngine(_EngineBase):
         """max_block: prefill tokens of a sequence per replay (1: one by one; 16 cuts a prompt's
         replays 16-fold; checked on the CPU, not yet run on a GPU, hence the default 1).
         hbm_budget_gb: keep only that many GB of weights in device memory ("auto": what the
-        device has free, less the state and a margin: runtime/experts.auto_budget_bytes); the routed experts
-        the placement (runtime/experts.py, from `routing_profile` or uniform routing) finds
+        device has free, less the state and a margin: runtime/experts.auto_budget_bytes); the
+        routed experts the placement (runtime/experts.py, from `routing_profile` or uniform routing) finds
         coldest stay in page-locked host memory, handled by `cold_path` (FastDecoder). The
         checkpoint is then read tensor by tensor as each layer is built, so a model larger than
         the device loads.
