@@ -16,6 +16,7 @@
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh offload_zc # B zero-copy (its GPU tests first) and B polling, the CPU's share per step, timelines (~8 min)
 #   bash benchmarks/h200_checks.sh offload_auto # recipe A with --hbm-budget auto (135 GB if auto fails) (~1.5 min)
+#   bash benchmarks/h200_checks.sh offload_auto24 # offload_auto for an 80 GB GPU: 24 layers, auto against 60 GB (~3 min)
 #   bash benchmarks/h200_checks.sh offload_a16 # offload_a for an 80 GB GPU: 16 layers, 45 GB budget, recipe A (~1 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
 #   bash benchmarks/h200_checks.sh offload_b  # A's timeline, the CPU kernel alone (back to back, sporadic), B zero-copy on all cores but 2, hybrid (~9 min)
@@ -345,6 +346,11 @@ for group in "$@"; do
       bench offload_skewed_gpu_auto 280 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu
       [ "$last_rc" != 0 ] && bench offload_skewed_gpu_135 280 --batch 1,6 --routing skewed --hbm-budget 135 --cold-path gpu
       reads_lines offload_skewed_gpu_auto offload_skewed_gpu_135 ;;
+    offload_auto24)  # offload_auto on an 80 GB GPU: 24 layers (88 GB of weights), --hbm-budget auto (~73 GB there) against
+      # 60 GB, recipe A; compare only within the call
+      bench offload24_skewed_gpu_auto 200 --layers 24 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu
+      bench offload24_skewed_gpu_60 200 --layers 24 --batch 1,6 --routing skewed --hbm-budget 60 --cold-path gpu
+      reads_lines offload24_skewed_gpu_auto offload24_skewed_gpu_60 ;;
     ncu)  # why the weight-streaming kernels reach 1.1-1.5 TB/s and attention takes 20-30 us at batch 1:
       # throughput, memory, occupancy, warp stalls of each kind's launches in a 4-layer eager step
       step ncu 240 ncu --clock-control none --target-processes all --launch-skip 40 --launch-count 40 \
@@ -599,7 +605,7 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | attn | tune | overlap | pdl | offload | offload_a | offload_auto | offload_b | offload_zc | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | pins | chain | probe | ringmix | sms | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
+      echo "unknown group $group (tests | resident | trace | attn | tune | overlap | pdl | offload | offload_a | offload_auto | offload_auto24 | offload_b | offload_zc | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | pins | chain | probe | ringmix | sms | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
       exit 2 ;;
   esac
 done
