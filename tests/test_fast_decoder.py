@@ -146,37 +146,6 @@ def test_second_stream_only_on_cuda(tiny):
         FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu", overlap=True)
 
 
-def test_priority_streams_are_twins_made_once(tiny, monkeypatch):
-    """FastDecoder._stream (the CUDA streams stood in for): a stream without a priority asked is the
-    decoder's own; STREAM_PRIORITY[name], or `urgent` (the most urgent priority of the range), gives
-    a twin of that priority, made once and reused; a decoder without side streams gets none."""
-    from megastep.model import fast
-
-    class FakeStream:
-        made = []
-
-        def __init__(self, device=None, priority=0):
-            self.priority = priority
-            FakeStream.made.append(self)
-
-        @staticmethod
-        def priority_range():
-            return (0, -5)
-
-    cfg, w = tiny
-    dec = FastDecoder(cfg, w, max_seqs=1, max_ctx=32, device="cpu")
-    assert dec._stream("idx", urgent=True) is None  # no side streams on the CPU
-    own = {name: object() for name in ("side", "hc", "idx")}
-    monkeypatch.setattr(dec, "_streams", own)
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    assert dec.idx_stream is own["idx"] and dec._stream("idx") is own["idx"]
-    urgent = dec._stream("idx", urgent=True)
-    assert urgent.priority == -5 and dec._stream("idx", urgent=True) is urgent and len(FakeStream.made) == 1
-    monkeypatch.setitem(fast.STREAM_PRIORITY, "side", -2)
-    assert dec.side_stream.priority == -2 and dec.side_stream is dec._stream("side", urgent=True)
-    assert dec.hc_stream is own["hc"] and len(FakeStream.made) == 2
-
-
 def test_lut_experts_only_where_they_run(tiny):
     """The CUDA "lut" experts are the default only where they run (a CUDA device, nvcc, sizes
     multiple of 512): on CPU the decoder keeps the Triton kernels' pick, and asking for "lut" is

@@ -417,50 +417,6 @@ def test_indexer_first_changes_no_bits(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
-def test_stream_priorities_change_no_bits(monkeypatch):
-    """fast.STREAM_PRIORITY with step.CAPTURE_PRIORITY and NODE_PRIORITY (the graphs instantiated by
-    runtime/graph_exec.py to run with their kernels' priorities): the greedy logits at 1 row and in
-    a batch of 16, bit for bit against torch's replay; the side streams really are the priority twins
-    and the graphs really are the driver-instantiated ones."""
-    from megastep.model import fast
-    from megastep.runtime import step
-
-    want = alone_then_batched(build(experts="lut"))
-    lo, hi = torch.cuda.Stream.priority_range()  # (least, greatest urgency): (0, -5) on Hopper
-    monkeypatch.setattr(fast, "STREAM_PRIORITY", {"side": lo, "hc": lo, "idx": hi})
-    monkeypatch.setattr(step, "CAPTURE_PRIORITY", max(hi, lo - 2))
-    monkeypatch.setattr(step, "NODE_PRIORITY", True)
-    built = build(experts="lut")
-    got = alone_then_batched(built)
-    dec, runner = built[1], built[2]
-    assert dec.idx_stream.priority == hi and dec.side_stream.priority == lo
-    assert dec.idx_stream is not dec._streams["idx"] and dec.idx_stream is dec._stream("idx")
-    assert all(b.priority_graph is not None for b in runner.buckets.values())
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
-
-
-def test_urgent_indexer_changes_no_bits(monkeypatch):
-    """fast.INDEXER_URGENT_ROWS = 1 with NODE_PRIORITY: the greedy logits at 1 row and in a batch of
-    16, bit for bit against the defaults; the 1-row steps launch the CSA indexer's q rows on the
-    indexer stream's most urgent twin, the 16-row steps on the stream itself."""
-    from megastep.model import fast
-    from megastep.runtime import step
-
-    on_streams = spy_group_parts(monkeypatch)
-    want = alone_then_batched(build(experts="lut"))
-    monkeypatch.setattr(fast, "INDEXER_URGENT_ROWS", 1)
-    monkeypatch.setattr(step, "NODE_PRIORITY", True)
-    built = build(experts="lut")
-    on_streams.clear()
-    got = alone_then_batched(built)
-    dec = built[1]
-    urgent, plain = dec._stream("idx", urgent=True), dec._stream("idx")
-    assert urgent.priority == torch.cuda.Stream.priority_range()[1] and urgent is not plain
-    used = {s for i, s in on_streams if i == 1}
-    assert used == {urgent.cuda_stream, plain.cuda_stream}, used
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
-
-
 def test_q_norm_in_the_x_launch_changes_no_bits(monkeypatch):
     """fast.QNORM_TAIL_ROWS = 16: the q norm made by the x group's launch instead of rms_norm's launch
     after it: the greedy logits at 1 row (graphs with PDL) and in a batch of 16, bit for bit against

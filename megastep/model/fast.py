@@ -148,20 +148,6 @@ BESIDE_ON_RANKS = False
 # Pinned after `pins` (one H100, 16 layers, 2026-12-05: its GPU bit tests pass; with the 8-slab plans
 # below -0.14 to -0.59 % at 1-64 rows).
 INDEXER_FIRST = True
-# A probe (2026-12-05, evening): the side streams' priorities by name ("side", "hc", "idx"; lower is more
-# urgent, CUDA's range on Hopper is 0..-5), read when a step is run or captured. A kernel captured
-# into a graph keeps its stream's priority as the node's, which the block scheduler honours only in a
-# graph instantiated to use them (runtime/step.NODE_PRIORITY); the streams' own default is 0, the least
-# urgent, so a side stream below the main one needs the capture stream raised (step.CAPTURE_PRIORITY).
-STREAM_PRIORITY: dict[str, int] = {}
-# Steps of at most this many rows launch the CSA indexer (INDEXER_BESIDE_ROWS' stream) at the most urgent
-# priority, so that its scores and select take SMs ahead of the weight streams beside them; it needs the
-# graphs run with their nodes' priorities (runtime/step.NODE_PRIORITY). 0: never. Twenty-ninth measurement
-# (docs/PERFORMANCE.md, item 4), the indexer's stream at -5 in the driver's graphs, p50 of 3 rounds: 1 row
-# -0.53 / -0.56 % (two calls), 8 rows -0.11 %, 2-4 and 16-64 rows within noise. Thirtieth measurement, item 1
-# (8 with NODE_PRIORITY, against the defaults, 3 rounds): `final`'s GPU tests pass under it, but the step at 1 row
-# -0.15 %, 2-32 rows +0.0 to +0.21 %, 64 rows -0.15 %: noise. Not pinned.
-INDEXER_URGENT_ROWS = 0
 # Steps of at most this many rows make the q norm in the x group's launch (linear_fp8(norm_tail=): the
 # last program to write a row tile's wq_a columns norms them) instead of a launch of its own between
 # wq_a and wq_b, which took ~2.2 us of the 1-row chain per attention sublayer (twenty-eighth measurement).
@@ -303,11 +289,11 @@ class FastDecoder(MoeSublayer):
         on_cuda = self.triton and self.device.type == "cuda"
         if overlap and not on_cuda:
             raise ValueError("overlap needs the Triton kernels on a CUDA device")
-        # the side stream, MHC_SINKHORN_OWN_STREAM_ROWS' ("hc") and INDEXER_BESIDE_ROWS' ("idx") (made
-        # here: a graph captures the streams it is given; see _stream)
-        side = on_cuda if overlap is None else overlap
-        self._streams = {name: torch.cuda.Stream(self.device) if side else None for name in ("side", "hc", "idx")}
-        self._priority_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+        self.side_stream = torch.cuda.Stream(self.device) if (on_cuda if overlap is None else overlap) else None
+        # MHC_SINKHORN_OWN_STREAM_ROWS' stream (made here: a graph captures the streams it is given)
+        self.hc_stream = torch.cuda.Stream(self.device) if self.side_stream is not None else None
+        # INDEXER_BESIDE_ROWS' stream
+        self.idx_stream = torch.cuda.Stream(self.device) if self.side_stream is not None else None
         if shared_w2 not in (None, "residual", "combine", "mhc"):
             raise ValueError(f"shared_w2 must be residual, combine or mhc, got {shared_w2!r}")
         self.shared_w2 = shared_w2
@@ -519,24 +505,6 @@ class FastDecoder(MoeSublayer):
                 "wo_b": _cols_of(lw["wo_b"], r * cols, (r + 1) * cols)}
 
     # ---- the second stream --------------------------------------------------------------------
-    def _stream(self, name: str, urgent: bool = False) -> torch.cuda.Stream | None:
-        """The stream `name`, or its twin of priority STREAM_PRIORITY[name] (else, if urgent, of the
-        most urgent priority); twins are made on first use (a step's eager warm-up runs before its
-        capture)."""
-        base, p = self._streams[name], STREAM_PRIORITY.get(name)
-        if base is None or (p is None and not urgent):
-            return base
-        if p is None:
-            p = torch.cuda.Stream.priority_range()[1]  # (least, most) urgent
-        key = (name, p)
-        if key not in self._priority_streams:
-            self._priority_streams[key] = torch.cuda.Stream(self.device, priority=p)
-        return self._priority_streams[key]
-
-    side_stream = property(lambda self: self._stream("side"))
-    hc_stream = property(lambda self: self._stream("hc"))
-    idx_stream = property(lambda self: self._stream("idx"))
-
     @contextlib.contextmanager
     def _on_side(self, stream: torch.cuda.Stream | None = None, lane: str = "side"):
         """Launch on the side stream (or `stream`, with the workspace lane `lane`), ordered after
@@ -634,7 +602,7 @@ class FastDecoder(MoeSublayer):
         # (one GPU without the CPU sidecar: the only setting measured)
         few = (r == CSA_RATIO and tr and B <= INDEXER_BESIDE_ROWS and (self.world_size == 1 or BESIDE_ON_RANKS)
                and self.sidecar is None)
-        idx_stream = self._stream("idx", urgent=B <= INDEXER_URGENT_ROWS) if few else None
+        idx_stream = self.idx_stream if few else None
         beside = idx_stream is not None
         keys_ready = torch.cuda.Event() if beside else None
         # INDEXER_FIRST: the indexer's bf16 rows in a launch of their own before the compressor's, and

@@ -14,18 +14,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megastep.kernels.argmax import argmax_rows
-from megastep.runtime.graph_exec import PriorityGraph
 from megastep.runtime.sampling import sample
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# A probe (2026-12-05, evening; model/fast.STREAM_PRIORITY names the side streams'): the priority of the
-# stream a bucket's graph is captured on, which its main-stream kernels keep as their node priority
-# (None: torch's capture stream, priority 0), and whether the graph runs with its nodes' priorities
-# (runtime/graph_exec.py) rather than torch's replay, where every kernel takes the replay stream's.
-CAPTURE_PRIORITY: int | None = None
-NODE_PRIORITY = False
 
 
 class _Bucket:
@@ -42,7 +35,6 @@ class _Bucket:
         self.logits: torch.Tensor | None = None
         self.next_tokens: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.priority_graph: PriorityGraph | None = None  # NODE_PRIORITY's instantiation of `graph`
 
 
 class StepRunner:
@@ -85,11 +77,9 @@ class StepRunner:
             for _ in range(2):  # compile Triton kernels, settle the allocator
                 self._body(b)
         torch.cuda.current_stream().wait_stream(s)
-        b.graph = torch.cuda.CUDAGraph(keep_graph=True) if NODE_PRIORITY else torch.cuda.CUDAGraph()
-        on = torch.cuda.Stream(self.device, priority=CAPTURE_PRIORITY) if CAPTURE_PRIORITY is not None else None
-        with torch.cuda.graph(b.graph, stream=on):
+        b.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(b.graph):
             self._body(b)
-        b.priority_graph = PriorityGraph(b.graph) if NODE_PRIORITY else None
         for dst, src in zip((b.tokens, b.pos, b.slots), saved):
             dst.copy_(src)
 
@@ -116,10 +106,7 @@ class StepRunner:
         if self.use_graphs:
             if b.graph is None:
                 self.capture(b)
-            if b.priority_graph is not None:
-                b.priority_graph.launch(torch.cuda.current_stream(self.device))
-            else:
-                b.graph.replay()
+            b.graph.replay()
         else:
             self._body(b)
 
