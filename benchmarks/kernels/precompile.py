@@ -142,7 +142,7 @@ def gpu_shaped(dec):
                (moe_lut, "supported", lambda *args: True), (route_cuda, "supported", lambda *args: True),
                (moe_lut, "_sms", lambda index: SMS),
                (moe_lut, "_ring_fits", lambda index, nbytes: nbytes <= 227 << 10),  # an H200's CTA limit
-               (dec, "_stream", lambda name, urgent=False: _Ordering()),  # every side stream, any priority
+               (dec, "side_stream", _Ordering()), (dec, "hc_stream", _Ordering()), (dec, "idx_stream", _Ordering()),
                (dec, "moe_mode", "lut"), (dec, "route_cuda_ok", True)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, v in patches:
