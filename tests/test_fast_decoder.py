@@ -276,3 +276,26 @@ def test_routed_reads_count_what_the_rows_route_to(tiny):
     three = bench.routed_reads(dec, placement(hashed), 3, 8, steps=2)
     assert three["cold_per_step"] == [len(hashed)] * 2
     assert all(k * L <= h + c <= L * min(E, 3 * k) for h, c in zip(three["hot_per_step"], three["cold_per_step"]))
+
+
+def test_consume_drops_a_layers_expert_tensors_before_placing_them(tiny, monkeypatch):
+    """With consume=True the per-expert tensors of a layer are gone once they are stacked, so placing
+    the stack holds at most two copies of a layer's experts (`--hbm-budget auto` reserves two);
+    without consume the caller's dict keeps them."""
+    from megastep.model.moe_sublayer import MoeSublayer
+
+    cfg, w = tiny
+    left = {}
+    place = MoeSublayer._place_experts
+
+    def spy(self, L, st, cold, cpu):
+        left[L] = [k for k in weights if k.startswith(f"layers.{L}.ffn.experts.")]
+        return place(self, L, st, cold, cpu)
+
+    monkeypatch.setattr(MoeSublayer, "_place_experts", spy)
+    for consume in (True, False):
+        weights = dict(w)
+        left.clear()
+        FastDecoder(cfg, weights, max_seqs=1, max_ctx=32, device="cpu", triton=True, consume=consume)
+        assert sorted(left) == list(range(cfg.num_hidden_layers))
+        assert all((not keys) == consume for keys in left.values()), {L: len(k) for L, k in left.items()}
