@@ -350,10 +350,10 @@ def setup(args: argparse.Namespace, rank=None) -> BenchSetup:
         peer = peer_transformers(preset(args.preset, layers=args.peer_layers), args.seed, dev, args.context, iters=10)
     torch.cuda.synchronize()
     free_at_start = torch.cuda.mem_get_info(dev)[0]
+    max_ctx = args.context + 128  # the state pools' context: every row sits at --context
     budget_gb = args.hbm_budget
     if budget_gb == AUTO:
-        budget_gb = auto_budget_bytes(cfg, dev, max_seqs=max(batches), max_ctx=args.context + 128,
-                                      max_block=args.block) / GB
+        budget_gb = auto_budget_bytes(cfg, dev, max_seqs=max(batches), max_ctx=max_ctx, max_block=args.block) / GB
     t0 = time.perf_counter()
     weights = LazyDeviceWeights(cfg, args.seed, dev, routing=args.routing)
     wbytes = weights.nbytes()
@@ -364,7 +364,7 @@ def setup(args: argparse.Namespace, rank=None) -> BenchSetup:
     cpu_share = args.cpu_share
     if cpu_share is None and args.cold_path == "hybrid" and placement.n_cold:  # the bandwidths just measured
         cpu_share = hybrid_cpu_share(dev, cpu_bw, host_bw)
-    dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=args.context + 128, device=dev, consume=True,
+    dec = FastDecoder(cfg, weights, max_seqs=max(batches), max_ctx=max_ctx, device=dev, consume=True,
                       placement=placement if budget_gb is not None else None, max_block=args.block,
                       moe_mode=args.moe_mode, cold_path=args.cold_path, cpu_share=cpu_share,
                       pdl=_AUTO_ON_OFF[args.pdl],

@@ -185,23 +185,21 @@ class FastEngine(_EngineBase):
         else:
             from megastep.checkpoint.loader import open_checkpoint
             from megastep.routing import load_profile
-            from megastep.runtime.experts import GB, auto_budget_bytes, plan_placement
 
             if hbm_budget_gb == AUTO and self.device.type != "cuda":
                 raise UserError("--hbm-budget auto sizes the budget from a CUDA device's free memory: give GB")
             cfg, weights = open_checkpoint(model_dir, device=self.device)
             profile = load_profile(routing_profile, cfg) if routing_profile is not None else None
-            if hbm_budget_gb == AUTO:
-                budget = auto_budget_bytes(cfg, self.device, max_seqs=max_seqs,
-                                           max_ctx=min(max_ctx, int(cfg.max_position_embeddings)),
-                                           max_block=max(1, min(int(max_block), int(cfg.sliding_window))))
-            else:
-                budget = int(hbm_budget_gb * GB)
-            placement = plan_placement(cfg, profile, budget)
         self.cfg = cfg
-        self.placement = placement
         max_ctx = min(max_ctx, int(cfg.max_position_embeddings))
         self.block = max(1, min(int(max_block), int(cfg.sliding_window)))
+        if hbm_budget_gb is not None:  # (one GPU: the ranks refused a budget above)
+            from megastep.runtime.experts import GB, auto_budget_bytes, plan_placement
+
+            budget = (auto_budget_bytes(cfg, self.device, max_seqs=max_seqs, max_ctx=max_ctx, max_block=self.block)
+                      if hbm_budget_gb == AUTO else int(hbm_budget_gb * GB))
+            placement = plan_placement(cfg, profile, budget)
+        self.placement = placement
         try:
             self.decoder = FastDecoder(cfg, weights, max_seqs=max_seqs, max_ctx=max_ctx, device=self.device,
                                        consume=True, max_block=self.block, placement=placement, cold_path=cold_path,
