@@ -170,7 +170,7 @@ struct Args {
   int spread;  // gate-up's spread schedule (run_spread): the rows of x (1 or 2); 0: run
   // gate-up's prefetch of down's weights (prefetch_down): 0 none, 1 plain, 2 evict_last; down's
   // row strides of w2 and of its scales
-  int pf;
+  int pf, pf_delay_ns;  // (pf_delay_ns: the prefetch starts that long after the routing is read)
   long long pf_stride_w, pf_stride_s;
 };
 
@@ -554,6 +554,10 @@ __device__ __forceinline__ void prefetch_down(const Args& a, int nslot, int idle
   const uint32_t wbytes = a.w3_rows / 2, sbytes = a.w3_rows / 32;
   uint64_t policy = 0;
   if (a.pf == 2) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  if (a.pf_delay_ns) {  // (so that the lines arrive later in gate-up's stream, not with its first loads)
+    const unsigned long long until = megastep::global_ns() + a.pf_delay_ns;
+    while (megastep::global_ns() < until) __nanosleep(500);
+  }
   const int total = nslot * a.K;
   for (int i = idle * threads + (threadIdx.x % threads); i < total; i += nidle * threads) {
     const int slot = i / a.K, r = i % a.K;
@@ -821,10 +825,10 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
   const __nv_bfloat16* xq, long long stride_q, const long long* tab, const float* rw, const int* pair_ptr,        \
       const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,          \
       long long stride_a, int D, int I, long long stride_w, long long stride_s, float limit, int round_out, int topk, \
-      int sparse, int pf, long long pf_stride_w, long long pf_stride_s
+      int sparse, int pf, int pf_delay_ns, long long pf_stride_w, long long pf_stride_s
 #define GATE_UP_ARGS(rows)                                                                                          \
   Args{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, I, topk, sparse, 0, stride_w, stride_s, \
-       rows, pf, pf_stride_w, pf_stride_s},                                                                         \
+       rows, pf, pf_delay_ns, pf_stride_w, pf_stride_s},                                                                         \
       rw, act, stride_a, limit, round_out
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(GATE_UP_PARAMS) {
@@ -850,7 +854,7 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring(GATE_UP_
       int combine, const __nv_bfloat16 *shared, long long stride_sh
 #define DOWN_ARGS                                                                                                  \
   Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s,   \
-       0, 0, 0, 0},                                                                                                \
+       0, 0, 0, 0, 0},                                                                                              \
       y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down(DOWN_ARGS); }

@@ -39,13 +39,13 @@ from megastep.kernels.cuda_module import CudaModule, find_nvcc
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_lut.cu")
 _MODULE = CudaModule(SOURCE)
-_GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiiiiqq")
-_GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiiiqqi")
+_GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiiiiiqq")
+_GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiiiiqqi")
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
-_GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiiiiqq")
-_GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiiiqqi")
-_GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqfiiiiqq")
-_GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiiiqqi")
+_GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiiiiiqq")
+_GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiiiiqqi")
+_GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqfiiiiiqq")
+_GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiiiiqqi")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -112,6 +112,7 @@ SPREAD_RING_MIX = True
 # (values untouched). Built 2026-12-06 to measure: down starts cold after gate-up
 # (its CTAs do not fit beside the ring's) and streams its 25 MB at ~1.6 TB/s at 1 row.
 PREFETCH_DOWN = 0
+PREFETCH_DELAY_NS = 0  # the idle halves start their prefetches that long after reading the routing
 
 
 @functools.cache
@@ -194,7 +195,7 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     pf = prefetch_mode(down_strides)
     args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse), pf,
-            *(down_strides if pf else (0, 0)))
+            int(PREFETCH_DELAY_NS) if pf else 0, *(down_strides if pf else (0, 0)))
     ring_warps = 2 * THREADS // 32  # the ring kernel: two halves, 16 warps' slots
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
         if SPREAD_RING and _ring_fits(xq.device.index, shared_bytes(D, 1, SPREAD_WARPS)):

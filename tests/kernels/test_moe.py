@@ -638,15 +638,16 @@ def test_gpu_lut_spread_ring_mix_gives_the_same_bits(M, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("mode", [1, 2])
-def test_gpu_lut_prefetch_down_gives_the_same_bits(mode, monkeypatch):
-    """gate-up's idle CTA halves asking L2 for down's weights (moe_lut.PREFETCH_DOWN: plain, evict_last)
-    change no bit and fault nowhere: at 1 row (192 items of the ring gate-up on 2 halves of each SM's
+@pytest.mark.parametrize("mode,delay", [(1, 0), (2, 0), (2, 5000)])
+def test_gpu_lut_prefetch_down_gives_the_same_bits(mode, delay, monkeypatch):
+    """gate-up's idle CTA halves asking L2 for down's weights (moe_lut.PREFETCH_DOWN: plain, evict_last;
+    PREFETCH_DELAY_NS after the routing) change no bit and fault nowhere: at 1 row (192 items of the ring gate-up on 2 halves of each SM's
     CTA) the four lut outputs (per pair, the combine, with the shared expert's output, a sparse table
     whose absent experts have no w2 to prefetch) equal those without it, three calls; and a table of
     experts in page-locked host memory (recipe A) gives the bits of the one in HBM."""
     from megastep.kernels import moe_lut
 
+    monkeypatch.setattr(moe_lut, "PREFETCH_DELAY_NS", delay)
     ex, x, ids, wts = _many_pair_inputs(1, 43)
     assert moe_lut.ring_rows(1) and 6 * (2048 // moe_lut.ITEM_CHANNELS) < 2 * moe_lut._sms(0)  # idle halves
     _same_bits_when(monkeypatch, "PREFETCH_DOWN", 0, mode, moe_lut.shared_bytes(4096, 2, 16, mix=True),
