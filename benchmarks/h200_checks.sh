@@ -17,6 +17,7 @@
 #   bash benchmarks/h200_checks.sh offload_zc # B zero-copy (its GPU tests first) and B polling, the CPU's share per step, timelines (~8 min)
 #   bash benchmarks/h200_checks.sh offload_auto # recipe A with --hbm-budget auto (135 GB if auto fails) (~1.5 min)
 #   bash benchmarks/h200_checks.sh l2down     # gate-up's idle halves prefetch down's w2 into L2 at 1 row: GPU tests, 30 layers and all 43 at 125 GB, off / plain / evict_last (~8 min)
+#   bash benchmarks/h200_checks.sh l2down16   # l2down on an 80 GB GPU: 16 layers, resident and at 45 GB (~7 min)
 #   bash benchmarks/h200_checks.sh offload_auto24 # offload_auto for an 80 GB GPU: 24 layers, auto against 60 GB (~3 min)
 #   bash benchmarks/h200_checks.sh offload_a16 # offload_a for an 80 GB GPU: 16 layers, 45 GB budget, recipe A (~1 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
@@ -359,6 +360,14 @@ for group in "$@"; do
         --arm "last=$PF = 2" --arm "late=$LATE"
       ab l2down43 240 --batch 1,6 --rounds 3 --routing skewed --hbm-budget 125 --cold-path gpu --arm off= \
         --arm "plain=$PF = 1" --arm "last=$PF = 2" --arm "late=$LATE" ;;
+    l2down16)  # l2down on an 80 GB GPU: 16 layers, resident and with a 45 GB budget (~30 % of the expert bytes cold)
+      PF='import megastep.kernels.moe_lut as m; m.PREFETCH_DOWN'
+      LATE="$PF = 2; m.PREFETCH_DELAY_NS = 8000"
+      step l2down_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py -k prefetch_down
+      ab l2down16 150 --layers 16 --batch 1,4 --rounds 3 --timeline-batch 1 --arm off= --arm "plain=$PF = 1" \
+        --arm "last=$PF = 2" --arm "late=$LATE"
+      ab l2down16_45 200 --layers 16 --batch 1,6 --rounds 3 --routing skewed --hbm-budget 45 --cold-path gpu \
+        --arm off= --arm "plain=$PF = 1" --arm "last=$PF = 2" --arm "late=$LATE" ;;
     offload_auto24)  # offload_auto on an 80 GB GPU: 24 layers (88 GB of weights), --hbm-budget auto (~73 GB there) against
       # 60 GB, recipe A; compare only within the call
       bench offload24_skewed_gpu_auto 200 --layers 24 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu
