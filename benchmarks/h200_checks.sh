@@ -16,8 +16,6 @@
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh offload_zc # B zero-copy (its GPU tests first) and B polling, the CPU's share per step, timelines (~8 min)
 #   bash benchmarks/h200_checks.sh offload_auto # recipe A with --hbm-budget auto (135 GB if auto fails) (~1.5 min)
-#   bash benchmarks/h200_checks.sh l2down     # gate-up's idle halves prefetch down's w2 into L2 at 1 row: GPU tests, 30 layers and all 43 at 125 GB, off / plain / evict_last (~8 min)
-#   bash benchmarks/h200_checks.sh l2down16   # l2down on an 80 GB GPU: 16 layers, resident and at 45 GB (~7 min)
 #   bash benchmarks/h200_checks.sh offload_auto24 # offload_auto for an 80 GB GPU: 24 layers, auto against 60 GB (~3 min)
 #   bash benchmarks/h200_checks.sh offload_a16 # offload_a for an 80 GB GPU: 16 layers, 45 GB budget, recipe A (~1 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
@@ -348,26 +346,6 @@ for group in "$@"; do
       bench offload_skewed_gpu_auto 280 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu
       [ "$last_rc" != 0 ] && bench offload_skewed_gpu_135 280 --batch 1,6 --routing skewed --hbm-budget 135 --cold-path gpu
       reads_lines offload_skewed_gpu_auto offload_skewed_gpu_135 ;;
-    l2down)  # gate-up's idle ring halves prefetch down's w2 into L2 at 1 row (moe_lut.PREFETCH_DOWN, 2026-12-06, built
-      # without a device): its GPU tests, the 30-layer step at 1 and 4 rows (4: no idle halves, nothing changes) off /
-      # plain / evict_last / evict_last 8 us after the routing, with 1-row timelines, 3 rounds in one process; then all
-      # 43 layers at 125 GB, skewed (recipe A, ~4 cold experts a row, whose w2 then cross the host link while gate-up
-      # streams), the same arms
-      PF='import megastep.kernels.moe_lut as m; m.PREFETCH_DOWN'
-      step l2down_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py -k prefetch_down
-      LATE="$PF = 2; m.PREFETCH_DELAY_NS = 8000"
-      ab l2down 170 --layers 30 --batch 1,4 --rounds 3 --timeline-batch 1 --arm off= --arm "plain=$PF = 1" \
-        --arm "last=$PF = 2" --arm "late=$LATE"
-      ab l2down43 240 --batch 1,6 --rounds 3 --routing skewed --hbm-budget 125 --cold-path gpu --arm off= \
-        --arm "plain=$PF = 1" --arm "last=$PF = 2" --arm "late=$LATE" ;;
-    l2down16)  # l2down on an 80 GB GPU: 16 layers, resident and with a 45 GB budget (~30 % of the expert bytes cold)
-      PF='import megastep.kernels.moe_lut as m; m.PREFETCH_DOWN'
-      LATE="$PF = 2; m.PREFETCH_DELAY_NS = 8000"
-      step l2down_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py -k prefetch_down
-      ab l2down16 150 --layers 16 --batch 1,4 --rounds 3 --timeline-batch 1 --arm off= --arm "plain=$PF = 1" \
-        --arm "last=$PF = 2" --arm "late=$LATE"
-      ab l2down16_45 200 --layers 16 --batch 1,6 --rounds 3 --routing skewed --hbm-budget 45 --cold-path gpu \
-        --arm off= --arm "plain=$PF = 1" --arm "last=$PF = 2" --arm "late=$LATE" ;;
     offload_auto24)  # offload_auto on an 80 GB GPU: 24 layers (88 GB of weights), --hbm-budget auto (~73 GB there) against
       # 60 GB, recipe A; compare only within the call
       bench offload24_skewed_gpu_auto 200 --layers 24 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu

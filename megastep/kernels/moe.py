@@ -557,7 +557,7 @@ def moe_experts_table(
     grid = (-(-I // cfg.block_i), g_up)
     if lut:
         _lut.gate_up(xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I, (sw13, ss13),
-                     swiglu_limit, k, rnd, table.sparse, down_strides=(sw2, ss2))
+                     swiglu_limit, k, rnd, table.sparse)
     else:
         _moe_gate_up_kernel[grid](
             xq, table.addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, aq, qcnt,

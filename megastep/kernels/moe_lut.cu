@@ -168,10 +168,6 @@ struct Args {
   int K, w3_rows, topk, sparse, down;  // w3_rows: gate-up I (w3 follows w1); down 0
   long long stride_w, stride_s;
   int spread;  // gate-up's spread schedule (run_spread): the rows of x (1 or 2); 0: run
-  // gate-up's prefetch of down's weights (prefetch_down): 0 none, 1 plain, 2 evict_last; down's
-  // row strides of w2 and of its scales
-  int pf, pf_delay_ns;  // (pf_delay_ns: the prefetch starts that long after the routing is read)
-  long long pf_stride_w, pf_stride_s;
 };
 
 // One step of a warp's 16 rows (pass() below): its 16 MMAs on the lane's weight words a0 / a1
@@ -532,44 +528,6 @@ __device__ __forceinline__ void probe(int kind, int mark, int dep) {
 #define PROBE(kind, mark, dep)
 #endif
 
-// One cp.async.bulk.prefetch.L2 of n bytes at p (16-byte aligned, n a multiple of 16); with
-// `last` the lines are kept in L2 ahead of others (createpolicy's evict_last).
-__device__ __forceinline__ void l2_prefetch_bulk(const uint8_t* p, uint32_t n, bool last, uint64_t policy) {
-  if (last)
-    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p), "r"(n), "l"(policy)
-                 : "memory");
-  else
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory");
-}
-
-// gate-up's idle CTA halves ask L2 for down's weights. At 1 row the ring gate-up has 192 items (6
-// slots x 32 channel tiles) for 264 halves (132 SMs), so 72 halves have nothing to do, while the
-// launch streams at under half of HBM's rate; down's CTAs start only once gate-up's leave the SMs
-// (its shared memory does not fit beside the ring's) and then stream w2 (25 MB) cold. Here the
-// idle halves (number `idle` of `nidle`) prefetch every routed slot's w2 rows and scale rows
-// (slot-major, a thread a row at a time), so down finds them in L2; with cold experts the same
-// prefetch brings w2 over the host link while gate-up still streams w1/w3. Values are untouched:
-// the same bits whatever a.pf. w2: D = a.K rows of I / 2 bytes (I = a.w3_rows), scales I / 32.
-__device__ __forceinline__ void prefetch_down(const Args& a, int nslot, int idle, int nidle, int threads) {
-  const uint32_t wbytes = a.w3_rows / 2, sbytes = a.w3_rows / 32;
-  uint64_t policy = 0;
-  if (a.pf == 2) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  if (a.pf_delay_ns) {  // (so that the lines arrive later in gate-up's stream, not with its first loads)
-    const unsigned long long until = megastep::global_ns() + a.pf_delay_ns;
-    while (megastep::global_ns() < until) __nanosleep(500);
-  }
-  const int total = nslot * a.K;
-  for (int i = idle * threads + (threadIdx.x % threads); i < total; i += nidle * threads) {
-    const int slot = i / a.K, r = i % a.K;
-    const long long* ent = a.tab + 4LL * __ldcg(a.slot_e + slot) + 2;
-    const uint8_t* w = reinterpret_cast<const uint8_t*>(ent[0]);
-    const uint8_t* sc = reinterpret_cast<const uint8_t*>(ent[1]);
-    if (w == nullptr) continue;  // (an expert absent from a sparse table)
-    l2_prefetch_bulk(w + r * a.pf_stride_w, wbytes, a.pf == 2, policy);
-    l2_prefetch_bulk(sc + r * a.pf_stride_s, sbytes, a.pf == 2, policy);
-  }
-}
-
 // A barrier of the 256 threads that run() gives an item: the CTA, or with kHalves = 2 its half
 // (named barriers 1 and 2; 0 is __syncthreads').
 template <int kHalves>
@@ -612,10 +570,8 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
     pdl_wait();
     pdl_release();
   }
-  const int nslot = __ldcg(a.nslot), items = nslot * tiles;
+  const int items = __ldcg(a.nslot) * tiles;
   PROBE(a.down, 2, items);
-  if (a.pf && blockIdx.x + half * gridDim.x >= items)  // (gate-up only: down's a.pf is 0)
-    prefetch_down(a, nslot, blockIdx.x + half * gridDim.x - items, kHalves * gridDim.x - items, kThreads);
   const int xrow[2] = {0, 1};  // a pass's pairs in row slots 0 and 1
 #ifdef MOE_LUT_PROBE
   int probed = 0;  // items of this CTA half
@@ -819,17 +775,15 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
 // of kSpreadWarps warps per SM, at most 128 registers a thread (a quarter of the SM's left free);
 // moe_gate_up_lut_ring: one CTA of 512 threads per SM (two halves), 64 KB + 2 Layout(K).bytes +
 // 16 warps' kRingDepth 2 KB slots; moe_gate_up_lut_spread_ring: the spread's CTA, 64 KB +
-// Layout(K).bytes + kSpreadWarps warps' slots. pf: prefetch_down by the CTAs (halves) left without
-// an item (run's launches; the spread ones ignore it), with down's strides of w2 and its scales.
+// Layout(K).bytes + kSpreadWarps warps' slots.
 #define GATE_UP_PARAMS                                                                                              \
   const __nv_bfloat16* xq, long long stride_q, const long long* tab, const float* rw, const int* pair_ptr,        \
       const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,          \
       long long stride_a, int D, int I, long long stride_w, long long stride_s, float limit, int round_out, int topk, \
-      int sparse, int pf, int pf_delay_ns, long long pf_stride_w, long long pf_stride_s
+      int sparse
 #define GATE_UP_ARGS(rows)                                                                                          \
   Args{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, I, topk, sparse, 0, stride_w, stride_s, \
-       rows, pf, pf_delay_ns, pf_stride_w, pf_stride_s},                                                                         \
-      rw, act, stride_a, limit, round_out
+       rows}, rw, act, stride_a, limit, round_out
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(GATE_UP_PARAMS) {
   gate_up<false>(GATE_UP_ARGS(0));
@@ -853,8 +807,7 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring(GATE_UP_
       long long stride_o, int *counters, int D, int I, long long stride_w, long long stride_s, int topk, int sparse,  \
       int combine, const __nv_bfloat16 *shared, long long stride_sh
 #define DOWN_ARGS                                                                                                  \
-  Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s,   \
-       0, 0, 0, 0, 0},                                                                                              \
+  Args{aq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, I, 0, topk, sparse, 1, stride_w, stride_s, 0}, \
       y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down(DOWN_ARGS); }

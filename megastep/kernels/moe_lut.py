@@ -39,13 +39,13 @@ from megastep.kernels.cuda_module import CudaModule, find_nvcc
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_lut.cu")
 _MODULE = CudaModule(SOURCE)
-_GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiiiiiqq")
-_GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiiiiqqi")
+_GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
+_GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiii")
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
-_GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiiiiiqq")
-_GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiiiiqqi")
-_GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqfiiiiiqq")
-_GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiiiiqqi")
+_GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiii")
+_GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiii")
+_GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqfiii")
+_GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiii")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -105,14 +105,6 @@ RING_MIX = True
 # spread taken there too (SPREAD_ROWS = (1, 2)), 4.529 / 4.510 against the default's 4.458 / 4.477:
 # SPREAD_ROWS stays (2,).
 SPREAD_RING_MIX = True
-# gate-up's CTAs (halves) that get no item ask L2 for down's weights of the routed slots (the .cu's
-# prefetch_down: at 1 row 72 of the ring's 264 halves are idle): 0 never, 1 plain bulk prefetches,
-# 2 with an evict_last hint. Only the ring launch leaves halves idle (its grid is one CTA per SM;
-# the others' grids have a CTA per item at most, and the spread ones ignore it). The same bits
-# (values untouched). Built 2026-12-06 to measure: down starts cold after gate-up
-# (its CTAs do not fit beside the ring's) and streams its 25 MB at ~1.6 TB/s at 1 row.
-PREFETCH_DOWN = 0
-PREFETCH_DELAY_NS = 0  # the idle halves start their prefetches that long after reading the routing
 
 
 @functools.cache
@@ -148,15 +140,6 @@ def spread_rows(pairs: torch.Tensor, topk: int) -> int:
     return M if M in SPREAD_ROWS else 0
 
 
-def prefetch_mode(down_strides) -> int:
-    """The .cu's pf for a gate-up launch: PREFETCH_DOWN where down's strides are given and keep every
-    row 16-byte aligned (the bulk prefetch's unit; the table's bases are), else 0."""
-    assert PREFETCH_DOWN in (0, 1, 2), PREFETCH_DOWN
-    if not PREFETCH_DOWN or down_strides is None or any(s % 16 for s in down_strides):
-        return 0
-    return PREFETCH_DOWN
-
-
 @functools.cache
 def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -186,16 +169,13 @@ def _ring_grid(items: int, device: torch.device) -> tuple[int, int, int]:
 
 
 def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I, strides, limit, topk,
-            round_bf16, sparse, down_strides=None) -> None:
+            round_bf16, sparse) -> None:
     """act[p] = rnd(r_p * silu(min(rnd(w1 . xq[p // topk]), limit)) * clamp(rnd(w3 . xq), +-limit));
-    strides: the table's (w13 row, w13 scale row) strides; down_strides its (w2 row, w2 scale row)
-    strides, for PREFETCH_DOWN (None: no prefetch)."""
+    strides: the table's (w13 row, w13 scale row) strides."""
     assert xq.dtype == act.dtype == torch.bfloat16 and xq.stride(1) == 1 and act.stride(1) == 1
     slots, spread = min(pairs.numel(), addr.shape[0]), spread_rows(pairs, topk)
-    pf = prefetch_mode(down_strides)
     args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
-            D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse), pf,
-            int(PREFETCH_DELAY_NS) if pf else 0, *(down_strides if pf else (0, 0)))
+            D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
     ring_warps = 2 * THREADS // 32  # the ring kernel: two halves, 16 warps' slots
     if spread:  # warp tasks (slot, 8 channels), one CTA per SM
         if SPREAD_RING and _ring_fits(xq.device.index, shared_bytes(D, 1, SPREAD_WARPS)):

@@ -636,45 +636,6 @@ def test_gpu_lut_spread_ring_mix_gives_the_same_bits(M, monkeypatch):
                     moe_lut.shared_bytes(4096, 1, moe_lut.SPREAD_WARPS, mix=True), ex, x, ids, wts)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("mode,delay", [(1, 0), (2, 0), (2, 5000)])
-def test_gpu_lut_prefetch_down_gives_the_same_bits(mode, delay, monkeypatch):
-    """gate-up's idle CTA halves asking L2 for down's weights (moe_lut.PREFETCH_DOWN: plain, evict_last;
-    PREFETCH_DELAY_NS after the routing) change no bit and fault nowhere: at 1 row (192 items of the ring gate-up on 2 halves of each SM's
-    CTA) the four lut outputs (per pair, the combine, with the shared expert's output, a sparse table
-    whose absent experts have no w2 to prefetch) equal those without it, three calls; and a table of
-    experts in page-locked host memory (recipe A) gives the bits of the one in HBM."""
-    from megastep.kernels import moe_lut
-
-    monkeypatch.setattr(moe_lut, "PREFETCH_DELAY_NS", delay)
-    ex, x, ids, wts = _many_pair_inputs(1, 43)
-    assert moe_lut.ring_rows(1) and 6 * (2048 // moe_lut.ITEM_CHANNELS) < 2 * moe_lut._sms(0)  # idle halves
-    _same_bits_when(monkeypatch, "PREFETCH_DOWN", 0, mode, moe_lut.shared_bytes(4096, 2, 16, mix=True),
-                    ex, x, ids, wts)
-    cfg = pick_config(1, 6, 32, 4096, 2048, mode="lut")
-    want = moe_experts_table(x, ids, wts, ExpertTable.from_experts(_parts(ex), device="cuda"), config=cfg)
-    cold = [tuple(t.cpu().pin_memory() for t in p) if e % 2 else p for e, p in enumerate(_parts(ex))]
-    host = ExpertTable.from_experts(cold, device="cuda")
-    torch.cuda.synchronize()
-    for _ in range(2):
-        assert torch.equal(moe_experts_table(x, ids, wts, host, config=cfg), want)
-
-
-def test_lut_prefetch_down_mode(monkeypatch):
-    """moe_lut.prefetch_mode: PREFETCH_DOWN where down's strides are given and 16-byte multiples (the
-    bulk prefetch's unit), else 0; a mode other than 0-2 is refused."""
-    from megastep.kernels import moe_lut
-
-    assert moe_lut.PREFETCH_DOWN == 0 and moe_lut.prefetch_mode((1024, 64)) == 0
-    monkeypatch.setattr(moe_lut, "PREFETCH_DOWN", 2)
-    assert moe_lut.prefetch_mode((1024, 64)) == 2
-    assert moe_lut.prefetch_mode(None) == 0 and moe_lut.prefetch_mode((1024, 72)) == 0
-    monkeypatch.setattr(moe_lut, "PREFETCH_DOWN", 3)
-    with pytest.raises(AssertionError):
-        moe_lut.prefetch_mode((1024, 64))
-
-
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX prmt.b32 (default mode): result byte k = byte (selector nibble k & 7) of {b, a}, or that
     byte's top bit replicated where the nibble's bit 3 is set."""
