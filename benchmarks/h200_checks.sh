@@ -16,6 +16,7 @@
 #   bash benchmarks/h200_checks.sh offload_a  # the same, recipe A only (~1.5 min)
 #   bash benchmarks/h200_checks.sh offload_zc # B zero-copy (its GPU tests first) and B polling, the CPU's share per step, timelines (~8 min)
 #   bash benchmarks/h200_checks.sh offload_auto # recipe A with --hbm-budget auto (135 GB if auto fails) (~1.5 min)
+#   bash benchmarks/h200_checks.sh moeanat    # the 1-row MoE sublayer under the ring, spread and register gate-up: 30 layers, timelines (~3 min)
 #   bash benchmarks/h200_checks.sh offload_auto24 # offload_auto for an 80 GB GPU: 24 layers, auto against 60 GB (~3 min)
 #   bash benchmarks/h200_checks.sh offload_a16 # offload_a for an 80 GB GPU: 16 layers, 45 GB budget, recipe A (~1 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
@@ -346,6 +347,13 @@ for group in "$@"; do
       bench offload_skewed_gpu_auto 280 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu
       [ "$last_rc" != 0 ] && bench offload_skewed_gpu_135 280 --batch 1,6 --routing skewed --hbm-budget 135 --cold-path gpu
       reads_lines offload_skewed_gpu_auto offload_skewed_gpu_135 ;;
+    moeanat)  # the 1-row MoE sublayer's anatomy under the three gate-up schedules (all measured before as step times):
+      # the ring (default), the spread over every SM (SPREAD_ROWS with 1) and whole items in registers, 2 CTAs an SM
+      # (RING_MIN_ROWS None); 30 layers, 2 rounds, each arm's 1-row timeline (where the routed and shared experts'
+      # loops leave SMs idle: docs/PERFORMANCE.md, 2026-12-06 from 06:36, Next)
+      M='import megastep.kernels.moe_lut as m'
+      ab moeanat 200 --layers 30 --batch 1 --rounds 2 --timeline-batch 1 --arm ring= \
+        --arm "spread=$M; m.SPREAD_ROWS = (1, 2)" --arm "items=$M; m.RING_MIN_ROWS = None" ;;
     offload_auto24)  # offload_auto on an 80 GB GPU: 24 layers (88 GB of weights), --hbm-budget auto (~73 GB there) against
       # 60 GB, recipe A; compare only within the call
       bench offload24_skewed_gpu_auto 200 --layers 24 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu
