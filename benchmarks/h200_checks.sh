@@ -349,8 +349,9 @@ for group in "$@"; do
       reads_lines offload_skewed_gpu_auto offload_skewed_gpu_135 ;;
     moeanat)  # the 1-row MoE sublayer's anatomy under the three gate-up schedules (all measured before as step times):
       # the ring (default), the spread over every SM (SPREAD_ROWS with 1) and whole items in registers, 2 CTAs an SM
-      # (RING_MIN_ROWS None); 30 layers, 2 rounds, each arm's 1-row timeline (where the routed and shared experts'
-      # loops leave SMs idle: docs/PERFORMANCE.md, 2026-12-06 from 06:36, Next)
+      # (RING_MIN_ROWS None); 30 layers, 2 rounds, each arm's 1-row timeline (benchmarks/timeline_sublayers.py --arm).
+      # On one H100 (--layers 16) the sublayer ended at the same time under all three: docs/PERFORMANCE.md, 2026-12-06
+      # from 06:36, item 6
       M='import megastep.kernels.moe_lut as m'
       ab moeanat 200 --layers 30 --batch 1 --rounds 2 --timeline-batch 1 --arm ring= \
         --arm "spread=$M; m.SPREAD_ROWS = (1, 2)" --arm "items=$M; m.RING_MIN_ROWS = None" ;;
