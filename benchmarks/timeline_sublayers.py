@@ -2,11 +2,12 @@
 sublayer's first launch (its mHC mixes), from a `megastep bench --timeline` (or `ab_step.py
 --timeline-batch`) JSON.
 
-    python benchmarks/timeline_sublayers.py RESULT.json [--batch 1] [--arm NAME]
+    python benchmarks/timeline_sublayers.py RESULT.json[.gz] [--batch 1] [--arm NAME]
 
 A sublayer runs from one mHC mixes launch to the next; sublayers with the same launch sequence are
 alike (an attention sublayer of each kind, the MoE sublayer) and their launches are listed in start
-order with the median start and end (us) and the median duration. Why: a layer's critical chain and
+order with the median start and end (us) and the median duration, under the kind's median period (its
+first launch to the next sublayer's). Why: a layer's critical chain and
 where HBM idles are read from these (docs/PERFORMANCE.md, 2026-12-04 late night, item 1), which
 `megastep bench`'s layer anatomy (charges per layer period) does not show.
 """
@@ -14,6 +15,7 @@ where HBM idles are read from these (docs/PERFORMANCE.md, 2026-12-04 late night,
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import sys
@@ -24,12 +26,16 @@ FIRST = "_hc_mix_partial"  # every sublayer's first launch
 def sublayers(acts: list[dict], first: str = FIRST, min_count: int = 3) -> list[dict]:
     """Group the sublayers (first launch to the next first launch, the last one dropped: it may hold
     the head) by launch sequence; for each kind seen at least min_count times: its launches' median
-    start, end and duration relative to the sublayer's start, most common kind first."""
+    start, end and duration relative to the sublayer's start, and the median period (to the next
+    sublayer's first launch), most common kind first."""
     starts = [i for i, a in enumerate(acts) if a["name"].startswith(first)]
     kinds: dict[tuple[str, ...], list[list[dict]]] = {}
+    periods: dict[tuple[str, ...], list[float]] = {}
     for i, j in zip(starts, starts[1:]):
         seq = acts[i:j]
-        kinds.setdefault(tuple(a["name"] for a in seq), []).append(seq)
+        names = tuple(a["name"] for a in seq)
+        kinds.setdefault(names, []).append(seq)
+        periods.setdefault(names, []).append(acts[j]["start_us"] - acts[i]["start_us"])
     out = []
     for names, seqs in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
         if len(seqs) < min_count:
@@ -40,7 +46,7 @@ def sublayers(acts: list[dict], first: str = FIRST, min_count: int = 3) -> list[
             rows.append({"name": name, "start_us": statistics.median(r[0] for r in rel),
                          "end_us": statistics.median(r[0] + r[1] for r in rel),
                          "dur_us": statistics.median(r[1] for r in rel), "stream": seqs[0][n]["stream"]})
-        out.append({"count": len(seqs), "launches": rows})
+        out.append({"count": len(seqs), "period_us": statistics.median(periods[names]), "launches": rows})
     return out
 
 
@@ -50,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", default="1", help="the timeline's batch (bench --timeline)")
     ap.add_argument("--arm", default=None, help="ab_step.py's arm whose timeline to read")
     args = ap.parse_args(argv)
-    with open(args.json) as f:
+    with (gzip.open if args.json.endswith(".gz") else open)(args.json, "rt") as f:  # (docs/data keeps them gzipped)
         res = json.load(f)
     try:
         tl = res["timelines"][args.arm] if args.arm else res["timeline"][args.batch]
@@ -60,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     for kind in sublayers(tl["activities"]):
-        print(f"\n{kind['count']} sublayers alike, us after the mHC mixes start (medians):")
+        print(f"\n{kind['count']} sublayers alike, period {kind['period_us']:.1f} us; us after the mHC mixes start "
+              "(medians):")
         print(f"{'start':>7} {'end':>7} {'dur':>6}  stream  launch")
         for r in kind["launches"]:
             print(f"{r['start_us']:7.1f} {r['end_us']:7.1f} {r['dur_us']:6.1f}  {r['stream']!s:>6}  {r['name'][:60]}")
