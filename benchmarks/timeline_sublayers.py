@@ -6,10 +6,10 @@ sublayer's first launch (its mHC mixes), from a `megastep bench --timeline` (or 
 
 A sublayer runs from one mHC mixes launch to the next; sublayers with the same launch sequence are
 alike (an attention sublayer of each kind, the MoE sublayer) and their launches are listed in start
-order with the median start and end (us) and the median duration, under the kind's median period (its
-first launch to the next sublayer's). Why: a layer's critical chain and
-where HBM idles are read from these (docs/PERFORMANCE.md, 2026-12-04 late night, item 1), which
-`megastep bench`'s layer anatomy (charges per layer period) does not show.
+order with the median start and end (us) and the median duration, under the kind's median period
+(its first launch to the next sublayer's). Why: a layer's critical chain and where HBM idles are
+read from these (docs/PERFORMANCE.md, 2026-12-04 late night, item 1), which `megastep bench`'s layer
+anatomy (charges per layer period) does not show.
 """
 
 from __future__ import annotations
