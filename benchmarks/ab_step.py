@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import importlib
 import json
 import os
@@ -42,6 +43,13 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import megastep  # noqa: E402
 from megastep.errors import UserError  # noqa: E402
+
+
+def read_result(path: str) -> dict:
+    """A result this script (or `megastep bench --json`) wrote, gzipped as docs/data keeps them or
+    not; OSError or json.JSONDecodeError when it cannot be read."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return json.load(f)
 
 
 def parse_arms(specs: list[str]) -> list[tuple[str, str]]:

@@ -20,11 +20,12 @@ layers and the x group in sliding ones; "indexer" is its compressor (model/fast.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import re
 import statistics
 import sys
+
+from ab_step import read_result
 
 ARM = re.compile(r"^(?P<stage>[a-z_]+)_(?P<us>\d+(?:\.\d+)?)$")
 
@@ -75,10 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", help="ab_step.py's --json (gzipped or not)")
     args = ap.parse_args(argv)
-    opener = gzip.open if args.json.endswith(".gz") else open
     try:
-        with opener(args.json, "rt") as f:
-            data = json.load(f)
+        data = read_result(args.json)
     except (OSError, json.JSONDecodeError) as e:
         print(f"slack_table: cannot read {args.json}: {e}", file=sys.stderr)
         return 2

@@ -15,10 +15,10 @@ anatomy (charges per layer period) does not show.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
 import sys
+
+from ab_step import read_result
 
 FIRST = "_hc_mix_partial"  # every sublayer's first launch
 
@@ -29,24 +29,22 @@ def sublayers(acts: list[dict], first: str = FIRST, min_count: int = 3) -> list[
     start, end and duration relative to the sublayer's start, and the median period (to the next
     sublayer's first launch), most common kind first."""
     starts = [i for i, a in enumerate(acts) if a["name"].startswith(first)]
-    kinds: dict[tuple[str, ...], list[list[dict]]] = {}
-    periods: dict[tuple[str, ...], list[float]] = {}
+    kinds: dict[tuple[str, ...], list[tuple[list[dict], float]]] = {}  # (launches, period) of each
     for i, j in zip(starts, starts[1:]):
         seq = acts[i:j]
-        names = tuple(a["name"] for a in seq)
-        kinds.setdefault(names, []).append(seq)
-        periods.setdefault(names, []).append(acts[j]["start_us"] - acts[i]["start_us"])
+        kinds.setdefault(tuple(a["name"] for a in seq), []).append((seq, acts[j]["start_us"] - acts[i]["start_us"]))
     out = []
-    for names, seqs in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
-        if len(seqs) < min_count:
+    for names, found in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+        if len(found) < min_count:
             continue
+        seqs = [seq for seq, _ in found]
         rows = []
         for n, name in enumerate(names):
             rel = [(s[n]["start_us"] - s[0]["start_us"], s[n]["dur_us"]) for s in seqs]
             rows.append({"name": name, "start_us": statistics.median(r[0] for r in rel),
                          "end_us": statistics.median(r[0] + r[1] for r in rel),
                          "dur_us": statistics.median(r[1] for r in rel), "stream": seqs[0][n]["stream"]})
-        out.append({"count": len(seqs), "period_us": statistics.median(periods[names]), "launches": rows})
+        out.append({"count": len(seqs), "period_us": statistics.median(p for _, p in found), "launches": rows})
     return out
 
 
@@ -56,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", default="1", help="the timeline's batch (bench --timeline)")
     ap.add_argument("--arm", default=None, help="ab_step.py's arm whose timeline to read")
     args = ap.parse_args(argv)
-    with (gzip.open if args.json.endswith(".gz") else open)(args.json, "rt") as f:  # (docs/data keeps them gzipped)
-        res = json.load(f)
+    res = read_result(args.json)
     try:
         tl = res["timelines"][args.arm] if args.arm else res["timeline"][args.batch]
     except KeyError:
