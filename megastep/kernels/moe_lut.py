@@ -103,7 +103,8 @@ RING_MIX = True
 # measurement), the 30-layer step at 2 rows, p50 ms A/B/A/B: 5.647 / 5.643 against 5.696 / 5.713
 # without it (-1.0 %), though the experts call alone took 40.5 us against 39.9. At 1 row, with the
 # spread taken there too (SPREAD_ROWS = (1, 2)), 4.529 / 4.510 against the default's 4.458 / 4.477:
-# SPREAD_ROWS stays (2,).
+# SPREAD_ROWS stays (2,). Again on 2026-12-06 (one H200, 30 layers, 2 rounds): +0.88 % at 1 row,
+# though its gate-up ends 5.3 us sooner; on two H100s (16 layers) it had won 0.4-0.7 %.
 SPREAD_RING_MIX = True
 
 

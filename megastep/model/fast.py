@@ -64,7 +64,9 @@ PDL_MAX_ROWS_EP = 16
 # H200, 30 V4-Flash layers, p50 ms (docs/PERFORMANCE.md, twelfth and thirteenth measurements):
 # - the fork, with the shared w2 "residual": 1 row, the late fork 5.33-5.36 against 5.39-5.43
 #   (Triton routing); 4 rows, late 8.66-8.72 against 9.40 (CUDA routing); 16 rows, the early fork
-#   19.88 against 20.17 (CUDA); 64 rows, early (Triton);
+#   19.88 against 20.17 (CUDA); 64 rows, early (Triton); 1 row again on 2026-12-06 (today's kernels,
+#   2 rounds): early +1.0 %, and its w1/w3 starts no sooner: the ring gate-up's CTAs, placed under PDL
+#   while the routing runs, hold every SM until its one-item SMs are done;
 # - the shared w2 (this plan with Triton routing at 1 and 64 rows): "mhc" against "residual" 5.15 /
 #   5.33 at 1 row, 8.42 / 8.59 at 4, 19.48-19.58 / 19.79 at 16, but 56.17 / 55.06-55.12 at 64;
 # - the routing, CUDA (its launch built for the expert count, redux argmax) against Triton: 1 row
