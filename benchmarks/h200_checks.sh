@@ -17,7 +17,7 @@
 #   bash benchmarks/h200_checks.sh offload_zc # B zero-copy (its GPU tests first) and B polling, the CPU's share per step, timelines (~8 min)
 #   bash benchmarks/h200_checks.sh offload_auto # recipe A with --hbm-budget auto (135 GB if auto fails) (~1.5 min)
 #   bash benchmarks/h200_checks.sh moeanat    # the 1-row MoE sublayer under the ring, spread and register gate-up and the early fork: 30 layers, timelines (~4 min)
-#   bash benchmarks/h200_checks.sh ringsms    # the 1-row ring gate-up on 96 / 112 SMs, the rest left to the shared expert: 30 layers, timelines (~3 min)
+#   bash benchmarks/h200_checks.sh ringsms    # the 1-row ring gate-up on 96-120 SMs, the rest left to the shared expert: 30 layers, timelines (~3 min)
 #   bash benchmarks/h200_checks.sh offload_auto24 # offload_auto for an 80 GB GPU: 24 layers, auto against 60 GB (~3 min)
 #   bash benchmarks/h200_checks.sh offload_a16 # offload_a for an 80 GB GPU: 16 layers, 45 GB budget, recipe A (~1 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
@@ -360,14 +360,17 @@ for group in "$@"; do
       F='import megastep.model.fast as f; f.MOE_PLAN = ((1, "cuda", False, "mhc"),) + f.MOE_PLAN[1:]'
       ab moeanat 260 --layers 30 --batch 1 --rounds 2 --timeline-batch 1 --arm ring= \
         --arm "spread=$M; m.SPREAD_ROWS = (1, 2)" --arm "items=$M; m.RING_MIN_ROWS = None" --arm "early=$F" ;;
-    ringsms)  # the 1-row ring gate-up on fewer SMs: its 192 items need 96 CTAs (two halves each); with a CTA on every
-      # SM, 72 of them run one item and hold their SM, so the shared expert's w1/w3 (side stream, after the routing)
-      # starts only when those finish (moeanat's early arm, 2026-12-06). A grid of 96 or 112 CTAs leaves 36 or 20 SMs
-      # to the shared expert from the routing's end. moe_lut._sms sizes the ring's grid (down's 192 CTAs are as
-      # before); the same bits (every item is the same program). 30 layers, timelines.
+    ringsms)  # the 1-row ring gate-up on fewer SMs (moe_lut.RING_ONE_ROW_SMS, 112 since 2026-12-06): its 192 items need
+      # 96 CTAs (two halves each); with a CTA on every SM, 72 of them run one item and hold their SM, so the shared
+      # expert's w1/w3 (side stream, after the routing) started only when those finished (moeanat's timelines,
+      # 2026-12-06). Fewer CTAs leave the other SMs to it from the routing's end; the same bits (every item is the
+      # same program; GPU test test_gpu_lut_one_row_ring_on_fewer_sms_gives_the_same_bits). 30 layers, timelines.
+      step ringsms_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py \
+        tests/test_fast_gpu.py -k "one_row_ring or lut_ring or alone or same_input"
       M='import megastep.kernels.moe_lut as m'
-      ab ringsms 200 --layers 30 --batch 1 --rounds 3 --timeline-batch 1 --arm ring= \
-        --arm "sms96=$M; m._sms = lambda index: 96" --arm "sms112=$M; m._sms = lambda index: 112" ;;
+      ab ringsms 240 --layers 30 --batch 1 --rounds 3 --timeline-batch 1 --arm "all=$M; m.RING_ONE_ROW_SMS = None" \
+        --arm "c96=$M; m.RING_ONE_ROW_SMS = 96" --arm "c104=$M; m.RING_ONE_ROW_SMS = 104" --arm c112= \
+        --arm "c120=$M; m.RING_ONE_ROW_SMS = 120" ;;
     offload_auto24)  # offload_auto on an 80 GB GPU: 24 layers (88 GB of weights), --hbm-budget auto (~73 GB there) against
       # 60 GB, recipe A; compare only within the call
       bench offload24_skewed_gpu_auto 200 --layers 24 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu

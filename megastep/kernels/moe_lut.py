@@ -75,6 +75,16 @@ SPREAD_WARPS = 12  # the .cu's kSpreadWarps
 # CTA than the ring needs (224 KB at D = 4096) keeps the register ring.
 RING_MIN_ROWS: int | None = 8
 RING_DEPTH = 4  # the .cu's kRingDepth
+# A 1-row ring launch takes at most this many CTAs (one per SM), never fewer than one per two items.
+# Why: V4-Flash's 192 items (6 slots x 32 channel tiles) need 96 CTAs; with one on every SM, 72 SMs run
+# a single item and are held (512 threads, every register) until it is done, and the shared expert's
+# w1/w3, forked on the side stream after the routing, could start only then: 28.2 us into the H200's
+# MoE sublayer, 13.8 us after the routing. With fewer CTAs it starts at the routing's end on the SMs
+# left over, while gate-up ends when it did (its two-item SMs set that either way). The same programs
+# on the same items: the same bits. Measured (docs/PERFORMANCE.md, 2026-12-06 from 08:46 UTC), p50 ms
+# at 1 row against a CTA per SM: one H100, 16 layers, 3 rounds, two calls: 96 CTAs -1.08 / -0.61 %,
+# 104 -0.85 %, 112 -1.37 / -0.90 %, 120 -0.59 %, 126 -0.35 %. None: a CTA per SM.
+RING_ONE_ROW_SMS: int | None = 112
 # The spread gate-up (SPREAD_ROWS) with the ring's slots too (moe_gate_up_lut_spread_ring: 96
 # registers a thread against 124, 176 KB of shared memory at D = 4096). Measured on one H200
 # (docs/PERFORMANCE.md, twenty-third measurement): the experts call alone at 1 / 2 rows 47.3 / 81.5
@@ -164,9 +174,13 @@ def _ring_fits(index: int, nbytes: int) -> bool:
     return nbytes <= (optin if optin is not None else (227 << 10 if props.major >= 9 else 0))
 
 
-def _ring_grid(items: int, device: torch.device) -> tuple[int, int, int]:
-    """The ring launch's CTAs: one per SM at most, each running two items at a time (the halves)."""
-    return _grid(items, device, 1)
+def _ring_grid(items: int, device: torch.device, rows: int) -> tuple[int, int, int]:
+    """The ring launch's CTAs: one per SM at most, each running two items at a time (the halves);
+    at 1 row at most RING_ONE_ROW_SMS of them, but enough for every item to have a half."""
+    grid = _grid(items, device, 1)
+    if rows == 1 and RING_ONE_ROW_SMS is not None:
+        return (min(grid[0], max(RING_ONE_ROW_SMS, -(-items // 2))), 1, 1)
+    return grid
 
 
 def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I, strides, limit, topk,
@@ -189,7 +203,8 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     elif ring_rows(pairs.numel() // topk) and _ring_fits(xq.device.index, shared_bytes(D, 2, ring_warps)):
         # items (slot, channel tile), two at a time per CTA
         kernel, smem = _ring_kernel(_GATE_UP_RING, _GATE_UP_RING_MIX, RING_MIX, xq.device.index, D, 2, ring_warps)
-        kernel.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device), (2 * THREADS, 1, 1), smem, None, *args,
+        kernel.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device, pairs.numel() // topk), (2 * THREADS, 1, 1),
+                      smem, None, *args,
                       pdl=pdl_enabled())
     else:  # items (slot, channel tile)
         _GATE_UP.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None, *args,

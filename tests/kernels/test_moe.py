@@ -602,6 +602,19 @@ def test_gpu_lut_ring_gives_the_same_bits(M, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_lut_one_row_ring_on_fewer_sms_gives_the_same_bits(monkeypatch):
+    """The 1-row ring gate-up on fewer CTAs than SMs (moe_lut.RING_ONE_ROW_SMS; 96: every CTA takes two
+    items) gives the bits of a CTA per SM: per-pair outputs, the combine, the combine with the shared
+    expert's output, a sparse table's pairs; three calls."""
+    from megastep.kernels import moe_lut
+
+    assert moe_lut.ring_rows(1) and moe_lut._sms(0) > 96
+    _same_bits_when(monkeypatch, "RING_ONE_ROW_SMS", None, 96, moe_lut.shared_bytes(4096, 2, 16, mix=moe_lut.RING_MIX),
+                    *_many_pair_inputs(1, 29))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 8, 16, 64])
 def test_gpu_lut_ring_mix_gives_the_same_bits(M, monkeypatch):
     """The ring gate-up's mixed decode (moe_lut.RING_MIX: the groups of x's odd 128-blocks on fp16 MMAs
@@ -712,6 +725,21 @@ def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
     assert [moe_lut.ring_rows(m) for m in (1, 8, 15, 16)] == [True, False, False, True]
     monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", None)
     assert not any(moe_lut.ring_rows(m) for m in (1, 2, 16, 64))
+
+
+def test_lut_one_row_ring_leaves_sms_to_the_side_stream(monkeypatch):
+    """moe_lut._ring_grid: one CTA per SM at most, each taking two items; at 1 row at most
+    RING_ONE_ROW_SMS CTAs (V4-Flash's 192 items: 112 of 132 SMs), but never fewer than one per two
+    items; other row counts and RING_ONE_ROW_SMS None keep a CTA per SM."""
+    from megastep.kernels import moe_lut
+
+    monkeypatch.setattr(moe_lut, "_sms", lambda index: 132)
+    dev = torch.device("cpu")
+    monkeypatch.setattr(moe_lut, "RING_ONE_ROW_SMS", 112)
+    assert [moe_lut._ring_grid(n, dev, 1)[0] for n in (192, 100, 230, 300, 1)] == [112, 100, 115, 132, 1]
+    assert [moe_lut._ring_grid(n, dev, 8)[0] for n in (192, 1536)] == [132, 132]
+    monkeypatch.setattr(moe_lut, "RING_ONE_ROW_SMS", None)
+    assert moe_lut._ring_grid(192, dev, 1)[0] == 132
 
 
 def test_lut_spread_gate_up_is_taken_by_rows(monkeypatch):
