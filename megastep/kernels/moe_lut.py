@@ -82,8 +82,10 @@ RING_DEPTH = 4  # the .cu's kRingDepth
 # MoE sublayer, 13.8 us after the routing. With fewer CTAs it starts at the routing's end on the SMs
 # left over, while gate-up ends when it did (its two-item SMs set that either way). The same programs
 # on the same items: the same bits. Measured (docs/PERFORMANCE.md, 2026-12-06 from 08:46 UTC), p50 ms
-# at 1 row against a CTA per SM: one H100, 16 layers, 3 rounds, two calls: 96 CTAs -1.08 / -0.61 %,
-# 104 -0.85 %, 112 -1.37 / -0.90 %, 120 -0.59 %, 126 -0.35 %. None: a CTA per SM.
+# at 1 row against a CTA per SM, 3 rounds: one H200, 30 layers: 96 CTAs -0.77 %, 104 -0.82 %, 112
+# -0.90 %, 120 -0.98 % (the MoE sublayer 61.5 -> 59.6 us at 112); H100s, 16 layers, three calls: 96
+# -1.08 / -0.61 / -0.78 %, 104 -0.85 / -1.05 %, 112 -1.37 / -0.90 / -1.25 %, 120 -0.59 / -0.90 %.
+# None: a CTA per SM.
 RING_ONE_ROW_SMS: int | None = 112
 # The spread gate-up (SPREAD_ROWS) with the ring's slots too (moe_gate_up_lut_spread_ring: 96
 # registers a thread against 124, 176 KB of shared memory at D = 4096). Measured on one H200
