@@ -354,8 +354,8 @@ for group in "$@"; do
       # On one H100 (--layers 16) the sublayer ended at the same time under all three: docs/PERFORMANCE.md, 2026-12-06
       # from 06:36, item 6
       # Arm early: the shared expert's side stream forked before the router (MOE_PLAN's 1-row entry), so that its
-      # w1/w3 runs in the ~10 us the gate and the routing leave the SMs idle (twenty-third measurement: +3.4 %,
-      # no timeline then: where does it lose?).
+      # w1/w3 would run in the ~10 us the gate and the routing leave the SMs idle (twenty-third measurement: +3.4 %;
+      # on 2026-12-06 +1.0 %: its w1/w3 still waits for the SMs the ring gate-up holds, which `ringsms` then freed).
       M='import megastep.kernels.moe_lut as m'
       F='import megastep.model.fast as f; f.MOE_PLAN = ((1, "cuda", False, "mhc"),) + f.MOE_PLAN[1:]'
       ab moeanat 260 --layers 30 --batch 1 --rounds 2 --timeline-batch 1 --arm ring= \

@@ -206,8 +206,7 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
         # items (slot, channel tile), two at a time per CTA
         kernel, smem = _ring_kernel(_GATE_UP_RING, _GATE_UP_RING_MIX, RING_MIX, xq.device.index, D, 2, ring_warps)
         kernel.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device, pairs.numel() // topk), (2 * THREADS, 1, 1),
-                      smem, None, *args,
-                      pdl=pdl_enabled())
+                      smem, None, *args, pdl=pdl_enabled())
     else:  # items (slot, channel tile)
         _GATE_UP.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None, *args,
                         pdl=pdl_enabled())
