@@ -18,6 +18,7 @@
 #   bash benchmarks/h200_checks.sh offload_auto # recipe A with --hbm-budget auto (135 GB if auto fails) (~1.5 min)
 #   bash benchmarks/h200_checks.sh moeanat    # the 1-row MoE sublayer under the ring, spread and register gate-up and the early fork: 30 layers, timelines (~4 min)
 #   bash benchmarks/h200_checks.sh ringsms    # the 1-row ring gate-up on 96-120 SMs, the rest left to the shared expert: 30 layers, timelines (~3 min)
+#   bash benchmarks/h200_checks.sh spreadsms  # ringsms' question at 2 rows: the spread gate-up on 112-126 SMs (not measured yet): 30 layers, timelines (~3 min)
 #   bash benchmarks/h200_checks.sh offload_auto24 # offload_auto for an 80 GB GPU: 24 layers, auto against 60 GB (~3 min)
 #   bash benchmarks/h200_checks.sh offload_a16 # offload_a for an 80 GB GPU: 16 layers, 45 GB budget, recipe A (~1 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
@@ -371,6 +372,14 @@ for group in "$@"; do
       ab ringsms 240 --layers 30 --batch 1 --rounds 3 --timeline-batch 1 --arm "all=$M; m.RING_ONE_ROW_SMS = None" \
         --arm "c96=$M; m.RING_ONE_ROW_SMS = 96" --arm "c104=$M; m.RING_ONE_ROW_SMS = 104" --arm c112= \
         --arm "c120=$M; m.RING_ONE_ROW_SMS = 120" ;;
+    spreadsms)  # ringsms' question at 2 rows (not measured yet): the spread gate-up (SPREAD_ROWS) deals its warps' tasks
+      # over one CTA per SM and holds every SM while the shared expert's w1/w3 (side stream, after the routing) waits.
+      # Unlike the 1-row ring its work is even over the SMs, so fewer CTAs lengthen it. Arms cap the spread's grid
+      # (moe_lut._grid with per_sm 1, which at 2 rows only the spread takes); the same bits (every task is the same
+      # program). 30 layers, 2 rows, timelines.
+      G='import megastep.kernels.moe_lut as m; g = m._grid; m._grid = lambda n, d, per_sm=2: ((min(g(n, d, 1)[0], CAP), 1, 1) if per_sm == 1 else g(n, d, per_sm))'
+      ab spreadsms 240 --layers 30 --batch 2 --rounds 3 --timeline-batch 2 --arm all= \
+        --arm "s112=CAP = 112; $G" --arm "s120=CAP = 120; $G" --arm "s126=CAP = 126; $G" ;;
     offload_auto24)  # offload_auto on an 80 GB GPU: 24 layers (88 GB of weights), --hbm-budget auto (~73 GB there) against
       # 60 GB, recipe A; compare only within the call
       bench offload24_skewed_gpu_auto 200 --layers 24 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu
