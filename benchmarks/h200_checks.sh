@@ -19,6 +19,7 @@
 #   bash benchmarks/h200_checks.sh moeanat    # the 1-row MoE sublayer under the ring, spread and register gate-up and the early fork: 30 layers, timelines (~4 min)
 #   bash benchmarks/h200_checks.sh ringsms    # the 1-row ring gate-up on 96-120 SMs, the rest left to the shared expert: 30 layers, timelines (~3 min)
 #   bash benchmarks/h200_checks.sh spreadsms  # ringsms' question at 2 rows: the spread gate-up on 112-126 SMs (not measured yet): 30 layers, timelines (~3 min)
+#   bash benchmarks/h200_checks.sh downsms    # ringsms' question for down at 1 row: its grid capped at 96-132 CTAs (not measured yet): 30 layers, timelines (~3 min)
 #   bash benchmarks/h200_checks.sh offload_auto24 # offload_auto for an 80 GB GPU: 24 layers, auto against 60 GB (~3 min)
 #   bash benchmarks/h200_checks.sh offload_a16 # offload_a for an 80 GB GPU: 16 layers, 45 GB budget, recipe A (~1 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
@@ -380,6 +381,14 @@ for group in "$@"; do
       G='import megastep.kernels.moe_lut as m; g = m._grid; m._grid = lambda n, d, per_sm=2: ((min(g(n, d, 1)[0], CAP), 1, 1) if per_sm == 1 else g(n, d, per_sm))'
       ab spreadsms 240 --layers 30 --batch 2 --rounds 3 --timeline-batch 2 --arm all= \
         --arm "s112=CAP = 112; $G" --arm "s120=CAP = 120; $G" --arm "s126=CAP = 126; $G" ;;
+    downsms)  # ringsms' question for down at 1 row (not measured yet): its 192 items take 192 CTAs of 256 threads, two
+      # on 60 SMs and one on 72 (the two-CTA SMs set its length, as they did gate-up's), while the shared expert's w2
+      # (side stream) shares the SMs. Arms cap down's grid (moe_lut._grid with per_sm 2, which at 1 row only down
+      # takes) at 96 or 112 CTAs, each then taking two items or one in turn; the same bits (every item is the same
+      # program, the combine sums each tile's slots in slot order). 30 layers, 1 row, timelines.
+      G='import megastep.kernels.moe_lut as m; g = m._grid; m._grid = lambda n, d, per_sm=2: ((min(g(n, d, 2)[0], CAP), 1, 1) if per_sm == 2 else g(n, d, per_sm))'
+      ab downsms 240 --layers 30 --batch 1 --rounds 3 --timeline-batch 1 --arm all= \
+        --arm "d96=CAP = 96; $G" --arm "d112=CAP = 112; $G" --arm "d132=CAP = 132; $G" ;;
     offload_auto24)  # offload_auto on an 80 GB GPU: 24 layers (88 GB of weights), --hbm-budget auto (~73 GB there) against
       # 60 GB, recipe A; compare only within the call
       bench offload24_skewed_gpu_auto 200 --layers 24 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu
