@@ -228,6 +228,10 @@ zc_tests() {  # the zero-copy sidecar's GPU tests (offload_zc, offload_zc16)
   step zc_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_sidecar_zero_copy.py \
     'tests/test_fast_gpu.py::test_polling_sidecar_gives_the_host_functions_bits'
 }
+grid_cap() {  # grid_cap PER_SM: an arm's statements that cap moe_lut's grids of PER_SM CTAs an SM at CAP CTAs (the
+  # arm sets CAP first; spreadsms, downsms)
+  echo "import megastep.kernels.moe_lut as m; g = m._grid; m._grid = lambda n, d, per_sm=2: ((min(g(n, d, per_sm)[0], CAP), 1, 1) if per_sm == $1 else g(n, d, per_sm))"
+}
 final_step() {  # the step of the table at the top of docs/PERFORMANCE.md (final, table)
   bench final 170 --layers 30 --batch 1,2,4,8,16,32,64
   reads_lines final
@@ -378,7 +382,7 @@ for group in "$@"; do
       # Unlike the 1-row ring its work is even over the SMs, so fewer CTAs lengthen it. Arms cap the spread's grid
       # (moe_lut._grid with per_sm 1, which at 2 rows only the spread takes); the same bits (every task is the same
       # program). 30 layers, 2 rows, timelines.
-      G='import megastep.kernels.moe_lut as m; g = m._grid; m._grid = lambda n, d, per_sm=2: ((min(g(n, d, 1)[0], CAP), 1, 1) if per_sm == 1 else g(n, d, per_sm))'
+      G=$(grid_cap 1)
       ab spreadsms 240 --layers 30 --batch 2 --rounds 3 --timeline-batch 2 --arm all= \
         --arm "s112=CAP = 112; $G" --arm "s120=CAP = 120; $G" --arm "s126=CAP = 126; $G" ;;
     downsms)  # ringsms' question for down at 1 row (not measured yet): its 192 items take 192 CTAs of 256 threads, two
@@ -386,7 +390,7 @@ for group in "$@"; do
       # (side stream) shares the SMs. Arms cap down's grid (moe_lut._grid with per_sm 2, which at 1 row only down
       # takes) at 96 or 112 CTAs, each then taking two items or one in turn; the same bits (every item is the same
       # program, the combine sums each tile's slots in slot order). 30 layers, 1 row, timelines.
-      G='import megastep.kernels.moe_lut as m; g = m._grid; m._grid = lambda n, d, per_sm=2: ((min(g(n, d, 2)[0], CAP), 1, 1) if per_sm == 2 else g(n, d, per_sm))'
+      G=$(grid_cap 2)
       ab downsms 240 --layers 30 --batch 1 --rounds 3 --timeline-batch 1 --arm all= \
         --arm "d96=CAP = 96; $G" --arm "d112=CAP = 112; $G" --arm "d132=CAP = 132; $G" ;;
     offload_auto24)  # offload_auto on an 80 GB GPU: 24 layers (88 GB of weights), --hbm-budget auto (~73 GB there) against

@@ -15,6 +15,7 @@ anatomy (charges per layer period) does not show.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 
@@ -54,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", default="1", help="the timeline's batch (bench --timeline)")
     ap.add_argument("--arm", default=None, help="ab_step.py's arm whose timeline to read")
     args = ap.parse_args(argv)
-    res = read_result(args.json)
+    try:
+        res = read_result(args.json)
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"timeline_sublayers: cannot read {args.json}: {e}", file=sys.stderr)
+        return 2
     try:
         tl = res["timelines"][args.arm] if args.arm else res["timeline"][args.batch]
     except KeyError:

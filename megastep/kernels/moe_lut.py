@@ -190,7 +190,7 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     """act[p] = rnd(r_p * silu(min(rnd(w1 . xq[p // topk]), limit)) * clamp(rnd(w3 . xq), +-limit));
     strides: the table's (w13 row, w13 scale row) strides."""
     assert xq.dtype == act.dtype == torch.bfloat16 and xq.stride(1) == 1 and act.stride(1) == 1
-    slots, spread = min(pairs.numel(), addr.shape[0]), spread_rows(pairs, topk)
+    slots, spread, rows = min(pairs.numel(), addr.shape[0]), spread_rows(pairs, topk), pairs.numel() // topk
     args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
     ring_warps = 2 * THREADS // 32  # the ring kernel: two halves, 16 warps' slots
@@ -202,11 +202,11 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
             kernel, smem = _GATE_UP_SPREAD, shared_bytes(D)
         kernel.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), smem, None, *args, spread,
                       pdl=pdl_enabled())
-    elif ring_rows(pairs.numel() // topk) and _ring_fits(xq.device.index, shared_bytes(D, 2, ring_warps)):
+    elif ring_rows(rows) and _ring_fits(xq.device.index, shared_bytes(D, 2, ring_warps)):
         # items (slot, channel tile), two at a time per CTA
         kernel, smem = _ring_kernel(_GATE_UP_RING, _GATE_UP_RING_MIX, RING_MIX, xq.device.index, D, 2, ring_warps)
-        kernel.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device, pairs.numel() // topk), (2 * THREADS, 1, 1),
-                      smem, None, *args, pdl=pdl_enabled())
+        kernel.launch(_ring_grid(slots * (I // ITEM_CHANNELS), xq.device, rows), (2 * THREADS, 1, 1), smem, None,
+                      *args, pdl=pdl_enabled())
     else:  # items (slot, channel tile)
         _GATE_UP.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D), None, *args,
                         pdl=pdl_enabled())
