@@ -18,8 +18,7 @@
 #   bash benchmarks/h200_checks.sh offload_auto # recipe A with --hbm-budget auto (135 GB if auto fails) (~1.5 min)
 #   bash benchmarks/h200_checks.sh moeanat    # the 1-row MoE sublayer under the ring, spread and register gate-up and the early fork: 30 layers, timelines (~4 min)
 #   bash benchmarks/h200_checks.sh ringsms    # the 1-row ring gate-up on 96-120 SMs, the rest left to the shared expert: 30 layers, timelines (~3 min)
-#   bash benchmarks/h200_checks.sh spreadsms  # ringsms' question at 2 rows: the spread gate-up on 112-126 SMs (not measured yet): 30 layers, timelines (~3 min)
-#   bash benchmarks/h200_checks.sh downsms    # ringsms' question for down at 1 row: its grid capped at 96-132 CTAs (not measured yet): 30 layers, timelines (~3 min)
+#   bash benchmarks/h200_checks.sh fork2      # the shared expert forked before the router at 1 row, now that gate-up leaves it SMs: 30 layers, timelines (~2 min)
 #   bash benchmarks/h200_checks.sh offload_auto24 # offload_auto for an 80 GB GPU: 24 layers, auto against 60 GB (~3 min)
 #   bash benchmarks/h200_checks.sh offload_a16 # offload_a for an 80 GB GPU: 16 layers, 45 GB budget, recipe A (~1 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
@@ -228,10 +227,6 @@ zc_tests() {  # the zero-copy sidecar's GPU tests (offload_zc, offload_zc16)
   step zc_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_sidecar_zero_copy.py \
     'tests/test_fast_gpu.py::test_polling_sidecar_gives_the_host_functions_bits'
 }
-grid_cap() {  # grid_cap PER_SM: an arm's statements that cap moe_lut's grids of PER_SM CTAs an SM at CAP CTAs (the
-  # arm sets CAP first; spreadsms, downsms)
-  echo "import megastep.kernels.moe_lut as m; g = m._grid; m._grid = lambda n, d, per_sm=2: ((min(g(n, d, per_sm)[0], CAP), 1, 1) if per_sm == $1 else g(n, d, per_sm))"
-}
 final_step() {  # the step of the table at the top of docs/PERFORMANCE.md (final, table)
   bench final 170 --layers 30 --batch 1,2,4,8,16,32,64
   reads_lines final
@@ -377,22 +372,13 @@ for group in "$@"; do
       ab ringsms 240 --layers 30 --batch 1 --rounds 3 --timeline-batch 1 --arm "all=$M; m.RING_ONE_ROW_SMS = None" \
         --arm "c96=$M; m.RING_ONE_ROW_SMS = 96" --arm "c104=$M; m.RING_ONE_ROW_SMS = 104" --arm c112= \
         --arm "c120=$M; m.RING_ONE_ROW_SMS = 120" ;;
-    spreadsms)  # ringsms' question at 2 rows (not measured yet): the spread gate-up (SPREAD_ROWS) deals its warps' tasks
-      # over one CTA per SM and holds every SM while the shared expert's w1/w3 (side stream, after the routing) waits.
-      # Unlike the 1-row ring its work is even over the SMs, so fewer CTAs lengthen it. Arms cap the spread's grid
-      # (moe_lut._grid with per_sm 1, which at 2 rows only the spread takes); the same bits (every task is the same
-      # program). 30 layers, 2 rows, timelines.
-      G=$(grid_cap 1)
-      ab spreadsms 240 --layers 30 --batch 2 --rounds 3 --timeline-batch 2 --arm all= \
-        --arm "s112=CAP = 112; $G" --arm "s120=CAP = 120; $G" --arm "s126=CAP = 126; $G" ;;
-    downsms)  # ringsms' question for down at 1 row (not measured yet): its 192 items take 192 CTAs of 256 threads, two
-      # on 60 SMs and one on 72 (the two-CTA SMs set its length, as they did gate-up's), while the shared expert's w2
-      # (side stream) shares the SMs. Arms cap down's grid (moe_lut._grid with per_sm 2, which at 1 row only down
-      # takes) at 96 or 112 CTAs, each then taking two items or one in turn; the same bits (every item is the same
-      # program, the combine sums each tile's slots in slot order). 30 layers, 1 row, timelines.
-      G=$(grid_cap 2)
-      ab downsms 240 --layers 30 --batch 1 --rounds 3 --timeline-batch 1 --arm all= \
-        --arm "d96=CAP = 96; $G" --arm "d112=CAP = 112; $G" --arm "d132=CAP = 132; $G" ;;
+    fork2)  # the shared expert's side stream forked before the router at 1 row (MOE_PLAN's first entry), now that the
+      # ring gate-up leaves it SMs (RING_ONE_ROW_SMS): one H100, 16 layers, 2026-12-06: -0.42 % (every round below
+      # the late fork); on the H200 before RING_ONE_ROW_SMS +1.0 %. The same bits (MOE_PLAN's choices). 30 layers,
+      # 1 row, 3 rounds, timelines. (Its 2-row arm, +5.7 % on the H100, is decided.)
+      F='import megastep.model.fast as f; f.MOE_PLAN = '
+      ab fork2 240 --layers 30 --batch 1 --rounds 3 --timeline-batch 1 --arm late= \
+        --arm "early1=$F((1, 'cuda', False, 'mhc'),) + f.MOE_PLAN[1:]" ;;
     offload_auto24)  # offload_auto on an 80 GB GPU: 24 layers (88 GB of weights), --hbm-budget auto (~73 GB there) against
       # 60 GB, recipe A; compare only within the call
       bench offload24_skewed_gpu_auto 200 --layers 24 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu
