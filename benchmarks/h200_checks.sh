@@ -18,7 +18,6 @@
 #   bash benchmarks/h200_checks.sh offload_auto # recipe A with --hbm-budget auto (135 GB if auto fails) (~1.5 min)
 #   bash benchmarks/h200_checks.sh moeanat    # the 1-row MoE sublayer under the ring, spread and register gate-up and the early fork: 30 layers, timelines (~4 min)
 #   bash benchmarks/h200_checks.sh ringsms    # the 1-row ring gate-up on 96-120 SMs, the rest left to the shared expert: 30 layers, timelines (~3 min)
-#   bash benchmarks/h200_checks.sh fork2      # the shared expert forked before the router at 1 row, now that gate-up leaves it SMs: 30 layers, timelines (~2 min)
 #   bash benchmarks/h200_checks.sh offload_auto24 # offload_auto for an 80 GB GPU: 24 layers, auto against 60 GB (~3 min)
 #   bash benchmarks/h200_checks.sh offload_a16 # offload_a for an 80 GB GPU: 16 layers, 45 GB budget, recipe A (~1 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
@@ -372,13 +371,6 @@ for group in "$@"; do
       ab ringsms 240 --layers 30 --batch 1 --rounds 3 --timeline-batch 1 --arm "all=$M; m.RING_ONE_ROW_SMS = None" \
         --arm "c96=$M; m.RING_ONE_ROW_SMS = 96" --arm "c104=$M; m.RING_ONE_ROW_SMS = 104" --arm c112= \
         --arm "c120=$M; m.RING_ONE_ROW_SMS = 120" ;;
-    fork2)  # the shared expert's side stream forked before the router at 1 row (MOE_PLAN's first entry), now that the
-      # ring gate-up leaves it SMs (RING_ONE_ROW_SMS): one H100, 16 layers, 2026-12-06: -0.42 % (every round below
-      # the late fork); on the H200 before RING_ONE_ROW_SMS +1.0 %. The same bits (MOE_PLAN's choices). 30 layers,
-      # 1 row, 3 rounds, timelines. (Its 2-row arm, +5.7 % on the H100, is decided.)
-      F='import megastep.model.fast as f; f.MOE_PLAN = '
-      ab fork2 240 --layers 30 --batch 1 --rounds 3 --timeline-batch 1 --arm late= \
-        --arm "early1=$F((1, 'cuda', False, 'mhc'),) + f.MOE_PLAN[1:]" ;;
     offload_auto24)  # offload_auto on an 80 GB GPU: 24 layers (88 GB of weights), --hbm-budget auto (~73 GB there) against
       # 60 GB, recipe A; compare only within the call
       bench offload24_skewed_gpu_auto 200 --layers 24 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu
