@@ -52,6 +52,15 @@ def read_result(path: str) -> dict:
         return json.load(f)
 
 
+def read_result_or_say(path: str, prog: str) -> dict | None:
+    """read_result for a script's main: None, with one line on stderr, when the file cannot be read."""
+    try:
+        return read_result(path)
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"{prog}: cannot read {path}: {e}", file=sys.stderr)
+        return None
+
+
 def parse_arms(specs: list[str]) -> list[tuple[str, str]]:
     """--arm NAME=STATEMENTS (STATEMENTS may be empty: the defaults) -> [(name, statements)]."""
     arms = []

@@ -20,12 +20,11 @@ layers and the x group in sliding ones; "indexer" is its compressor (model/fast.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
 
-from ab_step import read_result
+from ab_step import read_result_or_say
 
 ARM = re.compile(r"^(?P<stage>[a-z_]+)_(?P<us>\d+(?:\.\d+)?)$")
 
@@ -76,10 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", help="ab_step.py's --json (gzipped or not)")
     args = ap.parse_args(argv)
-    try:
-        data = read_result(args.json)
-    except (OSError, json.JSONDecodeError) as e:
-        print(f"slack_table: cannot read {args.json}: {e}", file=sys.stderr)
+    data = read_result_or_say(args.json, "slack_table")
+    if data is None:
         return 2
     from megastep.checkpoint.synthetic import preset
 

@@ -15,11 +15,10 @@ anatomy (charges per layer period) does not show.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
-from ab_step import read_result
+from ab_step import read_result_or_say
 
 FIRST = "_hc_mix_partial"  # every sublayer's first launch
 
@@ -55,10 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", default="1", help="the timeline's batch (bench --timeline)")
     ap.add_argument("--arm", default=None, help="ab_step.py's arm whose timeline to read")
     args = ap.parse_args(argv)
-    try:
-        res = read_result(args.json)
-    except (OSError, json.JSONDecodeError) as e:
-        print(f"timeline_sublayers: cannot read {args.json}: {e}", file=sys.stderr)
+    res = read_result_or_say(args.json, "timeline_sublayers")
+    if res is None:
         return 2
     try:
         tl = res["timelines"][args.arm] if args.arm else res["timeline"][args.batch]
