@@ -324,3 +324,55 @@ def test_q_norm_in_the_x_launch_gives_the_same_bits(monkeypatch):
         assert torch.equal(a, b)
     assert ("rms_norm", True) in seen[0] and ("linear", True) not in seen[0]
     assert ("rms_norm", True) not in seen[2] and seen[2].count(("linear", True)) == 2 * 2  # 2 layers x 2 steps
+
+
+@pytest.mark.parametrize("slabs,split", [(2, False), (4, False), (2, True)])
+def test_head_slabs_give_the_same_bits(monkeypatch, slabs, split):
+    """fast.HEAD_SLAB_ROWS: an attention sublayer's wq_b rows, q norm + RoPE, attention and wo_a groups
+    in slabs of heads (each launch with the whole launch's configuration), then wo_b over every slab's
+    wo_a output (split: each slab's split-K partials of wo_b, HEAD_SLAB_WO_B_SPLIT, summed in order by
+    one launch), give the same logits bit for bit over two 2-row steps, in a window, a CSA and a
+    ratio-16 layer; the steps really launch each slab's rows of wq_b and wo_a (and columns of wo_b), and
+    not the whole weights."""
+    from megastep.kernels import linear_fp8 as lin
+    from megastep.model import fast
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    # 8 heads of 64 (slabs of whole 128-row blocks of wq_b), 4 wo_a groups of 128 rows
+    cfg = tiny_cfg(num_hidden_layers=3, num_attention_heads=8, o_groups=4, o_lora_rank=128)
+    assert [cfg.ratio(L) for L in range(3)] == [0, 4, 16]
+    monkeypatch.setattr(fast, "HEAD_SLABS", slabs)
+    monkeypatch.setattr(fast, "HEAD_SLAB_WO_B_SPLIT", split)
+    w = synthesize_weights(cfg, seed=9, device=dev, include_mtp=False)
+    calls = []
+    real, real_splits = lin.linear_fp8, lin.linear_fp8_splits
+
+    def spy(x, wt, *a, **k):
+        calls.append((wt.data_ptr(), wt.shape[0], k.get("config")))
+        return real(x, wt, *a, **k)
+
+    def spy_splits(x, wt, *a, **k):
+        calls.append((wt.data_ptr(), "splits", wt.shape[1]))
+        return real_splits(x, wt, *a, **k)
+
+    monkeypatch.setattr(lin, "linear_fp8", spy)
+    monkeypatch.setattr(lin, "linear_fp8_splits", spy_splits)
+    logits, seen, d = two_steps_each(monkeypatch, cfg, w, "HEAD_SLAB_ROWS", (0, 2), 10, calls)
+    for a, b in zip(logits[0], logits[2]):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    G, R = cfg.o_groups, cfg.o_lora_rank
+    q_rows, a_rows = cfg.num_attention_heads // slabs * cfg.head_dim, G // slabs * R
+    for L in range(3):
+        qr, wo_a = d.layers[L]["qr_fp8"], d.layers[L]["wo_a"]
+        wq_b = qr.fused or qr.parts[0]  # the attention's wq_b: the group's first rows
+        whole = lin.pick_config(2, wq_b.w.shape[0], cfg.q_lora_rank)
+        a_cfg = lin.pick_config(2, G * R, wo_a.w.shape[1])
+        for s in range(slabs):  # each slab's rows, with the whole launch's configuration, once a step
+            assert seen[2].count((wq_b.w[s * q_rows:].data_ptr(), q_rows, whole)) == 2
+            assert seen[2].count((wo_a.w[s * a_rows:].data_ptr(), a_rows, a_cfg)) == 2
+        assert not any(c[0] == wo_a.w.data_ptr() and c[1] == G * R for c in seen[2])
+        assert sum(c[0] == wo_a.w.data_ptr() and c[1] == G * R for c in seen[0]) == 2
+        wo_b = d.layers[L]["wo_b"].w
+        for s in range(slabs):  # wo_b's columns of each slab's wo_a groups, with split
+            assert seen[2].count((wo_b[:, s * a_rows:].data_ptr(), "splits", a_rows)) == (2 if split else 0)
+        assert seen[2].count((wo_b.data_ptr(), wo_b.shape[0], None)) == (0 if split else 2)
