@@ -18,7 +18,6 @@
 #   bash benchmarks/h200_checks.sh offload_auto # recipe A with --hbm-budget auto (135 GB if auto fails) (~1.5 min)
 #   bash benchmarks/h200_checks.sh moeanat    # the 1-row MoE sublayer under the ring, spread and register gate-up and the early fork: 30 layers, timelines (~4 min)
 #   bash benchmarks/h200_checks.sh ringsms    # the 1-row ring gate-up on 96-120 SMs, the rest left to the shared expert: 30 layers, timelines (~3 min)
-#   bash benchmarks/h200_checks.sh slabs      # the attention sublayer in 2 / 4 slabs of heads (fast.HEAD_SLAB_ROWS), wo_b after them or split by them: its GPU bit tests, then the step at 1-4 rows, 3 rounds, timelines (~6 min)
 #   bash benchmarks/h200_checks.sh offload_auto24 # offload_auto for an 80 GB GPU: 24 layers, auto against 60 GB (~3 min)
 #   bash benchmarks/h200_checks.sh offload_a16 # offload_a for an 80 GB GPU: 16 layers, 45 GB budget, recipe A (~1 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
@@ -372,16 +371,6 @@ for group in "$@"; do
       ab ringsms 240 --layers 30 --batch 1 --rounds 3 --timeline-batch 1 --arm "all=$M; m.RING_ONE_ROW_SMS = None" \
         --arm "c96=$M; m.RING_ONE_ROW_SMS = 96" --arm "c104=$M; m.RING_ONE_ROW_SMS = 104" --arm c112= \
         --arm "c120=$M; m.RING_ONE_ROW_SMS = 120" ;;
-    slabs)  # fast.HEAD_SLAB_ROWS: an attention sublayer's wq_b rows, q norm + RoPE, attention and wo_a groups in slabs of
-      # heads, slab s > 0 on a stream of its own starting when slab s-1's wq_b rows are read, so one slab's latency-bound
-      # q norm and attention (10-16 us at 1 row) run while the next slab's weights stream; wo_b after every slab. The
-      # same bits (test_head_slabs_change_no_bits). Arms: off, 2 and 4 slabs, each also with wo_b's partials made by
-      # the slabs (HEAD_SLAB_WO_B_SPLIT, "b"), at 1-4 rows; the 1-row timelines.
-      step slabs_tests 240 python3 -m pytest -q -rfE --timeout 220 -m gpu tests/test_fast_gpu.py -k head_slabs
-      F='import megastep.model.fast as f; f.HEAD_SLAB_ROWS = 4'
-      ab slabs 330 --layers 30 --batch 1,2,4 --rounds 3 --timeline-batch 1 --arm off= --arm "s2=$F" \
-        --arm "s4=$F; f.HEAD_SLABS = 4" --arm "s2b=$F; f.HEAD_SLAB_WO_B_SPLIT = True" \
-        --arm "s4b=$F; f.HEAD_SLABS = 4; f.HEAD_SLAB_WO_B_SPLIT = True" ;;
     offload_auto24)  # offload_auto on an 80 GB GPU: 24 layers (88 GB of weights), --hbm-budget auto (~73 GB there) against
       # 60 GB, recipe A; compare only within the call
       bench offload24_skewed_gpu_auto 200 --layers 24 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu

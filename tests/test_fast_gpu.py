@@ -438,37 +438,3 @@ def test_q_norm_in_the_x_launch_changes_no_bits(monkeypatch):
     got = alone_then_batched(build(experts="lut"))
     assert any(tails)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
-
-
-@pytest.mark.parametrize("slabs,split", [(2, False), (4, False), (2, True)])
-def test_head_slabs_change_no_bits(slabs, split, monkeypatch):
-    """fast.HEAD_SLAB_ROWS = 16: each attention sublayer's wq_b rows, q norm + RoPE, attention and wo_a
-    groups (split: and its wo_b partials, HEAD_SLAB_WO_B_SPLIT) in slabs of heads, slab s > 0 on a stream
-    of its own: the greedy logits at 1 row (graphs with PDL) and in a batch of 16, bit for bit against
-    HEAD_SLAB_ROWS = 0, in a window, a CSA and an HCA layer; the slabs' wo_a launches really ran on their
-    streams."""
-    from megastep.kernels import linear_fp8 as lin
-    from megastep.model import fast
-
-    monkeypatch.setattr(fast, "HEAD_SLABS", slabs)
-    monkeypatch.setattr(fast, "HEAD_SLAB_WO_B_SPLIT", split)
-    monkeypatch.setattr(fast, "HEAD_SLAB_ROWS", 0)
-    want = alone_then_batched(build(layers=3, experts="lut"))
-    grouped = []
-    real = lin.linear_fp8
-
-    def spy(*a, **k):
-        if k.get("groups", 1) > 1:
-            grouped.append((a[1].shape[0], torch.cuda.current_stream().cuda_stream))
-        return real(*a, **k)
-
-    monkeypatch.setattr(lin, "linear_fp8", spy)
-    monkeypatch.setattr(fast, "HEAD_SLAB_ROWS", 16)
-    built = build(layers=3, experts="lut")
-    assert [built[0].ratio(L) for L in range(3)] == [0, 4, 128]
-    got = alone_then_batched(built)
-    rows = built[0].o_groups // slabs * built[0].o_lora_rank
-    streams = {s.cuda_stream for s in built[1].slab_streams[:slabs - 1]}
-    assert grouped and all(n == rows for n, _ in grouped)
-    assert streams <= {s for _, s in grouped}
-    assert all(torch.equal(a, b) for a, b in zip(want, got))

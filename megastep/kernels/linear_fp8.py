@@ -493,7 +493,6 @@ def linear_fp8(
     residual: torch.Tensor | None = None,
     x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
     norm_tail: tuple[torch.Tensor, float] | None = None,
-    out: torch.Tensor | None = None,
 ):
     """x [M, K] bf16/fp32, w e4m3 [N, K], w_scale e8m0 [ceil(N/128), ceil(K/128)] -> [M, N].
     quantize_act=False skips the activation quantization (the official wo_a: a plain weight).
@@ -508,9 +507,7 @@ def linear_fp8(
     norm_tail = (nw fp32 [C], eps), C <= N a multiple of the configuration's BLOCK_N: also returns
     rope_norm.rms_norm(y[:, :C], nw, eps, codes=True) of the output y, bit for bit, made in the same
     launch by the last program to write those columns of a row tile (the x group's wq_a columns and the
-    q norm, without the norm's launch between wq_a and wq_b): (y, (normed, (codes, scales))).
-    out: the [M, N] tensor of out_dtype to write (unit stride along N, e.g. a column block of a
-    wider output), instead of a new one."""
+    q norm, without the norm's launch between wq_a and wq_b): (y, (normed, (codes, scales)))."""
     assert block == BLOCK, "V4 FP8 weights use 128x128 blocks"
     _check_operands(x, w, w_scale, out_dtype)
     x_codes = x_codes if quantize_act else None  # wo_a reads x itself
@@ -524,10 +521,7 @@ def linear_fp8(
         assert residual.dtype in (torch.float32, torch.bfloat16) and residual.device == x.device, residual.dtype
     cfg = config or pick_config(M, N, K, quantize_act)
     cfg.check()
-    if out is None:
-        out = torch.empty(M, N, dtype=out_dtype, device=x.device)
-    assert out.shape == (M, N) and out.dtype == out_dtype and out.stride(1) == 1 and out.device == x.device, (
-        out.shape, out.dtype, out.stride())
+    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     tail = None
     if norm_tail is not None:
         nw, eps = norm_tail

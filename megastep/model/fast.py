@@ -40,7 +40,6 @@ from megastep.kernels import mhc as _mhc
 from megastep.kernels import moe as _moe
 from megastep.kernels import moe_lut as _moe_lut
 from megastep.kernels import rope_norm as _rn
-from megastep.kernels import split_combine as _split
 from megastep.kernels import route_cuda as _route_cuda
 from megastep.model import ops
 from megastep.model.linears import Linear, LinearGroup
@@ -159,22 +158,6 @@ INDEXER_FIRST = True
 # but 2 rows +0.74 %, 4 +0.83 %, 8 +1.37 %, 16 +2.18 %, 64 +3.57 % (one program norms the tile's rows one
 # after the other). (The norm in each qr program's prologue instead: +2.8 to +6.2 %, removed; read at 6d1efe0.)
 QNORM_TAIL_ROWS = 1
-# Steps of at most this many rows (one GPU, no CPU sidecar) run an attention sublayer's wq_b, q norm +
-# RoPE, attention and wo_a in HEAD_SLABS slabs of heads, slab s on a stream of its own that starts its
-# wq_b rows when slab s-1's are read, so one slab's latency-bound q norm and attention run while the
-# next slab's weights stream (at one row the attention is ~10-16 us for under 1 MB). A wo_a group reads
-# whole heads (H / o_groups of them), so slab s's groups need only its heads; wo_b waits for every
-# slab. Each launch takes the whole launch's configuration (LinearGroup.part, heads_like, wo_a's
-# pick for all groups), and every head and output channel is the same sum: the same bits. 0: never.
-HEAD_SLAB_ROWS = 0
-HEAD_SLABS = 2
-# With HEAD_SLAB_ROWS: each slab also makes its split-K partials of wo_b (its input columns are the slab's
-# wo_a outputs; linear_fp8_splits with the whole launch's configuration) on its stream, and one launch sums
-# them in split order (split_combine.sum_splits: the whole launch's additions and rounding, so the same
-# bits), so that slab 0's share of wo_b streams beside the last slab's wo_a. False: one wo_b launch after
-# every slab.
-HEAD_SLAB_WO_B_SPLIT = False
-MAX_HEAD_SLABS = 4  # streams made for the slabs (HEAD_SLABS may be set up to this)
 
 
 def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
@@ -313,9 +296,6 @@ class FastDecoder(MoeSublayer):
         self.hc_stream = torch.cuda.Stream(self.device) if self.side_stream is not None else None
         # INDEXER_BESIDE_ROWS' stream
         self.idx_stream = torch.cuda.Stream(self.device) if self.side_stream is not None else None
-        # HEAD_SLAB_ROWS' streams (slab 0 runs on the main stream)
-        self.slab_streams = ([torch.cuda.Stream(self.device) for _ in range(MAX_HEAD_SLABS - 1)]
-                             if self.side_stream is not None else [])
         if shared_w2 not in (None, "residual", "combine", "mhc"):
             raise ValueError(f"shared_w2 must be residual, combine or mhc, got {shared_w2!r}")
         self.shared_w2 = shared_w2
@@ -630,7 +610,6 @@ class FastDecoder(MoeSublayer):
         # INDEXER_FIRST: the indexer's bf16 rows in a launch of their own before the compressor's, and
         # (beside) its q rows on its own stream
         first = few and INDEXER_FIRST
-        slabs = self._head_slabs(B, H, split)
         made = []  # what the side stream allocates, joined below
         if r:  # the compressors' (and the indexer's) bf16 projections and updates, beside the q/kv path
             with self._on_side():
@@ -669,20 +648,13 @@ class FastDecoder(MoeSublayer):
                            else (_rn.rms_norm_ref(qa, lw["q_norm"], eps), None))
             if beside and not first:  # the indexer's rows of the qr group first: the indexer starts on them
                 qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq)
-            elif not beside and slabs == 1:
+            elif not beside:
                 qb = lw["qr_fp8"](qr, tr, codes=qrq)
         if beside:
             with self._on_side(idx_stream, "indexer"), stage(T, "indexer", L):
                 if first:  # beside wq_b instead of before it
                     qi = lw["qr_fp8"].part(1, qr, tr, codes=qrq)
                 kw["idx"], kw["idx_ok"] = self._indexer(qi, xd[4], pos, slots, L, keys_ready)
-        if slabs > 1:
-            if r == CSA_RATIO and not beside:  # the indexer on its rows of the qr group, then the slabs
-                self._join(*made)
-                with stage(T, "indexer", L):
-                    kw["idx"], kw["idx_ok"] = self._indexer(lw["qr_fp8"].part(1, qr, tr, codes=qrq), xd[4], pos,
-                                                            slots, L)
-            return self._attention_slabs(slabs, qr, qrq, made, idx_stream if beside else None, pos, slots, L, kw)
         with stage(T, "attn_proj", L):
             qh = lw["qr_fp8"].part(0, qr, tr, codes=qrq) if beside else qb[0]  # the attention's wq_b
             q = self._kernel(_rn, "q_norm_rope")(qh.view(B, H, hd), inv_freq, pos, eps, **heads_kw)
@@ -711,79 +683,6 @@ class FastDecoder(MoeSublayer):
             _lin.linear_fp8_splits(u, wo_b.w, wo_b.scale, full, _lin.split_cols(K, full),
                                    out=self.split_peer.buffer(L, B))
             return self.split_peer.combine(L, B)
-
-    def _head_slabs(self, B: int, H: int, split: bool) -> int:
-        """How many slabs of heads this attention sublayer runs in (HEAD_SLAB_ROWS; 1: none): where it
-        applies and the slabs cut wq_b's rows and wo_a's groups into whole 128-row scale blocks."""
-        cfg, n = self.cfg, HEAD_SLABS
-        if not (self.triton and B <= HEAD_SLAB_ROWS and 1 < n <= MAX_HEAD_SLABS and not split
-                and self.world_size == 1 and self.sidecar is None):
-            return 1
-        G, R, hd = cfg.o_groups, cfg.o_lora_rank, cfg.head_dim
-        whole = H % n == 0 and G % n == 0 and (H // n * hd) % _lin.BLOCK == 0 and (G // n * R) % _lin.BLOCK == 0
-        return n if whole else 1
-
-    def _attention_slabs(self, n: int, qr, qrq, made: list, idx_stream, pos, slots, L: int, kw: dict):
-        """The attention sublayer from qr on, in n slabs of heads (HEAD_SLAB_ROWS): slab s's wq_b rows,
-        q norm + RoPE, attention and wo_a groups, on the main stream for slab 0 and on a stream of its
-        own for each other slab, whose wq_b rows start when slab s-1's are read; then wo_b over every
-        slab's wo_a output. made / idx_stream: the side stream's tensors of this layer and the
-        indexer's stream (its top-k in kw), which each slab's attention waits for."""
-        cfg, P, lw, T, tr = self.cfg, self.pools, self.layers[L], self.trace, self.triton
-        B, H, hd, r = qr.shape[0], self.heads, cfg.head_dim, cfg.ratio(L)
-        G, R = cfg.o_groups, cfg.o_lora_rank
-        Hs, Gs = H // n, G // n
-        heads_cfg = _rn.pick_heads_config(H, hd)  # the whole launches' configurations: the same bits
-        wo_a, wo_b = lw["wo_a"], lw["wo_b"]
-        a_cfg = _lin.pick_config(B, G * R, wo_a.w.shape[1])
-        u = torch.empty(B, G * R, dtype=self.dtype, device=self.device)  # wo_a's output, slab by slab
-        K, ks = G * R, G * R // n  # wo_b's input columns, a slab's
-        b_cfg = _lin.pick_config(B, wo_b.w.shape[0], K)
-        cols = _lin.split_cols(K, b_cfg)
-        parts = (torch.empty(K // cols, B, wo_b.w.shape[0], dtype=torch.float32, device=self.device)
-                 if HEAD_SLAB_WO_B_SPLIT and wo_b.kernel_block and wo_b.scale is not None and ks % cols == 0 else None)
-        main = torch.cuda.current_stream(self.device) if self.slab_streams else None
-        streams = [main, *self.slab_streams[:n - 1]] if main is not None else [None] * n
-        waited = [*made, *((kw["idx"], kw["idx_ok"]) if idx_stream is not None else ())]
-        read = None  # recorded once the previous slab's wq_b rows are read
-        for s, S in enumerate(streams):
-            ctx = contextlib.ExitStack()
-            if S is not None and s:
-                ctx.enter_context(torch.cuda.stream(S))
-                ctx.enter_context(_common.lane(f"slab{s}"))
-                S.wait_event(read)
-            with ctx:
-                with stage(T, "attn_proj", L):
-                    qh = lw["qr_fp8"].part_rows(0, s * Hs * hd, (s + 1) * Hs * hd, qr, tr, codes=qrq)
-                    if S is not None:
-                        read = torch.cuda.Event()
-                        read.record(S)
-                    q = self._kernel(_rn, "q_norm_rope")(qh.view(B, Hs, hd), self.inv_freq[r > 0], pos,
-                                                         cfg.rms_norm_eps, config=heads_cfg)
-                if S is not None:  # the kv store, the compressors and the indexer's top-k
-                    for other in (self.side_stream, idx_stream):
-                        if other is not None:
-                            S.wait_stream(other)
-                    for t in waited:
-                        t.record_stream(S)
-                with stage(T, "attention", L):
-                    o = self._kernel(_attn, "sparse_attention_pools")(
-                        q, P.win[L], slots, pos, lw["sink"][s * Hs:(s + 1) * Hs], hd**-0.5, self.rope[r > 0],
-                        window_size=cfg.sliding_window, heads_like=H, **kw)
-                with stage(T, "out_proj", L):
-                    us = u[:, s * ks:(s + 1) * ks]
-                    wo_a.rows(s * Gs * R, (s + 1) * Gs * R).grouped(o.reshape(B, Gs, -1), Gs, R, tr, config=a_cfg,
-                                                                    out=us)
-                    if parts is not None:  # this slab's splits of wo_b
-                        b = wo_b.block
-                        _lin.linear_fp8_splits(us, wo_b.w[:, s * ks:(s + 1) * ks],
-                                               wo_b.scale[:, s * ks // b:(s + 1) * ks // b], b_cfg, cols,
-                                               out=parts[s * ks // cols:(s + 1) * ks // cols])
-        for S in streams[1:]:
-            if S is not None:
-                main.wait_stream(S)
-        with stage(T, "out_proj", L):
-            return _split.sum_splits(parts, self.dtype) if parts is not None else wo_b(u, tr)
 
     def _moe_plan(self, rows: int) -> tuple[str, bool, str]:
         """(router, shared_after_router, shared_w2) of a step of `rows` rows: the constructor's

@@ -44,25 +44,15 @@ class Linear:
         raise ValueError("a linear without activation quantization is grouped (wo_a): call grouped()")
 
     def grouped(self, x: torch.Tensor, groups: int, rank: int, triton: bool,
-                config: _lin.LinearFp8Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                config: _lin.LinearFp8Config | None = None) -> torch.Tensor:
         """wo_a: x [B, G, d] -> [B, G*rank], group g through weight rows [g*rank, (g+1)*rank).
         The official code dequantizes wo_a to a plain weight: no activation quantization.
-        config: the FP8 kernel's configuration instead of its pick for this shape. out: the
-        [B, G*rank] tensor to write (e.g. a column block of a wider output) instead of a new one."""
+        config: the FP8 kernel's configuration instead of its pick for this shape."""
         if triton and self.kernel_block and self.scale is not None and rank % self.block == 0:  # one launch
             return _lin.linear_fp8(x.reshape(x.shape[0], -1).contiguous(), self.w, self.scale, block=self.block,
-                                   quantize_act=False, groups=groups, config=config, out=out)
+                                   quantize_act=False, groups=groups, config=config)
         w = self.w.float() if self.scale is None else formats.dequantize_fp8_weight(self.w, self.scale, self.block)
-        y = torch.einsum("bgd,grd->bgr", x.float(), w.view(groups, rank, -1)).to(x.dtype).flatten(1)
-        return y if out is None else out.copy_(y)
-
-    def rows(self, lo: int, hi: int) -> "Linear":
-        """Output rows [lo, hi) as a linear of their own: views of the weight and of its scale rows
-        (lo and hi whole scale blocks), no copy."""
-        b = self.block if self.scale is not None else 1
-        assert lo % b == 0 and hi % b == 0, (lo, hi, b)
-        return Linear(self.w[lo:hi], None if self.scale is None else self.scale[lo // b:hi // b], self.block,
-                      self.act_quant)
+        return torch.einsum("bgd,grd->bgr", x.float(), w.view(groups, rank, -1)).to(x.dtype).flatten(1)
 
 
 class LinearGroup:
@@ -131,18 +121,7 @@ class LinearGroup:
         if not (triton and f.kernel_block and f.scale is not None):
             return self(x, triton, codes=codes)[i]
         lo = sum(self.sizes[:i])
-        return f.rows(lo, lo + self.sizes[i])(x, triton, codes=codes, config=self._fused_config(x))
-
-    def part_rows(self, i: int, lo: int, hi: int, x: torch.Tensor, triton: bool, codes=None) -> torch.Tensor:
-        """Output columns [lo, hi) of part i (whole 128-row scale blocks of its weight) in a launch of
-        their own, with the configuration of the launch that makes the whole part (`part`, or the
-        group's): every output element is the same sum in the same order, so these are the bits of
-        `self.part(i, x)[:, lo:hi]`. For a caller that starts work on some of a part's outputs while
-        the rest stream (fast.HEAD_SLAB_ROWS)."""
-        f = self.fused
-        p, base = (self.parts[i], 0) if f is None else (f, sum(self.sizes[:i]))
-        if not (triton and p.kernel_block and p.scale is not None and p.act_quant):
-            return self.part(i, x, triton, codes=codes)[:, lo:hi]
-        cfg = (self._fused_config(x) if f is not None
-               else self._config(x, p.w) or _lin.pick_config(x.shape[0], p.w.shape[0], p.w.shape[1]))
-        return p.rows(base + lo, base + hi)(x, triton, codes=codes, config=cfg)
+        hi = lo + self.sizes[i]
+        cfg = self._fused_config(x)
+        rows = Linear(f.w[lo:hi], f.scale[lo // f.block:hi // f.block], f.block, f.act_quant)
+        return rows(x, triton, codes=codes, config=cfg)
