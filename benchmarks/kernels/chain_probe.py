@@ -7,6 +7,7 @@ Triton, 63.9 at best a launch a layer with PDL, 68.9 persistent; 50-59 % of the 
 against 60-65 %), and the chain was no faster than sep_pdl.
 
     python benchmarks/kernels/chain_probe.py [--out DIR] [--chain hca4|hca|wo|small] [--reps 20] [--gaps off,on]
+        [--kinds KIND,...|none] [--tchain 1,2,4]
 
 Why: at one row the FP8 linears on a layer's critical path stream at ~2.3 TB/s against 4.2-4.35
 measured (docs/PERFORMANCE.md, twenty-eighth measurement: wq_b, wo_a and wo_b of an HCA sublayer,
@@ -46,6 +47,11 @@ wo_b 4096 x 8192, 107 MB; "hca" the last three, "wo" the last two):
   entry streamed at the cp.async ring's rate (hca4 65.06 against 63.78 us, wo 39.35 against 39.09; Triton
   58.05 and 35.27), so the loop direction ends. (The copy-only floors take K / KC splits, more split
   traffic than the MMA entries, and bound nothing: the rule's second clause was void.)
+ - tchain / tsep (`--tchain`, added 2026-12-06: triton_chain.py): the same chain with the step's own
+  Triton loop, in ONE persistent launch of P programs (tchain), and the same kernel a launch a layer
+  (tsep); P is given as programs per SM. Every layer's y must have linear_fp8's bits (checked), the
+  waits must not give up; only then is it timed. It separates what chain_probe.cu could not: the
+  launch boundary against the loop.
 The kernel's entries: "gemv" (its own K order inside a 128-block, that of the fastest CUDA loop
 measured at one row, and a task of KC bytes of K) and "tri" (Triton's k16 column sets and
 linear_fp8's own K splits: every output has linear_fp8's bits, checked, so such a launch could
@@ -304,26 +310,77 @@ def run_checks(module: CudaModule, chain: Chain, entries, log) -> list:
     return passed
 
 
+def check_tchains(copies, per_sm, log) -> list:
+    """triton_chain.TritonChain for each copy at each programs-per-SM count, checked before any timing:
+    every layer's y with linear_fp8's bits in both modes, no wait gave up, the counters back at zero.
+    Returns [(name, [one per copy])] of those that passed; a failure is logged, not raised."""
+    import triton_chain as TC
+    from megastep.kernels import linear_fp8 as LIN
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = []
+    for k in per_sm:
+        name = f"P={k * sms} ({k} per SM)"
+        try:
+            tcs = [TC.TritonChain(c, k * sms) for c in copies]
+            tcs[0].P = 1  # compile with one program (no waits), then refuse what cannot be resident
+            tcs[0].launch("chain")
+            torch.cuda.synchronize()
+            most = TC.max_programs(tcs[0].compiled, sms)
+            log(f"tchain: {tcs[0].compiled.n_regs} registers, {tcs[0].compiled.metadata.shared} B shared, "
+                f"{most} programs resident at most")
+            if k * sms > most:
+                raise AssertionError(f"{name}: more programs than can be resident ({most})")
+            tcs[0].P = k * sms
+            for tc, c in zip(tcs, copies):
+                for mode in ("chain", "sep", "chain"):
+                    for y in c.ys:
+                        y.fill_(float("nan"))
+                    tc.launch(mode, [1.0] * len(c.layers) if mode == "chain" else None)
+                    torch.cuda.synchronize()
+                    if tc.exit[1].item() or tc.exit[0].item() or tc.chunks.any().item():
+                        raise AssertionError(f"{name} {mode}: a wait gave up, or the counters were not reset "
+                                             f"(exit {tc.exit.tolist()}, chunks {int(tc.chunks.sum())})")
+                    for i, ly in enumerate(c.layers):
+                        ref = LIN.linear_fp8(c.x(i), ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)[0]
+                        if not torch.equal(ref, c.ys[i]):
+                            n = int((ref != c.ys[i]).sum())
+                            raise AssertionError(f"{name} {mode}: layer {i} differs from linear_fp8 in {n} of "
+                                                 f"{ref.numel()} outputs")
+            log(f"tchain {name}: chain (with 1 us gaps), sep, chain again: every layer has linear_fp8's bits")
+            out.append((name, tcs))
+        except AssertionError as e:
+            log(f"FAILED {e}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/chain_probe"))
     ap.add_argument("--chain", default="hca4", choices=sorted(CHAINS))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--gaps", default="off,on", help="the latency-bound stages between the layers as waits (CHAINS)")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="the entries' kinds to check and time (KINDS)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="the entries' kinds to check and time (KINDS), or none")
+    ap.add_argument("--tchain", default="", help="triton_chain.py's persistent launch with these programs per SM "
+                    "(e.g. 1,2,4), and a launch a layer of its kernel")
     args = ap.parse_args(argv)
     if not set(args.gaps.split(",")) <= {"off", "on"}:
         ap.error(f"--gaps takes off and / or on, got {args.gaps!r}")
-    kinds = args.kinds.split(",")
-    if not kinds or not set(kinds) <= set(KINDS):
-        ap.error(f"--kinds takes some of {', '.join(KINDS)}, got {args.kinds!r}")
+    kinds = [] if args.kinds == "none" else args.kinds.split(",")
+    if not set(kinds) <= set(KINDS) or (not kinds and args.kinds != "none"):
+        ap.error(f"--kinds takes some of {', '.join(KINDS)} or none, got {args.kinds!r}")
+    try:
+        per_sm = [int(v) for v in args.tchain.split(",")] if args.tchain else []
+    except ValueError:
+        per_sm = [0]
+    if any(v < 1 for v in per_sm):
+        ap.error(f"--tchain takes programs per SM >= 1, e.g. 1,2,4; got {args.tchain!r}")
     import bench_kernels as BK
     from megastep.kernels import common
     from megastep.kernels.spin import _spin_kernel
 
     os.makedirs(args.out, exist_ok=True)
     BK.LOG = open(os.path.join(args.out, "chain_probe.log"), "w")
-    module = CudaModule(SOURCE)
+    module = CudaModule(SOURCE) if kinds else None
     layers = CHAINS[args.chain]
     entries = [(kind, s) for kind in kinds for s in KINDS[kind] if fits(layers, s[2], kind)]
     for kind, s in entries:
@@ -346,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     copies = [Chain(layers, gen) for _ in range(2)]
     ok = set(run_checks(module, copies[0], [e for e in checked if e in ok], BK.log))
     entries = [e for e in entries if e in ok or e[0] in XOR_KINDS]
+    tchains = check_tchains(copies, per_sm, BK.log)
 
     rows = []
     spin_out = torch.empty(1, dtype=torch.int64, device="cuda")
@@ -378,6 +436,13 @@ def main(argv: list[str] | None = None) -> int:
             timed("triton (the step's linear_fp8)", gaps, lambda c, gaps=gaps: c.triton(gaps, spin))
         finally:
             common.set_pdl(old)
+        for name, tcs in tchains:
+            for mode in ("sep", "chain"):
+                if mode == "sep" and name != tchains[0][0]:
+                    continue  # a launch a layer takes as many programs as the layer has items, whatever P
+                timed(f"t{mode} {name}" if mode == "chain" else "tsep (triton_chain, a launch a layer)", gaps,
+                      lambda c, tcs=tcs, mode=mode, gaps=gaps: tcs[copies.index(c)].launch(
+                          mode, gaps_us(layers, gaps)))
         for kind, s in entries:
             for mode in ("sep", "chain") if kind in XOR_KINDS else ("sep", "sep_pdl", "chain"):
                 timed(f"{mode} {kind} w{s[0]} r{s[1]} kc{s[2]}", gaps,
