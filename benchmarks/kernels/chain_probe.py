@@ -47,11 +47,11 @@ wo_b 4096 x 8192, 107 MB; "hca" the last three, "wo" the last two):
   entry streamed at the cp.async ring's rate (hca4 65.06 against 63.78 us, wo 39.35 against 39.09; Triton
   58.05 and 35.27), so the loop direction ends. (The copy-only floors take K / KC splits, more split
   traffic than the MMA entries, and bound nothing: the rule's second clause was void.)
- - tchain / tsep (`--tchain`, added 2026-12-06: triton_chain.py): the same chain with the step's own
-  Triton loop, in ONE persistent launch of P programs (tchain), and the same kernel a launch a layer
-  (tsep); P is given as programs per SM. Every layer's y must have linear_fp8's bits (checked), the
-  waits must not give up; only then is it timed. It separates what chain_probe.cu could not: the
-  launch boundary against the loop.
+ - tchain / tsep (`--tchain`, added 2026-12-06: triton_chain.py, megastep/kernels/linear_chain.py): the
+  same chain with the step's own Triton loop, in ONE persistent launch of P programs (tchain), and the
+  same kernel a launch a layer (tsep); P is given as programs per SM. Every layer's y must have
+  linear_fp8's bits (checked) and no wait may give up; only then is it timed. It separates what
+  chain_probe.cu could not: the launch boundary against the loop.
 The kernel's entries: "gemv" (its own K order inside a 128-block, that of the fastest CUDA loop
 measured at one row, and a task of KC bytes of K) and "tri" (Triton's k16 column sets and
 linear_fp8's own K splits: every output has linear_fp8's bits, checked, so such a launch could
@@ -315,6 +315,7 @@ def check_tchains(copies, per_sm, log) -> list:
     every layer's y with linear_fp8's bits in both modes, no wait gave up, the counters back at zero.
     Returns [(name, [one per copy])] of those that passed; a failure is logged, not raised."""
     import triton_chain as TC
+    from megastep.kernels import linear_chain as LC
     from megastep.kernels import linear_fp8 as LIN
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
@@ -322,24 +323,26 @@ def check_tchains(copies, per_sm, log) -> list:
         name = f"P={k * sms} ({k} per SM)"
         try:
             tcs = [TC.TritonChain(c, k * sms) for c in copies]
-            tcs[0].P = 1  # compile with one program (no waits), then refuse what cannot be resident
+            tcs[0].lc.programs = 1  # compile with one program (no waits), then refuse what cannot be resident
             tcs[0].launch("chain")
             torch.cuda.synchronize()
-            most = TC.max_programs(tcs[0].compiled, sms)
-            log(f"tchain: {tcs[0].compiled.n_regs} registers, {tcs[0].compiled.metadata.shared} B shared, "
-                f"{most} programs resident at most")
+            compiled = tcs[0].lc.compiled
+            most = LC.max_programs(compiled, sms)
+            log(f"tchain: {compiled.n_regs} registers, {compiled.metadata.shared} B shared, {most} programs resident "
+                "at most")
             if k * sms > most:
                 raise AssertionError(f"{name}: more programs than can be resident ({most})")
-            tcs[0].P = k * sms
+            tcs[0].lc.programs = k * sms
             for tc, c in zip(tcs, copies):
                 for mode in ("chain", "sep", "chain"):
                     for y in c.ys:
                         y.fill_(float("nan"))
                     tc.launch(mode, [1.0] * len(c.layers) if mode == "chain" else None)
                     torch.cuda.synchronize()
-                    if tc.exit[1].item() or tc.exit[0].item() or tc.chunks.any().item():
+                    lc = tc.lc
+                    if lc.exit[1].item() or lc.exit[0].item() or lc.chunks.any().item():
                         raise AssertionError(f"{name} {mode}: a wait gave up, or the counters were not reset "
-                                             f"(exit {tc.exit.tolist()}, chunks {int(tc.chunks.sum())})")
+                                             f"(exit {lc.exit.tolist()}, chunks {int(lc.chunks.sum())})")
                     for i, ly in enumerate(c.layers):
                         ref = LIN.linear_fp8(c.x(i), ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)[0]
                         if not torch.equal(ref, c.ys[i]):
