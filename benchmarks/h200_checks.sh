@@ -43,7 +43,6 @@
 #   bash benchmarks/h200_checks.sh qtail      # the q norm made by the x group's launch (pinned at 1 row) against its own launch: the step at 1-16 rows, 3 rounds, then its GPU tests (~4 min)
 #   bash benchmarks/h200_checks.sh chain      # an HCA sublayer's FP8 weight streams at 1 row in one persistent launch against one launch per layer (chain_probe.py) (~4 min)
 #   bash benchmarks/h200_checks.sh tchain     # the same chains in one persistent launch with linear_fp8's own Triton loop (triton_chain.py), its GPU tests (~3 min)
-#   bash benchmarks/h200_checks.sh wochain    # wo_a -> wo_b in one persistent launch in the step: its bit tests, the 30-layer step A/B at 1-4 rows (~5 min)
 #   bash benchmarks/h200_checks.sh sms        # the experts calls alone at 1 and 16 rows with grids for 132, 100 and 66 SMs (~2 min)
 #   bash benchmarks/h200_checks.sh probe      # the experts launches' phases at 1 and 4 rows, stamped by the probe build: without and with PDL, without the loop's loads (~2 min)
 #   bash benchmarks/h200_checks.sh ringmix    # the ring gate-up's mixed decode: its GPU tests, the experts calls, the step A/B at 1-64 rows (~5 min)
@@ -535,24 +534,17 @@ for group in "$@"; do
         summary+=("$(grep -E '^\||FAILED' "$OUT/chain_$c.log" 2>/dev/null)")
       done
       step chain_tests 150 python3 -m pytest -q -rfE --timeout 140 -m gpu tests/test_cuda_experiments.py -k chain ;;
-    tchain)  # the same chains with the step's own Triton loop (triton_chain.py, 2026-12-06): one persistent launch of
-      # 1, 2 and 4 programs per SM against the same kernel a launch a layer and linear_fp8 a launch a layer, the stages
-      # off and on; each checks linear_fp8's bits first. Is the ~6 us per launch boundary what a persistent launch takes
-      # back, once the loop is Triton's? The kernel's tests (on the GPU) last
+    tchain)  # the same chains with the step's own Triton loop (triton_chain.py, linear_chain.py, 2026-12-06): one
+      # persistent launch of 1, 2 and 4 programs per SM against the same kernel a launch a layer and linear_fp8 a launch a
+      # layer, the stages off and on; each checks linear_fp8's bits first. Is the ~6 us per launch boundary what a
+      # persistent launch takes back, once the loop is Triton's? Answered on one H100 (docs/PERFORMANCE.md, 2026-12-06
+      # from 15:58): no. (The group wochain, the chain as the step's wo_a -> wo_b, is read at e55fad6.) Its tests last
       for c in wo hca hca4; do
         step "tchain_$c" 150 python3 benchmarks/kernels/chain_probe.py --out "$OUT/tchain_$c" --chain "$c" --kinds none \
           --tchain 1,2,4
         summary+=("$(grep -E '^\||FAILED' "$OUT/tchain_$c.log" 2>/dev/null)")
       done
-      step tchain_tests 120 python3 -m pytest -q -rfE --timeout 100 tests/kernels/test_triton_chain.py ;;
-    wochain)  # wo_a -> wo_b in one persistent launch in the step (fast.WO_CHAIN_ROWS, kernels/linear_chain.py, 2026-12-06):
-      # its bit tests (the kernel against linear_fp8, the step's logits alone and in a batch of 16 against two launches),
-      # then the 30-layer step at 1, 2 and 4 rows, 3 rounds: off, the chain on 2 programs per SM, on 4; 1-row timelines
-      step wochain_tests 240 python3 -m pytest -q -rfE --timeout 200 tests/kernels/test_linear_chain.py \
-        tests/kernels/test_fast_step_triton.py tests/test_fast_gpu.py -k "chain or wo_pair"
-      C='import megastep.model.fast as f; f.WO_CHAIN_ROWS = 4'
-      ab wochain 240 --layers 30 --batch 1,2,4 --rounds 3 --timeline-batch 1 --arm off= --arm "c2=$C" \
-        --arm "c4=$C; import megastep.kernels.linear_chain as c; c.PROGRAMS_PER_SM = 4" ;;
+      step tchain_tests 120 python3 -m pytest -q -rfE --timeout 100 tests/kernels/test_linear_chain.py ;;
     probe)  # where a 1- and 4-row experts call's launches spend their time: the probe build's stamps (moe_lut_probe.py)
       step lut_probe 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT" --ms 1,4
       step lut_probe_pdl 60 python3 benchmarks/kernels/moe_lut_probe.py --out "$OUT/pdl" --ms 1,4 --pdl
@@ -650,7 +642,7 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | attn | tune | overlap | pdl | offload | offload_a | offload_auto | offload_auto24 | offload_b | offload_zc | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | pins | chain | tchain | wochain | probe | ringmix | sms | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
+      echo "unknown group $group (tests | resident | trace | attn | tune | overlap | pdl | offload | offload_a | offload_auto | offload_auto24 | offload_b | offload_zc | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | pins | chain | tchain | probe | ringmix | sms | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
       exit 2 ;;
   esac
 done

@@ -417,31 +417,6 @@ def test_indexer_first_changes_no_bits(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
-def test_wo_pair_in_one_launch_changes_no_bits(monkeypatch):
-    """fast.WO_CHAIN_ROWS = 1: wo_a -> wo_b as one persistent launch (kernels/linear_chain.py) at 1 row:
-    the greedy logits at 1 row (graphs with PDL) and in a batch of 16 (two launches there), bit for bit
-    against WO_CHAIN_ROWS = 0; the 1-row steps really took the chain, and no wait gave up."""
-    from megastep.kernels import linear_chain as lc
-    from megastep.model import fast
-
-    monkeypatch.setattr(fast, "WO_CHAIN_ROWS", 0)
-    want = alone_then_batched(build(experts="lut"))
-    rows = []
-    real = lc.LinearChain.__call__
-
-    def spy(self, x, *a, **k):
-        rows.append(x.shape[0])
-        return real(self, x, *a, **k)
-
-    monkeypatch.setattr(lc.LinearChain, "__call__", spy)
-    monkeypatch.setattr(fast, "WO_CHAIN_ROWS", 1)
-    built = build(experts="lut")
-    got = alone_then_batched(built)
-    assert rows and set(rows) == {1}
-    built[1].check_waits()
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
-
-
 def test_q_norm_in_the_x_launch_changes_no_bits(monkeypatch):
     """fast.QNORM_TAIL_ROWS = 16: the q norm made by the x group's launch instead of rms_norm's launch
     after it: the greedy logits at 1 row (graphs with PDL) and in a batch of 16, bit for bit against

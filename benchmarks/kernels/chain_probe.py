@@ -4,7 +4,10 @@ one row? (chain_probe.cu; one H200, ~1-2 min a chain.)
 Answered 2026-12-05 on one H100 (docs/PERFORMANCE.md, "2026-12-05 from 10:52 UTC"): nothing. Every
 entry, persistent or a launch a layer, streamed below the step's Triton linears (hca4: 58.8 us for
 Triton, 63.9 at best a launch a layer with PDL, 68.9 persistent; 50-59 % of the streaming read
-against 60-65 %), and the chain was no faster than sep_pdl.
+against 60-65 %), and the chain was no faster than sep_pdl. Asked again 2026-12-06 with the step's own
+Triton loop (`--tchain`: linear_chain.py, one H100): the same answer. At 2-3 programs per SM (what its
+registers let be resident) the persistent chain was 25-50 % slower than linear_fp8's launches (wo: 43.96
+against 35.07 us), and as the step's wo_a -> wo_b at 4 per SM it took 35.1 us against 34.1.
 
     python benchmarks/kernels/chain_probe.py [--out DIR] [--chain hca4|hca|wo|small] [--reps 20] [--gaps off,on]
         [--kinds KIND,...|none] [--tchain 1,2,4]
@@ -47,7 +50,7 @@ wo_b 4096 x 8192, 107 MB; "hca" the last three, "wo" the last two):
   entry streamed at the cp.async ring's rate (hca4 65.06 against 63.78 us, wo 39.35 against 39.09; Triton
   58.05 and 35.27), so the loop direction ends. (The copy-only floors take K / KC splits, more split
   traffic than the MMA entries, and bound nothing: the rule's second clause was void.)
- - tchain / tsep (`--tchain`, added 2026-12-06: triton_chain.py, megastep/kernels/linear_chain.py): the
+ - tchain / tsep (`--tchain`, added 2026-12-06: triton_chain.py, linear_chain.py): the
   same chain with the step's own Triton loop, in ONE persistent launch of P programs (tchain), and the
   same kernel a launch a layer (tsep); P is given as programs per SM. Every layer's y must have
   linear_fp8's bits (checked) and no wait may give up; only then is it timed. It separates what
@@ -315,7 +318,7 @@ def check_tchains(copies, per_sm, log) -> list:
     every layer's y with linear_fp8's bits in both modes, no wait gave up, the counters back at zero.
     Returns [(name, [one per copy])] of those that passed; a failure is logged, not raised."""
     import triton_chain as TC
-    from megastep.kernels import linear_chain as LC
+    import linear_chain as LC
     from megastep.kernels import linear_fp8 as LIN
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []

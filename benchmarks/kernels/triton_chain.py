@@ -1,4 +1,4 @@
-"""chain_probe.py's `--tchain` entries: a chain_probe.Chain through `megastep.kernels.linear_chain` (the
+"""chain_probe.py's `--tchain` entries: a chain_probe.Chain through linear_chain.py (the
 chain of FP8 linears in one persistent Triton launch with linear_fp8's loop and bits), and the same
 kernel a launch a layer.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from megastep.kernels import linear_chain as LC
+import linear_chain as LC
 
 
 class TritonChain:

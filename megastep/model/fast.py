@@ -35,7 +35,6 @@ from megastep.kernels import common as _common
 from megastep.kernels import compressor as _comp
 from megastep.kernels import dense as _dense
 from megastep.kernels import indexer as _idx
-from megastep.kernels import linear_chain as _chain
 from megastep.kernels import linear_fp8 as _lin
 from megastep.kernels import mhc as _mhc
 from megastep.kernels import moe as _moe
@@ -159,10 +158,6 @@ INDEXER_FIRST = True
 # but 2 rows +0.74 %, 4 +0.83 %, 8 +1.37 %, 16 +2.18 %, 64 +3.57 % (one program norms the tile's rows one
 # after the other). (The norm in each qr program's prologue instead: +2.8 to +6.2 %, removed; read at 6d1efe0.)
 QNORM_TAIL_ROWS = 1
-# Steps of at most this many rows (<= 16) run wo_a -> wo_b as one persistent launch (kernels/linear_chain.py:
-# a program starts its wo_b items as soon as their group of wo_a's output is in, instead of after wo_a's
-# last program; linear_fp8's bits). 0: two launches. Not measured in the step yet (2026-12-06).
-WO_CHAIN_ROWS = 0
 
 
 def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
@@ -271,7 +266,6 @@ class FastDecoder(MoeSublayer):
         if cpu_share is not None and not 0.0 <= cpu_share <= 1.0:
             raise ValueError(f"cpu_share must be in [0, 1], got {cpu_share}")
         self.sidecar = None
-        self._wo_chain = None  # one LinearChain for every layer's wo_a -> wo_b (WO_CHAIN_ROWS)
         self.owned = experts_of(rank, world_size, cfg.n_routed_experts)  # all of them on one rank
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # the one tensors report
@@ -680,8 +674,6 @@ class FastDecoder(MoeSublayer):
         with stage(T, "out_proj", L):
             G, R = cfg.o_groups, cfg.o_lora_rank
             if not split:
-                if tr and B <= WO_CHAIN_ROWS and lw["wo_a"].scale is not None and lw["wo_b"].scale is not None:
-                    return self._wo_pair(lw, o.reshape(B, -1))
                 return lw["wo_b"](lw["wo_a"].grouped(o.reshape(B, G, -1), G, R, tr), tr)
             # this rank's groups of wo_a, then its splits of wo_b, gathered and summed with the others'
             wo_a, wo_b, Gl = lw["wo_a"], lw["wo_b"], G // self.world_size
@@ -691,19 +683,6 @@ class FastDecoder(MoeSublayer):
             _lin.linear_fp8_splits(u, wo_b.w, wo_b.scale, full, _lin.split_cols(K, full),
                                    out=self.split_peer.buffer(L, B))
             return self.split_peer.combine(L, B)
-
-    def _wo_pair(self, lw: dict, o: torch.Tensor) -> torch.Tensor:
-        """wo_b(wo_a(o)) in one persistent launch (WO_CHAIN_ROWS): the bits of the two linear_fp8 launches."""
-        wo_a, wo_b, G = lw["wo_a"], lw["wo_b"], self.cfg.o_groups
-        if self._wo_chain is None:  # built at the first (eager) step, before any graph capture
-            try:
-                self._wo_chain = _chain.LinearChain([_chain.ChainLayer(wo_a.w, wo_a.scale, G, False, o.dtype),
-                                                     _chain.ChainLayer(wo_b.w, wo_b.scale, 1, True, o.dtype)])
-            except ValueError:  # shapes the chain does not take (linear_fp8's configuration for them)
-                self._wo_chain = False
-        if self._wo_chain is False:
-            return wo_b(wo_a.grouped(o.reshape(o.shape[0], G, -1), G, self.cfg.o_lora_rank, True), True)
-        return self._wo_chain(o, weights=[(wo_a.w, wo_a.scale), (wo_b.w, wo_b.scale)])[1]
 
     def _moe_plan(self, rows: int) -> tuple[str, bool, str]:
         """(router, shared_after_router, shared_w2) of a step of `rows` rows: the constructor's
@@ -722,8 +701,6 @@ class FastDecoder(MoeSublayer):
         CPU. Syncs where one can have run."""
         if self.sidecar is not None:
             self.sidecar.check()
-        if self._wo_chain:
-            self._wo_chain.check()
 
     # ---- the step -------------------------------------------------------------------------
     @torch.inference_mode()

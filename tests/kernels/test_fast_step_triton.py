@@ -324,29 +324,3 @@ def test_q_norm_in_the_x_launch_gives_the_same_bits(monkeypatch):
         assert torch.equal(a, b)
     assert ("rms_norm", True) in seen[0] and ("linear", True) not in seen[0]
     assert ("rms_norm", True) not in seen[2] and seen[2].count(("linear", True)) == 2 * 2  # 2 layers x 2 steps
-
-
-def test_wo_pair_in_one_launch_gives_the_same_bits(monkeypatch):
-    """fast.WO_CHAIN_ROWS: wo_a -> wo_b as one persistent launch (kernels/linear_chain.py) instead of two
-    linear_fp8 launches gives the same logits bit for bit over two 2-row steps, and the steps really take
-    the chain (one launch a layer a step)."""
-    from megastep.kernels import linear_chain as lc
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = tiny_cfg(num_hidden_layers=2, o_lora_rank=128)  # wo_a's groups of 128 rows: the grouped FP8 path
-    w = synthesize_weights(cfg, seed=9, device=dev, include_mtp=False)
-    calls = []
-    real = lc.LinearChain.__call__
-
-    def spy(self, x, *a, **k):
-        calls.append(tuple(x.shape))
-        return real(self, x, *a, **k)
-
-    monkeypatch.setattr(lc.LinearChain, "__call__", spy)
-    logits, seen, d = two_steps_each(monkeypatch, cfg, w, "WO_CHAIN_ROWS", (0, 2), 6, calls)
-    for a, b in zip(logits[0], logits[2]):
-        assert torch.isfinite(a).all() and torch.equal(a, b)
-    G, K = cfg.o_groups, cfg.num_attention_heads * cfg.head_dim
-    assert seen[0] == [] and seen[2] == [(2, K)] * 4  # 2 layers x 2 steps
-    assert d._wo_chain.params[0]["N"] == G * cfg.o_lora_rank
-    d.check_waits()

@@ -1,4 +1,4 @@
-"""megastep/kernels/linear_chain.py: a chain of FP8 linears in one persistent launch. Every layer's output
+"""benchmarks/kernels/linear_chain.py (a probe): a chain of FP8 linears in one persistent launch. Every layer's output
 has linear_fp8's bits (fp32 and bf16 outputs, with and without the activation quantization, grouped
 layers, 1 and 3 rows), in one launch and a launch a layer, and is near linear_chain_ref; the counters are
 back at zero after each launch; the item order and what it refuses; chain_probe.py's wrapper of it. On the
@@ -11,11 +11,12 @@ import sys
 import pytest
 import torch
 
-from megastep.kernels import linear_chain as LC
 from megastep.kernels import linear_fp8 as LIN
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks", "kernels"))
+
+import linear_chain as LC  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PROGRAMS = [1] if DEV == "cpu" else [None, 4 * torch.cuda.get_device_properties(0).multi_processor_count]

@@ -1,5 +1,11 @@
-"""A chain of FP8 block-scaled linears for a few rows in ONE persistent launch, with `linear_fp8`'s loop
-and bits: y_0 = L_0(x), y_{l+1} = L_{l+1}(y_l[:, :G K]) (the step's wo_a -> wo_b at one row).
+"""A probe, not used by the runtime: a chain of FP8 block-scaled linears for a few rows in ONE persistent
+launch, with `linear_fp8`'s loop and bits: y_0 = L_0(x), y_{l+1} = L_{l+1}(y_l[:, :G K]).
+
+Answered 2026-12-06 on one H100 (docs/PERFORMANCE.md, "2026-12-06 from 15:58 UTC"): no gain. As the
+step's wo_a -> wo_b at one row (fast.WO_CHAIN_ROWS, built, bit-identical, removed: read it at e55fad6)
+the chain took 35.1 us against 34.1 for the two linear_fp8 launches with 4 programs per SM (the 16-layer
+step +1.0 % at 1 row, +7 % at 2 rows) and 41.1 us with 2 (+3.6 %); bare (chain_probe.py --tchain) every
+program-count was slower than linear_fp8's launches, by as much as its programs in flight were fewer.
 
 Shapes and dtypes (M <= 16 rows): x [M, G_0 K_0] bf16 / fp32; layer l: w e4m3 [N_l, K_l], scale e8m0
 [N_l / 128, K_l / 128], G_l groups (output rows [g N/G, (g + 1) N/G) read input columns [g K, (g + 1) K),
