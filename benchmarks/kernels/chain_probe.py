@@ -5,9 +5,10 @@ Answered 2026-12-05 on one H100 (docs/PERFORMANCE.md, "2026-12-05 from 10:52 UTC
 entry, persistent or a launch a layer, streamed below the step's Triton linears (hca4: 58.8 us for
 Triton, 63.9 at best a launch a layer with PDL, 68.9 persistent; 50-59 % of the streaming read
 against 60-65 %), and the chain was no faster than sep_pdl. Asked again 2026-12-06 with the step's own
-Triton loop (`--tchain`: linear_chain.py, one H100): the same answer. At 2-3 programs per SM (what its
-registers let be resident) the persistent chain was 25-50 % slower than linear_fp8's launches (wo: 43.96
-against 35.07 us), and as the step's wo_a -> wo_b at 4 per SM it took 35.1 us against 34.1.
+Triton loop (`--tchain`: linear_chain.py, one H100): the same answer. On 2 programs per SM (4 could not
+be resident: 149-209 registers a thread) the persistent chain was 25-50 % slower than linear_fp8's
+launches (wo: 43.96 against 35.07 us), and as the step's wo_a -> wo_b on 4 per SM it took 35.1 us
+against 34.1.
 
     python benchmarks/kernels/chain_probe.py [--out DIR] [--chain hca4|hca|wo|small] [--reps 20] [--gaps off,on]
         [--kinds KIND,...|none] [--tchain 1,2,4]

@@ -246,7 +246,7 @@ def plan(layers: list[ChainLayer]) -> list[dict]:
 class LinearChain:
     """The launches of a chain of these shapes (built once: its item table, partials and counters on the
     device). `__call__(x)` returns every layer's output, with the given layers' weights or, `weights=`,
-    another chain's of the same shapes (the step's layers share one LinearChain). Launches of one
+    another chain's of the same shapes (the step's layers shared one at e55fad6). Launches of one
     LinearChain must not run concurrently (they share its partials and counters): one stream."""
 
     def __init__(self, layers: list[ChainLayer], programs: int | None = None):
