@@ -247,6 +247,15 @@ class Chain:
             y = LIN.linear_fp8(x, ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)
         return y
 
+    def check_linear_fp8_bits(self, name: str) -> None:
+        """Each layer's y against linear_fp8 of the input it read, bit for bit; raises AssertionError."""
+        from megastep.kernels import linear_fp8 as LIN
+        for i, ly in enumerate(self.layers):
+            ref = LIN.linear_fp8(self.x(i), ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)[0]
+            if not torch.equal(ref, self.ys[i]):
+                n = int((ref != self.ys[i]).sum())
+                raise AssertionError(f"{name}: layer {i} differs from linear_fp8 in {n} of {ref.numel()} outputs")
+
     def check(self, tol: float = 1e-5) -> float:
         """Each layer's y against linear_fp8_ref of the input it read; returns the largest error
         relative to the sum of |products| of its element. Raises when over tol."""
@@ -271,7 +280,6 @@ def check_shape(module: CudaModule, chain: Chain, shape, log, kind: str = "gemv"
     """One entry: every mode checked against the ref; sep, sep_pdl and chain (without and with the
     chain's gaps) the same bits, run to run too; no spin gave up (all CTAs resident); "tri" also
     linear_fp8's bits, layer by layer. Raises AssertionError."""
-    from megastep.kernels import linear_fp8 as LIN
     name = entry(*shape, kind)
     outs = {}
     for mode, gaps in (("sep", False), ("sep_pdl", True), ("chain", False), ("chain", True)):
@@ -293,11 +301,7 @@ def check_shape(module: CudaModule, chain: Chain, shape, log, kind: str = "gemv"
                 raise AssertionError(f"{name}: {key} differs from sep in layer {i}")
     log(f"{name}: sep, sep_pdl, chain (without and with the gaps) give the same bits")
     if kind in TRI_KINDS:
-        for i, ly in enumerate(chain.layers):
-            ref = LIN.linear_fp8(chain.x(i), ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)[0]
-            if not torch.equal(ref, chain.ys[i]):
-                n = int((ref != chain.ys[i]).sum())
-                raise AssertionError(f"{name}: layer {i} differs from linear_fp8 in {n} of {ref.numel()} outputs")
+        chain.check_linear_fp8_bits(name)
         log(f"{name}: every layer has linear_fp8's bits")
 
 
@@ -318,9 +322,8 @@ def check_tchains(copies, per_sm, log) -> list:
     """triton_chain.TritonChain for each copy at each programs-per-SM count, checked before any timing:
     every layer's y with linear_fp8's bits in both modes, no wait gave up, the counters back at zero.
     Returns [(name, [one per copy])] of those that passed; a failure is logged, not raised."""
-    import triton_chain as TC
     import linear_chain as LC
-    from megastep.kernels import linear_fp8 as LIN
+    import triton_chain as TC
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
     for k in per_sm:
@@ -347,12 +350,7 @@ def check_tchains(copies, per_sm, log) -> list:
                     if lc.exit[1].item() or lc.exit[0].item() or lc.chunks.any().item():
                         raise AssertionError(f"{name} {mode}: a wait gave up, or the counters were not reset "
                                              f"(exit {lc.exit.tolist()}, chunks {int(lc.chunks.sum())})")
-                    for i, ly in enumerate(c.layers):
-                        ref = LIN.linear_fp8(c.x(i), ly.w, ly.ws, out_dtype=torch.float32, groups=ly.G)[0]
-                        if not torch.equal(ref, c.ys[i]):
-                            n = int((ref != c.ys[i]).sum())
-                            raise AssertionError(f"{name} {mode}: layer {i} differs from linear_fp8 in {n} of "
-                                                 f"{ref.numel()} outputs")
+                    c.check_linear_fp8_bits(f"{name} {mode}")
             log(f"tchain {name}: chain (with 1 us gaps), sep, chain again: every layer has linear_fp8's bits")
             out.append((name, tcs))
         except AssertionError as e:

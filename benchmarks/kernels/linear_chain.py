@@ -244,10 +244,9 @@ def plan(layers: list[ChainLayer]) -> list[dict]:
 
 
 class LinearChain:
-    """The launches of a chain of these shapes (built once: its item table, partials and counters on the
-    device). `__call__(x)` returns every layer's output, with the given layers' weights or, `weights=`,
-    another chain's of the same shapes (the step's layers shared one at e55fad6). Launches of one
-    LinearChain must not run concurrently (they share its partials and counters): one stream."""
+    """The launches of one chain (built once: its item table, partials and counters on the device).
+    `__call__(x)` returns every layer's output. Launches of one LinearChain must not run concurrently
+    (they share its partials and counters): one stream."""
 
     def __init__(self, layers: list[ChainLayer], programs: int | None = None):
         self.layers = layers
@@ -274,17 +273,10 @@ class LinearChain:
                                "for the SMs left free?); its outputs are wrong")
 
     def __call__(self, x: torch.Tensor, ys: list[torch.Tensor] | None = None, mode: str = "chain",
-                 gaps_ns: list[int] | None = None,
-                 weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> list[torch.Tensor]:
+                 gaps_ns: list[int] | None = None) -> list[torch.Tensor]:
         """x [M, G_0 K_0], M <= 16 -> [y_0, ..., y_{L-1}] (ys: given outputs [M, N_l], else new ones).
         mode "chain": one launch; "sep": one launch per layer (the stream orders them; no waits).
-        gaps_ns: per layer, a wait after its first input chunk (probes: chain_probe.py --tchain).
-        weights: (w, scale) per layer instead of the layers' own, each of the same shape and dtype."""
-        if weights is None:
-            weights = [(ly.w, ly.scale) for ly in self.layers]
-        elif [(w.shape, w.dtype, s.shape) for w, s in weights] != [(ly.w.shape, ly.w.dtype, ly.scale.shape)
-                                                                    for ly in self.layers]:
-            raise ValueError("weights of other shapes than the chain's")
+        gaps_ns: per layer, a wait after its first input chunk (probes: chain_probe.py --tchain)."""
         M = x.shape[0]
         if not 1 <= M <= BLOCK_M or x.shape[1] < self.layers[0].groups * self.params[0]["K"] or x.stride(1) != 1:
             raise ValueError(f"x {tuple(x.shape)} (stride {x.stride()}): 1..{BLOCK_M} rows of at least "
@@ -304,8 +296,7 @@ class LinearChain:
             for slot in range(MAX_LAYERS):
                 i = g[min(slot, len(g) - 1)]  # an unused slot repeats the last layer (never read)
                 p, ly = self.params[i], self.layers[i]
-                w, ws = weights[i]
-                args += [w, ws.view(torch.uint8), ys[i], self.parts[i], self.tile_cnt[i], p["N"], p["K"],
+                args += [ly.w, ly.scale.view(torch.uint8), ys[i], self.parts[i], self.tile_cnt[i], p["N"], p["K"],
                          p["kps"], p["G"], gaps_ns[i]]
                 consts[f"S{slot}"] = p["splits"]
                 consts[f"Q{slot}"] = ly.quantize_act
@@ -321,15 +312,11 @@ class LinearChain:
 
 
 def max_programs(compiled, sms: int) -> int:
-    """Programs of `compiled` (a launched _chain_kernel) that can be resident at once on `sms` SMs of
-    a Hopper GPU (64K registers, 227 KB of shared memory and 32 CTAs an SM; registers are allocated per
-    warp in units of 256)."""
-    regs = max(compiled.n_regs, 1)
-    warp_regs = -(-regs * 32 // 256) * 256
-    by_regs = 65536 // (warp_regs * 4)
-    shared = compiled.metadata.shared
-    by_smem = (227 * 1024) // (shared + 1024) if shared else 32
-    return sms * min(by_regs, by_smem, 32)
+    """Programs of `compiled` (a launched _chain_kernel, 4 warps) that can be resident at once on `sms`
+    sm_90 SMs (occupancy.per_sm's count)."""
+    import occupancy
+
+    return sms * occupancy.per_sm(4, compiled.n_regs, compiled.metadata.shared)[0]
 
 
 def linear_chain_ref(x: torch.Tensor, layers: list[ChainLayer]) -> list[torch.Tensor]:

@@ -22,16 +22,12 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PROGRAMS = [1] if DEV == "cpu" else [None, 4 * torch.cuda.get_device_properties(0).multi_processor_count]
 
 
-def _weight(N, K, g):
-    w = (torch.randn(N, K, device=DEV, generator=g) * 64).to(torch.float8_e4m3fn)
-    s = torch.randint(118, 125, (N // 128, K // 128), device=DEV, generator=g, dtype=torch.uint8)
-    return w, s.view(torch.float8_e8m0fnu)
-
-
 def _chain(shapes, quant, out_dtype, seed=0):
     """shapes: (N, K, G) per layer."""
+    import bench_kernels as BK
+
     g = torch.Generator(device=DEV).manual_seed(seed)
-    return [LC.ChainLayer(*_weight(N, K, g), G, q, out_dtype) for (N, K, G), q in zip(shapes, quant)]
+    return [LC.ChainLayer(*BK.fp8_weight(N, K, g, DEV), G, q, out_dtype) for (N, K, G), q in zip(shapes, quant)]
 
 
 # a split layer, a grouped layer reading the first 256 outputs, a layer of 4 splits
