@@ -18,7 +18,6 @@
 #   bash benchmarks/h200_checks.sh offload_auto # recipe A with --hbm-budget auto (135 GB if auto fails) (~1.5 min)
 #   bash benchmarks/h200_checks.sh moeanat    # the 1-row MoE sublayer under the ring, spread and register gate-up and the early fork: 30 layers, timelines (~4 min)
 #   bash benchmarks/h200_checks.sh ringsms    # the 1-row ring gate-up on 96-120 SMs, the rest left to the shared expert: 30 layers, timelines (~3 min)
-#   bash benchmarks/h200_checks.sh fgate      # the MoE gate inside the CUDA routing's launch at 1-4 rows, now that the 1-row ring leaves SMs: bit tests, A/B (~4 min)
 #   bash benchmarks/h200_checks.sh offload_auto24 # offload_auto for an 80 GB GPU: 24 layers, auto against 60 GB (~3 min)
 #   bash benchmarks/h200_checks.sh offload_a16 # offload_a for an 80 GB GPU: 16 layers, 45 GB budget, recipe A (~1 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
@@ -373,17 +372,6 @@ for group in "$@"; do
       ab ringsms 240 --layers 30 --batch 1 --rounds 3 --timeline-batch 1 --arm "all=$M; m.RING_ONE_ROW_SMS = None" \
         --arm "c96=$M; m.RING_ONE_ROW_SMS = 96" --arm "c104=$M; m.RING_ONE_ROW_SMS = 104" --arm c112= \
         --arm "c120=$M; m.RING_ONE_ROW_SMS = 120" ;;
-    fgate)  # the MoE gate GEMV inside the CUDA routing's launch (route_cuda.FUSED_GATE_ROWS, built 2026-12-05, the same
-      # bits): it lost 2.5-5.4 % at 1-4 rows in the twenty-eighth measurement, though the fused launch ended 1.2 us
-      # sooner: gate-up's CTAs, placed under PDL, held every SM and the shared expert's w1/w3 started 8.7 us later.
-      # Since the 1-row ring runs on 112 CTAs (2026-12-06) the shared expert takes the SMs left from the routing's
-      # end, so the 1.2 us may now reach the step. Its bit tests first, then the step at 1, 2 and 4 rows, 3 rounds,
-      # 1-row timelines
-      step fgate_tests 200 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
-        -k "fused_gate_route or alone or same_input"
-      R='import megastep.kernels.route_cuda as r'
-      ab fgate 240 --layers 30 --batch 1,2,4 --rounds 3 --timeline-batch 1 --arm off= \
-        --arm "fg1=$R; r.FUSED_GATE_ROWS = 1" --arm "fg4=$R; r.FUSED_GATE_ROWS = 4" ;;
     offload_auto24)  # offload_auto on an 80 GB GPU: 24 layers (88 GB of weights), --hbm-budget auto (~73 GB there) against
       # 60 GB, recipe A; compare only within the call
       bench offload24_skewed_gpu_auto 200 --layers 24 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu
@@ -654,7 +642,7 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | attn | tune | overlap | pdl | offload | offload_a | offload_auto | fgate | offload_auto24 | offload_b | offload_zc | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | pins | chain | tchain | probe | ringmix | sms | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
+      echo "unknown group $group (tests | resident | trace | attn | tune | overlap | pdl | offload | offload_a | offload_auto | offload_auto24 | offload_b | offload_zc | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | pins | chain | tchain | probe | ringmix | sms | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
       exit 2 ;;
   esac
 done
