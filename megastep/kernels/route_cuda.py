@@ -58,8 +58,8 @@ MAX_GROUPED_PAIRS = THREADS  # the grouping: a thread per pair
 # twenty-eighth measurement), the 30-layer step 4.0-4.3 % slower at 1 row, 2.5-5.4 % at 2-4: gate-up,
 # launched under PDL, holds its SMs waiting for the longer launch and the shared expert starts late.
 # Again with the 1-row ring gate-up on 112 CTAs (2026-12-06 from 18:18, one H100, 16 layers, group `fgate`
-# at 90bd690): +2.78 % at 1 row, +4.27 % at 2 and +2.80 % at 4 with 4; the routing ended 0.8 us sooner and
-# gate-up 4 us later.
+# at 90bd690): +2.78 % at 1 row; taken up to 4 rows, +4.27 % at 2 and +2.80 % at 4. At 1 row the routing
+# ended 0.8 us sooner and gate-up 4 us later.
 FUSED_GATE_ROWS = 0
 FUSED_MAX_ROWS = 8
 
