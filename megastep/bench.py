@@ -284,6 +284,7 @@ def _batches(text: str) -> list[int]:
 
 
 def _check_args(args: argparse.Namespace, batches: list[int]) -> None:
+    preset(args.preset, layers=args.layers)  # (an unknown preset or layer count: its own message, before the device's)
     if args.json:
         check_output_file(args.json, "--json")
     if args.block < 1 or any(b % args.block for b in batches):

@@ -75,6 +75,9 @@ def test_no_quant_sim_flag_changes_numerics_not_interface(small_dir, capsys):
         (["inspect", "/nonexistent/model"], "/nonexistent/model"),
         (["make-checkpoint", "--preset", "huge", "--out", "/tmp/x"], "unknown preset"),
         (["bench", "--batch", "1,6", "--block", "4"], "multiple of it"),
+        # the preset and its layers are checked before the device (a CPU machine names the typo, not the GPU)
+        (["bench", "--preset", "huge"], "unknown preset 'huge'"),
+        (["bench", "--layers", "99"], "--layers must be in 1..43"),
         (["bench", "--gpus", "0,1,2"], "cannot split 256 routed experts evenly over 3"),
         (["serve", "--model", "{small}", "--hbm-budget", "10"], "for the fast engine"),
         (["bench", "--gpus", "0,1", "--hbm-budget", "100"], "drop --hbm-budget"),
