@@ -283,8 +283,10 @@ def _batches(text: str) -> list[int]:
     return rows
 
 
-def _check_args(args: argparse.Namespace, batches: list[int]) -> None:
-    preset(args.preset, layers=args.layers)  # (an unknown preset or layer count: its own message, before the device's)
+def _check_args(args: argparse.Namespace, batches: list[int]) -> ModelConfig:
+    """Refuse bad arguments in one message each; the run's config (the preset first: a typo is named on a
+    machine without the device too)."""
+    cfg = preset(args.preset, layers=args.layers)
     if args.json:
         check_output_file(args.json, "--json")
     if args.block < 1 or any(b % args.block for b in batches):
@@ -296,6 +298,7 @@ def _check_args(args: argparse.Namespace, batches: list[int]) -> None:
             raise UserError(f"--{flag.replace('_', '-')} on splits {what} over GPUs: give two or more with --gpus")
     if not torch.cuda.is_available():
         raise UserError("megastep bench needs a CUDA device")
+    return cfg
 
 
 @dataclasses.dataclass
@@ -334,10 +337,9 @@ def setup(args: argparse.Namespace, rank=None) -> BenchSetup:
     from megastep.model.fast import FastDecoder
 
     batches = _batches(args.batch)
-    _check_args(args, batches)
+    cfg = _check_args(args, batches)
     dev = rank.device if rank is not None else torch.device("cuda")
     W = rank.world_size if rank is not None else 1
-    cfg = preset(args.preset, layers=args.layers)
     if args.moe_mode == "lut" and not moe_lut.supported(dev, torch.bfloat16, cfg.hidden_size,
                                                          cfg.moe_intermediate_size):
         raise UserError(f"--moe-mode lut needs nvcc and hidden / moe intermediate sizes that are multiples of 512 "
