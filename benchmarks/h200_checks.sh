@@ -37,6 +37,7 @@
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
+#   bash benchmarks/h200_checks.sh passes     # the step at 1-64 rows under the default and the skewed routing, with the experts kernels' passes (~2 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
@@ -476,6 +477,11 @@ for group in "$@"; do
         tests/kernels/test_moe.py tests/kernels/test_route_cuda.py \
         -k "cold_expert or alone or same_input or graph_replay or indexer_beside or lut or route"
       final_step ;;
+    passes)  # why 64 rows read their experts slower than 16 (2026-12-07): the lut kernels stream an expert's rows
+      # once per 2 of its pairs, so the reads line's passes per expert read against the step, under the synthetic
+      # gates' routing and the skewed one (which puts more pairs on fewer experts)
+      bench passes_default 150 --layers 30 --batch 1,16,32,64 --trace
+      bench passes_skewed 150 --layers 30 --batch 1,16,32,64 --routing skewed --trace ;;
     table)  # final's step alone (its bit tests already run on the same defaults): the table at the top of PERFORMANCE.md
       final_step ;;
     csa64)  # CSA attention on the 2026-12-04 sweep's winner, h16 n64 c64 w8 (alone 22.4 / 214.2 us at 1 / 64 rows against

@@ -24,6 +24,7 @@ Method (docs/PERFORMANCE.md quotes it):
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import json
@@ -166,20 +167,33 @@ def trace_step(dec, rows: int, context: int, repeats: int = 3,
 def routed_reads(dec, placement, rows: int, context: int, block: int = 1, steps: int = 3) -> dict:
     """The routed experts time_graph's rows actually read: `steps` eager steps of those rows with
     the decoder's route log on, and in each the distinct (layer, expert) pairs, counted by where
-    `placement` keeps them (HBM: hot, host memory: cold)."""
+    `placement` keeps them (HBM: hot, host memory: cold); with them the passes the "lut" experts
+    kernels make over those experts' weights (`expert_passes`)."""
     tokens, pos, slots = _rows(dec.device, rows, context, block)
-    hot, cold = [], []
+    hot, cold, passes, most = [], [], [], []
     for _ in range(steps):
         dec.route_log = []
         try:
             dec.step(tokens, pos, slots, block=block)
         finally:
             log, dec.route_log = dec.route_log, None
-        pairs = {(L, e) for L, idx in log for e in idx.flatten().tolist()}
-        n_cold = sum(not placement.is_hot(L, e) for L, e in pairs)
-        hot.append(len(pairs) - n_cold)
+        counts = collections.Counter((L, e) for L, idx in log for e in idx.flatten().tolist())
+        n_cold = sum(not placement.is_hot(L, e) for L, e in counts)
+        hot.append(len(counts) - n_cold)
         cold.append(n_cold)
-    return {"steps": steps, "hot_per_step": hot, "cold_per_step": cold}
+        passes.append(expert_passes(counts.values()))
+        most.append(max(counts.values(), default=0))
+    return {"steps": steps, "hot_per_step": hot, "cold_per_step": cold, "passes_per_step": passes,
+            "most_pairs": most}
+
+
+def expert_passes(pairs_per_expert) -> int:
+    """The passes the "lut" experts kernels make over the weights of experts with these pair counts:
+    an item streams its rows once for every moe_lut.PAIRS_PER_PASS of the expert's pairs, so an
+    expert that 5 rows route to is streamed 3 times. Against the experts read it says how much of
+    a step's expert work grows with the rows rather than with the bytes."""
+    n = moe_lut.PAIRS_PER_PASS
+    return sum(-(-c // n) for c in pairs_per_expert)
 
 
 def trace_kernels(dec, rows: int, context: int, block: int = 1) -> dict[str, dict[str, float]]:
@@ -546,6 +560,12 @@ def print_report(out: dict) -> None:
                   f"{'/'.join(map(str, rd['hot_per_step']))} in HBM, {'/'.join(map(str, rd['cold_per_step']))} in "
                   f"host memory (expected {b['hot_experts_per_step']:.1f} / {b['cold_experts_per_step']:.2f}); "
                   f"roofline with these reads {rd['roofline_ms']:.3f} ms ({100 * rd['roofline_ms'] / r['ms_p50']:.1f}%)")
+            if rd.get("passes_per_step"):  # (older results lack it)
+                read = sum(rd["hot_per_step"]) + sum(rd["cold_per_step"])
+                print(f"  the experts kernels' passes over those experts' weights ({moe_lut.PAIRS_PER_PASS} pairs a "
+                      f"pass): {'/'.join(map(str, rd['passes_per_step']))}, "
+                      f"{sum(rd['passes_per_step']) / max(read, 1):.3f} per expert read; the most pairs on one "
+                      f"expert {'/'.join(map(str, rd['most_pairs']))}")
     if out.get("peer"):
         p = out["peer"]
         print(f"peer transformers ({p['best_impl']}, {p['layers']} layers, batch 1): {p['ms_per_step']}  "

@@ -88,8 +88,14 @@ def test_reads_line(capsys):
     out["results"][0]["reads"] = {"steps": 3, "hot_per_step": [255, 255, 256], "cold_per_step": [3, 3, 2],
                                   "roofline_ms": 1.8}
     print_report(out)
+    text = capsys.readouterr().out
     assert ("batch 1: routed experts the rows read in 3 eager steps: 255/255/256 in HBM, 3/3/2 in host memory "
-            "(expected 254.0 / 4.09); roofline with these reads 1.800 ms (45.0%)") in capsys.readouterr().out
+            "(expected 254.0 / 4.09); roofline with these reads 1.800 ms (45.0%)") in text
+    assert "passes" not in text  # (results before the pass count)
+    out["results"][0]["reads"].update(passes_per_step=[300, 310, 314], most_pairs=[5, 6, 4])
+    print_report(out)
+    assert ("  the experts kernels' passes over those experts' weights (2 pairs a pass): 300/310/314, 1.194 per "
+            "expert read; the most pairs on one expert 5/6/4") in capsys.readouterr().out
     out["results"][0]["reads"] = None
     print_report(out)
     assert "eager steps" not in capsys.readouterr().out

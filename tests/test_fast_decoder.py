@@ -269,13 +269,29 @@ def test_routed_reads_count_what_the_rows_route_to(tiny):
         return Placement(L, E, k, 1, 0, L * E, order, L * E - len(cold), tuple((1 / E,) * E for _ in range(L)))
 
     one = bench.routed_reads(dec, placement(set()), 1, 8, steps=2)
-    assert one == {"steps": 2, "hot_per_step": [L * k] * 2, "cold_per_step": [0, 0]}
+    assert one == {"steps": 2, "hot_per_step": [L * k] * 2, "cold_per_step": [0, 0], "passes_per_step": [L * k] * 2,
+                   "most_pairs": [1, 1]}  # one row: one pair an expert, one pass each
     assert dec.route_log is None  # off again: a graph captured later clones nothing
     tokens = bench._tokens(3, torch.device("cpu"))
     hashed = {(0, e) for e in w["layers.0.ffn.gate.tid2eid"][tokens].flatten().tolist()}
     three = bench.routed_reads(dec, placement(hashed), 3, 8, steps=2)
     assert three["cold_per_step"] == [len(hashed)] * 2
     assert all(k * L <= h + c <= L * min(E, 3 * k) for h, c in zip(three["hot_per_step"], three["cold_per_step"]))
+    # 3 rows: an expert holds 1-3 pairs, so 1 or 2 passes (3 L k pairs in all)
+    for h, c, n, most in zip(three["hot_per_step"], three["cold_per_step"], three["passes_per_step"],
+                             three["most_pairs"]):
+        assert h + c <= n <= 3 * L * k and 1 <= most <= 3
+        assert (n > h + c) == (most == 3)  # a second pass only for an expert all 3 rows route to
+
+
+def test_expert_passes_count_two_pairs_a_pass():
+    """The "lut" kernels stream an expert's rows once for every 2 of its pairs (moe_lut.PAIRS_PER_PASS)."""
+    from megastep import bench
+    from megastep.kernels import moe_lut
+
+    assert moe_lut.PAIRS_PER_PASS == 2
+    assert bench.expert_passes([]) == 0
+    assert bench.expert_passes([1, 2, 3, 4, 5, 9]) == 1 + 1 + 2 + 2 + 3 + 5
 
 
 def test_consume_drops_a_layers_expert_tensors_before_placing_them(tiny, monkeypatch):

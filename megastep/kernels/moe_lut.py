@@ -51,6 +51,10 @@ THREADS = 256
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
 ITEM_CHANNELS, ITEM_ROWS = 64, 128
 CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
+# A pass of an item streams its weight rows once for at most this many of the expert's pairs (the
+# .cu's run: 2 pairs share an MMA's 8 columns, 4 columns each for the block-diagonal x); an
+# expert with more pairs streams its rows again (from L2 or HBM) for every further 2.
+PAIRS_PER_PASS = 2
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
 EXP_BYTES = 1024  # the .cu's kExpBytes: after the table, RING_MIX's x block exponents
 # Gate-up launches of these row counts (at most 2: every expert slot then has at most 2 pairs)
