@@ -434,7 +434,7 @@ __device__ __forceinline__ void stage_unit(char* xsm, int* xexp, const Args& a, 
   if (!(u & 15)) xexp[r * (L.rowpitch / 256) + u / 16] = __float_as_int(sc) >> 23;
 }
 
-// x rows of pairs c0, c0 + 1 (those < cnt) into row slots 0 and 1, by the 256 threads of a CTA (half)
+// x rows of pairs c0 .. c0 + np - 1 into row slots 0 .. np - 1, by the 256 threads of a CTA (half)
 // (kMix: odd blocks in fp16 with their exponents in xexp; every lane of a warp runs the same
 // iterations, a row's units being a multiple of 64)
 template <bool kMix = false>
@@ -480,6 +480,133 @@ __device__ __forceinline__ void warp_sums(S& st, const char* table, const char* 
   total[1] = __shfl_sync(0xffffffffu, tv[0], q + 2);
   total[2] = __shfl_sync(0xffffffffu, tv[1], q);
   total[3] = __shfl_sync(0xffffffffu, tv[1], q + 2);
+}
+
+// Passes of 2 kSets pairs (moe_down_lut4: kSets = 2, 4 pairs a pass). An expert's item streams its
+// rows once for every 2 of its pairs in warp_sums; the loop is bound by its own instructions, so
+// each further pass costs about what the first did (at 64 rows 1.43 passes per expert read under
+// the synthetic gates' routing, docs/PERFORMANCE.md, 2026-12-06 from 23:36). Here each decoded A
+// fragment feeds one MMA per pair set, set k with its own x into its own sums: per pair the MMAs,
+// scales, adds and the final butterfly of step_sums / pass / warp_sums, in the same order, so a
+// pair's bits do not depend on its set or on the pass width. (The 1-set functions above stay as
+// they are: templating them on kSets changed the registers and schedule of every experts kernel.)
+// Without the mixed decode (down's).
+template <int kSets>
+__device__ __forceinline__ void step_sums_sets(const char* table, uint32_t lane_off, const char* const (&xe)[kSets],
+                                               const char* const (&xo)[kSets], const bool (&active)[kSets],
+                                               const uint4& a0, const uint4& a1, const uint4& b0, const uint4& b1,
+                                               uint2 fa, uint2 fb, int sha, int shb, float (&acc)[kSets][4]) {
+  float c0[kSets][4], c1[kSets][4];
+#pragma unroll
+  for (int k = 0; k < kSets; ++k)
+#pragma unroll
+    for (int v = 0; v < 4; ++v) c0[k][v] = c1[k][v] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    uint2 x0[kSets], x1[kSets];  // (an inactive lane's x is zero; not carried from step to step)
+#pragma unroll
+    for (int k = 0; k < kSets; ++k) {
+      const char* xs = j & 1 ? xo[k] : xe[k];
+      x0[k] = active[k] ? *reinterpret_cast<const uint2*>(xs + j * 8) : make_uint2(0u, 0u);
+      x1[k] = active[k] ? *reinterpret_cast<const uint2*>(xs + 4 * kGroupPitch + j * 8) : make_uint2(0u, 0u);
+    }
+    const uint32_t wa0 = word(a0, j >> 1), wb0 = word(b0, j >> 1), wa1 = word(a1, j >> 1), wb1 = word(b1, j >> 1);
+    // the A fragments of groups t (c0) and t + 4 (c1), each fed to every set's MMA
+    const uint32_t e0 = j & 1 ? lut<2>(table, wa0, lane_off) : lut<0>(table, wa0, lane_off);
+    const uint32_t e1 = j & 1 ? lut<2>(table, wb0, lane_off) : lut<0>(table, wb0, lane_off);
+    const uint32_t e2 = j & 1 ? lut<3>(table, wa0, lane_off) : lut<1>(table, wa0, lane_off);
+    const uint32_t e3 = j & 1 ? lut<3>(table, wb0, lane_off) : lut<1>(table, wb0, lane_off);
+#pragma unroll
+    for (int k = 0; k < kSets; ++k) mma(c0[k], e0, e1, e2, e3, x0[k].x, x0[k].y);
+    const uint32_t o0 = j & 1 ? lut<2>(table, wa1, lane_off) : lut<0>(table, wa1, lane_off);
+    const uint32_t o1 = j & 1 ? lut<2>(table, wb1, lane_off) : lut<0>(table, wb1, lane_off);
+    const uint32_t o2 = j & 1 ? lut<3>(table, wa1, lane_off) : lut<1>(table, wa1, lane_off);
+    const uint32_t o3 = j & 1 ? lut<3>(table, wb1, lane_off) : lut<1>(table, wb1, lane_off);
+#pragma unroll
+    for (int k = 0; k < kSets; ++k) mma(c1[k], o0, o1, o2, o3, x1[k].x, x1[k].y);
+  }
+  const float sa0 = scale_f((fa.x >> sha) & 0xFF), sa1 = scale_f((fa.y >> sha) & 0xFF);
+  const float sb0 = scale_f((fb.x >> sha) & 0xFF), sb1 = scale_f((fb.y >> sha) & 0xFF);
+  const float ta0 = scale_f((fa.x >> shb) & 0xFF), ta1 = scale_f((fa.y >> shb) & 0xFF);
+  const float tb0 = scale_f((fb.x >> shb) & 0xFF), tb1 = scale_f((fb.y >> shb) & 0xFF);
+#pragma unroll
+  for (int k = 0; k < kSets; ++k) {
+    acc[k][0] = fmaf(c0[k][0], sa0, acc[k][0]);
+    acc[k][1] = fmaf(c0[k][1], ta0, acc[k][1]);
+    acc[k][2] = fmaf(c0[k][2], sb0, acc[k][2]);
+    acc[k][3] = fmaf(c0[k][3], tb0, acc[k][3]);
+    acc[k][0] = fmaf(c1[k][0], sa1, acc[k][0]);
+    acc[k][1] = fmaf(c1[k][1], ta1, acc[k][1]);
+    acc[k][2] = fmaf(c1[k][2], sb1, acc[k][2]);
+    acc[k][3] = fmaf(c1[k][3], tb1, acc[k][3]);
+  }
+}
+
+// warp_sums over 2 kSets pairs (pair p of the pass in row slot xrow[p]): total[4k + v] = warp_sums'
+// total[v] of set k (pairs 2k, 2k + 1). pass()'s loop, one x pointer, flag and sums per set. The sums
+// of K half 0 wait in shared memory (losm: kSets float4 per thread of the CTA) instead of registers:
+// held there, down's 4-pair build spilled to local memory.
+template <typename S, int kSets>
+__device__ __forceinline__ void warp_sums_sets(S& st, const char* table, const char* xsm, const Layout& L, int np,
+                                               const int (&xrow)[2 * kSets], float (&total)[4 * kSets],
+                                               float4* losm) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, p = g >> 2;
+  const int sha = 16 * (t & 1), shb = sha + 8, sw = t & 2 ? 8 : 0;  // (pass())
+  const char* xl[kSets];
+  bool active[kSets];
+  float acc[kSets][4];
+#pragma unroll
+  for (int k = 0; k < kSets; ++k) {
+    active[k] = (g & 3) == t && 2 * k + p < np;
+    xl[k] = xsm + (p ? xrow[2 * k + 1] : xrow[2 * k]) * L.rowpitch + t * kGroupPitch;
+#pragma unroll
+    for (int v = 0; v < 4; ++v) acc[k][v] = 0.f;
+  }
+  for (int s0 = 0; s0 < st.steps; s0 += S::kDepth) {
+#pragma unroll
+    for (int i = 0; i < S::kDepth; ++i) {
+      const int s = s0 + i;
+      if (s >= st.steps) break;
+      if (2 * s == st.steps) {
+#pragma unroll
+        for (int k = 0; k < kSets; ++k) {
+          losm[k * kThreads + threadIdx.x] = make_float4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]);
+#pragma unroll
+          for (int v = 0; v < 4; ++v) acc[k][v] = 0.f;
+        }
+      }
+      uint4 a0, a1, b0, b1;
+      uint2 fa, fb;
+      st.take(i, s, a0, a1, b0, b1, fa, fb);
+      const char* xe[kSets];
+      const char* xo[kSets];
+#pragma unroll
+      for (int k = 0; k < kSets; ++k) {
+        xe[k] = xl[k] + s * 8 * kGroupPitch + sw;
+        xo[k] = xl[k] + s * 8 * kGroupPitch - sw;
+      }
+      step_sums_sets<kSets>(table, lane * 4, xe, xo, active, a0, a1, b0, b1, fa, fb, sha, shb, acc);
+      st.after(i, s);
+    }
+  }
+  const int q = lane & ~3;
+#pragma unroll
+  for (int k = 0; k < kSets; ++k) {
+    const float4 l4 = losm[k * kThreads + threadIdx.x];
+    const float lo[4] = {l4.x, l4.y, l4.z, l4.w};
+    float tv[2];
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      float a = acc[k][2 * v] + acc[k][2 * v + 1], l = lo[2 * v] + lo[2 * v + 1];
+      a += __shfl_xor_sync(0xffffffffu, a, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      tv[v] = l + a;
+    }
+    total[4 * k + 0] = __shfl_sync(0xffffffffu, tv[0], q);
+    total[4 * k + 1] = __shfl_sync(0xffffffffu, tv[0], q + 2);
+    total[4 * k + 2] = __shfl_sync(0xffffffffu, tv[1], q);
+    total[4 * k + 3] = __shfl_sync(0xffffffffu, tv[1], q + 2);
+  }
 }
 
 // The weight stream of a warp's 16 rows of slot `slot`, row block `rb` (gate-up: channels rb * 8
@@ -546,7 +673,7 @@ __device__ __forceinline__ void item_sync() {
 // CTAs would, sharing one table; then the weights' steps in flight live in shared memory, not in
 // registers: kRingDepth per warp instead of KPF (moe_gate_up_lut_ring; moe_lut.py's ring_rows).
 // kMix: the mixed decode (decode_f16 for x's odd blocks), x's block exponents after the table.
-template <typename S, int kHalves, bool kMix = false, typename Epi, typename Post>
+template <typename S, int kHalves, bool kMix = false, int kSets = 1, typename Epi, typename Post>
 __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
   const Layout L(a.K);
@@ -572,7 +699,10 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
   }
   const int items = __ldcg(a.nslot) * tiles;
   PROBE(a.down, 2, items);
-  const int xrow[2] = {0, 1};  // a pass's pairs in row slots 0 and 1
+  constexpr int kPass = 2 * kSets;  // pairs a pass
+  int xrow[kPass];  // a pass's pairs in row slots 0 .. kPass - 1
+#pragma unroll
+  for (int p = 0; p < kPass; ++p) xrow[p] = p;
 #ifdef MOE_LUT_PROBE
   int probed = 0;  // items of this CTA half
 #endif
@@ -603,8 +733,8 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
       PROBE(a.down, 4, 0);
       waiting = false;
     }
-    for (int c0 = 0; c0 < cnt; c0 += 2) {
-      const int np = min(2, cnt - c0);
+    for (int c0 = 0; c0 < cnt; c0 += kPass) {
+      const int np = min(kPass, cnt - c0);
       item_sync<kHalves>();  // the previous pass's readers of x are done
       stage_x<kMix>(xsm, a, L, start, c0, np, xexp);
       item_sync<kHalves>();
@@ -613,8 +743,12 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
 #endif
       if (!filled) st.fill();
       filled = false;
-      float total[4];
-      warp_sums<S, kMix>(st, smem, xsm, L, np, xrow, total, xexp);
+      float total[2 * kPass];
+      if constexpr (kSets == 1)
+        warp_sums<S, kMix>(st, smem, xsm, L, np, xrow, total, xexp);
+      else
+        warp_sums_sets<S, kSets>(st, smem, xsm, L, np, xrow, total,
+                                 reinterpret_cast<float4*>(xsm + kPass * L.rowpitch));  // (after x's rows)
 #ifdef MOE_LUT_PROBE
       if (first && c0 == 0) PROBE(a.down, 6, __float_as_int(total[0]));
 #endif
@@ -724,18 +858,25 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
 // spread gate-up's in the same launch, the activation quantized by each CTA once its slots' gate-up
 // tasks were counted done, were 0-10 % faster alone at 1 row but 9-17 % slower in the step, the
 // shared expert's launch waiting for SMs: twenty-third measurement, the code at bce6479.)
+// kSets = 2 (moe_down_lut4): passes of 4 pairs (warp_sums_sets).
+template <int kSets = 1>
 __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                      long long stride_o, int* counters, int D, int combine,
                                      const __nv_bfloat16* shared, long long stride_sh) {
-  __shared__ int last[2];
+  __shared__ int last[2 * kSets];
   constexpr int kTile = kWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile, topk = a.topk;
-  run<Stream, 1>(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1, const float (&total)[4]) {
-    const int p = t & 1;
-    if (p < np) {  // lane t: row r0 (t < 2) or r1, pair c0 + t % 2
-      const int pair = a.pair_ptr[it.start + c0 + p];
-      const float v = t == 0 ? total[0] : t == 1 ? total[1] : t == 2 ? total[2] : total[3];
-      y[pair * stride_y + (t < 2 ? r0 : r1)] = __float2bfloat16_rn(v);
+  run<Stream, 1, false, kSets>(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1,
+                                             const float (&total)[4 * kSets]) {
+#pragma unroll
+    for (int k = 0; k < kSets; ++k) {
+      const int p = 2 * k + (t & 1);
+      if (p < np) {  // lane t: row r0 (t < 2) or r1, pair c0 + 2k + t % 2
+        const int pair = a.pair_ptr[it.start + c0 + p];
+        const float* tk = total + 4 * k;
+        const float v = t == 0 ? tk[0] : t == 1 ? tk[1] : t == 2 ? tk[2] : tk[3];
+        y[pair * stride_y + (t < 2 ? r0 : r1)] = __float2bfloat16_rn(v);
+      }
     }
   }, [&](const Item& it, int c0, int np) {
     if (!combine) return;
@@ -811,6 +952,13 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring(GATE_UP_
       y, stride_y, out, stride_o, counters, D, combine, shared, stride_sh
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARAMS) { down(DOWN_ARGS); }
+
+// down in passes of 4 pairs (moe_lut.py's DOWN4_MIN_ROWS): an expert with 3-4 pairs streams its rows once, not
+// twice. After the table 4 rows of x and the K half 0 sums: 64 KB + 8 I + 8 KB of dynamic shared memory.
+// (Not in the probe build, whose stamps it has no registers for.)
+#ifndef MOE_LUT_PROBE
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut4(DOWN_PARAMS) { down<2>(DOWN_ARGS); }
+#endif
 
 // The ring gate-up with the mixed decode (moe_lut.py's RING_MIX): kExpBytes (x's block exponents)
 // after the table in its dynamic shared memory, 225 KB at D = 4096.

@@ -42,6 +42,7 @@ _MODULE = CudaModule(SOURCE)
 _GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiii")
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
+_DOWN4 = _MODULE.kernel("moe_down_lut4", "pqpppppppqpqpiiqqiiipq")
 _GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiii")
 _GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqfiii")
@@ -53,8 +54,18 @@ ITEM_CHANNELS, ITEM_ROWS = 64, 128
 CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
 # A pass of an item streams its weight rows once for at most this many of the expert's pairs (the
 # .cu's run: 2 pairs share an MMA's 8 columns, 4 columns each for the block-diagonal x); an
-# expert with more pairs streams its rows again (from L2 or HBM) for every further 2.
+# expert with more pairs streams its rows again (from L2 or HBM) for every further 2. (down in
+# launches of DOWN4_MIN_ROWS rows or more: twice as many.)
 PAIRS_PER_PASS = 2
+# Down launches of at least this many rows take moe_down_lut4: passes of 4 pairs, each decoded weight
+# fragment feeding two MMAs (pairs 0-1 and 2-3), so an expert with 3-4 pairs streams its rows once.
+# The same sums for every pair, so the same bits (GPU test). Why: the experts' loop is bound by its
+# instructions and a pass costs about the same whatever its bytes; at 64 rows the synthetic gates'
+# routing makes 1.43 passes per expert read, 1.09 at 4 pairs a pass (benchmarks/expert_passes.py), and
+# the experts' time per pass was the same at 16 and 64 rows on one H200 (docs/PERFORMANCE.md,
+# 2026-12-06 from 23:36). Built 2026-12-07 without a device: None (off) until measured
+# (`bash benchmarks/h200_checks.sh down4`). Needs 64 KB + 8 I + 8 KB of shared memory (shared_bytes).
+DOWN4_MIN_ROWS: int | None = None
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
 EXP_BYTES = 1024  # the .cu's kExpBytes: after the table, RING_MIX's x block exponents
 # Gate-up launches of these row counts (at most 2: every expert slot then has at most 2 pairs)
@@ -135,10 +146,13 @@ def supported(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:
     return device.type == "cuda" and dtype == torch.bfloat16 and D % 512 == 0 and I % 512 == 0 and _have_nvcc()
 
 
-def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, mix: bool = False) -> int:
+def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, mix: bool = False, four: bool = False) -> int:
     """Dynamic shared memory of a launch over K: the table (mix: and x's block exponents), the .cu's
     Layout(K) (2 rows of x in 16-bit values) of each CTA half, then the RING_DEPTH 2 KB slots of
-    slot_warps warps."""
+    slot_warps warps. four (moe_down_lut4): 4 rows of x, then the K half 0 sums of 2 pair sets (4
+    floats each) of the CTA's THREADS threads."""
+    if four:
+        return LUT_BYTES + 8 * K + 2 * 16 * THREADS
     return LUT_BYTES + (EXP_BYTES if mix else 0) + halves * 4 * K + slot_warps * RING_DEPTH * 2048
 
 
@@ -232,4 +246,6 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
-    _DOWN.launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I), None, *args, pdl=pdl_enabled())
+    four = DOWN4_MIN_ROWS is not None and pairs.numel() // topk >= DOWN4_MIN_ROWS
+    (_DOWN4 if four else _DOWN).launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, four=four), None,
+                                       *args, pdl=pdl_enabled())

@@ -615,6 +615,21 @@ def test_gpu_lut_one_row_ring_on_fewer_sms_gives_the_same_bits(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 16, 64])
+def test_gpu_lut_down_in_passes_of_four_pairs_gives_the_same_bits(M, monkeypatch):
+    """down in passes of 4 pairs (moe_lut.DOWN4_MIN_ROWS: moe_down_lut4, each decoded weight fragment fed
+    to the MMAs of two pair sets) gives the 2-pair passes' bits at V4-Flash expert shapes: per-pair
+    outputs, the combine, the combine with the shared expert's output, a sparse table's pairs; slots of
+    1-4 pairs (one pass) and of M pairs (expert 0 in every row: passes of 4, the last one partial, at 5,
+    16 and 64 rows); three calls."""
+    from megastep.kernels import moe_lut
+
+    _same_bits_when(monkeypatch, "DOWN4_MIN_ROWS", None, 1, moe_lut.shared_bytes(2048, four=True),
+                    *_many_pair_inputs(M, 41))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 8, 16, 64])
 def test_gpu_lut_ring_mix_gives_the_same_bits(M, monkeypatch):
     """The ring gate-up's mixed decode (moe_lut.RING_MIX: the groups of x's odd 128-blocks on fp16 MMAs
@@ -707,12 +722,50 @@ def test_lut_kernels_build_for_sm90():
     from megastep.kernels import moe_lut
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
-               "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix")
+               "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix",
+               "moe_down_lut4")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
-    # without their loads
+    # without their loads (all but moe_down_lut4, which they leave out)
+    probed = tuple(k for k in kernels if k != "moe_down_lut4") + ("moe_lut_probe_read",)
     for flags in (("-DMOE_LUT_PROBE",), ("-DMOE_LUT_PROBE", "-DMOE_LUT_NO_LOAD")):
-        assert_builds_without_spills(moe_lut.SOURCE, kernels + ("moe_lut_probe_read",), flags=flags)
+        assert_builds_without_spills(moe_lut.SOURCE, probed, flags=flags)
+
+
+def test_lut_down_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
+    """moe_lut.down takes moe_down_lut4 from DOWN4_MIN_ROWS rows on (never while it is None), with the shared
+    memory of 4 rows of x and the K half 0 sums after the table."""
+    from megastep.kernels import moe_lut
+
+    launched = []
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def launch(self, grid, block, smem, stream, *args, pdl=False):
+            launched.append((self.name, smem, len(args)))
+
+    monkeypatch.setattr(moe_lut, "_DOWN", Spy("down"))
+    monkeypatch.setattr(moe_lut, "_DOWN4", Spy("down4"))
+    monkeypatch.setattr(moe_lut, "_sms", lambda index: 132)
+    I, D, topk = 2048, 4096, 6
+
+    def call(M):
+        pairs = torch.zeros(M * topk, dtype=torch.int32)
+        addr = torch.zeros(32, 4, dtype=torch.int64)
+        y = torch.zeros(M * topk, D, dtype=torch.bfloat16)
+        moe_lut.down(torch.zeros(M * topk, I, dtype=torch.bfloat16), addr, pairs, pairs, pairs, pairs, pairs, y,
+                     torch.zeros(M, D), pairs, D, I, (1, 1), topk, False, True)
+        return launched.pop()
+
+    assert moe_lut.DOWN4_MIN_ROWS is None  # off until measured on a GPU
+    assert [call(m)[0] for m in (1, 16, 64)] == ["down"] * 3
+    monkeypatch.setattr(moe_lut, "DOWN4_MIN_ROWS", 32)
+    got = [call(m) for m in (1, 31, 32, 64)]
+    assert [g[0] for g in got] == ["down", "down", "down4", "down4"]
+    assert got[0][1] == moe_lut.LUT_BYTES + 4 * I and got[2][1] == moe_lut.LUT_BYTES + 8 * I + 8192
+    assert len({g[2] for g in got}) == 1  # the same arguments either way
 
 
 def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
@@ -760,7 +813,8 @@ def test_lut_signatures_match_the_kernels():
     from megastep.kernels import moe_lut
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
-                   moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX):
+                   moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX,
+                   moe_lut._DOWN4):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
