@@ -38,7 +38,7 @@
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
 #   bash benchmarks/h200_checks.sh passes     # the step at 1-64 rows under the default and the skewed routing, with the experts kernels' passes (~2 min)
-#   bash benchmarks/h200_checks.sh down4      # down in passes of 4 pairs: its GPU tests, the step A/B at 1-64 rows, default and skewed routing (~8 min)
+#   bash benchmarks/h200_checks.sh down4      # down in passes of 4 pairs: its GPU tests, the step A/B at 1, 16 and 64 rows, default and skewed routing (~7 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
@@ -482,10 +482,10 @@ for group in "$@"; do
       # against the 2-pair passes (and the other lut tests over slots of many pairs), then the step with it on every
       # launch against off, 3 rounds, under the synthetic gates' routing and the skewed one (more pairs an expert)
       on4="on=import megastep.kernels.moe_lut as m; m.DOWN4_MIN_ROWS = 1"
-      step down4_tests 240 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/kernels/test_moe.py \
+      step down4_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py \
         -k "down_in_passes or slots_of_many or ring_gives"
-      ab down4_default 210 --layers 30 --batch 1,4,16,32,64 --rounds 3 --arm off= --arm "$on4"
-      ab down4_skewed 150 --layers 30 --batch 16,32,64 --rounds 3 --routing skewed --arm off= --arm "$on4" ;;
+      ab down4_default 180 --layers 30 --batch 1,16,64 --rounds 3 --arm off= --arm "$on4"
+      ab down4_skewed 120 --layers 30 --batch 64 --rounds 3 --routing skewed --arm off= --arm "$on4" ;;
     passes)  # why 64 rows read their experts slower than 16 (2026-12-07): the lut kernels stream an expert's rows
       # once per 2 of its pairs, so the reads line's passes per expert read against the step, under the synthetic
       # gates' routing and the skewed one (which puts more pairs on fewer experts)
