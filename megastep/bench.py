@@ -190,8 +190,9 @@ def routed_reads(dec, placement, rows: int, context: int, block: int = 1, steps:
 def expert_passes(pairs_per_expert) -> int:
     """The passes the "lut" experts kernels make over the weights of experts with these pair counts:
     an item streams its rows once for every moe_lut.PAIRS_PER_PASS of the expert's pairs, so an
-    expert that 5 rows route to is streamed 3 times. Against the experts read it says how much of
-    a step's expert work grows with the rows rather than with the bytes."""
+    expert that 5 rows route to is streamed 3 times (gate-up's passes; down's too unless
+    moe_lut.DOWN4_MIN_ROWS gives it passes of 4). Against the experts read it says how much of a
+    step's expert work grows with the rows rather than with the bytes."""
     n = moe_lut.PAIRS_PER_PASS
     return sum(-(-c // n) for c in pairs_per_expert)
 
