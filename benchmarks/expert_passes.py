@@ -4,9 +4,10 @@ A pass of an item streams an expert's weight rows once for at most `moe_lut.PAIR
 expert's pairs (rows routed to it); an expert with more pairs is streamed again. The kernels' loop is
 bound by its own instructions, so a second pass costs about what the first did. This script routes M
 rows through the gates of the synthetic V4-Flash (the bench's weights, drawn on the CPU: the same
-distribution, other values than the device's draw) with random unit-RMS activations, as
-`routing.profile_from_random_activations` does for the bench's expected expert counts (hash layers:
-random token ids), and counts per layer the experts read and the passes at 2, 4 and 8 pairs a pass.
+distribution, other values than the device's draw) with random unit-RMS activations
+(`routing.random_routes`, as `routing.profile_from_random_activations` does for the bench's expected
+expert counts; hash layers: random token ids), and counts per layer the experts read and the passes
+(`bench.expert_passes`) at 2, 4 and 8 pairs a pass.
 
     python benchmarks/expert_passes.py --rows 1,16,32,64 --routing default,skewed --layers 30
 
@@ -20,23 +21,10 @@ import argparse
 
 import torch
 
-from megastep.checkpoint.synthetic import preset, synthesize_tensors, tensor_seed
+from megastep.bench import expert_passes
+from megastep.checkpoint.synthetic import preset, synthesize_tensors
 from megastep.kernels import moe_lut
-from megastep.routing import ROUTING_MODELS, _gate_scores, gate_prefix
-
-
-def layer_routes(cfg, gates: dict[str, torch.Tensor], L: int, rows: int, seed: int) -> torch.Tensor:
-    """[rows, top_k] expert ids of layer L for `rows` random rows."""
-    p = gate_prefix(L)
-    if cfg.is_hash_layer(L):
-        g = torch.Generator().manual_seed(tensor_seed(seed, f"{p}/rows-tokens"))
-        return gates[p + ".tid2eid"][torch.randint(0, cfg.vocab_size, (rows,), generator=g)]
-    scores = _gate_scores(gates[p + ".weight"], rows, tensor_seed(seed, f"{p}/rows-acts"))
-    return (scores + gates[p + ".bias"].float()).topk(cfg.num_experts_per_tok, dim=-1).indices
-
-
-def passes(counts: torch.Tensor, per_pass: int) -> int:
-    return int(((counts + per_pass - 1) // per_pass).sum())
+from megastep.routing import ROUTING_MODELS, gate_prefix, random_routes
 
 
 def main() -> None:
@@ -63,13 +51,13 @@ def main() -> None:
             read, most, by_width = 0, 0, dict.fromkeys(widths, 0)
             for d in range(args.draws):
                 for L in range(cfg.num_hidden_layers):
-                    c = torch.bincount(layer_routes(cfg, gates, L, rows, d).flatten().long(),
+                    c = torch.bincount(random_routes(cfg, gates, L, rows, d, tag="rows").flatten().long(),
                                        minlength=cfg.n_routed_experts)
-                    c = c[c > 0]
+                    c = c[c > 0].tolist()
                     read += len(c)
-                    most = max(most, int(c.max()))
+                    most = max(most, max(c))
                     for w in widths:
-                        by_width[w] += passes(c, w)
+                        by_width[w] += expert_passes(c, w)
             n = args.draws * cfg.num_hidden_layers
             per = ", ".join(f"{by_width[w] / read:.3f}" for w in widths)
             print(f"{routing:8s} {rows:3d} rows: {read / n:6.1f} experts, {by_width[moe_lut.PAIRS_PER_PASS] / n:6.1f} "

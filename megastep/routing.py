@@ -199,16 +199,23 @@ def profile_from_random_activations(cfg: ModelConfig, weights: Mapping[str, torc
     measurement of it)."""
     counts = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64)
     for L in range(cfg.num_hidden_layers):
-        prefix = gate_prefix(L)
-        if cfg.is_hash_layer(L):
-            g = torch.Generator().manual_seed(tensor_seed(seed, prefix + "/profile-tokens"))
-            ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=g)
-            idx = weights[prefix + ".tid2eid"].cpu()[ids]
-        else:
-            scores = _gate_scores(weights[prefix + ".weight"], tokens, tensor_seed(seed, prefix + "/profile-acts"))
-            idx = (scores + weights[prefix + ".bias"].cpu().float()).topk(cfg.num_experts_per_tok, dim=-1).indices
+        idx = random_routes(cfg, weights, L, tokens, seed)
         counts[L] = torch.bincount(idx.flatten().long(), minlength=cfg.n_routed_experts)
     return make_profile(cfg, counts, tokens, {"kind": "random-activations", "seed": seed})
+
+
+def random_routes(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], layer: int, n: int, seed: int,
+                  tag: str = "profile") -> torch.Tensor:
+    """[n, top_k] experts that `layer` routes n random rows to (CPU): unit-RMS random activations
+    through a score layer's gate and bias, uniform random token ids through a hash layer's tid2eid.
+    The draws are seeded by (seed, the layer's gate, `tag`)."""
+    prefix = gate_prefix(layer)
+    if cfg.is_hash_layer(layer):
+        g = torch.Generator().manual_seed(tensor_seed(seed, f"{prefix}/{tag}-tokens"))
+        ids = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+        return weights[prefix + ".tid2eid"].cpu()[ids]
+    scores = _gate_scores(weights[prefix + ".weight"], n, tensor_seed(seed, f"{prefix}/{tag}-acts"))
+    return (scores + weights[prefix + ".bias"].cpu().float()).topk(cfg.num_experts_per_tok, dim=-1).indices
 
 
 def validate_profile(profile: Any, cfg: ModelConfig, *, strict_config: bool = False) -> list[str]:

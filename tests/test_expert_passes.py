@@ -10,15 +10,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import expert_passes as XP  # noqa: E402
 from megastep.checkpoint.synthetic import preset, synthesize_tensors  # noqa: E402
-from megastep.routing import gate_prefix  # noqa: E402
+from megastep.routing import gate_prefix, random_routes  # noqa: E402
 
 
-def test_passes_round_up_per_expert():
-    assert XP.passes(torch.tensor([1, 2, 3, 4, 5]), 2) == 1 + 1 + 2 + 2 + 3
-    assert XP.passes(torch.tensor([1, 2, 3, 4, 5]), 4) == 1 + 1 + 1 + 1 + 2
-
-
-def test_layer_routes_are_top_k_distinct_experts_and_hash_layers_follow_tid2eid():
+def test_random_routes_are_top_k_distinct_experts_of_both_kinds_of_layer():
+    """routing.random_routes, the script's rows (and the bench's profile's)."""
     cfg = preset("small")
     names = []
     for L in range(cfg.num_hidden_layers):
@@ -27,11 +23,11 @@ def test_layer_routes_are_top_k_distinct_experts_and_hash_layers_follow_tid2eid(
     gates = dict(synthesize_tensors(cfg, 0, include_mtp=False, names=names))
     kinds = set()
     for L in range(cfg.num_hidden_layers):
-        idx = XP.layer_routes(cfg, gates, L, 5, seed=1)
+        idx = random_routes(cfg, gates, L, 5, 1, tag="rows")
         assert idx.shape == (5, cfg.num_experts_per_tok)
         assert all(len(set(r)) == cfg.num_experts_per_tok for r in idx.tolist())  # a row's experts differ
         assert int(idx.min()) >= 0 and int(idx.max()) < cfg.n_routed_experts
-        assert torch.equal(idx, XP.layer_routes(cfg, gates, L, 5, seed=1))  # reproducible
+        assert torch.equal(idx, random_routes(cfg, gates, L, 5, 1, tag="rows"))  # reproducible
         kinds.add(cfg.is_hash_layer(L))
     assert kinds == {True, False}  # both kinds of layer were exercised
 

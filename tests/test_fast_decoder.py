@@ -292,6 +292,7 @@ def test_expert_passes_count_two_pairs_a_pass():
     assert moe_lut.PAIRS_PER_PASS == 2
     assert bench.expert_passes([]) == 0
     assert bench.expert_passes([1, 2, 3, 4, 5, 9]) == 1 + 1 + 2 + 2 + 3 + 5
+    assert bench.expert_passes([1, 2, 3, 4, 5], 4) == 1 + 1 + 1 + 1 + 2  # (benchmarks/expert_passes.py's wider passes)
 
 
 def test_consume_drops_a_layers_expert_tensors_before_placing_them(tiny, monkeypatch):

@@ -491,6 +491,19 @@ __device__ __forceinline__ void warp_sums(S& st, const char* table, const char* 
 // pair's bits do not depend on its set or on the pass width. (The 1-set functions above stay as
 // they are: templating them on kSets changed the registers and schedule of every experts kernel.)
 // Without the mixed decode (down's).
+// An m16n8k16 A fragment by the table: bytes 2j, 2j + 1 of word wa (row g) and of wb (row g + 8), as the
+// operands step_sums gives its MMAs.
+__device__ __forceinline__ void a_frag(const char* table, int j, uint32_t wa, uint32_t wb, uint32_t lane_off,
+                                       uint32_t (&f)[4]) {
+  if (j & 1) {
+    f[0] = lut<2>(table, wa, lane_off), f[1] = lut<2>(table, wb, lane_off);
+    f[2] = lut<3>(table, wa, lane_off), f[3] = lut<3>(table, wb, lane_off);
+  } else {
+    f[0] = lut<0>(table, wa, lane_off), f[1] = lut<0>(table, wb, lane_off);
+    f[2] = lut<1>(table, wa, lane_off), f[3] = lut<1>(table, wb, lane_off);
+  }
+}
+
 template <int kSets>
 __device__ __forceinline__ void step_sums_sets(const char* table, uint32_t lane_off, const char* const (&xe)[kSets],
                                                const char* const (&xo)[kSets], const bool (&active)[kSets],
@@ -510,20 +523,14 @@ __device__ __forceinline__ void step_sums_sets(const char* table, uint32_t lane_
       x0[k] = active[k] ? *reinterpret_cast<const uint2*>(xs + j * 8) : make_uint2(0u, 0u);
       x1[k] = active[k] ? *reinterpret_cast<const uint2*>(xs + 4 * kGroupPitch + j * 8) : make_uint2(0u, 0u);
     }
-    const uint32_t wa0 = word(a0, j >> 1), wb0 = word(b0, j >> 1), wa1 = word(a1, j >> 1), wb1 = word(b1, j >> 1);
     // the A fragments of groups t (c0) and t + 4 (c1), each fed to every set's MMA
-    const uint32_t e0 = j & 1 ? lut<2>(table, wa0, lane_off) : lut<0>(table, wa0, lane_off);
-    const uint32_t e1 = j & 1 ? lut<2>(table, wb0, lane_off) : lut<0>(table, wb0, lane_off);
-    const uint32_t e2 = j & 1 ? lut<3>(table, wa0, lane_off) : lut<1>(table, wa0, lane_off);
-    const uint32_t e3 = j & 1 ? lut<3>(table, wb0, lane_off) : lut<1>(table, wb0, lane_off);
+    uint32_t e[4], o[4];
+    a_frag(table, j, word(a0, j >> 1), word(b0, j >> 1), lane_off, e);
 #pragma unroll
-    for (int k = 0; k < kSets; ++k) mma(c0[k], e0, e1, e2, e3, x0[k].x, x0[k].y);
-    const uint32_t o0 = j & 1 ? lut<2>(table, wa1, lane_off) : lut<0>(table, wa1, lane_off);
-    const uint32_t o1 = j & 1 ? lut<2>(table, wb1, lane_off) : lut<0>(table, wb1, lane_off);
-    const uint32_t o2 = j & 1 ? lut<3>(table, wa1, lane_off) : lut<1>(table, wa1, lane_off);
-    const uint32_t o3 = j & 1 ? lut<3>(table, wb1, lane_off) : lut<1>(table, wb1, lane_off);
+    for (int k = 0; k < kSets; ++k) mma(c0[k], e[0], e[1], e[2], e[3], x0[k].x, x0[k].y);
+    a_frag(table, j, word(a1, j >> 1), word(b1, j >> 1), lane_off, o);
 #pragma unroll
-    for (int k = 0; k < kSets; ++k) mma(c1[k], o0, o1, o2, o3, x1[k].x, x1[k].y);
+    for (int k = 0; k < kSets; ++k) mma(c1[k], o[0], o[1], o[2], o[3], x1[k].x, x1[k].y);
   }
   const float sa0 = scale_f((fa.x >> sha) & 0xFF), sa1 = scale_f((fa.y >> sha) & 0xFF);
   const float sb0 = scale_f((fb.x >> sha) & 0xFF), sb1 = scale_f((fb.y >> sha) & 0xFF);
