@@ -826,6 +826,18 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
 // gate-up's body: kSpread picks run_spread's schedule (moe_gate_up_lut_spread) or run's, kRing
 // the RingStream (moe_gate_up_lut_ring, moe_gate_up_lut_spread_ring).
 // act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
+// act's value of one pair and channel from its w1 / w3 sums gv / uv and routing weight *r
+__device__ __forceinline__ __nv_bfloat16 swiglu(float gv, float uv, const float* r, float limit, int round_out) {
+  if (round_out) {
+    gv = round_bf16(gv);
+    uv = round_bf16(uv);
+  }
+  gv = fminf(gv, limit);
+  uv = fminf(fmaxf(uv, -limit), limit);
+  const float v = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.f, expf(-gv))), uv);
+  return __float2bfloat16_rn(__fmul_rn(v, *r));
+}
+
 template <bool kSpread, bool kRing = false, bool kMix = false>  // (kMix: with kRing only)
 __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                         float limit, int round_out) {
@@ -833,16 +845,8 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
   auto epi = [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
     if (t < np) {  // lane t of the quad: pair c0 + t of channel r0
       const int pair = a.pair_ptr[it.start + c0 + t];
-      float gv = t ? total[1] : total[0], uv = t ? total[3] : total[2];  // (no local-memory indexing)
-      if (round_out) {
-        gv = round_bf16(gv);
-        uv = round_bf16(uv);
-      }
-      gv = fminf(gv, limit);
-      uv = fminf(fmaxf(uv, -limit), limit);
-      float v = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.f, expf(-gv))), uv);
-      v = __fmul_rn(v, rw[pair]);
-      act[pair * stride_a + r0] = __float2bfloat16_rn(v);
+      const float gv = t ? total[1] : total[0], uv = t ? total[3] : total[2];  // (no local-memory indexing)
+      act[pair * stride_a + r0] = swiglu(gv, uv, rw + pair, limit, round_out);
     }
   };
   if constexpr (kSpread && kRing)
@@ -853,6 +857,24 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
     run<RingStream, 2, kMix>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
   else
     run<Stream, 1>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
+}
+
+// gate-up in passes of 4 pairs (moe_gate_up_lut4): run()'s items through the Stream, as
+// moe_gate_up_lut, with warp_sums_sets' 2 pair sets; lane t of a quad writes pair c0 + t, whose
+// sums are set t / 2's totals of pair t % 2.
+__device__ __forceinline__ void gate_up4(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
+                                         float limit, int round_out) {
+  const int t = threadIdx.x & 3;
+  auto epi = [&](const Item& it, int c0, int np, int r0, int, const float (&total)[8]) {
+    if (t < np) {
+      const int pair = a.pair_ptr[it.start + c0 + t];
+      // (selects, no local-memory indexing)
+      const float gv = t == 0 ? total[0] : t == 1 ? total[1] : t == 2 ? total[4] : total[5];
+      const float uv = t == 0 ? total[2] : t == 1 ? total[3] : t == 2 ? total[6] : total[7];
+      act[pair * stride_a + r0] = swiglu(gv, uv, rw + pair, limit, round_out);
+    }
+  };
+  run<Stream, 1, false, 2>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
 }
 
 // y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 128-row tile) of
@@ -965,6 +987,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARA
 // (Not in the probe build, whose stamps it has no registers for.)
 #ifndef MOE_LUT_PROBE
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut4(DOWN_PARAMS) { down<2>(DOWN_ARGS); }
+#endif
+
+// gate-up in passes of 4 pairs (moe_lut.py's GATE_UP4_MIN_ROWS): as moe_gate_up_lut, 4 rows of x and the
+// K half 0 sums after the table, 64 KB + 8 D + 8 KB of dynamic shared memory (2 CTAs per SM: 208 KB at
+// D = 4096). (Not in the probe build.)
+#ifndef MOE_LUT_PROBE
+extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut4(GATE_UP_PARAMS) {
+  gate_up4(GATE_UP_ARGS(0));
+}
 #endif
 
 // The ring gate-up with the mixed decode (moe_lut.py's RING_MIX): kExpBytes (x's block exponents)
