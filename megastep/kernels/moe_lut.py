@@ -74,10 +74,11 @@ DOWN4_MIN_ROWS: int | None = None
 # 64 rows on one H200, docs/PERFORMANCE.md, 2026-12-06 from 23:36); the ring with its mixed decode was
 # 5-6 % faster than these items with 2 pairs a pass at 16-64 rows (RING_MIN_ROWS, RING_MIX), so it pays
 # only where the passes it saves outweigh that. Built 2026-12-07 without a device: None (off) until
-# measured. Needs 64 KB + 8 D + 8 KB of shared memory (shared_bytes(D, four=True)).
+# measured. Needs 64 KB + 512 + 8 D + 8 KB of shared memory (shared_bytes(D, four=True, zeros=True)).
 GATE_UP4_MIN_ROWS: int | None = None
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
 EXP_BYTES = 1024  # the .cu's kExpBytes: after the table, RING_MIX's x block exponents
+ZERO_BYTES = 512  # the .cu's kZeroBytes: after the table, moe_gate_up_lut4's zeros
 # Gate-up launches of these row counts (at most 2: every expert slot then has at most 2 pairs)
 # take moe_gate_up_lut_spread: one CTA of SPREAD_WARPS warps per SM, the warps' (slot, 8
 # channels) tasks dealt out evenly (the .cu's run_spread). The same bits. Measured on one H200
@@ -156,13 +157,15 @@ def supported(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:
     return device.type == "cuda" and dtype == torch.bfloat16 and D % 512 == 0 and I % 512 == 0 and _have_nvcc()
 
 
-def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, mix: bool = False, four: bool = False) -> int:
+def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, mix: bool = False, four: bool = False,
+                 zeros: bool = False) -> int:
     """Dynamic shared memory of a launch over K: the table (mix: and x's block exponents), the .cu's
     Layout(K) (2 rows of x in 16-bit values) of each CTA half, then the RING_DEPTH 2 KB slots of
     slot_warps warps. four (moe_down_lut4, moe_gate_up_lut4): 4 rows of x, then the K half 0 sums of 2
-    pair sets (4 floats each) of the CTA's THREADS threads."""
+    pair sets (4 floats each) of the CTA's THREADS threads; zeros (moe_gate_up_lut4): ZERO_BYTES before
+    x, which the lanes that load no x read."""
     if four:
-        return LUT_BYTES + 8 * K + 2 * 16 * THREADS
+        return LUT_BYTES + (ZERO_BYTES if zeros else 0) + 8 * K + 2 * 16 * THREADS
     return LUT_BYTES + (EXP_BYTES if mix else 0) + halves * 4 * K + slot_warps * RING_DEPTH * 2048
 
 
@@ -235,10 +238,10 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
             kernel, smem = _GATE_UP_SPREAD, shared_bytes(D)
         kernel.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), smem, None, *args, spread,
                       pdl=pdl_enabled())
-    elif four_rows(GATE_UP4_MIN_ROWS, rows) and _ring_fits(xq.device.index, shared_bytes(D, four=True)):
+    elif four_rows(GATE_UP4_MIN_ROWS, rows) and _ring_fits(xq.device.index, shared_bytes(D, four=True, zeros=True)):
         # items (slot, channel tile) in passes of 4 pairs
-        _GATE_UP4.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1), shared_bytes(D, four=True),
-                         None, *args, pdl=pdl_enabled())
+        _GATE_UP4.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1),
+                         shared_bytes(D, four=True, zeros=True), None, *args, pdl=pdl_enabled())
     elif ring_rows(rows) and _ring_fits(xq.device.index, shared_bytes(D, 2, ring_warps)):
         # items (slot, channel tile), two at a time per CTA
         kernel, smem = _ring_kernel(_GATE_UP_RING, _GATE_UP_RING_MIX, RING_MIX, xq.device.index, D, 2, ring_warps)

@@ -640,10 +640,11 @@ def test_gpu_lut_gate_up_in_passes_of_four_pairs_gives_the_same_bits(M, monkeypa
     from megastep.kernels import moe_lut
 
     inputs = _many_pair_inputs(M, 43)
-    _same_bits_when(monkeypatch, "GATE_UP4_MIN_ROWS", None, 1, moe_lut.shared_bytes(4096, four=True), *inputs)
+    smem = moe_lut.shared_bytes(4096, four=True, zeros=True)
+    _same_bits_when(monkeypatch, "GATE_UP4_MIN_ROWS", None, 1, smem, *inputs)
     monkeypatch.setattr(moe_lut, "GATE_UP4_MIN_ROWS", None)
     monkeypatch.setattr(moe_lut, "DOWN4_MIN_ROWS", 1)
-    _same_bits_when(monkeypatch, "GATE_UP4_MIN_ROWS", None, 1, moe_lut.shared_bytes(4096, four=True), *inputs)
+    _same_bits_when(monkeypatch, "GATE_UP4_MIN_ROWS", None, 1, smem, *inputs)
 
 
 @pytest.mark.gpu
@@ -823,7 +824,7 @@ def test_lut_gate_up_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
     got = [call(m) for m in (1, 15, 16, 64)]
     assert [g[0] for g in got] == ["_GATE_UP_RING_MIX", "_GATE_UP_RING_MIX", "_GATE_UP4", "_GATE_UP4"]
     # 32 expert slots x 32 channel tiles, 2 CTAs of 256 threads per SM
-    assert got[2][1:4] == (2 * 132, 256, moe_lut.LUT_BYTES + 8 * D + 8192) == (264, 256, 106496)
+    assert got[2][1:4] == (2 * 132, 256, moe_lut.LUT_BYTES + 512 + 8 * D + 8192) == (264, 256, 107008)
     assert len({g[4] for g in got}) == 1  # the same arguments either way
     monkeypatch.setattr(moe_lut, "GATE_UP4_MIN_ROWS", 1)
     assert [call(m)[0] for m in (1, 2, 3)] == ["_GATE_UP4", "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP4"]
@@ -890,3 +891,5 @@ def test_lut_signatures_match_the_kernels():
     # and the ring's mixed decode's x block exponents after the table: 2 halves x 2 rows x 64 blocks of 4 B
     exp_bytes = re.search(r"constexpr int kExpBytes = ([\d *]+);", src).group(1)
     assert moe_lut.EXP_BYTES == eval(exp_bytes) == 1024, exp_bytes
+    # and moe_gate_up_lut4's zeros after the table
+    assert moe_lut.ZERO_BYTES == int(re.search(r"constexpr int kZeroBytes = (\d+);", src).group(1))
