@@ -40,7 +40,6 @@
 #   bash benchmarks/h200_checks.sh passes     # the step at 1-64 rows under the default and the skewed routing, with the experts kernels' passes (~2 min)
 #   bash benchmarks/h200_checks.sh down4      # down in passes of 4 pairs: its GPU tests, the step A/B at 1, 16 and 64 rows, default and skewed routing (~7 min)
 #   bash benchmarks/h200_checks.sh down4rows  # down in passes of 4 pairs against 2 at 1-64 rows, 3 rounds; 64 rows skewed; its GPU tests (~5 min)
-#   bash benchmarks/h200_checks.sh four       # down and gate-up in passes of 4 pairs: their GPU tests, the step at 16-64 rows, each, both, neither; skewed (~9 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
@@ -496,17 +495,6 @@ for group in "$@"; do
       ab down4_few 150 --layers 30 --batch 1,2,4,8 --rounds 3 --arm off= --arm "$on4"
       ab down4_many 150 --layers 30 --batch 16,32,64 --rounds 3 --arm off= --arm "$on4"
       ab down4_skewed 100 --layers 30 --batch 64 --rounds 3 --routing skewed --arm off= --arm "$on4" ;;
-    four)  # down4's measurement with gate-up in passes of 4 pairs too (moe_lut.GATE_UP4_MIN_ROWS, built 2026-12-07
-      # without a device: moe_gate_up_lut4 in place of the ring gate-up): their bit tests, then the step at 16, 32 and
-      # 64 rows (where an expert has 3+ pairs) with neither, each and both on every launch, 3 rounds; 64 rows skewed
-      d4="import megastep.kernels.moe_lut as m; m.DOWN4_MIN_ROWS = 1"
-      g4="import megastep.kernels.moe_lut as m; m.GATE_UP4_MIN_ROWS = 1"
-      step four_tests 200 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py \
-        -k "passes_of_four or slots_of_many or ring_gives"
-      ab four_default 240 --layers 30 --batch 16,32,64 --rounds 3 --arm off= --arm "down4=$d4" --arm "gate4=$g4" \
-        --arm "both=$d4; $g4"
-      ab four_skewed 120 --layers 30 --batch 64 --rounds 3 --routing skewed --arm off= --arm "down4=$d4" \
-        --arm "both=$d4; $g4" ;;
     passes)  # why 64 rows read their experts slower than 16 (2026-12-07): the lut kernels stream an expert's rows
       # once per 2 of its pairs, so the reads line's passes per expert read against the step, under the synthetic
       # gates' routing and the skewed one (which puts more pairs on fewer experts)

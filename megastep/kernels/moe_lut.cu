@@ -553,27 +553,19 @@ __device__ __forceinline__ void step_sums_sets(const char* table, uint32_t lane_
 // total[v] of set k (pairs 2k, 2k + 1). pass()'s loop, one x pointer, flag and sums per set. The sums
 // of K half 0 wait in shared memory (losm: kSets float4 per thread of the CTA) instead of registers:
 // held there, down's 4-pair build spilled to local memory.
-// kZeros (gate-up's): a lane that loads no x (not its column's owner) reads kZeroBytes of zeros
-// (after the table, run() writes them) that its pointers never leave, instead of selecting a zero
-// for every load: 338 instructions a 2 KB step instead of 374 (nvcc 13.0, sm_90a; ptxas's CS2R). The owner of a pair absent
-// from a partial pass then loads that row slot's stale x: its columns' sums are never written (an
-// MMA's output column depends on its own column of x alone). (down's build spills 8 B with it.)
-constexpr int kZeroBytes = 512;  // (an x pointer's reach in a step: -8 .. 4 kGroupPitch + 64 + 8)
-template <typename S, int kSets, bool kZeros>
+template <typename S, int kSets>
 __device__ __forceinline__ void warp_sums_sets(S& st, const char* table, const char* xsm, const Layout& L, int np,
                                                const int (&xrow)[2 * kSets], float (&total)[4 * kSets],
                                                float4* losm) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, p = g >> 2;
   const int sha = 16 * (t & 1), shb = sha + 8, sw = t & 2 ? 8 : 0;  // (pass())
-  const bool owner = (g & 3) == t;
   const char* xl[kSets];
   bool active[kSets];
   float acc[kSets][4];
 #pragma unroll
   for (int k = 0; k < kSets; ++k) {
-    active[k] = kZeros || (owner && 2 * k + p < np);
+    active[k] = (g & 3) == t && 2 * k + p < np;
     xl[k] = xsm + (p ? xrow[2 * k + 1] : xrow[2 * k]) * L.rowpitch + t * kGroupPitch;
-    if (kZeros && !owner) xl[k] = table + kLutBytes + 8;
 #pragma unroll
     for (int v = 0; v < 4; ++v) acc[k][v] = 0.f;
   }
@@ -595,11 +587,10 @@ __device__ __forceinline__ void warp_sums_sets(S& st, const char* table, const c
       st.take(i, s, a0, a1, b0, b1, fa, fb);
       const char* xe[kSets];
       const char* xo[kSets];
-      const int off = !kZeros || owner ? s * 8 * kGroupPitch : 0;  // (kZeros: a non-owner's stay at the zeros)
 #pragma unroll
       for (int k = 0; k < kSets; ++k) {
-        xe[k] = xl[k] + off + sw;
-        xo[k] = xl[k] + off - sw;
+        xe[k] = xl[k] + s * 8 * kGroupPitch + sw;
+        xo[k] = xl[k] + s * 8 * kGroupPitch - sw;
       }
       step_sums_sets<kSets>(table, lane * 4, xe, xo, active, a0, a1, b0, b1, fa, fb, sha, shb, acc);
       st.after(i, s);
@@ -689,23 +680,18 @@ __device__ __forceinline__ void item_sync() {
 // CTAs would, sharing one table; then the weights' steps in flight live in shared memory, not in
 // registers: kRingDepth per warp instead of KPF (moe_gate_up_lut_ring; moe_lut.py's ring_rows).
 // kMix: the mixed decode (decode_f16 for x's odd blocks), x's block exponents after the table.
-template <typename S, int kHalves, bool kMix = false, int kSets = 1, bool kZeros = false, typename Epi,
-          typename Post>
+template <typename S, int kHalves, bool kMix = false, int kSets = 1, typename Epi, typename Post>
 __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
   const Layout L(a.K);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, blk = warp & (kWarps - 1), t = lane & 3;
   const int half = kHalves == 2 ? threadIdx.x >> 8 : 0;
   constexpr int kTable = kLutBytes + (kMix ? kExpBytes : 0);
-  char* xsm = smem + kTable + (kZeros ? kZeroBytes : 0) + half * L.bytes;  // (kZeros: warp_sums_sets')
+  char* xsm = smem + kTable + half * L.bytes;
   const char* ring = smem + kTable + kHalves * L.bytes + warp * kRingDepth * 2048 + lane * 16;
   int* xexp = reinterpret_cast<int*>(smem + kLutBytes) + half * 2 * (a.K / 128);  // (kMix) [2 rows][K / 128]
   PROBE(a.down, 0, 0);
   prologue(smem);
-  if constexpr (kZeros) {  // warp_sums_sets' zeros
-    static_assert(kSets > 1 && kHalves == 1 && !kMix, "passes of 2 kSets pairs, one CTA half, the table's decode");
-    if (threadIdx.x < kZeroBytes / 16) reinterpret_cast<uint4*>(smem + kTable)[threadIdx.x] = uint4{};
-  }
   if constexpr (kHalves == 2) __syncthreads();  // (the table; with one half the first item_sync orders it)
   PROBE(a.down, 1, 0);
   // Under PDL gate-up waits here: x and the routing are its predecessor's (the router's) outputs;
@@ -768,7 +754,7 @@ __device__ __forceinline__ void run(const Args& a, int tiles, Epi epi, Post post
       if constexpr (kSets == 1)
         warp_sums<S, kMix>(st, smem, xsm, L, np, xrow, total, xexp);
       else
-        warp_sums_sets<S, kSets, kZeros>(st, smem, xsm, L, np, xrow, total,
+        warp_sums_sets<S, kSets>(st, smem, xsm, L, np, xrow, total,
                                  reinterpret_cast<float4*>(xsm + kPass * L.rowpitch));  // (after x's rows)
 #ifdef MOE_LUT_PROBE
       if (first && c0 == 0) PROBE(a.down, 6, __float_as_int(total[0]));
@@ -840,18 +826,6 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
 // gate-up's body: kSpread picks run_spread's schedule (moe_gate_up_lut_spread) or run's, kRing
 // the RingStream (moe_gate_up_lut_ring, moe_gate_up_lut_spread_ring).
 // act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
-// act's value of one pair and channel from its w1 / w3 sums gv / uv and routing weight *r
-__device__ __forceinline__ __nv_bfloat16 swiglu(float gv, float uv, const float* r, float limit, int round_out) {
-  if (round_out) {
-    gv = round_bf16(gv);
-    uv = round_bf16(uv);
-  }
-  gv = fminf(gv, limit);
-  uv = fminf(fmaxf(uv, -limit), limit);
-  const float v = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.f, expf(-gv))), uv);
-  return __float2bfloat16_rn(__fmul_rn(v, *r));
-}
-
 template <bool kSpread, bool kRing = false, bool kMix = false>  // (kMix: with kRing only)
 __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                         float limit, int round_out) {
@@ -859,8 +833,16 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
   auto epi = [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
     if (t < np) {  // lane t of the quad: pair c0 + t of channel r0
       const int pair = a.pair_ptr[it.start + c0 + t];
-      const float gv = t ? total[1] : total[0], uv = t ? total[3] : total[2];  // (no local-memory indexing)
-      act[pair * stride_a + r0] = swiglu(gv, uv, rw + pair, limit, round_out);
+      float gv = t ? total[1] : total[0], uv = t ? total[3] : total[2];  // (no local-memory indexing)
+      if (round_out) {
+        gv = round_bf16(gv);
+        uv = round_bf16(uv);
+      }
+      gv = fminf(gv, limit);
+      uv = fminf(fmaxf(uv, -limit), limit);
+      float v = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.f, expf(-gv))), uv);
+      v = __fmul_rn(v, rw[pair]);
+      act[pair * stride_a + r0] = __float2bfloat16_rn(v);
     }
   };
   if constexpr (kSpread && kRing)
@@ -871,24 +853,6 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
     run<RingStream, 2, kMix>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
   else
     run<Stream, 1>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
-}
-
-// gate-up in passes of 4 pairs (moe_gate_up_lut4): run()'s items through the Stream, as
-// moe_gate_up_lut, with warp_sums_sets' 2 pair sets; lane t of a quad writes pair c0 + t, whose
-// sums are set t / 2's totals of pair t % 2.
-__device__ __forceinline__ void gate_up4(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
-                                         float limit, int round_out) {
-  const int t = threadIdx.x & 3;
-  auto epi = [&](const Item& it, int c0, int np, int r0, int, const float (&total)[8]) {
-    if (t < np) {
-      const int pair = a.pair_ptr[it.start + c0 + t];
-      // (selects, no local-memory indexing)
-      const float gv = t == 0 ? total[0] : t == 1 ? total[1] : t == 2 ? total[4] : total[5];
-      const float uv = t == 0 ? total[2] : t == 1 ? total[3] : t == 2 ? total[6] : total[7];
-      act[pair * stride_a + r0] = swiglu(gv, uv, rw + pair, limit, round_out);
-    }
-  };
-  run<Stream, 1, false, 2, true>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
 }
 
 // y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 128-row tile) of
@@ -1001,15 +965,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut(DOWN_PARA
 // (Not in the probe build, whose stamps it has no registers for.)
 #ifndef MOE_LUT_PROBE
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_down_lut4(DOWN_PARAMS) { down<2>(DOWN_ARGS); }
-#endif
-
-// gate-up in passes of 4 pairs (moe_lut.py's GATE_UP4_MIN_ROWS): as moe_gate_up_lut; after the table the
-// zeros of warp_sums_sets' non-owner lanes, 4 rows of x and the K half 0 sums: 64 KB + 512 + 8 D + 8 KB of
-// dynamic shared memory (2 CTAs per SM: 209 KB at D = 4096). (Not in the probe build.)
-#ifndef MOE_LUT_PROBE
-extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut4(GATE_UP_PARAMS) {
-  gate_up4(GATE_UP_ARGS(0));
-}
 #endif
 
 // The ring gate-up with the mixed decode (moe_lut.py's RING_MIX): kExpBytes (x's block exponents)

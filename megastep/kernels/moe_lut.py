@@ -43,7 +43,6 @@ _GATE_UP = _MODULE.kernel("moe_gate_up_lut", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD = _MODULE.kernel("moe_gate_up_lut_spread", "pqppppppppqiiqqfiiii")
 _DOWN = _MODULE.kernel("moe_down_lut", "pqpppppppqpqpiiqqiiipq")
 _DOWN4 = _MODULE.kernel("moe_down_lut4", "pqpppppppqpqpiiqqiiipq")
-_GATE_UP4 = _MODULE.kernel("moe_gate_up_lut4", "pqppppppppqiiqqfiii")
 _GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiii")
 _GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqfiii")
@@ -56,7 +55,7 @@ CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared 
 # A pass of an item streams its weight rows once for at most this many of the expert's pairs (the
 # .cu's run: 2 pairs share an MMA's 8 columns, 4 columns each for the block-diagonal x); an
 # expert with more pairs streams its rows again (from L2 or HBM) for every further 2. (down in
-# launches of DOWN4_MIN_ROWS rows or more, gate-up in those of GATE_UP4_MIN_ROWS: twice as many.)
+# launches of DOWN4_MIN_ROWS rows or more: twice as many.)
 PAIRS_PER_PASS = 2
 # Down launches of at least this many rows take moe_down_lut4: passes of 4 pairs, each decoded weight
 # fragment feeding two MMAs (pairs 0-1 and 2-3), so an expert with 3-4 pairs streams its rows once.
@@ -67,18 +66,8 @@ PAIRS_PER_PASS = 2
 # 2026-12-06 from 23:36). Built 2026-12-07 without a device: None (off) until measured
 # (`bash benchmarks/h200_checks.sh down4`). Needs 64 KB + 8 I + 8 KB of shared memory (shared_bytes).
 DOWN4_MIN_ROWS: int | None = None
-# Gate-up launches of at least this many rows (not taken by the spread gate-up) take moe_gate_up_lut4: the
-# same passes of 4 pairs in moe_gate_up_lut's items (2 CTAs of 256 threads per SM, the weights' steps in
-# registers), in place of the ring gate-up, whose shared memory has no room for 4 rows of x (225 of 227 KB
-# at D = 4096). The same bits. Gate-up is the larger of the two (713.6 of the experts' 1203.6 us a layer at
-# 64 rows on one H200, docs/PERFORMANCE.md, 2026-12-06 from 23:36); the ring with its mixed decode was
-# 5-6 % faster than these items with 2 pairs a pass at 16-64 rows (RING_MIN_ROWS, RING_MIX), so it pays
-# only where the passes it saves outweigh that. Built 2026-12-07 without a device: None (off) until
-# measured. Needs 64 KB + 512 + 8 D + 8 KB of shared memory (shared_bytes(D, four=True, zeros=True)).
-GATE_UP4_MIN_ROWS: int | None = None
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
 EXP_BYTES = 1024  # the .cu's kExpBytes: after the table, RING_MIX's x block exponents
-ZERO_BYTES = 512  # the .cu's kZeroBytes: after the table, moe_gate_up_lut4's zeros
 # Gate-up launches of these row counts (at most 2: every expert slot then has at most 2 pairs)
 # take moe_gate_up_lut_spread: one CTA of SPREAD_WARPS warps per SM, the warps' (slot, 8
 # channels) tasks dealt out evenly (the .cu's run_spread). The same bits. Measured on one H200
@@ -157,15 +146,13 @@ def supported(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:
     return device.type == "cuda" and dtype == torch.bfloat16 and D % 512 == 0 and I % 512 == 0 and _have_nvcc()
 
 
-def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, mix: bool = False, four: bool = False,
-                 zeros: bool = False) -> int:
+def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, mix: bool = False, four: bool = False) -> int:
     """Dynamic shared memory of a launch over K: the table (mix: and x's block exponents), the .cu's
     Layout(K) (2 rows of x in 16-bit values) of each CTA half, then the RING_DEPTH 2 KB slots of
-    slot_warps warps. four (moe_down_lut4, moe_gate_up_lut4): 4 rows of x, then the K half 0 sums of 2
-    pair sets (4 floats each) of the CTA's THREADS threads; zeros (moe_gate_up_lut4): ZERO_BYTES before
-    x, which the lanes that load no x read."""
+    slot_warps warps. four (moe_down_lut4): 4 rows of x, then the K half 0 sums of 2 pair sets (4
+    floats each) of the CTA's THREADS threads."""
     if four:
-        return LUT_BYTES + (ZERO_BYTES if zeros else 0) + 8 * K + 2 * 16 * THREADS
+        return LUT_BYTES + 8 * K + 2 * 16 * THREADS
     return LUT_BYTES + (EXP_BYTES if mix else 0) + halves * 4 * K + slot_warps * RING_DEPTH * 2048
 
 
@@ -191,11 +178,6 @@ def _sms(index: int) -> int:
 
 def _grid(items: int, device: torch.device, per_sm: int = CTAS_PER_SM) -> tuple[int, int, int]:
     return (max(1, min(items, per_sm * _sms(device.index))), 1, 1)
-
-
-def four_rows(min_rows: int | None, M: int) -> bool:
-    """Whether a launch of M rows takes passes of 4 pairs under min_rows (DOWN4_MIN_ROWS, GATE_UP4_MIN_ROWS)."""
-    return min_rows is not None and M >= min_rows
 
 
 def ring_rows(M: int) -> bool:
@@ -238,10 +220,6 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
             kernel, smem = _GATE_UP_SPREAD, shared_bytes(D)
         kernel.launch(_grid(slots * (I // 8), xq.device, 1), (32 * SPREAD_WARPS, 1, 1), smem, None, *args, spread,
                       pdl=pdl_enabled())
-    elif four_rows(GATE_UP4_MIN_ROWS, rows) and _ring_fits(xq.device.index, shared_bytes(D, four=True, zeros=True)):
-        # items (slot, channel tile) in passes of 4 pairs
-        _GATE_UP4.launch(_grid(slots * (I // ITEM_CHANNELS), xq.device), (THREADS, 1, 1),
-                         shared_bytes(D, four=True, zeros=True), None, *args, pdl=pdl_enabled())
     elif ring_rows(rows) and _ring_fits(xq.device.index, shared_bytes(D, 2, ring_warps)):
         # items (slot, channel tile), two at a time per CTA
         kernel, smem = _ring_kernel(_GATE_UP_RING, _GATE_UP_RING_MIX, RING_MIX, xq.device.index, D, 2, ring_warps)
@@ -268,6 +246,6 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
-    four = four_rows(DOWN4_MIN_ROWS, pairs.numel() // topk)
+    four = DOWN4_MIN_ROWS is not None and pairs.numel() // topk >= DOWN4_MIN_ROWS
     (_DOWN4 if four else _DOWN).launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, four=four), None,
                                        *args, pdl=pdl_enabled())

@@ -630,25 +630,6 @@ def test_gpu_lut_down_in_passes_of_four_pairs_gives_the_same_bits(M, monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 3, 4, 5, 16, 64])
-def test_gpu_lut_gate_up_in_passes_of_four_pairs_gives_the_same_bits(M, monkeypatch):
-    """gate-up in passes of 4 pairs (moe_lut.GATE_UP4_MIN_ROWS: moe_gate_up_lut4, in place of the ring and
-    the plain items at every row count but the spread's 2) gives the default kernels' bits at V4-Flash
-    expert shapes: per-pair outputs, the combine, the combine with the shared expert's output, a sparse
-    table's pairs; slots of 1-4 pairs and of M pairs (passes of 4, the last one partial); three calls;
-    also with down's passes of 4."""
-    from megastep.kernels import moe_lut
-
-    inputs = _many_pair_inputs(M, 43)
-    smem = moe_lut.shared_bytes(4096, four=True, zeros=True)
-    _same_bits_when(monkeypatch, "GATE_UP4_MIN_ROWS", None, 1, smem, *inputs)
-    monkeypatch.setattr(moe_lut, "GATE_UP4_MIN_ROWS", None)
-    monkeypatch.setattr(moe_lut, "DOWN4_MIN_ROWS", 1)
-    _same_bits_when(monkeypatch, "GATE_UP4_MIN_ROWS", None, 1, smem, *inputs)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 8, 16, 64])
 def test_gpu_lut_ring_mix_gives_the_same_bits(M, monkeypatch):
     """The ring gate-up's mixed decode (moe_lut.RING_MIX: the groups of x's odd 128-blocks on fp16 MMAs
@@ -742,11 +723,11 @@ def test_lut_kernels_build_for_sm90():
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
                "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix",
-               "moe_down_lut4", "moe_gate_up_lut4")
+               "moe_down_lut4")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
-    # without their loads (all but the passes of 4 pairs, which they leave out)
-    probed = tuple(k for k in kernels if not k.endswith("4")) + ("moe_lut_probe_read",)
+    # without their loads (all but moe_down_lut4, which they leave out)
+    probed = tuple(k for k in kernels if k != "moe_down_lut4") + ("moe_lut_probe_read",)
     for flags in (("-DMOE_LUT_PROBE",), ("-DMOE_LUT_PROBE", "-DMOE_LUT_NO_LOAD")):
         assert_builds_without_spills(moe_lut.SOURCE, probed, flags=flags)
 
@@ -785,51 +766,6 @@ def test_lut_down_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
     assert [g[0] for g in got] == ["down", "down", "down4", "down4"]
     assert got[0][1] == moe_lut.LUT_BYTES + 4 * I and got[2][1] == moe_lut.LUT_BYTES + 8 * I + 8192
     assert len({g[2] for g in got}) == 1  # the same arguments either way
-
-
-def test_lut_gate_up_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
-    """moe_lut.gate_up takes moe_gate_up_lut4 from GATE_UP4_MIN_ROWS rows on (never while it is None), before
-    the ring but after the spread gate-up (2 rows), 2 CTAs per SM, with the shared memory of 4 rows of x and
-    the K half 0 sums after the table; a device that cannot give a CTA that keeps the other kernels."""
-    from megastep.kernels import moe_lut
-
-    launched = []
-
-    class Spy:
-        def __init__(self, name):
-            self.name = name
-
-        def launch(self, grid, block, smem, stream, *args, pdl=False):
-            launched.append((self.name, grid[0], block[0], smem, len(args)))
-
-    for attr in ("_GATE_UP", "_GATE_UP4", "_GATE_UP_RING_MIX", "_GATE_UP_SPREAD_RING_MIX"):
-        monkeypatch.setattr(moe_lut, attr, Spy(attr))
-    monkeypatch.setattr(moe_lut, "_sms", lambda index: 132)
-    fits = {"smem": 227 << 10}
-    monkeypatch.setattr(moe_lut, "_ring_fits", lambda index, nbytes: nbytes <= fits["smem"])
-    I, D, topk = 2048, 4096, 6
-
-    def call(M):
-        pairs = torch.zeros(M * topk, dtype=torch.int32)
-        addr = torch.zeros(32, 4, dtype=torch.int64)
-        moe_lut.gate_up(torch.zeros(M, D, dtype=torch.bfloat16), addr, torch.zeros(M * topk), pairs, pairs, pairs,
-                        pairs, pairs, torch.zeros(M * topk, I, dtype=torch.bfloat16), D, I, (1, 1), 10.0, topk, True,
-                        False)
-        return launched.pop()
-
-    assert moe_lut.GATE_UP4_MIN_ROWS is None  # off until measured on a GPU
-    assert [call(m)[0] for m in (1, 2, 4, 16, 64)] == ["_GATE_UP_RING_MIX", "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP",
-                                                      "_GATE_UP_RING_MIX", "_GATE_UP_RING_MIX"]
-    monkeypatch.setattr(moe_lut, "GATE_UP4_MIN_ROWS", 16)
-    got = [call(m) for m in (1, 15, 16, 64)]
-    assert [g[0] for g in got] == ["_GATE_UP_RING_MIX", "_GATE_UP_RING_MIX", "_GATE_UP4", "_GATE_UP4"]
-    # 32 expert slots x 32 channel tiles, 2 CTAs of 256 threads per SM
-    assert got[2][1:4] == (2 * 132, 256, moe_lut.LUT_BYTES + 512 + 8 * D + 8192) == (264, 256, 107008)
-    assert len({g[4] for g in got}) == 1  # the same arguments either way
-    monkeypatch.setattr(moe_lut, "GATE_UP4_MIN_ROWS", 1)
-    assert [call(m)[0] for m in (1, 2, 3)] == ["_GATE_UP4", "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP4"]
-    fits["smem"] = 100 << 10  # (no ring either)
-    assert [call(m)[0] for m in (1, 64)] == ["_GATE_UP", "_GATE_UP"]
 
 
 def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
@@ -878,7 +814,7 @@ def test_lut_signatures_match_the_kernels():
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
                    moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX,
-                   moe_lut._DOWN4, moe_lut._GATE_UP4):
+                   moe_lut._DOWN4):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
@@ -891,5 +827,3 @@ def test_lut_signatures_match_the_kernels():
     # and the ring's mixed decode's x block exponents after the table: 2 halves x 2 rows x 64 blocks of 4 B
     exp_bytes = re.search(r"constexpr int kExpBytes = ([\d *]+);", src).group(1)
     assert moe_lut.EXP_BYTES == eval(exp_bytes) == 1024, exp_bytes
-    # and moe_gate_up_lut4's zeros after the table
-    assert moe_lut.ZERO_BYTES == int(re.search(r"constexpr int kZeroBytes = (\d+);", src).group(1))
