@@ -483,18 +483,20 @@ for group in "$@"; do
       # against the 2-pair passes (and the other lut tests over slots of many pairs), then the step with it on every
       # launch against off, 3 rounds, under the synthetic gates' routing and the skewed one (more pairs an expert)
       on4="on=import megastep.kernels.moe_lut as m; m.DOWN4_MIN_ROWS = 1"
+      off4="off=import megastep.kernels.moe_lut as m; m.DOWN4_MIN_ROWS = None"
       step down4_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py \
         -k "down_in_passes or slots_of_many or ring_gives"
-      ab down4_default 180 --layers 30 --batch 1,16,64 --rounds 3 --arm off= --arm "$on4"
-      ab down4_skewed 120 --layers 30 --batch 64 --rounds 3 --routing skewed --arm off= --arm "$on4" ;;
+      ab down4_default 180 --layers 30 --batch 1,16,64 --rounds 3 --arm "$off4" --arm "$on4"
+      ab down4_skewed 120 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "$off4" --arm "$on4" ;;
     down4rows)  # where down's passes of 4 pairs pay (on one H100, 16 layers, 2026-12-07: -1.2 / -3.1 / -5.7 % at
       # 16 / 32 / 64 rows, -7.1 % at 64 skewed; never measured below 16): its GPU tests, then the step with it on every
       # launch against off at 1-8 and 16-64 rows, 3 rounds, and 64 rows skewed
       on4="on=import megastep.kernels.moe_lut as m; m.DOWN4_MIN_ROWS = 1"
+      off4="off=import megastep.kernels.moe_lut as m; m.DOWN4_MIN_ROWS = None"
       step down4_tests 100 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py -k "down_in_passes"
-      ab down4_few 150 --layers 30 --batch 1,2,4,8 --rounds 3 --arm off= --arm "$on4"
-      ab down4_many 150 --layers 30 --batch 16,32,64 --rounds 3 --arm off= --arm "$on4"
-      ab down4_skewed 100 --layers 30 --batch 64 --rounds 3 --routing skewed --arm off= --arm "$on4" ;;
+      ab down4_few 150 --layers 30 --batch 1,2,4,8 --rounds 3 --arm "$off4" --arm "$on4"
+      ab down4_many 150 --layers 30 --batch 16,32,64 --rounds 3 --arm "$off4" --arm "$on4"
+      ab down4_skewed 100 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "$off4" --arm "$on4" ;;
     passes)  # why 64 rows read their experts slower than 16 (2026-12-07): the lut kernels stream an expert's rows
       # once per 2 of its pairs, so the reads line's passes per expert read against the step, under the synthetic
       # gates' routing and the skewed one (which puts more pairs on fewer experts)

@@ -191,7 +191,7 @@ def expert_passes(pairs_per_expert, per_pass: int = moe_lut.PAIRS_PER_PASS) -> i
     """The passes the "lut" experts kernels make over the weights of experts with these pair counts:
     an item streams its rows once for every `per_pass` of the expert's pairs (the kernels':
     moe_lut.PAIRS_PER_PASS), so an expert that 5 rows route to is streamed 3 times (gate-up's passes;
-    down's too unless moe_lut.DOWN4_MIN_ROWS gives it passes of 4). Against the experts read it says
+    down's below moe_lut.DOWN4_MIN_ROWS rows, from there on passes of 4). Against the experts read it says
     how much of a step's expert work grows with the rows rather than with the bytes."""
     return sum(-(-c // per_pass) for c in pairs_per_expert)
 

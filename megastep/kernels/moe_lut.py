@@ -54,8 +54,8 @@ ITEM_CHANNELS, ITEM_ROWS = 64, 128
 CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared memory allow 2)
 # A pass of an item streams its weight rows once for at most this many of the expert's pairs (the
 # .cu's run: 2 pairs share an MMA's 8 columns, 4 columns each for the block-diagonal x); an
-# expert with more pairs streams its rows again (from L2 or HBM) for every further 2. (down in
-# launches of DOWN4_MIN_ROWS rows or more: twice as many.)
+# expert with more pairs streams its rows again (from L2 or HBM) for every further 2. (gate-up's;
+# down in launches of DOWN4_MIN_ROWS rows or more: twice as many.)
 PAIRS_PER_PASS = 2
 # Down launches of at least this many rows take moe_down_lut4: passes of 4 pairs, each decoded weight
 # fragment feeding two MMAs (pairs 0-1 and 2-3), so an expert with 3-4 pairs streams its rows once.
@@ -63,9 +63,13 @@ PAIRS_PER_PASS = 2
 # instructions and a pass costs about the same whatever its bytes; at 64 rows the synthetic gates'
 # routing makes 1.43 passes per expert read, 1.09 at 4 pairs a pass (benchmarks/expert_passes.py), and
 # the experts' time per pass was the same at 16 and 64 rows on one H200 (docs/PERFORMANCE.md,
-# 2026-12-06 from 23:36). Built 2026-12-07 without a device: None (off) until measured
-# (`bash benchmarks/h200_checks.sh down4`). Needs 64 KB + 8 I + 8 KB of shared memory (shared_bytes).
-DOWN4_MIN_ROWS: int | None = None
+# 2026-12-06 from 23:36). Measured on one H100, 16 layers, the step with it on every launch against
+# off, 3 rounds (docs/PERFORMANCE.md, 2026-12-07 from 02:10): -1.16 / -3.06 / -5.72 % at 16 / 32 / 64
+# rows, -7.08 % at 64 rows under the skewed routing (the bits: its GPU test passed there). Below 16
+# rows not yet measured: 16. (gate-up in passes of 4 pairs, without the ring's slots, which leave no
+# room for 4 rows of x, lost 10-22 % of the step at 16-64 rows: the code at 210ceff.) None: off.
+# Needs 64 KB + 8 I + 8 KB of shared memory (shared_bytes).
+DOWN4_MIN_ROWS: int | None = 16
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
 EXP_BYTES = 1024  # the .cu's kExpBytes: after the table, RING_MIX's x block exponents
 # Gate-up launches of these row counts (at most 2: every expert slot then has at most 2 pairs)
