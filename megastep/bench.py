@@ -168,9 +168,11 @@ def routed_reads(dec, placement, rows: int, context: int, block: int = 1, steps:
     """The routed experts time_graph's rows actually read: `steps` eager steps of those rows with
     the decoder's route log on, and in each the distinct (layer, expert) pairs, counted by where
     `placement` keeps them (HBM: hot, host memory: cold); with them the passes the "lut" experts
-    kernels make over those experts' weights (`expert_passes`)."""
+    kernels make over those experts' weights (`expert_passes`): gate-up's, and down's (wider from
+    moe_lut.DOWN4_MIN_ROWS rows on)."""
     tokens, pos, slots = _rows(dec.device, rows, context, block)
-    hot, cold, passes, most = [], [], [], []
+    down_width = 4 if moe_lut.DOWN4_MIN_ROWS is not None and rows * block >= moe_lut.DOWN4_MIN_ROWS else 2
+    hot, cold, passes, down_passes, most = [], [], [], [], []
     for _ in range(steps):
         dec.route_log = []
         try:
@@ -182,9 +184,10 @@ def routed_reads(dec, placement, rows: int, context: int, block: int = 1, steps:
         hot.append(len(counts) - n_cold)
         cold.append(n_cold)
         passes.append(expert_passes(counts.values()))
+        down_passes.append(expert_passes(counts.values(), down_width))
         most.append(max(counts.values(), default=0))
     return {"steps": steps, "hot_per_step": hot, "cold_per_step": cold, "passes_per_step": passes,
-            "most_pairs": most}
+            "down_passes_per_step": down_passes, "down_pairs_per_pass": down_width, "most_pairs": most}
 
 
 def expert_passes(pairs_per_expert, per_pass: int = moe_lut.PAIRS_PER_PASS) -> int:
@@ -562,9 +565,14 @@ def print_report(out: dict) -> None:
                   f"roofline with these reads {rd['roofline_ms']:.3f} ms ({100 * rd['roofline_ms'] / r['ms_p50']:.1f}%)")
             if rd.get("passes_per_step"):  # (older results lack it)
                 read = sum(rd["hot_per_step"]) + sum(rd["cold_per_step"])
+                down = ""
+                if rd.get("down_passes_per_step"):  # (older results lack it)
+                    down = (f"; down's ({rd['down_pairs_per_pass']} pairs a pass): "
+                            f"{'/'.join(map(str, rd['down_passes_per_step']))}, "
+                            f"{sum(rd['down_passes_per_step']) / max(read, 1):.3f} per expert read")
                 print(f"  the experts kernels' passes over those experts' weights ({moe_lut.PAIRS_PER_PASS} pairs a "
                       f"pass): {'/'.join(map(str, rd['passes_per_step']))}, "
-                      f"{sum(rd['passes_per_step']) / max(read, 1):.3f} per expert read; the most pairs on one "
+                      f"{sum(rd['passes_per_step']) / max(read, 1):.3f} per expert read{down}; the most pairs on one "
                       f"expert {'/'.join(map(str, rd['most_pairs']))}")
     if out.get("peer"):
         p = out["peer"]

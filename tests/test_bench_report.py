@@ -96,6 +96,10 @@ def test_reads_line(capsys):
     print_report(out)
     assert ("  the experts kernels' passes over those experts' weights (2 pairs a pass): 300/310/314, 1.194 per "
             "expert read; the most pairs on one expert 5/6/4") in capsys.readouterr().out
+    out["results"][0]["reads"].update(down_passes_per_step=[260, 262, 264], down_pairs_per_pass=4)
+    print_report(out)
+    assert ("(2 pairs a pass): 300/310/314, 1.194 per expert read; down's (4 pairs a pass): 260/262/264, 1.016 per "
+            "expert read; the most pairs on one expert 5/6/4") in capsys.readouterr().out
     out["results"][0]["reads"] = None
     print_report(out)
     assert "eager steps" not in capsys.readouterr().out

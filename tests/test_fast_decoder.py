@@ -250,12 +250,13 @@ def test_slot_state_is_isolated(tiny):
         assert torch.equal(a[0], b[0]), t
 
 
-def test_routed_reads_count_what_the_rows_route_to(tiny):
+def test_routed_reads_count_what_the_rows_route_to(tiny, monkeypatch):
     """`megastep bench`'s count of the routed experts its rows read (bench.routed_reads): every MoE
     layer once per step, a row's k experts distinct, and split by the placement. Layer 0 is a hash
     layer, so its experts are known without the router: tid2eid of the rows' tokens. Made cold, they
     are exactly what is counted cold."""
     from megastep import bench
+    from megastep.kernels import moe_lut
     from megastep.runtime.experts import Placement
 
     cfg, w = tiny
@@ -270,6 +271,7 @@ def test_routed_reads_count_what_the_rows_route_to(tiny):
 
     one = bench.routed_reads(dec, placement(set()), 1, 8, steps=2)
     assert one == {"steps": 2, "hot_per_step": [L * k] * 2, "cold_per_step": [0, 0], "passes_per_step": [L * k] * 2,
+                   "down_passes_per_step": [L * k] * 2, "down_pairs_per_pass": 2,
                    "most_pairs": [1, 1]}  # one row: one pair an expert, one pass each
     assert dec.route_log is None  # off again: a graph captured later clones nothing
     tokens = bench._tokens(3, torch.device("cpu"))
@@ -282,6 +284,12 @@ def test_routed_reads_count_what_the_rows_route_to(tiny):
                              three["most_pairs"]):
         assert h + c <= n <= 3 * L * k and 1 <= most <= 3
         assert (n > h + c) == (most == 3)  # a second pass only for an expert all 3 rows route to
+    assert three["down_passes_per_step"] == three["passes_per_step"] and three["down_pairs_per_pass"] == 2
+    # from moe_lut.DOWN4_MIN_ROWS rows on, down's passes take 4 pairs: 3 rows route at most 3 to an expert
+    monkeypatch.setattr(moe_lut, "DOWN4_MIN_ROWS", 3)
+    wide = bench.routed_reads(dec, placement(hashed), 3, 8, steps=2)
+    assert wide["down_pairs_per_pass"] == 4 and wide["passes_per_step"] == three["passes_per_step"]
+    assert wide["down_passes_per_step"] == [h + c for h, c in zip(wide["hot_per_step"], wide["cold_per_step"])]
 
 
 def test_expert_passes_count_two_pairs_a_pass():
