@@ -36,6 +36,7 @@
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
+#   bash benchmarks/h200_checks.sh steptests  # final's bit tests of the step alone, without the kernels' (~1.5 min)
 #   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
 #   bash benchmarks/h200_checks.sh passes     # the step at 1-64 rows under the default and the skewed routing, with the experts kernels' passes (~2 min)
 #   bash benchmarks/h200_checks.sh down4      # down in passes of 4 pairs: its GPU tests, the step A/B at 1, 16 and 64 rows, default and skewed routing (~7 min)
@@ -497,6 +498,10 @@ for group in "$@"; do
       ab down4_few 150 --layers 30 --batch 1,2,4,8 --rounds 3 --arm "$off4" --arm "$on4"
       ab down4_many 150 --layers 30 --batch 16,32,64 --rounds 3 --arm "$off4" --arm "$on4"
       ab down4_skewed 100 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "$off4" --arm "$on4" ;;
+    steptests)  # final's bit tests of the step alone (a row alone against the same row in a batch of 16, the same
+      # input twice, graph replay against eager), without the kernels' (~1.5 min)
+      step step_tests 200 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
+        -k "alone or same_input or graph_replay" ;;
     passes)  # why 64 rows read their experts slower than 16 (2026-12-07): the lut kernels stream an expert's rows
       # once per 2 of its pairs, so the reads line's passes per expert read against the step, under the synthetic
       # gates' routing and the skewed one (which puts more pairs on fewer experts)
