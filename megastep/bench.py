@@ -171,7 +171,7 @@ def routed_reads(dec, placement, rows: int, context: int, block: int = 1, steps:
     kernels make over those experts' weights (`expert_passes`): gate-up's, and down's (wider from
     moe_lut.DOWN4_MIN_ROWS rows on)."""
     tokens, pos, slots = _rows(dec.device, rows, context, block)
-    down_width = 4 if moe_lut.DOWN4_MIN_ROWS is not None and rows * block >= moe_lut.DOWN4_MIN_ROWS else 2
+    down_width = moe_lut.down_pairs_per_pass(rows * block)
     hot, cold, passes, down_passes, most = [], [], [], [], []
     for _ in range(steps):
         dec.route_log = []

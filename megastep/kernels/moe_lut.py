@@ -184,6 +184,11 @@ def _grid(items: int, device: torch.device, per_sm: int = CTAS_PER_SM) -> tuple[
     return (max(1, min(items, per_sm * _sms(device.index))), 1, 1)
 
 
+def down_pairs_per_pass(M: int) -> int:
+    """The pairs a pass of a down launch of M rows takes: 4 (moe_down_lut4) from DOWN4_MIN_ROWS rows on."""
+    return 4 if DOWN4_MIN_ROWS is not None and M >= DOWN4_MIN_ROWS else PAIRS_PER_PASS
+
+
 def ring_rows(M: int) -> bool:
     """Whether a gate-up launch of M rows (not taken by the spread gate-up) takes the ring kernel."""
     return RING_MIN_ROWS is not None and (M == 1 or M >= RING_MIN_ROWS)
@@ -250,6 +255,6 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
-    four = DOWN4_MIN_ROWS is not None and pairs.numel() // topk >= DOWN4_MIN_ROWS
+    four = down_pairs_per_pass(pairs.numel() // topk) == 4
     (_DOWN4 if four else _DOWN).launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, four=four), None,
                                        *args, pdl=pdl_enabled())

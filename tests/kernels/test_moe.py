@@ -768,6 +768,8 @@ def test_lut_down_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
     assert [g[0] for g in got] == ["down", "down", "down4", "down4"]
     assert got[0][1] == moe_lut.LUT_BYTES + 4 * I and got[2][1] == moe_lut.LUT_BYTES + 8 * I + 8192
     assert len({g[2] for g in got}) == 1  # the same arguments either way
+    # the pass width the bench counts down's passes at (bench.routed_reads) follows the same rule
+    assert [moe_lut.down_pairs_per_pass(m) for m in (1, 31, 32, 64)] == [2, 2, 4, 4]
 
 
 def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
