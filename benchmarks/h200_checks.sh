@@ -39,7 +39,6 @@
 #   bash benchmarks/h200_checks.sh steptests  # final's bit tests of the step alone, without the kernels' (~1.5 min)
 #   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
 #   bash benchmarks/h200_checks.sh passes     # the step at 1-64 rows under the default and the skewed routing, with the experts kernels' passes (~2 min)
-#   bash benchmarks/h200_checks.sh down4      # down in passes of 4 pairs: its GPU tests, the step A/B at 1, 16 and 64 rows, default and skewed routing (~7 min)
 #   bash benchmarks/h200_checks.sh down4rows  # down in passes of 4 pairs against 2 at 1-64 rows, 3 rounds; 64 rows skewed; its GPU tests (~5 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
@@ -480,15 +479,6 @@ for group in "$@"; do
         tests/kernels/test_moe.py tests/kernels/test_route_cuda.py \
         -k "cold_expert or alone or same_input or graph_replay or indexer_beside or lut or route"
       final_step ;;
-    down4)  # down in passes of 4 pairs (moe_lut.DOWN4_MIN_ROWS, built 2026-12-07 without a device): its bit tests
-      # against the 2-pair passes (and the other lut tests over slots of many pairs), then the step with it on every
-      # launch against off, 3 rounds, under the synthetic gates' routing and the skewed one (more pairs an expert)
-      on4="on=import megastep.kernels.moe_lut as m; m.DOWN4_MIN_ROWS = 1"
-      off4="off=import megastep.kernels.moe_lut as m; m.DOWN4_MIN_ROWS = None"
-      step down4_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py \
-        -k "down_in_passes or slots_of_many or ring_gives"
-      ab down4_default 180 --layers 30 --batch 1,16,64 --rounds 3 --arm "$off4" --arm "$on4"
-      ab down4_skewed 120 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "$off4" --arm "$on4" ;;
     down4rows)  # where down's passes of 4 pairs pay (on one H100, 16 layers, 2026-12-07: -1.2 / -3.1 / -5.7 % at
       # 16 / 32 / 64 rows, -7.1 % at 64 skewed; never measured below 16): its GPU tests, then the step with it on every
       # launch against off at 1-8 and 16-64 rows, 3 rounds, and 64 rows skewed

@@ -255,6 +255,6 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
-    four = down_pairs_per_pass(pairs.numel() // topk) == 4
+    four = down_pairs_per_pass(pairs.numel() // topk) > PAIRS_PER_PASS
     (_DOWN4 if four else _DOWN).launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, four=four), None,
                                        *args, pdl=pdl_enabled())
