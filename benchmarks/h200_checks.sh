@@ -40,6 +40,7 @@
 #   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
 #   bash benchmarks/h200_checks.sh passes     # the step at 1-64 rows under the default and the skewed routing, with the experts kernels' passes (~2 min)
 #   bash benchmarks/h200_checks.sh down4rows  # down in passes of 4 pairs against 2 at 1-64 rows, 3 rounds; 64 rows skewed; its GPU tests (~5 min)
+#   bash benchmarks/h200_checks.sh gm         # the group-major gate-up (8 pairs a pass): its GPU tests, the step's bit tests under it, the step A/B at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
@@ -488,6 +489,18 @@ for group in "$@"; do
       ab down4_few 150 --layers 30 --batch 1,2,4,8 --rounds 3 --arm "$off4" --arm "$on4"
       ab down4_many 150 --layers 30 --batch 16,32,64 --rounds 3 --arm "$off4" --arm "$on4"
       ab down4_skewed 100 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "$off4" --arm "$on4" ;;
+    gm)  # the group-major gate-up (moe_lut.GATE_UP_GM, built 2026-12-07: an MMA's 8 columns are 8 pairs, so a pass
+      # takes 8 of an expert's pairs where the pair-major kernels take 2; 253 SASS instructions per 2 KB warp step
+      # against the ring's mixed decode's 301): its GPU tests, the step's bit tests with it on (a row alone against
+      # the same row in 16, the same input twice, graph replay against eager), then the step against the
+      # defaults at 1-8 and 16-64 rows, 3 rounds, and 64 rows skewed
+      gm_on='import megastep.kernels.moe_lut as m; m.GATE_UP_GM = True'
+      step gm_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py -k "group_major"
+      step gm_step_tests 170 python3 -c "$gm_on; import sys, pytest; sys.exit(pytest.main(['-q', '-rfE', \
+        '--timeout', '120', '-m', 'gpu', 'tests/test_fast_gpu.py', '-k', 'alone or same_input or graph_replay']))"
+      ab gm_few 130 --layers 30 --batch 1,2,4,8 --rounds 3 --arm "off=" --arm "gm=$gm_on"
+      ab gm_many 130 --layers 30 --batch 16,32,64 --rounds 3 --arm "off=" --arm "gm=$gm_on"
+      ab gm_skewed 90 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "off=" --arm "gm=$gm_on" ;;
     steptests)  # final's bit tests of the step alone (a row alone against the same row in a batch of 16, the same
       # input twice, graph replay against eager), without the kernels' (~1.5 min)
       step step_tests 200 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
@@ -663,7 +676,7 @@ runpy.run_path('benchmarks/kernels/moe_cuda_variants.py', run_name='__main__')"
       bench "ep${n}_43L_allreduce" 150 --gpus "$gpus" --batch 1,6,64 --ep-combine allreduce
       bench "ep${n}_43L_block6" 150 --gpus "$gpus" --batch 6 --block 6 ;;
     *)
-      echo "unknown group $group (tests | resident | trace | attn | tune | overlap | pdl | offload | offload_a | offload_auto | offload_auto24 | offload_b | offload_zc | ncu | small_ncu | stalls | floor | stream | shared | timeline | fork | route | plan | cold | spread | lut_ncu | final | csa64 | pins | chain | tchain | probe | ringmix | sms | linsplit | ep_tests | tp | tp_more | splits1 | gatefork | ep)"
+      echo "unknown group $group (the groups are listed at the top of benchmarks/h200_checks.sh)"
       exit 2 ;;
   esac
 done

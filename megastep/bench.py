@@ -168,10 +168,10 @@ def routed_reads(dec, placement, rows: int, context: int, block: int = 1, steps:
     """The routed experts time_graph's rows actually read: `steps` eager steps of those rows with
     the decoder's route log on, and in each the distinct (layer, expert) pairs, counted by where
     `placement` keeps them (HBM: hot, host memory: cold); with them the passes the "lut" experts
-    kernels make over those experts' weights (`expert_passes`): gate-up's, and down's (wider from
-    moe_lut.DOWN4_MIN_ROWS rows on)."""
+    kernels make over those experts' weights (`expert_passes`): gate-up's (8 pairs a pass with
+    moe_lut.GATE_UP_GM), and down's (wider from moe_lut.DOWN4_MIN_ROWS rows on)."""
     tokens, pos, slots = _rows(dec.device, rows, context, block)
-    down_width = moe_lut.down_pairs_per_pass(rows * block)
+    down_width, width = moe_lut.down_pairs_per_pass(rows * block), moe_lut.gate_up_pairs_per_pass()
     hot, cold, passes, down_passes, most = [], [], [], [], []
     for _ in range(steps):
         dec.route_log = []
@@ -183,11 +183,12 @@ def routed_reads(dec, placement, rows: int, context: int, block: int = 1, steps:
         n_cold = sum(not placement.is_hot(L, e) for L, e in counts)
         hot.append(len(counts) - n_cold)
         cold.append(n_cold)
-        passes.append(expert_passes(counts.values()))
+        passes.append(expert_passes(counts.values(), width))
         down_passes.append(expert_passes(counts.values(), down_width))
         most.append(max(counts.values(), default=0))
     return {"steps": steps, "hot_per_step": hot, "cold_per_step": cold, "passes_per_step": passes,
-            "down_passes_per_step": down_passes, "down_pairs_per_pass": down_width, "most_pairs": most}
+            "down_passes_per_step": down_passes, "down_pairs_per_pass": down_width, "pairs_per_pass": width,
+            "most_pairs": most}
 
 
 def expert_passes(pairs_per_expert, per_pass: int = moe_lut.PAIRS_PER_PASS) -> int:
@@ -570,7 +571,8 @@ def print_report(out: dict) -> None:
                     down = (f"; down's ({rd['down_pairs_per_pass']} pairs a pass): "
                             f"{'/'.join(map(str, rd['down_passes_per_step']))}, "
                             f"{sum(rd['down_passes_per_step']) / max(read, 1):.3f} per expert read")
-                print(f"  the experts kernels' passes over those experts' weights ({moe_lut.PAIRS_PER_PASS} pairs a "
+                width = rd.get("pairs_per_pass", moe_lut.PAIRS_PER_PASS)  # (older results lack it)
+                print(f"  the experts kernels' passes over those experts' weights ({width} pairs a "
                       f"pass): {'/'.join(map(str, rd['passes_per_step']))}, "
                       f"{sum(rd['passes_per_step']) / max(read, 1):.3f} per expert read{down}; the most pairs on one "
                       f"expert {'/'.join(map(str, rd['most_pairs']))}")

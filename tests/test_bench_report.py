@@ -100,6 +100,9 @@ def test_reads_line(capsys):
     print_report(out)
     assert ("(2 pairs a pass): 300/310/314, 1.194 per expert read; down's (4 pairs a pass): 260/262/264, 1.016 per "
             "expert read; the most pairs on one expert 5/6/4") in capsys.readouterr().out
+    out["results"][0]["reads"].update(pairs_per_pass=8)  # (moe_lut.GATE_UP_GM's passes)
+    print_report(out)
+    assert "(8 pairs a pass): 300/310/314" in capsys.readouterr().out
     out["results"][0]["reads"] = None
     print_report(out)
     assert "eager steps" not in capsys.readouterr().out

@@ -271,7 +271,7 @@ def test_routed_reads_count_what_the_rows_route_to(tiny, monkeypatch):
 
     one = bench.routed_reads(dec, placement(set()), 1, 8, steps=2)
     assert one == {"steps": 2, "hot_per_step": [L * k] * 2, "cold_per_step": [0, 0], "passes_per_step": [L * k] * 2,
-                   "down_passes_per_step": [L * k] * 2, "down_pairs_per_pass": 2,
+                   "down_passes_per_step": [L * k] * 2, "down_pairs_per_pass": 2, "pairs_per_pass": 2,
                    "most_pairs": [1, 1]}  # one row: one pair an expert, one pass each
     assert dec.route_log is None  # off again: a graph captured later clones nothing
     tokens = bench._tokens(3, torch.device("cpu"))
@@ -292,6 +292,11 @@ def test_routed_reads_count_what_the_rows_route_to(tiny, monkeypatch):
     for h, c, n, d, most in zip(wide["hot_per_step"], wide["cold_per_step"], wide["passes_per_step"],
                                 wide["down_passes_per_step"], wide["most_pairs"]):
         assert d == h + c and (n > h + c) == (most == 3)  # down: one pass an expert; gate-up as before
+    # the group-major gate-up (moe_lut.GATE_UP_GM) takes 8 pairs a pass: one an expert here too
+    monkeypatch.setattr(moe_lut, "GATE_UP_GM", True)
+    gm = bench.routed_reads(dec, placement(hashed), 3, 8, steps=2)
+    assert gm["pairs_per_pass"] == 8
+    assert all(n == h + c for h, c, n in zip(gm["hot_per_step"], gm["cold_per_step"], gm["passes_per_step"]))
 
 
 def test_expert_passes_count_two_pairs_a_pass():

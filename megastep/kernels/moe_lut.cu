@@ -823,6 +823,17 @@ __device__ __forceinline__ void run_spread(const Args& a, int blocks, Epi epi) {
   }
 }
 
+// r * silu(min(rnd(gv), limit)) * clamp(rnd(uv), +-limit) of a pair's gate and up sums (rnd: with round_out)
+__device__ __forceinline__ float swiglu(float gv, float uv, float limit, int round_out, float r) {
+  if (round_out) {
+    gv = round_bf16(gv);
+    uv = round_bf16(uv);
+  }
+  gv = fminf(gv, limit);
+  uv = fminf(fmaxf(uv, -limit), limit);
+  return __fmul_rn(__fmul_rn(__fdiv_rn(gv, __fadd_rn(1.f, expf(-gv))), uv), r);
+}
+
 // gate-up's body: kSpread picks run_spread's schedule (moe_gate_up_lut_spread) or run's, kRing
 // the RingStream (moe_gate_up_lut_ring, moe_gate_up_lut_spread_ring).
 // act[pair, i] = rnd(r * silu(min(rnd(w1 . x), limit)) * clamp(rnd(w3 . x), +-limit))  (bf16)
@@ -833,16 +844,9 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
   auto epi = [&](const Item& it, int c0, int np, int r0, int, const float (&total)[4]) {
     if (t < np) {  // lane t of the quad: pair c0 + t of channel r0
       const int pair = a.pair_ptr[it.start + c0 + t];
-      float gv = t ? total[1] : total[0], uv = t ? total[3] : total[2];  // (no local-memory indexing)
-      if (round_out) {
-        gv = round_bf16(gv);
-        uv = round_bf16(uv);
-      }
-      gv = fminf(gv, limit);
-      uv = fminf(fmaxf(uv, -limit), limit);
-      float v = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.f, expf(-gv))), uv);
-      v = __fmul_rn(v, rw[pair]);
-      act[pair * stride_a + r0] = __float2bfloat16_rn(v);
+      // (no local-memory indexing)
+      act[pair * stride_a + r0] =
+          __float2bfloat16_rn(swiglu(t ? total[1] : total[0], t ? total[3] : total[2], limit, round_out, rw[pair]));
     }
   };
   if constexpr (kSpread && kRing)
@@ -916,6 +920,202 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
   });
 }
 
+// ---- gate-up, group-major (moe_gate_up_gm; moe_lut.py's GATE_UP_GM) ----
+// The kernels above give each lane of a quad its own MXFP4 group (its 16-byte load), so an MMA's k16
+// holds 4 groups and its B must be block-diagonal: 4 of its 8 columns per pair, 2 pairs per MMA, and
+// an expert with more pairs streams and decodes its rows once for every 2 of them (down4: 4, at twice
+// the MMAs). Here the weights pass through shared memory (cp.async, as RingStream) and come back by
+// ldmatrix, which hands lane (g, t) word t of a 16-byte row: with a slot's 16-byte units laid out as
+// rows (weight row, group), the 4 lanes of a quad hold the same group of the same row, so an MMA's k16
+// is one group's 16 elements and its 8 columns are 8 pairs, each with its own x: a pass takes up to
+// kGmPairs pairs at the instructions of one (the decode, the MMAs), where the pair-major kernels need
+// a pass per 2. The price: a group's sum ends after 2 MMAs, so its scale is applied per group (4 fmaf
+// and 2 scale bytes a group, 32 + 16 a step, against 8 + 8).
+// Order of sums, per (pair, channel of w1 or w3), fixed whatever the batch: per group the 32 products in
+// two chained MMAs (elements 8t .. 8t + 3 of the quad's lanes t, then 8t + 4 .. 8t + 7; fp32), times
+// the group's scale into one fp32 sum over the whole K in group order. A column never
+// meets another pair's values: batch invariant. Not the pair-major kernels' order, so not their bits:
+// a step takes this kernel for every gate-up launch or for none.
+// Work: a CTA of kGmWarps warps per SM takes items (slot, kGmWarps x 8 channels) in turn, warp w
+// channels 8w .. 8w + 7 of the tile (MMA rows g: w1, g + 8: w3), the item's pairs in passes of
+// kGmPairs whose x rows are staged once for the CTA.
+constexpr int kGmWarps = 16, kGmThreads = 32 * kGmWarps;
+constexpr int kGmPairs = 8;   // pairs a pass: an MMA's 8 columns
+constexpr int kGmDepth = 3;   // a warp's 2 KB ring slots (4 do not fit beside 8 rows of x at K = 4096)
+constexpr int kGmPad = 64;    // bytes after each staged row of x: pair g's row 4 bank groups from g - 1's
+
+// 16-byte unit of (MMA row r, group G of the step) in a 2 KB slot: group-major, the rows of a group in
+// 256 B, the unit index XOR 2G so that a quarter warp's copies (rows g, g + 1 of groups t = 0 .. 3) hit
+// distinct bank groups; ldmatrix's 8 rows of one group are 8 distinct units of one 128 B either way.
+__device__ __forceinline__ int gm_unit(int r, int G) { return G * 16 + (r ^ ((2 * G) & 7)); }
+
+__device__ __forceinline__ void ldsm_x4(const char* p, uint32_t (&d)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+}
+
+// d = A . B (zero C)
+__device__ __forceinline__ void mma_z(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                      uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.f));
+}
+
+// A warp's ring of kGmDepth slots over its 16 MMA rows. Lane (g, t) copies, per step, the 16 bytes of
+// groups t and t + 4 of rows g (w1) and g + 8 (w3), as RingStream's loads, into their units; it reads
+// back by 4 ldmatrix.x4 (q = 0 .. 3: groups 2q and 2q + 1, matrices (rows 0-7, 2q), (8-15, 2q),
+// (0-7, 2q + 1), (8-15, 2q + 1)), lane l giving row l % 8 of matrix l / 8. The scale bytes stay in
+// registers (8 a row a step, RingStream's).
+struct GmRing {
+  const uint8_t *wa, *wb, *sa_p, *sb_p;
+  int steps;
+  const char* put;  // the warp's slot 0 at this lane's first unit, (g, t)
+  const char *get, *get_odd;  // the warp's slot 0 at this lane's ldmatrix row for q = 0 / q = 1
+  uint2 sa[kGmDepth], sb[kGmDepth];
+
+  __device__ __forceinline__ void load(int i, int n) {
+    const char* d = put + i * 2048;
+    cp_async16(d, wa + n * 128);            // (g, t)
+    cp_async16(d + 1024, wa + n * 128 + 64);  // (g, t + 4): 64 units on
+    cp_async16(d + 128, wb + n * 128);      // (g + 8, t): 8 units on (2t < 8 leaves bit 3 of the row)
+    cp_async16(d + 1152, wb + n * 128 + 64);
+    sa[i] = __ldg(reinterpret_cast<const uint2*>(sa_p + n * 8));
+    sb[i] = __ldg(reinterpret_cast<const uint2*>(sb_p + n * 8));
+  }
+
+  __device__ __forceinline__ void fill() {
+#pragma unroll
+    for (int i = 0; i < kGmDepth; ++i) {
+      if (i < steps) load(i, i);
+      cp_async_commit();
+    }
+  }
+
+  // step s's words (slot i): w[G][0] row g's word t of group G, w[G][1] row g + 8's
+  __device__ __forceinline__ void take(int i, uint32_t (&w)[8][2], uint2& fa, uint2& fb) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kGmDepth - 1) : "memory");
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      uint32_t d[4];
+      ldsm_x4((q & 1 ? get_odd : get) + i * 2048 + (q >> 1) * 1024, d);  // (q + 2: groups 4 on, 64 units)
+      w[2 * q][0] = d[0], w[2 * q][1] = d[1], w[2 * q + 1][0] = d[2], w[2 * q + 1][1] = d[3];
+    }
+    fa = sa[i], fb = sb[i];
+  }
+
+  __device__ __forceinline__ void after(int i, int s) {
+    if (s + kGmDepth < steps) load(i, s + kGmDepth);
+    cp_async_commit();
+  }
+};
+
+// byte G (0 .. 7) of f as the scale 2^(byte - 127)
+__device__ __forceinline__ float scale_byte(uint2 f, int G) {
+  return scale_f(((G < 4 ? f.x : f.y) >> (8 * (G & 3))) & 0xFF);
+}
+
+// A warp's sums over its 16 rows for a pass's pairs (pair p's x in row p of xsm, pitch bytes apart):
+// total[0 / 1] row g (w1) for pairs 2t / 2t + 1, total[2 / 3] row g + 8 (w3). The ring is filled here.
+__device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, const char* xsm, int pitch, int np,
+                                             float (&total)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint32_t lane_off = lane * 4;
+  // lane (g, t) brings pair g's x to column g; past the pass's pairs, pair 0's: a column never meets
+  // another, and those are not read (no zero operands to select)
+  const char* xl = xsm + (g < np ? g : 0) * pitch + t * 16;  // x[pair g][8t ..] of group 0
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  st.fill();
+  for (int s0 = 0; s0 < st.steps; s0 += kGmDepth) {
+#pragma unroll
+    for (int i = 0; i < kGmDepth; ++i) {
+      const int s = s0 + i;
+      if (s >= st.steps) break;
+      uint32_t w[8][2];
+      uint2 fa, fb;
+      st.take(i, w, fa, fb);
+#pragma unroll
+      for (int G = 0; G < 8; ++G) {
+        const uint4 xv = *reinterpret_cast<const uint4*>(xl + (s * 8 + G) * 64);
+        float c[4];
+        mma_z(c, lut<0>(table, w[G][0], lane_off), lut<0>(table, w[G][1], lane_off), lut<1>(table, w[G][0], lane_off),
+              lut<1>(table, w[G][1], lane_off), xv.x, xv.y);
+        mma(c, lut<2>(table, w[G][0], lane_off), lut<2>(table, w[G][1], lane_off), lut<3>(table, w[G][0], lane_off),
+            lut<3>(table, w[G][1], lane_off), xv.z, xv.w);
+        const float ra = scale_byte(fa, G), rb = scale_byte(fb, G);
+        acc[0] = fmaf(c[0], ra, acc[0]);
+        acc[1] = fmaf(c[1], ra, acc[1]);
+        acc[2] = fmaf(c[2], rb, acc[2]);
+        acc[3] = fmaf(c[3], rb, acc[3]);
+      }
+      st.after(i, s);
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < 4; ++v) total[v] = acc[v];
+}
+
+// gate-up's group-major body: act as gate_up's
+__device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
+                                           float limit, int round_out) {
+  extern __shared__ __align__(16) char smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int pitch = 2 * a.K + kGmPad, tiles = a.w3_rows / (8 * kGmWarps), units = a.K / 8;
+  char* xsm = smem + kLutBytes;
+  const char* slots = xsm + kGmPairs * pitch + warp * kGmDepth * 2048;
+  // this lane's ldmatrix row: row l % 8 (+ 8 for odd l / 8) of group (l / 16) of the q's pair of groups
+  const int lr = (lane & 7) + ((lane >> 3) & 1) * 8, lb = lane >> 4;
+  const char* get = slots + 16 * gm_unit(lr, lb);  // q = 0: groups 0, 1 (q = 2 the same units 1 KB on)
+  const char* get_odd = slots + 16 * gm_unit(lr, 2 + lb);  // q = 1: groups 2, 3 (q = 3 likewise)
+  prologue(smem);
+  pdl_wait();  // (run's PDL order)
+  pdl_release();
+  const int items = __ldcg(a.nslot) * tiles;
+  for (int it = blockIdx.x; it < items; it += gridDim.x) {
+    const int slot = it / tiles, tile = it % tiles;
+    const int e = __ldcg(a.slot_e + slot);
+    const long long* ent = a.tab + 4LL * e;
+    const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
+    const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
+    const int cnt = a.sparse && wbase == nullptr ? 0 : __ldcg(a.slot_cnt + slot);
+    const int start = __ldcg(a.slot_start + slot);
+    const int r0 = (tile * kGmWarps + warp) * 8 + g, r1 = r0 + a.w3_rows;
+    GmRing st;
+    st.wa = wbase + r0 * a.stride_w + t * 16;
+    st.wb = wbase + r1 * a.stride_w + t * 16;
+    st.sa_p = sbase + r0 * a.stride_s;
+    st.sb_p = sbase + r1 * a.stride_s;
+    st.steps = a.K / 256;
+    st.put = slots + 16 * gm_unit(g, t);
+    st.get = get;
+    st.get_odd = get_odd;
+    for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {
+      const int np = min(kGmPairs, cnt - c0);
+      __syncthreads();  // the previous pass's readers of x are done (the first: the table is written)
+      for (int i = threadIdx.x; i < np * units; i += kGmThreads) {
+        const int p = i / units, u = i % units;
+        const int row = a.pair_ptr[start + c0 + p] / a.topk;
+        *reinterpret_cast<uint4*>(xsm + p * pitch + u * 16) =
+            *reinterpret_cast<const uint4*>(a.x + row * a.stride_x + u * 8);
+      }
+      __syncthreads();
+      float total[4];
+      warp_sums_gm(st, smem, xsm, pitch, np, total);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
+        const int p = 2 * t + u;
+        if (p < np) {
+          const int pair = a.pair_ptr[start + c0 + p];
+          act[pair * stride_a + r0] = __float2bfloat16_rn(swiglu(u ? total[1] : total[0], u ? total[3] : total[2],
+                                                                 limit, round_out, rw[pair]));
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // The launches (moe_lut.py): grid <= 2 CTAs per SM, 256 threads, 64 KB + Layout(K).bytes of
@@ -978,6 +1178,15 @@ extern "C" __global__ void __launch_bounds__(2 * kThreads, 1) moe_gate_up_lut_ri
 extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring_mix(GATE_UP_PARAMS, int rows) {
   gate_up<true, true, true>(GATE_UP_ARGS(rows));
 }
+
+// The group-major gate-up (moe_lut.py's GATE_UP_GM): one CTA of kGmThreads per SM, 64 KB (the table) +
+// kGmPairs rows of x (2 D + kGmPad bytes each) + kGmWarps x kGmDepth 2 KB slots of dynamic shared
+// memory (224.5 KB at D = 4096). (Not in the probe build.)
+#ifndef MOE_LUT_PROBE
+extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm(GATE_UP_PARAMS) {
+  gate_up_gm(GATE_UP_ARGS(0));
+}
+#endif
 
 #ifdef MOE_LUT_PROBE
 // the probe build's stamps into dst (u64 [2, kProbeCtas, kProbeMarks, 2]), then zeroed

@@ -47,6 +47,7 @@ _GATE_UP_RING = _MODULE.kernel("moe_gate_up_lut_ring", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqppppppppqiiqqfiiii")
 _GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiii")
+_GATE_UP_GM = _MODULE.kernel("moe_gate_up_gm", "pqppppppppqiiqqfiii")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -137,6 +138,17 @@ RING_MIX = True
 # SPREAD_ROWS stays (2,). Again on 2026-12-06 (one H200, 30 layers, 2 rounds): +0.88 % at 1 row,
 # though its gate-up ends 5.3 us sooner; on two H100s (16 layers) it had won 0.4-0.7 %.
 SPREAD_RING_MIX = True
+# Every gate-up launch, whatever its rows, takes moe_gate_up_gm: the group-major kernel (the .cu's
+# gate_up_gm), whose weights come back from the ring's slots by ldmatrix so that an MMA's k16 is one
+# MXFP4 group and its 8 columns 8 pairs: a pass streams and decodes an expert's rows once for up to
+# GM_PAIRS of its pairs, against PAIRS_PER_PASS here above (each further 2 pairs a pass again, at 64
+# rows 1.43 passes per expert read under the synthetic gates' routing). 253 SASS instructions per 2 KB
+# warp step against the ring's mixed decode's 301 (nvcc 13.0, sm_90a). Not the pair-major kernels'
+# order of sums, so not their bits (every launch or none: a row's bits alone and in a batch must
+# agree). One CTA of GM_WARPS warps per SM; a device that cannot give it gm_shared_bytes keeps the
+# kernels above. Built 2026-12-07, to measure: off.
+GATE_UP_GM = False
+GM_WARPS, GM_PAIRS, GM_DEPTH, GM_PAD = 16, 8, 3, 64  # the .cu's kGmWarps, kGmPairs, kGmDepth, kGmPad
 
 
 @functools.cache
@@ -158,6 +170,18 @@ def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, mix: bool = False
     if four:
         return LUT_BYTES + 8 * K + 2 * 16 * THREADS
     return LUT_BYTES + (EXP_BYTES if mix else 0) + halves * 4 * K + slot_warps * RING_DEPTH * 2048
+
+
+def gm_shared_bytes(K: int) -> int:
+    """Dynamic shared memory of moe_gate_up_gm over K: the table, GM_PAIRS rows of x (2 K + GM_PAD bytes
+    each), GM_WARPS warps' GM_DEPTH 2 KB slots (224.5 KB at K = 4096)."""
+    return LUT_BYTES + GM_PAIRS * (2 * K + GM_PAD) + GM_WARPS * GM_DEPTH * 2048
+
+
+def gate_up_pairs_per_pass() -> int:
+    """The pairs a pass of a gate-up launch takes: GM_PAIRS with GATE_UP_GM (on a device that gives its
+    shared memory), else PAIRS_PER_PASS."""
+    return GM_PAIRS if GATE_UP_GM else PAIRS_PER_PASS
 
 
 def _ring_kernel(plain, mixed, want_mix: bool, index: int, K: int, halves: int, slot_warps: int):
@@ -221,7 +245,10 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
     ring_warps = 2 * THREADS // 32  # the ring kernel: two halves, 16 warps' slots
-    if spread:  # warp tasks (slot, 8 channels), one CTA per SM
+    if GATE_UP_GM and _ring_fits(xq.device.index, gm_shared_bytes(D)):  # items (slot, GM_WARPS x 8 channels)
+        _GATE_UP_GM.launch(_grid(slots * (I // (8 * GM_WARPS)), xq.device, 1), (32 * GM_WARPS, 1, 1),
+                           gm_shared_bytes(D), None, *args, pdl=pdl_enabled())
+    elif spread:  # warp tasks (slot, 8 channels), one CTA per SM
         if SPREAD_RING and _ring_fits(xq.device.index, shared_bytes(D, 1, SPREAD_WARPS)):
             kernel, smem = _ring_kernel(_GATE_UP_SPREAD_RING, _GATE_UP_SPREAD_RING_MIX, SPREAD_RING_MIX,
                                         xq.device.index, D, 1, SPREAD_WARPS)

@@ -664,6 +664,40 @@ def test_gpu_lut_spread_ring_mix_gives_the_same_bits(M, monkeypatch):
                     moe_lut.shared_bytes(4096, 1, moe_lut.SPREAD_WARPS, mix=True), ex, x, ids, wts)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 2, 3, 9, 16, 64])
+def test_gpu_lut_group_major_gate_up(M, monkeypatch):
+    """The group-major gate-up (moe_lut.GATE_UP_GM, every gate-up launch: passes of 8 pairs) at V4-Flash
+    expert shapes: the combine matches the reference; three calls give the same bits in all four
+    outputs (per-pair, the combine, the combine with the shared expert's output, a sparse table's
+    pairs); every row alone gives its per-pair bits in the batch (a pass's other columns never meet
+    its own: batch invariance); experts read from page-locked host memory give the bits of HBM. From
+    3 rows on expert 0 is in every row: a slot of M pairs, passes of 8, the last one partial at 9, 16
+    and 64 rows."""
+    from megastep.kernels import moe_lut
+
+    monkeypatch.setattr(moe_lut, "GATE_UP_GM", True)
+    assert moe_lut._ring_fits(0, moe_lut.gm_shared_bytes(4096)) or torch.cuda.get_device_capability()[0] < 9
+    ex, x, ids, wts = _many_pair_inputs(M, 43)
+    outputs = _lut_outputs(ex, x, ids, wts)
+    want = outputs()
+    check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
+    for _ in range(2):
+        got = outputs()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    full = ExpertTable.from_stacked(*(ex[n] for n in ("w13", "w13_scale", "w2", "w2_scale")))
+    for m in sorted({0, M // 2, M - 1}):
+        alone = moe_experts_table(x[m:m + 1], ids[m:m + 1], wts[m:m + 1], full,
+                                  config=pick_config(1, 6, 32, 4096, 2048, mode="lut"), return_pairs=True)
+        assert torch.equal(alone[0], want[0][m]), m
+    cold = [tuple(t.cpu().pin_memory() for t in p) if e % 2 else p for e, p in enumerate(_parts(ex))]
+    host = ExpertTable.from_experts(cold, device="cuda")
+    torch.cuda.synchronize()
+    assert torch.equal(moe_experts_table(x, ids, wts, host, config=pick_config(M, 6, 32, 4096, 2048, mode="lut")),
+                       want[1])
+
+
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX prmt.b32 (default mode): result byte k = byte (selector nibble k & 7) of {b, a}, or that
     byte's top bit replicated where the nibble's bit 3 is set."""
@@ -723,11 +757,11 @@ def test_lut_kernels_build_for_sm90():
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
                "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix",
-               "moe_down_lut4")
+               "moe_down_lut4", "moe_gate_up_gm")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
-    # without their loads (all but moe_down_lut4, which they leave out)
-    probed = tuple(k for k in kernels if k != "moe_down_lut4") + ("moe_lut_probe_read",)
+    # without their loads (all but moe_down_lut4 and moe_gate_up_gm, which they leave out)
+    probed = tuple(k for k in kernels if k not in ("moe_down_lut4", "moe_gate_up_gm")) + ("moe_lut_probe_read",)
     for flags in (("-DMOE_LUT_PROBE",), ("-DMOE_LUT_PROBE", "-DMOE_LUT_NO_LOAD")):
         assert_builds_without_spills(moe_lut.SOURCE, probed, flags=flags)
 
@@ -784,6 +818,53 @@ def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
     assert not any(moe_lut.ring_rows(m) for m in (1, 2, 16, 64))
 
 
+def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
+    """moe_lut.GATE_UP_GM: every gate-up launch, whatever its rows, takes moe_gate_up_gm (a row's bits
+    must not depend on its batch), one CTA of GM_WARPS warps per SM at most, an item per (slot, GM_WARPS
+    x 8 channels), with gm_shared_bytes (within a Hopper's 227 KB at D = 4096); off, none does; a device
+    that cannot give the shared memory keeps the other kernels."""
+    from megastep.kernels import moe_lut
+
+    launched = []
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def launch(self, grid, block, smem, stream, *args, pdl=False):
+            launched.append((self.name, grid[0], block[0], smem, len(args)))
+
+    for name in ("_GATE_UP", "_GATE_UP_SPREAD", "_GATE_UP_RING", "_GATE_UP_SPREAD_RING", "_GATE_UP_RING_MIX",
+                 "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP_GM"):
+        monkeypatch.setattr(moe_lut, name, Spy(name))
+    monkeypatch.setattr(moe_lut, "_sms", lambda index: 132)
+    fits = {"smem": 227 << 10}
+    monkeypatch.setattr(moe_lut, "_ring_fits", lambda index, nbytes: nbytes <= fits["smem"])
+    D, I, topk = 4096, 2048, 6
+
+    def call(M):
+        pairs = torch.zeros(M * topk, dtype=torch.int32)
+        addr = torch.zeros(256, 4, dtype=torch.int64)
+        moe_lut.gate_up(torch.zeros(M, D, dtype=torch.bfloat16), addr, torch.zeros(M * topk), pairs, pairs, pairs,
+                        pairs, pairs, torch.zeros(M * topk, I, dtype=torch.bfloat16), D, I, (1, 1), 10.0, topk, True,
+                        False)
+        return launched.pop()
+
+    assert not moe_lut.GATE_UP_GM  # built to measure: off
+    assert all(call(m)[0] != "_GATE_UP_GM" for m in (1, 2, 4, 16, 64))
+    monkeypatch.setattr(moe_lut, "GATE_UP_GM", True)
+    got = {m: call(m) for m in (1, 2, 4, 8, 64)}
+    assert {g[0] for g in got.values()} == {"_GATE_UP_GM"}
+    assert moe_lut.gm_shared_bytes(D) == 65536 + 8 * (2 * D + 64) + 16 * 3 * 2048 <= 227 << 10
+    assert {(g[2], g[3]) for g in got.values()} == {(512, moe_lut.gm_shared_bytes(D))}
+    # items (slot, 128 channels): 1 row 6 slots x 16 = 96 CTAs; from 2 rows a CTA per SM
+    assert [got[m][1] for m in (1, 2, 64)] == [96, 132, 132]
+    assert len({g[4] for g in got.values()}) == 1 and got[1][4] == call(1)[4]  # the ring kernels' arguments
+    assert moe_lut.gate_up_pairs_per_pass() == 8
+    fits["smem"] = 200 << 10  # (no room: the pair-major kernels)
+    assert call(1)[0] != "_GATE_UP_GM"
+
+
 def test_lut_one_row_ring_leaves_sms_to_the_side_stream(monkeypatch):
     """moe_lut._ring_grid: one CTA per SM at most, each taking two items; at 1 row at most
     RING_ONE_ROW_SMS CTAs (V4-Flash's 192 items: 112 of 132 SMs), but never fewer than one per two
@@ -818,7 +899,7 @@ def test_lut_signatures_match_the_kernels():
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
                    moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX,
-                   moe_lut._DOWN4):
+                   moe_lut._DOWN4, moe_lut._GATE_UP_GM):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
@@ -831,3 +912,6 @@ def test_lut_signatures_match_the_kernels():
     # and the ring's mixed decode's x block exponents after the table: 2 halves x 2 rows x 64 blocks of 4 B
     exp_bytes = re.search(r"constexpr int kExpBytes = ([\d *]+);", src).group(1)
     assert moe_lut.EXP_BYTES == eval(exp_bytes) == 1024, exp_bytes
+    # the group-major gate-up's CTA, pass, ring and x rows, as its launch and shared memory count them
+    gm = {n: int(re.search(rf"\b{n} = (\d+)[,;]", src).group(1)) for n in ("kGmWarps", "kGmPairs", "kGmDepth", "kGmPad")}
+    assert (moe_lut.GM_WARPS, moe_lut.GM_PAIRS, moe_lut.GM_DEPTH, moe_lut.GM_PAD) == tuple(gm.values()), gm
