@@ -40,7 +40,7 @@
 #   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
 #   bash benchmarks/h200_checks.sh passes     # the step at 1-64 rows under the default and the skewed routing, with the experts kernels' passes (~2 min)
 #   bash benchmarks/h200_checks.sh down4rows  # down in passes of 4 pairs against 2 at 1-64 rows, 3 rounds; 64 rows skewed; its GPU tests (~5 min)
-#   bash benchmarks/h200_checks.sh gm         # the group-major gate-up (8 pairs a pass): its GPU tests, the step's bit tests under it, the step A/B at 1-64 rows, 3 rounds (~7 min)
+#   bash benchmarks/h200_checks.sh gm         # the group-major gate-up (8 pairs a pass): its GPU tests, the step A/B at 1-64 rows, 3 rounds, the step's bit tests under it (~9 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
@@ -491,15 +491,17 @@ for group in "$@"; do
       ab down4_skewed 100 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "$off4" --arm "$on4" ;;
     gm)  # the group-major gate-up (moe_lut.GATE_UP_GM, built 2026-12-07: an MMA's 8 columns are 8 pairs, so a pass
       # takes 8 of an expert's pairs where the pair-major kernels take 2; 253 SASS instructions per 2 KB warp step
-      # against the ring's mixed decode's 301): its GPU tests, the step's bit tests with it on (a row alone against
-      # the same row in 16, the same input twice, graph replay against eager), then the step against the
-      # defaults at 1-8 and 16-64 rows, 3 rounds, and 64 rows skewed
+      # against the ring's mixed decode's 301): its GPU tests, the step against the defaults at 1-8 rows (also
+      # with items instead of the even deal of warp tasks, and the deal on 112 CTAs at 1 row) and 16-64 rows, 3
+      # rounds, the step's bit tests with it on (a row alone against the same row in 16, the same input twice,
+      # graph replay against eager), 64 rows skewed
       gm_on='import megastep.kernels.moe_lut as m; m.GATE_UP_GM = True'
-      step gm_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_moe.py -k "group_major"
-      step gm_step_tests 170 python3 -c "$gm_on; import sys, pytest; sys.exit(pytest.main(['-q', '-rfE', \
-        '--timeout', '120', '-m', 'gpu', 'tests/test_fast_gpu.py', '-k', 'alone or same_input or graph_replay']))"
-      ab gm_few 130 --layers 30 --batch 1,2,4,8 --rounds 3 --arm "off=" --arm "gm=$gm_on"
+      step gm_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_moe.py -k "group_major"
+      ab gm_few 170 --layers 30 --batch 1,2,4,8 --rounds 3 --arm "off=" --arm "gm=$gm_on" \
+        --arm "gm_items=$gm_on; m.GM_SPREAD_ROWS = 0" --arm "gm112=$gm_on; m.GM_ONE_ROW_SMS = 112"
       ab gm_many 130 --layers 30 --batch 16,32,64 --rounds 3 --arm "off=" --arm "gm=$gm_on"
+      step gm_step_tests 150 python3 -c "$gm_on; import sys, pytest; sys.exit(pytest.main(['-q', '-rfE', \
+        '--timeout', '120', '-m', 'gpu', 'tests/test_fast_gpu.py', '-k', 'alone or same_input or graph_replay']))"
       ab gm_skewed 90 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "off=" --arm "gm=$gm_on" ;;
     steptests)  # final's bit tests of the step alone (a row alone against the same row in a batch of 16, the same
       # input twice, graph replay against eager), without the kernels' (~1.5 min)

@@ -1017,15 +1017,11 @@ __device__ __forceinline__ float scale_byte(uint2 f, int G) {
   return scale_f(((G < 4 ? f.x : f.y) >> (8 * (G & 3))) & 0xFF);
 }
 
-// A warp's sums over its 16 rows for a pass's pairs (pair p's x in row p of xsm, pitch bytes apart):
-// total[0 / 1] row g (w1) for pairs 2t / 2t + 1, total[2 / 3] row g + 8 (w3). The ring is filled here.
-__device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, const char* xsm, int pitch, int np,
-                                             float (&total)[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const uint32_t lane_off = lane * 4;
-  // lane (g, t) brings pair g's x to column g; past the pass's pairs, pair 0's: a column never meets
-  // another, and those are not read (no zero operands to select)
-  const char* xl = xsm + (g < np ? g : 0) * pitch + t * 16;  // x[pair g][8t ..] of group 0
+// A warp's sums over its 16 rows for a pass (lane (g, t) brings column g's x: xl, at its 8t-th element of
+// group 0): total[0 / 1] row g (w1) for columns 2t / 2t + 1, total[2 / 3] row g + 8 (w3). The ring is
+// filled here.
+__device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, const char* xl, float (&total)[4]) {
+  const uint32_t lane_off = (threadIdx.x & 31) * 4;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   st.fill();
   for (int s0 = 0; s0 < st.steps; s0 += kGmDepth) {
@@ -1057,12 +1053,19 @@ __device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, cons
   for (int v = 0; v < 4; ++v) total[v] = acc[v];
 }
 
-// gate-up's group-major body: act as gate_up's
+// gate-up's group-major body: act as gate_up's. Two schedules, the same per-warp work (so the same bits):
+// kSpread (launches of a.spread <= kGmPairs rows: every row of x staged once, in row slot m for row m):
+// one CTA per SM takes the launch's T = slots x (I / 8) warp tasks (slot, 8 channels) in an even share,
+// CTA c tasks [c T / G, (c + 1) T / G), its warp w tasks lo + w, lo + w + kGmWarps, ... (run_spread's
+// deal: at 1 row 1536 tasks, where items of 128 channels would be 96 on 132 SMs), a lane finding its
+// pair's row slot from the routing; else items (slot, kGmWarps x 8 channels) in turn, the item's pairs in
+// passes of kGmPairs whose x rows are staged for the pass (slot p for the pass's pair p).
+template <bool kSpread>
 __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                            float limit, int round_out) {
   extern __shared__ __align__(16) char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int pitch = 2 * a.K + kGmPad, tiles = a.w3_rows / (8 * kGmWarps), units = a.K / 8;
+  const int pitch = 2 * a.K + kGmPad, blocks = a.w3_rows / 8, units = a.K / 8;
   char* xsm = smem + kLutBytes;
   const char* slots = xsm + kGmPairs * pitch + warp * kGmDepth * 2048;
   // this lane's ldmatrix row: row l % 8 (+ 8 for odd l / 8) of group (l / 16) of the q's pair of groups
@@ -1072,16 +1075,12 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
   prologue(smem);
   pdl_wait();  // (run's PDL order)
   pdl_release();
-  const int items = __ldcg(a.nslot) * tiles;
-  for (int it = blockIdx.x; it < items; it += gridDim.x) {
-    const int slot = it / tiles, tile = it % tiles;
-    const int e = __ldcg(a.slot_e + slot);
-    const long long* ent = a.tab + 4LL * e;
+  // warp task (slot, block blk of 8 channels), pairs c0 .. c0 + np - 1 of the slot, lane g's x in row slot xr
+  auto task = [&](int slot, int blk, int start, int c0, int np, int xr) {
+    const long long* ent = a.tab + 4LL * __ldcg(a.slot_e + slot);
     const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
     const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
-    const int cnt = a.sparse && wbase == nullptr ? 0 : __ldcg(a.slot_cnt + slot);
-    const int start = __ldcg(a.slot_start + slot);
-    const int r0 = (tile * kGmWarps + warp) * 8 + g, r1 = r0 + a.w3_rows;
+    const int r0 = blk * 8 + g, r1 = r0 + a.w3_rows;
     GmRing st;
     st.wa = wbase + r0 * a.stride_w + t * 16;
     st.wb = wbase + r1 * a.stride_w + t * 16;
@@ -1091,26 +1090,49 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
     st.put = slots + 16 * gm_unit(g, t);
     st.get = get;
     st.get_odd = get_odd;
-    for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {
-      const int np = min(kGmPairs, cnt - c0);
-      __syncthreads();  // the previous pass's readers of x are done (the first: the table is written)
-      for (int i = threadIdx.x; i < np * units; i += kGmThreads) {
-        const int p = i / units, u = i % units;
-        const int row = a.pair_ptr[start + c0 + p] / a.topk;
-        *reinterpret_cast<uint4*>(xsm + p * pitch + u * 16) =
-            *reinterpret_cast<const uint4*>(a.x + row * a.stride_x + u * 8);
-      }
-      __syncthreads();
-      float total[4];
-      warp_sums_gm(st, smem, xsm, pitch, np, total);
+    float total[4];
+    warp_sums_gm(st, smem, xsm + xr * pitch + t * 16, total);
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
-        const int p = 2 * t + u;
-        if (p < np) {
-          const int pair = a.pair_ptr[start + c0 + p];
-          act[pair * stride_a + r0] = __float2bfloat16_rn(swiglu(u ? total[1] : total[0], u ? total[3] : total[2],
-                                                                 limit, round_out, rw[pair]));
+    for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
+      const int p = 2 * t + u;
+      if (p < np) {
+        const int pair = a.pair_ptr[start + c0 + p];
+        act[pair * stride_a + r0] = __float2bfloat16_rn(swiglu(u ? total[1] : total[0], u ? total[3] : total[2],
+                                                               limit, round_out, rw[pair]));
+      }
+    }
+  };
+  // (a slot's count: 0 for an expert absent from a sparse table)
+  auto count = [&](int slot) { return a.sparse && a.tab[4LL * __ldcg(a.slot_e + slot)] == 0 ? 0 : __ldcg(a.slot_cnt + slot); };
+  if constexpr (kSpread) {
+    for (int i = threadIdx.x; i < a.spread * units; i += kGmThreads)
+      *reinterpret_cast<uint4*>(xsm + (i / units) * pitch + (i % units) * 16) =
+          *reinterpret_cast<const uint4*>(a.x + (i / units) * a.stride_x + (i % units) * 8);
+    __syncthreads();  // (x, and the table)
+    const int T = __ldcg(a.nslot) * blocks;
+    const int lo = (int)((long long)blockIdx.x * T / gridDim.x), hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
+    for (int k = lo + warp; k < hi; k += kGmWarps) {
+      const int slot = k / blocks, cnt = count(slot), start = __ldcg(a.slot_start + slot);
+      for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {  // (one pass: a slot holds at most one pair of a row)
+        const int np = min(kGmPairs, cnt - c0);
+        task(slot, k % blocks, start, c0, np, a.pair_ptr[start + c0 + (g < np ? g : 0)] / a.topk);
+      }
+    }
+  } else {
+    const int tiles = blocks / kGmWarps, items = __ldcg(a.nslot) * tiles;
+    for (int it = blockIdx.x; it < items; it += gridDim.x) {
+      const int slot = it / tiles, tile = it % tiles, cnt = count(slot), start = __ldcg(a.slot_start + slot);
+      for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {
+        const int np = min(kGmPairs, cnt - c0);
+        __syncthreads();  // the previous pass's readers of x are done (the first: the table is written)
+        for (int i = threadIdx.x; i < np * units; i += kGmThreads) {
+          const int p = i / units, u = i % units;
+          *reinterpret_cast<uint4*>(xsm + p * pitch + u * 16) =
+              *reinterpret_cast<const uint4*>(a.x + (a.pair_ptr[start + c0 + p] / a.topk) * a.stride_x + u * 8);
         }
+        __syncthreads();
+        // (past the pass's pairs lane g brings pair 0's x: a column never meets another, and those are not read)
+        task(slot, tile * kGmWarps + warp, start, c0, np, g < np ? g : 0);
       }
     }
   }
@@ -1184,7 +1206,12 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring_mix(GATE
 // memory (224.5 KB at D = 4096). (Not in the probe build.)
 #ifndef MOE_LUT_PROBE
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm(GATE_UP_PARAMS) {
-  gate_up_gm(GATE_UP_ARGS(0));
+  gate_up_gm<false>(GATE_UP_ARGS(0));
+}
+
+// The same, warp tasks dealt out evenly over launches of `rows` <= kGmPairs rows (moe_lut.py's GM_SPREAD_ROWS).
+extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_spread(GATE_UP_PARAMS, int rows) {
+  gate_up_gm<true>(GATE_UP_ARGS(rows));
 }
 #endif
 

@@ -48,6 +48,7 @@ _GATE_UP_SPREAD_RING = _MODULE.kernel("moe_gate_up_lut_spread_ring", "pqpppppppp
 _GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqfiii")
 _GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiii")
 _GATE_UP_GM = _MODULE.kernel("moe_gate_up_gm", "pqppppppppqiiqqfiii")
+_GATE_UP_GM_SPREAD = _MODULE.kernel("moe_gate_up_gm_spread", "pqppppppppqiiqqfiiii")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -149,6 +150,14 @@ SPREAD_RING_MIX = True
 # kernels above. Built 2026-12-07, to measure: off.
 GATE_UP_GM = False
 GM_WARPS, GM_PAIRS, GM_DEPTH, GM_PAD = 16, 8, 3, 64  # the .cu's kGmWarps, kGmPairs, kGmDepth, kGmPad
+# Group-major launches of at most this many rows (<= GM_PAIRS: every row of x staged once) take
+# moe_gate_up_gm_spread, the warps' (slot, 8 channels) tasks dealt out evenly over the CTAs (at 1 row
+# 1536 tasks, where items of GM_WARPS x 8 channels are 96 on 132 SMs); more rows take items. The same
+# per-warp work: the same bits. 0: items always.
+GM_SPREAD_ROWS = 8
+# A group-major spread launch of 1 row takes at most this many CTAs (the ring's RING_ONE_ROW_SMS: SMs
+# left to the shared expert's side stream). None: a CTA per SM.
+GM_ONE_ROW_SMS: int | None = None
 
 
 @functools.cache
@@ -245,9 +254,17 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
     ring_warps = 2 * THREADS // 32  # the ring kernel: two halves, 16 warps' slots
-    if GATE_UP_GM and _ring_fits(xq.device.index, gm_shared_bytes(D)):  # items (slot, GM_WARPS x 8 channels)
-        _GATE_UP_GM.launch(_grid(slots * (I // (8 * GM_WARPS)), xq.device, 1), (32 * GM_WARPS, 1, 1),
-                           gm_shared_bytes(D), None, *args, pdl=pdl_enabled())
+    if GATE_UP_GM and _ring_fits(xq.device.index, gm_shared_bytes(D)):
+        assert 0 <= GM_SPREAD_ROWS <= GM_PAIRS, GM_SPREAD_ROWS  # (the .cu stages at most GM_PAIRS rows of x)
+        smem = gm_shared_bytes(D)
+        if rows <= GM_SPREAD_ROWS:  # warp tasks (slot, 8 channels), one CTA per SM
+            grid = _grid(slots * (I // 8), xq.device, 1)
+            if rows == 1 and GM_ONE_ROW_SMS is not None:
+                grid = (min(grid[0], GM_ONE_ROW_SMS), 1, 1)
+            _GATE_UP_GM_SPREAD.launch(grid, (32 * GM_WARPS, 1, 1), smem, None, *args, rows, pdl=pdl_enabled())
+        else:  # items (slot, GM_WARPS x 8 channels)
+            _GATE_UP_GM.launch(_grid(slots * (I // (8 * GM_WARPS)), xq.device, 1), (32 * GM_WARPS, 1, 1), smem, None,
+                               *args, pdl=pdl_enabled())
     elif spread:  # warp tasks (slot, 8 channels), one CTA per SM
         if SPREAD_RING and _ring_fits(xq.device.index, shared_bytes(D, 1, SPREAD_WARPS)):
             kernel, smem = _ring_kernel(_GATE_UP_SPREAD_RING, _GATE_UP_SPREAD_RING_MIX, SPREAD_RING_MIX,

@@ -672,9 +672,10 @@ def test_gpu_lut_group_major_gate_up(M, monkeypatch):
     expert shapes: the combine matches the reference; three calls give the same bits in all four
     outputs (per-pair, the combine, the combine with the shared expert's output, a sparse table's
     pairs); every row alone gives its per-pair bits in the batch (a pass's other columns never meet
-    its own: batch invariance); experts read from page-locked host memory give the bits of HBM. From
-    3 rows on expert 0 is in every row: a slot of M pairs, passes of 8, the last one partial at 9, 16
-    and 64 rows."""
+    its own: batch invariance); experts read from page-locked host memory give the bits of HBM; up to 8
+    rows the other schedule (items against the even deal of warp tasks) gives the same bits. From 3 rows
+    on expert 0 is in every row: a slot of M pairs, passes of 8, the last one partial at 9, 16 and 64
+    rows."""
     from megastep.kernels import moe_lut
 
     monkeypatch.setattr(moe_lut, "GATE_UP_GM", True)
@@ -696,6 +697,13 @@ def test_gpu_lut_group_major_gate_up(M, monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(moe_experts_table(x, ids, wts, host, config=pick_config(M, 6, 32, 4096, 2048, mode="lut")),
                        want[1])
+    # the other schedule (items where the spread was taken, and the spread where items were; the spread
+    # with fewer CTAs than SMs at 1 row) gives the same bits
+    monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", 0 if M <= moe_lut.GM_SPREAD_ROWS else moe_lut.GM_PAIRS)
+    monkeypatch.setattr(moe_lut, "GM_ONE_ROW_SMS", 96)
+    if M <= moe_lut.GM_PAIRS:
+        got = outputs()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -757,11 +765,11 @@ def test_lut_kernels_build_for_sm90():
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
                "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix",
-               "moe_down_lut4", "moe_gate_up_gm")
+               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
-    # without their loads (all but moe_down_lut4 and moe_gate_up_gm, which they leave out)
-    probed = tuple(k for k in kernels if k not in ("moe_down_lut4", "moe_gate_up_gm")) + ("moe_lut_probe_read",)
+    # without their loads (all but moe_down_lut4 and the group-major ones, which they leave out)
+    probed = tuple(k for k in kernels if k != "moe_down_lut4" and "_gm" not in k) + ("moe_lut_probe_read",)
     for flags in (("-DMOE_LUT_PROBE",), ("-DMOE_LUT_PROBE", "-DMOE_LUT_NO_LOAD")):
         assert_builds_without_spills(moe_lut.SOURCE, probed, flags=flags)
 
@@ -835,7 +843,7 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
             launched.append((self.name, grid[0], block[0], smem, len(args)))
 
     for name in ("_GATE_UP", "_GATE_UP_SPREAD", "_GATE_UP_RING", "_GATE_UP_SPREAD_RING", "_GATE_UP_RING_MIX",
-                 "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP_GM"):
+                 "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP_GM", "_GATE_UP_GM_SPREAD"):
         monkeypatch.setattr(moe_lut, name, Spy(name))
     monkeypatch.setattr(moe_lut, "_sms", lambda index: 132)
     fits = {"smem": 227 << 10}
@@ -853,13 +861,19 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     assert not moe_lut.GATE_UP_GM  # built to measure: off
     assert all(call(m)[0] != "_GATE_UP_GM" for m in (1, 2, 4, 16, 64))
     monkeypatch.setattr(moe_lut, "GATE_UP_GM", True)
-    got = {m: call(m) for m in (1, 2, 4, 8, 64)}
-    assert {g[0] for g in got.values()} == {"_GATE_UP_GM"}
+    got = {m: call(m) for m in (1, 2, 4, 8, 9, 64)}
+    # up to GM_SPREAD_ROWS (8) rows the even deal of warp tasks (its `rows` argument more), then items
+    assert [got[m][0] for m in (1, 2, 4, 8, 9, 64)] == ["_GATE_UP_GM_SPREAD"] * 4 + ["_GATE_UP_GM"] * 2
     assert moe_lut.gm_shared_bytes(D) == 65536 + 8 * (2 * D + 64) + 16 * 3 * 2048 <= 227 << 10
     assert {(g[2], g[3]) for g in got.values()} == {(512, moe_lut.gm_shared_bytes(D))}
-    # items (slot, 128 channels): 1 row 6 slots x 16 = 96 CTAs; from 2 rows a CTA per SM
-    assert [got[m][1] for m in (1, 2, 64)] == [96, 132, 132]
-    assert len({g[4] for g in got.values()}) == 1 and got[1][4] == call(1)[4]  # the ring kernels' arguments
+    assert [got[m][1] for m in (1, 8, 9, 64)] == [132] * 4  # a CTA per SM
+    assert got[9][4] == call(1)[4] - 1 == got[1][4] - 1  # the ring kernels' arguments (the spread's: and rows)
+    monkeypatch.setattr(moe_lut, "GM_ONE_ROW_SMS", 112)  # (at 1 row only)
+    assert [call(m)[1] for m in (1, 2)] == [112, 132]
+    monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", 0)
+    got = {m: call(m) for m in (1, 64)}
+    assert {g[0] for g in got.values()} == {"_GATE_UP_GM"}
+    assert got[1][1] == 6 * 2048 // 128  # items (slot, 128 channels): 1 row 96 CTAs
     assert moe_lut.gate_up_pairs_per_pass() == 8
     fits["smem"] = 200 << 10  # (no room: the pair-major kernels)
     assert call(1)[0] != "_GATE_UP_GM"
@@ -899,7 +913,7 @@ def test_lut_signatures_match_the_kernels():
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
                    moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX,
-                   moe_lut._DOWN4, moe_lut._GATE_UP_GM):
+                   moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
