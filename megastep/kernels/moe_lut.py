@@ -17,7 +17,8 @@ docs/PERFORMANCE.md (tenth measurement).
 Grids are static (at most 2 CTAs of 256 threads per SM, each taking (expert slot, 128 weight rows)
 items in turn, each warp streaming whole rows; gate-up launches of M in SPREAD_ROWS rows deal the
 warps' tasks out evenly over one CTA per SM instead, and those of ring_rows(M) take one CTA of 512
-threads per SM whose halves run items apart: the same bits), so launches are captured by
+threads per SM whose halves run items apart: the same bits; with GATE_UP_GM every gate-up launch takes
+the group-major kernels instead, one CTA of GM_WARPS warps per SM, other bits), so launches are captured by
 CUDA graphs; build and load happen at the first call (`cuda_module`), which must come before any
 capture (the runtime's warm-up steps do it).
 When the step uses PDL (`common.pdl_enabled()`, read at launch) both launch with programmatic
