@@ -492,14 +492,15 @@ for group in "$@"; do
     gm)  # the group-major gate-up (moe_lut.GATE_UP_GM, built 2026-12-07: an MMA's 8 columns are 8 pairs, so a pass
       # takes 8 of an expert's pairs where the pair-major kernels take 2; 253 SASS instructions per 2 KB warp step
       # against the ring's mixed decode's 301): its GPU tests, the step against the defaults at 1-8 rows (also
-      # with items instead of the even deal of warp tasks, and the deal on 112 CTAs at 1 row) and 16-64 rows, 3
+      # with the mixed decode, and with items instead of the even deal of warp tasks) and 16-64 rows (also mixed), 3
       # rounds, the step's bit tests with it on (a row alone against the same row in 16, the same input twice,
       # graph replay against eager), 64 rows skewed
       gm_on='import megastep.kernels.moe_lut as m; m.GATE_UP_GM = True'
       step gm_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_moe.py -k "group_major"
       ab gm_few 170 --layers 30 --batch 1,2,4,8 --rounds 3 --arm "off=" --arm "gm=$gm_on" \
-        --arm "gm_items=$gm_on; m.GM_SPREAD_ROWS = 0" --arm "gm112=$gm_on; m.GM_ONE_ROW_SMS = 112"
-      ab gm_many 130 --layers 30 --batch 16,32,64 --rounds 3 --arm "off=" --arm "gm=$gm_on"
+        --arm "gm_mix=$gm_on; m.GM_MIX = True" --arm "gm_items=$gm_on; m.GM_SPREAD_ROWS = 0"
+      ab gm_many 130 --layers 30 --batch 16,32,64 --rounds 3 --arm "off=" --arm "gm=$gm_on" \
+        --arm "gm_mix=$gm_on; m.GM_MIX = True"
       step gm_step_tests 150 python3 -c "$gm_on; import sys, pytest; sys.exit(pytest.main(['-q', '-rfE', \
         '--timeout', '120', '-m', 'gpu', 'tests/test_fast_gpu.py', '-k', 'alone or same_input or graph_replay']))"
       ab gm_skewed 90 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "off=" --arm "gm=$gm_on" ;;

@@ -403,14 +403,11 @@ __device__ __forceinline__ void store_unit(char* xsm, const Layout& L, int r, in
 // block's 16 units are a half-warp's, the callers' units running in warp order, every lane taking
 // part in the max), and the block's biased exponent of s into xexp[r][u / 16]. x holds e4m3 codes
 // times a power of two (the activation quantization's output), so x / s is exact in fp16.
-template <bool kMix = false>
-__device__ __forceinline__ void stage_unit(char* xsm, int* xexp, const Args& a, const Layout& L, int r, int src,
-                                           int u) {
-  const uint4 v = *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
-  if constexpr (!kMix) {
-    store_unit(xsm, L, r, u, v);
-    return;
-  }
+// The mixed decode's form of unit u (8 values v) of a row of x: an even 128-block's unit as it is; an odd
+// block's as its values in fp16 x / s, s the block's power-of-two scale (pow2_scale of the block's max:
+// the block's 16 units are a half-warp's, the callers' units running in warp order, every lane taking
+// part in the max), whose biased exponent goes to sexp. Returns whether the block is odd.
+__device__ __forceinline__ bool mix_unit(uint4& v, int u, int& sexp) {
   const float f[8] = {bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y),
                       bf16_lo(v.z), bf16_hi(v.z), bf16_lo(v.w), bf16_hi(v.w)};
   float amax = 0.f;
@@ -418,10 +415,7 @@ __device__ __forceinline__ void stage_unit(char* xsm, int* xexp, const Args& a, 
   for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (!(u & 16)) {  // (an even block: half-warp-uniform)
-    store_unit(xsm, L, r, u, v);
-    return;
-  }
+  if (!(u & 16)) return false;  // (an even block: half-warp-uniform)
   float sc, inv;
   pow2_scale(amax, sc, inv);
   uint32_t h[4];
@@ -430,8 +424,19 @@ __device__ __forceinline__ void stage_unit(char* xsm, int* xexp, const Args& a, 
     const __half2 q = __floats2half2_rn(f[2 * i] * inv, f[2 * i + 1] * inv);
     h[i] = *reinterpret_cast<const uint32_t*>(&q);
   }
-  store_unit(xsm, L, r, u, make_uint4(h[0], h[1], h[2], h[3]));
-  if (!(u & 15)) xexp[r * (L.rowpitch / 256) + u / 16] = __float_as_int(sc) >> 23;
+  v = make_uint4(h[0], h[1], h[2], h[3]);
+  sexp = __float_as_int(sc) >> 23;
+  return true;
+}
+
+template <bool kMix = false>
+__device__ __forceinline__ void stage_unit(char* xsm, int* xexp, const Args& a, const Layout& L, int r, int src,
+                                           int u) {
+  uint4 v = *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
+  int sexp;
+  const bool odd = kMix && mix_unit(v, u, sexp);
+  store_unit(xsm, L, r, u, v);
+  if (odd && !(u & 15)) xexp[r * (L.rowpitch / 256) + u / 16] = sexp;
 }
 
 // x rows of pairs c0 .. c0 + np - 1 into row slots 0 .. np - 1, by the 256 threads of a CTA (half)
@@ -955,14 +960,21 @@ __device__ __forceinline__ void ldsm_x4(const char* p, uint32_t (&d)[4]) {
                : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
 }
 
-// d = A . B (zero C)
+// d = A . B (zero C), bf16 or (kF16) fp16 operands
+#define MMA_Z(T)                                                                                                 \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, " \
+      "{%10, %10, %10, %10};"                                                                                \
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                                       \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.f))
+template <bool kF16 = false>
 __device__ __forceinline__ void mma_z(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                       uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%10, %10, %10, %10};"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.f));
+  if constexpr (kF16)
+    MMA_Z("f16");
+  else
+    MMA_Z("bf16");
 }
+#undef MMA_Z
 
 // A warp's ring of kGmDepth slots over its 16 MMA rows. Lane (g, t) copies, per step, the 16 bytes of
 // groups t and t + 4 of rows g (w1) and g + 8 (w3), as RingStream's loads, into their units; it reads
@@ -1012,15 +1024,18 @@ struct GmRing {
   }
 };
 
-// byte G (0 .. 7) of f as the scale 2^(byte - 127)
-__device__ __forceinline__ float scale_byte(uint2 f, int G) {
-  return scale_f(((G < 4 ? f.x : f.y) >> (8 * (G & 3))) & 0xFF);
-}
+// byte G (0 .. 7) of f (a step's 8 scale bytes of a row)
+__device__ __forceinline__ int byte_of(uint2 f, int G) { return ((G < 4 ? f.x : f.y) >> (8 * (G & 3))) & 0xFF; }
 
 // A warp's sums over its 16 rows for a pass (lane (g, t) brings column g's x: xl, at its 8t-th element of
 // group 0): total[0 / 1] row g (w1) for columns 2t / 2t + 1, total[2 / 3] row g + 8 (w3). The ring is
 // filled here.
-__device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, const char* xl, float (&total)[4]) {
+// kMix: the groups of x's odd 128-blocks (4-7 of a step) by decode_f16 on fp16 MMAs, x's codes there in
+// fp16 (x / s) and s's biased exponent, per block and row slot, at xe0 / xe1 (the row slots of columns
+// 2t / 2t + 1, kGmPairs ints from block to block) joining the groups' scales.
+template <bool kMix = false>
+__device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, const char* xl, float (&total)[4],
+                                             const int* xe0 = nullptr, const int* xe1 = nullptr) {
   const uint32_t lane_off = (threadIdx.x & 31) * 4;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   st.fill();
@@ -1032,15 +1047,30 @@ __device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, cons
       uint32_t w[8][2];
       uint2 fa, fb;
       st.take(i, w, fa, fb);
+      // (kMix) the exponents of x's block 2s + 1 for columns 2t and 2t + 1, less the bias
+      const int e0 = kMix ? xe0[(2 * s + 1) * kGmPairs] - 127 : 0, e1 = kMix ? xe1[(2 * s + 1) * kGmPairs] - 127 : 0;
 #pragma unroll
       for (int G = 0; G < 8; ++G) {
         const uint4 xv = *reinterpret_cast<const uint4*>(xl + (s * 8 + G) * 64);
         float c[4];
+        if (kMix && G >= 4) {
+          uint32_t da[4], db[4];
+          decode_f16(w[G][0], da);
+          decode_f16(w[G][1], db);
+          mma_z<true>(c, da[0], db[0], da[1], db[1], xv.x, xv.y);
+          mma<true>(c, da[2], db[2], da[3], db[3], xv.z, xv.w);
+          const int ba = byte_of(fa, G), bb = byte_of(fb, G);
+          acc[0] = fmaf(c[0], scale_f(ba + e0), acc[0]);
+          acc[1] = fmaf(c[1], scale_f(ba + e1), acc[1]);
+          acc[2] = fmaf(c[2], scale_f(bb + e0), acc[2]);
+          acc[3] = fmaf(c[3], scale_f(bb + e1), acc[3]);
+          continue;
+        }
         mma_z(c, lut<0>(table, w[G][0], lane_off), lut<0>(table, w[G][1], lane_off), lut<1>(table, w[G][0], lane_off),
               lut<1>(table, w[G][1], lane_off), xv.x, xv.y);
         mma(c, lut<2>(table, w[G][0], lane_off), lut<2>(table, w[G][1], lane_off), lut<3>(table, w[G][0], lane_off),
             lut<3>(table, w[G][1], lane_off), xv.z, xv.w);
-        const float ra = scale_byte(fa, G), rb = scale_byte(fb, G);
+        const float ra = scale_f(byte_of(fa, G)), rb = scale_f(byte_of(fb, G));
         acc[0] = fmaf(c[0], ra, acc[0]);
         acc[1] = fmaf(c[1], ra, acc[1]);
         acc[2] = fmaf(c[2], rb, acc[2]);
@@ -1060,7 +1090,8 @@ __device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, cons
 // deal: at 1 row 1536 tasks, where items of 128 channels would be 96 on 132 SMs), a lane finding its
 // pair's row slot from the routing; else items (slot, kGmWarps x 8 channels) in turn, the item's pairs in
 // passes of kGmPairs whose x rows are staged for the pass (slot p for the pass's pair p).
-template <bool kSpread>
+// kMix: the mixed decode (warp_sums_gm), x's block exponents [K / 128][kGmPairs] after the slots.
+template <bool kSpread, bool kMix = false>
 __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                            float limit, int round_out) {
   extern __shared__ __align__(16) char smem[];
@@ -1068,6 +1099,16 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
   const int pitch = 2 * a.K + kGmPad, blocks = a.w3_rows / 8, units = a.K / 8;
   char* xsm = smem + kLutBytes;
   const char* slots = xsm + kGmPairs * pitch + warp * kGmDepth * 2048;
+  int* xexp = reinterpret_cast<int*>(xsm + kGmPairs * pitch + kGmWarps * kGmDepth * 2048);
+  // unit u of x row src into row slot r (kMix: an odd block's in fp16 with its exponent; every lane of a
+  // warp runs the same units of one row: a row's units are a multiple of 64)
+  auto stage = [&](int r, int src, int u) {
+    uint4 v = *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
+    int sexp;
+    const bool odd = kMix && mix_unit(v, u, sexp);
+    *reinterpret_cast<uint4*>(xsm + r * pitch + u * 16) = v;
+    if (odd && !(u & 15)) xexp[(u / 16) * kGmPairs + r] = sexp;
+  };
   // this lane's ldmatrix row: row l % 8 (+ 8 for odd l / 8) of group (l / 16) of the q's pair of groups
   const int lr = (lane & 7) + ((lane >> 3) & 1) * 8, lb = lane >> 4;
   const char* get = slots + 16 * gm_unit(lr, lb);  // q = 0: groups 0, 1 (q = 2 the same units 1 KB on)
@@ -1075,8 +1116,9 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
   prologue(smem);
   pdl_wait();  // (run's PDL order)
   pdl_release();
-  // warp task (slot, block blk of 8 channels), pairs c0 .. c0 + np - 1 of the slot, lane g's x in row slot xr
-  auto task = [&](int slot, int blk, int start, int c0, int np, int xr) {
+  // warp task (slot, block blk of 8 channels), pairs c0 .. c0 + np - 1 of the slot, lane g's x in row slot xr,
+  // (kMix) the row slots of the lane's columns 2t, 2t + 1 in er0, er1
+  auto task = [&](int slot, int blk, int start, int c0, int np, int xr, int er0, int er1) {
     const long long* ent = a.tab + 4LL * __ldcg(a.slot_e + slot);
     const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
     const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
@@ -1091,7 +1133,7 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
     st.get = get;
     st.get_odd = get_odd;
     float total[4];
-    warp_sums_gm(st, smem, xsm + xr * pitch + t * 16, total);
+    warp_sums_gm<kMix>(st, smem, xsm + xr * pitch + t * 16, total, xexp + er0, xexp + er1);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
       const int p = 2 * t + u;
@@ -1105,9 +1147,7 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
   // (a slot's count: 0 for an expert absent from a sparse table)
   auto count = [&](int slot) { return a.sparse && a.tab[4LL * __ldcg(a.slot_e + slot)] == 0 ? 0 : __ldcg(a.slot_cnt + slot); };
   if constexpr (kSpread) {
-    for (int i = threadIdx.x; i < a.spread * units; i += kGmThreads)
-      *reinterpret_cast<uint4*>(xsm + (i / units) * pitch + (i % units) * 16) =
-          *reinterpret_cast<const uint4*>(a.x + (i / units) * a.stride_x + (i % units) * 8);
+    for (int i = threadIdx.x; i < a.spread * units; i += kGmThreads) stage(i / units, i / units, i % units);
     __syncthreads();  // (x, and the table)
     const int T = __ldcg(a.nslot) * blocks;
     const int lo = (int)((long long)blockIdx.x * T / gridDim.x), hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
@@ -1115,7 +1155,8 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
       const int slot = k / blocks, cnt = count(slot), start = __ldcg(a.slot_start + slot);
       for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {  // (one pass: a slot holds at most one pair of a row)
         const int np = min(kGmPairs, cnt - c0);
-        task(slot, k % blocks, start, c0, np, a.pair_ptr[start + c0 + (g < np ? g : 0)] / a.topk);
+        auto row = [&](int p) { return a.pair_ptr[start + c0 + (p < np ? p : 0)] / a.topk; };
+        task(slot, k % blocks, start, c0, np, row(g), kMix ? row(2 * t) : 0, kMix ? row(2 * t + 1) : 0);
       }
     }
   } else {
@@ -1125,14 +1166,12 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
       for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {
         const int np = min(kGmPairs, cnt - c0);
         __syncthreads();  // the previous pass's readers of x are done (the first: the table is written)
-        for (int i = threadIdx.x; i < np * units; i += kGmThreads) {
-          const int p = i / units, u = i % units;
-          *reinterpret_cast<uint4*>(xsm + p * pitch + u * 16) =
-              *reinterpret_cast<const uint4*>(a.x + (a.pair_ptr[start + c0 + p] / a.topk) * a.stride_x + u * 8);
-        }
+        for (int i = threadIdx.x; i < np * units; i += kGmThreads)
+          stage(i / units, a.pair_ptr[start + c0 + i / units] / a.topk, i % units);
         __syncthreads();
         // (past the pass's pairs lane g brings pair 0's x: a column never meets another, and those are not read)
-        task(slot, tile * kGmWarps + warp, start, c0, np, g < np ? g : 0);
+        auto slot_of = [&](int p) { return p < np ? p : 0; };
+        task(slot, tile * kGmWarps + warp, start, c0, np, slot_of(g), slot_of(2 * t), slot_of(2 * t + 1));
       }
     }
   }
@@ -1212,6 +1251,14 @@ extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm(GATE_
 // The same, warp tasks dealt out evenly over launches of `rows` <= kGmPairs rows (moe_lut.py's GM_SPREAD_ROWS).
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_spread(GATE_UP_PARAMS, int rows) {
   gate_up_gm<true>(GATE_UP_ARGS(rows));
+}
+
+// Both with the mixed decode (moe_lut.py's GM_MIX): x's block exponents after the slots, 1 KB more at D = 4096.
+extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_mix(GATE_UP_PARAMS) {
+  gate_up_gm<false, true>(GATE_UP_ARGS(0));
+}
+extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_spread_mix(GATE_UP_PARAMS, int rows) {
+  gate_up_gm<true, true>(GATE_UP_ARGS(rows));
 }
 #endif
 

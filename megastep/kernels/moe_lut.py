@@ -50,6 +50,8 @@ _GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqf
 _GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiii")
 _GATE_UP_GM = _MODULE.kernel("moe_gate_up_gm", "pqppppppppqiiqqfiii")
 _GATE_UP_GM_SPREAD = _MODULE.kernel("moe_gate_up_gm_spread", "pqppppppppqiiqqfiiii")
+_GATE_UP_GM_MIX = _MODULE.kernel("moe_gate_up_gm_mix", "pqppppppppqiiqqfiii")
+_GATE_UP_GM_SPREAD_MIX = _MODULE.kernel("moe_gate_up_gm_spread_mix", "pqppppppppqiiqqfiiii")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -159,6 +161,12 @@ GM_SPREAD_ROWS = 8
 # A group-major spread launch of 1 row takes at most this many CTAs (the ring's RING_ONE_ROW_SMS: SMs
 # left to the shared expert's side stream). None: a CTA per SM.
 GM_ONE_ROW_SMS: int | None = None
+# The group-major kernels with RING_MIX's mixed decode (moe_gate_up_gm_mix, moe_gate_up_gm_spread_mix):
+# the groups of x's odd 128-blocks by decode_f16 on fp16 MMAs, so half the table's lookups leave the
+# shared-memory pipe (per 2 KB warp step ~98 of its 128-byte wavefronts against 128, 341 SASS
+# instructions against 253: a group's scale now also takes the x block exponent of each of the lane's
+# two pairs). The same products, so the same bits (GPU test). Built 2026-12-07, to measure: off.
+GM_MIX = False
 
 
 @functools.cache
@@ -182,10 +190,11 @@ def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, mix: bool = False
     return LUT_BYTES + (EXP_BYTES if mix else 0) + halves * 4 * K + slot_warps * RING_DEPTH * 2048
 
 
-def gm_shared_bytes(K: int) -> int:
+def gm_shared_bytes(K: int, mix: bool = False) -> int:
     """Dynamic shared memory of moe_gate_up_gm over K: the table, GM_PAIRS rows of x (2 K + GM_PAD bytes
-    each), GM_WARPS warps' GM_DEPTH 2 KB slots (224.5 KB at K = 4096)."""
-    return LUT_BYTES + GM_PAIRS * (2 * K + GM_PAD) + GM_WARPS * GM_DEPTH * 2048
+    each), GM_WARPS warps' GM_DEPTH 2 KB slots (224.5 KB at K = 4096); mix (GM_MIX): and x's block
+    exponents, an int per row slot and 128-block (225.5 KB)."""
+    return LUT_BYTES + GM_PAIRS * (2 * K + GM_PAD) + GM_WARPS * GM_DEPTH * 2048 + (GM_PAIRS * (K // 128) * 4 if mix else 0)
 
 
 def gate_up_pairs_per_pass() -> int:
@@ -257,15 +266,18 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     ring_warps = 2 * THREADS // 32  # the ring kernel: two halves, 16 warps' slots
     if GATE_UP_GM and _ring_fits(xq.device.index, gm_shared_bytes(D)):
         assert 0 <= GM_SPREAD_ROWS <= GM_PAIRS, GM_SPREAD_ROWS  # (the .cu stages at most GM_PAIRS rows of x)
-        smem = gm_shared_bytes(D)
+        mix = GM_MIX and _ring_fits(xq.device.index, gm_shared_bytes(D, True))
+        smem = gm_shared_bytes(D, mix)
         if rows <= GM_SPREAD_ROWS:  # warp tasks (slot, 8 channels), one CTA per SM
             grid = _grid(slots * (I // 8), xq.device, 1)
             if rows == 1 and GM_ONE_ROW_SMS is not None:
                 grid = (min(grid[0], GM_ONE_ROW_SMS), 1, 1)
-            _GATE_UP_GM_SPREAD.launch(grid, (32 * GM_WARPS, 1, 1), smem, None, *args, rows, pdl=pdl_enabled())
+            (_GATE_UP_GM_SPREAD_MIX if mix else _GATE_UP_GM_SPREAD).launch(grid, (32 * GM_WARPS, 1, 1), smem, None,
+                                                                           *args, rows, pdl=pdl_enabled())
         else:  # items (slot, GM_WARPS x 8 channels)
-            _GATE_UP_GM.launch(_grid(slots * (I // (8 * GM_WARPS)), xq.device, 1), (32 * GM_WARPS, 1, 1), smem, None,
-                               *args, pdl=pdl_enabled())
+            (_GATE_UP_GM_MIX if mix else _GATE_UP_GM).launch(_grid(slots * (I // (8 * GM_WARPS)), xq.device, 1),
+                                                             (32 * GM_WARPS, 1, 1), smem, None, *args,
+                                                             pdl=pdl_enabled())
     elif spread:  # warp tasks (slot, 8 channels), one CTA per SM
         if SPREAD_RING and _ring_fits(xq.device.index, shared_bytes(D, 1, SPREAD_WARPS)):
             kernel, smem = _ring_kernel(_GATE_UP_SPREAD_RING, _GATE_UP_SPREAD_RING_MIX, SPREAD_RING_MIX,

@@ -673,7 +673,8 @@ def test_gpu_lut_group_major_gate_up(M, monkeypatch):
     outputs (per-pair, the combine, the combine with the shared expert's output, a sparse table's
     pairs); every row alone gives its per-pair bits in the batch (a pass's other columns never meet
     its own: batch invariance); experts read from page-locked host memory give the bits of HBM; up to 8
-    rows the other schedule (items against the even deal of warp tasks) gives the same bits. From 3 rows
+    rows the other schedule (items against the even deal of warp tasks) gives the same bits, and so does
+    the mixed decode (GM_MIX) in both schedules. From 3 rows
     on expert 0 is in every row: a slot of M pairs, passes of 8, the last one partial at 9, 16 and 64
     rows."""
     from megastep.kernels import moe_lut
@@ -704,6 +705,13 @@ def test_gpu_lut_group_major_gate_up(M, monkeypatch):
     if M <= moe_lut.GM_PAIRS:
         got = outputs()
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the mixed decode (GM_MIX: the groups of x's odd 128-blocks on fp16 MMAs) gives the same bits, both schedules
+    monkeypatch.setattr(moe_lut, "GM_MIX", True)
+    assert moe_lut._ring_fits(0, moe_lut.gm_shared_bytes(4096, True)) or torch.cuda.get_device_capability()[0] < 9
+    for spread in sorted({0, moe_lut.GM_PAIRS}):
+        monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", spread)
+        got = outputs()
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), spread
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -765,7 +773,8 @@ def test_lut_kernels_build_for_sm90():
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
                "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix",
-               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread")
+               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_gate_up_gm_mix",
+               "moe_gate_up_gm_spread_mix")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
     # without their loads (all but moe_down_lut4 and the group-major ones, which they leave out)
@@ -843,7 +852,8 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
             launched.append((self.name, grid[0], block[0], smem, len(args)))
 
     for name in ("_GATE_UP", "_GATE_UP_SPREAD", "_GATE_UP_RING", "_GATE_UP_SPREAD_RING", "_GATE_UP_RING_MIX",
-                 "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP_GM", "_GATE_UP_GM_SPREAD"):
+                 "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP_GM", "_GATE_UP_GM_SPREAD", "_GATE_UP_GM_MIX",
+                 "_GATE_UP_GM_SPREAD_MIX"):
         monkeypatch.setattr(moe_lut, name, Spy(name))
     monkeypatch.setattr(moe_lut, "_sms", lambda index: 132)
     fits = {"smem": 227 << 10}
@@ -870,6 +880,10 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     assert got[9][4] == call(1)[4] - 1 == got[1][4] - 1  # the ring kernels' arguments (the spread's: and rows)
     monkeypatch.setattr(moe_lut, "GM_ONE_ROW_SMS", 112)  # (at 1 row only)
     assert [call(m)[1] for m in (1, 2)] == [112, 132]
+    monkeypatch.setattr(moe_lut, "GM_MIX", True)  # (the mixed decode: its kernels, 1 KB more)
+    assert [call(m)[0] for m in (1, 8, 9)] == ["_GATE_UP_GM_SPREAD_MIX"] * 2 + ["_GATE_UP_GM_MIX"]
+    assert call(1)[3] == moe_lut.gm_shared_bytes(D, True) == moe_lut.gm_shared_bytes(D) + 1024 <= 227 << 10
+    monkeypatch.setattr(moe_lut, "GM_MIX", False)
     monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", 0)
     got = {m: call(m) for m in (1, 64)}
     assert {g[0] for g in got.values()} == {"_GATE_UP_GM"}
@@ -913,7 +927,8 @@ def test_lut_signatures_match_the_kernels():
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
                    moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX,
-                   moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD):
+                   moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD, moe_lut._GATE_UP_GM_MIX,
+                   moe_lut._GATE_UP_GM_SPREAD_MIX):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
