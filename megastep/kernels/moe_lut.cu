@@ -1033,11 +1033,15 @@ __device__ __forceinline__ int byte_of(uint2 f, int G) { return ((G < 4 ? f.x : 
 // kMix: the groups of x's odd 128-blocks (4-7 of a step) by decode_f16 on fp16 MMAs, x's codes there in
 // fp16 (x / s) and s's biased exponent, per block and row slot, at xe0 / xe1 (the row slots of columns
 // 2t / 2t + 1, kGmPairs ints from block to block) joining the groups' scales.
+// Only a lane whose column holds a pair (active) loads x: the others' B registers keep what they hold (a
+// column never meets another, and those are not read), so at 1 row a warp's x load is 4 lanes' 64 bytes, one
+// shared-memory wavefront, not 4.
 template <bool kMix = false>
-__device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, const char* xl, float (&total)[4],
-                                             const int* xe0 = nullptr, const int* xe1 = nullptr) {
+__device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, const char* xl, bool active,
+                                             float (&total)[4], const int* xe0 = nullptr, const int* xe1 = nullptr) {
   const uint32_t lane_off = (threadIdx.x & 31) * 4;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  uint4 xv = make_uint4(0u, 0u, 0u, 0u);
   st.fill();
   for (int s0 = 0; s0 < st.steps; s0 += kGmDepth) {
 #pragma unroll
@@ -1051,7 +1055,7 @@ __device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, cons
       const int e0 = kMix ? xe0[(2 * s + 1) * kGmPairs] - 127 : 0, e1 = kMix ? xe1[(2 * s + 1) * kGmPairs] - 127 : 0;
 #pragma unroll
       for (int G = 0; G < 8; ++G) {
-        const uint4 xv = *reinterpret_cast<const uint4*>(xl + (s * 8 + G) * 64);
+        if (active) xv = *reinterpret_cast<const uint4*>(xl + (s * 8 + G) * 64);
         float c[4];
         if (kMix && G >= 4) {
           uint32_t da[4], db[4];
@@ -1133,7 +1137,7 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
     st.get = get;
     st.get_odd = get_odd;
     float total[4];
-    warp_sums_gm<kMix>(st, smem, xsm + xr * pitch + t * 16, total, xexp + er0, xexp + er1);
+    warp_sums_gm<kMix>(st, smem, xsm + xr * pitch + t * 16, g < np, total, xexp + er0, xexp + er1);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
       const int p = 2 * t + u;
@@ -1169,7 +1173,7 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
         for (int i = threadIdx.x; i < np * units; i += kGmThreads)
           stage(i / units, a.pair_ptr[start + c0 + i / units] / a.topk, i % units);
         __syncthreads();
-        // (past the pass's pairs lane g brings pair 0's x: a column never meets another, and those are not read)
+        // (past the pass's pairs: pair 0's row slot, an address warp_sums_gm does not load)
         auto slot_of = [&](int p) { return p < np ? p : 0; };
         task(slot, tile * kGmWarps + warp, start, c0, np, slot_of(g), slot_of(2 * t), slot_of(2 * t + 1));
       }
