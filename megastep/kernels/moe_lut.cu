@@ -960,21 +960,13 @@ __device__ __forceinline__ void ldsm_x4(const char* p, uint32_t (&d)[4]) {
                : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
 }
 
-// d = A . B (zero C), bf16 or (kF16) fp16 operands
-#define MMA_Z(T)                                                                                                 \
-  asm("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, " \
-      "{%10, %10, %10, %10};"                                                                                \
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                                       \
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.f))
+// d = A . B (a zero C), bf16 or (kF16) fp16 operands
 template <bool kF16 = false>
 __device__ __forceinline__ void mma_z(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                       uint32_t b1) {
-  if constexpr (kF16)
-    MMA_Z("f16");
-  else
-    MMA_Z("bf16");
+  d[0] = d[1] = d[2] = d[3] = 0.f;
+  mma<kF16>(d, a0, a1, a2, a3, b0, b1);
 }
-#undef MMA_Z
 
 // A warp's ring of kGmDepth slots over its 16 MMA rows. Lane (g, t) copies, per step, the 16 bytes of
 // groups t and t + 4 of rows g (w1) and g + 8 (w3), as RingStream's loads, into their units; it reads
