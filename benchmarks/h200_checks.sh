@@ -36,6 +36,7 @@
 #   bash benchmarks/h200_checks.sh spread     # the experts' spread gate-up at 1-2 rows: the lut GPU tests, lut_balance_probe.py, the kernels and the step against whole items, A/B/A/B (~5 min)
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
+#   bash benchmarks/h200_checks.sh gm_short   # gm's GPU tests, its step A/B at 1, 16 and 64 rows, 2 rounds (~4.5 min)
 #   bash benchmarks/h200_checks.sh steptests  # final's bit tests of the step alone, without the kernels' (~1.5 min)
 #   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
 #   bash benchmarks/h200_checks.sh passes     # the step at 1-64 rows under the default and the skewed routing, with the experts kernels' passes (~2 min)
@@ -504,6 +505,11 @@ for group in "$@"; do
       step gm_step_tests 150 python3 -c "$gm_on; import sys, pytest; sys.exit(pytest.main(['-q', '-rfE', \
         '--timeout', '120', '-m', 'gpu', 'tests/test_fast_gpu.py', '-k', 'alone or same_input or graph_replay']))"
       ab gm_skewed 90 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "off=" --arm "gm=$gm_on" ;;
+    gm_short)  # gm's GPU tests and its step A/B at 1, 16 and 64 rows in 2 rounds, for a call with ~5 min left
+      gm_on='import megastep.kernels.moe_lut as m; m.GATE_UP_GM = True'
+      step gm_tests 100 python3 -m pytest -q -rfE --timeout 90 -m gpu tests/kernels/test_moe.py -k "group_major"
+      ab gm_short 170 --layers 30 --batch 1,16,64 --rounds 2 --arm "off=" --arm "gm=$gm_on" \
+        --arm "gm_mix=$gm_on; m.GM_MIX = True" ;;
     steptests)  # final's bit tests of the step alone (a row alone against the same row in a batch of 16, the same
       # input twice, graph replay against eager), without the kernels' (~1.5 min)
       step step_tests 200 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
