@@ -491,7 +491,7 @@ for group in "$@"; do
       ab down4_many 150 --layers 30 --batch 16,32,64 --rounds 3 --arm "$off4" --arm "$on4"
       ab down4_skewed 100 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "$off4" --arm "$on4" ;;
     gm)  # the group-major gate-up (moe_lut.GATE_UP_GM, built 2026-12-07: an MMA's 8 columns are 8 pairs, so a pass
-      # takes 8 of an expert's pairs where the pair-major kernels take 2; 259 SASS instructions per 2 KB warp step
+      # takes 8 of an expert's pairs where the pair-major kernels take 2; 260 SASS instructions per 2 KB warp step
       # against the ring's mixed decode's 301): its GPU tests, the step against the defaults at 1-8 rows (also
       # with the mixed decode, and with items instead of the even deal of warp tasks) and 16-64 rows (also mixed), 3
       # rounds, the step's bit tests with it on (a row alone against the same row in 16, the same input twice,

@@ -941,9 +941,8 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
 // the group's scale into one fp32 sum over the whole K in group order. A column never
 // meets another pair's values: batch invariant. Not the pair-major kernels' order, so not their bits:
 // a step takes this kernel for every gate-up launch or for none.
-// Work: a CTA of kGmWarps warps per SM takes items (slot, kGmWarps x 8 channels) in turn, warp w
-// channels 8w .. 8w + 7 of the tile (MMA rows g: w1, g + 8: w3), the item's pairs in passes of
-// kGmPairs whose x rows are staged once for the CTA.
+// Work: one CTA of kGmWarps warps per SM; a warp's task is 8 channels of a slot (MMA rows g: w1, g + 8:
+// w3) over the whole K, its pairs in passes of kGmPairs, x staged for the CTA (gate_up_gm's two schedules).
 constexpr int kGmWarps = 16, kGmThreads = 32 * kGmWarps;
 constexpr int kGmPairs = 8;   // pairs a pass: an MMA's 8 columns
 constexpr int kGmDepth = 3;   // a warp's 2 KB ring slots (4 do not fit beside 8 rows of x at K = 4096)
@@ -998,9 +997,13 @@ struct GmRing {
     }
   }
 
-  // step s's words (slot i): w[G][0] row g's word t of group G, w[G][1] row g + 8's
+  // step s's words (slot i): w[G][0] row g's word t of group G, w[G][1] row g + 8's. Unlike RingStream's
+  // lanes, a lane reads units other lanes copied: each waits for its own copies, then the warp's barrier
+  // makes all of them visible to all (the refill after the step cannot overtake these reads: it follows
+  // the MMAs that consume them).
   __device__ __forceinline__ void take(int i, uint32_t (&w)[8][2], uint2& fa, uint2& fb) {
     asm volatile("cp.async.wait_group %0;" ::"n"(kGmDepth - 1) : "memory");
+    __syncwarp();
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       uint32_t d[4];
@@ -1141,12 +1144,15 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
     }
   };
   // (a slot's count: 0 for an expert absent from a sparse table)
-  auto count = [&](int slot) { return a.sparse && a.tab[4LL * __ldcg(a.slot_e + slot)] == 0 ? 0 : __ldcg(a.slot_cnt + slot); };
+  auto count = [&](int slot) {
+    return a.sparse && a.tab[4LL * __ldcg(a.slot_e + slot)] == 0 ? 0 : __ldcg(a.slot_cnt + slot);
+  };
   if constexpr (kSpread) {
     for (int i = threadIdx.x; i < a.spread * units; i += kGmThreads) stage(i / units, i / units, i % units);
     __syncthreads();  // (x, and the table)
     const int T = __ldcg(a.nslot) * blocks;
-    const int lo = (int)((long long)blockIdx.x * T / gridDim.x), hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
+    const int lo = (int)((long long)blockIdx.x * T / gridDim.x);
+    const int hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
     for (int k = lo + warp; k < hi; k += kGmWarps) {
       const int slot = k / blocks, cnt = count(slot), start = __ldcg(a.slot_start + slot);
       for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {  // (one pass: a slot holds at most one pair of a row)

@@ -146,7 +146,7 @@ SPREAD_RING_MIX = True
 # gate_up_gm), whose weights come back from the ring's slots by ldmatrix so that an MMA's k16 is one
 # MXFP4 group and its 8 columns 8 pairs: a pass streams and decodes an expert's rows once for up to
 # GM_PAIRS of its pairs, against PAIRS_PER_PASS here above (each further 2 pairs a pass again, at 64
-# rows 1.43 passes per expert read under the synthetic gates' routing). 259 SASS instructions per 2 KB
+# rows 1.43 passes per expert read under the synthetic gates' routing). 260 SASS instructions per 2 KB
 # warp step against the ring's mixed decode's 301 (nvcc 13.0, sm_90a). Not the pair-major kernels'
 # order of sums, so not their bits (every launch or none: a row's bits alone and in a batch must
 # agree). One CTA of GM_WARPS warps per SM; a device that cannot give it gm_shared_bytes keeps the
@@ -163,8 +163,8 @@ GM_SPREAD_ROWS = 8
 GM_ONE_ROW_SMS: int | None = None
 # The group-major kernels with RING_MIX's mixed decode (moe_gate_up_gm_mix, moe_gate_up_gm_spread_mix):
 # the groups of x's odd 128-blocks by decode_f16 on fp16 MMAs, so half the table's lookups leave the
-# shared-memory pipe (per 2 KB warp step ~98 of its 128-byte wavefronts against 128 with 8 pairs, 346 SASS
-# instructions against 259: a group's scale now also takes the x block exponent of each of the lane's
+# shared-memory pipe (per 2 KB warp step ~98 of its 128-byte wavefronts against 128 with 8 pairs, 347 SASS
+# instructions against 260: a group's scale now also takes the x block exponent of each of the lane's
 # two pairs). The same products, so the same bits (GPU test). Built 2026-12-07, to measure: off.
 GM_MIX = False
 
@@ -194,7 +194,8 @@ def gm_shared_bytes(K: int, mix: bool = False) -> int:
     """Dynamic shared memory of moe_gate_up_gm over K: the table, GM_PAIRS rows of x (2 K + GM_PAD bytes
     each), GM_WARPS warps' GM_DEPTH 2 KB slots (224.5 KB at K = 4096); mix (GM_MIX): and x's block
     exponents, an int per row slot and 128-block (225.5 KB)."""
-    return LUT_BYTES + GM_PAIRS * (2 * K + GM_PAD) + GM_WARPS * GM_DEPTH * 2048 + (GM_PAIRS * (K // 128) * 4 if mix else 0)
+    exps = GM_PAIRS * (K // 128) * 4 if mix else 0
+    return LUT_BYTES + GM_PAIRS * (2 * K + GM_PAD) + GM_WARPS * GM_DEPTH * 2048 + exps
 
 
 def gate_up_pairs_per_pass() -> int:

@@ -942,5 +942,6 @@ def test_lut_signatures_match_the_kernels():
     exp_bytes = re.search(r"constexpr int kExpBytes = ([\d *]+);", src).group(1)
     assert moe_lut.EXP_BYTES == eval(exp_bytes) == 1024, exp_bytes
     # the group-major gate-up's CTA, pass, ring and x rows, as its launch and shared memory count them
-    gm = {n: int(re.search(rf"\b{n} = (\d+)[,;]", src).group(1)) for n in ("kGmWarps", "kGmPairs", "kGmDepth", "kGmPad")}
+    names = ("kGmWarps", "kGmPairs", "kGmDepth", "kGmPad")
+    gm = {n: int(re.search(rf"\b{n} = (\d+)[,;]", src).group(1)) for n in names}
     assert (moe_lut.GM_WARPS, moe_lut.GM_PAIRS, moe_lut.GM_DEPTH, moe_lut.GM_PAD) == tuple(gm.values()), gm
