@@ -227,6 +227,9 @@ ATTN_V8="$ATTN_V8; f[(64, 128, 512)] = (1, r(f[(64, 128, 512)][1], dv_split=8))"
 GATE8='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig(32, 256, 8, 4, 3)'
 # recipe B's job posted and collected without copies (runtime/sidecar.ZERO_COPY), for offload_zc and offload_b
 ZC='import megastep.runtime.sidecar as s; s.ZERO_COPY = True'
+# the group-major gate-up on every gate-up launch (moe_lut.GATE_UP_GM), and its GPU tests, for gm and gm_short
+GM_ON='import megastep.kernels.moe_lut as m; m.GATE_UP_GM = True'
+gm_tests() { step gm_tests "$1" python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_moe.py -k "group_major"; }
 
 zc_tests() {  # the zero-copy sidecar's GPU tests (offload_zc, offload_zc16)
   step zc_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_sidecar_zero_copy.py \
@@ -496,20 +499,18 @@ for group in "$@"; do
       # with the mixed decode, and with items instead of the even deal of warp tasks) and 16-64 rows (also mixed), 3
       # rounds, the step's bit tests with it on (a row alone against the same row in 16, the same input twice,
       # graph replay against eager), 64 rows skewed
-      gm_on='import megastep.kernels.moe_lut as m; m.GATE_UP_GM = True'
-      step gm_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_moe.py -k "group_major"
-      ab gm_few 170 --layers 30 --batch 1,2,4,8 --rounds 3 --arm "off=" --arm "gm=$gm_on" \
-        --arm "gm_mix=$gm_on; m.GM_MIX = True" --arm "gm_items=$gm_on; m.GM_SPREAD_ROWS = 0"
-      ab gm_many 130 --layers 30 --batch 16,32,64 --rounds 3 --arm "off=" --arm "gm=$gm_on" \
-        --arm "gm_mix=$gm_on; m.GM_MIX = True"
-      step gm_step_tests 150 python3 -c "$gm_on; import sys, pytest; sys.exit(pytest.main(['-q', '-rfE', \
+      gm_tests 120
+      ab gm_few 170 --layers 30 --batch 1,2,4,8 --rounds 3 --arm "off=" --arm "gm=$GM_ON" \
+        --arm "gm_mix=$GM_ON; m.GM_MIX = True" --arm "gm_items=$GM_ON; m.GM_SPREAD_ROWS = 0"
+      ab gm_many 130 --layers 30 --batch 16,32,64 --rounds 3 --arm "off=" --arm "gm=$GM_ON" \
+        --arm "gm_mix=$GM_ON; m.GM_MIX = True"
+      step gm_step_tests 150 python3 -c "$GM_ON; import sys, pytest; sys.exit(pytest.main(['-q', '-rfE', \
         '--timeout', '120', '-m', 'gpu', 'tests/test_fast_gpu.py', '-k', 'alone or same_input or graph_replay']))"
-      ab gm_skewed 90 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "off=" --arm "gm=$gm_on" ;;
+      ab gm_skewed 90 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "off=" --arm "gm=$GM_ON" ;;
     gm_short)  # gm's GPU tests and its step A/B at 1, 16 and 64 rows in 2 rounds, for a call with ~5 min left
-      gm_on='import megastep.kernels.moe_lut as m; m.GATE_UP_GM = True'
-      step gm_tests 100 python3 -m pytest -q -rfE --timeout 90 -m gpu tests/kernels/test_moe.py -k "group_major"
-      ab gm_short 170 --layers 30 --batch 1,16,64 --rounds 2 --arm "off=" --arm "gm=$gm_on" \
-        --arm "gm_mix=$gm_on; m.GM_MIX = True" ;;
+      gm_tests 100
+      ab gm_short 170 --layers 30 --batch 1,16,64 --rounds 2 --arm "off=" --arm "gm=$GM_ON" \
+        --arm "gm_mix=$GM_ON; m.GM_MIX = True" ;;
     steptests)  # final's bit tests of the step alone (a row alone against the same row in a batch of 16, the same
       # input twice, graph replay against eager), without the kernels' (~1.5 min)
       step step_tests 200 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \

@@ -1115,10 +1115,9 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
   prologue(smem);
   pdl_wait();  // (run's PDL order)
   pdl_release();
-  // warp task (slot, block blk of 8 channels), pairs c0 .. c0 + np - 1 of the slot, lane g's x in row slot xr,
-  // (kMix) the row slots of the lane's columns 2t, 2t + 1 in er0, er1
-  auto task = [&](int slot, int blk, int start, int c0, int np, int xr, int er0, int er1) {
-    const long long* ent = a.tab + 4LL * __ldcg(a.slot_e + slot);
+  // warp task (a slot's table entry ent, block blk of 8 channels), pairs c0 .. c0 + np - 1 of the slot, lane g's
+  // x in row slot xr, (kMix) the row slots of the lane's columns 2t, 2t + 1 in er0, er1
+  auto task = [&](const long long* ent, int blk, int start, int c0, int np, int xr, int er0, int er1) {
     const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
     const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
     const int r0 = blk * 8 + g, r1 = r0 + a.w3_rows;
@@ -1143,10 +1142,9 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
       }
     }
   };
-  // (a slot's count: 0 for an expert absent from a sparse table)
-  auto count = [&](int slot) {
-    return a.sparse && a.tab[4LL * __ldcg(a.slot_e + slot)] == 0 ? 0 : __ldcg(a.slot_cnt + slot);
-  };
+  // a slot's table entry, and its count (0 for an expert absent from a sparse table)
+  auto entry = [&](int slot) { return a.tab + 4LL * __ldcg(a.slot_e + slot); };
+  auto count = [&](int slot, const long long* ent) { return a.sparse && ent[0] == 0 ? 0 : __ldcg(a.slot_cnt + slot); };
   if constexpr (kSpread) {
     for (int i = threadIdx.x; i < a.spread * units; i += kGmThreads) stage(i / units, i / units, i % units);
     __syncthreads();  // (x, and the table)
@@ -1154,17 +1152,21 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
     const int lo = (int)((long long)blockIdx.x * T / gridDim.x);
     const int hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
     for (int k = lo + warp; k < hi; k += kGmWarps) {
-      const int slot = k / blocks, cnt = count(slot), start = __ldcg(a.slot_start + slot);
+      const int slot = k / blocks, start = __ldcg(a.slot_start + slot);
+      const long long* ent = entry(slot);
+      const int cnt = count(slot, ent);
       for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {  // (one pass: a slot holds at most one pair of a row)
         const int np = min(kGmPairs, cnt - c0);
         auto row = [&](int p) { return a.pair_ptr[start + c0 + (p < np ? p : 0)] / a.topk; };
-        task(slot, k % blocks, start, c0, np, row(g), kMix ? row(2 * t) : 0, kMix ? row(2 * t + 1) : 0);
+        task(ent, k % blocks, start, c0, np, row(g), kMix ? row(2 * t) : 0, kMix ? row(2 * t + 1) : 0);
       }
     }
   } else {
     const int tiles = blocks / kGmWarps, items = __ldcg(a.nslot) * tiles;
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
-      const int slot = it / tiles, tile = it % tiles, cnt = count(slot), start = __ldcg(a.slot_start + slot);
+      const int slot = it / tiles, tile = it % tiles, start = __ldcg(a.slot_start + slot);
+      const long long* ent = entry(slot);
+      const int cnt = count(slot, ent);
       for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {
         const int np = min(kGmPairs, cnt - c0);
         __syncthreads();  // the previous pass's readers of x are done (the first: the table is written)
@@ -1173,7 +1175,7 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
         __syncthreads();
         // (past the pass's pairs: pair 0's row slot, an address warp_sums_gm does not load)
         auto slot_of = [&](int p) { return p < np ? p : 0; };
-        task(slot, tile * kGmWarps + warp, start, c0, np, slot_of(g), slot_of(2 * t), slot_of(2 * t + 1));
+        task(ent, tile * kGmWarps + warp, start, c0, np, slot_of(g), slot_of(2 * t), slot_of(2 * t + 1));
       }
     }
   }
