@@ -37,6 +37,7 @@
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh gm_short   # gm's GPU tests, its step A/B at 1, 16 and 64 rows, 2 rounds (~4.5 min)
+#   bash benchmarks/h200_checks.sh gm_ncu     # why the group-major gate-up lost: the experts calls alone (default, gm, gm_mix), gm's and the ring's stall reasons per instruction (ncu) (~6 min)
 #   bash benchmarks/h200_checks.sh steptests  # final's bit tests of the step alone, without the kernels' (~1.5 min)
 #   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
 #   bash benchmarks/h200_checks.sh passes     # the step at 1-64 rows under the default and the skewed routing, with the experts kernels' passes (~2 min)
@@ -511,6 +512,26 @@ for group in "$@"; do
       gm_tests 100
       ab gm_short 170 --layers 30 --batch 1,16,64 --rounds 2 --arm "off=" --arm "gm=$GM_ON" \
         --arm "gm_mix=$GM_ON; m.GM_MIX = True" ;;
+    gm_ncu)  # why the group-major gate-up lost (2026-12-07, one H100, 16 layers: +5.3 % at 1 row, +22 % at 16, +5.9 % at
+      # 64, -0.9 % at 64 skewed): the experts calls alone at 1, 2, 16 and 64 rows, the default against gm and gm_mix,
+      # with each kernel's time; then per SASS instruction the stall reasons of gm's gate-up at 1 and 16 rows and the
+      # default ring's at 16 (ncu: the engine's second gate-up launch, at the call's rows)
+      step gm_kernels 150 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/gm_kernels" --ms 1,2,16,64 \
+        --engines lut,lut_gm,lut_gm_mix
+      for run in gm_m1:lut_gm:1 gm_m16:lut_gm:16 ring_m16:lut:16; do
+        IFS=: read -r name engine m <<<"$run"
+        step "ncu_$name" 120 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name 'regex:^moe_gate_up_' \
+          --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+          --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section SourceCounters \
+          --import-source yes --export "$OUT/ncu_$name" \
+          python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/ncu_out_$name" --ms "$m" --engines "$engine"
+        step "ncu_${name}_details" 40 ncu --import "$OUT/ncu_$name.ncu-rep" --csv --page details
+        step "ncu_${name}_source" 60 ncu --import "$OUT/ncu_$name.ncu-rep" --csv --page source --print-source sass
+        step "ncu_${name}_read" 30 python3 benchmarks/kernels/ncu_source.py "$OUT/ncu_${name}_source.log" \
+          --details "$OUT/ncu_${name}_details.log" --top 30
+        rm -f "$OUT/ncu_$name.ncu-rep"
+        gzip -f "$OUT/ncu_${name}_source.log"
+      done ;;
     steptests)  # final's bit tests of the step alone (a row alone against the same row in a batch of 16, the same
       # input twice, graph replay against eager), without the kernels' (~1.5 min)
       step step_tests 200 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \

@@ -7,8 +7,9 @@ steps in flight in shared memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS =
 ("lut_noring": None), or with the ring gate-up decoding half of its groups in registers with fp16
 MMAs ("lut_mix": moe_lut.RING_MIX on) or none ("lut_table": off), or the spread gate-up at 1 and 2
 rows with the ring's slots and the mixed decode ("lut_spread_mix": moe_lut.SPREAD_RING_MIX, the
-default at 2 rows since 2026-12-01); the outputs must equal the
-first lut engine's bit for bit. (Earlier experiments measured with it and removed: a CUDA C++
+default at 2 rows since 2026-12-01), or with the group-major gate-up on every launch ("lut_gm":
+moe_lut.GATE_UP_GM; "lut_gm_mix": and GM_MIX), whose sums run in another order; the outputs of the
+pair-major engines must equal the first lut engine's bit for bit, the group-major ones each other's. (Earlier experiments measured with it and removed: a CUDA C++
 gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the
 fifteenth; the MMA columns in lane-major order, the twenty-second; the routed experts of 1-2 rows
 in one launch, the twenty-third; every group decoded in registers, and the mixed decode in every
@@ -46,13 +47,14 @@ from megastep.kernels import moe_lut as LUTK  # noqa: E402
 
 def run(engine, fn):
     if engine.startswith("lut"):  # mode "lut" (kernels/moe_lut.py) as the kernels' default
-        names = ("SPREAD_ROWS", "RING_MIN_ROWS", "SPREAD_RING", "RING_MIX", "SPREAD_RING_MIX")
+        names = ("SPREAD_ROWS", "RING_MIN_ROWS", "SPREAD_RING", "RING_MIX", "SPREAD_RING_MIX", "GATE_UP_GM", "GM_MIX")
         saved = MOE.DEFAULT_MODE, {n: getattr(LUTK, n) for n in names}
         settings = {"lut_items": {"SPREAD_ROWS": ()}, "lut_spread": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": False},
                     "lut_spread_ring": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": True, "SPREAD_RING_MIX": False},
                     "lut_spread_mix": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": True, "SPREAD_RING_MIX": True},
                     "lut_ring": {"RING_MIN_ROWS": 1}, "lut_noring": {"RING_MIN_ROWS": None},
-                    "lut_mix": {"RING_MIX": True}, "lut_table": {"RING_MIX": False}}.get(engine, {})
+                    "lut_mix": {"RING_MIX": True}, "lut_table": {"RING_MIX": False},
+                    "lut_gm": {"GATE_UP_GM": True}, "lut_gm_mix": {"GATE_UP_GM": True, "GM_MIX": True}}.get(engine, {})
         MOE.DEFAULT_MODE = "lut"
         for n, v in settings.items():
             setattr(LUTK, n, v)
@@ -90,7 +92,8 @@ def main() -> None:
     BK.LOG = open(os.path.join(args.out, "moe_cuda_variants.log"), "w")
     bw = BK.measure_bandwidth()["read"]
     lut = [k.attributes() for k in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD, LUTK._GATE_UP_RING,
-                                    LUTK._GATE_UP_SPREAD_RING, LUTK._GATE_UP_RING_MIX, LUTK._GATE_UP_SPREAD_RING_MIX)]
+                                    LUTK._GATE_UP_SPREAD_RING, LUTK._GATE_UP_RING_MIX, LUTK._GATE_UP_SPREAD_RING_MIX,
+                                    LUTK._GATE_UP_GM, LUTK._GATE_UP_GM_SPREAD)]
     BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; lut kernels: {lut}")
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -103,7 +106,7 @@ def main() -> None:
         distinct = statistics.mean(len(torch.unique(ids)) for ids, _ in routes)
         nbytes = distinct * MV.expert_bytes()
         ref = MOE.moe_experts_mxfp4_ref(x, *routes[0], **copies[0])
-        first_lut = None  # the first lut engine's output: the others must equal it bit for bit
+        first_lut = {}  # the first lut engine's output, pair-major and group-major: the others must equal it
         for engine in args.engines.split(","):
             r = dict(M=M, engine=engine, distinct_experts=distinct, mbytes=nbytes / 1e6)
             try:
@@ -114,8 +117,8 @@ def main() -> None:
                 r.update(ok=ok, rel_l2=rel, max_err_rel=mx, deterministic=torch.equal(y, y2),
                          batch_invariant=torch.equal(alone[0], y[0]))
                 if engine.startswith("lut"):
-                    first_lut = y if first_lut is None else first_lut
-                    r.update(same_bits_as_first_lut=torch.equal(y, first_lut))
+                    first = first_lut.setdefault(engine.startswith("lut_gm"), y)
+                    r.update(same_bits_as_first_lut=torch.equal(y, first))
                 calls = [lambda ids=ids, wts=wts, ex=copies[i % len(copies)]: MOE.moe_experts_mxfp4(x, ids, wts, **ex)
                          for i, (ids, wts) in enumerate(routes)]
                 med, _ = run(engine, lambda: BK.graph_time(calls))
