@@ -948,15 +948,19 @@ constexpr int kGmPairs = 8;   // pairs a pass: an MMA's 8 columns
 constexpr int kGmDepth = 3;   // a warp's 2 KB ring slots (4 do not fit beside 8 rows of x at K = 4096)
 constexpr int kGmPad = 64;    // bytes after each staged row of x: pair g's row 4 bank groups from g - 1's
 
-// 16-byte unit of (MMA row r, group G of the step) in a 2 KB slot: group-major, the rows of a group in
-// 256 B, the unit index XOR 2G so that a quarter warp's copies (rows g, g + 1 of groups t = 0 .. 3) hit
-// distinct bank groups; ldmatrix's 8 rows of one group are 8 distinct units of one 128 B either way.
-__device__ __forceinline__ int gm_unit(int r, int G) { return G * 16 + (r ^ ((2 * G) & 7)); }
+// 16-byte unit of (MMA row r, group G of the step) in a 2 KB slot: row r's 8 groups in its own 128 B, the
+// group XOR r % 8, so that ldmatrix's 8 rows of one group hit 8 distinct bank groups. Copies: the 8 lanes of a
+// quarter warp take one row's 128 bytes of the step, one global line into one 128 B of the slot. ncu's counts
+// (H100, 2026-12-07) fit a cp.async costing a shared-memory wavefront per (global line, 128 B of shared memory)
+// pair its lanes touch, whatever the banks: the first layout here (a group's 8 rows in one 128 B, copied as
+// RingStream's lanes copy) took 32 a copy, 8 times the ideal, and the kernel 1.6x the ring's time at 16 rows.
+__device__ __forceinline__ int gm_unit(int r, int G) { return r * 8 + (G ^ (r & 7)); }
 
-__device__ __forceinline__ void ldsm_x4(const char* p, uint32_t (&d)[4]) {
+// ldmatrix.x4 at a shared-memory address
+__device__ __forceinline__ void ldsm_x4(uint32_t p, uint32_t (&d)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+               : "r"(p));
 }
 
 // d = A . B (a zero C), bf16 or (kF16) fp16 operands
@@ -967,24 +971,25 @@ __device__ __forceinline__ void mma_z(float (&d)[4], uint32_t a0, uint32_t a1, u
   mma<kF16>(d, a0, a1, a2, a3, b0, b1);
 }
 
-// A warp's ring of kGmDepth slots over its 16 MMA rows. Lane (g, t) copies, per step, the 16 bytes of
-// groups t and t + 4 of rows g (w1) and g + 8 (w3), as RingStream's loads, into their units; it reads
-// back by 4 ldmatrix.x4 (q = 0 .. 3: groups 2q and 2q + 1, matrices (rows 0-7, 2q), (8-15, 2q),
-// (0-7, 2q + 1), (8-15, 2q + 1)), lane l giving row l % 8 of matrix l / 8. The scale bytes stay in
-// registers (8 a row a step, RingStream's).
+// A warp's ring of kGmDepth slots over its 16 MMA rows. Lane l copies, per step, group l % 8 of rows l / 8,
+// 4 + l / 8 (w1), 8 + l / 8 and 12 + l / 8 (w3) into their units; it reads back by 4 ldmatrix.x4 (q = 0 .. 3:
+// groups 2q and 2q + 1, matrices (rows 0-7, 2q), (8-15, 2q), (0-7, 2q + 1), (8-15, 2q + 1)), lane l giving row
+// l % 8 of matrix l / 8. The scale bytes stay in registers (8 a row a step, lane (g, t)'s rows g and g + 8, as
+// RingStream's).
 struct GmRing {
-  const uint8_t *wa, *wb, *sa_p, *sb_p;
+  // this lane's copy rows at its group: l / 8 of w1 (wa) and w3 (wb), 4 + l / 8 (wa4, wb4)
+  const uint8_t *wa, *wa4, *wb, *wb4, *sa_p, *sb_p;
   int steps;
-  const char* put;  // the warp's slot 0 at this lane's first unit, (g, t)
-  const char *get, *get_odd;  // the warp's slot 0 at this lane's ldmatrix row for q = 0 / q = 1
+  const char *put, *put4;  // the warp's slot 0 at this lane's units of rows l / 8 and 4 + l / 8 (w3's: 1 KB on)
+  uint32_t get[4];         // the warp's slot 0 at this lane's ldmatrix unit for q (a shared-memory address)
   uint2 sa[kGmDepth], sb[kGmDepth];
 
   __device__ __forceinline__ void load(int i, int n) {
-    const char* d = put + i * 2048;
-    cp_async16(d, wa + n * 128);            // (g, t)
-    cp_async16(d + 1024, wa + n * 128 + 64);  // (g, t + 4): 64 units on
-    cp_async16(d + 128, wb + n * 128);      // (g + 8, t): 8 units on (2t < 8 leaves bit 3 of the row)
-    cp_async16(d + 1152, wb + n * 128 + 64);
+    const int off = i * 2048;
+    cp_async16(put + off, wa + n * 128);
+    cp_async16(put4 + off, wa4 + n * 128);
+    cp_async16(put + off + 1024, wb + n * 128);
+    cp_async16(put4 + off + 1024, wb4 + n * 128);
     sa[i] = __ldg(reinterpret_cast<const uint2*>(sa_p + n * 8));
     sb[i] = __ldg(reinterpret_cast<const uint2*>(sb_p + n * 8));
   }
@@ -1007,7 +1012,7 @@ struct GmRing {
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       uint32_t d[4];
-      ldsm_x4((q & 1 ? get_odd : get) + i * 2048 + (q >> 1) * 1024, d);  // (q + 2: groups 4 on, 64 units)
+      ldsm_x4(get[q] + i * 2048, d);
       w[2 * q][0] = d[0], w[2 * q][1] = d[1], w[2 * q + 1][0] = d[2], w[2 * q + 1][1] = d[3];
     }
     fa = sa[i], fb = sb[i];
@@ -1108,10 +1113,14 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
     *reinterpret_cast<uint4*>(xsm + r * pitch + u * 16) = v;
     if (odd && !(u & 15)) xexp[(u / 16) * kGmPairs + r] = sexp;
   };
-  // this lane's ldmatrix row: row l % 8 (+ 8 for odd l / 8) of group (l / 16) of the q's pair of groups
-  const int lr = (lane & 7) + ((lane >> 3) & 1) * 8, lb = lane >> 4;
-  const char* get = slots + 16 * gm_unit(lr, lb);  // q = 0: groups 0, 1 (q = 2 the same units 1 KB on)
-  const char* get_odd = slots + 16 * gm_unit(lr, 2 + lb);  // q = 1: groups 2, 3 (q = 3 likewise)
+  // this lane's ldmatrix unit for q: row l % 8 (+ 8 for odd l / 8) of group 2q + l / 16
+  uint32_t get[4];
+  const int lr = (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    get[q] = static_cast<uint32_t>(__cvta_generic_to_shared(slots + 16 * gm_unit(lr, 2 * q + (lane >> 4))));
+  // this lane's copies: group l % 8 of rows l / 8 (+ 4, + 8, + 12)
+  const int cr = lane >> 3, cg = lane & 7;
   prologue(smem);
   pdl_wait();  // (run's PDL order)
   pdl_release();
@@ -1122,14 +1131,17 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
     const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
     const int r0 = blk * 8 + g, r1 = r0 + a.w3_rows;
     GmRing st;
-    st.wa = wbase + r0 * a.stride_w + t * 16;
-    st.wb = wbase + r1 * a.stride_w + t * 16;
+    st.wa = wbase + (blk * 8 + cr) * a.stride_w + cg * 16;
+    st.wb = st.wa + a.w3_rows * a.stride_w;
+    st.wa4 = st.wa + 4 * a.stride_w;
+    st.wb4 = st.wb + 4 * a.stride_w;
     st.sa_p = sbase + r0 * a.stride_s;
     st.sb_p = sbase + r1 * a.stride_s;
     st.steps = a.K / 256;
-    st.put = slots + 16 * gm_unit(g, t);
-    st.get = get;
-    st.get_odd = get_odd;
+    st.put = slots + 16 * gm_unit(cr, cg);
+    st.put4 = slots + 16 * gm_unit(cr + 4, cg);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) st.get[q] = get[q];
     float total[4];
     warp_sums_gm<kMix>(st, smem, xsm + xr * pitch + t * 16, g < np, total, xexp + er0, xexp + er1);
 #pragma unroll
