@@ -70,11 +70,13 @@ PAIRS_PER_PASS = 2
 # the experts' time per pass was the same at 16 and 64 rows on one H200 (docs/PERFORMANCE.md,
 # 2026-12-06 from 23:36). Measured on one H100, 16 layers, the step with it on every launch against
 # off, 3 rounds (docs/PERFORMANCE.md, 2026-12-07 from 02:10): -1.16 / -3.06 / -5.72 % at 16 / 32 / 64
-# rows, -7.08 % at 64 rows under the skewed routing (the bits: its GPU test passed there). Below 16
-# rows not yet measured: 16. (gate-up in passes of 4 pairs, without the ring's slots, which leave no
-# room for 4 rows of x, lost 10-22 % of the step at 16-64 rows: the code at 210ceff.) None: off.
+# rows, -7.08 % at 64 rows under the skewed routing (the bits: its GPU test passed there); below 16
+# rows (the same machine kind, 2026-12-07 from 07:53): +0.74 / +0.60 / +0.15 / -0.91 % at 1 / 2 / 4 / 8
+# rows, and again -1.24 / -2.96 / -5.56 % at 16 / 32 / 64: from 8 rows on. (gate-up in passes of 4 pairs,
+# without the ring's slots, which leave no room for 4 rows of x, lost 10-22 % of the step at 16-64
+# rows: the code at 210ceff.) None: off.
 # Needs 64 KB + 8 I + 8 KB of shared memory (shared_bytes).
-DOWN4_MIN_ROWS: int | None = 16
+DOWN4_MIN_ROWS: int | None = 8
 LUT_BYTES = 256 * 256  # the decode table: 256 entries x 32 lanes' copies, 256 B apart
 EXP_BYTES = 1024  # the .cu's kExpBytes: after the table, RING_MIX's x block exponents
 # Gate-up launches of these row counts (at most 2: every expert slot then has at most 2 pairs)
