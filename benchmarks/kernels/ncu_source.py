@@ -1,6 +1,6 @@
 """Read an Nsight Compute source-page export (`ncu --import R --csv --page source --print-source
 sass`, as h200_checks.sh small_ncu writes it, gzipped or not) and say where each launch's warps
-spend their instructions and their stall samples.
+spend their instructions, their stall samples and their shared-memory wavefronts.
 
     python benchmarks/kernels/ncu_source.py FILE [--kernel NAME] [--top 10] [--details DETAILS_CSV]
 
@@ -74,6 +74,18 @@ def summary(launch: dict, top: int) -> list[str]:
     lines = [f"{launch['name']}: {warps} warps, {executed / warps:.0f} instructions per warp, {total} samples "
              f"({', '.join(f'{k} {v * 100 // max(sum(stalls.values()), 1)}%' for k, v in stalls.most_common(5))})",
              "  per warp: " + ", ".join(f"{op} {n / warps:.0f}" for op, n in ops.most_common(12))]
+    # shared-memory wavefronts per warp by opcode, and how many of them were beyond the ideal (bank conflicts,
+    # or for cp.async (LDGSTS) its lanes' global lines and 128 B of shared memory falling apart)
+    smem = collections.defaultdict(lambda: [0, 0])
+    for r in rows:
+        if _int(r.get("L1 Wavefronts Shared", "")):
+            text = r["Source"].strip()
+            op = text.split()[1] if text.startswith("@") else text.split()[0]
+            smem[op][0] += _int(r["L1 Wavefronts Shared"])
+            smem[op][1] += _int(r["L1 Wavefronts Shared Excessive"])
+    if smem:
+        lines.append("  shared wavefronts per warp (excessive): " + ", ".join(
+            f"{op} {w / warps:.0f} ({x / warps:.0f})" for op, (w, x) in sorted(smem.items(), key=lambda kv: -kv[1][0])))
     hot = sorted(rows, key=lambda r: -_int(r["Warp Stall Sampling (All Samples)"]))[:top]
     for r in hot:
         s = _int(r["Warp Stall Sampling (All Samples)"])
