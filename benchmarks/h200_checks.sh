@@ -37,12 +37,13 @@
 #   bash benchmarks/h200_checks.sh lut_ncu    # the experts' lut GPU tests, then their stall reasons per SASS instruction at 1 and 16 rows (ncu) (~4 min)
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh gm_short   # gm's GPU tests, its step A/B at 1, 16 and 64 rows, 2 rounds (~4.5 min)
-#   bash benchmarks/h200_checks.sh gm_ncu     # why the group-major gate-up lost: the experts calls alone (default, gm, gm_mix), gm's and the ring's stall reasons per instruction (ncu) (~6 min)
+#   bash benchmarks/h200_checks.sh gm_ncu     # the group-major gate-up against the pair-major ring: the experts calls alone, their stall reasons and shared-memory wavefronts per instruction (ncu) (~3 min)
+#   bash benchmarks/h200_checks.sh gmdefault  # the session's defaults of 2026-12-07 against its start at 1-64 rows, final's bit tests, the table (~9 min)
 #   bash benchmarks/h200_checks.sh steptests  # final's bit tests of the step alone, without the kernels' (~1.5 min)
 #   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
 #   bash benchmarks/h200_checks.sh passes     # the step at 1-64 rows under the default and the skewed routing, with the experts kernels' passes (~2 min)
 #   bash benchmarks/h200_checks.sh down4rows  # down in passes of 4 pairs against 2 at 1-64 rows, 3 rounds; 64 rows skewed; its GPU tests (~5 min)
-#   bash benchmarks/h200_checks.sh gm         # the group-major gate-up (8 pairs a pass): its GPU tests, the step A/B at 1-64 rows, 3 rounds, the step's bit tests under it (~9 min)
+#   bash benchmarks/h200_checks.sh gm         # the group-major gate-up (8 pairs a pass) against the pair-major kernels: its GPU tests, the step A/B at 1-64 rows, 3 rounds, the step's bit tests (~9 min)
 #   bash benchmarks/h200_checks.sh csa64      # CSA attention on 64-entry steps (the 2026-12-04 sweep's winner): its plan, bit tests, the step in 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh pins       # the three winners of 2026-12-05's one / arms2: their bit tests, then the step at 1-64 rows, 3 rounds (~7 min)
 #   bash benchmarks/h200_checks.sh slack      # which stages the step waits for: each delayed 5 and 10 us in every layer, 1 and 4 rows, 3 rounds (~8 min)
@@ -228,8 +229,11 @@ ATTN_V8="$ATTN_V8; f[(64, 128, 512)] = (1, r(f[(64, 128, 512)][1], dv_split=8))"
 GATE8='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig(32, 256, 8, 4, 3)'
 # recipe B's job posted and collected without copies (runtime/sidecar.ZERO_COPY), for offload_zc and offload_b
 ZC='import megastep.runtime.sidecar as s; s.ZERO_COPY = True'
-# the group-major gate-up on every gate-up launch (moe_lut.GATE_UP_GM), and its GPU tests, for gm and gm_short
-GM_ON='import megastep.kernels.moe_lut as m; m.GATE_UP_GM = True'
+# the pair-major gate-up kernels (moe_lut.GATE_UP_GM off: the default before 2026-12-07), and the group-major
+# kernels' GPU tests, for gm and gm_short; the session's start on 2026-12-07 (pair-major gate-up, down4 from 16
+# rows) for gmdefault
+PAIRS='import megastep.kernels.moe_lut as m; m.GATE_UP_GM = False'
+START1207="$PAIRS; m.DOWN4_MIN_ROWS = 16"
 gm_tests() { step gm_tests "$1" python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_moe.py -k "group_major"; }
 
 zc_tests() {  # the zero-copy sidecar's GPU tests (offload_zc, offload_zc16)
@@ -494,31 +498,36 @@ for group in "$@"; do
       ab down4_few 150 --layers 30 --batch 1,2,4,8 --rounds 3 --arm "$off4" --arm "$on4"
       ab down4_many 150 --layers 30 --batch 16,32,64 --rounds 3 --arm "$off4" --arm "$on4"
       ab down4_skewed 100 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "$off4" --arm "$on4" ;;
-    gm)  # the group-major gate-up (moe_lut.GATE_UP_GM, built 2026-12-07: an MMA's 8 columns are 8 pairs, so a pass
-      # takes 8 of an expert's pairs where the pair-major kernels take 2; 260 SASS instructions per 2 KB warp step
-      # against the ring's mixed decode's 301): its GPU tests, the step against the defaults at 1-8 rows (also
-      # with the mixed decode, and with items instead of the even deal of warp tasks) and 16-64 rows (also mixed), 3
-      # rounds, the step's bit tests with it on (a row alone against the same row in 16, the same input twice,
+    gm)  # the group-major gate-up (moe_lut.GATE_UP_GM, the default since 2026-12-07: an MMA's 8 columns are 8 pairs,
+      # so a pass takes 8 of an expert's pairs where the pair-major kernels take 2): its GPU tests, the step against
+      # the pair-major kernels at 1-8 rows (also with items at 2-8 rows and the even deal at 1, GM_SPREAD_ROWS) and
+      # 16-64 rows, 3 rounds, the step's bit tests (a row alone against the same row in 16, the same input twice,
       # graph replay against eager), 64 rows skewed
       gm_tests 120
-      ab gm_few 170 --layers 30 --batch 1,2,4,8 --rounds 3 --arm "off=" --arm "gm=$GM_ON" \
-        --arm "gm_mix=$GM_ON; m.GM_MIX = True" --arm "gm_items=$GM_ON; m.GM_SPREAD_ROWS = 0"
-      ab gm_many 130 --layers 30 --batch 16,32,64 --rounds 3 --arm "off=" --arm "gm=$GM_ON" \
-        --arm "gm_mix=$GM_ON; m.GM_MIX = True"
-      step gm_step_tests 150 python3 -c "$GM_ON; import sys, pytest; sys.exit(pytest.main(['-q', '-rfE', \
-        '--timeout', '120', '-m', 'gpu', 'tests/test_fast_gpu.py', '-k', 'alone or same_input or graph_replay']))"
-      ab gm_skewed 90 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "off=" --arm "gm=$GM_ON" ;;
+      ab gm_few 170 --layers 30 --batch 1,2,4,8 --rounds 3 --arm "pairs=$PAIRS" --arm "gm=" \
+        --arm "gm_swap=import megastep.kernels.moe_lut as m; m.GM_SPREAD_ROWS = (1,)"
+      ab gm_many 130 --layers 30 --batch 16,32,64 --rounds 3 --arm "pairs=$PAIRS" --arm "gm="
+      step gm_step_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
+        -k "alone or same_input or graph_replay"
+      ab gm_skewed 90 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "pairs=$PAIRS" --arm "gm=" ;;
     gm_short)  # gm's GPU tests and its step A/B at 1, 16 and 64 rows in 2 rounds, for a call with ~5 min left
       gm_tests 100
-      ab gm_short 170 --layers 30 --batch 1,16,64 --rounds 2 --arm "off=" --arm "gm=$GM_ON" \
-        --arm "gm_mix=$GM_ON; m.GM_MIX = True" ;;
-    gm_ncu)  # why the group-major gate-up lost (2026-12-07, one H100, 16 layers: +5.3 % at 1 row, +22 % at 16, +5.9 % at
-      # 64, -0.9 % at 64 skewed): the experts calls alone at 1, 2, 16 and 64 rows, the default against gm and gm_mix,
-      # with each kernel's time; then per SASS instruction the stall reasons of gm's gate-up at 1 and 16 rows and the
-      # default ring's at 16 (ncu: the engine's second gate-up launch, at the call's rows)
+      ab gm_short 170 --layers 30 --batch 1,16,64 --rounds 2 --arm "pairs=$PAIRS" --arm "gm=" ;;
+    gmdefault)  # the session's defaults of 2026-12-07 (the group-major gate-up, down4 from 8 rows) against its start,
+      # 1-64 rows, 3 rounds; final's bit tests; the table at the top of docs/PERFORMANCE.md
+      ab gm_default 200 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm "start=$START1207" --arm "now="
+      step final_tests 380 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
+        tests/kernels/test_moe.py tests/kernels/test_route_cuda.py \
+        -k "cold_expert or alone or same_input or graph_replay or indexer_beside or lut or route"
+      final_step ;;
+    gm_ncu)  # the group-major gate-up against the pair-major ring (2026-12-07: ncu found the group-major kernel's first
+      # layout 1.6x slower at 16 rows, its copies 8x the ideal shared-memory wavefronts): the experts calls alone at
+      # 1, 2, 16 and 64 rows, each kernel's time; then per SASS instruction the stall reasons and shared-memory
+      # wavefronts of the group-major gate-up at 1 and 16 rows and the pair-major ring's at 16 (ncu: the engine's
+      # second gate-up launch, at the call's rows)
       step gm_kernels 150 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/gm_kernels" --ms 1,2,16,64 \
-        --engines lut,lut_gm,lut_gm_mix
-      for run in gm_m1:lut_gm:1 gm_m16:lut_gm:16 ring_m16:lut:16; do
+        --engines lut_pairs,lut
+      for run in gm_m1:lut:1 gm_m16:lut:16 ring_m16:lut_pairs:16; do
         IFS=: read -r name engine m <<<"$run"
         step "ncu_$name" 120 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name 'regex:^moe_gate_up_' \
           --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \

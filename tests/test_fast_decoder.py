@@ -269,6 +269,7 @@ def test_routed_reads_count_what_the_rows_route_to(tiny, monkeypatch):
         order = tuple(p for p in pairs if p not in cold) + tuple(sorted(cold))
         return Placement(L, E, k, 1, 0, L * E, order, L * E - len(cold), tuple((1 / E,) * E for _ in range(L)))
 
+    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # (first the pair-major kernels' passes: 2 pairs each)
     one = bench.routed_reads(dec, placement(set()), 1, 8, steps=2)
     assert one == {"steps": 2, "hot_per_step": [L * k] * 2, "cold_per_step": [0, 0], "passes_per_step": [L * k] * 2,
                    "down_passes_per_step": [L * k] * 2, "down_pairs_per_pass": 2, "pairs_per_pass": 2,

@@ -1,6 +1,8 @@
 """The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's Triton
 kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels, kernels/moe_lut.py), or
-"lut" with whole items per CTA at every M ("lut_items": moe_lut.SPREAD_ROWS = ()), or with the
+"lut" with the pair-major gate-up kernels ("lut_pairs": moe_lut.GATE_UP_GM off, their defaults;
+every engine below but "lut_gm" takes them), or with whole items per CTA at every M ("lut_items":
+moe_lut.SPREAD_ROWS = ()), or with the
 spread gate-up at 1 and 2 rows ("lut_spread": (1, 2), its weights in registers; "lut_spread_ring":
 in the ring's slots, moe_lut.SPREAD_RING, with the table's decode), or with the gate-up's weight
 steps in flight in shared memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS = 1) or at none
@@ -8,8 +10,9 @@ steps in flight in shared memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS =
 MMAs ("lut_mix": moe_lut.RING_MIX on) or none ("lut_table": off), or the spread gate-up at 1 and 2
 rows with the ring's slots and the mixed decode ("lut_spread_mix": moe_lut.SPREAD_RING_MIX, the
 default at 2 rows since 2026-12-01), or with the group-major gate-up on every launch ("lut_gm":
-moe_lut.GATE_UP_GM; "lut_gm_mix": and GM_MIX), whose sums run in another order; the outputs of the
-pair-major engines must equal the first lut engine's bit for bit, the group-major ones each other's. (Earlier experiments measured with it and removed: a CUDA C++
+moe_lut.GATE_UP_GM, the default since 2026-12-07), whose sums run in another order; the outputs of the
+pair-major engines must equal the first pair-major engine's bit for bit, the group-major ones the first
+group-major one's. (Earlier experiments measured with it and removed: a CUDA C++
 gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the
 fifteenth; the MMA columns in lane-major order, the twenty-second; the routed experts of 1-2 rows
 in one launch, the twenty-third; every group decoded in registers, and the mixed decode in every
@@ -45,18 +48,25 @@ from megastep.kernels import moe as MOE  # noqa: E402
 from megastep.kernels import moe_lut as LUTK  # noqa: E402
 
 
+def lut_settings(engine: str) -> dict:
+    """moe_lut's settings of a lut engine (the pair-major ones with GATE_UP_GM off)."""
+    pair_major = {"lut_pairs": {}, "lut_items": {"SPREAD_ROWS": ()},
+                  "lut_spread": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": False},
+                  "lut_spread_ring": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": True, "SPREAD_RING_MIX": False},
+                  "lut_spread_mix": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": True, "SPREAD_RING_MIX": True},
+                  "lut_ring": {"RING_MIN_ROWS": 1}, "lut_noring": {"RING_MIN_ROWS": None},
+                  "lut_mix": {"RING_MIX": True}, "lut_table": {"RING_MIX": False}}
+    if engine in pair_major:
+        return {"GATE_UP_GM": False, **pair_major[engine]}
+    return {"GATE_UP_GM": True} if engine == "lut_gm" else {}
+
+
 def run(engine, fn):
     if engine.startswith("lut"):  # mode "lut" (kernels/moe_lut.py) as the kernels' default
-        names = ("SPREAD_ROWS", "RING_MIN_ROWS", "SPREAD_RING", "RING_MIX", "SPREAD_RING_MIX", "GATE_UP_GM", "GM_MIX")
+        names = ("SPREAD_ROWS", "RING_MIN_ROWS", "SPREAD_RING", "RING_MIX", "SPREAD_RING_MIX", "GATE_UP_GM")
         saved = MOE.DEFAULT_MODE, {n: getattr(LUTK, n) for n in names}
-        settings = {"lut_items": {"SPREAD_ROWS": ()}, "lut_spread": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": False},
-                    "lut_spread_ring": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": True, "SPREAD_RING_MIX": False},
-                    "lut_spread_mix": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": True, "SPREAD_RING_MIX": True},
-                    "lut_ring": {"RING_MIN_ROWS": 1}, "lut_noring": {"RING_MIN_ROWS": None},
-                    "lut_mix": {"RING_MIX": True}, "lut_table": {"RING_MIX": False},
-                    "lut_gm": {"GATE_UP_GM": True}, "lut_gm_mix": {"GATE_UP_GM": True, "GM_MIX": True}}.get(engine, {})
         MOE.DEFAULT_MODE = "lut"
-        for n, v in settings.items():
+        for n, v in lut_settings(engine).items():
             setattr(LUTK, n, v)
         try:
             return fn()
@@ -106,7 +116,7 @@ def main() -> None:
         distinct = statistics.mean(len(torch.unique(ids)) for ids, _ in routes)
         nbytes = distinct * MV.expert_bytes()
         ref = MOE.moe_experts_mxfp4_ref(x, *routes[0], **copies[0])
-        first_lut = {}  # the first lut engine's output, pair-major and group-major: the others must equal it
+        first_lut = {}  # the first lut engine's output, group-major or not: the others of its kind must equal it
         for engine in args.engines.split(","):
             r = dict(M=M, engine=engine, distinct_experts=distinct, mbytes=nbytes / 1e6)
             try:
@@ -117,7 +127,7 @@ def main() -> None:
                 r.update(ok=ok, rel_l2=rel, max_err_rel=mx, deterministic=torch.equal(y, y2),
                          batch_invariant=torch.equal(alone[0], y[0]))
                 if engine.startswith("lut"):
-                    first = first_lut.setdefault(engine.startswith("lut_gm"), y)
+                    first = first_lut.setdefault(lut_settings(engine).get("GATE_UP_GM", LUTK.GATE_UP_GM), y)
                     r.update(same_bits_as_first_lut=torch.equal(y, first))
                 calls = [lambda ids=ids, wts=wts, ex=copies[i % len(copies)]: MOE.moe_experts_mxfp4(x, ids, wts, **ex)
                          for i, (ids, wts) in enumerate(routes)]

@@ -397,12 +397,6 @@ __device__ __forceinline__ void store_unit(char* xsm, const Layout& L, int r, in
   *reinterpret_cast<uint4*>(xsm + r * L.rowpitch + u * 16) = v;
 }
 
-// x row `src` into row slot r of the Layout: unit u by the calling thread. kMix: a unit of an even
-// 128-block as it is (bf16, the table's MMAs); one of an odd block (decode_f16's MMAs) as its 8
-// values in fp16 x / s, s the power-of-two scale of the block (pow2_scale of the block's max: the
-// block's 16 units are a half-warp's, the callers' units running in warp order, every lane taking
-// part in the max), and the block's biased exponent of s into xexp[r][u / 16]. x holds e4m3 codes
-// times a power of two (the activation quantization's output), so x / s is exact in fp16.
 // The mixed decode's form of unit u (8 values v) of a row of x: an even 128-block's unit as it is; an odd
 // block's as its values in fp16 x / s, s the block's power-of-two scale (pow2_scale of the block's max:
 // the block's 16 units are a half-warp's, the callers' units running in warp order, every lane taking
@@ -429,6 +423,10 @@ __device__ __forceinline__ bool mix_unit(uint4& v, int u, int& sexp) {
   return true;
 }
 
+// x row `src` into row slot r of the Layout: unit u by the calling thread. kMix: in mix_unit's form (an
+// even 128-block's unit for the table's MMAs, an odd one's for decode_f16's), the odd block's biased exponent
+// of s into xexp[r][u / 16]. x holds e4m3 codes times a power of two (the activation quantization's
+// output), so x / s is exact in fp16.
 template <bool kMix = false>
 __device__ __forceinline__ void stage_unit(char* xsm, int* xexp, const Args& a, const Layout& L, int r, int src,
                                            int u) {
@@ -1030,15 +1028,11 @@ __device__ __forceinline__ int byte_of(uint2 f, int G) { return ((G < 4 ? f.x : 
 // A warp's sums over its 16 rows for a pass (lane (g, t) brings column g's x: xl, at its 8t-th element of
 // group 0): total[0 / 1] row g (w1) for columns 2t / 2t + 1, total[2 / 3] row g + 8 (w3). The ring is
 // filled here.
-// kMix: the groups of x's odd 128-blocks (4-7 of a step) by decode_f16 on fp16 MMAs, x's codes there in
-// fp16 (x / s) and s's biased exponent, per block and row slot, at xe0 / xe1 (the row slots of columns
-// 2t / 2t + 1, kGmPairs ints from block to block) joining the groups' scales.
 // Only a lane whose column holds a pair (active) loads x: the others' B registers keep what they hold (a
 // column never meets another, and those are not read), so at 1 row a warp's x load is 4 lanes' 64 bytes, one
 // shared-memory wavefront, not 4.
-template <bool kMix = false>
 __device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, const char* xl, bool active,
-                                             float (&total)[4], const int* xe0 = nullptr, const int* xe1 = nullptr) {
+                                             float (&total)[4]) {
   const uint32_t lane_off = (threadIdx.x & 31) * 4;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   uint4 xv = make_uint4(0u, 0u, 0u, 0u);
@@ -1051,25 +1045,10 @@ __device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, cons
       uint32_t w[8][2];
       uint2 fa, fb;
       st.take(i, w, fa, fb);
-      // (kMix) the exponents of x's block 2s + 1 for columns 2t and 2t + 1, less the bias
-      const int e0 = kMix ? xe0[(2 * s + 1) * kGmPairs] - 127 : 0, e1 = kMix ? xe1[(2 * s + 1) * kGmPairs] - 127 : 0;
 #pragma unroll
       for (int G = 0; G < 8; ++G) {
         if (active) xv = *reinterpret_cast<const uint4*>(xl + (s * 8 + G) * 64);
         float c[4];
-        if (kMix && G >= 4) {
-          uint32_t da[4], db[4];
-          decode_f16(w[G][0], da);
-          decode_f16(w[G][1], db);
-          mma_z<true>(c, da[0], db[0], da[1], db[1], xv.x, xv.y);
-          mma<true>(c, da[2], db[2], da[3], db[3], xv.z, xv.w);
-          const int ba = byte_of(fa, G), bb = byte_of(fb, G);
-          acc[0] = fmaf(c[0], scale_f(ba + e0), acc[0]);
-          acc[1] = fmaf(c[1], scale_f(ba + e1), acc[1]);
-          acc[2] = fmaf(c[2], scale_f(bb + e0), acc[2]);
-          acc[3] = fmaf(c[3], scale_f(bb + e1), acc[3]);
-          continue;
-        }
         mma_z(c, lut<0>(table, w[G][0], lane_off), lut<0>(table, w[G][1], lane_off), lut<1>(table, w[G][0], lane_off),
               lut<1>(table, w[G][1], lane_off), xv.x, xv.y);
         mma(c, lut<2>(table, w[G][0], lane_off), lut<2>(table, w[G][1], lane_off), lut<3>(table, w[G][0], lane_off),
@@ -1094,8 +1073,7 @@ __device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, cons
 // deal: at 1 row 1536 tasks, where items of 128 channels would be 96 on 132 SMs), a lane finding its
 // pair's row slot from the routing; else items (slot, kGmWarps x 8 channels) in turn, the item's pairs in
 // passes of kGmPairs whose x rows are staged for the pass (slot p for the pass's pair p).
-// kMix: the mixed decode (warp_sums_gm), x's block exponents [K / 128][kGmPairs] after the slots.
-template <bool kSpread, bool kMix = false>
+template <bool kSpread>
 __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                            float limit, int round_out) {
   extern __shared__ __align__(16) char smem[];
@@ -1103,15 +1081,10 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
   const int pitch = 2 * a.K + kGmPad, blocks = a.w3_rows / 8, units = a.K / 8;
   char* xsm = smem + kLutBytes;
   const char* slots = xsm + kGmPairs * pitch + warp * kGmDepth * 2048;
-  int* xexp = reinterpret_cast<int*>(xsm + kGmPairs * pitch + kGmWarps * kGmDepth * 2048);
-  // unit u of x row src into row slot r (kMix: an odd block's in fp16 with its exponent; every lane of a
-  // warp runs the same units of one row: a row's units are a multiple of 64)
+  // unit u of x row src into row slot r
   auto stage = [&](int r, int src, int u) {
-    uint4 v = *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
-    int sexp;
-    const bool odd = kMix && mix_unit(v, u, sexp);
-    *reinterpret_cast<uint4*>(xsm + r * pitch + u * 16) = v;
-    if (odd && !(u & 15)) xexp[(u / 16) * kGmPairs + r] = sexp;
+    *reinterpret_cast<uint4*>(xsm + r * pitch + u * 16) =
+        *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
   };
   // this lane's ldmatrix unit for q: row l % 8 (+ 8 for odd l / 8) of group 2q + l / 16
   uint32_t get[4];
@@ -1125,8 +1098,8 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
   pdl_wait();  // (run's PDL order)
   pdl_release();
   // warp task (a slot's table entry ent, block blk of 8 channels), pairs c0 .. c0 + np - 1 of the slot, lane g's
-  // x in row slot xr, (kMix) the row slots of the lane's columns 2t, 2t + 1 in er0, er1
-  auto task = [&](const long long* ent, int blk, int start, int c0, int np, int xr, int er0, int er1) {
+  // x in row slot xr
+  auto task = [&](const long long* ent, int blk, int start, int c0, int np, int xr) {
     const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
     const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
     const int r0 = blk * 8 + g, r1 = r0 + a.w3_rows;
@@ -1143,7 +1116,7 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
 #pragma unroll
     for (int q = 0; q < 4; ++q) st.get[q] = get[q];
     float total[4];
-    warp_sums_gm<kMix>(st, smem, xsm + xr * pitch + t * 16, g < np, total, xexp + er0, xexp + er1);
+    warp_sums_gm(st, smem, xsm + xr * pitch + t * 16, g < np, total);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
       const int p = 2 * t + u;
@@ -1169,8 +1142,8 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
       const int cnt = count(slot, ent);
       for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {  // (one pass: a slot holds at most one pair of a row)
         const int np = min(kGmPairs, cnt - c0);
-        auto row = [&](int p) { return a.pair_ptr[start + c0 + (p < np ? p : 0)] / a.topk; };
-        task(ent, k % blocks, start, c0, np, row(g), kMix ? row(2 * t) : 0, kMix ? row(2 * t + 1) : 0);
+        // (past the pass's pairs: pair 0's row, an address warp_sums_gm does not load)
+        task(ent, k % blocks, start, c0, np, a.pair_ptr[start + c0 + (g < np ? g : 0)] / a.topk);
       }
     }
   } else {
@@ -1186,8 +1159,7 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
           stage(i / units, a.pair_ptr[start + c0 + i / units] / a.topk, i % units);
         __syncthreads();
         // (past the pass's pairs: pair 0's row slot, an address warp_sums_gm does not load)
-        auto slot_of = [&](int p) { return p < np ? p : 0; };
-        task(ent, tile * kGmWarps + warp, start, c0, np, slot_of(g), slot_of(2 * t), slot_of(2 * t + 1));
+        task(ent, tile * kGmWarps + warp, start, c0, np, g < np ? g : 0);
       }
     }
   }
@@ -1269,13 +1241,6 @@ extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_sprea
   gate_up_gm<true>(GATE_UP_ARGS(rows));
 }
 
-// Both with the mixed decode (moe_lut.py's GM_MIX): x's block exponents after the slots, 1 KB more at D = 4096.
-extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_mix(GATE_UP_PARAMS) {
-  gate_up_gm<false, true>(GATE_UP_ARGS(0));
-}
-extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_spread_mix(GATE_UP_PARAMS, int rows) {
-  gate_up_gm<true, true>(GATE_UP_ARGS(rows));
-}
 #endif
 
 #ifdef MOE_LUT_PROBE

@@ -9,17 +9,20 @@ Shapes and dtypes (P = M * topk pairs, E experts, table strides in bytes):
              combine the fp32 [M, D] sum over each row's slots in slot order
 D and I multiples of 512, x in bf16 (`supported`). Why CUDA C++: the decode is a shared-memory
 table lookup whose address one `prmt` forms (in the ring gate-up, for half of the groups, a
-register decode: RING_MIX), and each lane's MMA operands stay in its registers with a
-block-diagonal B so every MXFP4 group's scale multiplies only its own sum (the .cu explains
-both); Triton expresses none of it. Measured against the Triton "dot_asm" kernels in
+register decode: RING_MIX), and in down each lane's MMA operands stay in its registers with a
+block-diagonal B so every MXFP4 group's scale multiplies only its own sum, while gate-up's
+group-major kernel takes its weights back from shared memory by ldmatrix so that an MMA's k16 is
+one group (the .cu explains all three); Triton expresses none of it. Measured against the Triton "dot_asm" kernels in
 docs/PERFORMANCE.md (tenth measurement).
 
-Grids are static (at most 2 CTAs of 256 threads per SM, each taking (expert slot, 128 weight rows)
-items in turn, each warp streaming whole rows; gate-up launches of M in SPREAD_ROWS rows deal the
-warps' tasks out evenly over one CTA per SM instead, and those of ring_rows(M) take one CTA of 512
-threads per SM whose halves run items apart: the same bits; with GATE_UP_GM every gate-up launch takes
-the group-major kernels instead, one CTA of GM_WARPS warps per SM, other bits), so launches are captured by
-CUDA graphs; build and load happen at the first call (`cuda_module`), which must come before any
+Grids are static, so launches are captured by CUDA graphs. Every gate-up launch takes the group-major
+kernels (GATE_UP_GM, a device with their shared memory): one CTA of GM_WARPS warps per SM, taking
+(expert slot, 128 channels) items in turn, or for launches of M in GM_SPREAD_ROWS rows the warps'
+tasks dealt out evenly. down (and gate-up without GATE_UP_GM, with other bits): at most 2 CTAs of 256
+threads per SM, each taking (expert slot, 128 weight rows) items in turn, each warp streaming whole
+rows; gate-up launches of M in SPREAD_ROWS rows deal the warps' tasks out evenly over one CTA per SM
+instead, and those of ring_rows(M) take one CTA of 512 threads per SM whose halves run items apart:
+the same bits; build and load happen at the first call (`cuda_module`), which must come before any
 capture (the runtime's warm-up steps do it).
 When the step uses PDL (`common.pdl_enabled()`, read at launch) both launch with programmatic
 stream serialization: gate-up builds its decode table while the router drains, down also
@@ -50,8 +53,6 @@ _GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqf
 _GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiii")
 _GATE_UP_GM = _MODULE.kernel("moe_gate_up_gm", "pqppppppppqiiqqfiii")
 _GATE_UP_GM_SPREAD = _MODULE.kernel("moe_gate_up_gm_spread", "pqppppppppqiiqqfiiii")
-_GATE_UP_GM_MIX = _MODULE.kernel("moe_gate_up_gm_mix", "pqppppppppqiiqqfiii")
-_GATE_UP_GM_SPREAD_MIX = _MODULE.kernel("moe_gate_up_gm_spread_mix", "pqppppppppqiiqqfiiii")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -147,28 +148,25 @@ SPREAD_RING_MIX = True
 # Every gate-up launch, whatever its rows, takes moe_gate_up_gm: the group-major kernel (the .cu's
 # gate_up_gm), whose weights come back from the ring's slots by ldmatrix so that an MMA's k16 is one
 # MXFP4 group and its 8 columns 8 pairs: a pass streams and decodes an expert's rows once for up to
-# GM_PAIRS of its pairs, against PAIRS_PER_PASS here above (each further 2 pairs a pass again, at 64
-# rows 1.43 passes per expert read under the synthetic gates' routing). 260 SASS instructions per 2 KB
-# warp step against the ring's mixed decode's 301 (nvcc 13.0, sm_90a). Not the pair-major kernels'
-# order of sums, so not their bits (every launch or none: a row's bits alone and in a batch must
-# agree). One CTA of GM_WARPS warps per SM; a device that cannot give it gm_shared_bytes keeps the
-# kernels above. Built 2026-12-07, to measure: off.
-GATE_UP_GM = False
+# GM_PAIRS of its pairs, against PAIRS_PER_PASS in the kernels above (each further 2 pairs a pass again,
+# at 64 rows 1.43 passes per expert read under the synthetic gates' routing). Not the pair-major kernels'
+# order of sums, so not their bits (every launch or none: a row's bits alone and in a batch must agree).
+# One CTA of GM_WARPS warps per SM; a device that cannot give it gm_shared_bytes keeps the kernels above.
+# Measured on one H100, 16 layers, the step against the pair-major kernels, 3 rounds (docs/PERFORMANCE.md,
+# 2026-12-07 from 07:53): -0.25 (items) / +0.18 / -3.49 / -2.22 / -1.09 / -6.09 / -14.17 % at 1 / 2 / 4 / 8
+# / 16 / 32 / 64 rows, -18.21 % at 64 rows under the skewed routing; the gate-up launch alone 24.2 against
+# 27.3 us at 1 row (the spread schedule), 637 against 800 at 64. (Its first layout lost 1-22 %: see gm_unit.)
+# With the mixed decode (RING_MIX's, the odd blocks on fp16 MMAs) it measured 0-0.7 % slower at every row
+# count: removed (the code at d0340fc).
+GATE_UP_GM = True
 GM_WARPS, GM_PAIRS, GM_DEPTH, GM_PAD = 16, 8, 3, 64  # the .cu's kGmWarps, kGmPairs, kGmDepth, kGmPad
-# Group-major launches of at most this many rows (<= GM_PAIRS: every row of x staged once) take
-# moe_gate_up_gm_spread, the warps' (slot, 8 channels) tasks dealt out evenly over the CTAs (at 1 row
-# 1536 tasks, where items of GM_WARPS x 8 channels are 96 on 132 SMs); more rows take items. The same
-# per-warp work: the same bits. 0: items always.
-GM_SPREAD_ROWS = 8
-# A group-major spread launch of 1 row takes at most this many CTAs (the ring's RING_ONE_ROW_SMS: SMs
-# left to the shared expert's side stream). None: a CTA per SM.
-GM_ONE_ROW_SMS: int | None = None
-# The group-major kernels with RING_MIX's mixed decode (moe_gate_up_gm_mix, moe_gate_up_gm_spread_mix):
-# the groups of x's odd 128-blocks by decode_f16 on fp16 MMAs, so half the table's lookups leave the
-# shared-memory pipe (per 2 KB warp step ~98 of its 128-byte wavefronts against 128 with 8 pairs, 347 SASS
-# instructions against 260: a group's scale now also takes the x block exponent of each of the lane's
-# two pairs). The same products, so the same bits (GPU test). Built 2026-12-07, to measure: off.
-GM_MIX = False
+# Group-major launches of these row counts (<= GM_PAIRS: every row of x staged once) take
+# moe_gate_up_gm_spread, the warps' (slot, 8 channels) tasks dealt out evenly over the CTAs; other row
+# counts take items of GM_WARPS x 8 channels (at 1 row 96 on 132 SMs, which leaves SMs to the shared
+# expert's side stream). The same per-warp work: the same bits. Measured (above): at 1 row items
+# -0.25 %, the spread +0.59 %; at 2 / 4 / 8 rows the spread +0.18 / -3.49 / -2.22 %, items +3.38 / -1.72 /
+# -0.85 %.
+GM_SPREAD_ROWS = (2, 3, 4, 5, 6, 7, 8)
 
 
 @functools.cache
@@ -192,12 +190,10 @@ def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, mix: bool = False
     return LUT_BYTES + (EXP_BYTES if mix else 0) + halves * 4 * K + slot_warps * RING_DEPTH * 2048
 
 
-def gm_shared_bytes(K: int, mix: bool = False) -> int:
+def gm_shared_bytes(K: int) -> int:
     """Dynamic shared memory of moe_gate_up_gm over K: the table, GM_PAIRS rows of x (2 K + GM_PAD bytes
-    each), GM_WARPS warps' GM_DEPTH 2 KB slots (224.5 KB at K = 4096); mix (GM_MIX): and x's block
-    exponents, an int per row slot and 128-block (225.5 KB)."""
-    exps = GM_PAIRS * (K // 128) * 4 if mix else 0
-    return LUT_BYTES + GM_PAIRS * (2 * K + GM_PAD) + GM_WARPS * GM_DEPTH * 2048 + exps
+    each), GM_WARPS warps' GM_DEPTH 2 KB slots (224.5 KB at K = 4096)."""
+    return LUT_BYTES + GM_PAIRS * (2 * K + GM_PAD) + GM_WARPS * GM_DEPTH * 2048
 
 
 def gate_up_pairs_per_pass() -> int:
@@ -268,19 +264,13 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
     ring_warps = 2 * THREADS // 32  # the ring kernel: two halves, 16 warps' slots
     if GATE_UP_GM and _ring_fits(xq.device.index, gm_shared_bytes(D)):
-        assert 0 <= GM_SPREAD_ROWS <= GM_PAIRS, GM_SPREAD_ROWS  # (the .cu stages at most GM_PAIRS rows of x)
-        mix = GM_MIX and _ring_fits(xq.device.index, gm_shared_bytes(D, True))
-        smem = gm_shared_bytes(D, mix)
-        if rows <= GM_SPREAD_ROWS:  # warp tasks (slot, 8 channels), one CTA per SM
-            grid = _grid(slots * (I // 8), xq.device, 1)
-            if rows == 1 and GM_ONE_ROW_SMS is not None:
-                grid = (min(grid[0], GM_ONE_ROW_SMS), 1, 1)
-            (_GATE_UP_GM_SPREAD_MIX if mix else _GATE_UP_GM_SPREAD).launch(grid, (32 * GM_WARPS, 1, 1), smem, None,
-                                                                           *args, rows, pdl=pdl_enabled())
+        if rows in GM_SPREAD_ROWS:  # warp tasks (slot, 8 channels), one CTA per SM
+            assert rows <= GM_PAIRS, rows  # (the .cu stages every row of x: at most GM_PAIRS)
+            _GATE_UP_GM_SPREAD.launch(_grid(slots * (I // 8), xq.device, 1), (32 * GM_WARPS, 1, 1), gm_shared_bytes(D),
+                                      None, *args, rows, pdl=pdl_enabled())
         else:  # items (slot, GM_WARPS x 8 channels)
-            (_GATE_UP_GM_MIX if mix else _GATE_UP_GM).launch(_grid(slots * (I // (8 * GM_WARPS)), xq.device, 1),
-                                                             (32 * GM_WARPS, 1, 1), smem, None, *args,
-                                                             pdl=pdl_enabled())
+            _GATE_UP_GM.launch(_grid(slots * (I // (8 * GM_WARPS)), xq.device, 1), (32 * GM_WARPS, 1, 1),
+                               gm_shared_bytes(D), None, *args, pdl=pdl_enabled())
     elif spread:  # warp tasks (slot, 8 channels), one CTA per SM
         if SPREAD_RING and _ring_fits(xq.device.index, shared_bytes(D, 1, SPREAD_WARPS)):
             kernel, smem = _ring_kernel(_GATE_UP_SPREAD_RING, _GATE_UP_SPREAD_RING_MIX, SPREAD_RING_MIX,

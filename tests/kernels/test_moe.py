@@ -518,6 +518,7 @@ def test_gpu_lut_spread_gate_up_gives_the_same_bits(M, ring, monkeypatch):
     a slot holds both rows' pairs (two x rows staged)."""
     from megastep.kernels import moe_lut
 
+    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # (the pair-major kernels)
     monkeypatch.setattr(moe_lut, "SPREAD_RING", ring)
     monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", None)  # (the whole items in registers)
     if ring:  # (on a Hopper the spread ring is taken: the arms differ)
@@ -556,11 +557,14 @@ def _many_pair_inputs(M, seed):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 3, 16, 64])
-def test_gpu_lut_slots_of_many_pairs(M):
-    """The pair-major MMA columns over slots of one, two and several pairs (several passes over an
-    expert's rows, each pass's x rows staged anew) at V4-Flash expert shapes: the combine matches
-    the reference, and a second call gives the same bits in all four outputs (per-pair, the
-    combine, the combine with the shared expert's output, a sparse table's pairs)."""
+def test_gpu_lut_slots_of_many_pairs(M, monkeypatch):
+    """The pair-major MMA columns (gate-up without moe_lut.GATE_UP_GM, and down) over slots of one, two
+    and several pairs (several passes over an expert's rows, each pass's x rows staged anew) at V4-Flash
+    expert shapes: the combine matches the reference, and a second call gives the same bits in all four
+    outputs (per-pair, the combine, the combine with the shared expert's output, a sparse table's pairs)."""
+    from megastep.kernels import moe_lut
+
+    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)
     ex, x, ids, wts = _many_pair_inputs(M, 17)
     outputs = _lut_outputs(ex, x, ids, wts)
 
@@ -597,6 +601,7 @@ def test_gpu_lut_ring_gives_the_same_bits(M, monkeypatch):
     table's pairs; slots of one, two and several pairs (several passes); three calls."""
     from megastep.kernels import moe_lut
 
+    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # (the pair-major kernels)
     _same_bits_when(monkeypatch, "RING_MIN_ROWS", None, 1, moe_lut.shared_bytes(4096, 2, 16), *_many_pair_inputs(M, 23))
 
 
@@ -609,6 +614,7 @@ def test_gpu_lut_one_row_ring_on_fewer_sms_gives_the_same_bits(monkeypatch):
     from megastep.kernels import moe_lut
 
     assert moe_lut.ring_rows(1) and moe_lut._sms(0) > 96
+    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # (the pair-major kernels)
     _same_bits_when(monkeypatch, "RING_ONE_ROW_SMS", None, 96, moe_lut.shared_bytes(4096, 2, 16, mix=moe_lut.RING_MIX),
                     *_many_pair_inputs(1, 29))
 
@@ -641,6 +647,7 @@ def test_gpu_lut_ring_mix_gives_the_same_bits(M, monkeypatch):
     from megastep.kernels import moe_lut
 
     assert moe_lut.ring_rows(M)
+    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # (the pair-major kernels)
     _same_bits_when(monkeypatch, "RING_MIX", False, True, moe_lut.shared_bytes(4096, 2, 16, mix=True),
                     *_many_pair_inputs(M, 37))
 
@@ -655,6 +662,7 @@ def test_gpu_lut_spread_ring_mix_gives_the_same_bits(M, monkeypatch):
     three calls."""
     from megastep.kernels import moe_lut
 
+    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # (the pair-major kernels)
     monkeypatch.setattr(moe_lut, "SPREAD_ROWS", (1, 2))
     monkeypatch.setattr(moe_lut, "SPREAD_RING", True)
     ex, x, ids, wts = _many_pair_inputs(M, 41)
@@ -673,8 +681,7 @@ def test_gpu_lut_group_major_gate_up(M, monkeypatch):
     outputs (per-pair, the combine, the combine with the shared expert's output, a sparse table's
     pairs); every row alone gives its per-pair bits in the batch (a pass's other columns never meet
     its own: batch invariance); experts read from page-locked host memory give the bits of HBM; up to 8
-    rows the other schedule (items against the even deal of warp tasks) gives the same bits, and so does
-    the mixed decode (GM_MIX) in both schedules. From 3 rows
+    rows the other schedule (items against the even deal of warp tasks) gives the same bits. From 3 rows
     on expert 0 is in every row: a slot of M pairs, passes of 8, the last one partial at 9, 16 and 64
     rows."""
     from megastep.kernels import moe_lut
@@ -698,20 +705,11 @@ def test_gpu_lut_group_major_gate_up(M, monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(moe_experts_table(x, ids, wts, host, config=pick_config(M, 6, 32, 4096, 2048, mode="lut")),
                        want[1])
-    # the other schedule (items where the spread was taken, and the spread where items were; the spread
-    # with fewer CTAs than SMs at 1 row) gives the same bits
-    monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", 0 if M <= moe_lut.GM_SPREAD_ROWS else moe_lut.GM_PAIRS)
-    monkeypatch.setattr(moe_lut, "GM_ONE_ROW_SMS", 96)
+    # the other schedule (items where the spread was taken, the spread where items were) gives the same bits
     if M <= moe_lut.GM_PAIRS:
+        monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", () if M in moe_lut.GM_SPREAD_ROWS else (M,))
         got = outputs()
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-    # the mixed decode (GM_MIX: the groups of x's odd 128-blocks on fp16 MMAs) gives the same bits, both schedules
-    monkeypatch.setattr(moe_lut, "GM_MIX", True)
-    assert moe_lut._ring_fits(0, moe_lut.gm_shared_bytes(4096, True)) or torch.cuda.get_device_capability()[0] < 9
-    for spread in sorted({0, moe_lut.GM_PAIRS}):
-        monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", spread)
-        got = outputs()
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), spread
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -773,8 +771,7 @@ def test_lut_kernels_build_for_sm90():
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
                "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix",
-               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_gate_up_gm_mix",
-               "moe_gate_up_gm_spread_mix")
+               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
     # without their loads (all but moe_down_lut4 and the group-major ones, which they leave out)
@@ -836,10 +833,11 @@ def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
 
 
 def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
-    """moe_lut.GATE_UP_GM: every gate-up launch, whatever its rows, takes moe_gate_up_gm (a row's bits
-    must not depend on its batch), one CTA of GM_WARPS warps per SM at most, an item per (slot, GM_WARPS
-    x 8 channels), with gm_shared_bytes (within a Hopper's 227 KB at D = 4096); off, none does; a device
-    that cannot give the shared memory keeps the other kernels."""
+    """moe_lut.GATE_UP_GM (on: measured to gain at 4-64 rows, within 0.25 % at 1-2): every gate-up launch,
+    whatever its rows, takes a group-major kernel (a row's bits must not depend on its batch), one CTA of
+    GM_WARPS warps per SM at most, the even deal of warp tasks at GM_SPREAD_ROWS (2-8) rows, else an item
+    per (slot, GM_WARPS x 8 channels), with gm_shared_bytes (within a Hopper's 227 KB at D = 4096); off,
+    none does; a device that cannot give the shared memory keeps the other kernels."""
     from megastep.kernels import moe_lut
 
     launched = []
@@ -852,8 +850,7 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
             launched.append((self.name, grid[0], block[0], smem, len(args)))
 
     for name in ("_GATE_UP", "_GATE_UP_SPREAD", "_GATE_UP_RING", "_GATE_UP_SPREAD_RING", "_GATE_UP_RING_MIX",
-                 "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP_GM", "_GATE_UP_GM_SPREAD", "_GATE_UP_GM_MIX",
-                 "_GATE_UP_GM_SPREAD_MIX"):
+                 "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP_GM", "_GATE_UP_GM_SPREAD"):
         monkeypatch.setattr(moe_lut, name, Spy(name))
     monkeypatch.setattr(moe_lut, "_sms", lambda index: 132)
     fits = {"smem": 227 << 10}
@@ -868,29 +865,25 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
                         False)
         return launched.pop()
 
-    assert not moe_lut.GATE_UP_GM  # built to measure: off
-    assert all(call(m)[0] != "_GATE_UP_GM" for m in (1, 2, 4, 16, 64))
-    monkeypatch.setattr(moe_lut, "GATE_UP_GM", True)
+    assert moe_lut.GATE_UP_GM and moe_lut.GM_SPREAD_ROWS == (2, 3, 4, 5, 6, 7, 8)
     got = {m: call(m) for m in (1, 2, 4, 8, 9, 64)}
-    # up to GM_SPREAD_ROWS (8) rows the even deal of warp tasks (its `rows` argument more), then items
-    assert [got[m][0] for m in (1, 2, 4, 8, 9, 64)] == ["_GATE_UP_GM_SPREAD"] * 4 + ["_GATE_UP_GM"] * 2
+    # 2-8 rows the even deal of warp tasks (its `rows` argument more), 1 row and from 9 on items
+    assert [got[m][0] for m in (1, 2, 4, 8, 9, 64)] == ["_GATE_UP_GM"] + ["_GATE_UP_GM_SPREAD"] * 3 + ["_GATE_UP_GM"] * 2
     assert moe_lut.gm_shared_bytes(D) == 65536 + 8 * (2 * D + 64) + 16 * 3 * 2048 <= 227 << 10
     assert {(g[2], g[3]) for g in got.values()} == {(512, moe_lut.gm_shared_bytes(D))}
-    assert [got[m][1] for m in (1, 8, 9, 64)] == [132] * 4  # a CTA per SM
-    assert got[9][4] == call(1)[4] - 1 == got[1][4] - 1  # the ring kernels' arguments (the spread's: and rows)
-    monkeypatch.setattr(moe_lut, "GM_ONE_ROW_SMS", 112)  # (at 1 row only)
-    assert [call(m)[1] for m in (1, 2)] == [112, 132]
-    monkeypatch.setattr(moe_lut, "GM_MIX", True)  # (the mixed decode: its kernels, 1 KB more)
-    assert [call(m)[0] for m in (1, 8, 9)] == ["_GATE_UP_GM_SPREAD_MIX"] * 2 + ["_GATE_UP_GM_MIX"]
-    assert call(1)[3] == moe_lut.gm_shared_bytes(D, True) == moe_lut.gm_shared_bytes(D) + 1024 <= 227 << 10
-    monkeypatch.setattr(moe_lut, "GM_MIX", False)
-    monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", 0)
-    got = {m: call(m) for m in (1, 64)}
-    assert {g[0] for g in got.values()} == {"_GATE_UP_GM"}
     assert got[1][1] == 6 * 2048 // 128  # items (slot, 128 channels): 1 row 96 CTAs
+    assert [got[m][1] for m in (2, 8, 9, 64)] == [132] * 4  # a CTA per SM
+    assert got[9][4] == got[2][4] - 1 == got[1][4]  # the ring kernels' arguments (the spread's: and rows)
     assert moe_lut.gate_up_pairs_per_pass() == 8
+    monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", (9,))  # (more rows than the .cu stages: refused)
+    with pytest.raises(AssertionError):
+        call(9)
     fits["smem"] = 200 << 10  # (no room: the pair-major kernels)
     assert call(1)[0] != "_GATE_UP_GM"
+    fits["smem"] = 227 << 10
+    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # off: none
+    assert all(call(m)[0] not in ("_GATE_UP_GM", "_GATE_UP_GM_SPREAD") for m in (1, 2, 4, 16, 64))
+    assert moe_lut.gate_up_pairs_per_pass() == 2
 
 
 def test_lut_one_row_ring_leaves_sms_to_the_side_stream(monkeypatch):
@@ -927,8 +920,7 @@ def test_lut_signatures_match_the_kernels():
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
                    moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX,
-                   moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD, moe_lut._GATE_UP_GM_MIX,
-                   moe_lut._GATE_UP_GM_SPREAD_MIX):
+                   moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
