@@ -38,6 +38,7 @@
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh gm_short   # gm's GPU tests, its step A/B at 1, 16 and 64 rows, 2 rounds (~4.5 min)
 #   bash benchmarks/h200_checks.sh gm_ncu     # the group-major gate-up against the pair-major ring: the experts calls alone, their stall reasons and shared-memory wavefronts per instruction (ncu) (~3 min)
+#   bash benchmarks/h200_checks.sh gm_ab      # gmdefault's A/B alone (~2 min)
 #   bash benchmarks/h200_checks.sh gmdefault  # the session's defaults of 2026-12-07 against its start at 1-64 rows, final's bit tests, the table (~9 min)
 #   bash benchmarks/h200_checks.sh steptests  # final's bit tests of the step alone, without the kernels' (~1.5 min)
 #   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
@@ -520,6 +521,9 @@ for group in "$@"; do
         tests/kernels/test_moe.py tests/kernels/test_route_cuda.py \
         -k "cold_expert or alone or same_input or graph_replay or indexer_beside or lut or route"
       final_step ;;
+    gm_ab)  # gmdefault's A/B alone (with `table` after it: the H200's 30-layer step without the bit tests, which ran on
+      # an H100)
+      ab gm_default 200 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm "start=$START1207" --arm "now=" ;;
     gm_ncu)  # the group-major gate-up against the pair-major ring (2026-12-07: ncu found the group-major kernel's first
       # layout 1.6x slower at 16 rows, its copies 8x the ideal shared-memory wavefronts): the experts calls alone at
       # 1, 2, 16 and 64 rows, each kernel's time; then per SASS instruction the stall reasons and shared-memory
