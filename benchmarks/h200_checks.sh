@@ -39,6 +39,7 @@
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh gm_short   # gm's GPU tests, its step A/B at 1, 16 and 64 rows, 2 rounds (~4.5 min)
 #   bash benchmarks/h200_checks.sh gm_ncu     # the group-major gate-up against the pair-major ring: the experts calls alone, their stall reasons and shared-memory wavefronts per instruction (ncu) (~3 min)
+#   bash benchmarks/h200_checks.sh gmsms      # the group-major even deal at 1-2 rows on 104-132 CTAs against items at 1 row (~2 min)
 #   bash benchmarks/h200_checks.sh gm_ab      # gmdefault's A/B alone (~2 min)
 #   bash benchmarks/h200_checks.sh gmdefault  # the session's defaults of 2026-12-07 against its start at 1-64 rows, final's bit tests, the table (~9 min)
 #   bash benchmarks/h200_checks.sh steptests  # final's bit tests of the step alone, without the kernels' (~1.5 min)
@@ -519,6 +520,13 @@ for group in "$@"; do
     gm_short)  # gm's GPU tests and its step A/B at 1, 16 and 64 rows in 2 rounds, for a call with ~5 min left
       gm_tests 100
       ab gm_short 170 --layers 30 --batch 1,16,64 --rounds 2 --arm "pairs=$PAIRS" --arm "gm=" ;;
+    gmsms)  # the group-major gate-up's even deal at 1 row (132 CTAs: faster alone than items, +0.59 % in the step) and
+      # at 2 rows capped at 104-120 CTAs, SMs left to the shared expert (an arm's patch of moe_lut._grid: at 1-2 rows the
+      # launches of per_sm 1 and >= 1536 tasks are the even deal's); items at 1 row are the default; 3 rounds
+      cap='import megastep.kernels.moe_lut as m; m.GM_SPREAD_ROWS = (1, 2, 3, 4, 5, 6, 7, 8); g = m._grid; m._grid = lambda n, d, per=2: (min(n, CAP), 1, 1) if per == 1 and n >= 1536 else g(n, d, per)'
+      arms=(--arm now= --arm "sp132=${cap/CAP/132}")
+      for c in 104 112 120; do arms+=(--arm "sp$c=${cap/CAP/$c}"); done
+      ab gmsms 200 --layers 30 --batch 1,2 --rounds 3 "${arms[@]}" ;;
     gmdefault)  # the session's defaults of 2026-12-07 (the group-major gate-up, down4 from 8 rows) against its start,
       # 1-64 rows, 3 rounds; final's bit tests; the table at the top of docs/PERFORMANCE.md
       ab gm_default 200 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm "start=$START1207" --arm "now="
