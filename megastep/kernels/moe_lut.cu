@@ -961,12 +961,11 @@ __device__ __forceinline__ void ldsm_x4(uint32_t p, uint32_t (&d)[4]) {
                : "r"(p));
 }
 
-// d = A . B (a zero C), bf16 or (kF16) fp16 operands
-template <bool kF16 = false>
+// d = A . B (a zero C), bf16 operands
 __device__ __forceinline__ void mma_z(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                       uint32_t b1) {
   d[0] = d[1] = d[2] = d[3] = 0.f;
-  mma<kF16>(d, a0, a1, a2, a3, b0, b1);
+  mma(d, a0, a1, a2, a3, b0, b1);
 }
 
 // A warp's ring of kGmDepth slots over its 16 MMA rows. Lane l copies, per step, group l % 8 of rows l / 8,
