@@ -165,7 +165,7 @@ GM_WARPS, GM_PAIRS, GM_DEPTH, GM_PAD = 16, 8, 3, 64  # the .cu's kGmWarps, kGmPa
 # counts take items of GM_WARPS x 8 channels (at 1 row 96 on 132 SMs, which leaves SMs to the shared
 # expert's side stream). The same per-warp work: the same bits. Measured (above): at 1 row items
 # -0.25 %, the spread +0.59 %; at 2 / 4 / 8 rows the spread +0.18 / -3.49 / -2.22 %, items +3.38 / -1.72 /
-# -0.85 %.
+# -0.85 %. The spread on 104-120 CTAs (SMs left to the shared expert) lost 0.1-1.5 % at 1-2 rows (item 7).
 GM_SPREAD_ROWS = (2, 3, 4, 5, 6, 7, 8)
 
 
