@@ -155,7 +155,7 @@ SPREAD_RING_MIX = True
 # Measured on one H100, 16 layers, the step against the pair-major kernels, 3 rounds (docs/PERFORMANCE.md,
 # 2026-12-07 from 07:53): -0.25 (items) / +0.18 / -3.49 / -2.22 / -1.09 / -6.09 / -14.17 % at 1 / 2 / 4 / 8
 # / 16 / 32 / 64 rows, -18.21 % at 64 rows under the skewed routing; the gate-up launch alone 24.2 against
-# 27.3 us at 1 row (the spread schedule), 637 against 800 at 64. (Its first layout lost 1-22 %: see gm_unit.)
+# 27.3 us at 1 row (the spread schedule), 637 against 800 at 64. (Its first layout lost 5-22 %: see gm_unit.)
 # With the mixed decode (RING_MIX's, the odd blocks on fp16 MMAs) it measured 0-0.7 % slower at every row
 # count: removed (the code at d0340fc).
 GATE_UP_GM = True
