@@ -196,10 +196,15 @@ def gm_shared_bytes(K: int) -> int:
     return LUT_BYTES + GM_PAIRS * (2 * K + GM_PAD) + GM_WARPS * GM_DEPTH * 2048
 
 
-def gate_up_pairs_per_pass() -> int:
-    """The pairs a pass of a gate-up launch takes: GM_PAIRS with GATE_UP_GM (on a device that gives its
-    shared memory), else PAIRS_PER_PASS."""
-    return GM_PAIRS if GATE_UP_GM else PAIRS_PER_PASS
+def gate_up_pairs_per_pass(device: torch.device | None = None, D: int = 4096) -> int:
+    """The pairs a pass of a gate-up launch over D takes: GM_PAIRS with GATE_UP_GM on a CUDA device that
+    gives the group-major kernel its shared memory (as gate_up decides; any other device: as if it did),
+    else PAIRS_PER_PASS."""
+    if not GATE_UP_GM:
+        return PAIRS_PER_PASS
+    if device is not None and device.type == "cuda" and not _ring_fits(device.index, gm_shared_bytes(D)):
+        return PAIRS_PER_PASS
+    return GM_PAIRS
 
 
 def _ring_kernel(plain, mixed, want_mix: bool, index: int, K: int, halves: int, slot_warps: int):

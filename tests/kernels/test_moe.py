@@ -878,8 +878,10 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", (9,))  # (more rows than the .cu stages: refused)
     with pytest.raises(AssertionError):
         call(9)
-    fits["smem"] = 200 << 10  # (no room: the pair-major kernels)
+    fits["smem"] = 200 << 10  # (no room: the pair-major kernels, and the bench counts their passes)
     assert call(1)[0] != "_GATE_UP_GM"
+    assert moe_lut.gate_up_pairs_per_pass(torch.device("cuda", 0), D) == 2
+    assert moe_lut.gate_up_pairs_per_pass(torch.device("cpu"), D) == moe_lut.gate_up_pairs_per_pass() == 8
     fits["smem"] = 227 << 10
     monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # off: none
     assert all(call(m)[0] not in ("_GATE_UP_GM", "_GATE_UP_GM_SPREAD") for m in (1, 2, 4, 16, 64))
