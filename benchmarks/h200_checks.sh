@@ -39,6 +39,7 @@
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh gm_short   # gm's GPU tests, its step A/B at 1, 16 and 64 rows, 2 rounds (~4.5 min)
 #   bash benchmarks/h200_checks.sh gm_ncu     # the group-major gate-up against the pair-major ring: the experts calls alone, their stall reasons and shared-memory wavefronts per instruction (ncu) (~3 min)
+#   bash benchmarks/h200_checks.sh down_ncu   # down's stall reasons and shared-memory wavefronts per instruction at 16 and 64 rows (ncu) (~1.5 min)
 #   bash benchmarks/h200_checks.sh gmsms      # the group-major even deal at 1-2 rows on 104-132 CTAs against items at 1 row (~2 min)
 #   bash benchmarks/h200_checks.sh gm_ab      # gmdefault's A/B alone (~2 min)
 #   bash benchmarks/h200_checks.sh gmdefault  # the session's defaults of 2026-12-07 against its start at 1-64 rows, final's bit tests, the table (~9 min)
@@ -520,6 +521,22 @@ for group in "$@"; do
     gm_short)  # gm's GPU tests and its step A/B at 1, 16 and 64 rows in 2 rounds, for a call with ~5 min left
       gm_tests 100
       ab gm_short 170 --layers 30 --batch 1,16,64 --rounds 2 --arm "pairs=$PAIRS" --arm "gm=" ;;
+    down_ncu)  # what bounds down at 16 and 64 rows (2026-12-07, one H100: ~2.1 TB/s alone, against gate-up's 2.7-2.8):
+      # per SASS instruction its stall reasons and shared-memory wavefronts (ncu, the call's second down launch, down4
+      # from 8 rows), as gm_ncu did for gate-up
+      for m in 16 64; do
+        step "ncu_down_m$m" 120 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name 'regex:^moe_down_' \
+          --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+          --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section SourceCounters \
+          --import-source yes --export "$OUT/ncu_down_m$m" \
+          python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/ncu_out_down_m$m" --ms "$m" --engines lut
+        step "ncu_down_m${m}_details" 40 ncu --import "$OUT/ncu_down_m$m.ncu-rep" --csv --page details
+        step "ncu_down_m${m}_source" 60 ncu --import "$OUT/ncu_down_m$m.ncu-rep" --csv --page source --print-source sass
+        step "ncu_down_m${m}_read" 30 python3 benchmarks/kernels/ncu_source.py "$OUT/ncu_down_m${m}_source.log" \
+          --details "$OUT/ncu_down_m${m}_details.log" --top 30
+        rm -f "$OUT/ncu_down_m$m.ncu-rep"
+        gzip -f "$OUT/ncu_down_m${m}_source.log"
+      done ;;
     gmsms)  # the group-major gate-up's even deal at 1 row (132 CTAs: faster alone than items, +0.59 % in the step) and
       # at 2 rows capped at 104-120 CTAs, SMs left to the shared expert (an arm's patch of moe_lut._grid: at 1-2 rows the
       # launches of per_sm 1 and >= 1536 tasks are the even deal's); items at 1 row are the default; 3 rounds
