@@ -39,6 +39,7 @@
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh gm_short   # gm's GPU tests, its step A/B at 1, 16 and 64 rows, 2 rounds (~4.5 min)
 #   bash benchmarks/h200_checks.sh gm_ncu     # the group-major gate-up against the pair-major ring: the experts calls alone, their stall reasons and shared-memory wavefronts per instruction (ncu) (~3 min)
+#   bash benchmarks/h200_checks.sh gmdown     # the group-major down (built, off): its GPU tests, the experts calls alone, the step A/B at 1-64 rows, the bit tests, 64 skewed (~7 min)
 #   bash benchmarks/h200_checks.sh down_ncu   # down's stall reasons and shared-memory wavefronts per instruction at 16 and 64 rows (ncu) (~1.5 min)
 #   bash benchmarks/h200_checks.sh gmsms      # the group-major even deal at 1-2 rows on 104-132 CTAs against items at 1 row (~2 min)
 #   bash benchmarks/h200_checks.sh gm_ab      # gmdefault's A/B alone (~2 min)
@@ -521,6 +522,18 @@ for group in "$@"; do
     gm_short)  # gm's GPU tests and its step A/B at 1, 16 and 64 rows in 2 rounds, for a call with ~5 min left
       gm_tests 100
       ab gm_short 170 --layers 30 --batch 1,16,64 --rounds 2 --arm "pairs=$PAIRS" --arm "gm=" ;;
+    gmdown)  # the group-major down (moe_lut.DOWN_GM, built 2026-12-07, off: passes of 8 pairs, its weights through
+      # cp.async slots): its GPU tests, the experts calls alone against the defaults, the step at 1-64 rows, 3
+      # rounds, the step's bit tests with it on, 64 rows skewed
+      GMD='import megastep.kernels.moe_lut as m; m.DOWN_GM = True'
+      step gmdown_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_moe.py \
+        -k "group_major_down"
+      step gmdown_kernels 120 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/gmdown_kernels" \
+        --ms 1,16,64 --engines lut,lut_gm_down
+      ab gmdown 200 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm "now=" --arm "gmdown=$GMD"
+      step gmdown_step_tests 150 python3 -c "$GMD; import sys, pytest; sys.exit(pytest.main(['-q', '-rfE', \
+        '--timeout', '120', '-m', 'gpu', 'tests/test_fast_gpu.py', '-k', 'alone or same_input or graph_replay']))"
+      ab gmdown_skewed 90 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "now=" --arm "gmdown=$GMD" ;;
     down_ncu)  # what bounds down at 16 and 64 rows (2026-12-07, one H100: ~2.1 TB/s alone, against gate-up's 2.7-2.8):
       # per SASS instruction its stall reasons and shared-memory wavefronts (ncu, the call's second down launch, down4
       # from 8 rows), as gm_ncu did for gate-up

@@ -10,9 +10,10 @@ steps in flight in shared memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS =
 MMAs ("lut_mix": moe_lut.RING_MIX on) or none ("lut_table": off), or the spread gate-up at 1 and 2
 rows with the ring's slots and the mixed decode ("lut_spread_mix": moe_lut.SPREAD_RING_MIX, the
 default at 2 rows since 2026-12-01), or with the group-major gate-up on every launch ("lut_gm":
-moe_lut.GATE_UP_GM, the default since 2026-12-07), whose sums run in another order; the outputs of the
-pair-major engines must equal the first pair-major engine's bit for bit, the group-major ones the first
-group-major one's. (Earlier experiments measured with it and removed: a CUDA C++
+moe_lut.GATE_UP_GM, the default since 2026-12-07), whose sums run in another order, and with the
+group-major down too ("lut_gm_down": moe_lut.DOWN_GM, built 2026-12-07, off); each engine's outputs
+must equal bit for bit those of the first engine with the same order of sums (the same GATE_UP_GM and
+DOWN_GM). (Earlier experiments measured with it and removed: a CUDA C++
 gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the
 fifteenth; the MMA columns in lane-major order, the twenty-second; the routed experts of 1-2 rows
 in one launch, the twenty-third; every group decoded in registers, and the mixed decode in every
@@ -58,12 +59,12 @@ def lut_settings(engine: str) -> dict:
                   "lut_mix": {"RING_MIX": True}, "lut_table": {"RING_MIX": False}}
     if engine in pair_major:
         return {"GATE_UP_GM": False, **pair_major[engine]}
-    return {"GATE_UP_GM": True} if engine == "lut_gm" else {}
+    return {"lut_gm": {"GATE_UP_GM": True}, "lut_gm_down": {"DOWN_GM": True}}.get(engine, {})
 
 
 def run(engine, fn):
     if engine.startswith("lut"):  # mode "lut" (kernels/moe_lut.py) as the kernels' default
-        names = ("SPREAD_ROWS", "RING_MIN_ROWS", "SPREAD_RING", "RING_MIX", "SPREAD_RING_MIX", "GATE_UP_GM")
+        names = ("SPREAD_ROWS", "RING_MIN_ROWS", "SPREAD_RING", "RING_MIX", "SPREAD_RING_MIX", "GATE_UP_GM", "DOWN_GM")
         saved = MOE.DEFAULT_MODE, {n: getattr(LUTK, n) for n in names}
         MOE.DEFAULT_MODE = "lut"
         for n, v in lut_settings(engine).items():
@@ -127,7 +128,9 @@ def main() -> None:
                 r.update(ok=ok, rel_l2=rel, max_err_rel=mx, deterministic=torch.equal(y, y2),
                          batch_invariant=torch.equal(alone[0], y[0]))
                 if engine.startswith("lut"):
-                    first = first_lut.setdefault(lut_settings(engine).get("GATE_UP_GM", LUTK.GATE_UP_GM), y)
+                    kind = (lut_settings(engine).get("GATE_UP_GM", LUTK.GATE_UP_GM),
+                            lut_settings(engine).get("DOWN_GM", LUTK.DOWN_GM))
+                    first = first_lut.setdefault(kind, y)
                     r.update(same_bits_as_first_lut=torch.equal(y, first))
                 calls = [lambda ids=ids, wts=wts, ex=copies[i % len(copies)]: MOE.moe_experts_mxfp4(x, ids, wts, **ex)
                          for i, (ids, wts) in enumerate(routes)]

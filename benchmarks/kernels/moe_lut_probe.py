@@ -16,8 +16,8 @@ read, the first item's routing loaded, (down: the wait for the activation quanti
 the first item's weights streamed, its epilogue done, the CTA's end. Also the gap between gate-up's
 last CTA end and down's first CTA start (the activation quantization's launch between them). A
 gate-up launch of M in moe_lut.SPREAD_ROWS takes the spread kernel, which has no stamps: those M
-are refused. The gate-up probed is the pair-major one (moe_lut.GATE_UP_GM off here): the group-major
-kernels are not in the probe build. JSON and log under --out.
+are refused. The kernels probed are the pair-major ones (moe_lut.GATE_UP_GM and DOWN_GM off here): the
+group-major kernels are not in the probe build. JSON and log under --out.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main() -> None:
         raise SystemExit(f"M in moe_lut.SPREAD_ROWS {LUTK.SPREAD_ROWS} takes the spread gate-up, which has no stamps")
     read = probe_kernels(args.no_load)
     LUTK.RING_MIX = args.decode == "mix"
-    LUTK.GATE_UP_GM = False  # (not in the probe build)
+    LUTK.GATE_UP_GM = LUTK.DOWN_GM = False  # (not in the probe build)
     MOE.DEFAULT_MODE = "lut"
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)

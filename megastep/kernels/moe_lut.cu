@@ -862,6 +862,43 @@ __device__ __forceinline__ void gate_up(const Args& a, const float* rw, __nv_bfl
     run<Stream, 1>(a, a.w3_rows / (kWarps * 8), epi, [](const Item&, int, int) {});
 }
 
+// down's combine after a pass of np pairs (pairs c0 .. of the slot at start, every y of the pass issued: the
+// barrier before it): each pair's row counts this (row, kTile-row tile); the last CTA to count a row's tile
+// sums its topk pairs' y in slot order (fp32) into out, or with shared (bf16 [M, D]) rnd(that + shared) into
+// out (bf16), and resets the counter. last: a shared int per pair of a pass.
+template <int kTile, int kPass>
+__device__ __forceinline__ void combine_pass(const Args& a, int start, int c0, int np, int tile, int tiles,
+                                             const __nv_bfloat16* y, long long stride_y, void* out, long long stride_o,
+                                             int* counters, const __nv_bfloat16* shared, long long stride_sh,
+                                             int (&last)[kPass]) {
+  const int topk = a.topk;
+  if (threadIdx.x < np) {  // (a fence on each side of the count: the last CTA sees every y)
+    const int row = a.pair_ptr[start + c0 + threadIdx.x] / topk;
+    __threadfence();
+    const int arrived = atomicAdd(counters + row * tiles + tile, 1);
+    __threadfence();
+    last[threadIdx.x] = arrived == topk - 1 ? row : -1;
+  }
+  __syncthreads();
+  for (int p = 0; p < np; ++p) {
+    const int row = last[p];
+    if (row < 0) continue;
+    if (threadIdx.x < kTile) {  // the row's topk pairs, slot order, fp32
+      const int d = tile * kTile + threadIdx.x;
+      const unsigned short* yp = reinterpret_cast<const unsigned short*>(y) + (long long)row * topk * stride_y + d;
+      float tot = __uint_as_float((uint32_t)__ldcg(yp) << 16);
+      for (int j = 1; j < topk; ++j) tot += __uint_as_float((uint32_t)__ldcg(yp + j * stride_y) << 16);
+      if (shared) {
+        tot += __bfloat162float(shared[row * stride_sh + d]);
+        static_cast<__nv_bfloat16*>(out)[row * stride_o + d] = __float2bfloat16_rn(tot);
+      } else {
+        static_cast<float*>(out)[row * stride_o + d] = tot;
+      }
+    }
+    if (threadIdx.x == 0) counters[row * tiles + tile] = 0;
+  }
+}
+
 // y[pair, d] = rnd(w2 . aq[pair]); with combine, the last CTA to finish a (row, 128-row tile) of
 // all its topk pairs sums them in slot order into out (fp32), then resets the counter; with
 // shared (bf16 [M, D], the shared expert's output) out is bf16 and receives rnd(sum + shared).
@@ -879,7 +916,7 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
                                      const __nv_bfloat16* shared, long long stride_sh) {
   __shared__ int last[2 * kSets];
   constexpr int kTile = kWarps * 16;  // output rows of an item
-  const int t = threadIdx.x & 3, tiles = D / kTile, topk = a.topk;
+  const int t = threadIdx.x & 3, tiles = D / kTile;
   run<Stream, 1, false, kSets>(a, tiles, [&](const Item& it, int c0, int np, int r0, int r1,
                                              const float (&total)[4 * kSets]) {
 #pragma unroll
@@ -893,33 +930,8 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
       }
     }
   }, [&](const Item& it, int c0, int np) {
-    if (!combine) return;
-    // every y of the pass is issued (the barrier before post); count this tile of each pair's row
-    if (threadIdx.x < np) {  // (a fence on each side of the count: the last CTA sees every y)
-      const int row = a.pair_ptr[it.start + c0 + threadIdx.x] / topk;
-      __threadfence();
-      const int arrived = atomicAdd(counters + row * tiles + it.tile, 1);
-      __threadfence();
-      last[threadIdx.x] = arrived == topk - 1 ? row : -1;
-    }
-    __syncthreads();
-    for (int p = 0; p < np; ++p) {
-      const int row = last[p];
-      if (row < 0) continue;
-      if (threadIdx.x < kTile) {  // the row's topk pairs, slot order, fp32
-        const int d = it.tile * kTile + threadIdx.x;
-        const unsigned short* yp = reinterpret_cast<const unsigned short*>(y) + (long long)row * topk * stride_y + d;
-        float tot = __uint_as_float((uint32_t)__ldcg(yp) << 16);
-        for (int j = 1; j < topk; ++j) tot += __uint_as_float((uint32_t)__ldcg(yp + j * stride_y) << 16);
-        if (shared) {
-          tot += __bfloat162float(shared[row * stride_sh + d]);
-          static_cast<__nv_bfloat16*>(out)[row * stride_o + d] = __float2bfloat16_rn(tot);
-        } else {
-          static_cast<float*>(out)[row * stride_o + d] = tot;
-        }
-      }
-      if (threadIdx.x == 0) counters[row * tiles + it.tile] = 0;
-    }
+    if (combine) combine_pass<kTile>(a, it.start, c0, np, it.tile, tiles, y, stride_y, out, stride_o, counters, shared,
+                                     stride_sh, last);
   });
 }
 
@@ -1065,19 +1077,24 @@ __device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, cons
   for (int v = 0; v < 4; ++v) total[v] = acc[v];
 }
 
-// gate-up's group-major body: act as gate_up's. Two schedules, the same per-warp work (so the same bits):
-// kSpread (launches of a.spread <= kGmPairs rows: every row of x staged once, in row slot m for row m):
-// one CTA per SM takes the launch's T = slots x (I / 8) warp tasks (slot, 8 channels) in an even share,
-// CTA c tasks [c T / G, (c + 1) T / G), its warp w tasks lo + w, lo + w + kGmWarps, ... (run_spread's
-// deal: at 1 row 1536 tasks, where items of 128 channels would be 96 on 132 SMs), a lane finding its
-// pair's row slot from the routing; else items (slot, kGmWarps x 8 channels) in turn, the item's pairs in
-// passes of kGmPairs whose x rows are staged for the pass (slot p for the pass's pair p).
-template <bool kSpread>
-__device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
-                                           float limit, int round_out) {
+// The group-major body (gate-up's and down's): a warp's task is 16 MMA rows of a slot's weights (gate-up: 8
+// channels of w1, rows g, and the same of w3, rows g + 8; down: 16 rows of w2) over the whole K, its pairs in
+// passes of kGmPairs. Two schedules, the same per-warp work (so the same bits): kSpread (gate-up's launches of
+// a.spread <= kGmPairs rows: every row of x staged once, in row slot m for row m): one CTA per SM takes the
+// launch's T = slots x blocks warp tasks in an even share, CTA c tasks [c T / G, (c + 1) T / G), its warp w
+// tasks lo + w, lo + w + kGmWarps, ... (run_spread's deal: at 1 row 1536 tasks, where items of 128 channels
+// would be 96 on 132 SMs), a lane finding its pair's row slot from the routing; else items (slot, kGmWarps
+// tasks) in turn, the item's pairs in passes of kGmPairs whose x rows (gate-up: the pairs' rows of x; down:
+// the pairs' own rows of aq) are staged for the pass (slot p for the pass's pair p). epi(start, c0, np, r0,
+// r1, total): the lane's outputs of a task (warp_sums_gm's total: rows r0, r1, columns = pairs c0 + 2t,
+// c0 + 2t + 1); with kPost, post(start, c0, np, tile) after each item pass, every output of it issued.
+template <bool kSpread, bool kPost, typename Epi, typename Post>
+__device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int pitch = 2 * a.K + kGmPad, blocks = a.w3_rows / 8, units = a.K / 8;
+  const int pitch = 2 * a.K + kGmPad, units = a.K / 8;
+  // a task's rows: block blk's 8 (down: 16) from blk * rstep, the second 8 `second` rows after the first
+  const int rstep = a.down ? 16 : 8, second = a.down ? 8 : a.w3_rows;
   char* xsm = smem + kLutBytes;
   const char* slots = xsm + kGmPairs * pitch + warp * kGmDepth * 2048;
   // unit u of x row src into row slot r
@@ -1094,17 +1111,16 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
   // this lane's copies: group l % 8 of rows l / 8 (+ 4, + 8, + 12)
   const int cr = lane >> 3, cg = lane & 7;
   prologue(smem);
-  pdl_wait();  // (run's PDL order)
+  pdl_wait();  // (run's PDL order; down: aq is the activation quantization's output)
   pdl_release();
-  // warp task (a slot's table entry ent, block blk of 8 channels), pairs c0 .. c0 + np - 1 of the slot, lane g's
-  // x in row slot xr
+  // warp task (a slot's table entry ent, block blk), pairs c0 .. c0 + np - 1 of the slot, lane g's x in row slot xr
   auto task = [&](const long long* ent, int blk, int start, int c0, int np, int xr) {
     const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
     const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
-    const int r0 = blk * 8 + g, r1 = r0 + a.w3_rows;
+    const int r0 = blk * rstep + g, r1 = r0 + second;
     GmRing st;
-    st.wa = wbase + (blk * 8 + cr) * a.stride_w + cg * 16;
-    st.wb = st.wa + a.w3_rows * a.stride_w;
+    st.wa = wbase + (blk * rstep + cr) * a.stride_w + cg * 16;
+    st.wb = st.wa + second * a.stride_w;
     st.wa4 = st.wa + 4 * a.stride_w;
     st.wb4 = st.wb + 4 * a.stride_w;
     st.sa_p = sbase + r0 * a.stride_s;
@@ -1116,15 +1132,7 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
     for (int q = 0; q < 4; ++q) st.get[q] = get[q];
     float total[4];
     warp_sums_gm(st, smem, xsm + xr * pitch + t * 16, g < np, total);
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
-      const int p = 2 * t + u;
-      if (p < np) {
-        const int pair = a.pair_ptr[start + c0 + p];
-        act[pair * stride_a + r0] = __float2bfloat16_rn(swiglu(u ? total[1] : total[0], u ? total[3] : total[2],
-                                                               limit, round_out, rw[pair]));
-      }
-    }
+    epi(start, c0, np, r0, r1, total);
   };
   // a slot's table entry, and its count (0 for an expert absent from a sparse table)
   auto entry = [&](int slot) { return a.tab + 4LL * __ldcg(a.slot_e + slot); };
@@ -1154,14 +1162,62 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
       for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {
         const int np = min(kGmPairs, cnt - c0);
         __syncthreads();  // the previous pass's readers of x are done (the first: the table is written)
-        for (int i = threadIdx.x; i < np * units; i += kGmThreads)
-          stage(i / units, a.pair_ptr[start + c0 + i / units] / a.topk, i % units);
+        for (int i = threadIdx.x; i < np * units; i += kGmThreads) {
+          const int pair = a.pair_ptr[start + c0 + i / units];
+          stage(i / units, a.down ? pair : pair / a.topk, i % units);
+        }
         __syncthreads();
         // (past the pass's pairs: pair 0's row slot, an address warp_sums_gm does not load)
         task(ent, tile * kGmWarps + warp, start, c0, np, g < np ? g : 0);
+        if constexpr (kPost) {
+          __syncthreads();  // every output of the pass issued
+          post(start, c0, np, tile);
+        }
       }
     }
   }
+}
+
+// gate-up's group-major kernels: act as gate_up's (blocks of 8 channels of w1 and w3)
+template <bool kSpread>
+__device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
+                                           float limit, int round_out) {
+  const int t = threadIdx.x & 3;
+  run_gm<kSpread, false>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int, const float (&total)[4]) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
+      const int p = 2 * t + u;
+      if (p < np) {
+        const int pair = a.pair_ptr[start + c0 + p];
+        act[pair * stride_a + r0] = __float2bfloat16_rn(swiglu(u ? total[1] : total[0], u ? total[3] : total[2],
+                                                               limit, round_out, rw[pair]));
+      }
+    }
+  }, [](int, int, int, int) {});
+}
+
+// down's group-major kernel: y and the combine as down's, items of kGmWarps x 16 rows of w2 (combine_pass
+// per (row, 256-row tile): counters [M, D / 256] of down's [M, D / 128])
+__device__ __forceinline__ void down_gm(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
+                                        long long stride_o, int* counters, int D, int combine,
+                                        const __nv_bfloat16* shared, long long stride_sh) {
+  __shared__ int last[kGmPairs];
+  constexpr int kTile = kGmWarps * 16;  // output rows of an item
+  const int t = threadIdx.x & 3, tiles = D / kTile;
+  run_gm<false, true>(a, D / 16, [&](int start, int c0, int np, int r0, int r1, const float (&total)[4]) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of rows r0, r1
+      const int p = 2 * t + u;
+      if (p < np) {
+        const int pair = a.pair_ptr[start + c0 + p];
+        y[pair * stride_y + r0] = __float2bfloat16_rn(total[u]);
+        y[pair * stride_y + r1] = __float2bfloat16_rn(total[2 + u]);
+      }
+    }
+  }, [&](int start, int c0, int np, int tile) {
+    if (combine) combine_pass<kTile>(a, start, c0, np, tile, tiles, y, stride_y, out, stride_o, counters, shared,
+                                     stride_sh, last);
+  });
 }
 
 }  // namespace
@@ -1239,6 +1295,10 @@ extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm(GATE_
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_spread(GATE_UP_PARAMS, int rows) {
   gate_up_gm<true>(GATE_UP_ARGS(rows));
 }
+
+// down group-major (moe_lut.py's DOWN_GM): one CTA of kGmThreads per SM, 64 KB + kGmPairs rows of aq (2 I +
+// kGmPad bytes each) + the warps' slots (193 KB at I = 2048).
+extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm(DOWN_PARAMS) { down_gm(DOWN_ARGS); }
 
 #endif
 

@@ -22,7 +22,7 @@ tasks dealt out evenly. down (and gate-up without GATE_UP_GM, with other bits): 
 threads per SM, each taking (expert slot, 128 weight rows) items in turn, each warp streaming whole
 rows; gate-up launches of M in SPREAD_ROWS rows deal the warps' tasks out evenly over one CTA per SM
 instead, and those of ring_rows(M) take one CTA of 512 threads per SM whose halves run items apart:
-the same bits; build and load happen at the first call (`cuda_module`), which must come before any
+the same bits (DOWN_GM, built and off: down in the group-major body too, other bits); build and load happen at the first call (`cuda_module`), which must come before any
 capture (the runtime's warm-up steps do it).
 When the step uses PDL (`common.pdl_enabled()`, read at launch) both launch with programmatic
 stream serialization: gate-up builds its decode table while the router drains, down also
@@ -53,6 +53,7 @@ _GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqf
 _GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiii")
 _GATE_UP_GM = _MODULE.kernel("moe_gate_up_gm", "pqppppppppqiiqqfiii")
 _GATE_UP_GM_SPREAD = _MODULE.kernel("moe_gate_up_gm_spread", "pqppppppppqiiqqfiiii")
+_DOWN_GM = _MODULE.kernel("moe_down_gm", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -167,6 +168,13 @@ GM_WARPS, GM_PAIRS, GM_DEPTH, GM_PAD = 16, 8, 3, 64  # the .cu's kGmWarps, kGmPa
 # -0.25 %, the spread +0.59 %; at 2 / 4 / 8 rows the spread +0.18 / -3.49 / -2.22 %, items +3.38 / -1.72 /
 # -0.85 %. The spread on 104-120 CTAs (SMs left to the shared expert) lost 0.1-1.5 % at 1-2 rows (item 7).
 GM_SPREAD_ROWS = (2, 3, 4, 5, 6, 7, 8)
+# Every down launch takes moe_down_gm: the group-major body for w2 (items of GM_WARPS x 16 rows, a pass
+# for up to GM_PAIRS pairs, the combine per 256-row tile), its weights through the ring's slots (cp.async,
+# more bytes in flight than down's register stream, whose loads its warps wait on at 16-64 rows: ncu,
+# docs/PERFORMANCE.md 2026-12-07 from 07:53, item 8). Not the pair-major kernels' order of sums (every
+# launch or none); a device that cannot give it gm_shared_bytes(I) keeps moe_down_lut / moe_down_lut4.
+# Built 2026-12-07, to measure: off.
+DOWN_GM = False
 
 
 @functools.cache
@@ -231,9 +239,19 @@ def _grid(items: int, device: torch.device, per_sm: int = CTAS_PER_SM) -> tuple[
     return (max(1, min(items, per_sm * _sms(device.index))), 1, 1)
 
 
-def down_pairs_per_pass(M: int) -> int:
-    """The pairs a pass of a down launch of M rows takes: 4 (moe_down_lut4) from DOWN4_MIN_ROWS rows on."""
-    return 4 if DOWN4_MIN_ROWS is not None and M >= DOWN4_MIN_ROWS else PAIRS_PER_PASS
+def down_pairs_per_pass(M: int, device: torch.device | None = None, I: int = 2048) -> int:
+    """The pairs a pass of a down launch of M rows over I takes: GM_PAIRS with DOWN_GM on a CUDA device
+    that gives moe_down_gm its shared memory (as down decides; any other device: as if it did), else 4
+    (moe_down_lut4) from DOWN4_MIN_ROWS rows on, else PAIRS_PER_PASS."""
+    if DOWN_GM and not (device is not None and device.type == "cuda" and not _ring_fits(device.index,
+                                                                                       gm_shared_bytes(I))):
+        return GM_PAIRS
+    return 4 if _down4(M) else PAIRS_PER_PASS
+
+
+def _down4(M: int) -> bool:
+    """Whether a pair-major down launch of M rows takes moe_down_lut4."""
+    return DOWN4_MIN_ROWS is not None and M >= DOWN4_MIN_ROWS
 
 
 def ring_rows(M: int) -> bool:
@@ -310,6 +328,11 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
-    four = down_pairs_per_pass(pairs.numel() // topk) > PAIRS_PER_PASS
+    if DOWN_GM and _ring_fits(aq.device.index, gm_shared_bytes(I)):  # items (slot, GM_WARPS x 16 rows)
+        slots = min(pairs.numel(), addr.shape[0])
+        _DOWN_GM.launch(_grid(slots * (D // (16 * GM_WARPS)), aq.device, 1), (32 * GM_WARPS, 1, 1), gm_shared_bytes(I),
+                        None, *args, pdl=pdl_enabled())
+        return
+    four = _down4(pairs.numel() // topk)
     (_DOWN4 if four else _DOWN).launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, four=four), None,
                                        *args, pdl=pdl_enabled())

@@ -712,6 +712,39 @@ def test_gpu_lut_group_major_gate_up(M, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 2, 3, 9, 16, 64])
+def test_gpu_lut_group_major_down(M, monkeypatch):
+    """The group-major down (moe_lut.DOWN_GM, every down launch: passes of 8 pairs, items of 256 rows, the
+    combine per 256-row tile) at V4-Flash expert shapes: the combine matches the reference; three calls give
+    the same bits in all four outputs (per-pair, the combine, the combine with the shared expert's output, a
+    sparse table's pairs); every row alone gives its per-pair bits in the batch (batch invariance); experts
+    read from page-locked host memory give the bits of HBM. From 3 rows on expert 0 is in every row: a slot of
+    M pairs, passes of 8, the last one partial at 9, 16 and 64 rows."""
+    from megastep.kernels import moe_lut
+
+    monkeypatch.setattr(moe_lut, "DOWN_GM", True)
+    assert moe_lut._ring_fits(0, moe_lut.gm_shared_bytes(2048)) or torch.cuda.get_device_capability()[0] < 9
+    ex, x, ids, wts = _many_pair_inputs(M, 47)
+    outputs = _lut_outputs(ex, x, ids, wts)
+    want = outputs()
+    check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
+    for _ in range(2):
+        got = outputs()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    full = ExpertTable.from_stacked(*(ex[n] for n in ("w13", "w13_scale", "w2", "w2_scale")))
+    for m in sorted({0, M // 2, M - 1}):
+        alone = moe_experts_table(x[m:m + 1], ids[m:m + 1], wts[m:m + 1], full,
+                                  config=pick_config(1, 6, 32, 4096, 2048, mode="lut"), return_pairs=True)
+        assert torch.equal(alone[0], want[0][m]), m
+    cold = [tuple(t.cpu().pin_memory() for t in p) if e % 2 else p for e, p in enumerate(_parts(ex))]
+    host = ExpertTable.from_experts(cold, device="cuda")
+    torch.cuda.synchronize()
+    assert torch.equal(moe_experts_table(x, ids, wts, host, config=pick_config(M, 6, 32, 4096, 2048, mode="lut")),
+                       want[1])
+
+
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX prmt.b32 (default mode): result byte k = byte (selector nibble k & 7) of {b, a}, or that
     byte's top bit replicated where the nibble's bit 3 is set."""
@@ -771,7 +804,7 @@ def test_lut_kernels_build_for_sm90():
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
                "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix",
-               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread")
+               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_down_gm")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
     # without their loads (all but moe_down_lut4 and the group-major ones, which they leave out)
@@ -818,6 +851,54 @@ def test_lut_down_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
     assert len({g[2] for g in got}) == 1  # the same arguments either way
     # the pass width the bench counts down's passes at (bench.routed_reads) follows the same rule
     assert [moe_lut.down_pairs_per_pass(m) for m in (1, 31, 32, 64)] == [2, 2, 4, 4]
+
+
+def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
+    """moe_lut.DOWN_GM (built, off): every down launch, whatever its rows, takes moe_down_gm (a row's bits must
+    not depend on its batch), items of (slot, GM_WARPS x 16 rows) on one CTA of GM_WARPS warps per SM at most,
+    with gm_shared_bytes(I) (192.5 KB at I = 2048) and down's arguments; a device that cannot give the shared
+    memory keeps moe_down_lut / moe_down_lut4; the bench counts its passes at GM_PAIRS pairs."""
+    from megastep.kernels import moe_lut
+
+    launched = []
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def launch(self, grid, block, smem, stream, *args, pdl=False):
+            launched.append((self.name, grid[0], block[0], smem, len(args)))
+
+    for name in ("_DOWN", "_DOWN4", "_DOWN_GM"):
+        monkeypatch.setattr(moe_lut, name, Spy(name))
+    monkeypatch.setattr(moe_lut, "_sms", lambda index: 132)
+    fits = {"smem": 227 << 10}
+    monkeypatch.setattr(moe_lut, "_ring_fits", lambda index, nbytes: nbytes <= fits["smem"])
+    I, D, topk = 2048, 4096, 6
+
+    def call(M):
+        pairs = torch.zeros(M * topk, dtype=torch.int32)
+        addr = torch.zeros(256, 4, dtype=torch.int64)
+        y = torch.zeros(M * topk, D, dtype=torch.bfloat16)
+        moe_lut.down(torch.zeros(M * topk, I, dtype=torch.bfloat16), addr, pairs, pairs, pairs, pairs, pairs, y,
+                     torch.zeros(M, D), pairs, D, I, (1, 1), topk, False, True)
+        return launched.pop()
+
+    assert not moe_lut.DOWN_GM  # built to measure: off
+    assert all(call(m)[0] != "_DOWN_GM" for m in (1, 8, 64))
+    monkeypatch.setattr(moe_lut, "DOWN_GM", True)
+    got = {m: call(m) for m in (1, 2, 8, 16, 64)}
+    assert {g[0] for g in got.values()} == {"_DOWN_GM"}
+    assert moe_lut.gm_shared_bytes(I) == 65536 + 8 * (2 * I + 64) + 16 * 3 * 2048 == 197120
+    assert {(g[2], g[3]) for g in got.values()} == {(512, moe_lut.gm_shared_bytes(I))}
+    assert got[1][1] == 6 * 16 and got[64][1] == 132  # items (slot, 256 rows): 1 row 96 CTAs; at most one per SM
+    moe_lut.DOWN_GM = False  # (the pair-major launch's arguments are the same: monkeypatch puts it back)
+    assert call(64)[4] == got[64][4]
+    moe_lut.DOWN_GM = True
+    assert [moe_lut.down_pairs_per_pass(m) for m in (1, 64)] == [8, 8]
+    fits["smem"] = 160 << 10  # (no room: the pair-major kernels, and the bench counts their passes)
+    assert [call(m)[0] for m in (1, 64)] == ["_DOWN", "_DOWN4"]
+    assert [moe_lut.down_pairs_per_pass(m, torch.device("cuda", 0), I) for m in (1, 64)] == [2, 4]
 
 
 def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
@@ -922,7 +1003,7 @@ def test_lut_signatures_match_the_kernels():
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
                    moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX,
-                   moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD):
+                   moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD, moe_lut._DOWN_GM):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
