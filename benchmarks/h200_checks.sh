@@ -241,6 +241,23 @@ PAIRS='import megastep.kernels.moe_lut as m; m.GATE_UP_GM = False'
 START1207="$PAIRS; m.DOWN4_MIN_ROWS = 16"
 gm_tests() { step gm_tests "$1" python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_moe.py -k "group_major"; }
 
+# ncu on one experts launch: the engine's (moe_cuda_variants.py) second launch matching the regex, at `rows` rows;
+# its stall reasons and shared-memory wavefronts per SASS instruction read by ncu_source.py (gm_ncu, down_ncu)
+ncu_experts() {  # ncu_experts NAME KERNEL_REGEX ENGINE ROWS
+  local name=$1 kernels=$2 engine=$3 m=$4
+  step "ncu_$name" 120 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name "regex:$kernels" \
+    --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section SourceCounters \
+    --import-source yes --export "$OUT/ncu_$name" \
+    python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/ncu_out_$name" --ms "$m" --engines "$engine"
+  step "ncu_${name}_details" 40 ncu --import "$OUT/ncu_$name.ncu-rep" --csv --page details
+  step "ncu_${name}_source" 60 ncu --import "$OUT/ncu_$name.ncu-rep" --csv --page source --print-source sass
+  step "ncu_${name}_read" 30 python3 benchmarks/kernels/ncu_source.py "$OUT/ncu_${name}_source.log" \
+    --details "$OUT/ncu_${name}_details.log" --top 30
+  rm -f "$OUT/ncu_$name.ncu-rep"
+  gzip -f "$OUT/ncu_${name}_source.log"
+}
+
 zc_tests() {  # the zero-copy sidecar's GPU tests (offload_zc, offload_zc16)
   step zc_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_sidecar_zero_copy.py \
     'tests/test_fast_gpu.py::test_polling_sidecar_gives_the_host_functions_bits'
@@ -537,19 +554,7 @@ for group in "$@"; do
     down_ncu)  # what bounds down at 16 and 64 rows (2026-12-07, one H100: ~2.1 TB/s alone, against gate-up's 2.7-2.8):
       # per SASS instruction its stall reasons and shared-memory wavefronts (ncu, the call's second down launch, down4
       # from 8 rows), as gm_ncu did for gate-up
-      for m in 16 64; do
-        step "ncu_down_m$m" 120 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name 'regex:^moe_down_' \
-          --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
-          --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section SourceCounters \
-          --import-source yes --export "$OUT/ncu_down_m$m" \
-          python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/ncu_out_down_m$m" --ms "$m" --engines lut
-        step "ncu_down_m${m}_details" 40 ncu --import "$OUT/ncu_down_m$m.ncu-rep" --csv --page details
-        step "ncu_down_m${m}_source" 60 ncu --import "$OUT/ncu_down_m$m.ncu-rep" --csv --page source --print-source sass
-        step "ncu_down_m${m}_read" 30 python3 benchmarks/kernels/ncu_source.py "$OUT/ncu_down_m${m}_source.log" \
-          --details "$OUT/ncu_down_m${m}_details.log" --top 30
-        rm -f "$OUT/ncu_down_m$m.ncu-rep"
-        gzip -f "$OUT/ncu_down_m${m}_source.log"
-      done ;;
+      for m in 16 64; do ncu_experts "down_m$m" '^moe_down_' lut "$m"; done ;;
     gmsms)  # the group-major gate-up's even deal at 1 row (132 CTAs: faster alone than items, +0.59 % in the step) and
       # at 2 rows capped at 104-120 CTAs, SMs left to the shared expert (an arm's patch of moe_lut._grid: at 1-2 rows the
       # launches of per_sm 1 and >= 1536 tasks are the even deal's); items at 1 row are the default; 3 rounds
@@ -576,17 +581,7 @@ for group in "$@"; do
         --engines lut_pairs,lut
       for run in gm_m1:lut:1 gm_m16:lut:16 ring_m16:lut_pairs:16; do
         IFS=: read -r name engine m <<<"$run"
-        step "ncu_$name" 120 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name 'regex:^moe_gate_up_' \
-          --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
-          --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section SourceCounters \
-          --import-source yes --export "$OUT/ncu_$name" \
-          python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/ncu_out_$name" --ms "$m" --engines "$engine"
-        step "ncu_${name}_details" 40 ncu --import "$OUT/ncu_$name.ncu-rep" --csv --page details
-        step "ncu_${name}_source" 60 ncu --import "$OUT/ncu_$name.ncu-rep" --csv --page source --print-source sass
-        step "ncu_${name}_read" 30 python3 benchmarks/kernels/ncu_source.py "$OUT/ncu_${name}_source.log" \
-          --details "$OUT/ncu_${name}_details.log" --top 30
-        rm -f "$OUT/ncu_$name.ncu-rep"
-        gzip -f "$OUT/ncu_${name}_source.log"
+        ncu_experts "$name" '^moe_gate_up_' "$engine" "$m"
       done ;;
     steptests)  # final's bit tests of the step alone (a row alone against the same row in a batch of 16, the same
       # input twice, graph replay against eager), without the kernels' (~1.5 min)

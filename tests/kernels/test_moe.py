@@ -672,23 +672,12 @@ def test_gpu_lut_spread_ring_mix_gives_the_same_bits(M, monkeypatch):
                     moe_lut.shared_bytes(4096, 1, moe_lut.SPREAD_WARPS, mix=True), ex, x, ids, wts)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 2, 3, 9, 16, 64])
-def test_gpu_lut_group_major_gate_up(M, monkeypatch):
-    """The group-major gate-up (moe_lut.GATE_UP_GM, every gate-up launch: passes of 8 pairs) at V4-Flash
-    expert shapes: the combine matches the reference; three calls give the same bits in all four
-    outputs (per-pair, the combine, the combine with the shared expert's output, a sparse table's
-    pairs); every row alone gives its per-pair bits in the batch (a pass's other columns never meet
-    its own: batch invariance); experts read from page-locked host memory give the bits of HBM; up to 8
-    rows the other schedule (items against the even deal of warp tasks) gives the same bits. From 3 rows
-    on expert 0 is in every row: a slot of M pairs, passes of 8, the last one partial at 9, 16 and 64
-    rows."""
-    from megastep.kernels import moe_lut
-
-    monkeypatch.setattr(moe_lut, "GATE_UP_GM", True)
-    assert moe_lut._ring_fits(0, moe_lut.gm_shared_bytes(4096)) or torch.cuda.get_device_capability()[0] < 9
-    ex, x, ids, wts = _many_pair_inputs(M, 43)
+def _group_major_checks(M, seed):
+    """The checks of a group-major kernel (the settings already made) on _many_pair_inputs(M, seed): the combine
+    against the reference; three calls bit-identical in the four lut outputs; rows 0, M / 2 and M - 1 alone give
+    their per-pair bits in the batch; experts in page-locked host memory give the combine of HBM. Returns the
+    outputs function and the first call's outputs."""
+    ex, x, ids, wts = _many_pair_inputs(M, seed)
     outputs = _lut_outputs(ex, x, ids, wts)
     want = outputs()
     check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
@@ -705,6 +694,26 @@ def test_gpu_lut_group_major_gate_up(M, monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(moe_experts_table(x, ids, wts, host, config=pick_config(M, 6, 32, 4096, 2048, mode="lut")),
                        want[1])
+    return outputs, want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 2, 3, 9, 16, 64])
+def test_gpu_lut_group_major_gate_up(M, monkeypatch):
+    """The group-major gate-up (moe_lut.GATE_UP_GM, every gate-up launch: passes of 8 pairs) at V4-Flash
+    expert shapes: the combine matches the reference; three calls give the same bits in all four
+    outputs (per-pair, the combine, the combine with the shared expert's output, a sparse table's
+    pairs); every row alone gives its per-pair bits in the batch (a pass's other columns never meet
+    its own: batch invariance); experts read from page-locked host memory give the bits of HBM; up to 8
+    rows the other schedule (items against the even deal of warp tasks) gives the same bits. From 3 rows
+    on expert 0 is in every row: a slot of M pairs, passes of 8, the last one partial at 9, 16 and 64
+    rows."""
+    from megastep.kernels import moe_lut
+
+    monkeypatch.setattr(moe_lut, "GATE_UP_GM", True)
+    assert moe_lut._ring_fits(0, moe_lut.gm_shared_bytes(4096)) or torch.cuda.get_device_capability()[0] < 9
+    outputs, want = _group_major_checks(M, 43)
     # the other schedule (items where the spread was taken, the spread where items were) gives the same bits
     if M <= moe_lut.GM_PAIRS:
         monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", () if M in moe_lut.GM_SPREAD_ROWS else (M,))
@@ -726,23 +735,7 @@ def test_gpu_lut_group_major_down(M, monkeypatch):
 
     monkeypatch.setattr(moe_lut, "DOWN_GM", True)
     assert moe_lut._ring_fits(0, moe_lut.gm_shared_bytes(2048)) or torch.cuda.get_device_capability()[0] < 9
-    ex, x, ids, wts = _many_pair_inputs(M, 47)
-    outputs = _lut_outputs(ex, x, ids, wts)
-    want = outputs()
-    check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
-    for _ in range(2):
-        got = outputs()
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-    full = ExpertTable.from_stacked(*(ex[n] for n in ("w13", "w13_scale", "w2", "w2_scale")))
-    for m in sorted({0, M // 2, M - 1}):
-        alone = moe_experts_table(x[m:m + 1], ids[m:m + 1], wts[m:m + 1], full,
-                                  config=pick_config(1, 6, 32, 4096, 2048, mode="lut"), return_pairs=True)
-        assert torch.equal(alone[0], want[0][m]), m
-    cold = [tuple(t.cpu().pin_memory() for t in p) if e % 2 else p for e, p in enumerate(_parts(ex))]
-    host = ExpertTable.from_experts(cold, device="cuda")
-    torch.cuda.synchronize()
-    assert torch.equal(moe_experts_table(x, ids, wts, host, config=pick_config(M, 6, 32, 4096, 2048, mode="lut")),
-                       want[1])
+    _group_major_checks(M, 47)
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -813,42 +806,58 @@ def test_lut_kernels_build_for_sm90():
         assert_builds_without_spills(moe_lut.SOURCE, probed, flags=flags)
 
 
-def test_lut_down_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
-    """moe_lut.down takes moe_down_lut4 from DOWN4_MIN_ROWS rows on (never while it is None), with the shared
-    memory of 4 rows of x and the K half 0 sums after the table."""
+def _launch_down(moe_lut, launched, M, I=2048, D=4096, topk=6):
+    """moe_lut.down over M rows of zeros (a table of 256 experts, the combine on), and its launch's record."""
+    pairs = torch.zeros(M * topk, dtype=torch.int32)
+    addr = torch.zeros(256, 4, dtype=torch.int64)
+    y = torch.zeros(M * topk, D, dtype=torch.bfloat16)
+    moe_lut.down(torch.zeros(M * topk, I, dtype=torch.bfloat16), addr, pairs, pairs, pairs, pairs, pairs, y,
+                 torch.zeros(M, D), pairs, D, I, (1, 1), topk, False, True)
+    return launched.pop()
+
+
+def _spy_lut_launches(monkeypatch, names):
+    """moe_lut's kernels `names` replaced by spies that record each launch as (name, grid x, block x, shared
+    memory, argument count); 132 SMs; a CTA gets fits["smem"] bytes of shared memory (a Hopper's 227 KB).
+    Returns (the records, fits)."""
     from megastep.kernels import moe_lut
 
-    launched = []
+    launched, fits = [], {"smem": 227 << 10}
 
     class Spy:
         def __init__(self, name):
             self.name = name
 
         def launch(self, grid, block, smem, stream, *args, pdl=False):
-            launched.append((self.name, smem, len(args)))
+            launched.append((self.name, grid[0], block[0], smem, len(args)))
 
-    monkeypatch.setattr(moe_lut, "_DOWN", Spy("down"))
-    monkeypatch.setattr(moe_lut, "_DOWN4", Spy("down4"))
+    for name in names:
+        monkeypatch.setattr(moe_lut, name, Spy(name))
     monkeypatch.setattr(moe_lut, "_sms", lambda index: 132)
-    I, D, topk = 2048, 4096, 6
+    monkeypatch.setattr(moe_lut, "_ring_fits", lambda index, nbytes: nbytes <= fits["smem"])
+    return launched, fits
+
+
+def test_lut_down_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
+    """moe_lut.down takes moe_down_lut4 from DOWN4_MIN_ROWS rows on (never while it is None), with the shared
+    memory of 4 rows of x and the K half 0 sums after the table."""
+    from megastep.kernels import moe_lut
+
+    launched, _ = _spy_lut_launches(monkeypatch, ("_DOWN", "_DOWN4"))
+    I = 2048
 
     def call(M):
-        pairs = torch.zeros(M * topk, dtype=torch.int32)
-        addr = torch.zeros(32, 4, dtype=torch.int64)
-        y = torch.zeros(M * topk, D, dtype=torch.bfloat16)
-        moe_lut.down(torch.zeros(M * topk, I, dtype=torch.bfloat16), addr, pairs, pairs, pairs, pairs, pairs, y,
-                     torch.zeros(M, D), pairs, D, I, (1, 1), topk, False, True)
-        return launched.pop()
+        return _launch_down(moe_lut, launched, M)
 
     assert moe_lut.DOWN4_MIN_ROWS == 8  # measured to gain at 8-64 rows on one H100, to lose at 1-2
-    assert [call(m)[0] for m in (1, 4, 7, 8, 16, 64)] == ["down", "down", "down", "down4", "down4", "down4"]
+    assert [call(m)[0] for m in (1, 4, 7, 8, 16, 64)] == ["_DOWN", "_DOWN", "_DOWN", "_DOWN4", "_DOWN4", "_DOWN4"]
     monkeypatch.setattr(moe_lut, "DOWN4_MIN_ROWS", None)
-    assert [call(m)[0] for m in (1, 16, 64)] == ["down"] * 3
+    assert [call(m)[0] for m in (1, 16, 64)] == ["_DOWN"] * 3
     monkeypatch.setattr(moe_lut, "DOWN4_MIN_ROWS", 32)
     got = [call(m) for m in (1, 31, 32, 64)]
-    assert [g[0] for g in got] == ["down", "down", "down4", "down4"]
-    assert got[0][1] == moe_lut.LUT_BYTES + 4 * I and got[2][1] == moe_lut.LUT_BYTES + 8 * I + 8192
-    assert len({g[2] for g in got}) == 1  # the same arguments either way
+    assert [g[0] for g in got] == ["_DOWN", "_DOWN", "_DOWN4", "_DOWN4"]
+    assert got[0][3] == moe_lut.LUT_BYTES + 4 * I and got[2][3] == moe_lut.LUT_BYTES + 8 * I + 8192
+    assert len({g[4] for g in got}) == 1  # the same arguments either way
     # the pass width the bench counts down's passes at (bench.routed_reads) follows the same rule
     assert [moe_lut.down_pairs_per_pass(m) for m in (1, 31, 32, 64)] == [2, 2, 4, 4]
 
@@ -860,29 +869,11 @@ def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
     memory keeps moe_down_lut / moe_down_lut4; the bench counts its passes at GM_PAIRS pairs."""
     from megastep.kernels import moe_lut
 
-    launched = []
-
-    class Spy:
-        def __init__(self, name):
-            self.name = name
-
-        def launch(self, grid, block, smem, stream, *args, pdl=False):
-            launched.append((self.name, grid[0], block[0], smem, len(args)))
-
-    for name in ("_DOWN", "_DOWN4", "_DOWN_GM"):
-        monkeypatch.setattr(moe_lut, name, Spy(name))
-    monkeypatch.setattr(moe_lut, "_sms", lambda index: 132)
-    fits = {"smem": 227 << 10}
-    monkeypatch.setattr(moe_lut, "_ring_fits", lambda index, nbytes: nbytes <= fits["smem"])
-    I, D, topk = 2048, 4096, 6
+    launched, fits = _spy_lut_launches(monkeypatch, ("_DOWN", "_DOWN4", "_DOWN_GM"))
+    I = 2048
 
     def call(M):
-        pairs = torch.zeros(M * topk, dtype=torch.int32)
-        addr = torch.zeros(256, 4, dtype=torch.int64)
-        y = torch.zeros(M * topk, D, dtype=torch.bfloat16)
-        moe_lut.down(torch.zeros(M * topk, I, dtype=torch.bfloat16), addr, pairs, pairs, pairs, pairs, pairs, y,
-                     torch.zeros(M, D), pairs, D, I, (1, 1), topk, False, True)
-        return launched.pop()
+        return _launch_down(moe_lut, launched, M)
 
     assert not moe_lut.DOWN_GM  # built to measure: off
     assert all(call(m)[0] != "_DOWN_GM" for m in (1, 8, 64))
@@ -921,21 +912,9 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     none does; a device that cannot give the shared memory keeps the other kernels."""
     from megastep.kernels import moe_lut
 
-    launched = []
-
-    class Spy:
-        def __init__(self, name):
-            self.name = name
-
-        def launch(self, grid, block, smem, stream, *args, pdl=False):
-            launched.append((self.name, grid[0], block[0], smem, len(args)))
-
-    for name in ("_GATE_UP", "_GATE_UP_SPREAD", "_GATE_UP_RING", "_GATE_UP_SPREAD_RING", "_GATE_UP_RING_MIX",
-                 "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP_GM", "_GATE_UP_GM_SPREAD"):
-        monkeypatch.setattr(moe_lut, name, Spy(name))
-    monkeypatch.setattr(moe_lut, "_sms", lambda index: 132)
-    fits = {"smem": 227 << 10}
-    monkeypatch.setattr(moe_lut, "_ring_fits", lambda index, nbytes: nbytes <= fits["smem"])
+    launched, fits = _spy_lut_launches(monkeypatch, ("_GATE_UP", "_GATE_UP_SPREAD", "_GATE_UP_RING",
+                                                     "_GATE_UP_SPREAD_RING", "_GATE_UP_RING_MIX",
+                                                     "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP_GM", "_GATE_UP_GM_SPREAD"))
     D, I, topk = 4096, 2048, 6
 
     def call(M):
