@@ -262,6 +262,14 @@ zc_tests() {  # the zero-copy sidecar's GPU tests (offload_zc, offload_zc16)
   step zc_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/kernels/test_sidecar_zero_copy.py \
     'tests/test_fast_gpu.py::test_polling_sidecar_gives_the_host_functions_bits'
 }
+final_tests() {  # the bit tests of the fast step, the lut and CUDA routing GPU tests (final, gmdefault)
+  step final_tests 380 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
+    tests/kernels/test_moe.py tests/kernels/test_route_cuda.py \
+    -k "cold_expert or alone or same_input or graph_replay or indexer_beside or lut or route"
+}
+gm_default_ab() {  # the defaults of 2026-12-07 09:00 against the day's start, 1-64 rows (gmdefault, gm_ab)
+  ab gm_default 200 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm "start=$START1207" --arm "now="
+}
 final_step() {  # the step of the table at the top of docs/PERFORMANCE.md (final, table)
   bench final 170 --layers 30 --batch 1,2,4,8,16,32,64
   reads_lines final
@@ -511,9 +519,7 @@ for group in "$@"; do
       done ;;
     final)  # the defaults at the end of a session: the bit tests of the fast step, the lut and CUDA routing GPU tests,
       # then the step at 1-64 rows
-      step final_tests 380 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
-        tests/kernels/test_moe.py tests/kernels/test_route_cuda.py \
-        -k "cold_expert or alone or same_input or graph_replay or indexer_beside or lut or route"
+      final_tests
       final_step ;;
     down4rows)  # where down's passes of 4 pairs pay (on one H100, 16 layers, 2026-12-07: -1.2 / -3.1 / -5.7 % at
       # 16 / 32 / 64 rows, -7.1 % at 64 skewed; never measured below 16): its GPU tests, then the step with it on every
@@ -564,14 +570,12 @@ for group in "$@"; do
       ab gmsms 200 --layers 30 --batch 1,2 --rounds 3 "${arms[@]}" ;;
     gmdefault)  # the session's defaults of 2026-12-07 (the group-major gate-up, down4 from 8 rows) against its start,
       # 1-64 rows, 3 rounds; final's bit tests; the table at the top of docs/PERFORMANCE.md
-      ab gm_default 200 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm "start=$START1207" --arm "now="
-      step final_tests 380 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
-        tests/kernels/test_moe.py tests/kernels/test_route_cuda.py \
-        -k "cold_expert or alone or same_input or graph_replay or indexer_beside or lut or route"
+      gm_default_ab
+      final_tests
       final_step ;;
     gm_ab)  # gmdefault's A/B alone (with `table` after it: the H200's 30-layer step without the bit tests, which ran on
       # an H100)
-      ab gm_default 200 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm "start=$START1207" --arm "now=" ;;
+      gm_default_ab ;;
     gm_ncu)  # the group-major gate-up against the pair-major ring (2026-12-07: ncu found the group-major kernel's first
       # layout 1.6x slower at 16 rows, its copies 8x the ideal shared-memory wavefronts): the experts calls alone at
       # 1, 2, 16 and 64 rows, each kernel's time; then per SASS instruction the stall reasons and shared-memory

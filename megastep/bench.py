@@ -171,7 +171,8 @@ def routed_reads(dec, placement, rows: int, context: int, block: int = 1, steps:
     kernels make over those experts' weights (`expert_passes`): gate-up's (8 pairs a pass with
     moe_lut.GATE_UP_GM), and down's (wider from moe_lut.DOWN4_MIN_ROWS rows on)."""
     tokens, pos, slots = _rows(dec.device, rows, context, block)
-    down_width, width = moe_lut.down_pairs_per_pass(rows * block, dec.device, dec.cfg.moe_intermediate_size), moe_lut.gate_up_pairs_per_pass(dec.device, dec.cfg.hidden_size)
+    down_width = moe_lut.down_pairs_per_pass(rows * block, dec.device, dec.cfg.moe_intermediate_size)
+    width = moe_lut.gate_up_pairs_per_pass(dec.device, dec.cfg.hidden_size)
     hot, cold, passes, down_passes, most = [], [], [], [], []
     for _ in range(steps):
         dec.route_log = []

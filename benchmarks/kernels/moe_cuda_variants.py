@@ -128,8 +128,8 @@ def main() -> None:
                 r.update(ok=ok, rel_l2=rel, max_err_rel=mx, deterministic=torch.equal(y, y2),
                          batch_invariant=torch.equal(alone[0], y[0]))
                 if engine.startswith("lut"):
-                    kind = (lut_settings(engine).get("GATE_UP_GM", LUTK.GATE_UP_GM),
-                            lut_settings(engine).get("DOWN_GM", LUTK.DOWN_GM))
+                    settings = lut_settings(engine)
+                    kind = tuple(settings.get(n, getattr(LUTK, n)) for n in ("GATE_UP_GM", "DOWN_GM"))
                     first = first_lut.setdefault(kind, y)
                     r.update(same_bits_as_first_lut=torch.equal(y, first))
                 calls = [lambda ids=ids, wts=wts, ex=copies[i % len(copies)]: MOE.moe_experts_mxfp4(x, ids, wts, **ex)

@@ -12,8 +12,8 @@ table lookup whose address one `prmt` forms (in the ring gate-up, for half of th
 register decode: RING_MIX), and in down each lane's MMA operands stay in its registers with a
 block-diagonal B so every MXFP4 group's scale multiplies only its own sum, while gate-up's
 group-major kernel takes its weights back from shared memory by ldmatrix so that an MMA's k16 is
-one group (the .cu explains all three); Triton expresses none of it. Measured against the Triton "dot_asm" kernels in
-docs/PERFORMANCE.md (tenth measurement).
+one group (the .cu explains all three); Triton expresses none of it. Measured against the Triton
+"dot_asm" kernels in docs/PERFORMANCE.md (tenth measurement).
 
 Grids are static, so launches are captured by CUDA graphs. Every gate-up launch takes the group-major
 kernels (GATE_UP_GM, a device with their shared memory): one CTA of GM_WARPS warps per SM, taking
@@ -22,8 +22,9 @@ tasks dealt out evenly. down (and gate-up without GATE_UP_GM, with other bits): 
 threads per SM, each taking (expert slot, 128 weight rows) items in turn, each warp streaming whole
 rows; gate-up launches of M in SPREAD_ROWS rows deal the warps' tasks out evenly over one CTA per SM
 instead, and those of ring_rows(M) take one CTA of 512 threads per SM whose halves run items apart:
-the same bits (DOWN_GM, built and off: down in the group-major body too, other bits); build and load happen at the first call (`cuda_module`), which must come before any
-capture (the runtime's warm-up steps do it).
+the same bits (DOWN_GM, built and off: down in the group-major body too, other bits). Build and load
+happen at the first call (`cuda_module`), which must come before any capture (the runtime's warm-up
+steps do it).
 When the step uses PDL (`common.pdl_enabled()`, read at launch) both launch with programmatic
 stream serialization: gate-up builds its decode table while the router drains, down also
 requests its first weights before the activation quantization has finished (the .cu's `run`
@@ -208,11 +209,13 @@ def gate_up_pairs_per_pass(device: torch.device | None = None, D: int = 4096) ->
     """The pairs a pass of a gate-up launch over D takes: GM_PAIRS with GATE_UP_GM on a CUDA device that
     gives the group-major kernel its shared memory (as gate_up decides; any other device: as if it did),
     else PAIRS_PER_PASS."""
-    if not GATE_UP_GM:
-        return PAIRS_PER_PASS
-    if device is not None and device.type == "cuda" and not _ring_fits(device.index, gm_shared_bytes(D)):
-        return PAIRS_PER_PASS
-    return GM_PAIRS
+    return GM_PAIRS if GATE_UP_GM and _gm_room(device, D) else PAIRS_PER_PASS
+
+
+def _gm_room(device: torch.device | None, K: int) -> bool:
+    """Whether `device` gives a group-major launch over K its shared memory, for counting passes (None or a
+    device that is not CUDA: as if it did)."""
+    return device is None or device.type != "cuda" or _ring_fits(device.index, gm_shared_bytes(K))
 
 
 def _ring_kernel(plain, mixed, want_mix: bool, index: int, K: int, halves: int, slot_warps: int):
@@ -243,8 +246,7 @@ def down_pairs_per_pass(M: int, device: torch.device | None = None, I: int = 204
     """The pairs a pass of a down launch of M rows over I takes: GM_PAIRS with DOWN_GM on a CUDA device
     that gives moe_down_gm its shared memory (as down decides; any other device: as if it did), else 4
     (moe_down_lut4) from DOWN4_MIN_ROWS rows on, else PAIRS_PER_PASS."""
-    if DOWN_GM and not (device is not None and device.type == "cuda" and not _ring_fits(device.index,
-                                                                                       gm_shared_bytes(I))):
+    if DOWN_GM and _gm_room(device, I):
         return GM_PAIRS
     return 4 if _down4(M) else PAIRS_PER_PASS
 

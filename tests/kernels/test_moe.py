@@ -928,7 +928,8 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     assert moe_lut.GATE_UP_GM and moe_lut.GM_SPREAD_ROWS == (2, 3, 4, 5, 6, 7, 8)
     got = {m: call(m) for m in (1, 2, 4, 8, 9, 64)}
     # 2-8 rows the even deal of warp tasks (its `rows` argument more), 1 row and from 9 on items
-    assert [got[m][0] for m in (1, 2, 4, 8, 9, 64)] == ["_GATE_UP_GM"] + ["_GATE_UP_GM_SPREAD"] * 3 + ["_GATE_UP_GM"] * 2
+    assert [got[m][0] for m in (1, 2, 4, 8, 9, 64)] == (["_GATE_UP_GM"] + ["_GATE_UP_GM_SPREAD"] * 3
+                                                         + ["_GATE_UP_GM"] * 2)
     assert moe_lut.gm_shared_bytes(D) == 65536 + 8 * (2 * D + 64) + 16 * 3 * 2048 <= 227 << 10
     assert {(g[2], g[3]) for g in got.values()} == {(512, moe_lut.gm_shared_bytes(D))}
     assert got[1][1] == 6 * 2048 // 128  # items (slot, 128 channels): 1 row 96 CTAs
