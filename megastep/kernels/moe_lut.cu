@@ -1134,8 +1134,9 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
     warp_sums_gm(st, smem, xsm + xr * pitch + t * 16, g < np, total);
     epi(start, c0, np, r0, r1, total);
   };
-  // a slot's table entry, and its count (0 for an expert absent from a sparse table)
-  auto entry = [&](int slot) { return a.tab + 4LL * __ldcg(a.slot_e + slot); };
+  // a slot's table entry (w13's address and scales' or w2's), and its count (0 for an expert absent from a
+  // sparse table)
+  auto entry = [&](int slot) { return a.tab + 4LL * __ldcg(a.slot_e + slot) + (a.down ? 2 : 0); };
   auto count = [&](int slot, const long long* ent) { return a.sparse && ent[0] == 0 ? 0 : __ldcg(a.slot_cnt + slot); };
   if constexpr (kSpread) {
     for (int i = threadIdx.x; i < a.spread * units; i += kGmThreads) stage(i / units, i / units, i % units);
