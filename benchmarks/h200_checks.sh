@@ -39,7 +39,7 @@
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh gm_short   # gm's GPU tests, its step A/B at 1, 16 and 64 rows, 2 rounds (~4.5 min)
 #   bash benchmarks/h200_checks.sh gm_ncu     # the group-major gate-up against the pair-major ring: the experts calls alone, their stall reasons and shared-memory wavefronts per instruction (ncu) (~3 min)
-#   bash benchmarks/h200_checks.sh gmdown     # the group-major down (built, off): its GPU tests, the experts calls alone, the step A/B at 1-64 rows, the bit tests, 64 skewed (~7 min)
+#   bash benchmarks/h200_checks.sh gmdown     # the group-major down (the default) against the pair-major: its GPU tests, the experts calls alone, the step A/B at 1-64 rows, the bit tests, 64 skewed (~2 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh down_ncu   # down's stall reasons and shared-memory wavefronts per instruction at 16 and 64 rows (ncu) (~1.5 min)
 #   bash benchmarks/h200_checks.sh gmsms      # the group-major even deal at 1-2 rows on 104-132 CTAs against items at 1 row (~2 min)
 #   bash benchmarks/h200_checks.sh gm_ab      # gmdefault's A/B alone (~2 min)
@@ -234,10 +234,10 @@ ATTN_V8="$ATTN_V8; f[(64, 128, 512)] = (1, r(f[(64, 128, 512)][1], dv_split=8))"
 GATE8='import megastep.kernels.dense as d; d._PINNED[(256, 4096)] = d.DenseConfig(32, 256, 8, 4, 3)'
 # recipe B's job posted and collected without copies (runtime/sidecar.ZERO_COPY), for offload_zc and offload_b
 ZC='import megastep.runtime.sidecar as s; s.ZERO_COPY = True'
-# the pair-major gate-up kernels (moe_lut.GATE_UP_GM off: the default before 2026-12-07), and the group-major
-# kernels' GPU tests, for gm and gm_short; the session's start on 2026-12-07 (pair-major gate-up, down4 from 16
-# rows) for gmdefault
-PAIRS='import megastep.kernels.moe_lut as m; m.GATE_UP_GM = False'
+# the pair-major kernels (moe_lut.GATE_UP_GM and DOWN_GM off: the default before 2026-12-07), and the group-major
+# kernels' GPU tests, for gm and gm_short; the session's start on 2026-12-07 07:53 (pair-major kernels, down4 from
+# 16 rows) for gmdefault and gm_ab
+PAIRS='import megastep.kernels.moe_lut as m; m.GATE_UP_GM = False; m.DOWN_GM = False'
 START1207="$PAIRS; m.DOWN4_MIN_ROWS = 16"
 gm_tests() { step gm_tests "$1" python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_moe.py -k "group_major"; }
 
@@ -267,7 +267,8 @@ final_tests() {  # the bit tests of the fast step, the lut and CUDA routing GPU 
     tests/kernels/test_moe.py tests/kernels/test_route_cuda.py \
     -k "cold_expert or alone or same_input or graph_replay or indexer_beside or lut or route"
 }
-gm_default_ab() {  # the defaults of 2026-12-07 09:00 against the day's start, 1-64 rows (gmdefault, gm_ab)
+gm_default_ab() {  # the defaults (since 2026-12-07 10:16: group-major gate-up and down) against the day's start, 1-64
+  # rows (gmdefault, gm_ab)
   ab gm_default 200 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm "start=$START1207" --arm "now="
 }
 final_step() {  # the step of the table at the top of docs/PERFORMANCE.md (final, table)
@@ -545,18 +546,19 @@ for group in "$@"; do
     gm_short)  # gm's GPU tests and its step A/B at 1, 16 and 64 rows in 2 rounds, for a call with ~5 min left
       gm_tests 100
       ab gm_short 170 --layers 30 --batch 1,16,64 --rounds 2 --arm "pairs=$PAIRS" --arm "gm=" ;;
-    gmdown)  # the group-major down (moe_lut.DOWN_GM, built 2026-12-07, off: passes of 8 pairs, its weights through
-      # cp.async slots): its GPU tests, the experts calls alone against the defaults, the step at 1-64 rows, 3
-      # rounds, the step's bit tests with it on, 64 rows skewed
-      GMD='import megastep.kernels.moe_lut as m; m.DOWN_GM = True'
+    gmdown)  # the group-major down (moe_lut.DOWN_GM, the default since 2026-12-07 10:16: passes of 8 pairs, its
+      # weights through cp.async slots) against the pair-major down (down4 from 8 rows): its GPU tests, the experts
+      # calls alone, the step at 1-64 rows, 3 rounds, the step's bit tests, 64 rows skewed. (Measured at 918749c,
+      # where it was off, as arms now= against DOWN_GM = True: the same two states.)
+      PMD='import megastep.kernels.moe_lut as m; m.DOWN_GM = False'
       step gmdown_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_moe.py \
         -k "group_major_down"
       step gmdown_kernels 120 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/gmdown_kernels" \
-        --ms 1,16,64 --engines lut,lut_gm_down
-      ab gmdown 200 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm "now=" --arm "gmdown=$GMD"
-      step gmdown_step_tests 150 python3 -c "$GMD; import sys, pytest; sys.exit(pytest.main(['-q', '-rfE', \
-        '--timeout', '120', '-m', 'gpu', 'tests/test_fast_gpu.py', '-k', 'alone or same_input or graph_replay']))"
-      ab gmdown_skewed 90 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "now=" --arm "gmdown=$GMD" ;;
+        --ms 1,16,64 --engines lut_gm,lut
+      ab gmdown 200 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm "pairdown=$PMD" --arm "now="
+      step gmdown_step_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
+        -k "alone or same_input or graph_replay"
+      ab gmdown_skewed 90 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "pairdown=$PMD" --arm "now=" ;;
     down_ncu)  # what bounds down at 16 and 64 rows (2026-12-07, one H100: ~2.1 TB/s alone, against gate-up's 2.7-2.8):
       # per SASS instruction its stall reasons and shared-memory wavefronts (ncu, the call's second down launch, down4
       # from 8 rows), as gm_ncu did for gate-up

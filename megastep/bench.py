@@ -169,7 +169,7 @@ def routed_reads(dec, placement, rows: int, context: int, block: int = 1, steps:
     the decoder's route log on, and in each the distinct (layer, expert) pairs, counted by where
     `placement` keeps them (HBM: hot, host memory: cold); with them the passes the "lut" experts
     kernels make over those experts' weights (`expert_passes`): gate-up's (8 pairs a pass with
-    moe_lut.GATE_UP_GM), and down's (wider from moe_lut.DOWN4_MIN_ROWS rows on)."""
+    moe_lut.GATE_UP_GM), and down's (8 with moe_lut.DOWN_GM, else wider from DOWN4_MIN_ROWS rows on)."""
     tokens, pos, slots = _rows(dec.device, rows, context, block)
     down_width = moe_lut.down_pairs_per_pass(rows * block, dec.device, dec.cfg.moe_intermediate_size)
     width = moe_lut.gate_up_pairs_per_pass(dec.device, dec.cfg.hidden_size)
@@ -195,8 +195,9 @@ def routed_reads(dec, placement, rows: int, context: int, block: int = 1, steps:
 def expert_passes(pairs_per_expert, per_pass: int = moe_lut.PAIRS_PER_PASS) -> int:
     """The passes the "lut" experts kernels make over the weights of experts with these pair counts:
     an item streams its rows once for every `per_pass` of the expert's pairs (the kernels':
-    moe_lut.PAIRS_PER_PASS), so an expert that 5 rows route to is streamed 3 times (gate-up's passes;
-    down's below moe_lut.DOWN4_MIN_ROWS rows, from there on passes of 4). Against the experts read it says
+    moe_lut.PAIRS_PER_PASS), so an expert that 5 rows route to is streamed 3 times (the pair-major kernels'
+    passes: gate-up's, and down's below moe_lut.DOWN4_MIN_ROWS rows, from there on passes of 4; the
+    group-major kernels' take moe_lut.GM_PAIRS). Against the experts read it says
     how much of a step's expert work grows with the rows rather than with the bytes."""
     return sum(-(-c // per_pass) for c in pairs_per_expert)
 

@@ -270,6 +270,7 @@ def test_routed_reads_count_what_the_rows_route_to(tiny, monkeypatch):
         return Placement(L, E, k, 1, 0, L * E, order, L * E - len(cold), tuple((1 / E,) * E for _ in range(L)))
 
     monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # (first the pair-major kernels' passes: 2 pairs each)
+    monkeypatch.setattr(moe_lut, "DOWN_GM", False)
     one = bench.routed_reads(dec, placement(set()), 1, 8, steps=2)
     assert one == {"steps": 2, "hot_per_step": [L * k] * 2, "cold_per_step": [0, 0], "passes_per_step": [L * k] * 2,
                    "down_passes_per_step": [L * k] * 2, "down_pairs_per_pass": 2, "pairs_per_pass": 2,
@@ -293,11 +294,13 @@ def test_routed_reads_count_what_the_rows_route_to(tiny, monkeypatch):
     for h, c, n, d, most in zip(wide["hot_per_step"], wide["cold_per_step"], wide["passes_per_step"],
                                 wide["down_passes_per_step"], wide["most_pairs"]):
         assert d == h + c and (n > h + c) == (most == 3)  # down: one pass an expert; gate-up as before
-    # the group-major gate-up (moe_lut.GATE_UP_GM) takes 8 pairs a pass: one an expert here too
+    # the group-major gate-up and down (moe_lut.GATE_UP_GM, DOWN_GM) take 8 pairs a pass: one an expert here too
     monkeypatch.setattr(moe_lut, "GATE_UP_GM", True)
+    monkeypatch.setattr(moe_lut, "DOWN_GM", True)
     gm = bench.routed_reads(dec, placement(hashed), 3, 8, steps=2)
-    assert gm["pairs_per_pass"] == 8
-    assert all(n == h + c for h, c, n in zip(gm["hot_per_step"], gm["cold_per_step"], gm["passes_per_step"]))
+    assert gm["pairs_per_pass"] == gm["down_pairs_per_pass"] == 8
+    assert all(n == d == h + c for h, c, n, d in zip(gm["hot_per_step"], gm["cold_per_step"], gm["passes_per_step"],
+                                                      gm["down_passes_per_step"]))
 
 
 def test_expert_passes_count_two_pairs_a_pass():

@@ -1,7 +1,7 @@
 """The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's Triton
 kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels, kernels/moe_lut.py), or
-"lut" with the pair-major gate-up kernels ("lut_pairs": moe_lut.GATE_UP_GM off, their defaults;
-every engine below but "lut_gm" takes them), or with whole items per CTA at every M ("lut_items":
+"lut" with the pair-major kernels ("lut_pairs": moe_lut.GATE_UP_GM and DOWN_GM off, their defaults;
+every engine below but "lut_gm" and "lut_gm_down" takes them), or with whole items per CTA at every M ("lut_items":
 moe_lut.SPREAD_ROWS = ()), or with the
 spread gate-up at 1 and 2 rows ("lut_spread": (1, 2), its weights in registers; "lut_spread_ring":
 in the ring's slots, moe_lut.SPREAD_RING, with the table's decode), or with the gate-up's weight
@@ -9,9 +9,10 @@ steps in flight in shared memory at every M ("lut_ring": moe_lut.RING_MIN_ROWS =
 ("lut_noring": None), or with the ring gate-up decoding half of its groups in registers with fp16
 MMAs ("lut_mix": moe_lut.RING_MIX on) or none ("lut_table": off), or the spread gate-up at 1 and 2
 rows with the ring's slots and the mixed decode ("lut_spread_mix": moe_lut.SPREAD_RING_MIX, the
-default at 2 rows since 2026-12-01), or with the group-major gate-up on every launch ("lut_gm":
-moe_lut.GATE_UP_GM, the default since 2026-12-07), whose sums run in another order, and with the
-group-major down too ("lut_gm_down": moe_lut.DOWN_GM, built 2026-12-07, off); each engine's outputs
+default at 2 rows since 2026-12-01), or with the group-major gate-up on every launch and the
+pair-major down ("lut_gm": moe_lut.GATE_UP_GM, the default from 2026-12-07 07:53 to 10:16), whose sums
+run in another order, and with the group-major down too ("lut_gm_down": moe_lut.DOWN_GM, the default
+since 2026-12-07 10:16, as "lut"); each engine's outputs
 must equal bit for bit those of the first engine with the same order of sums (the same GATE_UP_GM and
 DOWN_GM). (Earlier experiments measured with it and removed: a CUDA C++
 gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the
@@ -50,7 +51,7 @@ from megastep.kernels import moe_lut as LUTK  # noqa: E402
 
 
 def lut_settings(engine: str) -> dict:
-    """moe_lut's settings of a lut engine (the pair-major ones with GATE_UP_GM off)."""
+    """moe_lut's settings of a lut engine (the pair-major ones with GATE_UP_GM and DOWN_GM off)."""
     pair_major = {"lut_pairs": {}, "lut_items": {"SPREAD_ROWS": ()},
                   "lut_spread": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": False},
                   "lut_spread_ring": {"SPREAD_ROWS": (1, 2), "SPREAD_RING": True, "SPREAD_RING_MIX": False},
@@ -58,8 +59,9 @@ def lut_settings(engine: str) -> dict:
                   "lut_ring": {"RING_MIN_ROWS": 1}, "lut_noring": {"RING_MIN_ROWS": None},
                   "lut_mix": {"RING_MIX": True}, "lut_table": {"RING_MIX": False}}
     if engine in pair_major:
-        return {"GATE_UP_GM": False, **pair_major[engine]}
-    return {"lut_gm": {"GATE_UP_GM": True}, "lut_gm_down": {"DOWN_GM": True}}.get(engine, {})
+        return {"GATE_UP_GM": False, "DOWN_GM": False, **pair_major[engine]}
+    return {"lut_gm": {"GATE_UP_GM": True, "DOWN_GM": False}, "lut_gm_down": {"GATE_UP_GM": True, "DOWN_GM": True}}.get(
+        engine, {})
 
 
 def run(engine, fn):
@@ -104,7 +106,7 @@ def main() -> None:
     bw = BK.measure_bandwidth()["read"]
     lut = [k.attributes() for k in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD, LUTK._GATE_UP_RING,
                                     LUTK._GATE_UP_SPREAD_RING, LUTK._GATE_UP_RING_MIX, LUTK._GATE_UP_SPREAD_RING_MIX,
-                                    LUTK._GATE_UP_GM, LUTK._GATE_UP_GM_SPREAD)]
+                                    LUTK._DOWN4, LUTK._GATE_UP_GM, LUTK._GATE_UP_GM_SPREAD, LUTK._DOWN_GM)]
     BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; lut kernels: {lut}")
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)

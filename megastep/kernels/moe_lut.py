@@ -15,14 +15,14 @@ group-major kernel takes its weights back from shared memory by ldmatrix so that
 one group (the .cu explains all three); Triton expresses none of it. Measured against the Triton
 "dot_asm" kernels in docs/PERFORMANCE.md (tenth measurement).
 
-Grids are static, so launches are captured by CUDA graphs. Every gate-up launch takes the group-major
-kernels (GATE_UP_GM, a device with their shared memory): one CTA of GM_WARPS warps per SM, taking
-(expert slot, 128 channels) items in turn, or for launches of M in GM_SPREAD_ROWS rows the warps'
-tasks dealt out evenly. down (and gate-up without GATE_UP_GM, with other bits): at most 2 CTAs of 256
-threads per SM, each taking (expert slot, 128 weight rows) items in turn, each warp streaming whole
-rows; gate-up launches of M in SPREAD_ROWS rows deal the warps' tasks out evenly over one CTA per SM
-instead, and those of ring_rows(M) take one CTA of 512 threads per SM whose halves run items apart:
-the same bits (DOWN_GM, built and off: down in the group-major body too, other bits). Build and load
+Grids are static, so launches are captured by CUDA graphs. Every gate-up and down launch takes the
+group-major kernels (GATE_UP_GM, DOWN_GM; a device with their shared memory): one CTA of GM_WARPS warps
+per SM, taking (expert slot, 128 channels of gate-up or 256 rows of w2) items in turn, or for gate-up
+launches of M in GM_SPREAD_ROWS rows the warps' tasks dealt out evenly. Without them (other bits), the
+pair-major kernels: at most 2 CTAs of 256 threads per SM, each taking (expert slot, 128 weight rows)
+items in turn, each warp streaming whole rows; gate-up launches of M in SPREAD_ROWS rows deal the
+warps' tasks out evenly over one CTA per SM instead, and those of ring_rows(M) take one CTA of 512
+threads per SM whose halves run items apart: the same bits. Build and load
 happen at the first call (`cuda_module`), which must come before any capture (the runtime's warm-up
 steps do it).
 When the step uses PDL (`common.pdl_enabled()`, read at launch) both launch with programmatic
@@ -65,7 +65,7 @@ CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared 
 # expert with more pairs streams its rows again (from L2 or HBM) for every further 2. (gate-up's;
 # down in launches of DOWN4_MIN_ROWS rows or more: twice as many.)
 PAIRS_PER_PASS = 2
-# Down launches of at least this many rows take moe_down_lut4: passes of 4 pairs, each decoded weight
+# Pair-major down launches (DOWN_GM off, or no room for it) of at least this many rows take moe_down_lut4: passes of 4 pairs, each decoded weight
 # fragment feeding two MMAs (pairs 0-1 and 2-3), so an expert with 3-4 pairs streams its rows once.
 # The same sums for every pair, so the same bits (GPU test). Why: the experts' loop is bound by its
 # instructions and a pass costs about the same whatever its bytes; at 64 rows the synthetic gates'
@@ -174,8 +174,11 @@ GM_SPREAD_ROWS = (2, 3, 4, 5, 6, 7, 8)
 # more bytes in flight than down's register stream, whose loads its warps wait on at 16-64 rows: ncu,
 # docs/PERFORMANCE.md 2026-12-07 from 07:53, item 8). Not the pair-major kernels' order of sums (every
 # launch or none); a device that cannot give it gm_shared_bytes(I) keeps moe_down_lut / moe_down_lut4.
-# Built 2026-12-07, to measure: off.
-DOWN_GM = False
+# Measured on one H100, 16 layers, the step against the pair-major down (down4 from 8 rows), 3 rounds
+# (docs/PERFORMANCE.md, 2026-12-07 from 10:16): -0.65 / -1.65 / -0.53 / -1.03 / -2.39 / -3.60 / -5.58 % at
+# 1 / 2 / 4 / 8 / 16 / 32 / 64 rows, -6.90 % at 64 rows under the skewed routing; the down launch alone
+# 17.9 against 21.0 us at 1 row, 372 against 430 at 64.
+DOWN_GM = True
 
 
 @functools.cache

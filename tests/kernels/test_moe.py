@@ -518,7 +518,7 @@ def test_gpu_lut_spread_gate_up_gives_the_same_bits(M, ring, monkeypatch):
     a slot holds both rows' pairs (two x rows staged)."""
     from megastep.kernels import moe_lut
 
-    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # (the pair-major kernels)
+    _pair_major(monkeypatch)
     monkeypatch.setattr(moe_lut, "SPREAD_RING", ring)
     monkeypatch.setattr(moe_lut, "RING_MIN_ROWS", None)  # (the whole items in registers)
     if ring:  # (on a Hopper the spread ring is taken: the arms differ)
@@ -564,7 +564,7 @@ def test_gpu_lut_slots_of_many_pairs(M, monkeypatch):
     outputs (per-pair, the combine, the combine with the shared expert's output, a sparse table's pairs)."""
     from megastep.kernels import moe_lut
 
-    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)
+    _pair_major(monkeypatch)
     ex, x, ids, wts = _many_pair_inputs(M, 17)
     outputs = _lut_outputs(ex, x, ids, wts)
 
@@ -572,6 +572,14 @@ def test_gpu_lut_slots_of_many_pairs(M, monkeypatch):
     check(want[1], moe_experts_mxfp4_ref(x, ids, wts, **ex))
     got = outputs()
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _pair_major(monkeypatch):
+    """The pair-major kernels for gate-up and down (moe_lut.GATE_UP_GM and DOWN_GM off): the tests of their forms."""
+    from megastep.kernels import moe_lut
+
+    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)
+    monkeypatch.setattr(moe_lut, "DOWN_GM", False)
 
 
 def _same_bits_when(monkeypatch, setting, off, on, smem, ex, x, ids, wts):
@@ -601,7 +609,7 @@ def test_gpu_lut_ring_gives_the_same_bits(M, monkeypatch):
     table's pairs; slots of one, two and several pairs (several passes); three calls."""
     from megastep.kernels import moe_lut
 
-    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # (the pair-major kernels)
+    _pair_major(monkeypatch)
     _same_bits_when(monkeypatch, "RING_MIN_ROWS", None, 1, moe_lut.shared_bytes(4096, 2, 16), *_many_pair_inputs(M, 23))
 
 
@@ -614,7 +622,7 @@ def test_gpu_lut_one_row_ring_on_fewer_sms_gives_the_same_bits(monkeypatch):
     from megastep.kernels import moe_lut
 
     assert moe_lut.ring_rows(1) and moe_lut._sms(0) > 96
-    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # (the pair-major kernels)
+    _pair_major(monkeypatch)
     _same_bits_when(monkeypatch, "RING_ONE_ROW_SMS", None, 96, moe_lut.shared_bytes(4096, 2, 16, mix=moe_lut.RING_MIX),
                     *_many_pair_inputs(1, 29))
 
@@ -630,6 +638,7 @@ def test_gpu_lut_down_in_passes_of_four_pairs_gives_the_same_bits(M, monkeypatch
     16 and 64 rows); three calls."""
     from megastep.kernels import moe_lut
 
+    _pair_major(monkeypatch)
     _same_bits_when(monkeypatch, "DOWN4_MIN_ROWS", None, 1, moe_lut.shared_bytes(2048, four=True),
                     *_many_pair_inputs(M, 41))
 
@@ -647,7 +656,7 @@ def test_gpu_lut_ring_mix_gives_the_same_bits(M, monkeypatch):
     from megastep.kernels import moe_lut
 
     assert moe_lut.ring_rows(M)
-    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # (the pair-major kernels)
+    _pair_major(monkeypatch)
     _same_bits_when(monkeypatch, "RING_MIX", False, True, moe_lut.shared_bytes(4096, 2, 16, mix=True),
                     *_many_pair_inputs(M, 37))
 
@@ -662,7 +671,7 @@ def test_gpu_lut_spread_ring_mix_gives_the_same_bits(M, monkeypatch):
     three calls."""
     from megastep.kernels import moe_lut
 
-    monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # (the pair-major kernels)
+    _pair_major(monkeypatch)
     monkeypatch.setattr(moe_lut, "SPREAD_ROWS", (1, 2))
     monkeypatch.setattr(moe_lut, "SPREAD_RING", True)
     ex, x, ids, wts = _many_pair_inputs(M, 41)
@@ -839,11 +848,12 @@ def _spy_lut_launches(monkeypatch, names):
 
 
 def test_lut_down_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
-    """moe_lut.down takes moe_down_lut4 from DOWN4_MIN_ROWS rows on (never while it is None), with the shared
-    memory of 4 rows of x and the K half 0 sums after the table."""
+    """Without moe_lut.DOWN_GM, moe_lut.down takes moe_down_lut4 from DOWN4_MIN_ROWS rows on (never while it is
+    None), with the shared memory of 4 rows of x and the K half 0 sums after the table."""
     from megastep.kernels import moe_lut
 
     launched, _ = _spy_lut_launches(monkeypatch, ("_DOWN", "_DOWN4"))
+    monkeypatch.setattr(moe_lut, "DOWN_GM", False)
     I = 2048
 
     def call(M):
@@ -863,10 +873,11 @@ def test_lut_down_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
 
 
 def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
-    """moe_lut.DOWN_GM (built, off): every down launch, whatever its rows, takes moe_down_gm (a row's bits must
-    not depend on its batch), items of (slot, GM_WARPS x 16 rows) on one CTA of GM_WARPS warps per SM at most,
-    with gm_shared_bytes(I) (192.5 KB at I = 2048) and down's arguments; a device that cannot give the shared
-    memory keeps moe_down_lut / moe_down_lut4; the bench counts its passes at GM_PAIRS pairs."""
+    """moe_lut.DOWN_GM (on: measured to gain at every row count): every down launch, whatever its rows, takes
+    moe_down_gm (a row's bits must not depend on its batch), items of (slot, GM_WARPS x 16 rows) on one CTA of
+    GM_WARPS warps per SM at most, with gm_shared_bytes(I) (192.5 KB at I = 2048) and down's arguments; off,
+    none does; a device that cannot give the shared memory keeps moe_down_lut / moe_down_lut4; the bench counts
+    its passes at GM_PAIRS pairs."""
     from megastep.kernels import moe_lut
 
     launched, fits = _spy_lut_launches(monkeypatch, ("_DOWN", "_DOWN4", "_DOWN_GM"))
@@ -875,21 +886,21 @@ def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
     def call(M):
         return _launch_down(moe_lut, launched, M)
 
-    assert not moe_lut.DOWN_GM  # built to measure: off
-    assert all(call(m)[0] != "_DOWN_GM" for m in (1, 8, 64))
-    monkeypatch.setattr(moe_lut, "DOWN_GM", True)
+    assert moe_lut.DOWN_GM
     got = {m: call(m) for m in (1, 2, 8, 16, 64)}
     assert {g[0] for g in got.values()} == {"_DOWN_GM"}
     assert moe_lut.gm_shared_bytes(I) == 65536 + 8 * (2 * I + 64) + 16 * 3 * 2048 == 197120
     assert {(g[2], g[3]) for g in got.values()} == {(512, moe_lut.gm_shared_bytes(I))}
     assert got[1][1] == 6 * 16 and got[64][1] == 132  # items (slot, 256 rows): 1 row 96 CTAs; at most one per SM
-    moe_lut.DOWN_GM = False  # (the pair-major launch's arguments are the same: monkeypatch puts it back)
-    assert call(64)[4] == got[64][4]
-    moe_lut.DOWN_GM = True
     assert [moe_lut.down_pairs_per_pass(m) for m in (1, 64)] == [8, 8]
     fits["smem"] = 160 << 10  # (no room: the pair-major kernels, and the bench counts their passes)
     assert [call(m)[0] for m in (1, 64)] == ["_DOWN", "_DOWN4"]
     assert [moe_lut.down_pairs_per_pass(m, torch.device("cuda", 0), I) for m in (1, 64)] == [2, 4]
+    fits["smem"] = 227 << 10
+    monkeypatch.setattr(moe_lut, "DOWN_GM", False)  # off: none, with the same arguments
+    assert [call(m)[0] for m in (1, 8, 64)] == ["_DOWN", "_DOWN4", "_DOWN4"]
+    assert call(64)[4] == got[64][4]
+    assert [moe_lut.down_pairs_per_pass(m) for m in (1, 64)] == [2, 4]
 
 
 def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
