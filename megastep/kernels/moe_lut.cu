@@ -1037,8 +1037,8 @@ struct GmRing {
 __device__ __forceinline__ int byte_of(uint2 f, int G) { return ((G < 4 ? f.x : f.y) >> (8 * (G & 3))) & 0xFF; }
 
 // A warp's sums over its 16 rows for a pass (lane (g, t) brings column g's x: xl, at its 8t-th element of
-// group 0): total[0 / 1] row g (w1) for columns 2t / 2t + 1, total[2 / 3] row g + 8 (w3). The ring is
-// filled here.
+// group 0): total[0 / 1] row g (w1) for columns 2t / 2t + 1, total[2 / 3] row g + 8 (w3). The ring was
+// filled by the caller (st.fill()).
 // Only a lane whose column holds a pair (active) loads x: the others' B registers keep what they hold (a
 // column never meets another, and those are not read), so at 1 row a warp's x load is 4 lanes' 64 bytes, one
 // shared-memory wavefront, not 4.
@@ -1047,7 +1047,6 @@ __device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, cons
   const uint32_t lane_off = (threadIdx.x & 31) * 4;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   uint4 xv = make_uint4(0u, 0u, 0u, 0u);
-  st.fill();
   for (int s0 = 0; s0 < st.steps; s0 += kGmDepth) {
 #pragma unroll
     for (int i = 0; i < kGmDepth; ++i) {
@@ -1088,7 +1087,11 @@ __device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, cons
 // the pairs' own rows of aq) are staged for the pass (slot p for the pass's pair p). epi(start, c0, np, r0,
 // r1, total): the lane's outputs of a task (warp_sums_gm's total: rows r0, r1, columns = pairs c0 + 2t,
 // c0 + 2t + 1); with kPost, post(start, c0, np, tile) after each item pass, every output of it issued.
-template <bool kSpread, bool kPost, typename Epi, typename Post>
+// kEarly: a warp's ring is filled before x is staged (the weights' addresses need only the routing, x's rows
+// need it and then x), and down (whose routing was complete before gate-up released its dependents) fills
+// its first task's ring, and asks L2 for the rest of that task's rows, before it waits for aq, as the
+// pair-major down does (run). Only when requests go out: the same bits.
+template <bool kSpread, bool kPost, bool kEarly, typename Epi, typename Post>
 __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -1111,47 +1114,69 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   // this lane's copies: group l % 8 of rows l / 8 (+ 4, + 8, + 12)
   const int cr = lane >> 3, cg = lane & 7;
   prologue(smem);
-  pdl_wait();  // (run's PDL order; down: aq is the activation quantization's output)
-  pdl_release();
-  // warp task (a slot's table entry ent, block blk), pairs c0 .. c0 + np - 1 of the slot, lane g's x in row slot xr
-  auto task = [&](const long long* ent, int blk, int start, int c0, int np, int xr) {
+  // (run's PDL order; down: aq is the activation quantization's output, the routing its predecessor's)
+  bool waiting = kEarly && !kSpread && a.down;
+  if (!waiting) {
+    pdl_wait();
+    pdl_release();
+  }
+  // the ring of a warp task (a slot's table entry ent, block blk), not yet filled
+  auto ring = [&](const long long* ent, int blk) {
     const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
     const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
-    const int r0 = blk * rstep + g, r1 = r0 + second;
     GmRing st;
     st.wa = wbase + (blk * rstep + cr) * a.stride_w + cg * 16;
     st.wb = st.wa + second * a.stride_w;
     st.wa4 = st.wa + 4 * a.stride_w;
     st.wb4 = st.wb + 4 * a.stride_w;
-    st.sa_p = sbase + r0 * a.stride_s;
-    st.sb_p = sbase + r1 * a.stride_s;
+    st.sa_p = sbase + (blk * rstep + g) * a.stride_s;
+    st.sb_p = st.sa_p + second * a.stride_s;
     st.steps = a.K / 256;
     st.put = slots + 16 * gm_unit(cr, cg);
     st.put4 = slots + 16 * gm_unit(cr + 4, cg);
 #pragma unroll
     for (int q = 0; q < 4; ++q) st.get[q] = get[q];
+    return st;
+  };
+  // a filled ring's task: pairs c0 .. c0 + np - 1 of the slot, lane g's x in row slot xr
+  auto task = [&](GmRing& st, int blk, int start, int c0, int np, int xr) {
     float total[4];
     warp_sums_gm(st, smem, xsm + xr * pitch + t * 16, g < np, total);
-    epi(start, c0, np, r0, r1, total);
+    epi(start, c0, np, blk * rstep + g, blk * rstep + g + second, total);
   };
   // a slot's table entry (w13's address and scales' or w2's), and its count (0 for an expert absent from a
   // sparse table)
   auto entry = [&](int slot) { return a.tab + 4LL * __ldcg(a.slot_e + slot) + (a.down ? 2 : 0); };
   auto count = [&](int slot, const long long* ent) { return a.sparse && ent[0] == 0 ? 0 : __ldcg(a.slot_cnt + slot); };
   if constexpr (kSpread) {
-    for (int i = threadIdx.x; i < a.spread * units; i += kGmThreads) stage(i / units, i / units, i % units);
-    __syncthreads();  // (x, and the table)
     const int T = __ldcg(a.nslot) * blocks;
     const int lo = (int)((long long)blockIdx.x * T / gridDim.x);
     const int hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
+    GmRing st;
+    bool filled = false;  // (kEarly) the warp's first task's ring, filled before x is staged
+    if (kEarly && lo + warp < hi) {
+      const long long* ent = entry((lo + warp) / blocks);
+      if (count((lo + warp) / blocks, ent) > 0) {
+        st = ring(ent, (lo + warp) % blocks);
+        st.fill();
+        filled = true;
+      }
+    }
+    for (int i = threadIdx.x; i < a.spread * units; i += kGmThreads) stage(i / units, i / units, i % units);
+    __syncthreads();  // (x, and the table)
     for (int k = lo + warp; k < hi; k += kGmWarps) {
       const int slot = k / blocks, start = __ldcg(a.slot_start + slot);
       const long long* ent = entry(slot);
       const int cnt = count(slot, ent);
       for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {  // (one pass: a slot holds at most one pair of a row)
         const int np = min(kGmPairs, cnt - c0);
+        if (!filled) {
+          st = ring(ent, k % blocks);
+          st.fill();
+        }
+        filled = false;
         // (past the pass's pairs: pair 0's row, an address warp_sums_gm does not load)
-        task(ent, k % blocks, start, c0, np, a.pair_ptr[start + c0 + (g < np ? g : 0)] / a.topk);
+        task(st, k % blocks, start, c0, np, a.pair_ptr[start + c0 + (g < np ? g : 0)] / a.topk);
       }
     }
   } else {
@@ -1160,16 +1185,28 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
       const int slot = it / tiles, tile = it % tiles, start = __ldcg(a.slot_start + slot);
       const long long* ent = entry(slot);
       const int cnt = count(slot, ent);
+      const int blk = tile * kGmWarps + warp;
       for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {
         const int np = min(kGmPairs, cnt - c0);
+        GmRing st = ring(ent, blk);
+        if constexpr (kEarly) st.fill();
+        if (waiting) {  // down's first task: the rest of its rows asked of L2 (lane l: row l % 16, steps
+                        // kGmDepth + l / 16, + 2, ...), then the wait for aq
+          const uint8_t* row = st.wa - cr * a.stride_w - cg * 16 + (lane & 15) * a.stride_w;
+          for (int s = kGmDepth + (lane >> 4); s < st.steps; s += 2) prefetch_l2(row + s * 128);
+          pdl_wait();
+          pdl_release();
+          waiting = false;
+        }
         __syncthreads();  // the previous pass's readers of x are done (the first: the table is written)
         for (int i = threadIdx.x; i < np * units; i += kGmThreads) {
           const int pair = a.pair_ptr[start + c0 + i / units];
           stage(i / units, a.down ? pair : pair / a.topk, i % units);
         }
         __syncthreads();
+        if constexpr (!kEarly) st.fill();
         // (past the pass's pairs: pair 0's row slot, an address warp_sums_gm does not load)
-        task(ent, tile * kGmWarps + warp, start, c0, np, g < np ? g : 0);
+        task(st, blk, start, c0, np, g < np ? g : 0);
         if constexpr (kPost) {
           __syncthreads();  // every output of the pass issued
           post(start, c0, np, tile);
@@ -1180,11 +1217,11 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
 }
 
 // gate-up's group-major kernels: act as gate_up's (blocks of 8 channels of w1 and w3)
-template <bool kSpread>
+template <bool kSpread, bool kEarly>
 __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                            float limit, int round_out) {
   const int t = threadIdx.x & 3;
-  run_gm<kSpread, false>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int, const float (&total)[4]) {
+  run_gm<kSpread, false, kEarly>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int, const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
       const int p = 2 * t + u;
@@ -1199,13 +1236,14 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
 
 // down's group-major kernel: y and the combine as down's, items of kGmWarps x 16 rows of w2 (combine_pass
 // per (row, 256-row tile): counters [M, D / 256] of down's [M, D / 128])
+template <bool kEarly>
 __device__ __forceinline__ void down_gm(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                         long long stride_o, int* counters, int D, int combine,
                                         const __nv_bfloat16* shared, long long stride_sh) {
   __shared__ int last[kGmPairs];
   constexpr int kTile = kGmWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile;
-  run_gm<false, true>(a, D / 16, [&](int start, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  run_gm<false, true, kEarly>(a, D / 16, [&](int start, int c0, int np, int r0, int r1, const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of rows r0, r1
       const int p = 2 * t + u;
@@ -1289,17 +1327,28 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring_mix(GATE
 // memory (224.5 KB at D = 4096). (Not in the probe build.)
 #ifndef MOE_LUT_PROBE
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm(GATE_UP_PARAMS) {
-  gate_up_gm<false>(GATE_UP_ARGS(0));
+  gate_up_gm<false, false>(GATE_UP_ARGS(0));
 }
 
 // The same, warp tasks dealt out evenly over launches of `rows` <= kGmPairs rows (moe_lut.py's GM_SPREAD_ROWS).
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_spread(GATE_UP_PARAMS, int rows) {
-  gate_up_gm<true>(GATE_UP_ARGS(rows));
+  gate_up_gm<true, false>(GATE_UP_ARGS(rows));
 }
 
 // down group-major (moe_lut.py's DOWN_GM): one CTA of kGmThreads per SM, 64 KB + kGmPairs rows of aq (2 I +
 // kGmPad bytes each) + the warps' slots (193 KB at I = 2048).
-extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm(DOWN_PARAMS) { down_gm(DOWN_ARGS); }
+extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm(DOWN_PARAMS) { down_gm<false>(DOWN_ARGS); }
+
+// The three with their weights requested early (run_gm's kEarly; moe_lut.py's GM_EARLY): the same bits.
+extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_early(GATE_UP_PARAMS) {
+  gate_up_gm<false, true>(GATE_UP_ARGS(0));
+}
+extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_spread_early(GATE_UP_PARAMS, int rows) {
+  gate_up_gm<true, true>(GATE_UP_ARGS(rows));
+}
+extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm_early(DOWN_PARAMS) {
+  down_gm<true>(DOWN_ARGS);
+}
 
 #endif
 

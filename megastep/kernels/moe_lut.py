@@ -55,6 +55,10 @@ _GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pq
 _GATE_UP_GM = _MODULE.kernel("moe_gate_up_gm", "pqppppppppqiiqqfiii")
 _GATE_UP_GM_SPREAD = _MODULE.kernel("moe_gate_up_gm_spread", "pqppppppppqiiqqfiiii")
 _DOWN_GM = _MODULE.kernel("moe_down_gm", "pqpppppppqpqpiiqqiiipq")
+# the same with their weights requested early (GM_EARLY)
+_GATE_UP_GM_EARLY = _MODULE.kernel("moe_gate_up_gm_early", "pqppppppppqiiqqfiii")
+_GATE_UP_GM_SPREAD_EARLY = _MODULE.kernel("moe_gate_up_gm_spread_early", "pqppppppppqiiqqfiiii")
+_DOWN_GM_EARLY = _MODULE.kernel("moe_down_gm_early", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -179,6 +183,12 @@ GM_SPREAD_ROWS = (2, 3, 4, 5, 6, 7, 8)
 # 1 / 2 / 4 / 8 / 16 / 32 / 64 rows, -6.90 % at 64 rows under the skewed routing; the down launch alone
 # 17.9 against 21.0 us at 1 row, 372 against 430 at 64.
 DOWN_GM = True
+# The group-major kernels' weights requested early (the .cu's run_gm kEarly): a warp's ring filled before x
+# is staged for its pass (the weights' addresses need only the routing; x's rows need the routing, then x),
+# and down's first task's ring filled, the rest of its rows asked of L2, before it waits for aq under PDL
+# (the routing was complete before gate-up released its dependents), as the pair-major down does. The same
+# bits. Built 2026-12-07 10:40, to measure: off.
+GM_EARLY = False
 
 
 @functools.cache
@@ -294,11 +304,13 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     if GATE_UP_GM and _ring_fits(xq.device.index, gm_shared_bytes(D)):
         if rows in GM_SPREAD_ROWS:  # warp tasks (slot, 8 channels), one CTA per SM
             assert rows <= GM_PAIRS, rows  # (the .cu stages every row of x: at most GM_PAIRS)
-            _GATE_UP_GM_SPREAD.launch(_grid(slots * (I // 8), xq.device, 1), (32 * GM_WARPS, 1, 1), gm_shared_bytes(D),
-                                      None, *args, rows, pdl=pdl_enabled())
+            (_GATE_UP_GM_SPREAD_EARLY if GM_EARLY else _GATE_UP_GM_SPREAD).launch(
+                _grid(slots * (I // 8), xq.device, 1), (32 * GM_WARPS, 1, 1), gm_shared_bytes(D), None, *args, rows,
+                pdl=pdl_enabled())
         else:  # items (slot, GM_WARPS x 8 channels)
-            _GATE_UP_GM.launch(_grid(slots * (I // (8 * GM_WARPS)), xq.device, 1), (32 * GM_WARPS, 1, 1),
-                               gm_shared_bytes(D), None, *args, pdl=pdl_enabled())
+            (_GATE_UP_GM_EARLY if GM_EARLY else _GATE_UP_GM).launch(
+                _grid(slots * (I // (8 * GM_WARPS)), xq.device, 1), (32 * GM_WARPS, 1, 1), gm_shared_bytes(D), None,
+                *args, pdl=pdl_enabled())
     elif spread:  # warp tasks (slot, 8 channels), one CTA per SM
         if SPREAD_RING and _ring_fits(xq.device.index, shared_bytes(D, 1, SPREAD_WARPS)):
             kernel, smem = _ring_kernel(_GATE_UP_SPREAD_RING, _GATE_UP_SPREAD_RING_MIX, SPREAD_RING_MIX,
@@ -335,8 +347,9 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
     if DOWN_GM and _ring_fits(aq.device.index, gm_shared_bytes(I)):  # items (slot, GM_WARPS x 16 rows)
         slots = min(pairs.numel(), addr.shape[0])
-        _DOWN_GM.launch(_grid(slots * (D // (16 * GM_WARPS)), aq.device, 1), (32 * GM_WARPS, 1, 1), gm_shared_bytes(I),
-                        None, *args, pdl=pdl_enabled())
+        (_DOWN_GM_EARLY if GM_EARLY else _DOWN_GM).launch(
+            _grid(slots * (D // (16 * GM_WARPS)), aq.device, 1), (32 * GM_WARPS, 1, 1), gm_shared_bytes(I), None,
+            *args, pdl=pdl_enabled())
         return
     four = _down4(pairs.numel() // topk)
     (_DOWN4 if four else _DOWN).launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, four=four), None,

@@ -747,6 +747,22 @@ def test_gpu_lut_group_major_down(M, monkeypatch):
     _group_major_checks(M, 47)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 2, 3, 9, 16, 64])
+def test_gpu_lut_group_major_early_requests_give_the_same_bits(M, monkeypatch):
+    """The group-major kernels with their weights requested early (moe_lut.GM_EARLY: a warp's ring filled before
+    x is staged; down's first task's ring filled and its other rows asked of L2 before its wait) give the plain
+    ones' bits at V4-Flash expert shapes: per-pair outputs, the combine, the combine with the shared expert's
+    output, a sparse table's pairs (absent experts, whose rings are never filled); both gate-up schedules (the
+    even deal at 2-3 rows); slots of several pairs from 3 rows on (passes of 8, the last partial at 9, 16, 64);
+    three calls."""
+    from megastep.kernels import moe_lut
+
+    assert moe_lut.GATE_UP_GM and moe_lut.DOWN_GM
+    _same_bits_when(monkeypatch, "GM_EARLY", False, True, moe_lut.gm_shared_bytes(4096), *_many_pair_inputs(M, 53))
+
+
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX prmt.b32 (default mode): result byte k = byte (selector nibble k & 7) of {b, a}, or that
     byte's top bit replicated where the nibble's bit 3 is set."""
@@ -806,7 +822,8 @@ def test_lut_kernels_build_for_sm90():
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
                "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix",
-               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_down_gm")
+               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_down_gm", "moe_gate_up_gm_early",
+               "moe_gate_up_gm_spread_early", "moe_down_gm_early")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
     # without their loads (all but moe_down_lut4 and the group-major ones, which they leave out)
@@ -822,6 +839,17 @@ def _launch_down(moe_lut, launched, M, I=2048, D=4096, topk=6):
     y = torch.zeros(M * topk, D, dtype=torch.bfloat16)
     moe_lut.down(torch.zeros(M * topk, I, dtype=torch.bfloat16), addr, pairs, pairs, pairs, pairs, pairs, y,
                  torch.zeros(M, D), pairs, D, I, (1, 1), topk, False, True)
+    return launched.pop()
+
+
+def _launch_gate_up(moe_lut, launched, M):
+    """One moe_lut.gate_up launch of M rows at V4-Flash expert shapes (D 4096, I 2048, top-6) on CPU tensors, its
+    kernels spied (_spy_lut_launches): the launch's record."""
+    D, I, topk = 4096, 2048, 6
+    pairs = torch.zeros(M * topk, dtype=torch.int32)
+    addr = torch.zeros(256, 4, dtype=torch.int64)
+    moe_lut.gate_up(torch.zeros(M, D, dtype=torch.bfloat16), addr, torch.zeros(M * topk), pairs, pairs, pairs, pairs,
+                    pairs, torch.zeros(M * topk, I, dtype=torch.bfloat16), D, I, (1, 1), 10.0, topk, True, False)
     return launched.pop()
 
 
@@ -926,15 +954,10 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     launched, fits = _spy_lut_launches(monkeypatch, ("_GATE_UP", "_GATE_UP_SPREAD", "_GATE_UP_RING",
                                                      "_GATE_UP_SPREAD_RING", "_GATE_UP_RING_MIX",
                                                      "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP_GM", "_GATE_UP_GM_SPREAD"))
-    D, I, topk = 4096, 2048, 6
+    D = 4096
 
     def call(M):
-        pairs = torch.zeros(M * topk, dtype=torch.int32)
-        addr = torch.zeros(256, 4, dtype=torch.int64)
-        moe_lut.gate_up(torch.zeros(M, D, dtype=torch.bfloat16), addr, torch.zeros(M * topk), pairs, pairs, pairs,
-                        pairs, pairs, torch.zeros(M * topk, I, dtype=torch.bfloat16), D, I, (1, 1), 10.0, topk, True,
-                        False)
-        return launched.pop()
+        return _launch_gate_up(moe_lut, launched, M)
 
     assert moe_lut.GATE_UP_GM and moe_lut.GM_SPREAD_ROWS == (2, 3, 4, 5, 6, 7, 8)
     got = {m: call(m) for m in (1, 2, 4, 8, 9, 64)}
@@ -958,6 +981,29 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # off: none
     assert all(call(m)[0] not in ("_GATE_UP_GM", "_GATE_UP_GM_SPREAD") for m in (1, 2, 4, 16, 64))
     assert moe_lut.gate_up_pairs_per_pass() == 2
+
+
+def test_lut_group_major_early_requests_take_their_kernels(monkeypatch):
+    """moe_lut.GM_EARLY (built, off): the group-major gate-up and down launches take their early-request twins
+    (moe_gate_up_gm_early, _spread_early, moe_down_gm_early) with the same grid, block, shared memory and
+    arguments; off, the plain ones."""
+    from megastep.kernels import moe_lut
+
+    plain_names = ("_GATE_UP_GM", "_GATE_UP_GM_SPREAD", "_DOWN_GM")
+    launched, _ = _spy_lut_launches(monkeypatch, plain_names + tuple(n + "_EARLY" for n in plain_names))
+
+    def both(M):
+        return _launch_gate_up(moe_lut, launched, M), _launch_down(moe_lut, launched, M)
+
+    assert not moe_lut.GM_EARLY
+    plain = {m: both(m) for m in (1, 2, 64)}
+    assert [(g[0], d[0]) for g, d in plain.values()] == [("_GATE_UP_GM", "_DOWN_GM"), ("_GATE_UP_GM_SPREAD", "_DOWN_GM"),
+                                                          ("_GATE_UP_GM", "_DOWN_GM")]
+    monkeypatch.setattr(moe_lut, "GM_EARLY", True)
+    for m, (g, d) in plain.items():
+        eg, ed = both(m)
+        assert (eg[0], ed[0]) == (g[0] + "_EARLY", d[0] + "_EARLY"), m
+        assert eg[1:] == g[1:] and ed[1:] == d[1:], m
 
 
 def test_lut_one_row_ring_leaves_sms_to_the_side_stream(monkeypatch):
@@ -994,7 +1040,8 @@ def test_lut_signatures_match_the_kernels():
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
                    moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX,
-                   moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD, moe_lut._DOWN_GM):
+                   moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD, moe_lut._DOWN_GM,
+                   moe_lut._GATE_UP_GM_EARLY, moe_lut._GATE_UP_GM_SPREAD_EARLY, moe_lut._DOWN_GM_EARLY):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
