@@ -562,8 +562,6 @@ def test_gpu_lut_slots_of_many_pairs(M, monkeypatch):
     and several pairs (several passes over an expert's rows, each pass's x rows staged anew) at V4-Flash
     expert shapes: the combine matches the reference, and a second call gives the same bits in all four
     outputs (per-pair, the combine, the combine with the shared expert's output, a sparse table's pairs)."""
-    from megastep.kernels import moe_lut
-
     _pair_major(monkeypatch)
     ex, x, ids, wts = _many_pair_inputs(M, 17)
     outputs = _lut_outputs(ex, x, ids, wts)
