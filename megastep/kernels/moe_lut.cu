@@ -955,7 +955,8 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
 // w3) over the whole K, its pairs in passes of kGmPairs, x staged for the CTA (gate_up_gm's two schedules).
 constexpr int kGmWarps = 16, kGmThreads = 32 * kGmWarps;
 constexpr int kGmPairs = 8;   // pairs a pass: an MMA's 8 columns
-constexpr int kGmDepth = 3;   // a warp's 2 KB ring slots (4 do not fit beside 8 rows of x at K = 4096)
+constexpr int kGmDepth = 3;   // a warp's 2 KB ring slots (4 do not fit beside 8 rows of x at K = 4096; down's
+                              // moe_down_gm_deep takes 4 at K = I = 2048)
 constexpr int kGmPad = 64;    // bytes after each staged row of x: pair g's row 4 bank groups from g - 1's
 
 // 16-byte unit of (MMA row r, group G of the step) in a 2 KB slot: row r's 8 groups in its own 128 B, the
@@ -980,18 +981,19 @@ __device__ __forceinline__ void mma_z(float (&d)[4], uint32_t a0, uint32_t a1, u
   mma(d, a0, a1, a2, a3, b0, b1);
 }
 
-// A warp's ring of kGmDepth slots over its 16 MMA rows. Lane l copies, per step, group l % 8 of rows l / 8,
+// A warp's ring of kDepth slots over its 16 MMA rows. Lane l copies, per step, group l % 8 of rows l / 8,
 // 4 + l / 8 (w1), 8 + l / 8 and 12 + l / 8 (w3) into their units; it reads back by 4 ldmatrix.x4 (q = 0 .. 3:
 // groups 2q and 2q + 1, matrices (rows 0-7, 2q), (8-15, 2q), (0-7, 2q + 1), (8-15, 2q + 1)), lane l giving row
 // l % 8 of matrix l / 8. The scale bytes stay in registers (8 a row a step, lane (g, t)'s rows g and g + 8, as
 // RingStream's).
+template <int kDepth = kGmDepth>
 struct GmRing {
   // this lane's copy rows at its group: l / 8 of w1 (wa) and w3 (wb), 4 + l / 8 (wa4, wb4)
   const uint8_t *wa, *wa4, *wb, *wb4, *sa_p, *sb_p;
   int steps;
   const char *put, *put4;  // the warp's slot 0 at this lane's units of rows l / 8 and 4 + l / 8 (w3's: 1 KB on)
   uint32_t get[4];         // the warp's slot 0 at this lane's ldmatrix unit for q (a shared-memory address)
-  uint2 sa[kGmDepth], sb[kGmDepth];
+  uint2 sa[kDepth], sb[kDepth];
 
   __device__ __forceinline__ void load(int i, int n) {
     const int off = i * 2048;
@@ -1005,7 +1007,7 @@ struct GmRing {
 
   __device__ __forceinline__ void fill() {
 #pragma unroll
-    for (int i = 0; i < kGmDepth; ++i) {
+    for (int i = 0; i < kDepth; ++i) {
       if (i < steps) load(i, i);
       cp_async_commit();
     }
@@ -1016,7 +1018,7 @@ struct GmRing {
   // makes all of them visible to all (the refill after the step cannot overtake these reads: it follows
   // the MMAs that consume them).
   __device__ __forceinline__ void take(int i, uint32_t (&w)[8][2], uint2& fa, uint2& fb) {
-    asm volatile("cp.async.wait_group %0;" ::"n"(kGmDepth - 1) : "memory");
+    asm volatile("cp.async.wait_group %0;" ::"n"(kDepth - 1) : "memory");
     __syncwarp();
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -1028,7 +1030,7 @@ struct GmRing {
   }
 
   __device__ __forceinline__ void after(int i, int s) {
-    if (s + kGmDepth < steps) load(i, s + kGmDepth);
+    if (s + kDepth < steps) load(i, s + kDepth);
     cp_async_commit();
   }
 };
@@ -1042,14 +1044,15 @@ __device__ __forceinline__ int byte_of(uint2 f, int G) { return ((G < 4 ? f.x : 
 // Only a lane whose column holds a pair (active) loads x: the others' B registers keep what they hold (a
 // column never meets another, and those are not read), so at 1 row a warp's x load is 4 lanes' 64 bytes, one
 // shared-memory wavefront, not 4.
-__device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, const char* xl, bool active,
+template <int kDepth>
+__device__ __forceinline__ void warp_sums_gm(GmRing<kDepth>& st, const char* table, const char* xl, bool active,
                                              float (&total)[4]) {
   const uint32_t lane_off = (threadIdx.x & 31) * 4;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   uint4 xv = make_uint4(0u, 0u, 0u, 0u);
-  for (int s0 = 0; s0 < st.steps; s0 += kGmDepth) {
+  for (int s0 = 0; s0 < st.steps; s0 += kDepth) {
 #pragma unroll
-    for (int i = 0; i < kGmDepth; ++i) {
+    for (int i = 0; i < kDepth; ++i) {
       const int s = s0 + i;
       if (s >= st.steps) break;
       uint32_t w[8][2];
@@ -1091,7 +1094,7 @@ __device__ __forceinline__ void warp_sums_gm(GmRing& st, const char* table, cons
 // need it and then x), and down (whose routing was complete before gate-up released its dependents) fills
 // its first task's ring, and asks L2 for the rest of that task's rows, before it waits for aq, as the
 // pair-major down does (run). Only when requests go out: the same bits.
-template <bool kSpread, bool kPost, bool kEarly, typename Epi, typename Post>
+template <bool kSpread, bool kPost, bool kEarly, int kDepth, typename Epi, typename Post>
 __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -1099,7 +1102,7 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   // a task's rows: block blk's 8 (down: 16) from blk * rstep, the second 8 `second` rows after the first
   const int rstep = a.down ? 16 : 8, second = a.down ? 8 : a.w3_rows;
   char* xsm = smem + kLutBytes;
-  const char* slots = xsm + kGmPairs * pitch + warp * kGmDepth * 2048;
+  const char* slots = xsm + kGmPairs * pitch + warp * kDepth * 2048;
   // unit u of x row src into row slot r
   auto stage = [&](int r, int src, int u) {
     *reinterpret_cast<uint4*>(xsm + r * pitch + u * 16) =
@@ -1124,7 +1127,7 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   auto ring = [&](const long long* ent, int blk) {
     const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
     const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
-    GmRing st;
+    GmRing<kDepth> st;
     st.wa = wbase + (blk * rstep + cr) * a.stride_w + cg * 16;
     st.wb = st.wa + second * a.stride_w;
     st.wa4 = st.wa + 4 * a.stride_w;
@@ -1139,7 +1142,7 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
     return st;
   };
   // a filled ring's task: pairs c0 .. c0 + np - 1 of the slot, lane g's x in row slot xr
-  auto task = [&](GmRing& st, int blk, int start, int c0, int np, int xr) {
+  auto task = [&](GmRing<kDepth>& st, int blk, int start, int c0, int np, int xr) {
     float total[4];
     warp_sums_gm(st, smem, xsm + xr * pitch + t * 16, g < np, total);
     epi(start, c0, np, blk * rstep + g, blk * rstep + g + second, total);
@@ -1152,7 +1155,7 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
     const int T = __ldcg(a.nslot) * blocks;
     const int lo = (int)((long long)blockIdx.x * T / gridDim.x);
     const int hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
-    GmRing st;
+    GmRing<kDepth> st;
     bool filled = false;  // (kEarly) the warp's first task's ring, filled before x is staged
     if (kEarly && lo + warp < hi) {
       const long long* ent = entry((lo + warp) / blocks);
@@ -1188,12 +1191,12 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
       const int blk = tile * kGmWarps + warp;
       for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {
         const int np = min(kGmPairs, cnt - c0);
-        GmRing st = ring(ent, blk);
+        GmRing<kDepth> st = ring(ent, blk);
         if constexpr (kEarly) st.fill();
         if (waiting) {  // down's first task: the rest of its rows asked of L2 (lane l: row l % 16, steps
-                        // kGmDepth + l / 16, + 2, ...), then the wait for aq
+                        // kDepth + l / 16, + 2, ...), then the wait for aq
           const uint8_t* row = st.wa - cr * a.stride_w - cg * 16 + (lane & 15) * a.stride_w;
-          for (int s = kGmDepth + (lane >> 4); s < st.steps; s += 2) prefetch_l2(row + s * 128);
+          for (int s = kDepth + (lane >> 4); s < st.steps; s += 2) prefetch_l2(row + s * 128);
           pdl_wait();
           pdl_release();
           waiting = false;
@@ -1221,7 +1224,7 @@ template <bool kSpread, bool kEarly>
 __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                            float limit, int round_out) {
   const int t = threadIdx.x & 3;
-  run_gm<kSpread, false, kEarly>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int, const float (&total)[4]) {
+  run_gm<kSpread, false, kEarly, kGmDepth>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int, const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
       const int p = 2 * t + u;
@@ -1236,14 +1239,14 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
 
 // down's group-major kernel: y and the combine as down's, items of kGmWarps x 16 rows of w2 (combine_pass
 // per (row, 256-row tile): counters [M, D / 256] of down's [M, D / 128])
-template <bool kEarly>
+template <bool kEarly, int kDepth = kGmDepth>
 __device__ __forceinline__ void down_gm(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                         long long stride_o, int* counters, int D, int combine,
                                         const __nv_bfloat16* shared, long long stride_sh) {
   __shared__ int last[kGmPairs];
   constexpr int kTile = kGmWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile;
-  run_gm<false, true, kEarly>(a, D / 16, [&](int start, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  run_gm<false, true, kEarly, kDepth>(a, D / 16, [&](int start, int c0, int np, int r0, int r1, const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of rows r0, r1
       const int p = 2 * t + u;
@@ -1348,6 +1351,12 @@ extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_sprea
 }
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm_early(DOWN_PARAMS) {
   down_gm<true>(DOWN_ARGS);
+}
+
+// down with 4 ring slots a warp (moe_lut.py's DOWN_GM_DEPTH): 8 KB of each warp's weights in flight, not 6
+// (225 KB of shared memory at I = 2048). The same bits.
+extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm_deep(DOWN_PARAMS) {
+  down_gm<false, 4>(DOWN_ARGS);
 }
 
 #endif

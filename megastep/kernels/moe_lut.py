@@ -59,6 +59,7 @@ _DOWN_GM = _MODULE.kernel("moe_down_gm", "pqpppppppqpqpiiqqiiipq")
 _GATE_UP_GM_EARLY = _MODULE.kernel("moe_gate_up_gm_early", "pqppppppppqiiqqfiii")
 _GATE_UP_GM_SPREAD_EARLY = _MODULE.kernel("moe_gate_up_gm_spread_early", "pqppppppppqiiqqfiiii")
 _DOWN_GM_EARLY = _MODULE.kernel("moe_down_gm_early", "pqpppppppqpqpiiqqiiipq")
+_DOWN_GM_DEEP = _MODULE.kernel("moe_down_gm_deep", "pqpppppppqpqpiiqqiiipq")  # 4 ring slots a warp (DOWN_GM_DEPTH)
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -189,6 +190,9 @@ DOWN_GM = True
 # (the routing was complete before gate-up released its dependents), as the pair-major down does. The same
 # bits. Built 2026-12-07 10:40, to measure: off.
 GM_EARLY = False
+# The group-major down's ring slots a warp: GM_DEPTH, or 4 (moe_down_gm_deep: 8 KB of a warp's w2 in flight, not 6;
+# 225 KB of shared memory at I = 2048; not with GM_EARLY). The same bits. Built 2026-12-07 10:50, to measure: 3.
+DOWN_GM_DEPTH = GM_DEPTH
 
 
 @functools.cache
@@ -212,10 +216,10 @@ def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, mix: bool = False
     return LUT_BYTES + (EXP_BYTES if mix else 0) + halves * 4 * K + slot_warps * RING_DEPTH * 2048
 
 
-def gm_shared_bytes(K: int) -> int:
-    """Dynamic shared memory of moe_gate_up_gm over K: the table, GM_PAIRS rows of x (2 K + GM_PAD bytes
-    each), GM_WARPS warps' GM_DEPTH 2 KB slots (224.5 KB at K = 4096)."""
-    return LUT_BYTES + GM_PAIRS * (2 * K + GM_PAD) + GM_WARPS * GM_DEPTH * 2048
+def gm_shared_bytes(K: int, depth: int = GM_DEPTH) -> int:
+    """Dynamic shared memory of a group-major launch over K: the table, GM_PAIRS rows of x (2 K + GM_PAD bytes
+    each), GM_WARPS warps' `depth` 2 KB slots (224.5 KB at K = 4096, 192.5 KB at K = 2048)."""
+    return LUT_BYTES + GM_PAIRS * (2 * K + GM_PAD) + GM_WARPS * depth * 2048
 
 
 def gate_up_pairs_per_pass(device: torch.device | None = None, D: int = 4096) -> int:
@@ -225,10 +229,10 @@ def gate_up_pairs_per_pass(device: torch.device | None = None, D: int = 4096) ->
     return GM_PAIRS if GATE_UP_GM and _gm_room(device, D) else PAIRS_PER_PASS
 
 
-def _gm_room(device: torch.device | None, K: int) -> bool:
-    """Whether `device` gives a group-major launch over K its shared memory, for counting passes (None or a
-    device that is not CUDA: as if it did)."""
-    return device is None or device.type != "cuda" or _ring_fits(device.index, gm_shared_bytes(K))
+def _gm_room(device: torch.device | None, K: int, depth: int = GM_DEPTH) -> bool:
+    """Whether `device` gives a group-major launch over K with `depth` ring slots a warp its shared memory, for
+    counting passes (None or a device that is not CUDA: as if it did)."""
+    return device is None or device.type != "cuda" or _ring_fits(device.index, gm_shared_bytes(K, depth))
 
 
 def _ring_kernel(plain, mixed, want_mix: bool, index: int, K: int, halves: int, slot_warps: int):
@@ -259,7 +263,7 @@ def down_pairs_per_pass(M: int, device: torch.device | None = None, I: int = 204
     """The pairs a pass of a down launch of M rows over I takes: GM_PAIRS with DOWN_GM on a CUDA device
     that gives moe_down_gm its shared memory (as down decides; any other device: as if it did), else 4
     (moe_down_lut4) from DOWN4_MIN_ROWS rows on, else PAIRS_PER_PASS."""
-    if DOWN_GM and _gm_room(device, I):
+    if DOWN_GM and _gm_room(device, I, DOWN_GM_DEPTH):
         return GM_PAIRS
     return 4 if _down4(M) else PAIRS_PER_PASS
 
@@ -345,11 +349,13 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
-    if DOWN_GM and _ring_fits(aq.device.index, gm_shared_bytes(I)):  # items (slot, GM_WARPS x 16 rows)
+    smem = gm_shared_bytes(I, DOWN_GM_DEPTH)
+    if DOWN_GM and _ring_fits(aq.device.index, smem):  # items (slot, GM_WARPS x 16 rows)
         slots = min(pairs.numel(), addr.shape[0])
-        (_DOWN_GM_EARLY if GM_EARLY else _DOWN_GM).launch(
-            _grid(slots * (D // (16 * GM_WARPS)), aq.device, 1), (32 * GM_WARPS, 1, 1), gm_shared_bytes(I), None,
-            *args, pdl=pdl_enabled())
+        kernel = {(False, GM_DEPTH): _DOWN_GM, (True, GM_DEPTH): _DOWN_GM_EARLY, (False, 4): _DOWN_GM_DEEP}[
+            (GM_EARLY, DOWN_GM_DEPTH)]
+        kernel.launch(_grid(slots * (D // (16 * GM_WARPS)), aq.device, 1), (32 * GM_WARPS, 1, 1), smem, None, *args,
+                      pdl=pdl_enabled())
         return
     four = _down4(pairs.numel() // topk)
     (_DOWN4 if four else _DOWN).launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, four=four), None,

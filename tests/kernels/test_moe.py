@@ -761,6 +761,20 @@ def test_gpu_lut_group_major_early_requests_give_the_same_bits(M, monkeypatch):
     _same_bits_when(monkeypatch, "GM_EARLY", False, True, moe_lut.gm_shared_bytes(4096), *_many_pair_inputs(M, 53))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 3, 9, 64])
+def test_gpu_lut_group_major_down_deep_ring_gives_the_same_bits(M, monkeypatch):
+    """The group-major down with 4 ring slots a warp (moe_lut.DOWN_GM_DEPTH 4, moe_down_gm_deep) gives the bits of
+    3 at V4-Flash expert shapes: per-pair outputs, the combine, the combine with the shared expert's output, a
+    sparse table's pairs; slots of one and several pairs (passes of 8, the last partial at 9 and 64); three
+    calls."""
+    from megastep.kernels import moe_lut
+
+    assert moe_lut.DOWN_GM
+    _same_bits_when(monkeypatch, "DOWN_GM_DEPTH", 3, 4, moe_lut.gm_shared_bytes(2048, 4), *_many_pair_inputs(M, 59))
+
+
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX prmt.b32 (default mode): result byte k = byte (selector nibble k & 7) of {b, a}, or that
     byte's top bit replicated where the nibble's bit 3 is set."""
@@ -821,7 +835,7 @@ def test_lut_kernels_build_for_sm90():
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
                "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix",
                "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_down_gm", "moe_gate_up_gm_early",
-               "moe_gate_up_gm_spread_early", "moe_down_gm_early")
+               "moe_gate_up_gm_spread_early", "moe_down_gm_early", "moe_down_gm_deep")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
     # without their loads (all but moe_down_lut4 and the group-major ones, which they leave out)
@@ -1004,6 +1018,32 @@ def test_lut_group_major_early_requests_take_their_kernels(monkeypatch):
         assert eg[1:] == g[1:] and ed[1:] == d[1:], m
 
 
+def test_lut_group_major_down_deep_ring_takes_its_kernel(monkeypatch):
+    """moe_lut.DOWN_GM_DEPTH 4 (built, 3): every down launch takes moe_down_gm_deep with 4 ring slots a warp in its
+    shared memory (224.5 KB at I = 2048, within a Hopper's 227 KB), the same grid, block and arguments; not with
+    GM_EARLY (no such kernel: refused); a device without the room keeps the pair-major kernels, and the bench
+    counts their passes."""
+    from megastep.kernels import moe_lut
+
+    launched, fits = _spy_lut_launches(monkeypatch, ("_DOWN", "_DOWN4", "_DOWN_GM", "_DOWN_GM_DEEP"))
+    I = 2048
+    assert moe_lut.DOWN_GM_DEPTH == moe_lut.GM_DEPTH == 3
+    plain = {m: _launch_down(moe_lut, launched, m) for m in (1, 64)}
+    monkeypatch.setattr(moe_lut, "DOWN_GM_DEPTH", 4)
+    deep = {m: _launch_down(moe_lut, launched, m) for m in (1, 64)}
+    assert moe_lut.gm_shared_bytes(I, 4) == moe_lut.gm_shared_bytes(I) + 16 * 2048 == 229888 <= 227 << 10
+    for m in (1, 64):
+        assert deep[m] == ("_DOWN_GM_DEEP", plain[m][1], 512, 229888, plain[m][4]), m
+    assert moe_lut.down_pairs_per_pass(64, torch.device("cuda", 0), I) == 8
+    fits["smem"] = 200 << 10  # (room for 3 slots, not 4)
+    assert [_launch_down(moe_lut, launched, m)[0] for m in (1, 64)] == ["_DOWN", "_DOWN4"]
+    assert moe_lut.down_pairs_per_pass(64, torch.device("cuda", 0), I) == 4
+    fits["smem"] = 227 << 10
+    monkeypatch.setattr(moe_lut, "GM_EARLY", True)
+    with pytest.raises(KeyError):
+        _launch_down(moe_lut, launched, 1)
+
+
 def test_lut_one_row_ring_leaves_sms_to_the_side_stream(monkeypatch):
     """moe_lut._ring_grid: one CTA per SM at most, each taking two items; at 1 row at most
     RING_ONE_ROW_SMS CTAs (V4-Flash's 192 items: 112 of 132 SMs), but never fewer than one per two
@@ -1039,7 +1079,8 @@ def test_lut_signatures_match_the_kernels():
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
                    moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX,
                    moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD, moe_lut._DOWN_GM,
-                   moe_lut._GATE_UP_GM_EARLY, moe_lut._GATE_UP_GM_SPREAD_EARLY, moe_lut._DOWN_GM_EARLY):
+                   moe_lut._GATE_UP_GM_EARLY, moe_lut._GATE_UP_GM_SPREAD_EARLY, moe_lut._DOWN_GM_EARLY,
+                   moe_lut._DOWN_GM_DEEP):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
