@@ -1094,7 +1094,10 @@ __device__ __forceinline__ void warp_sums_gm(GmRing<kDepth>& st, const char* tab
 // need it and then x), and down (whose routing was complete before gate-up released its dependents) fills
 // its first task's ring, and asks L2 for the rest of that task's rows, before it waits for aq, as the
 // pair-major down does (run). Only when requests go out: the same bits.
-template <bool kSpread, bool kPost, bool kEarly, int kDepth, typename Epi, typename Post>
+// kPass (<= kGmPairs): the pairs a pass takes, and the rows of x staged (kSpread: at least a.spread); fewer
+// leave room for more ring slots (kDepth) at few rows. A pair's sums do not depend on the others': the same
+// bits.
+template <bool kSpread, bool kPost, bool kEarly, int kDepth, int kPass, typename Epi, typename Post>
 __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -1102,7 +1105,7 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   // a task's rows: block blk's 8 (down: 16) from blk * rstep, the second 8 `second` rows after the first
   const int rstep = a.down ? 16 : 8, second = a.down ? 8 : a.w3_rows;
   char* xsm = smem + kLutBytes;
-  const char* slots = xsm + kGmPairs * pitch + warp * kDepth * 2048;
+  const char* slots = xsm + kPass * pitch + warp * kDepth * 2048;
   // unit u of x row src into row slot r
   auto stage = [&](int r, int src, int u) {
     *reinterpret_cast<uint4*>(xsm + r * pitch + u * 16) =
@@ -1171,8 +1174,8 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
       const int slot = k / blocks, start = __ldcg(a.slot_start + slot);
       const long long* ent = entry(slot);
       const int cnt = count(slot, ent);
-      for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {  // (one pass: a slot holds at most one pair of a row)
-        const int np = min(kGmPairs, cnt - c0);
+      for (int c0 = 0; c0 < cnt; c0 += kPass) {  // (one pass: a slot holds at most one pair of a row)
+        const int np = min(kPass, cnt - c0);
         if (!filled) {
           st = ring(ent, k % blocks);
           st.fill();
@@ -1189,8 +1192,8 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
       const long long* ent = entry(slot);
       const int cnt = count(slot, ent);
       const int blk = tile * kGmWarps + warp;
-      for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {
-        const int np = min(kGmPairs, cnt - c0);
+      for (int c0 = 0; c0 < cnt; c0 += kPass) {
+        const int np = min(kPass, cnt - c0);
         GmRing<kDepth> st = ring(ent, blk);
         if constexpr (kEarly) st.fill();
         if (waiting) {  // down's first task: the rest of its rows asked of L2 (lane l: row l % 16, steps
@@ -1220,11 +1223,11 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
 }
 
 // gate-up's group-major kernels: act as gate_up's (blocks of 8 channels of w1 and w3)
-template <bool kSpread, bool kEarly>
+template <bool kSpread, bool kEarly, int kDepth = kGmDepth, int kPass = kGmPairs>
 __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                            float limit, int round_out) {
   const int t = threadIdx.x & 3;
-  run_gm<kSpread, false, kEarly, kGmDepth>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int, const float (&total)[4]) {
+  run_gm<kSpread, false, kEarly, kDepth, kPass>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int, const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
       const int p = 2 * t + u;
@@ -1246,7 +1249,7 @@ __device__ __forceinline__ void down_gm(const Args& a, __nv_bfloat16* y, long lo
   __shared__ int last[kGmPairs];
   constexpr int kTile = kGmWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile;
-  run_gm<false, true, kEarly, kDepth>(a, D / 16, [&](int start, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  run_gm<false, true, kEarly, kDepth, kGmPairs>(a, D / 16, [&](int start, int c0, int np, int r0, int r1, const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of rows r0, r1
       const int p = 2 * t + u;
@@ -1357,6 +1360,16 @@ extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm_early(DO
 // (225 KB of shared memory at I = 2048). The same bits.
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm_deep(DOWN_PARAMS) {
   down_gm<false, 4>(DOWN_ARGS);
+}
+
+// The group-major gate-up for launches of 1-2 rows with 4 ring slots a warp (moe_lut.py's GM_DEEP_ROWS): passes of
+// 2 pairs (a slot holds at most 2 of 2 rows' pairs: one pass), 2 rows of x staged, so 64 KB + 2 x (2 D + kGmPad) +
+// kGmWarps x 4 2 KB slots (208 KB at D = 4096). The same bits.
+extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_deep(GATE_UP_PARAMS) {
+  gate_up_gm<false, false, 4, 2>(GATE_UP_ARGS(0));
+}
+extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_spread_deep(GATE_UP_PARAMS, int rows) {
+  gate_up_gm<true, false, 4, 2>(GATE_UP_ARGS(rows));
 }
 
 #endif
