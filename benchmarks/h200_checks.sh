@@ -39,8 +39,7 @@
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh gm_short   # gm's GPU tests, its step A/B at 1, 16 and 64 rows, 2 rounds (~4.5 min)
 #   bash benchmarks/h200_checks.sh gm_ncu     # the group-major gate-up against the pair-major ring: the experts calls alone, their stall reasons and shared-memory wavefronts per instruction (ncu) (~3 min)
-#   bash benchmarks/h200_checks.sh gmearly    # the group-major kernels' weights requested early, down's 4 ring slots (both built, off): their GPU tests, the experts calls alone, the step A/B/C at 1-64 rows, the bit tests, 64 skewed (~3 min on an H100 at 16 layers)
-#   bash benchmarks/h200_checks.sh gmdeep     # the group-major gate-up of 1-2 rows with 4 ring slots (built, off), with and without down's 4: GPU tests, experts calls, the step A/B/C at 1-2 rows (~2 min on an H100 at 16 layers)
+#   bash benchmarks/h200_checks.sh gmdeep     # the group-major gate-up of 1-2 rows with 4 ring slots (built, off): GPU tests, experts calls, the step A/B at 1-2 rows (~2 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh gmdown     # the group-major down (the default) against the pair-major: its GPU tests, the experts calls alone, the step A/B at 1-64 rows, the bit tests, 64 skewed (~2 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh down_ncu   # down's stall reasons and shared-memory wavefronts per instruction at 16 and 64 rows (ncu) (~1.5 min)
 #   bash benchmarks/h200_checks.sh gmsms      # the group-major even deal at 1-2 rows on 104-132 CTAs against items at 1 row (~2 min)
@@ -577,31 +576,15 @@ for group in "$@"; do
       gm_default_ab
       final_tests
       final_step ;;
-    gmearly)  # the group-major kernels' weights requested early (moe_lut.GM_EARLY, built 2026-12-07 10:40, off: a
-      # warp's ring filled before x is staged; down's first ring filled and its rows asked of L2 before its PDL
-      # wait) and down's 4 ring slots a warp (DOWN_GM_DEPTH 4, built 10:50): their GPU tests, the experts calls
-      # alone, the step at 1-64 rows, 3 rounds, the step's bit tests with early on, 64 rows skewed
-      EARLY='import megastep.kernels.moe_lut as m; m.GM_EARLY = True'
-      DEEP='import megastep.kernels.moe_lut as m; m.DOWN_GM_DEPTH = 4'
-      step gmearly_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_moe.py \
-        -k "early or deep"
-      step gmearly_kernels 120 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/gmearly_kernels" \
-        --ms 1,2,16,64 --engines lut,lut_early,lut_deep
-      ab gmearly 240 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm "now=" --arm "early=$EARLY" \
-        --arm "deep=$DEEP"
-      step gmearly_step_tests 150 python3 -c "$EARLY; import sys, pytest; sys.exit(pytest.main(['-q', '-rfE', \
-        '--timeout', '120', '-m', 'gpu', 'tests/test_fast_gpu.py', '-k', 'alone or same_input or graph_replay']))"
-      ab gmearly_skewed 90 --layers 30 --batch 64 --rounds 3 --routing skewed --arm "now=" --arm "early=$EARLY" \
-        --arm "deep=$DEEP" ;;
     gmdeep)  # the group-major gate-up of 1-2 rows with 4 ring slots a warp (moe_lut.GM_DEEP_ROWS, built 2026-12-07
-      # 11:00) with and without down's 4 (DOWN_GM_DEPTH): their GPU tests, the experts calls alone, the step at 1-2
-      # rows, 3 rounds
+      # 11:00; down's 4 slots, the default since 11:25, gained 0.91 % at 1 row): its GPU tests, the experts calls
+      # alone, the step at 1-2 rows, 3 rounds
       GDEEP='import megastep.kernels.moe_lut as m; m.GM_DEEP_ROWS = (1, 2)'
-      step gmdeep_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_moe.py -k "deep"
+      step gmdeep_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_moe.py \
+        -k "deep or group_major_down"
       step gmdeep_kernels 100 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/gmdeep_kernels" \
-        --ms 1,2 --engines lut,lut_gdeep,lut_deep
-      ab gmdeep 150 --layers 30 --batch 1,2 --rounds 3 --arm "now=" --arm "gdeep=$GDEEP" \
-        --arm "both=$GDEEP; m.DOWN_GM_DEPTH = 4" ;;
+        --ms 1,2 --engines lut,lut_gdeep
+      ab gmdeep 150 --layers 30 --batch 1,2 --rounds 3 --arm "now=" --arm "gdeep=$GDEEP" ;;
     gm_ab)  # gmdefault's A/B alone (with `table` after it: the H200's 30-layer step without the bit tests, which ran on
       # an H100)
       gm_default_ab ;;

@@ -955,8 +955,10 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
 // w3) over the whole K, its pairs in passes of kGmPairs, x staged for the CTA (gate_up_gm's two schedules).
 constexpr int kGmWarps = 16, kGmThreads = 32 * kGmWarps;
 constexpr int kGmPairs = 8;   // pairs a pass: an MMA's 8 columns
-constexpr int kGmDepth = 3;   // a warp's 2 KB ring slots (4 do not fit beside 8 rows of x at K = 4096; down's
-                              // moe_down_gm_deep takes 4 at K = I = 2048)
+constexpr int kGmDepth = 3;   // a warp's 2 KB ring slots (4 do not fit beside 8 rows of x at K = 4096)
+// down's (K = I = 2048: 4 fit, 224.5 KB): 8 KB of a warp's w2 in flight, not 6. The same bits; on one H100 the step
+// -0.91 % at 1 row, within -0.48 / +0.15 % at 2-64 (docs/PERFORMANCE.md, 2026-12-07 from 10:16, item 5)
+constexpr int kGmDownDepth = 4;
 constexpr int kGmPad = 64;    // bytes after each staged row of x: pair g's row 4 bank groups from g - 1's
 
 // 16-byte unit of (MMA row r, group G of the step) in a 2 KB slot: row r's 8 groups in its own 128 B, the
@@ -1040,7 +1042,7 @@ __device__ __forceinline__ int byte_of(uint2 f, int G) { return ((G < 4 ? f.x : 
 
 // A warp's sums over its 16 rows for a pass (lane (g, t) brings column g's x: xl, at its 8t-th element of
 // group 0): total[0 / 1] row g (w1) for columns 2t / 2t + 1, total[2 / 3] row g + 8 (w3). The ring was
-// filled by the caller (st.fill()).
+// filled here.
 // Only a lane whose column holds a pair (active) loads x: the others' B registers keep what they hold (a
 // column never meets another, and those are not read), so at 1 row a warp's x load is 4 lanes' 64 bytes, one
 // shared-memory wavefront, not 4.
@@ -1050,6 +1052,7 @@ __device__ __forceinline__ void warp_sums_gm(GmRing<kDepth>& st, const char* tab
   const uint32_t lane_off = (threadIdx.x & 31) * 4;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   uint4 xv = make_uint4(0u, 0u, 0u, 0u);
+  st.fill();
   for (int s0 = 0; s0 < st.steps; s0 += kDepth) {
 #pragma unroll
     for (int i = 0; i < kDepth; ++i) {
@@ -1090,14 +1093,13 @@ __device__ __forceinline__ void warp_sums_gm(GmRing<kDepth>& st, const char* tab
 // the pairs' own rows of aq) are staged for the pass (slot p for the pass's pair p). epi(start, c0, np, r0,
 // r1, total): the lane's outputs of a task (warp_sums_gm's total: rows r0, r1, columns = pairs c0 + 2t,
 // c0 + 2t + 1); with kPost, post(start, c0, np, tile) after each item pass, every output of it issued.
-// kEarly: a warp's ring is filled before x is staged (the weights' addresses need only the routing, x's rows
-// need it and then x), and down (whose routing was complete before gate-up released its dependents) fills
-// its first task's ring, and asks L2 for the rest of that task's rows, before it waits for aq, as the
-// pair-major down does (run). Only when requests go out: the same bits.
-// kPass (<= kGmPairs): the pairs a pass takes, and the rows of x staged (kSpread: at least a.spread); fewer
-// leave room for more ring slots (kDepth) at few rows. A pair's sums do not depend on the others': the same
-// bits.
-template <bool kSpread, bool kPost, bool kEarly, int kDepth, int kPass, typename Epi, typename Post>
+// kDepth: a warp's ring slots. kPass (<= kGmPairs): the pairs a pass takes, and the rows of x staged (kSpread:
+// at least a.spread); fewer leave room for more ring slots at few rows. A pair's sums do not depend on the
+// others' nor on the ring: the same bits whatever the two.
+// (Filling a warp's ring before x is staged, and down's first ring before its PDL wait with the rest of its rows
+// asked of L2, as the pair-major down does, was 0.4 % faster at 1 row and 1.3-4.7 % slower at 2-64 rows on one
+// H100: docs/PERFORMANCE.md, 2026-12-07 from 10:16, item 4; the code at 1418cde.)
+template <bool kSpread, bool kPost, int kDepth, int kPass, typename Epi, typename Post>
 __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -1120,69 +1122,47 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   // this lane's copies: group l % 8 of rows l / 8 (+ 4, + 8, + 12)
   const int cr = lane >> 3, cg = lane & 7;
   prologue(smem);
-  // (run's PDL order; down: aq is the activation quantization's output, the routing its predecessor's)
-  bool waiting = kEarly && !kSpread && a.down;
-  if (!waiting) {
-    pdl_wait();
-    pdl_release();
-  }
-  // the ring of a warp task (a slot's table entry ent, block blk), not yet filled
-  auto ring = [&](const long long* ent, int blk) {
+  pdl_wait();  // (run's PDL order; down: aq is the activation quantization's output)
+  pdl_release();
+  // warp task (a slot's table entry ent, block blk), pairs c0 .. c0 + np - 1 of the slot, lane g's x in row slot xr
+  auto task = [&](const long long* ent, int blk, int start, int c0, int np, int xr) {
     const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
     const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
+    const int r0 = blk * rstep + g, r1 = r0 + second;
     GmRing<kDepth> st;
     st.wa = wbase + (blk * rstep + cr) * a.stride_w + cg * 16;
     st.wb = st.wa + second * a.stride_w;
     st.wa4 = st.wa + 4 * a.stride_w;
     st.wb4 = st.wb + 4 * a.stride_w;
-    st.sa_p = sbase + (blk * rstep + g) * a.stride_s;
-    st.sb_p = st.sa_p + second * a.stride_s;
+    st.sa_p = sbase + r0 * a.stride_s;
+    st.sb_p = sbase + r1 * a.stride_s;
     st.steps = a.K / 256;
     st.put = slots + 16 * gm_unit(cr, cg);
     st.put4 = slots + 16 * gm_unit(cr + 4, cg);
 #pragma unroll
     for (int q = 0; q < 4; ++q) st.get[q] = get[q];
-    return st;
-  };
-  // a filled ring's task: pairs c0 .. c0 + np - 1 of the slot, lane g's x in row slot xr
-  auto task = [&](GmRing<kDepth>& st, int blk, int start, int c0, int np, int xr) {
     float total[4];
     warp_sums_gm(st, smem, xsm + xr * pitch + t * 16, g < np, total);
-    epi(start, c0, np, blk * rstep + g, blk * rstep + g + second, total);
+    epi(start, c0, np, r0, r1, total);
   };
   // a slot's table entry (w13's address and scales' or w2's), and its count (0 for an expert absent from a
   // sparse table)
   auto entry = [&](int slot) { return a.tab + 4LL * __ldcg(a.slot_e + slot) + (a.down ? 2 : 0); };
   auto count = [&](int slot, const long long* ent) { return a.sparse && ent[0] == 0 ? 0 : __ldcg(a.slot_cnt + slot); };
   if constexpr (kSpread) {
+    for (int i = threadIdx.x; i < a.spread * units; i += kGmThreads) stage(i / units, i / units, i % units);
+    __syncthreads();  // (x, and the table)
     const int T = __ldcg(a.nslot) * blocks;
     const int lo = (int)((long long)blockIdx.x * T / gridDim.x);
     const int hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
-    GmRing<kDepth> st;
-    bool filled = false;  // (kEarly) the warp's first task's ring, filled before x is staged
-    if (kEarly && lo + warp < hi) {
-      const long long* ent = entry((lo + warp) / blocks);
-      if (count((lo + warp) / blocks, ent) > 0) {
-        st = ring(ent, (lo + warp) % blocks);
-        st.fill();
-        filled = true;
-      }
-    }
-    for (int i = threadIdx.x; i < a.spread * units; i += kGmThreads) stage(i / units, i / units, i % units);
-    __syncthreads();  // (x, and the table)
     for (int k = lo + warp; k < hi; k += kGmWarps) {
       const int slot = k / blocks, start = __ldcg(a.slot_start + slot);
       const long long* ent = entry(slot);
       const int cnt = count(slot, ent);
       for (int c0 = 0; c0 < cnt; c0 += kPass) {  // (one pass: a slot holds at most one pair of a row)
         const int np = min(kPass, cnt - c0);
-        if (!filled) {
-          st = ring(ent, k % blocks);
-          st.fill();
-        }
-        filled = false;
         // (past the pass's pairs: pair 0's row, an address warp_sums_gm does not load)
-        task(st, k % blocks, start, c0, np, a.pair_ptr[start + c0 + (g < np ? g : 0)] / a.topk);
+        task(ent, k % blocks, start, c0, np, a.pair_ptr[start + c0 + (g < np ? g : 0)] / a.topk);
       }
     }
   } else {
@@ -1191,28 +1171,16 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
       const int slot = it / tiles, tile = it % tiles, start = __ldcg(a.slot_start + slot);
       const long long* ent = entry(slot);
       const int cnt = count(slot, ent);
-      const int blk = tile * kGmWarps + warp;
       for (int c0 = 0; c0 < cnt; c0 += kPass) {
         const int np = min(kPass, cnt - c0);
-        GmRing<kDepth> st = ring(ent, blk);
-        if constexpr (kEarly) st.fill();
-        if (waiting) {  // down's first task: the rest of its rows asked of L2 (lane l: row l % 16, steps
-                        // kDepth + l / 16, + 2, ...), then the wait for aq
-          const uint8_t* row = st.wa - cr * a.stride_w - cg * 16 + (lane & 15) * a.stride_w;
-          for (int s = kDepth + (lane >> 4); s < st.steps; s += 2) prefetch_l2(row + s * 128);
-          pdl_wait();
-          pdl_release();
-          waiting = false;
-        }
         __syncthreads();  // the previous pass's readers of x are done (the first: the table is written)
         for (int i = threadIdx.x; i < np * units; i += kGmThreads) {
           const int pair = a.pair_ptr[start + c0 + i / units];
           stage(i / units, a.down ? pair : pair / a.topk, i % units);
         }
         __syncthreads();
-        if constexpr (!kEarly) st.fill();
         // (past the pass's pairs: pair 0's row slot, an address warp_sums_gm does not load)
-        task(st, blk, start, c0, np, g < np ? g : 0);
+        task(ent, tile * kGmWarps + warp, start, c0, np, g < np ? g : 0);
         if constexpr (kPost) {
           __syncthreads();  // every output of the pass issued
           post(start, c0, np, tile);
@@ -1223,11 +1191,11 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
 }
 
 // gate-up's group-major kernels: act as gate_up's (blocks of 8 channels of w1 and w3)
-template <bool kSpread, bool kEarly, int kDepth = kGmDepth, int kPass = kGmPairs>
+template <bool kSpread, int kDepth = kGmDepth, int kPass = kGmPairs>
 __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                            float limit, int round_out) {
   const int t = threadIdx.x & 3;
-  run_gm<kSpread, false, kEarly, kDepth, kPass>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int, const float (&total)[4]) {
+  run_gm<kSpread, false, kDepth, kPass>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int, const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
       const int p = 2 * t + u;
@@ -1242,14 +1210,13 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
 
 // down's group-major kernel: y and the combine as down's, items of kGmWarps x 16 rows of w2 (combine_pass
 // per (row, 256-row tile): counters [M, D / 256] of down's [M, D / 128])
-template <bool kEarly, int kDepth = kGmDepth>
 __device__ __forceinline__ void down_gm(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                         long long stride_o, int* counters, int D, int combine,
                                         const __nv_bfloat16* shared, long long stride_sh) {
   __shared__ int last[kGmPairs];
   constexpr int kTile = kGmWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile;
-  run_gm<false, true, kEarly, kDepth, kGmPairs>(a, D / 16, [&](int start, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  run_gm<false, true, kGmDownDepth, kGmPairs>(a, D / 16, [&](int start, int c0, int np, int r0, int r1, const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of rows r0, r1
       const int p = 2 * t + u;
@@ -1333,43 +1300,26 @@ extern "C" __global__ void __maxnreg__(128) moe_gate_up_lut_spread_ring_mix(GATE
 // memory (224.5 KB at D = 4096). (Not in the probe build.)
 #ifndef MOE_LUT_PROBE
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm(GATE_UP_PARAMS) {
-  gate_up_gm<false, false>(GATE_UP_ARGS(0));
+  gate_up_gm<false>(GATE_UP_ARGS(0));
 }
 
 // The same, warp tasks dealt out evenly over launches of `rows` <= kGmPairs rows (moe_lut.py's GM_SPREAD_ROWS).
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_spread(GATE_UP_PARAMS, int rows) {
-  gate_up_gm<true, false>(GATE_UP_ARGS(rows));
+  gate_up_gm<true>(GATE_UP_ARGS(rows));
 }
 
 // down group-major (moe_lut.py's DOWN_GM): one CTA of kGmThreads per SM, 64 KB + kGmPairs rows of aq (2 I +
-// kGmPad bytes each) + the warps' slots (193 KB at I = 2048).
-extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm(DOWN_PARAMS) { down_gm<false>(DOWN_ARGS); }
-
-// The three with their weights requested early (run_gm's kEarly; moe_lut.py's GM_EARLY): the same bits.
-extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_early(GATE_UP_PARAMS) {
-  gate_up_gm<false, true>(GATE_UP_ARGS(0));
-}
-extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_spread_early(GATE_UP_PARAMS, int rows) {
-  gate_up_gm<true, true>(GATE_UP_ARGS(rows));
-}
-extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm_early(DOWN_PARAMS) {
-  down_gm<true>(DOWN_ARGS);
-}
-
-// down with 4 ring slots a warp (moe_lut.py's DOWN_GM_DEPTH): 8 KB of each warp's weights in flight, not 6
-// (225 KB of shared memory at I = 2048). The same bits.
-extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm_deep(DOWN_PARAMS) {
-  down_gm<false, 4>(DOWN_ARGS);
-}
+// kGmPad bytes each) + the warps' kGmDownDepth slots (224.5 KB at I = 2048).
+extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm(DOWN_PARAMS) { down_gm(DOWN_ARGS); }
 
 // The group-major gate-up for launches of 1-2 rows with 4 ring slots a warp (moe_lut.py's GM_DEEP_ROWS): passes of
 // 2 pairs (a slot holds at most 2 of 2 rows' pairs: one pass), 2 rows of x staged, so 64 KB + 2 x (2 D + kGmPad) +
 // kGmWarps x 4 2 KB slots (208 KB at D = 4096). The same bits.
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_deep(GATE_UP_PARAMS) {
-  gate_up_gm<false, false, 4, 2>(GATE_UP_ARGS(0));
+  gate_up_gm<false, 4, 2>(GATE_UP_ARGS(0));
 }
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_spread_deep(GATE_UP_PARAMS, int rows) {
-  gate_up_gm<true, false, 4, 2>(GATE_UP_ARGS(rows));
+  gate_up_gm<true, 4, 2>(GATE_UP_ARGS(rows));
 }
 
 #endif

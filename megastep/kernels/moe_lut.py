@@ -55,11 +55,6 @@ _GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pq
 _GATE_UP_GM = _MODULE.kernel("moe_gate_up_gm", "pqppppppppqiiqqfiii")
 _GATE_UP_GM_SPREAD = _MODULE.kernel("moe_gate_up_gm_spread", "pqppppppppqiiqqfiiii")
 _DOWN_GM = _MODULE.kernel("moe_down_gm", "pqpppppppqpqpiiqqiiipq")
-# the same with their weights requested early (GM_EARLY)
-_GATE_UP_GM_EARLY = _MODULE.kernel("moe_gate_up_gm_early", "pqppppppppqiiqqfiii")
-_GATE_UP_GM_SPREAD_EARLY = _MODULE.kernel("moe_gate_up_gm_spread_early", "pqppppppppqiiqqfiiii")
-_DOWN_GM_EARLY = _MODULE.kernel("moe_down_gm_early", "pqpppppppqpqpiiqqiiipq")
-_DOWN_GM_DEEP = _MODULE.kernel("moe_down_gm_deep", "pqpppppppqpqpiiqqiiipq")  # 4 ring slots a warp (DOWN_GM_DEPTH)
 # gate-up of 1-2 rows with 4 ring slots a warp, 2 rows of x (GM_DEEP_ROWS)
 _GATE_UP_GM_DEEP = _MODULE.kernel("moe_gate_up_gm_deep", "pqppppppppqiiqqfiii")
 _GATE_UP_GM_SPREAD_DEEP = _MODULE.kernel("moe_gate_up_gm_spread_deep", "pqppppppppqiiqqfiiii")
@@ -170,6 +165,7 @@ SPREAD_RING_MIX = True
 # count: removed (the code at d0340fc).
 GATE_UP_GM = True
 GM_WARPS, GM_PAIRS, GM_DEPTH, GM_PAD = 16, 8, 3, 64  # the .cu's kGmWarps, kGmPairs, kGmDepth, kGmPad
+GM_DOWN_DEPTH = 4  # the .cu's kGmDownDepth: moe_down_gm's ring slots a warp
 # Group-major launches of these row counts (<= GM_PAIRS: every row of x staged once) take
 # moe_gate_up_gm_spread, the warps' (slot, 8 channels) tasks dealt out evenly over the CTAs; other row
 # counts take items of GM_WARPS x 8 channels (at 1 row 96 on 132 SMs, which leaves SMs to the shared
@@ -181,21 +177,14 @@ GM_SPREAD_ROWS = (2, 3, 4, 5, 6, 7, 8)
 # for up to GM_PAIRS pairs, the combine per 256-row tile), its weights through the ring's slots (cp.async,
 # more bytes in flight than down's register stream, whose loads its warps wait on at 16-64 rows: ncu,
 # docs/PERFORMANCE.md 2026-12-07 from 07:53, item 8). Not the pair-major kernels' order of sums (every
-# launch or none); a device that cannot give it gm_shared_bytes(I) keeps moe_down_lut / moe_down_lut4.
+# launch or none); a device that cannot give it gm_shared_bytes(I, GM_DOWN_DEPTH) keeps moe_down_lut / _lut4.
 # Measured on one H100, 16 layers, the step against the pair-major down (down4 from 8 rows), 3 rounds
 # (docs/PERFORMANCE.md, 2026-12-07 from 10:16): -0.65 / -1.65 / -0.53 / -1.03 / -2.39 / -3.60 / -5.58 % at
 # 1 / 2 / 4 / 8 / 16 / 32 / 64 rows, -6.90 % at 64 rows under the skewed routing; the down launch alone
-# 17.9 against 21.0 us at 1 row, 372 against 430 at 64.
+# 17.9 against 21.0 us at 1 row, 372 against 430 at 64. Its ring has GM_DOWN_DEPTH slots a warp (4 where
+# gate-up's 3: I = 2048 leaves the room; 224.5 KB), measured against 3 (the same bits): -0.91 % at 1 row,
+# -0.48 to +0.15 % at 2-64 rows (item 5 of that section).
 DOWN_GM = True
-# The group-major kernels' weights requested early (the .cu's run_gm kEarly): a warp's ring filled before x
-# is staged for its pass (the weights' addresses need only the routing; x's rows need the routing, then x),
-# and down's first task's ring filled, the rest of its rows asked of L2, before it waits for aq under PDL
-# (the routing was complete before gate-up released its dependents), as the pair-major down does. The same
-# bits. Built 2026-12-07 10:40, to measure: off.
-GM_EARLY = False
-# The group-major down's ring slots a warp: GM_DEPTH, or 4 (moe_down_gm_deep: 8 KB of a warp's w2 in flight, not 6;
-# 225 KB of shared memory at I = 2048; not with GM_EARLY). The same bits. Built 2026-12-07 10:50, to measure: 3.
-DOWN_GM_DEPTH = GM_DEPTH
 # Group-major gate-up launches of these row counts (1 and/or 2) take moe_gate_up_gm_deep / _spread_deep: 4 ring
 # slots a warp in the room of the 6 rows of x they do not stage (208 KB at D = 4096); passes of 2 pairs, which
 # at <= 2 rows is one pass a slot. The same bits. Built 2026-12-07 11:00, to measure: none.
@@ -271,7 +260,7 @@ def down_pairs_per_pass(M: int, device: torch.device | None = None, I: int = 204
     """The pairs a pass of a down launch of M rows over I takes: GM_PAIRS with DOWN_GM on a CUDA device
     that gives moe_down_gm its shared memory (as down decides; any other device: as if it did), else 4
     (moe_down_lut4) from DOWN4_MIN_ROWS rows on, else PAIRS_PER_PASS."""
-    if DOWN_GM and _gm_room(device, I, DOWN_GM_DEPTH):
+    if DOWN_GM and _gm_room(device, I, GM_DOWN_DEPTH):
         return GM_PAIRS
     return 4 if _down4(M) else PAIRS_PER_PASS
 
@@ -315,15 +304,15 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     ring_warps = 2 * THREADS // 32  # the ring kernel: two halves, 16 warps' slots
     if GATE_UP_GM and _ring_fits(xq.device.index, gm_shared_bytes(D)):
         deep = rows in GM_DEEP_ROWS
-        assert not deep or (rows <= GM_DEEP_PASS and not GM_EARLY), (rows, GM_EARLY)  # (no such kernel)
+        assert not deep or rows <= GM_DEEP_PASS, rows  # (the deep kernels stage GM_DEEP_PASS rows of x)
         smem = gm_shared_bytes(D, GM_DEEP_DEPTH, GM_DEEP_PASS) if deep else gm_shared_bytes(D)
         if rows in GM_SPREAD_ROWS:  # warp tasks (slot, 8 channels), one CTA per SM
             assert rows <= GM_PAIRS, rows  # (the .cu stages every row of x: at most GM_PAIRS)
-            kernel = _GATE_UP_GM_SPREAD_DEEP if deep else _GATE_UP_GM_SPREAD_EARLY if GM_EARLY else _GATE_UP_GM_SPREAD
+            kernel = _GATE_UP_GM_SPREAD_DEEP if deep else _GATE_UP_GM_SPREAD
             kernel.launch(_grid(slots * (I // 8), xq.device, 1), (32 * GM_WARPS, 1, 1), smem, None, *args, rows,
                           pdl=pdl_enabled())
         else:  # items (slot, GM_WARPS x 8 channels)
-            kernel = _GATE_UP_GM_DEEP if deep else _GATE_UP_GM_EARLY if GM_EARLY else _GATE_UP_GM
+            kernel = _GATE_UP_GM_DEEP if deep else _GATE_UP_GM
             kernel.launch(_grid(slots * (I // (8 * GM_WARPS)), xq.device, 1), (32 * GM_WARPS, 1, 1), smem, None,
                           *args, pdl=pdl_enabled())
     elif spread:  # warp tasks (slot, 8 channels), one CTA per SM
@@ -360,13 +349,11 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
-    smem = gm_shared_bytes(I, DOWN_GM_DEPTH)
+    smem = gm_shared_bytes(I, GM_DOWN_DEPTH)
     if DOWN_GM and _ring_fits(aq.device.index, smem):  # items (slot, GM_WARPS x 16 rows)
         slots = min(pairs.numel(), addr.shape[0])
-        kernel = {(False, GM_DEPTH): _DOWN_GM, (True, GM_DEPTH): _DOWN_GM_EARLY, (False, 4): _DOWN_GM_DEEP}[
-            (GM_EARLY, DOWN_GM_DEPTH)]
-        kernel.launch(_grid(slots * (D // (16 * GM_WARPS)), aq.device, 1), (32 * GM_WARPS, 1, 1), smem, None, *args,
-                      pdl=pdl_enabled())
+        _DOWN_GM.launch(_grid(slots * (D // (16 * GM_WARPS)), aq.device, 1), (32 * GM_WARPS, 1, 1), smem, None,
+                        *args, pdl=pdl_enabled())
         return
     four = _down4(pairs.numel() // topk)
     (_DOWN4 if four else _DOWN).launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, four=four), None,

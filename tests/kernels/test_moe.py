@@ -741,38 +741,9 @@ def test_gpu_lut_group_major_down(M, monkeypatch):
     from megastep.kernels import moe_lut
 
     monkeypatch.setattr(moe_lut, "DOWN_GM", True)
-    assert moe_lut._ring_fits(0, moe_lut.gm_shared_bytes(2048)) or torch.cuda.get_device_capability()[0] < 9
+    smem = moe_lut.gm_shared_bytes(2048, moe_lut.GM_DOWN_DEPTH)
+    assert moe_lut._ring_fits(0, smem) or torch.cuda.get_device_capability()[0] < 9
     _group_major_checks(M, 47)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 2, 3, 9, 16, 64])
-def test_gpu_lut_group_major_early_requests_give_the_same_bits(M, monkeypatch):
-    """The group-major kernels with their weights requested early (moe_lut.GM_EARLY: a warp's ring filled before
-    x is staged; down's first task's ring filled and its other rows asked of L2 before its wait) give the plain
-    ones' bits at V4-Flash expert shapes: per-pair outputs, the combine, the combine with the shared expert's
-    output, a sparse table's pairs (absent experts, whose rings are never filled); both gate-up schedules (the
-    even deal at 2-3 rows); slots of several pairs from 3 rows on (passes of 8, the last partial at 9, 16, 64);
-    three calls."""
-    from megastep.kernels import moe_lut
-
-    assert moe_lut.GATE_UP_GM and moe_lut.DOWN_GM
-    _same_bits_when(monkeypatch, "GM_EARLY", False, True, moe_lut.gm_shared_bytes(4096), *_many_pair_inputs(M, 53))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 3, 9, 64])
-def test_gpu_lut_group_major_down_deep_ring_gives_the_same_bits(M, monkeypatch):
-    """The group-major down with 4 ring slots a warp (moe_lut.DOWN_GM_DEPTH 4, moe_down_gm_deep) gives the bits of
-    3 at V4-Flash expert shapes: per-pair outputs, the combine, the combine with the shared expert's output, a
-    sparse table's pairs; slots of one and several pairs (passes of 8, the last partial at 9 and 64); three
-    calls."""
-    from megastep.kernels import moe_lut
-
-    assert moe_lut.DOWN_GM
-    _same_bits_when(monkeypatch, "DOWN_GM_DEPTH", 3, 4, moe_lut.gm_shared_bytes(2048, 4), *_many_pair_inputs(M, 59))
 
 
 @pytest.mark.gpu
@@ -850,8 +821,7 @@ def test_lut_kernels_build_for_sm90():
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
                "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix",
-               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_down_gm", "moe_gate_up_gm_early",
-               "moe_gate_up_gm_spread_early", "moe_down_gm_early", "moe_down_gm_deep", "moe_gate_up_gm_deep",
+               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_down_gm", "moe_gate_up_gm_deep",
                "moe_gate_up_gm_spread_deep")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
@@ -932,9 +902,10 @@ def test_lut_down_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
 def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
     """moe_lut.DOWN_GM (on: measured to gain at every row count): every down launch, whatever its rows, takes
     moe_down_gm (a row's bits must not depend on its batch), items of (slot, GM_WARPS x 16 rows) on one CTA of
-    GM_WARPS warps per SM at most, with gm_shared_bytes(I) (192.5 KB at I = 2048) and down's arguments; off,
-    none does; a device that cannot give the shared memory keeps moe_down_lut / moe_down_lut4; the bench counts
-    its passes at GM_PAIRS pairs."""
+    GM_WARPS warps per SM at most, with the shared memory of GM_DOWN_DEPTH (4) ring slots a warp (224.5 KB at
+    I = 2048, within a Hopper's 227 KB) and down's arguments; off, none does; a device that cannot give the
+    shared memory (even if it could give 3 slots') keeps moe_down_lut / moe_down_lut4; the bench counts its
+    passes at GM_PAIRS pairs."""
     from megastep.kernels import moe_lut
 
     launched, fits = _spy_lut_launches(monkeypatch, ("_DOWN", "_DOWN4", "_DOWN_GM"))
@@ -946,11 +917,12 @@ def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
     assert moe_lut.DOWN_GM
     got = {m: call(m) for m in (1, 2, 8, 16, 64)}
     assert {g[0] for g in got.values()} == {"_DOWN_GM"}
-    assert moe_lut.gm_shared_bytes(I) == 65536 + 8 * (2 * I + 64) + 16 * 3 * 2048 == 197120
-    assert {(g[2], g[3]) for g in got.values()} == {(512, moe_lut.gm_shared_bytes(I))}
+    smem = moe_lut.gm_shared_bytes(I, moe_lut.GM_DOWN_DEPTH)
+    assert moe_lut.GM_DOWN_DEPTH == 4 and smem == 65536 + 8 * (2 * I + 64) + 16 * 4 * 2048 == 229888 <= 227 << 10
+    assert {(g[2], g[3]) for g in got.values()} == {(512, smem)}
     assert got[1][1] == 6 * 16 and got[64][1] == 132  # items (slot, 256 rows): 1 row 96 CTAs; at most one per SM
     assert [moe_lut.down_pairs_per_pass(m) for m in (1, 64)] == [8, 8]
-    fits["smem"] = 160 << 10  # (no room: the pair-major kernels, and the bench counts their passes)
+    fits["smem"] = 200 << 10  # (no room: the pair-major kernels, and the bench counts their passes)
     assert [call(m)[0] for m in (1, 64)] == ["_DOWN", "_DOWN4"]
     assert [moe_lut.down_pairs_per_pass(m, torch.device("cuda", 0), I) for m in (1, 64)] == [2, 4]
     fits["smem"] = 227 << 10
@@ -1012,60 +984,11 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     assert moe_lut.gate_up_pairs_per_pass() == 2
 
 
-def test_lut_group_major_early_requests_take_their_kernels(monkeypatch):
-    """moe_lut.GM_EARLY (built, off): the group-major gate-up and down launches take their early-request twins
-    (moe_gate_up_gm_early, _spread_early, moe_down_gm_early) with the same grid, block, shared memory and
-    arguments; off, the plain ones."""
-    from megastep.kernels import moe_lut
-
-    plain_names = ("_GATE_UP_GM", "_GATE_UP_GM_SPREAD", "_DOWN_GM")
-    launched, _ = _spy_lut_launches(monkeypatch, plain_names + tuple(n + "_EARLY" for n in plain_names))
-
-    def both(M):
-        return _launch_gate_up(moe_lut, launched, M), _launch_down(moe_lut, launched, M)
-
-    assert not moe_lut.GM_EARLY
-    plain = {m: both(m) for m in (1, 2, 64)}
-    assert [(g[0], d[0]) for g, d in plain.values()] == [("_GATE_UP_GM", "_DOWN_GM"), ("_GATE_UP_GM_SPREAD", "_DOWN_GM"),
-                                                          ("_GATE_UP_GM", "_DOWN_GM")]
-    monkeypatch.setattr(moe_lut, "GM_EARLY", True)
-    for m, (g, d) in plain.items():
-        eg, ed = both(m)
-        assert (eg[0], ed[0]) == (g[0] + "_EARLY", d[0] + "_EARLY"), m
-        assert eg[1:] == g[1:] and ed[1:] == d[1:], m
-
-
-def test_lut_group_major_down_deep_ring_takes_its_kernel(monkeypatch):
-    """moe_lut.DOWN_GM_DEPTH 4 (built, 3): every down launch takes moe_down_gm_deep with 4 ring slots a warp in its
-    shared memory (224.5 KB at I = 2048, within a Hopper's 227 KB), the same grid, block and arguments; not with
-    GM_EARLY (no such kernel: refused); a device without the room keeps the pair-major kernels, and the bench
-    counts their passes."""
-    from megastep.kernels import moe_lut
-
-    launched, fits = _spy_lut_launches(monkeypatch, ("_DOWN", "_DOWN4", "_DOWN_GM", "_DOWN_GM_DEEP"))
-    I = 2048
-    assert moe_lut.DOWN_GM_DEPTH == moe_lut.GM_DEPTH == 3
-    plain = {m: _launch_down(moe_lut, launched, m) for m in (1, 64)}
-    monkeypatch.setattr(moe_lut, "DOWN_GM_DEPTH", 4)
-    deep = {m: _launch_down(moe_lut, launched, m) for m in (1, 64)}
-    assert moe_lut.gm_shared_bytes(I, 4) == moe_lut.gm_shared_bytes(I) + 16 * 2048 == 229888 <= 227 << 10
-    for m in (1, 64):
-        assert deep[m] == ("_DOWN_GM_DEEP", plain[m][1], 512, 229888, plain[m][4]), m
-    assert moe_lut.down_pairs_per_pass(64, torch.device("cuda", 0), I) == 8
-    fits["smem"] = 200 << 10  # (room for 3 slots, not 4)
-    assert [_launch_down(moe_lut, launched, m)[0] for m in (1, 64)] == ["_DOWN", "_DOWN4"]
-    assert moe_lut.down_pairs_per_pass(64, torch.device("cuda", 0), I) == 4
-    fits["smem"] = 227 << 10
-    monkeypatch.setattr(moe_lut, "GM_EARLY", True)
-    with pytest.raises(KeyError):
-        _launch_down(moe_lut, launched, 1)
-
-
 def test_lut_group_major_gate_up_deep_ring_takes_its_kernels(monkeypatch):
     """moe_lut.GM_DEEP_ROWS (built, none): gate-up launches of those rows (1 and/or 2) take moe_gate_up_gm_deep
     (items, 1 row) or moe_gate_up_gm_spread_deep (the even deal, 2 rows) with 4 ring slots a warp and 2 rows of x
     in their shared memory (208 KB at D = 4096), the same grid, block and arguments as the plain kernels; other
-    rows keep those; a deep row count above 2 or with GM_EARLY is refused (no such kernel)."""
+    rows keep those; a deep row count above 2 is refused (the kernels stage 2 rows of x)."""
     from megastep.kernels import moe_lut
 
     names = ("_GATE_UP_GM", "_GATE_UP_GM_SPREAD", "_GATE_UP_GM_DEEP", "_GATE_UP_GM_SPREAD_DEEP")
@@ -1082,10 +1005,6 @@ def test_lut_group_major_gate_up_deep_ring_takes_its_kernels(monkeypatch):
     monkeypatch.setattr(moe_lut, "GM_DEEP_ROWS", (3,))
     with pytest.raises(AssertionError):
         _launch_gate_up(moe_lut, launched, 3)
-    monkeypatch.setattr(moe_lut, "GM_DEEP_ROWS", (1,))
-    monkeypatch.setattr(moe_lut, "GM_EARLY", True)
-    with pytest.raises(AssertionError):
-        _launch_gate_up(moe_lut, launched, 1)
 
 
 def test_lut_one_row_ring_leaves_sms_to_the_side_stream(monkeypatch):
@@ -1123,8 +1042,7 @@ def test_lut_signatures_match_the_kernels():
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
                    moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX,
                    moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD, moe_lut._DOWN_GM,
-                   moe_lut._GATE_UP_GM_EARLY, moe_lut._GATE_UP_GM_SPREAD_EARLY, moe_lut._DOWN_GM_EARLY,
-                   moe_lut._DOWN_GM_DEEP, moe_lut._GATE_UP_GM_DEEP, moe_lut._GATE_UP_GM_SPREAD_DEEP):
+                   moe_lut._GATE_UP_GM_DEEP, moe_lut._GATE_UP_GM_SPREAD_DEEP):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
@@ -1138,6 +1056,7 @@ def test_lut_signatures_match_the_kernels():
     exp_bytes = re.search(r"constexpr int kExpBytes = ([\d *]+);", src).group(1)
     assert moe_lut.EXP_BYTES == eval(exp_bytes) == 1024, exp_bytes
     # the group-major gate-up's CTA, pass, ring and x rows, as its launch and shared memory count them
-    names = ("kGmWarps", "kGmPairs", "kGmDepth", "kGmPad")
+    names = ("kGmWarps", "kGmPairs", "kGmDepth", "kGmPad", "kGmDownDepth")
     gm = {n: int(re.search(rf"\b{n} = (\d+)[,;]", src).group(1)) for n in names}
-    assert (moe_lut.GM_WARPS, moe_lut.GM_PAIRS, moe_lut.GM_DEPTH, moe_lut.GM_PAD) == tuple(gm.values()), gm
+    assert (moe_lut.GM_WARPS, moe_lut.GM_PAIRS, moe_lut.GM_DEPTH, moe_lut.GM_PAD, moe_lut.GM_DOWN_DEPTH) == tuple(
+        gm.values()), gm
