@@ -1041,7 +1041,7 @@ struct GmRing {
 __device__ __forceinline__ int byte_of(uint2 f, int G) { return ((G < 4 ? f.x : f.y) >> (8 * (G & 3))) & 0xFF; }
 
 // A warp's sums over its 16 rows for a pass (lane (g, t) brings column g's x: xl, at its 8t-th element of
-// group 0): total[0 / 1] row g (w1) for columns 2t / 2t + 1, total[2 / 3] row g + 8 (w3). The ring was
+// group 0): total[0 / 1] row g (w1) for columns 2t / 2t + 1, total[2 / 3] row g + 8 (w3). The ring is
 // filled here.
 // Only a lane whose column holds a pair (active) loads x: the others' B registers keep what they hold (a
 // column never meets another, and those are not read), so at 1 row a warp's x load is 4 lanes' 64 bytes, one
@@ -1195,7 +1195,8 @@ template <bool kSpread, int kDepth = kGmDepth, int kPass = kGmPairs>
 __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                            float limit, int round_out) {
   const int t = threadIdx.x & 3;
-  run_gm<kSpread, false, kDepth, kPass>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int, const float (&total)[4]) {
+  run_gm<kSpread, false, kDepth, kPass>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int,
+                                                               const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
       const int p = 2 * t + u;
@@ -1216,7 +1217,8 @@ __device__ __forceinline__ void down_gm(const Args& a, __nv_bfloat16* y, long lo
   __shared__ int last[kGmPairs];
   constexpr int kTile = kGmWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile;
-  run_gm<false, true, kGmDownDepth, kGmPairs>(a, D / 16, [&](int start, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  run_gm<false, true, kGmDownDepth, kGmPairs>(a, D / 16, [&](int start, int c0, int np, int r0, int r1,
+                                                              const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of rows r0, r1
       const int p = 2 * t + u;

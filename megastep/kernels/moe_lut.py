@@ -68,8 +68,9 @@ CTAS_PER_SM = 2  # the kernels' __launch_bounds__ minimum (registers and shared 
 # expert with more pairs streams its rows again (from L2 or HBM) for every further 2. (gate-up's;
 # down in launches of DOWN4_MIN_ROWS rows or more: twice as many.)
 PAIRS_PER_PASS = 2
-# Pair-major down launches (DOWN_GM off, or no room for it) of at least this many rows take moe_down_lut4: passes of 4 pairs, each decoded weight
-# fragment feeding two MMAs (pairs 0-1 and 2-3), so an expert with 3-4 pairs streams its rows once.
+# Pair-major down launches (DOWN_GM off, or no room for it) of at least this many rows take moe_down_lut4:
+# passes of 4 pairs, each decoded weight fragment feeding two MMAs (pairs 0-1 and 2-3), so an expert with 3-4
+# pairs streams its rows once.
 # The same sums for every pair, so the same bits (GPU test). Why: the experts' loop is bound by its
 # instructions and a pass costs about the same whatever its bytes; at 64 rows the synthetic gates'
 # routing makes 1.43 passes per expert read, 1.09 at 4 pairs a pass (benchmarks/expert_passes.py), and
