@@ -188,7 +188,8 @@ GM_SPREAD_ROWS = (2, 3, 4, 5, 6, 7, 8)
 DOWN_GM = True
 # Group-major gate-up launches of these row counts (1 and/or 2) take moe_gate_up_gm_deep / _spread_deep: 4 ring
 # slots a warp in the room of the 6 rows of x they do not stage (208 KB at D = 4096); passes of 2 pairs, which
-# at <= 2 rows is one pass a slot. The same bits. Built 2026-12-07 11:00, to measure: none.
+# at <= 2 rows is one pass a slot. The same bits (its GPU test passed on an H100). Built 2026-12-07 11:00, not yet
+# timed: none.
 GM_DEEP_ROWS: tuple[int, ...] = ()
 GM_DEEP_DEPTH, GM_DEEP_PASS = 4, 2  # the .cu's moe_gate_up_gm_deep: ring slots a warp, pairs a pass (x rows)
 
