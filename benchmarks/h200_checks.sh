@@ -39,6 +39,7 @@
 #   bash benchmarks/h200_checks.sh final      # the bit tests of the step, the lut and CUDA routing GPU tests, the step at 1-64 rows (~7 min)
 #   bash benchmarks/h200_checks.sh gm_short   # gm's GPU tests, its step A/B at 1, 16 and 64 rows, 2 rounds (~4.5 min)
 #   bash benchmarks/h200_checks.sh gm_ncu     # the group-major gate-up against the pair-major ring: the experts calls alone, their stall reasons and shared-memory wavefronts per instruction (ncu) (~3 min)
+#   bash benchmarks/h200_checks.sh ncu1       # the group-major gate-up and down at 1 row (and gate-up at 2): stall reasons and shared-memory wavefronts per instruction (ncu) (~2 min)
 #   bash benchmarks/h200_checks.sh gmdeep     # the group-major gate-up of 1-2 rows with 4 ring slots (built, off): GPU tests, experts calls, the step A/B at 1-2 rows (~2 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh gmdown     # the group-major down (the default) against the pair-major: its GPU tests, the experts calls alone, the step A/B at 1-64 rows, the bit tests, 64 skewed (~2 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh down_ncu   # down's stall reasons and shared-memory wavefronts per instruction at 16 and 64 rows (ncu) (~1.5 min)
@@ -564,6 +565,12 @@ for group in "$@"; do
       # per SASS instruction its stall reasons and shared-memory wavefronts (ncu, the call's second down launch, down4
       # from 8 rows), as gm_ncu did for gate-up
       for m in 16 64; do ncu_experts "down_m$m" '^moe_down_' lut "$m"; done ;;
+    ncu1)  # what bounds the group-major kernels at 1 row (2026-12-07, one H100, alone: gate-up 1.99 TB/s, down 1.46,
+      # against 3.1 streamed; one item per CTA on 96 SMs): per SASS instruction the stall reasons and shared-memory
+      # wavefronts of the gate-up (items) and down launches at 1 row, and the gate-up's at 2 rows (the even deal)
+      ncu_experts gmup_m1 '^moe_gate_up_' lut 1
+      ncu_experts gmdown_m1 '^moe_down_' lut 1
+      ncu_experts gmup_m2 '^moe_gate_up_' lut 2 ;;
     gmsms)  # the group-major gate-up's even deal at 1 row (132 CTAs: faster alone than items, +0.59 % in the step) and
       # at 2 rows capped at 104-120 CTAs, SMs left to the shared expert (an arm's patch of moe_lut._grid: at 1-2 rows the
       # launches of per_sm 1 and >= 1536 tasks are the even deal's); items at 1 row are the default; 3 rounds
