@@ -19,7 +19,7 @@
 #   bash benchmarks/h200_checks.sh moeanat    # the 1-row MoE sublayer under the ring, spread and register gate-up and the early fork: 30 layers, timelines (~4 min)
 #   bash benchmarks/h200_checks.sh ringsms    # the 1-row ring gate-up on 96-120 SMs, the rest left to the shared expert: 30 layers, timelines (~3 min)
 #   bash benchmarks/h200_checks.sh offload_auto24 # offload_auto for an 80 GB GPU: 24 layers, auto against 60 GB (~3 min)
-#   bash benchmarks/h200_checks.sh offload24_gm # recipe A at 24 layers, auto budget, 1 / 6 rows: the defaults of 2026-12-07 09:00 against the day's start (~5 min)
+#   bash benchmarks/h200_checks.sh offload24_gm # recipe A at 24 layers, auto budget, 1 / 6 rows: the defaults against 2026-12-07's start (~5 min)
 #   bash benchmarks/h200_checks.sh offload_a16 # offload_a for an 80 GB GPU: 16 layers, 45 GB budget, recipe A (~1 min)
 #   bash benchmarks/h200_checks.sh offload_zc16 # offload_zc for an 80 GB GPU: 16 layers, 45 GB budget; B zero-copy, B polling, A (~4 min)
 #   bash benchmarks/h200_checks.sh offload_b  # A's timeline, the CPU kernel alone (back to back, sporadic), B zero-copy on all cores but 2, hybrid (~9 min)
@@ -419,7 +419,8 @@ for group in "$@"; do
         --arm "c96=$M; m.RING_ONE_ROW_SMS = 96" --arm "c104=$M; m.RING_ONE_ROW_SMS = 104" --arm c112= \
         --arm "c120=$M; m.RING_ONE_ROW_SMS = 120" ;;
     offload24_gm)  # recipe A on an 80 GB GPU (24 layers, --hbm-budget auto, skewed, 1 row and a 6-row block) under the
-      # defaults of 2026-12-07 09:00 (the group-major gate-up, down4 from 8 rows) and of the day's start, one process each
+      # defaults (measured at 2026-12-07 09:00: the group-major gate-up, down4 from 8 rows) and the day's start, one
+      # process each
       bench_with offload24_gm_start 150 "$START1207" --layers 24 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu
       bench offload24_gm_now 150 --layers 24 --batch 1,6 --routing skewed --hbm-budget auto --cold-path gpu ;;
     offload_auto24)  # offload_auto on an 80 GB GPU: 24 layers (88 GB of weights), --hbm-budget auto (~73 GB there) against

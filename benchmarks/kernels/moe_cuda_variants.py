@@ -1,7 +1,7 @@
 """The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's Triton
 kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels, kernels/moe_lut.py), or
 "lut" with the pair-major kernels ("lut_pairs": moe_lut.GATE_UP_GM and DOWN_GM off, their defaults;
-every engine below but "lut_gm" and "lut_gm_down" takes them), or with whole items per CTA at every M ("lut_items":
+every engine below but "lut_gm", "lut_gm_down" and "lut_gdeep" takes them), or with whole items per CTA at every M ("lut_items":
 moe_lut.SPREAD_ROWS = ()), or with the
 spread gate-up at 1 and 2 rows ("lut_spread": (1, 2), its weights in registers; "lut_spread_ring":
 in the ring's slots, moe_lut.SPREAD_RING, with the table's decode), or with the gate-up's weight

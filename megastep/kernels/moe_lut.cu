@@ -959,6 +959,8 @@ constexpr int kGmDepth = 3;   // a warp's 2 KB ring slots (4 do not fit beside 8
 // down's (K = I = 2048: 4 fit, 224.5 KB): 8 KB of a warp's w2 in flight, not 6. The same bits; on one H100 the step
 // -0.91 % at 1 row, within -0.48 / +0.15 % at 2-64 (docs/PERFORMANCE.md, 2026-12-07 from 10:16, item 5)
 constexpr int kGmDownDepth = 4;
+// gate-up's at 1-2 rows (moe_gate_up_gm_deep): 4 slots in the room of the 6 rows of x a pass of 2 pairs leaves
+constexpr int kGmDeepDepth = 4, kGmDeepPass = 2;
 constexpr int kGmPad = 64;    // bytes after each staged row of x: pair g's row 4 bank groups from g - 1's
 
 // 16-byte unit of (MMA row r, group G of the step) in a 2 KB slot: row r's 8 groups in its own 128 B, the
@@ -1318,10 +1320,10 @@ extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm(DOWN_PAR
 // 2 pairs (a slot holds at most 2 of 2 rows' pairs: one pass), 2 rows of x staged, so 64 KB + 2 x (2 D + kGmPad) +
 // kGmWarps x 4 2 KB slots (208 KB at D = 4096). The same bits.
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_deep(GATE_UP_PARAMS) {
-  gate_up_gm<false, 4, 2>(GATE_UP_ARGS(0));
+  gate_up_gm<false, kGmDeepDepth, kGmDeepPass>(GATE_UP_ARGS(0));
 }
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_spread_deep(GATE_UP_PARAMS, int rows) {
-  gate_up_gm<true, 4, 2>(GATE_UP_ARGS(rows));
+  gate_up_gm<true, kGmDeepDepth, kGmDeepPass>(GATE_UP_ARGS(rows));
 }
 
 #endif

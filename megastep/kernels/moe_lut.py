@@ -191,7 +191,7 @@ DOWN_GM = True
 # at <= 2 rows is one pass a slot. The same bits (its GPU test passed on an H100). Built 2026-12-07 11:00, not yet
 # timed: none.
 GM_DEEP_ROWS: tuple[int, ...] = ()
-GM_DEEP_DEPTH, GM_DEEP_PASS = 4, 2  # the .cu's moe_gate_up_gm_deep: ring slots a warp, pairs a pass (x rows)
+GM_DEEP_DEPTH, GM_DEEP_PASS = 4, 2  # the .cu's kGmDeepDepth, kGmDeepPass: ring slots a warp, pairs a pass (x rows)
 
 
 @functools.cache
