@@ -40,7 +40,6 @@
 #   bash benchmarks/h200_checks.sh gm_short   # gm's GPU tests, its step A/B at 1, 16 and 64 rows, 2 rounds (~4.5 min)
 #   bash benchmarks/h200_checks.sh gm_ncu     # the group-major gate-up against the pair-major ring: the experts calls alone, their stall reasons and shared-memory wavefronts per instruction (ncu) (~3 min)
 #   bash benchmarks/h200_checks.sh ncu1       # the group-major gate-up and down at 1 row (and gate-up at 2): stall reasons and shared-memory wavefronts per instruction (ncu) (~2 min)
-#   bash benchmarks/h200_checks.sh gmdeep     # the group-major gate-up of 1-2 rows with 4 ring slots (built, off): GPU tests, experts calls, the step A/B at 1-2 rows (~2 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh gmdown     # the group-major down (the default) against the pair-major: its GPU tests, the experts calls alone, the step A/B at 1-64 rows, the bit tests, 64 skewed (~2 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh down_ncu   # down's stall reasons and shared-memory wavefronts per instruction at 16 and 64 rows (ncu) (~1.5 min)
 #   bash benchmarks/h200_checks.sh gmsms      # the group-major even deal at 1-2 rows on 104-132 CTAs against items at 1 row (~2 min)
@@ -584,15 +583,6 @@ for group in "$@"; do
       gm_default_ab
       final_tests
       final_step ;;
-    gmdeep)  # the group-major gate-up of 1-2 rows with 4 ring slots a warp (moe_lut.GM_DEEP_ROWS, built 2026-12-07
-      # 11:00; down's 4 slots, the default since 11:25, gained 0.91 % at 1 row): its GPU tests, the experts calls
-      # alone, the step at 1-2 rows, 3 rounds
-      GDEEP='import megastep.kernels.moe_lut as m; m.GM_DEEP_ROWS = (1, 2)'
-      step gmdeep_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_moe.py \
-        -k "deep or group_major_down"
-      step gmdeep_kernels 100 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/gmdeep_kernels" \
-        --ms 1,2 --engines lut,lut_gdeep
-      ab gmdeep 150 --layers 30 --batch 1,2 --rounds 3 --arm "now=" --arm "gdeep=$GDEEP" ;;
     gm_ab)  # gmdefault's A/B alone (with `table` after it: the H200's 30-layer step without the bit tests, which ran on
       # an H100)
       gm_default_ab ;;

@@ -1,7 +1,7 @@
 """The routed MXFP4 experts at V4-Flash shapes (E 256, D 4096, I 2048, top-6) with the runtime's Triton
 kernels ("triton") and in its mode "lut" (the CUDA C++ table-lookup kernels, kernels/moe_lut.py), or
 "lut" with the pair-major kernels ("lut_pairs": moe_lut.GATE_UP_GM and DOWN_GM off, their defaults;
-every engine below but "lut_gm", "lut_gm_down" and "lut_gdeep" takes them), or with whole items per CTA at every M ("lut_items":
+every engine below but "lut_gm" and "lut_gm_down" takes them), or with whole items per CTA at every M ("lut_items":
 moe_lut.SPREAD_ROWS = ()), or with the
 spread gate-up at 1 and 2 rows ("lut_spread": (1, 2), its weights in registers; "lut_spread_ring":
 in the ring's slots, moe_lut.SPREAD_RING, with the table's decode), or with the gate-up's weight
@@ -12,14 +12,13 @@ rows with the ring's slots and the mixed decode ("lut_spread_mix": moe_lut.SPREA
 default at 2 rows since 2026-12-01), or with the group-major gate-up on every launch and the
 pair-major down ("lut_gm": moe_lut.GATE_UP_GM, the default from 2026-12-07 07:53 to 10:16), whose sums
 run in another order, and with the group-major down too ("lut_gm_down": moe_lut.DOWN_GM, the default
-since 2026-12-07 10:16, as "lut"), or with the group-major gate-up's 4 ring slots at 1-2 rows ("lut_gdeep":
-moe_lut.GM_DEEP_ROWS = (1, 2), built 2026-12-07 11:00; the same bits); each engine's outputs
+since 2026-12-07 10:16, as "lut"); each engine's outputs
 must equal bit for bit those of the first engine with the same order of sums (the same GATE_UP_GM and
 DOWN_GM). (Earlier experiments measured with it and removed: a CUDA C++
 gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the
 fifteenth; the MMA columns in lane-major order, the twenty-second; the routed experts of 1-2 rows
 in one launch, the twenty-third; every group decoded in registers, and the mixed decode in every
-kernel, the twenty-fourth.)
+kernel, the twenty-fourth; the group-major gate-up's 4 ring slots at 1-2 rows, 2026-12-07 from 12:20.)
 
     python benchmarks/kernels/moe_cuda_variants.py --out DIR [--ms 1,4,16,64] [--engines triton,lut,lut_items]
 
@@ -61,14 +60,13 @@ def lut_settings(engine: str) -> dict:
                   "lut_mix": {"RING_MIX": True}, "lut_table": {"RING_MIX": False}}
     if engine in pair_major:
         return {"GATE_UP_GM": False, "DOWN_GM": False, **pair_major[engine]}
-    return {"lut_gm": {"GATE_UP_GM": True, "DOWN_GM": False}, "lut_gm_down": {"GATE_UP_GM": True, "DOWN_GM": True},
-            "lut_gdeep": {"GM_DEEP_ROWS": (1, 2)}}.get(engine, {})
+    return {"lut_gm": {"GATE_UP_GM": True, "DOWN_GM": False},
+            "lut_gm_down": {"GATE_UP_GM": True, "DOWN_GM": True}}.get(engine, {})
 
 
 def run(engine, fn):
     if engine.startswith("lut"):  # mode "lut" (kernels/moe_lut.py) as the kernels' default
-        names = ("SPREAD_ROWS", "RING_MIN_ROWS", "SPREAD_RING", "RING_MIX", "SPREAD_RING_MIX", "GATE_UP_GM", "DOWN_GM",
-                 "GM_DEEP_ROWS")
+        names = ("SPREAD_ROWS", "RING_MIN_ROWS", "SPREAD_RING", "RING_MIX", "SPREAD_RING_MIX", "GATE_UP_GM", "DOWN_GM")
         saved = MOE.DEFAULT_MODE, {n: getattr(LUTK, n) for n in names}
         MOE.DEFAULT_MODE = "lut"
         for n, v in lut_settings(engine).items():
@@ -108,8 +106,7 @@ def main() -> None:
     bw = BK.measure_bandwidth()["read"]
     lut = [k.attributes() for k in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD, LUTK._GATE_UP_RING,
                                     LUTK._GATE_UP_SPREAD_RING, LUTK._GATE_UP_RING_MIX, LUTK._GATE_UP_SPREAD_RING_MIX,
-                                    LUTK._DOWN4, LUTK._GATE_UP_GM, LUTK._GATE_UP_GM_SPREAD, LUTK._DOWN_GM,
-                                    LUTK._GATE_UP_GM_DEEP, LUTK._GATE_UP_GM_SPREAD_DEEP)]
+                                    LUTK._DOWN4, LUTK._GATE_UP_GM, LUTK._GATE_UP_GM_SPREAD, LUTK._DOWN_GM)]
     BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; lut kernels: {lut}")
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)

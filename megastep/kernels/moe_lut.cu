@@ -959,8 +959,6 @@ constexpr int kGmDepth = 3;   // a warp's 2 KB ring slots (4 do not fit beside 8
 // down's (K = I = 2048: 4 fit, 224.5 KB): 8 KB of a warp's w2 in flight, not 6. The same bits; on one H100 the step
 // -0.91 % at 1 row, within -0.48 / +0.15 % at 2-64 (docs/PERFORMANCE.md, 2026-12-07 from 10:16, item 5)
 constexpr int kGmDownDepth = 4;
-// gate-up's at 1-2 rows (moe_gate_up_gm_deep): 4 slots in the room of the 6 rows of x a pass of 2 pairs leaves
-constexpr int kGmDeepDepth = 4, kGmDeepPass = 2;
 constexpr int kGmPad = 64;    // bytes after each staged row of x: pair g's row 4 bank groups from g - 1's
 
 // 16-byte unit of (MMA row r, group G of the step) in a 2 KB slot: row r's 8 groups in its own 128 B, the
@@ -1095,13 +1093,13 @@ __device__ __forceinline__ void warp_sums_gm(GmRing<kDepth>& st, const char* tab
 // the pairs' own rows of aq) are staged for the pass (slot p for the pass's pair p). epi(start, c0, np, r0,
 // r1, total): the lane's outputs of a task (warp_sums_gm's total: rows r0, r1, columns = pairs c0 + 2t,
 // c0 + 2t + 1); with kPost, post(start, c0, np, tile) after each item pass, every output of it issued.
-// kDepth: a warp's ring slots. kPass (<= kGmPairs): the pairs a pass takes, and the rows of x staged (kSpread:
-// at least a.spread); fewer leave room for more ring slots at few rows. A pair's sums do not depend on the
-// others' nor on the ring: the same bits whatever the two.
+// kDepth: a warp's ring slots (a pair's sums do not depend on them: the same bits whatever the depth). (4 slots
+// for gate-up at 1-2 rows, in passes of 2 pairs with 2 rows of x staged, gave the same bits and +0.16 / +0.58 %
+// at 1 / 2 rows on one H100: docs/PERFORMANCE.md, 2026-12-07 from 12:20; the code at f75b03e.)
 // (Filling a warp's ring before x is staged, and down's first ring before its PDL wait with the rest of its rows
 // asked of L2, as the pair-major down does, was 0.4 % faster at 1 row and 1.3-4.7 % slower at 2-64 rows on one
 // H100: docs/PERFORMANCE.md, 2026-12-07 from 10:16, item 4; the code at 1418cde.)
-template <bool kSpread, bool kPost, int kDepth, int kPass, typename Epi, typename Post>
+template <bool kSpread, bool kPost, int kDepth, typename Epi, typename Post>
 __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post post) {
   extern __shared__ __align__(16) char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -1109,7 +1107,7 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   // a task's rows: block blk's 8 (down: 16) from blk * rstep, the second 8 `second` rows after the first
   const int rstep = a.down ? 16 : 8, second = a.down ? 8 : a.w3_rows;
   char* xsm = smem + kLutBytes;
-  const char* slots = xsm + kPass * pitch + warp * kDepth * 2048;
+  const char* slots = xsm + kGmPairs * pitch + warp * kDepth * 2048;
   // unit u of x row src into row slot r
   auto stage = [&](int r, int src, int u) {
     *reinterpret_cast<uint4*>(xsm + r * pitch + u * 16) =
@@ -1161,8 +1159,8 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
       const int slot = k / blocks, start = __ldcg(a.slot_start + slot);
       const long long* ent = entry(slot);
       const int cnt = count(slot, ent);
-      for (int c0 = 0; c0 < cnt; c0 += kPass) {  // (one pass: a slot holds at most one pair of a row)
-        const int np = min(kPass, cnt - c0);
+      for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {  // (one pass: a slot holds at most one pair of a row)
+        const int np = min(kGmPairs, cnt - c0);
         // (past the pass's pairs: pair 0's row, an address warp_sums_gm does not load)
         task(ent, k % blocks, start, c0, np, a.pair_ptr[start + c0 + (g < np ? g : 0)] / a.topk);
       }
@@ -1173,8 +1171,8 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
       const int slot = it / tiles, tile = it % tiles, start = __ldcg(a.slot_start + slot);
       const long long* ent = entry(slot);
       const int cnt = count(slot, ent);
-      for (int c0 = 0; c0 < cnt; c0 += kPass) {
-        const int np = min(kPass, cnt - c0);
+      for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {
+        const int np = min(kGmPairs, cnt - c0);
         __syncthreads();  // the previous pass's readers of x are done (the first: the table is written)
         for (int i = threadIdx.x; i < np * units; i += kGmThreads) {
           const int pair = a.pair_ptr[start + c0 + i / units];
@@ -1193,11 +1191,11 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
 }
 
 // gate-up's group-major kernels: act as gate_up's (blocks of 8 channels of w1 and w3)
-template <bool kSpread, int kDepth = kGmDepth, int kPass = kGmPairs>
+template <bool kSpread>
 __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                            float limit, int round_out) {
   const int t = threadIdx.x & 3;
-  run_gm<kSpread, false, kDepth, kPass>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int,
+  run_gm<kSpread, false, kGmDepth>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int,
                                                                const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
@@ -1219,7 +1217,7 @@ __device__ __forceinline__ void down_gm(const Args& a, __nv_bfloat16* y, long lo
   __shared__ int last[kGmPairs];
   constexpr int kTile = kGmWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile;
-  run_gm<false, true, kGmDownDepth, kGmPairs>(a, D / 16, [&](int start, int c0, int np, int r0, int r1,
+  run_gm<false, true, kGmDownDepth>(a, D / 16, [&](int start, int c0, int np, int r0, int r1,
                                                               const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of rows r0, r1
@@ -1315,16 +1313,6 @@ extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_sprea
 // down group-major (moe_lut.py's DOWN_GM): one CTA of kGmThreads per SM, 64 KB + kGmPairs rows of aq (2 I +
 // kGmPad bytes each) + the warps' kGmDownDepth slots (224.5 KB at I = 2048).
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm(DOWN_PARAMS) { down_gm(DOWN_ARGS); }
-
-// The group-major gate-up for launches of 1-2 rows with 4 ring slots a warp (moe_lut.py's GM_DEEP_ROWS): passes of
-// 2 pairs (a slot holds at most 2 of 2 rows' pairs: one pass), 2 rows of x staged, so 64 KB + 2 x (2 D + kGmPad) +
-// kGmWarps x 4 2 KB slots (208 KB at D = 4096). The same bits.
-extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_deep(GATE_UP_PARAMS) {
-  gate_up_gm<false, kGmDeepDepth, kGmDeepPass>(GATE_UP_ARGS(0));
-}
-extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_spread_deep(GATE_UP_PARAMS, int rows) {
-  gate_up_gm<true, kGmDeepDepth, kGmDeepPass>(GATE_UP_ARGS(rows));
-}
 
 #endif
 

@@ -55,9 +55,6 @@ _GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pq
 _GATE_UP_GM = _MODULE.kernel("moe_gate_up_gm", "pqppppppppqiiqqfiii")
 _GATE_UP_GM_SPREAD = _MODULE.kernel("moe_gate_up_gm_spread", "pqppppppppqiiqqfiiii")
 _DOWN_GM = _MODULE.kernel("moe_down_gm", "pqpppppppqpqpiiqqiiipq")
-# gate-up of 1-2 rows with 4 ring slots a warp, 2 rows of x (GM_DEEP_ROWS)
-_GATE_UP_GM_DEEP = _MODULE.kernel("moe_gate_up_gm_deep", "pqppppppppqiiqqfiii")
-_GATE_UP_GM_SPREAD_DEEP = _MODULE.kernel("moe_gate_up_gm_spread_deep", "pqppppppppqiiqqfiiii")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -186,12 +183,6 @@ GM_SPREAD_ROWS = (2, 3, 4, 5, 6, 7, 8)
 # gate-up's 3: I = 2048 leaves the room; 224.5 KB), measured against 3 (the same bits): -0.91 % at 1 row,
 # -0.48 to +0.15 % at 2-64 rows (item 5 of that section).
 DOWN_GM = True
-# Group-major gate-up launches of these row counts (1 and/or 2) take moe_gate_up_gm_deep / _spread_deep: 4 ring
-# slots a warp in the room of the 6 rows of x they do not stage (208 KB at D = 4096); passes of 2 pairs, which
-# at <= 2 rows is one pass a slot. The same bits (its GPU test passed on an H100). Built 2026-12-07 11:00, not yet
-# timed: none.
-GM_DEEP_ROWS: tuple[int, ...] = ()
-GM_DEEP_DEPTH, GM_DEEP_PASS = 4, 2  # the .cu's kGmDeepDepth, kGmDeepPass: ring slots a warp, pairs a pass (x rows)
 
 
 @functools.cache
@@ -215,10 +206,10 @@ def shared_bytes(K: int, halves: int = 1, slot_warps: int = 0, mix: bool = False
     return LUT_BYTES + (EXP_BYTES if mix else 0) + halves * 4 * K + slot_warps * RING_DEPTH * 2048
 
 
-def gm_shared_bytes(K: int, depth: int = GM_DEPTH, rows: int = GM_PAIRS) -> int:
-    """Dynamic shared memory of a group-major launch over K: the table, `rows` rows of x (2 K + GM_PAD bytes
+def gm_shared_bytes(K: int, depth: int = GM_DEPTH) -> int:
+    """Dynamic shared memory of a group-major launch over K: the table, GM_PAIRS rows of x (2 K + GM_PAD bytes
     each), GM_WARPS warps' `depth` 2 KB slots (224.5 KB at K = 4096, 192.5 KB at K = 2048)."""
-    return LUT_BYTES + rows * (2 * K + GM_PAD) + GM_WARPS * depth * 2048
+    return LUT_BYTES + GM_PAIRS * (2 * K + GM_PAD) + GM_WARPS * depth * 2048
 
 
 def gate_up_pairs_per_pass(device: torch.device | None = None, D: int = 4096) -> int:
@@ -305,18 +296,14 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
     ring_warps = 2 * THREADS // 32  # the ring kernel: two halves, 16 warps' slots
     if GATE_UP_GM and _ring_fits(xq.device.index, gm_shared_bytes(D)):
-        deep = rows in GM_DEEP_ROWS
-        assert not deep or rows <= GM_DEEP_PASS, rows  # (the deep kernels stage GM_DEEP_PASS rows of x)
-        smem = gm_shared_bytes(D, GM_DEEP_DEPTH, GM_DEEP_PASS) if deep else gm_shared_bytes(D)
+        smem = gm_shared_bytes(D)
         if rows in GM_SPREAD_ROWS:  # warp tasks (slot, 8 channels), one CTA per SM
             assert rows <= GM_PAIRS, rows  # (the .cu stages every row of x: at most GM_PAIRS)
-            kernel = _GATE_UP_GM_SPREAD_DEEP if deep else _GATE_UP_GM_SPREAD
-            kernel.launch(_grid(slots * (I // 8), xq.device, 1), (32 * GM_WARPS, 1, 1), smem, None, *args, rows,
-                          pdl=pdl_enabled())
+            _GATE_UP_GM_SPREAD.launch(_grid(slots * (I // 8), xq.device, 1), (32 * GM_WARPS, 1, 1), smem, None,
+                                      *args, rows, pdl=pdl_enabled())
         else:  # items (slot, GM_WARPS x 8 channels)
-            kernel = _GATE_UP_GM_DEEP if deep else _GATE_UP_GM
-            kernel.launch(_grid(slots * (I // (8 * GM_WARPS)), xq.device, 1), (32 * GM_WARPS, 1, 1), smem, None,
-                          *args, pdl=pdl_enabled())
+            _GATE_UP_GM.launch(_grid(slots * (I // (8 * GM_WARPS)), xq.device, 1), (32 * GM_WARPS, 1, 1), smem,
+                               None, *args, pdl=pdl_enabled())
     elif spread:  # warp tasks (slot, 8 channels), one CTA per SM
         if SPREAD_RING and _ring_fits(xq.device.index, shared_bytes(D, 1, SPREAD_WARPS)):
             kernel, smem = _ring_kernel(_GATE_UP_SPREAD_RING, _GATE_UP_SPREAD_RING_MIX, SPREAD_RING_MIX,

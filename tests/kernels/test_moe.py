@@ -746,22 +746,6 @@ def test_gpu_lut_group_major_down(M, monkeypatch):
     _group_major_checks(M, 47)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 2])
-def test_gpu_lut_group_major_gate_up_deep_ring_gives_the_same_bits(M, monkeypatch):
-    """The group-major gate-up of 1-2 rows with 4 ring slots a warp and passes of 2 pairs (moe_lut.GM_DEEP_ROWS:
-    moe_gate_up_gm_deep at 1 row, moe_gate_up_gm_spread_deep at 2) gives the plain kernels' bits at V4-Flash
-    expert shapes: per-pair outputs, the combine, the combine with the shared expert's output, a sparse table's
-    pairs; at 2 rows a slot holding both rows' pairs; three calls."""
-    from megastep.kernels import moe_lut
-
-    ex, x, ids, wts = _many_pair_inputs(M, 61)
-    if M == 2:  # a slot with both rows' pairs
-        ids[1, 0] = next(e for e in ids[0].tolist() if e not in ids[1].tolist())
-    _same_bits_when(monkeypatch, "GM_DEEP_ROWS", (), (M,), moe_lut.gm_shared_bytes(4096, 4, 2), ex, x, ids, wts)
-
-
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX prmt.b32 (default mode): result byte k = byte (selector nibble k & 7) of {b, a}, or that
     byte's top bit replicated where the nibble's bit 3 is set."""
@@ -821,8 +805,7 @@ def test_lut_kernels_build_for_sm90():
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
                "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix",
-               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_down_gm", "moe_gate_up_gm_deep",
-               "moe_gate_up_gm_spread_deep")
+               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_down_gm")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
     # without their loads (all but moe_down_lut4 and the group-major ones, which they leave out)
@@ -984,29 +967,6 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     assert moe_lut.gate_up_pairs_per_pass() == 2
 
 
-def test_lut_group_major_gate_up_deep_ring_takes_its_kernels(monkeypatch):
-    """moe_lut.GM_DEEP_ROWS (built, none): gate-up launches of those rows (1 and/or 2) take moe_gate_up_gm_deep
-    (items, 1 row) or moe_gate_up_gm_spread_deep (the even deal, 2 rows) with 4 ring slots a warp and 2 rows of x
-    in their shared memory (208 KB at D = 4096), the same grid, block and arguments as the plain kernels; other
-    rows keep those; a deep row count above 2 is refused (the kernels stage 2 rows of x)."""
-    from megastep.kernels import moe_lut
-
-    names = ("_GATE_UP_GM", "_GATE_UP_GM_SPREAD", "_GATE_UP_GM_DEEP", "_GATE_UP_GM_SPREAD_DEEP")
-    launched, _ = _spy_lut_launches(monkeypatch, names)
-    assert moe_lut.GM_DEEP_ROWS == ()
-    plain = {m: _launch_gate_up(moe_lut, launched, m) for m in (1, 2, 4)}
-    monkeypatch.setattr(moe_lut, "GM_DEEP_ROWS", (1, 2))
-    deep = {m: _launch_gate_up(moe_lut, launched, m) for m in (1, 2, 4)}
-    smem = moe_lut.gm_shared_bytes(4096, 4, 2)
-    assert smem == 65536 + 2 * (2 * 4096 + 64) + 16 * 4 * 2048 == 213120 <= 227 << 10
-    assert deep[1] == ("_GATE_UP_GM_DEEP",) + plain[1][1:3] + (smem, plain[1][4])
-    assert deep[2] == ("_GATE_UP_GM_SPREAD_DEEP",) + plain[2][1:3] + (smem, plain[2][4])
-    assert deep[4] == plain[4] and plain[4][0] == "_GATE_UP_GM_SPREAD"
-    monkeypatch.setattr(moe_lut, "GM_DEEP_ROWS", (3,))
-    with pytest.raises(AssertionError):
-        _launch_gate_up(moe_lut, launched, 3)
-
-
 def test_lut_one_row_ring_leaves_sms_to_the_side_stream(monkeypatch):
     """moe_lut._ring_grid: one CTA per SM at most, each taking two items; at 1 row at most
     RING_ONE_ROW_SMS CTAs (V4-Flash's 192 items: 112 of 132 SMs), but never fewer than one per two
@@ -1041,8 +1001,7 @@ def test_lut_signatures_match_the_kernels():
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
                    moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX,
-                   moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD, moe_lut._DOWN_GM,
-                   moe_lut._GATE_UP_GM_DEEP, moe_lut._GATE_UP_GM_SPREAD_DEEP):
+                   moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD, moe_lut._DOWN_GM):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
