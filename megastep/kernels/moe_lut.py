@@ -295,8 +295,8 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     args = (xq, xq.stride(0), addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, act.stride(0),
             D, I, strides[0], strides[1], float(limit), int(round_bf16), topk, int(sparse))
     ring_warps = 2 * THREADS // 32  # the ring kernel: two halves, 16 warps' slots
-    if GATE_UP_GM and _ring_fits(xq.device.index, gm_shared_bytes(D)):
-        smem = gm_shared_bytes(D)
+    smem = gm_shared_bytes(D)
+    if GATE_UP_GM and _ring_fits(xq.device.index, smem):
         if rows in GM_SPREAD_ROWS:  # warp tasks (slot, 8 channels), one CTA per SM
             assert rows <= GM_PAIRS, rows  # (the .cu stages every row of x: at most GM_PAIRS)
             _GATE_UP_GM_SPREAD.launch(_grid(slots * (I // 8), xq.device, 1), (32 * GM_WARPS, 1, 1), smem, None,
