@@ -948,9 +948,11 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
 // and 2 scale bytes a group, 32 + 16 a step, against 8 + 8).
 // Order of sums, per (pair, channel of w1 or w3), fixed whatever the batch: per group the 32 products in
 // two chained MMAs (elements 8t .. 8t + 3 of the quad's lanes t, then 8t + 4 .. 8t + 7; fp32), times
-// the group's scale into one fp32 sum over the whole K in group order. A column never
-// meets another pair's values: batch invariant. Not the pair-major kernels' order, so not their bits:
-// a step takes this kernel for every gate-up launch or for none.
+// the group's scale into an fp32 sum over each K half in group order, then half 0 + half 1 (gate-up; down:
+// one sum over the whole K). A column never meets another pair's values: batch invariant. Not the
+// pair-major kernels' order, so not their bits: a step takes this kernel for every gate-up launch or for
+// none. Why two sums: launches of 1-2 rows (moe_gate_up_gm_few) give a task's halves to two warps, whose
+// chains are half as long, and every other launch must add the same two sums.
 // Work: one CTA of kGmWarps warps per SM; a warp's task is 8 channels of a slot (MMA rows g: w1, g + 8:
 // w3) over the whole K, its pairs in passes of kGmPairs, x staged for the CTA (gate_up_gm's two schedules).
 constexpr int kGmWarps = 16, kGmThreads = 32 * kGmWarps;
@@ -988,7 +990,7 @@ __device__ __forceinline__ void mma_z(float (&d)[4], uint32_t a0, uint32_t a1, u
 // groups 2q and 2q + 1, matrices (rows 0-7, 2q), (8-15, 2q), (0-7, 2q + 1), (8-15, 2q + 1)), lane l giving row
 // l % 8 of matrix l / 8. The scale bytes stay in registers (8 a row a step, lane (g, t)'s rows g and g + 8, as
 // RingStream's).
-template <int kDepth = kGmDepth>
+template <int kDepth>
 struct GmRing {
   // this lane's copy rows at its group: l / 8 of w1 (wa) and w3 (wb), 4 + l / 8 (wa4, wb4)
   const uint8_t *wa, *wa4, *wb, *wb4, *sa_p, *sb_p;
@@ -1041,16 +1043,17 @@ struct GmRing {
 __device__ __forceinline__ int byte_of(uint2 f, int G) { return ((G < 4 ? f.x : f.y) >> (8 * (G & 3))) & 0xFF; }
 
 // A warp's sums over its 16 rows for a pass (lane (g, t) brings column g's x: xl, at its 8t-th element of
-// group 0): total[0 / 1] row g (w1) for columns 2t / 2t + 1, total[2 / 3] row g + 8 (w3). The ring is
-// filled here.
+// group 0): total[0 / 1] row g (w1) for columns 2t / 2t + 1, total[2 / 3] row g + 8 (w3); kTwo: as two
+// sums, over the ring's first st.steps / 2 steps and over the rest, added at the end (gate-up's order over
+// its whole K), else one. The ring is filled here.
 // Only a lane whose column holds a pair (active) loads x: the others' B registers keep what they hold (a
 // column never meets another, and those are not read), so at 1 row a warp's x load is 4 lanes' 64 bytes, one
 // shared-memory wavefront, not 4.
-template <int kDepth>
+template <int kDepth, bool kTwo>
 __device__ __forceinline__ void warp_sums_gm(GmRing<kDepth>& st, const char* table, const char* xl, bool active,
                                              float (&total)[4]) {
   const uint32_t lane_off = (threadIdx.x & 31) * 4;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, first[4];
   uint4 xv = make_uint4(0u, 0u, 0u, 0u);
   st.fill();
   for (int s0 = 0; s0 < st.steps; s0 += kDepth) {
@@ -1058,6 +1061,10 @@ __device__ __forceinline__ void warp_sums_gm(GmRing<kDepth>& st, const char* tab
     for (int i = 0; i < kDepth; ++i) {
       const int s = s0 + i;
       if (s >= st.steps) break;
+      if (kTwo && s == st.steps / 2) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) first[v] = acc[v], acc[v] = 0.f;
+      }
       uint32_t w[8][2];
       uint2 fa, fb;
       st.take(i, w, fa, fb);
@@ -1079,70 +1086,88 @@ __device__ __forceinline__ void warp_sums_gm(GmRing<kDepth>& st, const char* tab
     }
   }
 #pragma unroll
-  for (int v = 0; v < 4; ++v) total[v] = acc[v];
+  for (int v = 0; v < 4; ++v) total[v] = kTwo ? first[v] + acc[v] : acc[v];
 }
 
 // The group-major body (gate-up's and down's): a warp's task is 16 MMA rows of a slot's weights (gate-up: 8
 // channels of w1, rows g, and the same of w3, rows g + 8; down: 16 rows of w2) over the whole K, its pairs in
 // passes of kGmPairs. Two schedules, the same per-warp work (so the same bits): kSpread (gate-up's launches of
-// a.spread <= kGmPairs rows: every row of x staged once, in row slot m for row m): one CTA per SM takes the
+// a.spread <= kXRows rows: every row of x staged once, in row slot m for row m): one CTA per SM takes the
 // launch's T = slots x blocks warp tasks in an even share, CTA c tasks [c T / G, (c + 1) T / G), its warp w
-// tasks lo + w, lo + w + kGmWarps, ... (run_spread's deal: at 1 row 1536 tasks, where items of 128 channels
-// would be 96 on 132 SMs), a lane finding its pair's row slot from the routing; else items (slot, kGmWarps
+// tasks lo + w, lo + w + kWarps, ... (run_spread's deal: at 1 row 1536 tasks, where items of 128 channels
+// would be 96 on 132 SMs), a lane finding its pair's row slot from the routing; else items (slot, kWarps
 // tasks) in turn, the item's pairs in passes of kGmPairs whose x rows (gate-up: the pairs' rows of x; down:
 // the pairs' own rows of aq) are staged for the pass (slot p for the pass's pair p). epi(start, c0, np, r0,
 // r1, total): the lane's outputs of a task (warp_sums_gm's total: rows r0, r1, columns = pairs c0 + 2t,
 // c0 + 2t + 1); with kPost, post(start, c0, np, tile) after each item pass, every output of it issued.
+// kTwo: a task's sums in two chains, one a K half (gate-up's order, warp_sums_gm); kPairs (kSpread, kTwo):
+// warps 2m and 2m + 1 take the halves of tasks lo + m, lo + m + kWarps / 2, ..., and 2m adds 2m + 1's sums
+// to its own through 2m + 1's first ring slot (free by then) between two barriers of the pair (named
+// barrier 1 + m): each warp streams half the rows' bytes, so at 1-2 rows, where a launch has about one task
+// a warp, a task ends in half the time.
 // kDepth: a warp's ring slots (a pair's sums do not depend on them: the same bits whatever the depth). (4 slots
 // for gate-up at 1-2 rows, in passes of 2 pairs with 2 rows of x staged, gave the same bits and +0.16 / +0.58 %
 // at 1 / 2 rows on one H100: docs/PERFORMANCE.md, 2026-12-07 from 12:20; the code at f75b03e.)
 // (Filling a warp's ring before x is staged, and down's first ring before its PDL wait with the rest of its rows
 // asked of L2, as the pair-major down does, was 0.4 % faster at 1 row and 1.3-4.7 % slower at 2-64 rows on one
 // H100: docs/PERFORMANCE.md, 2026-12-07 from 10:16, item 4; the code at 1418cde.)
-template <bool kSpread, bool kPost, int kDepth, typename Epi, typename Post>
+template <bool kSpread, bool kPost, int kDepth, bool kTwo, int kWarps = kGmWarps, int kXRows = kGmPairs,
+          bool kPairs = false, typename Epi, typename Post>
 __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post post) {
+  static_assert(!kPairs || (kSpread && kTwo && kWarps % 2 == 0 && kWarps / 2 < 16), "warp pairs: halves of tasks");
   extern __shared__ __align__(16) char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int pitch = 2 * a.K + kGmPad, units = a.K / 8;
   // a task's rows: block blk's 8 (down: 16) from blk * rstep, the second 8 `second` rows after the first
   const int rstep = a.down ? 16 : 8, second = a.down ? 8 : a.w3_rows;
   char* xsm = smem + kLutBytes;
-  const char* slots = xsm + kGmPairs * pitch + warp * kDepth * 2048;
+  char* slots = xsm + kXRows * pitch + warp * kDepth * 2048;
   // unit u of x row src into row slot r
   auto stage = [&](int r, int src, int u) {
     *reinterpret_cast<uint4*>(xsm + r * pitch + u * 16) =
         *reinterpret_cast<const uint4*>(a.x + src * a.stride_x + u * 8);
   };
   // this lane's ldmatrix unit for q: row l % 8 (+ 8 for odd l / 8) of group 2q + l / 16
-  uint32_t get[4];
   const int lr = (lane & 7) + ((lane >> 3) & 1) * 8;
-#pragma unroll
-  for (int q = 0; q < 4; ++q)
-    get[q] = static_cast<uint32_t>(__cvta_generic_to_shared(slots + 16 * gm_unit(lr, 2 * q + (lane >> 4))));
   // this lane's copies: group l % 8 of rows l / 8 (+ 4, + 8, + 12)
   const int cr = lane >> 3, cg = lane & 7;
   prologue(smem);
   pdl_wait();  // (run's PDL order; down: aq is the activation quantization's output)
   pdl_release();
+  // a warp's steps: kPairs a K half (warp 2m + h half h), else the whole K
+  const int half = kPairs ? (warp & 1) : 0, steps = (kPairs ? a.K / 512 : a.K / 256), s0 = half * steps;
   // warp task (a slot's table entry ent, block blk), pairs c0 .. c0 + np - 1 of the slot, lane g's x in row slot xr
   auto task = [&](const long long* ent, int blk, int start, int c0, int np, int xr) {
     const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
     const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
     const int r0 = blk * rstep + g, r1 = r0 + second;
     GmRing<kDepth> st;
-    st.wa = wbase + (blk * rstep + cr) * a.stride_w + cg * 16;
+    st.wa = wbase + (blk * rstep + cr) * a.stride_w + cg * 16 + s0 * 128;
     st.wb = st.wa + second * a.stride_w;
     st.wa4 = st.wa + 4 * a.stride_w;
     st.wb4 = st.wb + 4 * a.stride_w;
-    st.sa_p = sbase + r0 * a.stride_s;
-    st.sb_p = sbase + r1 * a.stride_s;
-    st.steps = a.K / 256;
+    st.sa_p = sbase + r0 * a.stride_s + s0 * 8;
+    st.sb_p = sbase + r1 * a.stride_s + s0 * 8;
+    st.steps = steps;
     st.put = slots + 16 * gm_unit(cr, cg);
     st.put4 = slots + 16 * gm_unit(cr + 4, cg);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) st.get[q] = get[q];
+    for (int q = 0; q < 4; ++q)
+      st.get[q] = static_cast<uint32_t>(__cvta_generic_to_shared(slots + 16 * gm_unit(lr, 2 * q + (lane >> 4))));
     float total[4];
-    warp_sums_gm(st, smem, xsm + xr * pitch + t * 16, g < np, total);
+    warp_sums_gm<kDepth, kTwo && !kPairs>(st, smem, xsm + xr * pitch + t * 16 + s0 * 512, g < np, total);
+    if constexpr (kPairs) {  // half 1's sums to half 0 (lane by lane, through half 1's slot 0)
+      float4* xch = reinterpret_cast<float4*>(slots + (half ? 0 : kDepth * 2048)) + lane;
+      const int bar = 1 + (warp >> 1);
+      if (half) *xch = make_float4(total[0], total[1], total[2], total[3]);
+      asm volatile("bar.sync %0, 64;" ::"r"(bar) : "memory");
+      if (!half) {
+        const float4 hi = *xch;
+        total[0] += hi.x, total[1] += hi.y, total[2] += hi.z, total[3] += hi.w;
+      }
+      asm volatile("bar.sync %0, 64;" ::"r"(bar) : "memory");  // (read before half 1's next ring fill)
+      if (half) return;
+    }
     epi(start, c0, np, r0, r1, total);
   };
   // a slot's table entry (w13's address and scales' or w2's), and its count (0 for an expert absent from a
@@ -1150,12 +1175,13 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   auto entry = [&](int slot) { return a.tab + 4LL * __ldcg(a.slot_e + slot) + (a.down ? 2 : 0); };
   auto count = [&](int slot, const long long* ent) { return a.sparse && ent[0] == 0 ? 0 : __ldcg(a.slot_cnt + slot); };
   if constexpr (kSpread) {
-    for (int i = threadIdx.x; i < a.spread * units; i += kGmThreads) stage(i / units, i / units, i % units);
+    for (int i = threadIdx.x; i < a.spread * units; i += 32 * kWarps) stage(i / units, i / units, i % units);
     __syncthreads();  // (x, and the table)
+    constexpr int kTasks = kPairs ? kWarps / 2 : kWarps;  // a CTA's tasks at a time
     const int T = __ldcg(a.nslot) * blocks;
     const int lo = (int)((long long)blockIdx.x * T / gridDim.x);
     const int hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
-    for (int k = lo + warp; k < hi; k += kGmWarps) {
+    for (int k = lo + (kPairs ? warp >> 1 : warp); k < hi; k += kTasks) {
       const int slot = k / blocks, start = __ldcg(a.slot_start + slot);
       const long long* ent = entry(slot);
       const int cnt = count(slot, ent);
@@ -1166,7 +1192,7 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
       }
     }
   } else {
-    const int tiles = blocks / kGmWarps, items = __ldcg(a.nslot) * tiles;
+    const int tiles = blocks / kWarps, items = __ldcg(a.nslot) * tiles;
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
       const int slot = it / tiles, tile = it % tiles, start = __ldcg(a.slot_start + slot);
       const long long* ent = entry(slot);
@@ -1174,13 +1200,13 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
       for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {
         const int np = min(kGmPairs, cnt - c0);
         __syncthreads();  // the previous pass's readers of x are done (the first: the table is written)
-        for (int i = threadIdx.x; i < np * units; i += kGmThreads) {
+        for (int i = threadIdx.x; i < np * units; i += 32 * kWarps) {
           const int pair = a.pair_ptr[start + c0 + i / units];
           stage(i / units, a.down ? pair : pair / a.topk, i % units);
         }
         __syncthreads();
         // (past the pass's pairs: pair 0's row slot, an address warp_sums_gm does not load)
-        task(ent, tile * kGmWarps + warp, start, c0, np, g < np ? g : 0);
+        task(ent, tile * kWarps + warp, start, c0, np, g < np ? g : 0);
         if constexpr (kPost) {
           __syncthreads();  // every output of the pass issued
           post(start, c0, np, tile);
@@ -1190,13 +1216,21 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   }
 }
 
+// Launches of 1-2 rows (moe_lut.py's GM_FEW_ROWS; moe_gate_up_gm_few): one CTA of kGmFewWarps warps per SM,
+// kGmFewWarps / 2 tasks at a time, their K halves on warp pairs. Why 24 warps: at 1 row the launch has 1536
+// tasks, 12 a CTA on 128 SMs; 16-warp CTAs would need 192 SMs for one round of half tasks. It costs registers
+// (at most 80 a thread, none spilled: nvcc 13.0, sm_90a) and shared memory: kGmFewRows rows of x, 3 slots a
+// warp (224.1 KB at D = 4096).
+constexpr int kGmFewWarps = 24, kGmFewRows = 2;
+
 // gate-up's group-major kernels: act as gate_up's (blocks of 8 channels of w1 and w3)
-template <bool kSpread>
+template <bool kSpread, bool kFew = false>
 __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                            float limit, int round_out) {
   const int t = threadIdx.x & 3;
-  run_gm<kSpread, false, kGmDepth>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int,
-                                                               const float (&total)[4]) {
+  constexpr int kW = kFew ? kGmFewWarps : kGmWarps, kR = kFew ? kGmFewRows : kGmPairs;
+  run_gm<kSpread, false, kGmDepth, true, kW, kR, kFew>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int,
+                                                                             const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
       const int p = 2 * t + u;
@@ -1217,8 +1251,8 @@ __device__ __forceinline__ void down_gm(const Args& a, __nv_bfloat16* y, long lo
   __shared__ int last[kGmPairs];
   constexpr int kTile = kGmWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile;
-  run_gm<false, true, kGmDownDepth>(a, D / 16, [&](int start, int c0, int np, int r0, int r1,
-                                                              const float (&total)[4]) {
+  run_gm<false, true, kGmDownDepth, false>(a, D / 16, [&](int start, int c0, int np, int r0, int r1,
+                                                         const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of rows r0, r1
       const int p = 2 * t + u;
@@ -1308,6 +1342,13 @@ extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm(GATE_
 // The same, warp tasks dealt out evenly over launches of `rows` <= kGmPairs rows (moe_lut.py's GM_SPREAD_ROWS).
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_spread(GATE_UP_PARAMS, int rows) {
   gate_up_gm<true>(GATE_UP_ARGS(rows));
+}
+
+// The same, warp tasks dealt out evenly, their K halves on warp pairs, over launches of `rows` <= kGmFewRows rows
+// (moe_lut.py's GM_FEW_ROWS): one CTA of kGmFewWarps warps per SM, 64 KB + kGmFewRows rows of x + kGmFewWarps x
+// kGmDepth 2 KB slots (224.1 KB at D = 4096).
+extern "C" __global__ void __launch_bounds__(32 * kGmFewWarps, 1) moe_gate_up_gm_few(GATE_UP_PARAMS, int rows) {
+  gate_up_gm<true, true>(GATE_UP_ARGS(rows));
 }
 
 // down group-major (moe_lut.py's DOWN_GM): one CTA of kGmThreads per SM, 64 KB + kGmPairs rows of aq (2 I +

@@ -18,7 +18,8 @@ one group (the .cu explains all three); Triton expresses none of it. Measured ag
 Grids are static, so launches are captured by CUDA graphs. Every gate-up and down launch takes the
 group-major kernels (GATE_UP_GM, DOWN_GM; a device with their shared memory): one CTA of GM_WARPS warps
 per SM, taking (expert slot, 128 channels of gate-up or 256 rows of w2) items in turn, or for gate-up
-launches of M in GM_SPREAD_ROWS rows the warps' tasks dealt out evenly. Without them (other bits), the
+launches of M in GM_SPREAD_ROWS rows the warps' tasks dealt out evenly, or in GM_FEW_ROWS rows (1-2) dealt
+out to GM_FEW_WARPS-warp CTAs whose warp pairs take a task's two K halves. Without them (other bits), the
 pair-major kernels: at most 2 CTAs of 256 threads per SM, each taking (expert slot, 128 weight rows)
 items in turn, each warp streaming whole rows; gate-up launches of M in SPREAD_ROWS rows deal the
 warps' tasks out evenly over one CTA per SM instead, and those of ring_rows(M) take one CTA of 512
@@ -54,6 +55,7 @@ _GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqf
 _GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiii")
 _GATE_UP_GM = _MODULE.kernel("moe_gate_up_gm", "pqppppppppqiiqqfiii")
 _GATE_UP_GM_SPREAD = _MODULE.kernel("moe_gate_up_gm_spread", "pqppppppppqiiqqfiiii")
+_GATE_UP_GM_FEW = _MODULE.kernel("moe_gate_up_gm_few", "pqppppppppqiiqqfiiii")
 _DOWN_GM = _MODULE.kernel("moe_down_gm", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
@@ -171,6 +173,14 @@ GM_DOWN_DEPTH = 4  # the .cu's kGmDownDepth: moe_down_gm's ring slots a warp
 # -0.25 %, the spread +0.59 %; at 2 / 4 / 8 rows the spread +0.18 / -3.49 / -2.22 %, items +3.38 / -1.72 /
 # -0.85 %. The spread on 104-120 CTAs (SMs left to the shared expert) lost 0.1-1.5 % at 1-2 rows (item 7).
 GM_SPREAD_ROWS = (2, 3, 4, 5, 6, 7, 8)
+# Group-major launches of these row counts (<= GM_FEW_ROWS_MAX) take moe_gate_up_gm_few instead: one CTA of
+# GM_FEW_WARPS warps per SM, GM_FEW_WARPS / 2 warp tasks at a time dealt out evenly, each task's two K halves on
+# a pair of warps (the .cu's run_gm, kPairs). Every group-major gate-up sums a task's K halves apart and adds
+# them (half 0 + half 1), so the same bits whichever kernel. Why: at 1 row a launch has about one task a warp,
+# and a warp's task is a chain of K / 256 steps that ncu found bound by its own latency (0.37 instructions
+# issued a cycle, 2026-12-07 from 12:20): half the chain a warp, and half again as many warps an SM.
+GM_FEW_ROWS = (1, 2)
+GM_FEW_WARPS, GM_FEW_ROWS_MAX = 24, 2  # the .cu's kGmFewWarps, kGmFewRows
 # Every down launch takes moe_down_gm: the group-major body for w2 (items of GM_WARPS x 16 rows, a pass
 # for up to GM_PAIRS pairs, the combine per 256-row tile), its weights through the ring's slots (cp.async,
 # more bytes in flight than down's register stream, whose loads its warps wait on at 16-64 rows: ncu,
@@ -210,6 +220,12 @@ def gm_shared_bytes(K: int, depth: int = GM_DEPTH) -> int:
     """Dynamic shared memory of a group-major launch over K: the table, GM_PAIRS rows of x (2 K + GM_PAD bytes
     each), GM_WARPS warps' `depth` 2 KB slots (224.5 KB at K = 4096, 192.5 KB at K = 2048)."""
     return LUT_BYTES + GM_PAIRS * (2 * K + GM_PAD) + GM_WARPS * depth * 2048
+
+
+def gm_few_shared_bytes(K: int) -> int:
+    """Dynamic shared memory of moe_gate_up_gm_few over K: the table, GM_FEW_ROWS_MAX rows of x, GM_FEW_WARPS
+    warps' GM_DEPTH 2 KB slots (224.1 KB at K = 4096)."""
+    return LUT_BYTES + GM_FEW_ROWS_MAX * (2 * K + GM_PAD) + GM_FEW_WARPS * GM_DEPTH * 2048
 
 
 def gate_up_pairs_per_pass(device: torch.device | None = None, D: int = 4096) -> int:
@@ -297,7 +313,13 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
     ring_warps = 2 * THREADS // 32  # the ring kernel: two halves, 16 warps' slots
     smem = gm_shared_bytes(D)
     if GATE_UP_GM and _ring_fits(xq.device.index, smem):
-        if rows in GM_SPREAD_ROWS:  # warp tasks (slot, 8 channels), one CTA per SM
+        few = gm_few_shared_bytes(D)
+        if rows in GM_FEW_ROWS and _ring_fits(xq.device.index, few):  # task halves on warp pairs, one CTA per SM
+            assert rows <= GM_FEW_ROWS_MAX, rows  # (the .cu stages every row of x: at most GM_FEW_ROWS_MAX)
+            tasks = slots * (I // 8)
+            _GATE_UP_GM_FEW.launch(_grid(-(-tasks // (GM_FEW_WARPS // 2)), xq.device, 1), (32 * GM_FEW_WARPS, 1, 1),
+                                   few, None, *args, rows, pdl=pdl_enabled())
+        elif rows in GM_SPREAD_ROWS:  # warp tasks (slot, 8 channels), one CTA per SM
             assert rows <= GM_PAIRS, rows  # (the .cu stages every row of x: at most GM_PAIRS)
             _GATE_UP_GM_SPREAD.launch(_grid(slots * (I // 8), xq.device, 1), (32 * GM_WARPS, 1, 1), smem, None,
                                       *args, rows, pdl=pdl_enabled())

@@ -713,19 +713,25 @@ def test_gpu_lut_group_major_gate_up(M, monkeypatch):
     outputs (per-pair, the combine, the combine with the shared expert's output, a sparse table's
     pairs); every row alone gives its per-pair bits in the batch (a pass's other columns never meet
     its own: batch invariance); experts read from page-locked host memory give the bits of HBM; up to 8
-    rows the other schedule (items against the even deal of warp tasks) gives the same bits. From 3 rows
-    on expert 0 is in every row: a slot of M pairs, passes of 8, the last one partial at 9, 16 and 64
-    rows."""
+    rows every schedule (items, the even deal of warp tasks, and up to 2 rows the task halves on warp
+    pairs) gives the same bits. From 3 rows on expert 0 is in every row: a slot of M pairs, passes of 8,
+    the last one partial at 9, 16 and 64 rows."""
     from megastep.kernels import moe_lut
 
     monkeypatch.setattr(moe_lut, "GATE_UP_GM", True)
     assert moe_lut._ring_fits(0, moe_lut.gm_shared_bytes(4096)) or torch.cuda.get_device_capability()[0] < 9
+    assert moe_lut._ring_fits(0, moe_lut.gm_few_shared_bytes(4096)) or torch.cuda.get_device_capability()[0] < 9
     outputs, want = _group_major_checks(M, 43)
-    # the other schedule (items where the spread was taken, the spread where items were) gives the same bits
+    # every other schedule of M rows (items, the even deal of warp tasks, the task halves on warp pairs) gives
+    # the same bits
     if M <= moe_lut.GM_PAIRS:
-        monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", () if M in moe_lut.GM_SPREAD_ROWS else (M,))
-        got = outputs()
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        for few, spread in (((), ()), ((), (M,)), ((M,), ())):
+            if few and M > moe_lut.GM_FEW_ROWS_MAX:
+                continue
+            monkeypatch.setattr(moe_lut, "GM_FEW_ROWS", few)
+            monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", spread)
+            got = outputs()
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (few, spread)
 
 
 @pytest.mark.gpu
@@ -805,7 +811,7 @@ def test_lut_kernels_build_for_sm90():
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
                "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix",
-               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_down_gm")
+               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_gate_up_gm_few", "moe_down_gm")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
     # without their loads (all but moe_down_lut4 and the group-major ones, which they leave out)
@@ -929,41 +935,52 @@ def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
 
 def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     """moe_lut.GATE_UP_GM (on: measured to gain at 4-64 rows, within 0.25 % at 1-2): every gate-up launch,
-    whatever its rows, takes a group-major kernel (a row's bits must not depend on its batch), one CTA of
-    GM_WARPS warps per SM at most, the even deal of warp tasks at GM_SPREAD_ROWS (2-8) rows, else an item
-    per (slot, GM_WARPS x 8 channels), with gm_shared_bytes (within a Hopper's 227 KB at D = 4096); off,
-    none does; a device that cannot give the shared memory keeps the other kernels."""
+    whatever its rows, takes a group-major kernel (a row's bits must not depend on its batch): at GM_FEW_ROWS
+    (1-2) rows moe_gate_up_gm_few (one CTA of GM_FEW_WARPS warps per SM, a CTA for every GM_FEW_WARPS / 2
+    tasks, gm_few_shared_bytes), else one CTA of GM_WARPS warps per SM at most, the even deal of warp tasks at
+    GM_SPREAD_ROWS (2-8) rows, else an item per (slot, GM_WARPS x 8 channels), with gm_shared_bytes (each
+    within a Hopper's 227 KB at D = 4096, gm_few's the smaller); off, none does; a device that cannot give
+    gm_shared_bytes keeps the other kernels."""
     from megastep.kernels import moe_lut
 
     launched, fits = _spy_lut_launches(monkeypatch, ("_GATE_UP", "_GATE_UP_SPREAD", "_GATE_UP_RING",
                                                      "_GATE_UP_SPREAD_RING", "_GATE_UP_RING_MIX",
-                                                     "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP_GM", "_GATE_UP_GM_SPREAD"))
+                                                     "_GATE_UP_SPREAD_RING_MIX", "_GATE_UP_GM", "_GATE_UP_GM_SPREAD",
+                                                     "_GATE_UP_GM_FEW"))
     D = 4096
 
     def call(M):
         return _launch_gate_up(moe_lut, launched, M)
 
-    assert moe_lut.GATE_UP_GM and moe_lut.GM_SPREAD_ROWS == (2, 3, 4, 5, 6, 7, 8)
-    got = {m: call(m) for m in (1, 2, 4, 8, 9, 64)}
-    # 2-8 rows the even deal of warp tasks (its `rows` argument more), 1 row and from 9 on items
-    assert [got[m][0] for m in (1, 2, 4, 8, 9, 64)] == (["_GATE_UP_GM"] + ["_GATE_UP_GM_SPREAD"] * 3
+    assert moe_lut.GATE_UP_GM and moe_lut.GM_SPREAD_ROWS == (2, 3, 4, 5, 6, 7, 8) and moe_lut.GM_FEW_ROWS == (1, 2)
+    got = {m: call(m) for m in (1, 2, 3, 8, 9, 64)}
+    # 1-2 rows the warp pairs, 3-8 the even deal of warp tasks (both: their `rows` argument more), from 9 on items
+    assert [got[m][0] for m in (1, 2, 3, 8, 9, 64)] == (["_GATE_UP_GM_FEW"] * 2 + ["_GATE_UP_GM_SPREAD"] * 2
                                                          + ["_GATE_UP_GM"] * 2)
+    few = moe_lut.gm_few_shared_bytes(D)
+    assert few == 65536 + 2 * (2 * D + 64) + 24 * 3 * 2048 < moe_lut.gm_shared_bytes(D)
     assert moe_lut.gm_shared_bytes(D) == 65536 + 8 * (2 * D + 64) + 16 * 3 * 2048 <= 227 << 10
-    assert {(g[2], g[3]) for g in got.values()} == {(512, moe_lut.gm_shared_bytes(D))}
-    assert got[1][1] == 6 * 2048 // 128  # items (slot, 128 channels): 1 row 96 CTAs
-    assert [got[m][1] for m in (2, 8, 9, 64)] == [132] * 4  # a CTA per SM
-    assert got[9][4] == got[2][4] - 1 == got[1][4]  # the ring kernels' arguments (the spread's: and rows)
+    assert {(got[m][2], got[m][3]) for m in (1, 2)} == {(768, few)}
+    assert {(got[m][2], got[m][3]) for m in (3, 8, 9, 64)} == {(512, moe_lut.gm_shared_bytes(D))}
+    assert got[1][1] == 6 * 2048 // 8 // 12  # 1536 tasks, 12 a CTA: 128 CTAs
+    assert [got[m][1] for m in (2, 3, 8, 9, 64)] == [132] * 5  # a CTA per SM
+    assert got[9][4] == got[2][4] - 1 == got[3][4] - 1  # the ring kernels' arguments (the deals': and rows)
     assert moe_lut.gate_up_pairs_per_pass() == 8
     monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", (9,))  # (more rows than the .cu stages: refused)
     with pytest.raises(AssertionError):
         call(9)
+    monkeypatch.setattr(moe_lut, "GM_FEW_ROWS", (3,))
+    with pytest.raises(AssertionError):
+        call(3)
+    monkeypatch.setattr(moe_lut, "GM_FEW_ROWS", (1, 2))
+    monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", (2, 3, 4, 5, 6, 7, 8))
     fits["smem"] = 200 << 10  # (no room: the pair-major kernels, and the bench counts their passes)
-    assert call(1)[0] != "_GATE_UP_GM"
+    assert call(1)[0] not in ("_GATE_UP_GM", "_GATE_UP_GM_FEW")
     assert moe_lut.gate_up_pairs_per_pass(torch.device("cuda", 0), D) == 2
     assert moe_lut.gate_up_pairs_per_pass(torch.device("cpu"), D) == moe_lut.gate_up_pairs_per_pass() == 8
     fits["smem"] = 227 << 10
     monkeypatch.setattr(moe_lut, "GATE_UP_GM", False)  # off: none
-    assert all(call(m)[0] not in ("_GATE_UP_GM", "_GATE_UP_GM_SPREAD") for m in (1, 2, 4, 16, 64))
+    assert all(call(m)[0] not in ("_GATE_UP_GM", "_GATE_UP_GM_SPREAD", "_GATE_UP_GM_FEW") for m in (1, 2, 4, 16, 64))
     assert moe_lut.gate_up_pairs_per_pass() == 2
 
 
@@ -1001,7 +1018,8 @@ def test_lut_signatures_match_the_kernels():
 
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
                    moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX,
-                   moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD, moe_lut._DOWN_GM):
+                   moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD, moe_lut._GATE_UP_GM_FEW,
+                   moe_lut._DOWN_GM):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
@@ -1015,7 +1033,7 @@ def test_lut_signatures_match_the_kernels():
     exp_bytes = re.search(r"constexpr int kExpBytes = ([\d *]+);", src).group(1)
     assert moe_lut.EXP_BYTES == eval(exp_bytes) == 1024, exp_bytes
     # the group-major gate-up's CTA, pass, ring and x rows, as its launch and shared memory count them
-    names = ("kGmWarps", "kGmPairs", "kGmDepth", "kGmPad", "kGmDownDepth")
+    names = ("kGmWarps", "kGmPairs", "kGmDepth", "kGmPad", "kGmDownDepth", "kGmFewWarps", "kGmFewRows")
     gm = {n: int(re.search(rf"\b{n} = (\d+)[,;]", src).group(1)) for n in names}
-    assert (moe_lut.GM_WARPS, moe_lut.GM_PAIRS, moe_lut.GM_DEPTH, moe_lut.GM_PAD, moe_lut.GM_DOWN_DEPTH) == tuple(
-        gm.values()), gm
+    assert (moe_lut.GM_WARPS, moe_lut.GM_PAIRS, moe_lut.GM_DEPTH, moe_lut.GM_PAD, moe_lut.GM_DOWN_DEPTH,
+            moe_lut.GM_FEW_WARPS, moe_lut.GM_FEW_ROWS_MAX) == tuple(gm.values()), gm
