@@ -44,7 +44,7 @@
 #   bash benchmarks/h200_checks.sh down_ncu   # down's stall reasons and shared-memory wavefronts per instruction at 16 and 64 rows (ncu) (~1.5 min)
 #   bash benchmarks/h200_checks.sh gmsms      # the group-major even deal at 1-2 rows on 104-132 CTAs against items at 1 row (~2 min)
 #   bash benchmarks/h200_checks.sh gm_ab      # gmdefault's A/B alone (~2 min)
-#   bash benchmarks/h200_checks.sh gmfew      # the group-major gate-up's task halves on warp pairs at 1-2 rows: its GPU tests, the experts calls, the step A/B at 1-4 rows, the step's bit tests, ncu at 1 row (~8 min)
+#   bash benchmarks/h200_checks.sh gmfew      # the group-major kernels' task halves on warp pairs at 1-2 rows: their GPU tests, the experts calls, the step A/B/C at 1-4 rows, the step's bit tests, ncu at 1 row (~9 min)
 #   bash benchmarks/h200_checks.sh gmdefault  # the session's defaults of 2026-12-07 against its start at 1-64 rows, final's bit tests, the table (~9 min)
 #   bash benchmarks/h200_checks.sh steptests  # final's bit tests of the step alone, without the kernels' (~1.5 min)
 #   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
@@ -584,18 +584,21 @@ for group in "$@"; do
       gm_default_ab
       final_tests
       final_step ;;
-    gmfew)  # the group-major gate-up's task halves on warp pairs at 1-2 rows (moe_lut.GM_FEW_ROWS, built 2026-12-07
-      # from 15:15: ncu found the 1-row launch's warps, one task each, bound by their own chains): the group-major GPU
-      # tests (every schedule's bits), the experts calls alone at 1 and 2 rows, the step A/B at 1, 2 and 4 rows, 3
-      # rounds, the step's bit tests (a row alone against a batch of 16 takes both orders of work), ncu at 1 row
-      NOFEW='import megastep.kernels.moe_lut as m; m.GM_FEW_ROWS = ()'
+    gmfew)  # the group-major kernels' task halves on warp pairs at 1-2 rows (moe_lut.GM_FEW_ROWS, DOWN_FEW_ROWS, built
+      # 2026-12-07 from 15:15: ncu found the 1-row launches' warps, one task each, bound by their own chains): the
+      # group-major GPU tests (every schedule's bits), the experts calls alone at 1 and 2 rows, the step at 1, 2 and 4
+      # rows without them / gate-up's only / both, 3 rounds, the step's bit tests (a row alone against a batch of 16
+      # takes both kinds of kernel), ncu on both launches at 1 row
+      NOFEW='import megastep.kernels.moe_lut as m; m.GM_FEW_ROWS = (); m.DOWN_FEW_ROWS = ()'
+      UPFEW='import megastep.kernels.moe_lut as m; m.DOWN_FEW_ROWS = ()'
       gm_tests 150
       step gmfew_kernels 100 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/gmfew_kernels" --ms 1,2 \
-        --engines lut_nofew,lut
-      ab gmfew 200 --layers 30 --batch 1,2,4 --rounds 3 --arm "nofew=$NOFEW" --arm "now="
+        --engines lut_nofew,lut_upfew,lut
       step gmfew_step_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
         -k "alone or same_input or graph_replay"
-      ncu_experts gmfew_m1 '^moe_gate_up_' lut 1 ;;
+      ab gmfew 220 --layers 30 --batch 1,2,4 --rounds 3 --arm "nofew=$NOFEW" --arm "upfew=$UPFEW" --arm "now="
+      ncu_experts gmfew_up1 '^moe_gate_up_' lut 1
+      ncu_experts gmfew_down1 '^moe_down_' lut 1 ;;
     gm_ab)  # gmdefault's A/B alone (with `table` after it: the H200's 30-layer step without the bit tests, which ran on
       # an H100)
       gm_default_ab ;;

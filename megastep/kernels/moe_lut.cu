@@ -948,10 +948,10 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
 // and 2 scale bytes a group, 32 + 16 a step, against 8 + 8).
 // Order of sums, per (pair, channel of w1 or w3), fixed whatever the batch: per group the 32 products in
 // two chained MMAs (elements 8t .. 8t + 3 of the quad's lanes t, then 8t + 4 .. 8t + 7; fp32), times
-// the group's scale into an fp32 sum over each K half in group order, then half 0 + half 1 (gate-up; down:
-// one sum over the whole K). A column never meets another pair's values: batch invariant. Not the
-// pair-major kernels' order, so not their bits: a step takes this kernel for every gate-up launch or for
-// none. Why two sums: launches of 1-2 rows (moe_gate_up_gm_few) give a task's halves to two warps, whose
+// the group's scale into an fp32 sum over each K half in group order, then half 0 + half 1 (the same for
+// down's w2). A column never meets another pair's values: batch invariant. Not the pair-major kernels' order,
+// so not their bits: a step takes this kernel for every gate-up launch or for none (down likewise). Why two
+// sums: launches of 1-2 rows (moe_gate_up_gm_few, moe_down_gm_few) give a task's halves to two warps, whose
 // chains are half as long, and every other launch must add the same two sums.
 // Work: one CTA of kGmWarps warps per SM; a warp's task is 8 channels of a slot (MMA rows g: w1, g + 8:
 // w3) over the whole K, its pairs in passes of kGmPairs, x staged for the CTA (gate_up_gm's two schedules).
@@ -983,6 +983,29 @@ __device__ __forceinline__ void mma_z(float (&d)[4], uint32_t a0, uint32_t a1, u
                                       uint32_t b1) {
   d[0] = d[1] = d[2] = d[3] = 0.f;
   mma(d, a0, a1, a2, a3, b0, b1);
+}
+
+// A barrier of a warp pair (run_gm's kPairs): an mbarrier in shared memory of `count` threads a phase
+// (named barriers number 16 a CTA, less the CTA's own: too few for the 16 pairs of 32 warps)
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+// every thread of the pair arrives, then waits for the phase of parity `phase` to complete (release / acquire:
+// the pair's shared-memory writes before it are seen after it); phase flips for the next
+__device__ __forceinline__ void pair_sync(uint32_t bar, uint32_t& phase) {
+  asm volatile(
+      "{\n"
+      ".reg .b64 st;\n"
+      ".reg .pred done;\n"
+      "mbarrier.arrive.shared::cta.b64 st, [%0];\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(phase)
+      : "memory");
+  phase ^= 1;
 }
 
 // A warp's ring of kDepth slots over its 16 MMA rows. Lane l copies, per step, group l % 8 of rows l / 8,
@@ -1100,11 +1123,12 @@ __device__ __forceinline__ void warp_sums_gm(GmRing<kDepth>& st, const char* tab
 // the pairs' own rows of aq) are staged for the pass (slot p for the pass's pair p). epi(start, c0, np, r0,
 // r1, total): the lane's outputs of a task (warp_sums_gm's total: rows r0, r1, columns = pairs c0 + 2t,
 // c0 + 2t + 1); with kPost, post(start, c0, np, tile) after each item pass, every output of it issued.
-// kTwo: a task's sums in two chains, one a K half (gate-up's order, warp_sums_gm); kPairs (kSpread, kTwo):
-// warps 2m and 2m + 1 take the halves of tasks lo + m, lo + m + kWarps / 2, ..., and 2m adds 2m + 1's sums
-// to its own through 2m + 1's first ring slot (free by then) between two barriers of the pair (named
-// barrier 1 + m): each warp streams half the rows' bytes, so at 1-2 rows, where a launch has about one task
-// a warp, a task ends in half the time.
+// kTwo: a task's sums in two chains, one a K half (the order, warp_sums_gm); kPairs (kTwo): a CTA takes
+// kWarps / 2 tasks at a time (the even deal's tasks lo + m, lo + m + kWarps / 2, ...; an item's kWarps / 2
+// blocks), warps 2m and 2m + 1 the halves of task m, and 2m adds 2m + 1's sums to its own through 2m + 1's
+// first ring slot (free by then) between two barriers of the pair (pair_sync): each warp streams
+// half the rows' bytes, so at 1-2 rows, where a launch has about one task a warp, a task ends in half the
+// time. Passes of at most kXRows pairs (the rows of x a CTA stages).
 // kDepth: a warp's ring slots (a pair's sums do not depend on them: the same bits whatever the depth). (4 slots
 // for gate-up at 1-2 rows, in passes of 2 pairs with 2 rows of x staged, gave the same bits and +0.16 / +0.58 %
 // at 1 / 2 rows on one H100: docs/PERFORMANCE.md, 2026-12-07 from 12:20; the code at f75b03e.)
@@ -1114,7 +1138,10 @@ __device__ __forceinline__ void warp_sums_gm(GmRing<kDepth>& st, const char* tab
 template <bool kSpread, bool kPost, int kDepth, bool kTwo, int kWarps = kGmWarps, int kXRows = kGmPairs,
           bool kPairs = false, typename Epi, typename Post>
 __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post post) {
-  static_assert(!kPairs || (kSpread && kTwo && kWarps % 2 == 0 && kWarps / 2 < 16), "warp pairs: halves of tasks");
+  static_assert(!kPairs || (kTwo && kWarps % 2 == 0 && kWarps <= 32), "warp pairs: halves of tasks");
+  __shared__ __align__(8) unsigned long long pair_bar[kPairs ? kWarps / 2 : 1];
+  constexpr int kTasks = kPairs ? kWarps / 2 : kWarps;  // a CTA's tasks at a time
+  constexpr int kPass = kXRows < kGmPairs ? kXRows : kGmPairs;  // pairs a pass
   extern __shared__ __align__(16) char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int pitch = 2 * a.K + kGmPad, units = a.K / 8;
@@ -1134,8 +1161,12 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   prologue(smem);
   pdl_wait();  // (run's PDL order; down: aq is the activation quantization's output)
   pdl_release();
-  // a warp's steps: kPairs a K half (warp 2m + h half h), else the whole K
-  const int half = kPairs ? (warp & 1) : 0, steps = (kPairs ? a.K / 512 : a.K / 256), s0 = half * steps;
+  // a warp's task of those at a time, its steps: kPairs a K half (warp 2m + h: task m, half h), else the whole K
+  const int me = kPairs ? warp >> 1 : warp, half = kPairs ? (warp & 1) : 0;
+  const int steps = kPairs ? a.K / 512 : a.K / 256, s0 = half * steps;
+  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(pair_bar + (kPairs ? me : 0)));
+  uint32_t phase = 0;
+  if (kPairs && threadIdx.x % 64 == 0) mbar_init(bar, 64);  // (before the CTA's first barrier below)
   // warp task (a slot's table entry ent, block blk), pairs c0 .. c0 + np - 1 of the slot, lane g's x in row slot xr
   auto task = [&](const long long* ent, int blk, int start, int c0, int np, int xr) {
     const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
@@ -1158,14 +1189,13 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
     warp_sums_gm<kDepth, kTwo && !kPairs>(st, smem, xsm + xr * pitch + t * 16 + s0 * 512, g < np, total);
     if constexpr (kPairs) {  // half 1's sums to half 0 (lane by lane, through half 1's slot 0)
       float4* xch = reinterpret_cast<float4*>(slots + (half ? 0 : kDepth * 2048)) + lane;
-      const int bar = 1 + (warp >> 1);
       if (half) *xch = make_float4(total[0], total[1], total[2], total[3]);
-      asm volatile("bar.sync %0, 64;" ::"r"(bar) : "memory");
+      pair_sync(bar, phase);
       if (!half) {
         const float4 hi = *xch;
         total[0] += hi.x, total[1] += hi.y, total[2] += hi.z, total[3] += hi.w;
       }
-      asm volatile("bar.sync %0, 64;" ::"r"(bar) : "memory");  // (read before half 1's next ring fill)
+      pair_sync(bar, phase);  // (read before half 1's next ring fill)
       if (half) return;
     }
     epi(start, c0, np, r0, r1, total);
@@ -1177,28 +1207,27 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   if constexpr (kSpread) {
     for (int i = threadIdx.x; i < a.spread * units; i += 32 * kWarps) stage(i / units, i / units, i % units);
     __syncthreads();  // (x, and the table)
-    constexpr int kTasks = kPairs ? kWarps / 2 : kWarps;  // a CTA's tasks at a time
     const int T = __ldcg(a.nslot) * blocks;
     const int lo = (int)((long long)blockIdx.x * T / gridDim.x);
     const int hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
-    for (int k = lo + (kPairs ? warp >> 1 : warp); k < hi; k += kTasks) {
+    for (int k = lo + me; k < hi; k += kTasks) {
       const int slot = k / blocks, start = __ldcg(a.slot_start + slot);
       const long long* ent = entry(slot);
       const int cnt = count(slot, ent);
-      for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {  // (one pass: a slot holds at most one pair of a row)
-        const int np = min(kGmPairs, cnt - c0);
+      for (int c0 = 0; c0 < cnt; c0 += kPass) {  // (one pass: a slot holds at most one pair of a row)
+        const int np = min(kPass, cnt - c0);
         // (past the pass's pairs: pair 0's row, an address warp_sums_gm does not load)
         task(ent, k % blocks, start, c0, np, a.pair_ptr[start + c0 + (g < np ? g : 0)] / a.topk);
       }
     }
   } else {
-    const int tiles = blocks / kWarps, items = __ldcg(a.nslot) * tiles;
+    const int tiles = blocks / kTasks, items = __ldcg(a.nslot) * tiles;
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
       const int slot = it / tiles, tile = it % tiles, start = __ldcg(a.slot_start + slot);
       const long long* ent = entry(slot);
       const int cnt = count(slot, ent);
-      for (int c0 = 0; c0 < cnt; c0 += kGmPairs) {
-        const int np = min(kGmPairs, cnt - c0);
+      for (int c0 = 0; c0 < cnt; c0 += kPass) {
+        const int np = min(kPass, cnt - c0);
         __syncthreads();  // the previous pass's readers of x are done (the first: the table is written)
         for (int i = threadIdx.x; i < np * units; i += 32 * kWarps) {
           const int pair = a.pair_ptr[start + c0 + i / units];
@@ -1206,7 +1235,7 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
         }
         __syncthreads();
         // (past the pass's pairs: pair 0's row slot, an address warp_sums_gm does not load)
-        task(ent, tile * kWarps + warp, start, c0, np, g < np ? g : 0);
+        task(ent, tile * kTasks + me, start, c0, np, g < np ? g : 0);
         if constexpr (kPost) {
           __syncthreads();  // every output of the pass issued
           post(start, c0, np, tile);
@@ -1216,21 +1245,24 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   }
 }
 
-// Launches of 1-2 rows (moe_lut.py's GM_FEW_ROWS; moe_gate_up_gm_few): one CTA of kGmFewWarps warps per SM,
-// kGmFewWarps / 2 tasks at a time, their K halves on warp pairs. Why 24 warps: at 1 row the launch has 1536
-// tasks, 12 a CTA on 128 SMs; 16-warp CTAs would need 192 SMs for one round of half tasks. It costs registers
-// (at most 80 a thread, none spilled: nvcc 13.0, sm_90a) and shared memory: kGmFewRows rows of x, 3 slots a
-// warp (224.1 KB at D = 4096).
-constexpr int kGmFewWarps = 24, kGmFewRows = 2;
+// Launches of 1-2 rows (moe_lut.py's GM_FEW_ROWS, DOWN_FEW_ROWS): one CTA of kFew warps per SM (gate-up 24,
+// down 32: items of 16 tasks, the combine's 256-row tiles), kFew / 2 tasks at a time, their K halves on warp
+// pairs, kGmFewRows rows of x staged. Why more warps: at 1 row a launch has 1536 tasks, gate-up's 12 a CTA on
+// 128 SMs, down's 16 on 96; 16-warp CTAs would need 192 SMs for one round of half tasks. It costs registers (at
+// most 80 / 64 a thread, none spilled: nvcc 13.0, sm_90a; gate-up at 32 warps spills) and ring slots: 3 a warp
+// at 24 warps (224.1 KB at D = 4096), 2 at 32 (200.1 KB at I = 2048).
+constexpr int kGmFewRows = 2;
 
-// gate-up's group-major kernels: act as gate_up's (blocks of 8 channels of w1 and w3)
-template <bool kSpread, bool kFew = false>
+// gate-up's group-major kernels: act as gate_up's (blocks of 8 channels of w1 and w3); kFew: warps of a CTA whose
+// pairs take a task's halves (0: kGmWarps warps, each a whole task)
+template <bool kSpread, int kFew = 0>
 __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                            float limit, int round_out) {
   const int t = threadIdx.x & 3;
-  constexpr int kW = kFew ? kGmFewWarps : kGmWarps, kR = kFew ? kGmFewRows : kGmPairs;
-  run_gm<kSpread, false, kGmDepth, true, kW, kR, kFew>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int,
-                                                                             const float (&total)[4]) {
+  constexpr int kW = kFew ? kFew : kGmWarps, kR = kFew ? kGmFewRows : kGmPairs;
+  constexpr int kDepth = kFew == 0 ? kGmDepth : kFew == 24 ? 3 : 2;
+  run_gm<kSpread, false, kDepth, true, kW, kR, kFew != 0>(
+      a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int, const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
       const int p = 2 * t + u;
@@ -1243,16 +1275,20 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
   }, [](int, int, int, int) {});
 }
 
-// down's group-major kernel: y and the combine as down's, items of kGmWarps x 16 rows of w2 (combine_pass
-// per (row, 256-row tile): counters [M, D / 256] of down's [M, D / 128])
+// down's group-major kernels: y and the combine as down's, items of 16 tasks of 16 rows of w2 (combine_pass
+// per (row, 256-row tile): counters [M, D / 256] of down's [M, D / 128]); kFew (32): the tasks' halves on warp
+// pairs (0: kGmWarps warps, each a whole task)
+template <int kFew = 0>
 __device__ __forceinline__ void down_gm(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                         long long stride_o, int* counters, int D, int combine,
                                         const __nv_bfloat16* shared, long long stride_sh) {
+  static_assert(kFew == 0 || kFew == 2 * kGmWarps, "items of kGmWarps tasks");
   __shared__ int last[kGmPairs];
   constexpr int kTile = kGmWarps * 16;  // output rows of an item
+  constexpr int kDepth = kFew == 0 ? kGmDownDepth : 2;
   const int t = threadIdx.x & 3, tiles = D / kTile;
-  run_gm<false, true, kGmDownDepth, false>(a, D / 16, [&](int start, int c0, int np, int r0, int r1,
-                                                         const float (&total)[4]) {
+  run_gm<false, true, kDepth, true, kFew ? kFew : kGmWarps, kFew ? kGmFewRows : kGmPairs, kFew != 0>(
+      a, D / 16, [&](int start, int c0, int np, int r0, int r1, const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of rows r0, r1
       const int p = 2 * t + u;
@@ -1345,15 +1381,19 @@ extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_sprea
 }
 
 // The same, warp tasks dealt out evenly, their K halves on warp pairs, over launches of `rows` <= kGmFewRows rows
-// (moe_lut.py's GM_FEW_ROWS): one CTA of kGmFewWarps warps per SM, 64 KB + kGmFewRows rows of x + kGmFewWarps x
-// kGmDepth 2 KB slots (224.1 KB at D = 4096).
-extern "C" __global__ void __launch_bounds__(32 * kGmFewWarps, 1) moe_gate_up_gm_few(GATE_UP_PARAMS, int rows) {
-  gate_up_gm<true, true>(GATE_UP_ARGS(rows));
+// (moe_lut.py's GM_FEW_ROWS): one CTA of 24 warps per SM, 64 KB + kGmFewRows rows of x + the warps' 3 2 KB slots
+// (224.1 KB at D = 4096).
+extern "C" __global__ void __launch_bounds__(32 * 24, 1) moe_gate_up_gm_few(GATE_UP_PARAMS, int rows) {
+  gate_up_gm<true, 24>(GATE_UP_ARGS(rows));
 }
 
 // down group-major (moe_lut.py's DOWN_GM): one CTA of kGmThreads per SM, 64 KB + kGmPairs rows of aq (2 I +
 // kGmPad bytes each) + the warps' kGmDownDepth slots (224.5 KB at I = 2048).
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm(DOWN_PARAMS) { down_gm(DOWN_ARGS); }
+
+// The same, the tasks' K halves on warp pairs, for launches of at most kGmFewRows rows (moe_lut.py's DOWN_FEW_ROWS):
+// one CTA of 32 warps per SM, 64 KB + kGmFewRows rows of aq + the warps' 2 slots (200.1 KB at I = 2048).
+extern "C" __global__ void __launch_bounds__(32 * 32, 1) moe_down_gm_few(DOWN_PARAMS) { down_gm<32>(DOWN_ARGS); }
 
 #endif
 

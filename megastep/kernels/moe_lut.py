@@ -57,6 +57,7 @@ _GATE_UP_GM = _MODULE.kernel("moe_gate_up_gm", "pqppppppppqiiqqfiii")
 _GATE_UP_GM_SPREAD = _MODULE.kernel("moe_gate_up_gm_spread", "pqppppppppqiiqqfiiii")
 _GATE_UP_GM_FEW = _MODULE.kernel("moe_gate_up_gm_few", "pqppppppppqiiqqfiiii")
 _DOWN_GM = _MODULE.kernel("moe_down_gm", "pqpppppppqpqpiiqqiiipq")
+_DOWN_GM_FEW = _MODULE.kernel("moe_down_gm_few", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -180,7 +181,7 @@ GM_SPREAD_ROWS = (2, 3, 4, 5, 6, 7, 8)
 # and a warp's task is a chain of K / 256 steps that ncu found bound by its own latency (0.37 instructions
 # issued a cycle, 2026-12-07 from 12:20): half the chain a warp, and half again as many warps an SM.
 GM_FEW_ROWS = (1, 2)
-GM_FEW_WARPS, GM_FEW_ROWS_MAX = 24, 2  # the .cu's kGmFewWarps, kGmFewRows
+GM_FEW_WARPS, GM_FEW_ROWS_MAX = 24, 2  # the .cu's gate-up kFew, kGmFewRows
 # Every down launch takes moe_down_gm: the group-major body for w2 (items of GM_WARPS x 16 rows, a pass
 # for up to GM_PAIRS pairs, the combine per 256-row tile), its weights through the ring's slots (cp.async,
 # more bytes in flight than down's register stream, whose loads its warps wait on at 16-64 rows: ncu,
@@ -193,6 +194,12 @@ GM_FEW_WARPS, GM_FEW_ROWS_MAX = 24, 2  # the .cu's kGmFewWarps, kGmFewRows
 # gate-up's 3: I = 2048 leaves the room; 224.5 KB), measured against 3 (the same bits): -0.91 % at 1 row,
 # -0.48 to +0.15 % at 2-64 rows (item 5 of that section).
 DOWN_GM = True
+# Group-major down launches of these row counts (<= GM_FEW_ROWS_MAX) take moe_down_gm_few: the same items (slot,
+# 256 rows of w2) and combine, one CTA of DOWN_FEW_WARPS warps per SM, each task's two K halves on a pair of
+# warps (GM_FEW_ROWS' reason; 2 ring slots a warp). Every group-major down sums a task's K halves apart and adds
+# them, so the same bits whichever kernel.
+DOWN_FEW_ROWS = (1, 2)
+DOWN_FEW_WARPS, DOWN_FEW_DEPTH = 32, 2  # the .cu's down kFew and its ring slots
 
 
 @functools.cache
@@ -222,10 +229,11 @@ def gm_shared_bytes(K: int, depth: int = GM_DEPTH) -> int:
     return LUT_BYTES + GM_PAIRS * (2 * K + GM_PAD) + GM_WARPS * depth * 2048
 
 
-def gm_few_shared_bytes(K: int) -> int:
-    """Dynamic shared memory of moe_gate_up_gm_few over K: the table, GM_FEW_ROWS_MAX rows of x, GM_FEW_WARPS
-    warps' GM_DEPTH 2 KB slots (224.1 KB at K = 4096)."""
-    return LUT_BYTES + GM_FEW_ROWS_MAX * (2 * K + GM_PAD) + GM_FEW_WARPS * GM_DEPTH * 2048
+def gm_few_shared_bytes(K: int, warps: int = GM_FEW_WARPS, depth: int = GM_DEPTH) -> int:
+    """Dynamic shared memory of a launch with task halves on warp pairs over K: the table, GM_FEW_ROWS_MAX rows of
+    x, `warps` warps' `depth` 2 KB slots (moe_gate_up_gm_few 224.1 KB at K = 4096; moe_down_gm_few, 32 warps of
+    2, 200.1 KB at K = 2048)."""
+    return LUT_BYTES + GM_FEW_ROWS_MAX * (2 * K + GM_PAD) + warps * depth * 2048
 
 
 def gate_up_pairs_per_pass(device: torch.device | None = None, D: int = 4096) -> int:
@@ -362,9 +370,12 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
     smem = gm_shared_bytes(I, GM_DOWN_DEPTH)
     if DOWN_GM and _ring_fits(aq.device.index, smem):  # items (slot, GM_WARPS x 16 rows)
-        slots = min(pairs.numel(), addr.shape[0])
-        _DOWN_GM.launch(_grid(slots * (D // (16 * GM_WARPS)), aq.device, 1), (32 * GM_WARPS, 1, 1), smem, None,
-                        *args, pdl=pdl_enabled())
+        grid = _grid(min(pairs.numel(), addr.shape[0]) * (D // (16 * GM_WARPS)), aq.device, 1)
+        few = gm_few_shared_bytes(I, DOWN_FEW_WARPS, DOWN_FEW_DEPTH)
+        if pairs.numel() // topk in DOWN_FEW_ROWS and _ring_fits(aq.device.index, few):  # task halves on warp pairs
+            _DOWN_GM_FEW.launch(grid, (32 * DOWN_FEW_WARPS, 1, 1), few, None, *args, pdl=pdl_enabled())
+        else:
+            _DOWN_GM.launch(grid, (32 * GM_WARPS, 1, 1), smem, None, *args, pdl=pdl_enabled())
         return
     four = _down4(pairs.numel() // topk)
     (_DOWN4 if four else _DOWN).launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, four=four), None,
