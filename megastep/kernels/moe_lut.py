@@ -179,8 +179,10 @@ GM_SPREAD_ROWS = (2, 3, 4, 5, 6, 7, 8)
 # a pair of warps (the .cu's run_gm, kPairs). Every group-major gate-up sums a task's K halves apart and adds
 # them (half 0 + half 1), so the same bits whichever kernel. Why: at 1 row a launch has about one task a warp,
 # and a warp's task is a chain of K / 256 steps that ncu found bound by its own latency (0.37 instructions
-# issued a cycle, 2026-12-07 from 12:20): half the chain a warp, and half again as many warps an SM.
-GM_FEW_ROWS = (1, 2)
+# issued a cycle, 2026-12-07 from 12:20): half the chain a warp, and half again as many warps an SM. Measured on
+# one H100, 16 layers, 3 rounds (docs/PERFORMANCE.md, 2026-12-07 from 15:13): the step -1.19 % at 1 row, +2.85 %
+# at 2 rows (the launch alone 27.4 against 28.6 us at 1 row, 49.7 against 44.1 at 2): 1 row only.
+GM_FEW_ROWS = (1,)
 GM_FEW_WARPS, GM_FEW_ROWS_MAX = 24, 2  # the .cu's gate-up kFew, kGmFewRows
 # Every down launch takes moe_down_gm: the group-major body for w2 (items of GM_WARPS x 16 rows, a pass
 # for up to GM_PAIRS pairs, the combine per 256-row tile), its weights through the ring's slots (cp.async,
@@ -197,8 +199,9 @@ DOWN_GM = True
 # Group-major down launches of these row counts (<= GM_FEW_ROWS_MAX) take moe_down_gm_few: the same items (slot,
 # 256 rows of w2) and combine, one CTA of DOWN_FEW_WARPS warps per SM, each task's two K halves on a pair of
 # warps (GM_FEW_ROWS' reason; 2 ring slots a warp). Every group-major down sums a task's K halves apart and adds
-# them, so the same bits whichever kernel.
-DOWN_FEW_ROWS = (1, 2)
+# them, so the same bits whichever kernel. Measured on one H100 (GM_FEW_ROWS' section), with gate-up's at 1-2 rows:
+# +0.8 % at 1 row, +0.2 % at 2 (the launch alone 19.4 against 19.0 us at 1 row): off.
+DOWN_FEW_ROWS: tuple[int, ...] = ()
 DOWN_FEW_WARPS, DOWN_FEW_DEPTH = 32, 2  # the .cu's down kFew and its ring slots
 
 

@@ -898,8 +898,8 @@ def test_lut_down_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
 def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
     """moe_lut.DOWN_GM (on: measured to gain at every row count): every down launch, whatever its rows, takes
     a group-major kernel (a row's bits must not depend on its batch), items of (slot, 256 rows) on one CTA per SM
-    at most: at DOWN_FEW_ROWS (1-2) rows moe_down_gm_few (DOWN_FEW_WARPS warps, task halves on warp pairs, 2 ring
-    slots a warp: 200.1 KB at I = 2048), else moe_down_gm (GM_WARPS warps with the shared memory of GM_DOWN_DEPTH
+    at most: at DOWN_FEW_ROWS rows (none: measured to lose; it can take 1-2) moe_down_gm_few (DOWN_FEW_WARPS
+    warps, task halves on warp pairs, 2 ring slots a warp: 200.1 KB at I = 2048), else moe_down_gm (GM_WARPS warps with the shared memory of GM_DOWN_DEPTH
     (4) ring slots a warp: 224.5 KB, within a Hopper's 227 KB), with down's arguments; off, none does; a device
     that cannot give moe_down_gm's shared memory (even if it could give 3 slots') keeps moe_down_lut /
     moe_down_lut4; the bench counts its passes at GM_PAIRS pairs."""
@@ -911,7 +911,9 @@ def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
     def call(M):
         return _launch_down(moe_lut, launched, M)
 
-    assert moe_lut.DOWN_GM and moe_lut.DOWN_FEW_ROWS == (1, 2)
+    assert moe_lut.DOWN_GM and moe_lut.DOWN_FEW_ROWS == ()
+    assert [call(m)[0] for m in (1, 2)] == ["_DOWN_GM"] * 2
+    monkeypatch.setattr(moe_lut, "DOWN_FEW_ROWS", (1, 2))  # (the row counts it can take)
     got = {m: call(m) for m in (1, 2, 3, 8, 16, 64)}
     assert [got[m][0] for m in (1, 2, 3, 8, 16, 64)] == ["_DOWN_GM_FEW"] * 2 + ["_DOWN_GM"] * 4
     smem = moe_lut.gm_shared_bytes(I, moe_lut.GM_DOWN_DEPTH)
@@ -951,7 +953,7 @@ def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
 def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     """moe_lut.GATE_UP_GM (on: measured to gain at 4-64 rows, within 0.25 % at 1-2): every gate-up launch,
     whatever its rows, takes a group-major kernel (a row's bits must not depend on its batch): at GM_FEW_ROWS
-    (1-2) rows moe_gate_up_gm_few (one CTA of GM_FEW_WARPS warps per SM, a CTA for every GM_FEW_WARPS / 2
+    (1; it can take 1-2) rows moe_gate_up_gm_few (one CTA of GM_FEW_WARPS warps per SM, a CTA for every GM_FEW_WARPS / 2
     tasks, gm_few_shared_bytes), else one CTA of GM_WARPS warps per SM at most, the even deal of warp tasks at
     GM_SPREAD_ROWS (2-8) rows, else an item per (slot, GM_WARPS x 8 channels), with gm_shared_bytes (each
     within a Hopper's 227 KB at D = 4096, gm_few's the smaller); off, none does; a device that cannot give
@@ -967,7 +969,8 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     def call(M):
         return _launch_gate_up(moe_lut, launched, M)
 
-    assert moe_lut.GATE_UP_GM and moe_lut.GM_SPREAD_ROWS == (2, 3, 4, 5, 6, 7, 8) and moe_lut.GM_FEW_ROWS == (1, 2)
+    assert moe_lut.GATE_UP_GM and moe_lut.GM_SPREAD_ROWS == (2, 3, 4, 5, 6, 7, 8) and moe_lut.GM_FEW_ROWS == (1,)
+    monkeypatch.setattr(moe_lut, "GM_FEW_ROWS", (1, 2))  # (both row counts it can take)
     got = {m: call(m) for m in (1, 2, 3, 8, 9, 64)}
     # 1-2 rows the warp pairs, 3-8 the even deal of warp tasks (both: their `rows` argument more), from 9 on items
     assert [got[m][0] for m in (1, 2, 3, 8, 9, 64)] == (["_GATE_UP_GM_FEW"] * 2 + ["_GATE_UP_GM_SPREAD"] * 2
