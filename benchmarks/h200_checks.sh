@@ -589,16 +589,17 @@ for group in "$@"; do
       # group-major GPU tests (every schedule's bits), the experts calls alone at 1 and 2 rows, the step at 1, 2 and 4
       # rows without them / gate-up's only / both, 3 rounds, the step's bit tests (a row alone against a batch of 16
       # takes both kinds of kernel), ncu on both launches at 1 row
-      NOFEW='import megastep.kernels.moe_lut as m; m.GM_FEW_ROWS = (); m.DOWN_FEW_ROWS = ()'
-      UPFEW='import megastep.kernels.moe_lut as m; m.DOWN_FEW_ROWS = ()'
+      # (the defaults: gate-up's at 1 row; arms: none, gate-up's at 1-2 rows, down's at 1 row too)
+      M='import megastep.kernels.moe_lut as m'
       gm_tests 150
       step gmfew_kernels 100 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/gmfew_kernels" --ms 1,2 \
-        --engines lut_nofew,lut_upfew,lut
+        --engines lut_nofew,lut,lut_few2,lut_downfew
       step gmfew_step_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
         -k "alone or same_input or graph_replay"
-      ab gmfew 220 --layers 30 --batch 1,2,4 --rounds 3 --arm "nofew=$NOFEW" --arm "upfew=$UPFEW" --arm "now="
+      ab gmfew 220 --layers 30 --batch 1,2,4 --rounds 3 --arm "nofew=$M; m.GM_FEW_ROWS = ()" --arm "now=" \
+        --arm "few2=$M; m.GM_FEW_ROWS = (1, 2)" --arm "downfew=$M; m.DOWN_FEW_ROWS = (1,)"
       ncu_experts gmfew_up1 '^moe_gate_up_' lut 1
-      ncu_experts gmfew_down1 '^moe_down_' lut 1 ;;
+      ncu_experts gmfew_down1 '^moe_down_' lut_downfew 1 ;;
     gm_ab)  # gmdefault's A/B alone (with `table` after it: the H200's 30-layer step without the bit tests, which ran on
       # an H100)
       gm_default_ab ;;

@@ -12,9 +12,9 @@ rows with the ring's slots and the mixed decode ("lut_spread_mix": moe_lut.SPREA
 default at 2 rows since 2026-12-01), or with the group-major gate-up on every launch and the
 pair-major down ("lut_gm": moe_lut.GATE_UP_GM, the default from 2026-12-07 07:53 to 10:16), whose sums
 run in another order, and with the group-major down too ("lut_gm_down": moe_lut.DOWN_GM, the default
-since 2026-12-07 10:16, as "lut"), or those without the task halves on warp pairs at 1-2 rows ("lut_nofew":
-moe_lut.GM_FEW_ROWS and DOWN_FEW_ROWS (), the same bits), or with them in gate-up only ("lut_upfew"); each
-engine's outputs
+since 2026-12-07 10:16, as "lut"), or without the task halves on warp pairs ("lut_nofew": moe_lut.GM_FEW_ROWS
+and DOWN_FEW_ROWS (), the same bits), or with them in gate-up at 1-2 rows ("lut_few2") or in down too
+("lut_downfew"); each engine's outputs
 must equal bit for bit those of the first engine with the same order of sums (the same GATE_UP_GM and
 DOWN_GM). (Earlier experiments measured with it and removed: a CUDA C++
 gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the
@@ -64,7 +64,7 @@ def lut_settings(engine: str) -> dict:
         return {"GATE_UP_GM": False, "DOWN_GM": False, **pair_major[engine]}
     return {"lut_gm": {"GATE_UP_GM": True, "DOWN_GM": False},
             "lut_gm_down": {"GATE_UP_GM": True, "DOWN_GM": True}, "lut_nofew": {"GM_FEW_ROWS": (), "DOWN_FEW_ROWS": ()},
-            "lut_upfew": {"DOWN_FEW_ROWS": ()}}.get(engine, {})
+            "lut_few2": {"GM_FEW_ROWS": (1, 2)}, "lut_downfew": {"DOWN_FEW_ROWS": (1, 2)}}.get(engine, {})
 
 
 def run(engine, fn):

@@ -168,6 +168,7 @@ struct Args {
   int K, w3_rows, topk, sparse, down;  // w3_rows: gate-up I (w3 follows w1); down 0
   long long stride_w, stride_s;
   int spread;  // gate-up's spread schedule (run_spread): the rows of x (1 or 2); 0: run
+  int slots;   // run_gm's kPairs deal: the routing's slots (the launch's bound on nslot); else 0
 };
 
 // One step of a warp's 16 rows (pass() below): its 16 MMAs on the lane's weight words a0 / a1
@@ -1167,10 +1168,9 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(pair_bar + (kPairs ? me : 0)));
   uint32_t phase = 0;
   if (kPairs && threadIdx.x % 64 == 0) mbar_init(bar, 64);  // (before the CTA's first barrier below)
-  // warp task (a slot's table entry ent, block blk), pairs c0 .. c0 + np - 1 of the slot, lane g's x in row slot xr
-  auto task = [&](const long long* ent, int blk, int start, int c0, int np, int xr) {
-    const uint8_t* wbase = reinterpret_cast<const uint8_t*>(ent[0]);
-    const uint8_t* sbase = reinterpret_cast<const uint8_t*>(ent[1]);
+  // warp task (a slot's weights wbase and their scales sbase, block blk), pairs c0 .. c0 + np - 1 of the slot, lane
+  // g's x in row slot xr
+  auto task = [&](const uint8_t* wbase, const uint8_t* sbase, int blk, int start, int c0, int np, int xr) {
     const int r0 = blk * rstep + g, r1 = r0 + second;
     GmRing<kDepth> st;
     st.wa = wbase + (blk * rstep + cr) * a.stride_w + cg * 16 + s0 * 128;
@@ -1200,32 +1200,47 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
     }
     epi(start, c0, np, r0, r1, total);
   };
-  // a slot's table entry (w13's address and scales' or w2's), and its count (0 for an expert absent from a
-  // sparse table)
-  auto entry = [&](int slot) { return a.tab + 4LL * __ldcg(a.slot_e + slot) + (a.down ? 2 : 0); };
-  auto count = [&](int slot, const long long* ent) { return a.sparse && ent[0] == 0 ? 0 : __ldcg(a.slot_cnt + slot); };
   if constexpr (kSpread) {
-    for (int i = threadIdx.x; i < a.spread * units; i += 32 * kWarps) stage(i / units, i / units, i % units);
-    __syncthreads();  // (x, and the table)
-    const int T = __ldcg(a.nslot) * blocks;
+    // A warp's first task's routing (route) is loaded before x is staged, so that its two dependent loads overlap
+    // the staging's; with kPairs the deal spreads the routing buffers' a.slots slots (at 1 row every one is
+    // taken), a task of a slot past nslot doing nothing, so that the deal waits for no load. (ncu, one H100,
+    // 2026-12-07 from 15:13: 42 % of the 1-row launch's stall samples before a warp's first step, on that chain.)
+    const int ns = __ldcg(a.nslot), T = (kPairs ? a.slots : ns) * blocks;
     const int lo = (int)((long long)blockIdx.x * T / gridDim.x);
     const int hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
-    for (int k = lo + me; k < hi; k += kTasks) {
-      const int slot = k / blocks, start = __ldcg(a.slot_start + slot);
-      const long long* ent = entry(slot);
-      const int cnt = count(slot, ent);
-      for (int c0 = 0; c0 < cnt; c0 += kPass) {  // (one pass: a slot holds at most one pair of a row)
-        const int np = min(kPass, cnt - c0);
-        // (past the pass's pairs: pair 0's row, an address warp_sums_gm does not load)
-        task(ent, k % blocks, start, c0, np, a.pair_ptr[start + c0 + (g < np ? g : 0)] / a.topk);
+    struct Route {
+      const uint8_t *w, *s;
+      int start, cnt, xr;  // the slot's first pair and pairs (0: none to do), lane g's row of x
+    };
+    auto route = [&](int k) {
+      const int slot = k / blocks, e = __ldcg(a.slot_e + slot), cnt = __ldcg(a.slot_cnt + slot);
+      Route r{nullptr, nullptr, __ldcg(a.slot_start + slot), 0, 0};
+      if (slot < ns) {
+        const long long* ent = a.tab + 4LL * e + (a.down ? 2 : 0);
+        r.w = reinterpret_cast<const uint8_t*>(ent[0]);
+        r.s = reinterpret_cast<const uint8_t*>(ent[1]);
+        r.cnt = a.sparse && r.w == nullptr ? 0 : cnt;
+        // (one pass: a slot holds at most one pair of a row; past its pairs, pair 0's row, which is not loaded)
+        r.xr = a.pair_ptr[r.start + (g < min(kPass, r.cnt) ? g : 0)] / a.topk;
       }
+      return r;
+    };
+    int k = lo + me;
+    Route r = k < hi ? route(k) : Route{};
+    for (int i = threadIdx.x; i < a.spread * units; i += 32 * kWarps) stage(i / units, i / units, i % units);
+    __syncthreads();  // (x, and the table)
+    while (k < hi) {
+      for (int c0 = 0; c0 < r.cnt; c0 += kPass)
+        task(r.w, r.s, k % blocks, r.start, c0, min(kPass, r.cnt - c0), r.xr);
+      k += kTasks;
+      if (k < hi) r = route(k);
     }
   } else {
     const int tiles = blocks / kTasks, items = __ldcg(a.nslot) * tiles;
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
       const int slot = it / tiles, tile = it % tiles, start = __ldcg(a.slot_start + slot);
-      const long long* ent = entry(slot);
-      const int cnt = count(slot, ent);
+      const long long* ent = a.tab + 4LL * __ldcg(a.slot_e + slot) + (a.down ? 2 : 0);
+      const int cnt = a.sparse && ent[0] == 0 ? 0 : __ldcg(a.slot_cnt + slot);  // (0: an expert absent from a sparse table)
       for (int c0 = 0; c0 < cnt; c0 += kPass) {
         const int np = min(kPass, cnt - c0);
         __syncthreads();  // the previous pass's readers of x are done (the first: the table is written)
@@ -1235,7 +1250,8 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
         }
         __syncthreads();
         // (past the pass's pairs: pair 0's row slot, an address warp_sums_gm does not load)
-        task(ent, tile * kTasks + me, start, c0, np, g < np ? g : 0);
+        task(reinterpret_cast<const uint8_t*>(ent[0]), reinterpret_cast<const uint8_t*>(ent[1]), tile * kTasks + me,
+             start, c0, np, g < np ? g : 0);
         if constexpr (kPost) {
           __syncthreads();  // every output of the pass issued
           post(start, c0, np, tile);
@@ -1317,9 +1333,9 @@ __device__ __forceinline__ void down_gm(const Args& a, __nv_bfloat16* y, long lo
       const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,          \
       long long stride_a, int D, int I, long long stride_w, long long stride_s, float limit, int round_out, int topk, \
       int sparse
-#define GATE_UP_ARGS(rows)                                                                                          \
+#define GATE_UP_ARGS(...)  /* (rows[, slots]) */                                                               \
   Args{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, I, topk, sparse, 0, stride_w, stride_s, \
-       rows}, rw, act, stride_a, limit, round_out
+       __VA_ARGS__}, rw, act, stride_a, limit, round_out
 
 extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_lut(GATE_UP_PARAMS) {
   gate_up<false>(GATE_UP_ARGS(0));
@@ -1382,9 +1398,9 @@ extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_sprea
 
 // The same, warp tasks dealt out evenly, their K halves on warp pairs, over launches of `rows` <= kGmFewRows rows
 // (moe_lut.py's GM_FEW_ROWS): one CTA of 24 warps per SM, 64 KB + kGmFewRows rows of x + the warps' 3 2 KB slots
-// (224.1 KB at D = 4096).
-extern "C" __global__ void __launch_bounds__(32 * 24, 1) moe_gate_up_gm_few(GATE_UP_PARAMS, int rows) {
-  gate_up_gm<true, 24>(GATE_UP_ARGS(rows));
+// (224.1 KB at D = 4096); slots: the routing buffers' slot count.
+extern "C" __global__ void __launch_bounds__(32 * 24, 1) moe_gate_up_gm_few(GATE_UP_PARAMS, int rows, int slots) {
+  gate_up_gm<true, 24>(GATE_UP_ARGS(rows, slots));
 }
 
 // down group-major (moe_lut.py's DOWN_GM): one CTA of kGmThreads per SM, 64 KB + kGmPairs rows of aq (2 I +

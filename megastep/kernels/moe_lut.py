@@ -55,7 +55,7 @@ _GATE_UP_RING_MIX = _MODULE.kernel("moe_gate_up_lut_ring_mix", "pqppppppppqiiqqf
 _GATE_UP_SPREAD_RING_MIX = _MODULE.kernel("moe_gate_up_lut_spread_ring_mix", "pqppppppppqiiqqfiiii")
 _GATE_UP_GM = _MODULE.kernel("moe_gate_up_gm", "pqppppppppqiiqqfiii")
 _GATE_UP_GM_SPREAD = _MODULE.kernel("moe_gate_up_gm_spread", "pqppppppppqiiqqfiiii")
-_GATE_UP_GM_FEW = _MODULE.kernel("moe_gate_up_gm_few", "pqppppppppqiiqqfiiii")
+_GATE_UP_GM_FEW = _MODULE.kernel("moe_gate_up_gm_few", "pqppppppppqiiqqfiiiii")
 _DOWN_GM = _MODULE.kernel("moe_down_gm", "pqpppppppqpqpiiqqiiipq")
 _DOWN_GM_FEW = _MODULE.kernel("moe_down_gm_few", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
@@ -329,7 +329,7 @@ def gate_up(xq, addr, rw, pairs, slot_e, slot_start, slot_cnt, nslots, act, D, I
             assert rows <= GM_FEW_ROWS_MAX, rows  # (the .cu stages every row of x: at most GM_FEW_ROWS_MAX)
             tasks = slots * (I // 8)
             _GATE_UP_GM_FEW.launch(_grid(-(-tasks // (GM_FEW_WARPS // 2)), xq.device, 1), (32 * GM_FEW_WARPS, 1, 1),
-                                   few, None, *args, rows, pdl=pdl_enabled())
+                                   few, None, *args, rows, slots, pdl=pdl_enabled())
         elif rows in GM_SPREAD_ROWS:  # warp tasks (slot, 8 channels), one CTA per SM
             assert rows <= GM_PAIRS, rows  # (the .cu stages every row of x: at most GM_PAIRS)
             _GATE_UP_GM_SPREAD.launch(_grid(slots * (I // 8), xq.device, 1), (32 * GM_WARPS, 1, 1), smem, None,

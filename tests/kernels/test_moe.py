@@ -982,7 +982,8 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     assert {(got[m][2], got[m][3]) for m in (3, 8, 9, 64)} == {(512, moe_lut.gm_shared_bytes(D))}
     assert got[1][1] == 6 * 2048 // 8 // 12  # 1536 tasks, 12 a CTA: 128 CTAs
     assert [got[m][1] for m in (2, 3, 8, 9, 64)] == [132] * 5  # a CTA per SM
-    assert got[9][4] == got[2][4] - 1 == got[3][4] - 1  # the ring kernels' arguments (the deals': and rows)
+    # the ring kernels' arguments (the even deal's: and rows; the warp pairs': and rows and slots)
+    assert got[9][4] == got[3][4] - 1 == got[2][4] - 2
     assert moe_lut.gate_up_pairs_per_pass() == 8
     monkeypatch.setattr(moe_lut, "GM_SPREAD_ROWS", (9,))  # (more rows than the .cu stages: refused)
     with pytest.raises(AssertionError):
