@@ -44,7 +44,7 @@
 #   bash benchmarks/h200_checks.sh down_ncu   # down's stall reasons and shared-memory wavefronts per instruction at 16 and 64 rows (ncu) (~1.5 min)
 #   bash benchmarks/h200_checks.sh gmsms      # the group-major even deal at 1-2 rows on 104-132 CTAs against items at 1 row (~2 min)
 #   bash benchmarks/h200_checks.sh gm_ab      # gmdefault's A/B alone (~2 min)
-#   bash benchmarks/h200_checks.sh gmfew      # the group-major kernels' task halves on warp pairs at 1-2 rows: their GPU tests, the experts calls, the step A/B/C at 1-4 rows, the step's bit tests, ncu at 1 row (~9 min)
+#   bash benchmarks/h200_checks.sh gmfew      # gate-up's task halves on warp pairs at 1 row: the group-major GPU tests, the experts calls, the step's bit tests, the step A/B/C at 1-4 rows, ncu at 1 row (~3 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh gmdefault  # the session's defaults of 2026-12-07 against its start at 1-64 rows, final's bit tests, the table (~9 min)
 #   bash benchmarks/h200_checks.sh steptests  # final's bit tests of the step alone, without the kernels' (~1.5 min)
 #   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
@@ -584,22 +584,20 @@ for group in "$@"; do
       gm_default_ab
       final_tests
       final_step ;;
-    gmfew)  # the group-major kernels' task halves on warp pairs at 1-2 rows (moe_lut.GM_FEW_ROWS, DOWN_FEW_ROWS, built
-      # 2026-12-07 from 15:15: ncu found the 1-row launches' warps, one task each, bound by their own chains): the
-      # group-major GPU tests (every schedule's bits), the experts calls alone at 1 and 2 rows, the step at 1, 2 and 4
-      # rows without them / gate-up's only / both, 3 rounds, the step's bit tests (a row alone against a batch of 16
-      # takes both kinds of kernel), ncu on both launches at 1 row
-      # (the defaults: gate-up's at 1 row; arms: none, gate-up's at 1-2 rows, down's at 1 row too)
+    gmfew)  # gate-up's task halves on warp pairs of 24-warp CTAs at 1 row (moe_lut.GM_FEW_ROWS, built 2026-12-07 from
+      # 15:13: at 1 row a launch has about one 16-step task a warp): the group-major GPU tests (every schedule's bits),
+      # the experts calls alone at 1 and 2 rows, the step's bit tests (a row alone against a batch of 16 takes both
+      # kinds of kernel), the step at 1, 2 and 4 rows without them / the default (1 row) / at 1-2 rows, 3 rounds; ncu
+      # at 1 row (down at 1 row in the same form, 32 warps, lost: +0.4-0.8 %, removed, the code at 93a587b)
       M='import megastep.kernels.moe_lut as m'
       gm_tests 150
       step gmfew_kernels 100 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/gmfew_kernels" --ms 1,2 \
-        --engines lut_nofew,lut,lut_few2,lut_downfew
+        --engines lut_nofew,lut,lut_few2
       step gmfew_step_tests 150 python3 -m pytest -q -rfE --timeout 120 -m gpu tests/test_fast_gpu.py \
         -k "alone or same_input or graph_replay"
       ab gmfew 220 --layers 30 --batch 1,2,4 --rounds 3 --arm "nofew=$M; m.GM_FEW_ROWS = ()" --arm "now=" \
-        --arm "few2=$M; m.GM_FEW_ROWS = (1, 2)" --arm "downfew=$M; m.DOWN_FEW_ROWS = (1,)"
-      ncu_experts gmfew_up1 '^moe_gate_up_' lut 1
-      ncu_experts gmfew_down1 '^moe_down_' lut_downfew 1 ;;
+        --arm "few2=$M; m.GM_FEW_ROWS = (1, 2)"
+      ncu_experts gmfew_up1 '^moe_gate_up_' lut 1 ;;
     gm_ab)  # gmdefault's A/B alone (with `table` after it: the H200's 30-layer step without the bit tests, which ran on
       # an H100)
       gm_default_ab ;;

@@ -949,11 +949,11 @@ __device__ __forceinline__ void down(const Args& a, __nv_bfloat16* y, long long 
 // and 2 scale bytes a group, 32 + 16 a step, against 8 + 8).
 // Order of sums, per (pair, channel of w1 or w3), fixed whatever the batch: per group the 32 products in
 // two chained MMAs (elements 8t .. 8t + 3 of the quad's lanes t, then 8t + 4 .. 8t + 7; fp32), times
-// the group's scale into an fp32 sum over each K half in group order, then half 0 + half 1 (the same for
-// down's w2). A column never meets another pair's values: batch invariant. Not the pair-major kernels' order,
-// so not their bits: a step takes this kernel for every gate-up launch or for none (down likewise). Why two
-// sums: launches of 1-2 rows (moe_gate_up_gm_few, moe_down_gm_few) give a task's halves to two warps, whose
-// chains are half as long, and every other launch must add the same two sums.
+// the group's scale into an fp32 sum over each K half in group order, then half 0 + half 1 (down's w2: one sum
+// over the whole K). A column never meets another pair's values: batch invariant. Not the pair-major kernels'
+// order, so not their bits: a step takes this kernel for every gate-up launch or for none (down likewise). Why
+// two sums: 1-row launches (moe_gate_up_gm_few) give a task's halves to two warps, whose chains are half as
+// long, and every other launch must add the same two sums.
 // Work: one CTA of kGmWarps warps per SM; a warp's task is 8 channels of a slot (MMA rows g: w1, g + 8:
 // w3) over the whole K, its pairs in passes of kGmPairs, x staged for the CTA (gate_up_gm's two schedules).
 constexpr int kGmWarps = 16, kGmThreads = 32 * kGmWarps;
@@ -986,8 +986,8 @@ __device__ __forceinline__ void mma_z(float (&d)[4], uint32_t a0, uint32_t a1, u
   mma(d, a0, a1, a2, a3, b0, b1);
 }
 
-// A barrier of a warp pair (run_gm's kPairs): an mbarrier in shared memory of `count` threads a phase
-// (named barriers number 16 a CTA, less the CTA's own: too few for the 16 pairs of 32 warps)
+// A barrier of a warp pair (run_gm's kPairs): an mbarrier in shared memory of `count` threads a phase (named
+// barriers number 16 a CTA, less the CTA's own: 15 pairs at most; 32-warp CTAs have 16)
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -1124,12 +1124,11 @@ __device__ __forceinline__ void warp_sums_gm(GmRing<kDepth>& st, const char* tab
 // the pairs' own rows of aq) are staged for the pass (slot p for the pass's pair p). epi(start, c0, np, r0,
 // r1, total): the lane's outputs of a task (warp_sums_gm's total: rows r0, r1, columns = pairs c0 + 2t,
 // c0 + 2t + 1); with kPost, post(start, c0, np, tile) after each item pass, every output of it issued.
-// kTwo: a task's sums in two chains, one a K half (the order, warp_sums_gm); kPairs (kTwo): a CTA takes
-// kWarps / 2 tasks at a time (the even deal's tasks lo + m, lo + m + kWarps / 2, ...; an item's kWarps / 2
-// blocks), warps 2m and 2m + 1 the halves of task m, and 2m adds 2m + 1's sums to its own through 2m + 1's
-// first ring slot (free by then) between two barriers of the pair (pair_sync): each warp streams
-// half the rows' bytes, so at 1-2 rows, where a launch has about one task a warp, a task ends in half the
-// time. Passes of at most kXRows pairs (the rows of x a CTA stages).
+// kTwo: a task's sums in two chains, one a K half (gate-up's order, warp_sums_gm); kPairs (kSpread, kTwo): a CTA
+// takes kWarps / 2 tasks at a time (lo + m, lo + m + kWarps / 2, ...), warps 2m and 2m + 1 the halves of task
+// m, and 2m adds 2m + 1's sums to its own through 2m + 1's first ring slot (free by then) between two barriers
+// of the pair (pair_sync): each warp streams half the rows' bytes, so at 1 row, where a launch has about one
+// task a warp, a task's chain is half as long. Passes of at most kXRows pairs (the rows of x a CTA stages).
 // kDepth: a warp's ring slots (a pair's sums do not depend on them: the same bits whatever the depth). (4 slots
 // for gate-up at 1-2 rows, in passes of 2 pairs with 2 rows of x staged, gave the same bits and +0.16 / +0.58 %
 // at 1 / 2 rows on one H100: docs/PERFORMANCE.md, 2026-12-07 from 12:20; the code at f75b03e.)
@@ -1139,7 +1138,7 @@ __device__ __forceinline__ void warp_sums_gm(GmRing<kDepth>& st, const char* tab
 template <bool kSpread, bool kPost, int kDepth, bool kTwo, int kWarps = kGmWarps, int kXRows = kGmPairs,
           bool kPairs = false, typename Epi, typename Post>
 __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post post) {
-  static_assert(!kPairs || (kTwo && kWarps % 2 == 0 && kWarps <= 32), "warp pairs: halves of tasks");
+  static_assert(!kPairs || (kSpread && kTwo && kWarps % 2 == 0 && kWarps <= 32), "warp pairs: halves of tasks");
   __shared__ __align__(8) unsigned long long pair_bar[kPairs ? kWarps / 2 : 1];
   constexpr int kTasks = kPairs ? kWarps / 2 : kWarps;  // a CTA's tasks at a time
   constexpr int kPass = kXRows < kGmPairs ? kXRows : kGmPairs;  // pairs a pass
@@ -1204,7 +1203,8 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
     // A warp's first task's routing (route) is loaded before x is staged, so that its two dependent loads overlap
     // the staging's; with kPairs the deal spreads the routing buffers' a.slots slots (at 1 row every one is
     // taken), a task of a slot past nslot doing nothing, so that the deal waits for no load. (ncu, one H100,
-    // 2026-12-07 from 15:13: 42 % of the 1-row launch's stall samples before a warp's first step, on that chain.)
+    // 2026-12-07 from 15:13, moe_gate_up_gm_few at 1 row: 42 % of the stall samples fell before a warp's first
+    // step, on that chain; 27 % with this, the launch alone 25.6 against 27.4 us.)
     const int ns = __ldcg(a.nslot), T = (kPairs ? a.slots : ns) * blocks;
     const int lo = (int)((long long)blockIdx.x * T / gridDim.x);
     const int hi = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
@@ -1240,7 +1240,7 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
       const int slot = it / tiles, tile = it % tiles, start = __ldcg(a.slot_start + slot);
       const long long* ent = a.tab + 4LL * __ldcg(a.slot_e + slot) + (a.down ? 2 : 0);
-      const int cnt = a.sparse && ent[0] == 0 ? 0 : __ldcg(a.slot_cnt + slot);  // (0: an expert absent from a sparse table)
+      const int cnt = a.sparse && ent[0] == 0 ? 0 : __ldcg(a.slot_cnt + slot);  // (0: absent from a sparse table)
       for (int c0 = 0; c0 < cnt; c0 += kPass) {
         const int np = min(kPass, cnt - c0);
         __syncthreads();  // the previous pass's readers of x are done (the first: the table is written)
@@ -1261,24 +1261,24 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   }
 }
 
-// Launches of 1-2 rows (moe_lut.py's GM_FEW_ROWS, DOWN_FEW_ROWS): one CTA of kFew warps per SM (gate-up 24,
-// down 32: items of 16 tasks, the combine's 256-row tiles), kFew / 2 tasks at a time, their K halves on warp
-// pairs, kGmFewRows rows of x staged. Why more warps: at 1 row a launch has 1536 tasks, gate-up's 12 a CTA on
-// 128 SMs, down's 16 on 96; 16-warp CTAs would need 192 SMs for one round of half tasks. It costs registers (at
-// most 80 / 64 a thread, none spilled: nvcc 13.0, sm_90a; gate-up at 32 warps spills) and ring slots: 3 a warp
-// at 24 warps (224.1 KB at D = 4096), 2 at 32 (200.1 KB at I = 2048).
-constexpr int kGmFewRows = 2;
+// Launches of 1-2 rows (moe_lut.py's GM_FEW_ROWS): one CTA of kGmFewWarps warps per SM, kGmFewWarps / 2 tasks at
+// a time, their K halves on warp pairs, kGmFewRows rows of x staged. Why 24 warps: at 1 row a launch has 1536
+// tasks, 12 a CTA on 128 SMs; 16-warp CTAs would need 192 SMs for one round of half tasks. It costs registers (at
+// most 80 a thread, none spilled: nvcc 13.0, sm_90a; at 32 warps, 64, it spills) and shared memory (224.1 KB at
+// D = 4096). (down in the same form, 32 warps of 2 ring slots, items of 16 tasks: the launch alone 19.3-19.4
+// against 18.9-19.1 us at 1 row, the step +0.5 % on one H100: docs/PERFORMANCE.md, 2026-12-07 from 15:13; the code
+// at 93a587b.)
+constexpr int kGmFewWarps = 24, kGmFewRows = 2;
 
-// gate-up's group-major kernels: act as gate_up's (blocks of 8 channels of w1 and w3); kFew: warps of a CTA whose
-// pairs take a task's halves (0: kGmWarps warps, each a whole task)
-template <bool kSpread, int kFew = 0>
+// gate-up's group-major kernels: act as gate_up's (blocks of 8 channels of w1 and w3); kFew: a task's halves on
+// warp pairs of kGmFewWarps-warp CTAs, else kGmWarps warps, each a whole task
+template <bool kSpread, bool kFew = false>
 __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_bfloat16* act, long long stride_a,
                                            float limit, int round_out) {
   const int t = threadIdx.x & 3;
-  constexpr int kW = kFew ? kFew : kGmWarps, kR = kFew ? kGmFewRows : kGmPairs;
-  constexpr int kDepth = kFew == 0 ? kGmDepth : kFew == 24 ? 3 : 2;
-  run_gm<kSpread, false, kDepth, true, kW, kR, kFew != 0>(
-      a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int, const float (&total)[4]) {
+  constexpr int kW = kFew ? kGmFewWarps : kGmWarps, kR = kFew ? kGmFewRows : kGmPairs;
+  run_gm<kSpread, false, kGmDepth, true, kW, kR, kFew>(a, a.w3_rows / 8, [&](int start, int c0, int np, int r0, int,
+                                                                             const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of channel r0
       const int p = 2 * t + u;
@@ -1291,20 +1291,16 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
   }, [](int, int, int, int) {});
 }
 
-// down's group-major kernels: y and the combine as down's, items of 16 tasks of 16 rows of w2 (combine_pass
-// per (row, 256-row tile): counters [M, D / 256] of down's [M, D / 128]); kFew (32): the tasks' halves on warp
-// pairs (0: kGmWarps warps, each a whole task)
-template <int kFew = 0>
+// down's group-major kernel: y and the combine as down's, items of kGmWarps x 16 rows of w2 (combine_pass
+// per (row, 256-row tile): counters [M, D / 256] of down's [M, D / 128])
 __device__ __forceinline__ void down_gm(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                         long long stride_o, int* counters, int D, int combine,
                                         const __nv_bfloat16* shared, long long stride_sh) {
-  static_assert(kFew == 0 || kFew == 2 * kGmWarps, "items of kGmWarps tasks");
   __shared__ int last[kGmPairs];
   constexpr int kTile = kGmWarps * 16;  // output rows of an item
-  constexpr int kDepth = kFew == 0 ? kGmDownDepth : 2;
   const int t = threadIdx.x & 3, tiles = D / kTile;
-  run_gm<false, true, kDepth, true, kFew ? kFew : kGmWarps, kFew ? kGmFewRows : kGmPairs, kFew != 0>(
-      a, D / 16, [&](int start, int c0, int np, int r0, int r1, const float (&total)[4]) {
+  run_gm<false, true, kGmDownDepth, false>(a, D / 16, [&](int start, int c0, int np, int r0, int r1,
+                                                         const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of rows r0, r1
       const int p = 2 * t + u;
@@ -1333,7 +1329,7 @@ __device__ __forceinline__ void down_gm(const Args& a, __nv_bfloat16* y, long lo
       const int* slot_e, const int* slot_start, const int* slot_cnt, const int* nslot, __nv_bfloat16* act,          \
       long long stride_a, int D, int I, long long stride_w, long long stride_s, float limit, int round_out, int topk, \
       int sparse
-#define GATE_UP_ARGS(...)  /* (rows[, slots]) */                                                               \
+#define GATE_UP_ARGS(...) /* (rows[, slots]) */                                                                   \
   Args{xq, stride_q, tab, pair_ptr, slot_e, slot_start, slot_cnt, nslot, D, I, topk, sparse, 0, stride_w, stride_s, \
        __VA_ARGS__}, rw, act, stride_a, limit, round_out
 
@@ -1397,19 +1393,16 @@ extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_gate_up_gm_sprea
 }
 
 // The same, warp tasks dealt out evenly, their K halves on warp pairs, over launches of `rows` <= kGmFewRows rows
-// (moe_lut.py's GM_FEW_ROWS): one CTA of 24 warps per SM, 64 KB + kGmFewRows rows of x + the warps' 3 2 KB slots
-// (224.1 KB at D = 4096); slots: the routing buffers' slot count.
-extern "C" __global__ void __launch_bounds__(32 * 24, 1) moe_gate_up_gm_few(GATE_UP_PARAMS, int rows, int slots) {
-  gate_up_gm<true, 24>(GATE_UP_ARGS(rows, slots));
+// (moe_lut.py's GM_FEW_ROWS): one CTA of kGmFewWarps warps per SM, 64 KB + kGmFewRows rows of x + the warps'
+// kGmDepth 2 KB slots (224.1 KB at D = 4096); slots: the routing buffers' slot count.
+extern "C" __global__ void __launch_bounds__(32 * kGmFewWarps, 1) moe_gate_up_gm_few(GATE_UP_PARAMS, int rows,
+                                                                                      int slots) {
+  gate_up_gm<true, true>(GATE_UP_ARGS(rows, slots));
 }
 
 // down group-major (moe_lut.py's DOWN_GM): one CTA of kGmThreads per SM, 64 KB + kGmPairs rows of aq (2 I +
 // kGmPad bytes each) + the warps' kGmDownDepth slots (224.5 KB at I = 2048).
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm(DOWN_PARAMS) { down_gm(DOWN_ARGS); }
-
-// The same, the tasks' K halves on warp pairs, for launches of at most kGmFewRows rows (moe_lut.py's DOWN_FEW_ROWS):
-// one CTA of 32 warps per SM, 64 KB + kGmFewRows rows of aq + the warps' 2 slots (200.1 KB at I = 2048).
-extern "C" __global__ void __launch_bounds__(32 * 32, 1) moe_down_gm_few(DOWN_PARAMS) { down_gm<32>(DOWN_ARGS); }
 
 #endif
 

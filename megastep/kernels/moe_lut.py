@@ -18,8 +18,8 @@ one group (the .cu explains all three); Triton expresses none of it. Measured ag
 Grids are static, so launches are captured by CUDA graphs. Every gate-up and down launch takes the
 group-major kernels (GATE_UP_GM, DOWN_GM; a device with their shared memory): one CTA of GM_WARPS warps
 per SM, taking (expert slot, 128 channels of gate-up or 256 rows of w2) items in turn, or for gate-up
-launches of M in GM_SPREAD_ROWS rows the warps' tasks dealt out evenly, or in GM_FEW_ROWS rows (1-2) dealt
-out to GM_FEW_WARPS-warp CTAs whose warp pairs take a task's two K halves. Without them (other bits), the
+launches of M in GM_SPREAD_ROWS rows the warps' tasks dealt out evenly, or in GM_FEW_ROWS rows (1) dealt out
+to GM_FEW_WARPS-warp CTAs whose warp pairs take a task's two K halves. Without them (other bits), the
 pair-major kernels: at most 2 CTAs of 256 threads per SM, each taking (expert slot, 128 weight rows)
 items in turn, each warp streaming whole rows; gate-up launches of M in SPREAD_ROWS rows deal the
 warps' tasks out evenly over one CTA per SM instead, and those of ring_rows(M) take one CTA of 512
@@ -57,7 +57,6 @@ _GATE_UP_GM = _MODULE.kernel("moe_gate_up_gm", "pqppppppppqiiqqfiii")
 _GATE_UP_GM_SPREAD = _MODULE.kernel("moe_gate_up_gm_spread", "pqppppppppqiiqqfiiii")
 _GATE_UP_GM_FEW = _MODULE.kernel("moe_gate_up_gm_few", "pqppppppppqiiqqfiiiii")
 _DOWN_GM = _MODULE.kernel("moe_down_gm", "pqpppppppqpqpiiqqiiipq")
-_DOWN_GM_FEW = _MODULE.kernel("moe_down_gm_few", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -177,13 +176,14 @@ GM_SPREAD_ROWS = (2, 3, 4, 5, 6, 7, 8)
 # Group-major launches of these row counts (<= GM_FEW_ROWS_MAX) take moe_gate_up_gm_few instead: one CTA of
 # GM_FEW_WARPS warps per SM, GM_FEW_WARPS / 2 warp tasks at a time dealt out evenly, each task's two K halves on
 # a pair of warps (the .cu's run_gm, kPairs). Every group-major gate-up sums a task's K halves apart and adds
-# them (half 0 + half 1), so the same bits whichever kernel. Why: at 1 row a launch has about one task a warp,
-# and a warp's task is a chain of K / 256 steps that ncu found bound by its own latency (0.37 instructions
-# issued a cycle, 2026-12-07 from 12:20): half the chain a warp, and half again as many warps an SM. Measured on
-# one H100, 16 layers, 3 rounds (docs/PERFORMANCE.md, 2026-12-07 from 15:13): the step -1.19 % at 1 row, +2.85 %
-# at 2 rows (the launch alone 27.4 against 28.6 us at 1 row, 49.7 against 44.1 at 2): 1 row only.
+# them (half 0 + half 1), so the same bits whichever kernel. Why: at 1 row a launch has about one task a warp
+# and a warp's task is a chain of K / 256 steps; here the chains are half as long and the tasks spread over 128
+# SMs, not 96. Measured on one H100, 16 layers, 3 rounds (docs/PERFORMANCE.md, 2026-12-07 from 15:13, two
+# calls): the step -1.19 / -0.86 % at 1 row, +2.85 / +2.57 % at 2 rows; the launch alone 25.6 against 28.5 us at
+# 1 row, 49.0 against 43.6 at 2 (ncu at 1 row: the same 0.37-0.39 instructions issued a cycle per scheduler as
+# the 16-warp items, now with 6 warps each; the warps wait on their weights and scale bytes): 1 row only.
 GM_FEW_ROWS = (1,)
-GM_FEW_WARPS, GM_FEW_ROWS_MAX = 24, 2  # the .cu's gate-up kFew, kGmFewRows
+GM_FEW_WARPS, GM_FEW_ROWS_MAX = 24, 2  # the .cu's kGmFewWarps, kGmFewRows
 # Every down launch takes moe_down_gm: the group-major body for w2 (items of GM_WARPS x 16 rows, a pass
 # for up to GM_PAIRS pairs, the combine per 256-row tile), its weights through the ring's slots (cp.async,
 # more bytes in flight than down's register stream, whose loads its warps wait on at 16-64 rows: ncu,
@@ -196,13 +196,6 @@ GM_FEW_WARPS, GM_FEW_ROWS_MAX = 24, 2  # the .cu's gate-up kFew, kGmFewRows
 # gate-up's 3: I = 2048 leaves the room; 224.5 KB), measured against 3 (the same bits): -0.91 % at 1 row,
 # -0.48 to +0.15 % at 2-64 rows (item 5 of that section).
 DOWN_GM = True
-# Group-major down launches of these row counts (<= GM_FEW_ROWS_MAX) take moe_down_gm_few: the same items (slot,
-# 256 rows of w2) and combine, one CTA of DOWN_FEW_WARPS warps per SM, each task's two K halves on a pair of
-# warps (GM_FEW_ROWS' reason; 2 ring slots a warp). Every group-major down sums a task's K halves apart and adds
-# them, so the same bits whichever kernel. Measured on one H100 (GM_FEW_ROWS' section), with gate-up's at 1-2 rows:
-# +0.8 % at 1 row, +0.2 % at 2 (the launch alone 19.4 against 19.0 us at 1 row): off.
-DOWN_FEW_ROWS: tuple[int, ...] = ()
-DOWN_FEW_WARPS, DOWN_FEW_DEPTH = 32, 2  # the .cu's down kFew and its ring slots
 
 
 @functools.cache
@@ -232,11 +225,10 @@ def gm_shared_bytes(K: int, depth: int = GM_DEPTH) -> int:
     return LUT_BYTES + GM_PAIRS * (2 * K + GM_PAD) + GM_WARPS * depth * 2048
 
 
-def gm_few_shared_bytes(K: int, warps: int = GM_FEW_WARPS, depth: int = GM_DEPTH) -> int:
-    """Dynamic shared memory of a launch with task halves on warp pairs over K: the table, GM_FEW_ROWS_MAX rows of
-    x, `warps` warps' `depth` 2 KB slots (moe_gate_up_gm_few 224.1 KB at K = 4096; moe_down_gm_few, 32 warps of
-    2, 200.1 KB at K = 2048)."""
-    return LUT_BYTES + GM_FEW_ROWS_MAX * (2 * K + GM_PAD) + warps * depth * 2048
+def gm_few_shared_bytes(K: int) -> int:
+    """Dynamic shared memory of moe_gate_up_gm_few over K: the table, GM_FEW_ROWS_MAX rows of x, GM_FEW_WARPS
+    warps' GM_DEPTH 2 KB slots (224.1 KB at K = 4096)."""
+    return LUT_BYTES + GM_FEW_ROWS_MAX * (2 * K + GM_PAD) + GM_FEW_WARPS * GM_DEPTH * 2048
 
 
 def gate_up_pairs_per_pass(device: torch.device | None = None, D: int = 4096) -> int:
@@ -373,12 +365,9 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
     smem = gm_shared_bytes(I, GM_DOWN_DEPTH)
     if DOWN_GM and _ring_fits(aq.device.index, smem):  # items (slot, GM_WARPS x 16 rows)
-        grid = _grid(min(pairs.numel(), addr.shape[0]) * (D // (16 * GM_WARPS)), aq.device, 1)
-        few = gm_few_shared_bytes(I, DOWN_FEW_WARPS, DOWN_FEW_DEPTH)
-        if pairs.numel() // topk in DOWN_FEW_ROWS and _ring_fits(aq.device.index, few):  # task halves on warp pairs
-            _DOWN_GM_FEW.launch(grid, (32 * DOWN_FEW_WARPS, 1, 1), few, None, *args, pdl=pdl_enabled())
-        else:
-            _DOWN_GM.launch(grid, (32 * GM_WARPS, 1, 1), smem, None, *args, pdl=pdl_enabled())
+        slots = min(pairs.numel(), addr.shape[0])
+        _DOWN_GM.launch(_grid(slots * (D // (16 * GM_WARPS)), aq.device, 1), (32 * GM_WARPS, 1, 1), smem, None,
+                        *args, pdl=pdl_enabled())
         return
     four = _down4(pairs.numel() // topk)
     (_DOWN4 if four else _DOWN).launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, four=four), None,

@@ -742,20 +742,14 @@ def test_gpu_lut_group_major_down(M, monkeypatch):
     combine per 256-row tile) at V4-Flash expert shapes: the combine matches the reference; three calls give
     the same bits in all four outputs (per-pair, the combine, the combine with the shared expert's output, a
     sparse table's pairs); every row alone gives its per-pair bits in the batch (batch invariance); experts
-    read from page-locked host memory give the bits of HBM; the other kernel (moe_down_gm_few where moe_down_gm
-    was taken, or the reverse: passes of 2 pairs, task halves on warp pairs) gives the same bits. From 3 rows on
-    expert 0 is in every row: a slot of M pairs, passes of 8, the last one partial at 9, 16 and 64 rows."""
+    read from page-locked host memory give the bits of HBM. From 3 rows on expert 0 is in every row: a slot of
+    M pairs, passes of 8, the last one partial at 9, 16 and 64 rows."""
     from megastep.kernels import moe_lut
 
     monkeypatch.setattr(moe_lut, "DOWN_GM", True)
     smem = moe_lut.gm_shared_bytes(2048, moe_lut.GM_DOWN_DEPTH)
     assert moe_lut._ring_fits(0, smem) or torch.cuda.get_device_capability()[0] < 9
-    outputs, want = _group_major_checks(M, 47)
-    # the other kernel of M rows (the task halves on warp pairs where moe_down_gm was taken, or the reverse) gives
-    # the same bits
-    monkeypatch.setattr(moe_lut, "DOWN_FEW_ROWS", () if M in moe_lut.DOWN_FEW_ROWS else (M,))
-    got = outputs()
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _group_major_checks(M, 47)
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -817,8 +811,7 @@ def test_lut_kernels_build_for_sm90():
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
                "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix",
-               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_gate_up_gm_few", "moe_down_gm",
-               "moe_down_gm_few")
+               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_gate_up_gm_few", "moe_down_gm")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
     # without their loads (all but moe_down_lut4 and the group-major ones, which they leave out)
@@ -897,37 +890,27 @@ def test_lut_down_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
 
 def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
     """moe_lut.DOWN_GM (on: measured to gain at every row count): every down launch, whatever its rows, takes
-    a group-major kernel (a row's bits must not depend on its batch), items of (slot, 256 rows) on one CTA per SM
-    at most: at DOWN_FEW_ROWS rows (none: measured to lose; it can take 1-2) moe_down_gm_few (DOWN_FEW_WARPS
-    warps, task halves on warp pairs, 2 ring slots a warp: 200.1 KB at I = 2048), else moe_down_gm (GM_WARPS warps with the shared memory of GM_DOWN_DEPTH
-    (4) ring slots a warp: 224.5 KB, within a Hopper's 227 KB), with down's arguments; off, none does; a device
-    that cannot give moe_down_gm's shared memory (even if it could give 3 slots') keeps moe_down_lut /
-    moe_down_lut4; the bench counts its passes at GM_PAIRS pairs."""
+    moe_down_gm (a row's bits must not depend on its batch), items of (slot, GM_WARPS x 16 rows) on one CTA of
+    GM_WARPS warps per SM at most, with the shared memory of GM_DOWN_DEPTH (4) ring slots a warp (224.5 KB at
+    I = 2048, within a Hopper's 227 KB) and down's arguments; off, none does; a device that cannot give the
+    shared memory (even if it could give 3 slots') keeps moe_down_lut / moe_down_lut4; the bench counts its
+    passes at GM_PAIRS pairs."""
     from megastep.kernels import moe_lut
 
-    launched, fits = _spy_lut_launches(monkeypatch, ("_DOWN", "_DOWN4", "_DOWN_GM", "_DOWN_GM_FEW"))
+    launched, fits = _spy_lut_launches(monkeypatch, ("_DOWN", "_DOWN4", "_DOWN_GM"))
     I = 2048
 
     def call(M):
         return _launch_down(moe_lut, launched, M)
 
-    assert moe_lut.DOWN_GM and moe_lut.DOWN_FEW_ROWS == ()
-    assert [call(m)[0] for m in (1, 2)] == ["_DOWN_GM"] * 2
-    monkeypatch.setattr(moe_lut, "DOWN_FEW_ROWS", (1, 2))  # (the row counts it can take)
-    got = {m: call(m) for m in (1, 2, 3, 8, 16, 64)}
-    assert [got[m][0] for m in (1, 2, 3, 8, 16, 64)] == ["_DOWN_GM_FEW"] * 2 + ["_DOWN_GM"] * 4
+    assert moe_lut.DOWN_GM
+    got = {m: call(m) for m in (1, 2, 8, 16, 64)}
+    assert {g[0] for g in got.values()} == {"_DOWN_GM"}
     smem = moe_lut.gm_shared_bytes(I, moe_lut.GM_DOWN_DEPTH)
     assert moe_lut.GM_DOWN_DEPTH == 4 and smem == 65536 + 8 * (2 * I + 64) + 16 * 4 * 2048 == 229888 <= 227 << 10
-    few = moe_lut.gm_few_shared_bytes(I, 32, 2)
-    assert few == 65536 + 2 * (2 * I + 64) + 32 * 2 * 2048 == 204928
-    assert {(got[m][2], got[m][3]) for m in (1, 2)} == {(1024, few)}
-    assert {(got[m][2], got[m][3]) for m in (3, 8, 16, 64)} == {(512, smem)}
-    assert got[1][1] == 6 * 16 and got[2][1] == got[64][1] == 132  # items (slot, 256 rows); at most one CTA per SM
-    assert len({g[4] for g in got.values()}) == 1  # the same arguments
+    assert {(g[2], g[3]) for g in got.values()} == {(512, smem)}
+    assert got[1][1] == 6 * 16 and got[64][1] == 132  # items (slot, 256 rows): 1 row 96 CTAs; at most one per SM
     assert [moe_lut.down_pairs_per_pass(m) for m in (1, 64)] == [8, 8]
-    monkeypatch.setattr(moe_lut, "DOWN_FEW_ROWS", ())  # (the warp pairs off: moe_down_gm at every row count)
-    assert [call(m)[0] for m in (1, 2)] == ["_DOWN_GM"] * 2
-    monkeypatch.setattr(moe_lut, "DOWN_FEW_ROWS", (1, 2))
     fits["smem"] = 200 << 10  # (no room: the pair-major kernels, and the bench counts their passes)
     assert [call(m)[0] for m in (1, 64)] == ["_DOWN", "_DOWN4"]
     assert [moe_lut.down_pairs_per_pass(m, torch.device("cuda", 0), I) for m in (1, 64)] == [2, 4]
@@ -953,8 +936,8 @@ def test_lut_ring_gate_up_is_taken_by_rows(monkeypatch):
 def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     """moe_lut.GATE_UP_GM (on: measured to gain at 4-64 rows, within 0.25 % at 1-2): every gate-up launch,
     whatever its rows, takes a group-major kernel (a row's bits must not depend on its batch): at GM_FEW_ROWS
-    (1; it can take 1-2) rows moe_gate_up_gm_few (one CTA of GM_FEW_WARPS warps per SM, a CTA for every GM_FEW_WARPS / 2
-    tasks, gm_few_shared_bytes), else one CTA of GM_WARPS warps per SM at most, the even deal of warp tasks at
+    (1; it can take 1-2) rows moe_gate_up_gm_few (one CTA of GM_FEW_WARPS warps per SM, a CTA for every
+    GM_FEW_WARPS / 2 tasks, gm_few_shared_bytes), else one CTA of GM_WARPS warps per SM at most, the even deal of warp tasks at
     GM_SPREAD_ROWS (2-8) rows, else an item per (slot, GM_WARPS x 8 channels), with gm_shared_bytes (each
     within a Hopper's 227 KB at D = 4096, gm_few's the smaller); off, none does; a device that cannot give
     gm_shared_bytes keeps the other kernels."""
@@ -1038,7 +1021,7 @@ def test_lut_signatures_match_the_kernels():
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
                    moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX,
                    moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD, moe_lut._GATE_UP_GM_FEW,
-                   moe_lut._DOWN_GM, moe_lut._DOWN_GM_FEW):
+                   moe_lut._DOWN_GM):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
@@ -1052,14 +1035,7 @@ def test_lut_signatures_match_the_kernels():
     exp_bytes = re.search(r"constexpr int kExpBytes = ([\d *]+);", src).group(1)
     assert moe_lut.EXP_BYTES == eval(exp_bytes) == 1024, exp_bytes
     # the group-major gate-up's CTA, pass, ring and x rows, as its launch and shared memory count them
-    names = ("kGmWarps", "kGmPairs", "kGmDepth", "kGmPad", "kGmDownDepth", "kGmFewRows")
+    names = ("kGmWarps", "kGmPairs", "kGmDepth", "kGmPad", "kGmDownDepth", "kGmFewWarps", "kGmFewRows")
     gm = {n: int(re.search(rf"\b{n} = (\d+)[,;]", src).group(1)) for n in names}
     assert (moe_lut.GM_WARPS, moe_lut.GM_PAIRS, moe_lut.GM_DEPTH, moe_lut.GM_PAD, moe_lut.GM_DOWN_DEPTH,
-            moe_lut.GM_FEW_ROWS_MAX) == tuple(gm.values()), gm
-    # the warp-pair kernels: their CTAs' warps as launched, and their ring slots as their shared memory counts them
-    up = re.search(r"__launch_bounds__\(32 \* (\d+), 1\) moe_gate_up_gm_few\(.*?gate_up_gm<true, (\d+)>", src, re.S)
-    down = re.search(r"__launch_bounds__\(32 \* (\d+), 1\) moe_down_gm_few\(.*?down_gm<(\d+)>", src, re.S)
-    assert int(up.group(1)) == int(up.group(2)) == moe_lut.GM_FEW_WARPS == 24
-    assert int(down.group(1)) == int(down.group(2)) == moe_lut.DOWN_FEW_WARPS == 32
-    assert re.search(r"kDepth = kFew == 0 \? kGmDepth : kFew == 24 \? 3 : 2;", src) and moe_lut.GM_DEPTH == 3
-    assert re.search(r"kDepth = kFew == 0 \? kGmDownDepth : (\d+);", src).group(1) == str(moe_lut.DOWN_FEW_DEPTH)
+            moe_lut.GM_FEW_WARPS, moe_lut.GM_FEW_ROWS_MAX) == tuple(gm.values()), gm
