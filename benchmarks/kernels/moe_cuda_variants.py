@@ -13,7 +13,8 @@ default at 2 rows since 2026-12-01), or with the group-major gate-up on every la
 pair-major down ("lut_gm": moe_lut.GATE_UP_GM, the default from 2026-12-07 07:53 to 10:16), whose sums
 run in another order, and with the group-major down too ("lut_gm_down": moe_lut.DOWN_GM, the default
 since 2026-12-07 10:16, as "lut"), or without gate-up's task halves on warp pairs at 1 row ("lut_nofew":
-moe_lut.GM_FEW_ROWS = (), the same bits) or with them at 1-2 rows ("lut_few2"); each engine's outputs
+moe_lut.GM_FEW_ROWS = (), the same bits) or with them at 1-2 rows ("lut_few2"), or with down's first item's routing
+read before its PDL wait ("lut_downearly": moe_lut.DOWN_GM_EARLY, the same bits); each engine's outputs
 must equal bit for bit those of the first engine with the same order of sums (the same GATE_UP_GM and
 DOWN_GM). (Earlier experiments measured with it and removed: a CUDA C++
 gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the
@@ -63,13 +64,13 @@ def lut_settings(engine: str) -> dict:
         return {"GATE_UP_GM": False, "DOWN_GM": False, **pair_major[engine]}
     return {"lut_gm": {"GATE_UP_GM": True, "DOWN_GM": False},
             "lut_gm_down": {"GATE_UP_GM": True, "DOWN_GM": True}, "lut_nofew": {"GM_FEW_ROWS": ()},
-            "lut_few2": {"GM_FEW_ROWS": (1, 2)}}.get(engine, {})
+            "lut_few2": {"GM_FEW_ROWS": (1, 2)}, "lut_downearly": {"DOWN_GM_EARLY": True}}.get(engine, {})
 
 
 def run(engine, fn):
     if engine.startswith("lut"):  # mode "lut" (kernels/moe_lut.py) as the kernels' default
         names = ("SPREAD_ROWS", "RING_MIN_ROWS", "SPREAD_RING", "RING_MIX", "SPREAD_RING_MIX", "GATE_UP_GM", "DOWN_GM",
-                 "GM_FEW_ROWS")
+                 "GM_FEW_ROWS", "DOWN_GM_EARLY")
         saved = MOE.DEFAULT_MODE, {n: getattr(LUTK, n) for n in names}
         MOE.DEFAULT_MODE = "lut"
         for n, v in lut_settings(engine).items():
@@ -110,7 +111,7 @@ def main() -> None:
     lut = [k.attributes() for k in (LUTK._GATE_UP, LUTK._DOWN, LUTK._GATE_UP_SPREAD, LUTK._GATE_UP_RING,
                                     LUTK._GATE_UP_SPREAD_RING, LUTK._GATE_UP_RING_MIX, LUTK._GATE_UP_SPREAD_RING_MIX,
                                     LUTK._DOWN4, LUTK._GATE_UP_GM, LUTK._GATE_UP_GM_SPREAD, LUTK._GATE_UP_GM_FEW,
-                                    LUTK._DOWN_GM)]
+                                    LUTK._DOWN_GM, LUTK._DOWN_GM_EARLY)]
     BK.log(f"device {torch.cuda.get_device_name(0)}; streaming read {bw:.0f} GB/s; lut kernels: {lut}")
     E, D, I = (MV.SHAPE[n] for n in ("E", "D", "I"))
     gen = torch.Generator(device="cuda").manual_seed(1)

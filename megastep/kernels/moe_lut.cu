@@ -1135,10 +1135,14 @@ __device__ __forceinline__ void warp_sums_gm(GmRing<kDepth>& st, const char* tab
 // (Filling a warp's ring before x is staged, and down's first ring before its PDL wait with the rest of its rows
 // asked of L2, as the pair-major down does, was 0.4 % faster at 1 row and 1.3-4.7 % slower at 2-64 rows on one
 // H100: docs/PERFORMANCE.md, 2026-12-07 from 10:16, item 4; the code at 1418cde.)
+// kEarly (items, down): a CTA's first item's routing is read before the PDL wait, as run's down reads it (run says
+// why that is safe: only aq is the predecessor's), so that its chain of dependent loads (nslot, then the slot's
+// expert, start and count, then the table entry) overlaps the activation quantization.
 template <bool kSpread, bool kPost, int kDepth, bool kTwo, int kWarps = kGmWarps, int kXRows = kGmPairs,
-          bool kPairs = false, typename Epi, typename Post>
+          bool kPairs = false, bool kEarly = false, typename Epi, typename Post>
 __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post post) {
   static_assert(!kPairs || (kSpread && kTwo && kWarps % 2 == 0 && kWarps <= 32), "warp pairs: halves of tasks");
+  static_assert(!kEarly || !kSpread, "the early routing: the items schedule");
   __shared__ __align__(8) unsigned long long pair_bar[kPairs ? kWarps / 2 : 1];
   constexpr int kTasks = kPairs ? kWarps / 2 : kWarps;  // a CTA's tasks at a time
   constexpr int kPass = kXRows < kGmPairs ? kXRows : kGmPairs;  // pairs a pass
@@ -1159,8 +1163,10 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   // this lane's copies: group l % 8 of rows l / 8 (+ 4, + 8, + 12)
   const int cr = lane >> 3, cg = lane & 7;
   prologue(smem);
-  pdl_wait();  // (run's PDL order; down: aq is the activation quantization's output)
-  pdl_release();
+  if constexpr (!kEarly) {
+    pdl_wait();  // (run's PDL order; down: aq is the activation quantization's output)
+    pdl_release();
+  }
   // a warp's task of those at a time, its steps: kPairs a K half (warp 2m + h: task m, half h), else the whole K
   const int me = kPairs ? warp >> 1 : warp, half = kPairs ? (warp & 1) : 0;
   const int steps = kPairs ? a.K / 512 : a.K / 256, s0 = half * steps;
@@ -1237,10 +1243,27 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
     }
   } else {
     const int tiles = blocks / kTasks, items = __ldcg(a.nslot) * tiles;
-    for (int it = blockIdx.x; it < items; it += gridDim.x) {
-      const int slot = it / tiles, tile = it % tiles, start = __ldcg(a.slot_start + slot);
+    // an item's slot: its first pair, its table entry (w13's address and scales' or w2's) and its pairs (0 for an
+    // expert absent from a sparse table)
+    struct Slot {
+      int start;
+      const long long* ent;
+      int cnt;
+    };
+    auto slot_of = [&](int it) {
+      const int slot = it / tiles, start = __ldcg(a.slot_start + slot);
       const long long* ent = a.tab + 4LL * __ldcg(a.slot_e + slot) + (a.down ? 2 : 0);
-      const int cnt = a.sparse && ent[0] == 0 ? 0 : __ldcg(a.slot_cnt + slot);  // (0: absent from a sparse table)
+      return Slot{start, ent, a.sparse && ent[0] == 0 ? 0 : __ldcg(a.slot_cnt + slot)};
+    };
+    const Slot first = kEarly && blockIdx.x < items ? slot_of(blockIdx.x) : Slot{};
+    if constexpr (kEarly) {
+      pdl_wait();
+      pdl_release();
+    }
+    for (int it = blockIdx.x; it < items; it += gridDim.x) {
+      const int tile = it % tiles;
+      const Slot cur = kEarly && it == blockIdx.x ? first : slot_of(it);
+      const int start = cur.start, cnt = cur.cnt;
       for (int c0 = 0; c0 < cnt; c0 += kPass) {
         const int np = min(kPass, cnt - c0);
         __syncthreads();  // the previous pass's readers of x are done (the first: the table is written)
@@ -1250,8 +1273,8 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
         }
         __syncthreads();
         // (past the pass's pairs: pair 0's row slot, an address warp_sums_gm does not load)
-        task(reinterpret_cast<const uint8_t*>(ent[0]), reinterpret_cast<const uint8_t*>(ent[1]), tile * kTasks + me,
-             start, c0, np, g < np ? g : 0);
+        task(reinterpret_cast<const uint8_t*>(cur.ent[0]), reinterpret_cast<const uint8_t*>(cur.ent[1]),
+             tile * kTasks + me, start, c0, np, g < np ? g : 0);
         if constexpr (kPost) {
           __syncthreads();  // every output of the pass issued
           post(start, c0, np, tile);
@@ -1292,15 +1315,16 @@ __device__ __forceinline__ void gate_up_gm(const Args& a, const float* rw, __nv_
 }
 
 // down's group-major kernel: y and the combine as down's, items of kGmWarps x 16 rows of w2 (combine_pass
-// per (row, 256-row tile): counters [M, D / 256] of down's [M, D / 128])
+// per (row, 256-row tile): counters [M, D / 256] of down's [M, D / 128]); kEarly: run_gm's
+template <bool kEarly = false>
 __device__ __forceinline__ void down_gm(const Args& a, __nv_bfloat16* y, long long stride_y, void* out,
                                         long long stride_o, int* counters, int D, int combine,
                                         const __nv_bfloat16* shared, long long stride_sh) {
   __shared__ int last[kGmPairs];
   constexpr int kTile = kGmWarps * 16;  // output rows of an item
   const int t = threadIdx.x & 3, tiles = D / kTile;
-  run_gm<false, true, kGmDownDepth, false>(a, D / 16, [&](int start, int c0, int np, int r0, int r1,
-                                                         const float (&total)[4]) {
+  run_gm<false, true, kGmDownDepth, false, kGmWarps, kGmPairs, false, kEarly>(
+      a, D / 16, [&](int start, int c0, int np, int r0, int r1, const float (&total)[4]) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // lane t: pairs c0 + 2t, c0 + 2t + 1 of rows r0, r1
       const int p = 2 * t + u;
@@ -1403,6 +1427,11 @@ extern "C" __global__ void __launch_bounds__(32 * kGmFewWarps, 1) moe_gate_up_gm
 // down group-major (moe_lut.py's DOWN_GM): one CTA of kGmThreads per SM, 64 KB + kGmPairs rows of aq (2 I +
 // kGmPad bytes each) + the warps' kGmDownDepth slots (224.5 KB at I = 2048).
 extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm(DOWN_PARAMS) { down_gm(DOWN_ARGS); }
+
+// The same with its first item's routing read before the PDL wait (moe_lut.py's DOWN_GM_EARLY).
+extern "C" __global__ void __launch_bounds__(kGmThreads, 1) moe_down_gm_early(DOWN_PARAMS) {
+  down_gm<true>(DOWN_ARGS);
+}
 
 #endif
 

@@ -57,6 +57,7 @@ _GATE_UP_GM = _MODULE.kernel("moe_gate_up_gm", "pqppppppppqiiqqfiii")
 _GATE_UP_GM_SPREAD = _MODULE.kernel("moe_gate_up_gm_spread", "pqppppppppqiiqqfiiii")
 _GATE_UP_GM_FEW = _MODULE.kernel("moe_gate_up_gm_few", "pqppppppppqiiqqfiiiii")
 _DOWN_GM = _MODULE.kernel("moe_down_gm", "pqpppppppqpqpiiqqiiipq")
+_DOWN_GM_EARLY = _MODULE.kernel("moe_down_gm_early", "pqpppppppqpqpiiqqiiipq")
 THREADS = 256
 # an item of a CTA (its 8 warps, 16 MMA rows each, over the whole K): gate-up ITEM_CHANNELS
 # channels of w1 and the same of w3, down ITEM_ROWS rows of w2 (the .cu's kWarps x 8 and x 16)
@@ -196,6 +197,12 @@ GM_FEW_WARPS, GM_FEW_ROWS_MAX = 24, 2  # the .cu's kGmFewWarps, kGmFewRows
 # gate-up's 3: I = 2048 leaves the room; 224.5 KB), measured against 3 (the same bits): -0.91 % at 1 row,
 # -0.48 to +0.15 % at 2-64 rows (item 5 of that section).
 DOWN_GM = True
+# moe_down_gm_early instead of moe_down_gm (DOWN_GM's launches): a CTA's first item's routing (nslot, then the slot's
+# expert, start and count, then its table entry) read before the PDL wait, as the pair-major down does, so that the
+# chain overlaps the activation quantization; the same work, so the same bits (GPU-tested). Why: ncu at 1 row
+# (docs/PERFORMANCE.md, 2026-12-07 from 12:20, item 2) put 27 % of down's stall samples in its prologue, 8.9 % on
+# the routing's loads. Built 2026-12-07 from 16:40 without a device: not measured (the group `downearly`), off.
+DOWN_GM_EARLY = False
 
 
 @functools.cache
@@ -366,8 +373,9 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     smem = gm_shared_bytes(I, GM_DOWN_DEPTH)
     if DOWN_GM and _ring_fits(aq.device.index, smem):  # items (slot, GM_WARPS x 16 rows)
         slots = min(pairs.numel(), addr.shape[0])
-        _DOWN_GM.launch(_grid(slots * (D // (16 * GM_WARPS)), aq.device, 1), (32 * GM_WARPS, 1, 1), smem, None,
-                        *args, pdl=pdl_enabled())
+        (_DOWN_GM_EARLY if DOWN_GM_EARLY else _DOWN_GM).launch(_grid(slots * (D // (16 * GM_WARPS)), aq.device, 1),
+                                                               (32 * GM_WARPS, 1, 1), smem, None, *args,
+                                                               pdl=pdl_enabled())
         return
     four = _down4(pairs.numel() // topk)
     (_DOWN4 if four else _DOWN).launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, four=four), None,

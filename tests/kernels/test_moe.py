@@ -742,14 +742,19 @@ def test_gpu_lut_group_major_down(M, monkeypatch):
     combine per 256-row tile) at V4-Flash expert shapes: the combine matches the reference; three calls give
     the same bits in all four outputs (per-pair, the combine, the combine with the shared expert's output, a
     sparse table's pairs); every row alone gives its per-pair bits in the batch (batch invariance); experts
-    read from page-locked host memory give the bits of HBM. From 3 rows on expert 0 is in every row: a slot of
-    M pairs, passes of 8, the last one partial at 9, 16 and 64 rows."""
+    read from page-locked host memory give the bits of HBM; the kernel that reads its first item's routing before
+    the PDL wait (DOWN_GM_EARLY), or the one that does not, gives the same bits. From 3 rows on expert 0 is in every
+    row: a slot of M pairs, passes of 8, the last one partial at 9, 16 and 64 rows."""
     from megastep.kernels import moe_lut
 
     monkeypatch.setattr(moe_lut, "DOWN_GM", True)
     smem = moe_lut.gm_shared_bytes(2048, moe_lut.GM_DOWN_DEPTH)
     assert moe_lut._ring_fits(0, smem) or torch.cuda.get_device_capability()[0] < 9
-    _group_major_checks(M, 47)
+    outputs, want = _group_major_checks(M, 47)
+    # the kernel with the first item's routing read before the PDL wait (moe_lut.DOWN_GM_EARLY) gives the same bits
+    monkeypatch.setattr(moe_lut, "DOWN_GM_EARLY", not moe_lut.DOWN_GM_EARLY)
+    got = outputs()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -811,7 +816,8 @@ def test_lut_kernels_build_for_sm90():
 
     kernels = ("moe_gate_up_lut", "moe_down_lut", "moe_gate_up_lut_spread", "moe_gate_up_lut_ring",
                "moe_gate_up_lut_spread_ring", "moe_gate_up_lut_ring_mix", "moe_gate_up_lut_spread_ring_mix",
-               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_gate_up_gm_few", "moe_down_gm")
+               "moe_down_lut4", "moe_gate_up_gm", "moe_gate_up_gm_spread", "moe_gate_up_gm_few", "moe_down_gm",
+               "moe_down_gm_early")
     assert_builds_without_spills(moe_lut.SOURCE, kernels)
     # the probe builds (benchmarks/kernels/moe_lut_probe.py): the same kernels with their stamps, and
     # without their loads (all but moe_down_lut4 and the group-major ones, which they leave out)
@@ -892,12 +898,12 @@ def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
     """moe_lut.DOWN_GM (on: measured to gain at every row count): every down launch, whatever its rows, takes
     moe_down_gm (a row's bits must not depend on its batch), items of (slot, GM_WARPS x 16 rows) on one CTA of
     GM_WARPS warps per SM at most, with the shared memory of GM_DOWN_DEPTH (4) ring slots a warp (224.5 KB at
-    I = 2048, within a Hopper's 227 KB) and down's arguments; off, none does; a device that cannot give the
-    shared memory (even if it could give 3 slots') keeps moe_down_lut / moe_down_lut4; the bench counts its
-    passes at GM_PAIRS pairs."""
+    I = 2048, within a Hopper's 227 KB) and down's arguments (with DOWN_GM_EARLY moe_down_gm_early, launched
+    alike); off, none does; a device that cannot give the shared memory (even if it could give 3 slots') keeps
+    moe_down_lut / moe_down_lut4; the bench counts its passes at GM_PAIRS pairs."""
     from megastep.kernels import moe_lut
 
-    launched, fits = _spy_lut_launches(monkeypatch, ("_DOWN", "_DOWN4", "_DOWN_GM"))
+    launched, fits = _spy_lut_launches(monkeypatch, ("_DOWN", "_DOWN4", "_DOWN_GM", "_DOWN_GM_EARLY"))
     I = 2048
 
     def call(M):
@@ -915,6 +921,14 @@ def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
     assert [call(m)[0] for m in (1, 64)] == ["_DOWN", "_DOWN4"]
     assert [moe_lut.down_pairs_per_pass(m, torch.device("cuda", 0), I) for m in (1, 64)] == [2, 4]
     fits["smem"] = 227 << 10
+    # DOWN_GM_EARLY (off: not measured): moe_down_gm_early for every launch instead, the same grid, block, shared
+    # memory and arguments
+    assert not moe_lut.DOWN_GM_EARLY
+    monkeypatch.setattr(moe_lut, "DOWN_GM_EARLY", True)
+    early = {m: call(m) for m in (1, 2, 8, 16, 64)}
+    assert {g[0] for g in early.values()} == {"_DOWN_GM_EARLY"}
+    assert all(early[m][1:] == got[m][1:] for m in early)
+    monkeypatch.setattr(moe_lut, "DOWN_GM_EARLY", False)
     monkeypatch.setattr(moe_lut, "DOWN_GM", False)  # off: none, with the same arguments
     assert [call(m)[0] for m in (1, 8, 64)] == ["_DOWN", "_DOWN4", "_DOWN4"]
     assert call(64)[4] == got[64][4]
@@ -1021,7 +1035,7 @@ def test_lut_signatures_match_the_kernels():
     for kernel in (moe_lut._GATE_UP, moe_lut._DOWN, moe_lut._GATE_UP_SPREAD, moe_lut._GATE_UP_RING,
                    moe_lut._GATE_UP_SPREAD_RING, moe_lut._GATE_UP_RING_MIX, moe_lut._GATE_UP_SPREAD_RING_MIX,
                    moe_lut._DOWN4, moe_lut._GATE_UP_GM, moe_lut._GATE_UP_GM_SPREAD, moe_lut._GATE_UP_GM_FEW,
-                   moe_lut._DOWN_GM):
+                   moe_lut._DOWN_GM, moe_lut._DOWN_GM_EARLY):
         assert_signature_matches(moe_lut.SOURCE, kernel)
     # the items the launches count are the kernels' own: 8 (gate-up) or 16 (down) MMA rows a warp
     src = open(moe_lut.SOURCE).read()
