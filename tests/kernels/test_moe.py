@@ -951,10 +951,10 @@ def test_lut_group_major_gate_up_is_taken_for_every_launch(monkeypatch):
     """moe_lut.GATE_UP_GM (on: measured to gain at 4-64 rows, within 0.25 % at 1-2): every gate-up launch,
     whatever its rows, takes a group-major kernel (a row's bits must not depend on its batch): at GM_FEW_ROWS
     (1; it can take 1-2) rows moe_gate_up_gm_few (one CTA of GM_FEW_WARPS warps per SM, a CTA for every
-    GM_FEW_WARPS / 2 tasks, gm_few_shared_bytes), else one CTA of GM_WARPS warps per SM at most, the even deal of warp tasks at
-    GM_SPREAD_ROWS (2-8) rows, else an item per (slot, GM_WARPS x 8 channels), with gm_shared_bytes (each
-    within a Hopper's 227 KB at D = 4096, gm_few's the smaller); off, none does; a device that cannot give
-    gm_shared_bytes keeps the other kernels."""
+    GM_FEW_WARPS / 2 tasks, gm_few_shared_bytes), else one CTA of GM_WARPS warps per SM at most, the even deal
+    of warp tasks at GM_SPREAD_ROWS (2-8) rows, else an item per (slot, GM_WARPS x 8 channels), with
+    gm_shared_bytes (each within a Hopper's 227 KB at D = 4096, gm_few's the smaller); off, none does; a device
+    that cannot give gm_shared_bytes keeps the other kernels."""
     from megastep.kernels import moe_lut
 
     launched, fits = _spy_lut_launches(monkeypatch, ("_GATE_UP", "_GATE_UP_SPREAD", "_GATE_UP_RING",
