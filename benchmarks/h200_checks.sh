@@ -589,7 +589,7 @@ for group in "$@"; do
       # 15:13: at 1 row a launch has about one 16-step task a warp): the group-major GPU tests (every schedule's bits),
       # the experts calls alone at 1 and 2 rows, the step's bit tests (a row alone against a batch of 16 takes both
       # kinds of kernel), the step at 1, 2 and 4 rows without them / the default (1 row) / at 1-2 rows, 3 rounds; ncu
-      # at 1 row (down at 1 row in the same form, 32 warps, lost: +0.4-0.8 %, removed, the code at 93a587b)
+      # at 1 row (down at 1 row in the same form, 32 warps, lost: +0.5-0.8 %, removed, the code at 93a587b)
       M='import megastep.kernels.moe_lut as m'
       gm_tests 150
       step gmfew_kernels 100 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/gmfew_kernels" --ms 1,2 \

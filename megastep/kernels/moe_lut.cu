@@ -1173,6 +1173,8 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
   const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(pair_bar + (kPairs ? me : 0)));
   uint32_t phase = 0;
   if (kPairs && threadIdx.x % 64 == 0) mbar_init(bar, 64);  // (before the CTA's first barrier below)
+  // expert e's table entry: w13's address and scales' (gate-up) or w2's (down)
+  auto entry = [&](int e) { return a.tab + 4LL * e + (a.down ? 2 : 0); };
   // warp task (a slot's weights wbase and their scales sbase, block blk), pairs c0 .. c0 + np - 1 of the slot, lane
   // g's x in row slot xr
   auto task = [&](const uint8_t* wbase, const uint8_t* sbase, int blk, int start, int c0, int np, int xr) {
@@ -1222,7 +1224,7 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
       const int slot = k / blocks, e = __ldcg(a.slot_e + slot), cnt = __ldcg(a.slot_cnt + slot);
       Route r{nullptr, nullptr, __ldcg(a.slot_start + slot), 0, 0};
       if (slot < ns) {
-        const long long* ent = a.tab + 4LL * e + (a.down ? 2 : 0);
+        const long long* ent = entry(e);
         r.w = reinterpret_cast<const uint8_t*>(ent[0]);
         r.s = reinterpret_cast<const uint8_t*>(ent[1]);
         r.cnt = a.sparse && r.w == nullptr ? 0 : cnt;
@@ -1243,8 +1245,7 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
     }
   } else {
     const int tiles = blocks / kTasks, items = __ldcg(a.nslot) * tiles;
-    // an item's slot: its first pair, its table entry (w13's address and scales' or w2's) and its pairs (0 for an
-    // expert absent from a sparse table)
+    // an item's slot: its first pair, its table entry and its pairs (0 for an expert absent from a sparse table)
     struct Slot {
       int start;
       const long long* ent;
@@ -1252,7 +1253,7 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
     };
     auto slot_of = [&](int it) {
       const int slot = it / tiles, start = __ldcg(a.slot_start + slot);
-      const long long* ent = a.tab + 4LL * __ldcg(a.slot_e + slot) + (a.down ? 2 : 0);
+      const long long* ent = entry(__ldcg(a.slot_e + slot));
       return Slot{start, ent, a.sparse && ent[0] == 0 ? 0 : __ldcg(a.slot_cnt + slot)};
     };
     const Slot first = kEarly && blockIdx.x < items ? slot_of(blockIdx.x) : Slot{};
@@ -1289,8 +1290,8 @@ __device__ __forceinline__ void run_gm(const Args& a, int blocks, Epi epi, Post 
 // tasks, 12 a CTA on 128 SMs; 16-warp CTAs would need 192 SMs for one round of half tasks. It costs registers (at
 // most 80 a thread, none spilled: nvcc 13.0, sm_90a; at 32 warps, 64, it spills) and shared memory (224.1 KB at
 // D = 4096). (down in the same form, 32 warps of 2 ring slots, items of 16 tasks: the launch alone 19.3-19.4
-// against 18.9-19.1 us at 1 row, the step +0.5 % on one H100: docs/PERFORMANCE.md, 2026-12-07 from 15:13; the code
-// at 93a587b.)
+// against 19.0-19.1 us at 1 row, the step +0.5-0.8 % on one H100: docs/PERFORMANCE.md, 2026-12-07 from 15:13; the
+// code at 93a587b.)
 constexpr int kGmFewWarps = 24, kGmFewRows = 2;
 
 // gate-up's group-major kernels: act as gate_up's (blocks of 8 channels of w1 and w3); kFew: a task's halves on

@@ -373,9 +373,9 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
     smem = gm_shared_bytes(I, GM_DOWN_DEPTH)
     if DOWN_GM and _ring_fits(aq.device.index, smem):  # items (slot, GM_WARPS x 16 rows)
         slots = min(pairs.numel(), addr.shape[0])
-        (_DOWN_GM_EARLY if DOWN_GM_EARLY else _DOWN_GM).launch(_grid(slots * (D // (16 * GM_WARPS)), aq.device, 1),
-                                                               (32 * GM_WARPS, 1, 1), smem, None, *args,
-                                                               pdl=pdl_enabled())
+        kernel = _DOWN_GM_EARLY if DOWN_GM_EARLY else _DOWN_GM
+        kernel.launch(_grid(slots * (D // (16 * GM_WARPS)), aq.device, 1), (32 * GM_WARPS, 1, 1), smem, None, *args,
+                      pdl=pdl_enabled())
         return
     four = _down4(pairs.numel() // topk)
     (_DOWN4 if four else _DOWN).launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, four=four), None,
