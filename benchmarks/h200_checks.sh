@@ -44,7 +44,7 @@
 #   bash benchmarks/h200_checks.sh down_ncu   # down's stall reasons and shared-memory wavefronts per instruction at 16 and 64 rows (ncu) (~1.5 min)
 #   bash benchmarks/h200_checks.sh gmsms      # the group-major even deal at 1-2 rows on 104-132 CTAs against items at 1 row (~2 min)
 #   bash benchmarks/h200_checks.sh gm_ab      # gmdefault's A/B alone (~2 min)
-#   bash benchmarks/h200_checks.sh downearly  # down's first item's routing before its PDL wait: its GPU tests, the experts calls, the step A/B at 1-64 rows (~4 min on an H100 at 16 layers)
+#   bash benchmarks/h200_checks.sh downearly  # down's first item's routing before its PDL wait (the default) against after: its GPU tests, the experts calls, the step A/B at 1-64 rows (~2 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh gmfew      # gate-up's task halves on warp pairs at 1 row: the group-major GPU tests, the experts calls, the step's bit tests, the step A/B/C at 1-4 rows, ncu at 1 row (~3 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh gmdefault  # the session's defaults of 2026-12-07 against its start at 1-64 rows, final's bit tests, the table (~9 min)
 #   bash benchmarks/h200_checks.sh steptests  # final's bit tests of the step alone, without the kernels' (~1.5 min)
@@ -599,15 +599,16 @@ for group in "$@"; do
       ab gmfew 220 --layers 30 --batch 1,2,4 --rounds 3 --arm "nofew=$M; m.GM_FEW_ROWS = ()" --arm "now=" \
         --arm "few2=$M; m.GM_FEW_ROWS = (1, 2)"
       ncu_experts gmfew_up1 '^moe_gate_up_' lut 1 ;;
-    downearly)  # moe_lut.DOWN_GM_EARLY (built 2026-12-07 from 16:40, off): the group-major down's GPU tests (its bits
-      # against moe_down_gm's), the experts calls alone at 1, 2, 16 and 64 rows (under PDL only in the step: alone the
-      # two kernels should match), the step A/B at 1-64 rows, 3 rounds
+    downearly)  # moe_lut.DOWN_GM_EARLY (built 2026-12-07 from 16:40; the default since 18:10, from two H100 calls of
+      # this group): the group-major down's GPU tests (its bits against moe_down_gm's), the experts calls alone at 1,
+      # 2, 16 and 64 rows (under PDL only in the step: alone the two kernels should match), the step A/B at 1-64 rows,
+      # 3 rounds, late (off) against early (the default)
       step downearly_tests 120 python3 -m pytest -q -rfE --timeout 100 -m gpu tests/kernels/test_moe.py \
         -k "group_major_down"
       step downearly_kernels 100 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/downearly_kernels" \
-        --ms 1,2,16,64 --engines lut,lut_downearly
-      ab downearly 220 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm "now=" \
-        --arm "early=import megastep.kernels.moe_lut as m; m.DOWN_GM_EARLY = True" ;;
+        --ms 1,2,16,64 --engines lut,lut_downlate
+      ab downearly 220 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm "late=import megastep.kernels.moe_lut as m; m.DOWN_GM_EARLY = False" \
+        --arm "early=" ;;
     gm_ab)  # gmdefault's A/B alone (with `table` after it: the H200's 30-layer step without the bit tests, which ran on
       # an H100)
       gm_default_ab ;;

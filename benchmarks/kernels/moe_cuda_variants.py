@@ -14,7 +14,8 @@ pair-major down ("lut_gm": moe_lut.GATE_UP_GM, the default from 2026-12-07 07:53
 run in another order, and with the group-major down too ("lut_gm_down": moe_lut.DOWN_GM, the default
 since 2026-12-07 10:16, as "lut"), or without gate-up's task halves on warp pairs at 1 row ("lut_nofew":
 moe_lut.GM_FEW_ROWS = (), the same bits) or with them at 1-2 rows ("lut_few2"), or with down's first item's routing
-read before its PDL wait ("lut_downearly": moe_lut.DOWN_GM_EARLY, the same bits); each engine's outputs
+read after its PDL wait ("lut_downlate": moe_lut.DOWN_GM_EARLY off, the default until 2026-12-07 18:10, the same
+bits); each engine's outputs
 must equal bit for bit those of the first engine with the same order of sums (the same GATE_UP_GM and
 DOWN_GM). (Earlier experiments measured with it and removed: a CUDA C++
 gate-up, docs/PERFORMANCE.md's eighth measurement; L2 prefetches ahead of each warp's ring, the
@@ -64,7 +65,7 @@ def lut_settings(engine: str) -> dict:
         return {"GATE_UP_GM": False, "DOWN_GM": False, **pair_major[engine]}
     return {"lut_gm": {"GATE_UP_GM": True, "DOWN_GM": False},
             "lut_gm_down": {"GATE_UP_GM": True, "DOWN_GM": True}, "lut_nofew": {"GM_FEW_ROWS": ()},
-            "lut_few2": {"GM_FEW_ROWS": (1, 2)}, "lut_downearly": {"DOWN_GM_EARLY": True}}.get(engine, {})
+            "lut_few2": {"GM_FEW_ROWS": (1, 2)}, "lut_downlate": {"DOWN_GM_EARLY": False}}.get(engine, {})
 
 
 def run(engine, fn):

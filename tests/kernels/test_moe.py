@@ -896,9 +896,9 @@ def test_lut_down_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
 
 def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
     """moe_lut.DOWN_GM (on: measured to gain at every row count): every down launch, whatever its rows, takes
-    moe_down_gm (a row's bits must not depend on its batch), items of (slot, GM_WARPS x 16 rows) on one CTA of
+    moe_down_gm_early (DOWN_GM_EARLY, on; a row's bits must not depend on its batch), items of (slot, GM_WARPS x 16 rows) on one CTA of
     GM_WARPS warps per SM at most, with the shared memory of GM_DOWN_DEPTH (4) ring slots a warp (224.5 KB at
-    I = 2048, within a Hopper's 227 KB) and down's arguments (with DOWN_GM_EARLY moe_down_gm_early, launched
+    I = 2048, within a Hopper's 227 KB) and down's arguments (DOWN_GM_EARLY off: moe_down_gm, launched
     alike); off, none does; a device that cannot give the shared memory (even if it could give 3 slots') keeps
     moe_down_lut / moe_down_lut4; the bench counts its passes at GM_PAIRS pairs."""
     from megastep.kernels import moe_lut
@@ -909,9 +909,9 @@ def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
     def call(M):
         return _launch_down(moe_lut, launched, M)
 
-    assert moe_lut.DOWN_GM
+    assert moe_lut.DOWN_GM and moe_lut.DOWN_GM_EARLY
     got = {m: call(m) for m in (1, 2, 8, 16, 64)}
-    assert {g[0] for g in got.values()} == {"_DOWN_GM"}
+    assert {g[0] for g in got.values()} == {"_DOWN_GM_EARLY"}
     smem = moe_lut.gm_shared_bytes(I, moe_lut.GM_DOWN_DEPTH)
     assert moe_lut.GM_DOWN_DEPTH == 4 and smem == 65536 + 8 * (2 * I + 64) + 16 * 4 * 2048 == 229888 <= 227 << 10
     assert {(g[2], g[3]) for g in got.values()} == {(512, smem)}
@@ -921,14 +921,11 @@ def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
     assert [call(m)[0] for m in (1, 64)] == ["_DOWN", "_DOWN4"]
     assert [moe_lut.down_pairs_per_pass(m, torch.device("cuda", 0), I) for m in (1, 64)] == [2, 4]
     fits["smem"] = 227 << 10
-    # DOWN_GM_EARLY (off: not measured): moe_down_gm_early for every launch instead, the same grid, block, shared
-    # memory and arguments
-    assert not moe_lut.DOWN_GM_EARLY
-    monkeypatch.setattr(moe_lut, "DOWN_GM_EARLY", True)
-    early = {m: call(m) for m in (1, 2, 8, 16, 64)}
-    assert {g[0] for g in early.values()} == {"_DOWN_GM_EARLY"}
-    assert all(early[m][1:] == got[m][1:] for m in early)
+    # DOWN_GM_EARLY off: moe_down_gm for every launch instead, the same grid, block, shared memory and arguments
     monkeypatch.setattr(moe_lut, "DOWN_GM_EARLY", False)
+    late = {m: call(m) for m in (1, 2, 8, 16, 64)}
+    assert {g[0] for g in late.values()} == {"_DOWN_GM"}
+    assert all(late[m][1:] == got[m][1:] for m in late)
     monkeypatch.setattr(moe_lut, "DOWN_GM", False)  # off: none, with the same arguments
     assert [call(m)[0] for m in (1, 8, 64)] == ["_DOWN", "_DOWN4", "_DOWN4"]
     assert call(64)[4] == got[64][4]
