@@ -607,8 +607,8 @@ for group in "$@"; do
         -k "group_major_down"
       step downearly_kernels 100 python3 benchmarks/kernels/moe_cuda_variants.py --out "$OUT/downearly_kernels" \
         --ms 1,2,16,64 --engines lut,lut_downlate
-      ab downearly 220 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 --arm "late=import megastep.kernels.moe_lut as m; m.DOWN_GM_EARLY = False" \
-        --arm "early=" ;;
+      ab downearly 220 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 \
+        --arm "late=import megastep.kernels.moe_lut as m; m.DOWN_GM_EARLY = False" --arm "early=" ;;
     gm_ab)  # gmdefault's A/B alone (with `table` after it: the H200's 30-layer step without the bit tests, which ran on
       # an H100)
       gm_default_ab ;;

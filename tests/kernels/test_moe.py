@@ -896,10 +896,10 @@ def test_lut_down_in_passes_of_four_pairs_is_taken_by_rows(monkeypatch):
 
 def test_lut_group_major_down_is_taken_for_every_launch(monkeypatch):
     """moe_lut.DOWN_GM (on: measured to gain at every row count): every down launch, whatever its rows, takes
-    moe_down_gm_early (DOWN_GM_EARLY, on; a row's bits must not depend on its batch), items of (slot, GM_WARPS x 16 rows) on one CTA of
-    GM_WARPS warps per SM at most, with the shared memory of GM_DOWN_DEPTH (4) ring slots a warp (224.5 KB at
-    I = 2048, within a Hopper's 227 KB) and down's arguments (DOWN_GM_EARLY off: moe_down_gm, launched
-    alike); off, none does; a device that cannot give the shared memory (even if it could give 3 slots') keeps
+    moe_down_gm_early (DOWN_GM_EARLY, on; a row's bits must not depend on its batch), items of (slot, GM_WARPS x
+    16 rows) on one CTA of GM_WARPS warps per SM at most, with the shared memory of GM_DOWN_DEPTH (4) ring slots a
+    warp (224.5 KB at I = 2048, within a Hopper's 227 KB) and down's arguments (DOWN_GM_EARLY off: moe_down_gm,
+    launched alike); off, none does; a device that cannot give the shared memory (even if it could give 3 slots') keeps
     moe_down_lut / moe_down_lut4; the bench counts its passes at GM_PAIRS pairs."""
     from megastep.kernels import moe_lut
 
