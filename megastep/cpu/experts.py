@@ -24,7 +24,9 @@ rest). Same input, same bits: for any thread count, and for a row alone or among
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import os
 import platform
 import sys
@@ -65,15 +67,23 @@ def _load() -> ctypes.CDLL | None:
 
             d = build_dir()
             os.makedirs(d, exist_ok=True)
-            path = cpp_extension.load(
-                name="megastep_cpu_experts",
-                sources=[_SOURCE],
-                extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=d,
-                is_python_module=False,
-                verbose=False,
-            )
+            with open(os.path.join(d, "build.flock"), "a") as held:
+                # torch serializes builds with a plain file (`lock`) and waits while it exists: a build killed
+                # mid-way (Ctrl-C, a killed test run) leaves it, and every later process would wait forever.
+                # This flock is released by the kernel when its process dies, so whoever holds it is the only
+                # megastep build of this directory, and a `lock` it finds is stale.
+                fcntl.flock(held, fcntl.LOCK_EX)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(d, "lock"))
+                path = cpp_extension.load(
+                    name="megastep_cpu_experts",
+                    sources=[_SOURCE],
+                    extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=d,
+                    is_python_module=False,
+                    verbose=False,
+                )
             lib = ctypes.CDLL(path)
             i64, i32, p, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
             lib.ms_cpu_isa_supported.argtypes, lib.ms_cpu_isa_supported.restype = [i32], i32
