@@ -368,17 +368,16 @@ def down(aq, addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, out, counters
                                                                                                     out.dtype)
     else:
         assert out.dtype == torch.float32, out.dtype
-    items = min(pairs.numel(), addr.shape[0]) * (D // ITEM_ROWS)  # (slot, row tile)
+    slots = min(pairs.numel(), addr.shape[0])
     args = (aq, aq.stride(0), addr, pairs, slot_e, slot_start, slot_cnt, nslots, y, y.stride(0), out, out.stride(0),
             counters, D, I, strides[0], strides[1], topk, int(sparse), int(combine),
             0 if shared is None else shared, 0 if shared is None else shared.stride(0))
     smem = gm_shared_bytes(I, GM_DOWN_DEPTH)
     if DOWN_GM and _ring_fits(aq.device.index, smem):  # items (slot, GM_WARPS x 16 rows)
-        slots = min(pairs.numel(), addr.shape[0])
         kernel = _DOWN_GM_EARLY if DOWN_GM_EARLY else _DOWN_GM
         kernel.launch(_grid(slots * (D // (16 * GM_WARPS)), aq.device, 1), (32 * GM_WARPS, 1, 1), smem, None, *args,
                       pdl=pdl_enabled())
         return
     four = _down4(pairs.numel() // topk)
-    (_DOWN4 if four else _DOWN).launch(_grid(items, aq.device), (THREADS, 1, 1), shared_bytes(I, four=four), None,
-                                       *args, pdl=pdl_enabled())
+    (_DOWN4 if four else _DOWN).launch(_grid(slots * (D // ITEM_ROWS), aq.device), (THREADS, 1, 1),  # (slot, row tile)
+                                       shared_bytes(I, four=four), None, *args, pdl=pdl_enabled())
