@@ -45,6 +45,7 @@
 #   bash benchmarks/h200_checks.sh gmsms      # the group-major even deal at 1-2 rows on 104-132 CTAs against items at 1 row (~2 min)
 #   bash benchmarks/h200_checks.sh gm_ab      # gmdefault's A/B alone (~2 min)
 #   bash benchmarks/h200_checks.sh downearly  # down's first item's routing before its PDL wait (the default) against after: its GPU tests, the experts calls, the step A/B at 1-64 rows (~2 min on an H100 at 16 layers)
+#   bash benchmarks/h200_checks.sh gemv_wg    # the CUDA GEMV's wgmma form (built 2026-12-07 without a device): its GPU test, then the step's FP8 shapes against Triton and the mma form at 1-64 rows (~4 min)
 #   bash benchmarks/h200_checks.sh gmfew      # gate-up's task halves on warp pairs at 1 row: the group-major GPU tests, the experts calls, the step's bit tests, the step A/B/C at 1-4 rows, ncu at 1 row (~3 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh gmdefault  # the session's defaults of 2026-12-07 against its start at 1-64 rows, final's bit tests, the table (~9 min)
 #   bash benchmarks/h200_checks.sh steptests  # final's bit tests of the step alone, without the kernels' (~1.5 min)
@@ -609,6 +610,11 @@ for group in "$@"; do
         --ms 1,2,16,64 --engines lut,lut_downlate
       ab downearly 220 --layers 30 --batch 1,2,4,8,16,32,64 --rounds 3 \
         --arm "late=import megastep.kernels.moe_lut as m; m.DOWN_GM_EARLY = False" --arm "early=" ;;
+    gemv_wg)  # the CUDA GEMV's wgmma form (gemv_fp8_cuda.py's GemvConfig.wg, built 2026-12-07 without a device):
+      # one kernel family for every row count, if it keeps the 1-row gain of the mma form and matches Triton at
+      # 4-64 rows; its GPU test first (the ref, run to run, rows alone), then gemv_variants.py (the ref, bits, time)
+      step gemv_wg_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_cuda_experiments.py -k wgmma
+      step gemv_wg 300 python3 benchmarks/kernels/gemv_variants.py --out "$OUT/gemv_wg" --ms 1,4,16,64 ;;
     gm_ab)  # gmdefault's A/B alone (with `table` after it: the H200's 30-layer step without the bit tests, which ran on
       # an H100)
       gm_default_ab ;;

@@ -2,7 +2,8 @@
 nvcc into the entry points their wrappers name, with as many parameters as the wrappers'
 signatures pass; the GEMV's shape rules keep within its kernel's limits; the timing probes of
 launch_floor.py still find the lines they edit. Their numerics are checked on the GPU by their
-scripts (gemv_variants.py: against the torch ref, run to run, a row alone against the batch).
+scripts (gemv_variants.py: against the torch ref, run to run, a row alone against the batch), and
+the GEMV's wgmma form by a marked test here as well.
 The probes of route_probe.py (edited copies of the runtime's kernels/route_cuda.cu) still find their
 lines and build. chain_probe.py (a chain of FP8 GEMVs in one persistent launch): its shapes, splits,
 launch arguments and check on the CPU, its numerics and bits on the GPU (one test, marked). (The runtime's CUDA kernels themselves are checked beside their tests:
@@ -35,11 +36,12 @@ def _params(source: str, name: str) -> int:
 @needs_nvcc
 def test_gemv_source_builds_with_every_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
-    cubin = cm.build_cubin(GV._SOURCE)
+    cubin = cm.build_cubin(GV._SOURCE, GV._MODULE.arch)  # sm_90a: the wgmma form
     assert cubin[:4] == b"\x7fELF"
     for nt in (1, 2, 4, 8):
         for nb in (1, 2, 4, 8):
             assert f"gemv_fp8_nt{nt}_nb{nb}".encode() in cubin, (nt, nb)
+            assert f"gemv_fp8_wg_nt{nt}_nb{nb}".encode() in cubin, (nt, nb)
 
 
 @pytest.mark.parametrize("N,K,gated", [(1536, 4096, False), (40960, 1024, False), (4096, 8192, False),
@@ -52,6 +54,10 @@ def test_configs_keep_within_the_kernel(N, K, gated):
         assert K % (128 * c.nb) == 0 and K // (128 * c.nb) <= GV.MAX_SPLIT
         assert 8 * c.nt >= min(M, 8) and c.r * (2 if gated else 1) <= 8
         assert GV._smem(c.nt, c.nb, c.r * (2 if gated else 1)) <= GV.SMEM_LIMIT
+        if not gated and N % 64 == 0:  # the wgmma form: whole groups of 4 warps, the mma form's K split
+            w = GV.pick_config_wg(M, N, K)
+            assert w.wg and w.r in (4, 8) and (N // 16) % w.r == 0 and w.nb == c.nb, (M, w)
+            assert 8 * w.nt >= min(M, 8) and GV._smem(w.nt, w.nb, w.r, True) <= GV.SMEM_LIMIT
     assert len(nbs) == 1  # the K split, hence every row's order of sums, depends on the shape only
 
 
@@ -65,6 +71,7 @@ def test_launch_floor_probes_find_their_lines():
 def test_signatures_match_the_kernels():
     gemv_src = open(GV._SOURCE).read()
     assert _params(gemv_src, "gemv_fp8_nt##NT##_nb##NB") == len(GV._SIGNATURE)
+    assert _params(gemv_src, "gemv_fp8_wg_nt##NT##_nb##NB") == len(GV._SIGNATURE)
 
 
 @needs_nvcc
@@ -229,3 +236,36 @@ def test_gpu_chain_probe_matches_the_ref_and_its_own_bits():
         CP.check_shape(module, chain, shape, lines.append, kind)  # raises on any failure
     assert sum("same bits" in line for line in lines) == len(entries)
     assert sum("linear_fp8's bits" in line for line in lines) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("N,K,residual", [(1536, 4096, False), (4096, 8192, True), (4096, 2048, True)])
+def test_gpu_gemv_wgmma_form_matches_the_ref_and_its_rows_alone(N, K, residual):
+    """The wgmma form of the CUDA GEMV (built 2026-12-07 without a device): within one bf16 step of
+    linear_fp8_ref at 1, 3, 16 and 64 rows (two row groups at 64), the same bits run to run, and each
+    row alone (its own 1-row configuration) the row's bits in the batch."""
+    import bench_kernels as BK
+
+    from megastep.kernels import linear_fp8 as LIN
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w, s = BK.fp8_weight(N, K, g, device="cuda")
+    for M in (1, 3, 16, 64):
+        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        res = torch.randn(M, N, device="cuda", generator=g) if residual else None
+        cfg = GV.pick_config_wg(M, N, K)
+
+        def call(x=x, res=res, cfg=cfg, M=M):
+            out = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
+            return GV.gemv_fp8(x, w, s, out, residual=res, config=cfg)
+
+        y = call()
+        ok, msg = BK.check_linear(y, LIN.linear_fp8_ref(x, w, s, residual=res))
+        assert ok, (M, cfg, msg)
+        assert torch.equal(y.view(torch.int16), call().view(torch.int16)), (M, cfg)
+        one = GV.pick_config_wg(1, N, K)
+        for i in range(M):
+            alone = torch.empty(1, N, dtype=torch.bfloat16, device="cuda")
+            GV.gemv_fp8(x[i:i + 1], w, s, alone, residual=None if res is None else res[i:i + 1], config=one)
+            assert torch.equal(alone.view(torch.int16), y[i:i + 1].view(torch.int16)), (M, i)

@@ -12,6 +12,14 @@
 // (powers of two: exact) and added to its accumulator, in block order. CTAs split K (gridDim.z);
 // their fp32 partials are summed in split order 0..S-1 by the last CTA to arrive, which also runs
 // the epilogue: output rounding, SwiGLU of the w1/w3 pair (gated), residual add.
+//
+// The wgmma form (kWg, entries gemv_fp8_wg_*; sm_90a): the same weight path, the same K order and the same
+// per-block arithmetic, but each group of 4 warps (64 consecutive output channels) issues one
+// wgmma.m64nNk16 per k16 step with its A fragments in registers and x (N = 8 NT rows) as the B operand
+// read by the tensor cores from shared memory: no B fragment loads and one MMA instruction per k16 step
+// whatever the rows, where mma.sync takes one per 8 rows. x is staged in the K-major layout with 128-byte
+// swizzle that Triton 3.6's linear gives its own wgmma B operand (descriptor 0x4000004000000000 | addr >> 4:
+// 8-row groups 1024 bytes apart, k16 steps 32 bytes apart, each 64-wide K half of a block its own tile).
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -34,6 +42,67 @@ using megastep::store_rows;
 constexpr int kPad = 8;  // fp16 elements of padding per shared x row (spreads rows over banks)
 constexpr int kMaxSplit = 32;  // CTAs along K at most (gemv_fp8_cuda.py's MAX_SPLIT)
 
+// ---- wgmma (sm_90a): fences, the B descriptor, m64nNk16 with A in registers
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// keeps the compiler from moving a register's use across the wait above (its value is written asynchronously)
+__device__ __forceinline__ void wg_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+// st.shared (generic proxy) before wgmma reads the same memory (async proxy)
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// K-major B operand, 128-byte swizzle, 8-row groups 1024 bytes apart (a shared address, 1024-aligned tile)
+__device__ __forceinline__ uint64_t b_desc(uint32_t saddr) { return 0x4000004000000000ull | ((saddr & 0x3FFFFu) >> 4); }
+
+// d (n8 tile t's four values at d[4t .. 4t+3], mma16816's order) (+)= A (the warp's 16 rows, 4 fp16x2
+// registers in mma16816's A order) x B (k16 x N at desc); acc == 0: d = A x B
+template <int N>
+__device__ __forceinline__ void wgmma_rs(float* d, const uint32_t (&a)[4], uint64_t desc, int acc);
+
+template <>
+__device__ __forceinline__ void wgmma_rs<8>(float* d, const uint32_t (&a)[4], uint64_t desc, int acc) {
+  asm volatile(
+      "{.reg .pred p;\n\tsetp.ne.b32 p, %9, 0;\n\t"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<16>(float* d, const uint32_t (&a)[4], uint64_t desc, int acc) {
+  asm volatile(
+      "{.reg .pred p;\n\tsetp.ne.b32 p, %13, 0;\n\t"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<32>(float* d, const uint32_t (&a)[4], uint64_t desc, int acc) {
+  asm volatile(
+      "{.reg .pred p;\n\tsetp.ne.b32 p, %21, 0;\n\t"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+      "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<64>(float* d, const uint32_t (&a)[4], uint64_t desc, int acc) {
+  asm volatile(
+      "{.reg .pred p;\n\tsetp.ne.b32 p, %37, 0;\n\t"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+}
+
 struct Args {
   const void* x; long long stride_xm; int x_f32;          // bf16 or fp32 activation [M, K]
   const uint8_t* xc; const float* xs;                      // or its e4m3 codes and scales (x_codes)
@@ -47,12 +116,16 @@ struct Args {
 };
 
 // NT: n-tiles of 8 rows of x per CTA (MG = 8 NT rows); NB: 128-blocks of K per CTA (Kc = 128 NB).
-template <int NT, int NB>
+// kWg: the wgmma form (its warps in groups of 4 over 64 consecutive channels, not gated).
+template <int NT, int NB, bool kWg = false>
 __device__ __forceinline__ void gemv_fp8(const Args& a) {
   constexpr int MG = 8 * NT, KC = 128 * NB, XS = KC + kPad;
+  constexpr int kHalf = MG * 128;  // kWg: a 64-wide K half of a block's x tile, bytes (a multiple of 1024)
   extern __shared__ __align__(16) unsigned char smem[];
   __half* xsh = reinterpret_cast<__half*>(smem);                        // [MG][XS] fp16 codes
-  float* scsh = reinterpret_cast<float*>(smem + MG * XS * sizeof(__half));  // [MG][NB] act scales
+  // kWg: the tiles [NB][2 halves][MG rows][128 bytes, swizzled] from the first 1024-aligned byte
+  unsigned char* xw = smem + ((1024u - static_cast<uint32_t>(__cvta_generic_to_shared(smem))) & 1023u);
+  float* scsh = reinterpret_cast<float*>(kWg ? xw + NB * 2 * kHalf : smem + MG * XS * sizeof(__half));  // [MG][NB]
   float* red = reinterpret_cast<float*>(smem);                          // [warps * 16][MG], reused
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -81,6 +154,11 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
   }
 
   // ---- the CTA's activation codes: fp16 in shared memory, scales beside them
+  if (kWg && mv < MG) {  // rows past M enter the MMAs: zeros (their sums are dropped)
+    for (int i = threadIdx.x; i < NB * 2 * kHalf / 16; i += blockDim.x)
+      reinterpret_cast<uint4*>(xw)[i] = make_uint4(0u, 0u, 0u, 0u);
+    __syncthreads();
+  }
   for (int i = warp; i < mv * NB; i += nwarps) {
     const int m = i / NB, b = i % NB, k = k_lo + b * 128 + lane * 4;
     uint32_t lo, hi;
@@ -107,8 +185,19 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
       hi = fp8_pair(v[2] * inv, v[3] * inv);
       if (lane == 0) scsh[m * NB + b] = s;
     }
-    *reinterpret_cast<uint2*>(xsh + m * XS + b * 128 + lane * 4) = make_uint2(lo, hi);
+    if constexpr (kWg) {
+      // block positions p .. p+3 (p = 4 lane) feed MMA mm = 4c + j (c = p / 64, j = p % 16 / 4) in its k slots
+      // 2q, 2q+1 (lo) and 2q+8, 2q+9 (hi), q = p % 64 / 16: where the lanes of the weight hold them (below)
+      const int p = lane * 4, c = p >> 6, q4 = (p & 63) >> 4, j = (p & 15) >> 2;
+      unsigned char* row = xw + (b * 2 + c) * kHalf + (m >> 3) * 1024 + (m & 7) * 128;
+      const int k0 = j * 16 + 2 * q4, k1 = k0 + 8;  // k within the half
+      *reinterpret_cast<uint32_t*>(row + ((((k0 >> 3) ^ (m & 7)) << 4) | ((k0 & 7) << 1))) = lo;
+      *reinterpret_cast<uint32_t*>(row + ((((k1 >> 3) ^ (m & 7)) << 4) | ((k1 & 7) << 1))) = hi;
+    } else {
+      *reinterpret_cast<uint2*>(xsh + m * XS + b * 128 + lane * 4) = make_uint2(lo, hi);
+    }
   }
+  if (kWg) fence_async_shared();
   __syncthreads();
 
   // ---- the warp's 16 rows over the CTA's K range
@@ -130,31 +219,55 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
       float blk[NT][4];
 #pragma unroll
       for (int t = 0; t < NT; ++t) blk[t][0] = blk[t][1] = blk[t][2] = blk[t][3] = 0.f;
+      if constexpr (kWg) {
+        uint32_t af[8][4];  // MMA mm = 4c + j: row g's and row g + 8's k pairs, as mma16816 below takes them
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const uint4 r0 = cur[2 * c], r1 = cur[2 * c + 1];
-        const uint32_t w0w[4] = {r0.x, r0.y, r0.z, r0.w}, w1w[4] = {r1.x, r1.y, r1.z, r1.w};
-        uint32_t xa[NT][8];  // B fragments: 16 fp16 of row m = 8t + g at this lane's 16 positions
+        for (int c = 0; c < 2; ++c) {
+          const uint4 r0 = cur[2 * c], r1 = cur[2 * c + 1];
+          const uint32_t w0w[4] = {r0.x, r0.y, r0.z, r0.w}, w1w[4] = {r1.x, r1.y, r1.z, r1.w};
 #pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          const int m = 8 * t + g;
-          if (m < mv) {
-            const uint4* p = reinterpret_cast<const uint4*>(xsh + m * XS + b * 128 + c * 64 + q * 16);
-            const uint4 u = p[0], v = p[1];
-            xa[t][0] = u.x; xa[t][1] = u.y; xa[t][2] = u.z; xa[t][3] = u.w;
-            xa[t][4] = v.x; xa[t][5] = v.y; xa[t][6] = v.z; xa[t][7] = v.w;
-          } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) xa[t][i] = 0u;
+          for (int j = 0; j < 4; ++j) {
+            e4m3x4_to_f16x2(w0w[j], af[4 * c + j][0], af[4 * c + j][2]);
+            e4m3x4_to_f16x2(w1w[j], af[4 * c + j][1], af[4 * c + j][3]);
           }
         }
+        const uint32_t tile0 = static_cast<uint32_t>(__cvta_generic_to_shared(xw)) + b * 2 * kHalf;
+        float* d = &blk[0][0];
+        wg_fence();
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          uint32_t a0, a2, a1, a3;
-          e4m3x4_to_f16x2(w0w[j], a0, a2);  // row g: k pairs (2q, 2q+1) and (2q+8, 2q+9)
-          e4m3x4_to_f16x2(w1w[j], a1, a3);  // row g + 8
+        for (int mm = 0; mm < 8; ++mm) wgmma_rs<MG>(d, af[mm], b_desc(tile0 + (mm >> 2) * kHalf + (mm & 3) * 32), mm);
+        wg_commit();
+        wg_wait_all();
 #pragma unroll
-          for (int t = 0; t < NT; ++t) experiments::mma16816<false>(blk[t], a0, a1, a2, a3, xa[t][2 * j], xa[t][2 * j + 1]);
+        for (int i = 0; i < 4 * NT; ++i) wg_operand(d[i]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const uint4 r0 = cur[2 * c], r1 = cur[2 * c + 1];
+          const uint32_t w0w[4] = {r0.x, r0.y, r0.z, r0.w}, w1w[4] = {r1.x, r1.y, r1.z, r1.w};
+          uint32_t xa[NT][8];  // B fragments: 16 fp16 of row m = 8t + g at this lane's 16 positions
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            const int m = 8 * t + g;
+            if (m < mv) {
+              const uint4* p = reinterpret_cast<const uint4*>(xsh + m * XS + b * 128 + c * 64 + q * 16);
+              const uint4 u = p[0], v = p[1];
+              xa[t][0] = u.x; xa[t][1] = u.y; xa[t][2] = u.z; xa[t][3] = u.w;
+              xa[t][4] = v.x; xa[t][5] = v.y; xa[t][6] = v.z; xa[t][7] = v.w;
+            } else {
+#pragma unroll
+              for (int i = 0; i < 8; ++i) xa[t][i] = 0u;
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            uint32_t a0, a2, a1, a3;
+            e4m3x4_to_f16x2(w0w[j], a0, a2);  // row g: k pairs (2q, 2q+1) and (2q+8, 2q+9)
+            e4m3x4_to_f16x2(w1w[j], a1, a3);  // row g + 8
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+              experiments::mma16816<false>(blk[t], a0, a1, a2, a3, xa[t][2 * j], xa[t][2 * j + 1]);
+          }
         }
       }
       add_block<NT>(acc, blk, scsh + b, NB, e8m0_to_f32(wsr[b]), mv, q);
@@ -211,7 +324,20 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
     gemv_fp8<NT, NB>(a);                                                                                 \
   }
 
-#define GEMV_FP8_NB(NB) GEMV_FP8_ENTRY(1, NB) GEMV_FP8_ENTRY(2, NB) GEMV_FP8_ENTRY(4, NB) GEMV_FP8_ENTRY(8, NB)
+#define GEMV_FP8_WG_ENTRY(NT, NB)                                                                        \
+  extern "C" __global__ void __launch_bounds__(256) gemv_fp8_wg_nt##NT##_nb##NB(                         \
+      const void* x, long long stride_xm, int x_f32, const uint8_t* xc, const float* xs,                 \
+      long long stride_cm, long long stride_sm, int codes, const uint8_t* w, long long stride_wn,        \
+      const uint8_t* ws, long long stride_wsn, void* out, long long stride_om, int out_bf16,             \
+      const void* res, long long stride_rm, int res_mode, float* part, int* cnt, int M, int N, int gated, \
+      float limit) {                                                                                     \
+    const Args a{x, stride_xm, x_f32, xc, xs, stride_cm, stride_sm, codes, w, stride_wn, ws, stride_wsn, \
+                 out, stride_om, out_bf16, res, stride_rm, res_mode, part, cnt, M, N, gated, limit};      \
+    gemv_fp8<NT, NB, true>(a);                                                                           \
+  }
+
+#define GEMV_FP8_NB(NB) GEMV_FP8_ENTRY(1, NB) GEMV_FP8_ENTRY(2, NB) GEMV_FP8_ENTRY(4, NB) GEMV_FP8_ENTRY(8, NB) \
+  GEMV_FP8_WG_ENTRY(1, NB) GEMV_FP8_WG_ENTRY(2, NB) GEMV_FP8_WG_ENTRY(4, NB) GEMV_FP8_WG_ENTRY(8, NB)
 GEMV_FP8_NB(1)
 GEMV_FP8_NB(2)
 GEMV_FP8_NB(4)

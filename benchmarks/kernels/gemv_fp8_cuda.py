@@ -25,6 +25,17 @@ Tiling (weight [N, K], x [M, K]):
 NB (hence S and every row's order of sums) depends on the weight's shape only; NT and R on M too,
 but they do not change any row's sums: a row gets the same bits alone or in a batch of 64
 (checked by gemv_variants.py on the GPU).
+
+The wgmma form (`GemvConfig.wg`, built 2026-12-07 without a device, not yet run): the 7th measurement's
+reading put the kernel's loss at 4-64 rows on the per-CTA x work and the B operand it loads from shared
+memory for every 8 rows (one mma.sync per 8 rows and k16 step). There each group of 4 warps (64
+consecutive output channels) issues one wgmma.m64nNk16 per k16 step, N = the CTA's 8 NT rows of x, A
+(the weight) from the same registers, B (x) read by the tensor cores from shared memory, staged once per
+CTA in the swizzled layout Triton gives its own wgmma operand. The same K order, per-block arithmetic and
+split-K, so a row's sums do not depend on M either; its bits are the mma form's only if wgmma's k16 step
+gives mma.sync's sums (`gemv_variants.py` reports both). Plain and residual epilogues only (not gated),
+and N a multiple of 16 R (every warp of a group active). The question it answers: can one kernel family
+for every row count keep the 1-row gain (wo_b 13.5 against 15.2-15.8 us) and match Triton at 4-64 rows?
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from megastep.kernels.cuda_module import CudaModule, CudaUnavailable
 
 BLOCK = 128
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv_fp8_cuda.cu")
-_MODULE = CudaModule(_SOURCE)
+_MODULE = CudaModule(_SOURCE, arch="sm_90a")  # wgmma (the wg entries) needs sm_90a
 _SIGNATURE = "pqippqqipqpqpqipqippiiif"
 _KERNELS: dict[tuple[CudaModule, int, int], object] = {}
 _PAD = 8  # fp16 elements of padding per shared x row (the .cu's kPad)
@@ -54,15 +65,19 @@ class GemvConfig:
     nb: int  # 128-blocks of K per CTA (shape only)
     nt: int  # 8-row groups of x per CTA
     r: int  # row tiles (w1/w3 pairs when gated) per CTA
+    wg: bool = False  # the wgmma form (r 4 or 8: groups of 4 warps)
 
     @property
     def mg(self) -> int:
         return 8 * self.nt
 
 
-def _smem(nt: int, nb: int, warps: int) -> int:
+def _smem(nt: int, nb: int, warps: int, wg: bool = False) -> int:
     mg = 8 * nt
-    codes = mg * (BLOCK * nb + _PAD) * 2 + mg * nb * 4
+    if wg:  # 1 KB to align the swizzled tiles, 2 halves of mg x 128 bytes per block, the scales
+        codes = 1024 + nb * 2 * mg * 128 + mg * nb * 4
+    else:
+        codes = mg * (BLOCK * nb + _PAD) * 2 + mg * nb * 4
     return max(codes, warps * 16 * mg * 4)
 
 
@@ -91,10 +106,22 @@ def pick_config(M: int, N: int, K: int, gated: bool = False) -> GemvConfig:
     return GemvConfig(nb, nt, r)
 
 
-def _kernel(module: CudaModule, nt: int, nb: int):
-    k = _KERNELS.get((module, nt, nb))
+def pick_config_wg(M: int, N: int, K: int) -> GemvConfig:
+    """The wgmma form's configuration: pick_config's K split and row groups, 8 warps (two groups of 4)
+    unless too few CTAs, then 4."""
+    c = pick_config(M, N, K)
+    r = 8 if (N // 16) % 8 == 0 and -(-(N // 16) // 8) * (K // (BLOCK * c.nb)) * -(-M // c.mg) >= TARGET_CTAS else 4
+    nt = c.nt
+    while nt > 1 and _smem(nt, c.nb, r, True) > SMEM_LIMIT:
+        nt //= 2
+    return GemvConfig(c.nb, nt, r, True)
+
+
+def _kernel(module: CudaModule, nt: int, nb: int, wg: bool = False):
+    k = _KERNELS.get((module, nt, nb, wg))
     if k is None:
-        k = _KERNELS[(module, nt, nb)] = module.kernel(f"gemv_fp8_nt{nt}_nb{nb}", _SIGNATURE)
+        name = f"gemv_fp8_{'wg_' if wg else ''}nt{nt}_nb{nb}"
+        k = _KERNELS[(module, nt, nb, wg)] = module.kernel(name, _SIGNATURE)
     return k
 
 
@@ -142,8 +169,10 @@ def gemv_fp8(
     warps = cfg.r * G
     splits = K // (BLOCK * cfg.nb)
     assert splits <= MAX_SPLIT and K % (BLOCK * cfg.nb) == 0, (K, cfg)
+    # the wgmma form: groups of 4 warps, each warp of a group active (wgmma is issued by all four)
+    assert not cfg.wg or (not gated and cfg.r in (4, 8) and (N // 16) % cfg.r == 0 and N % 16 == 0), (N, cfg)
     grid = (-(-M // cfg.mg), -(-(N // 16) // cfg.r), splits)
-    smem = _smem(cfg.nt, cfg.nb, warps)
+    smem = _smem(cfg.nt, cfg.nb, warps, cfg.wg)
     if splits > 1:
         cta = grid[0] * grid[1]
         part = workspace(x.device, "partials", splits * cta * warps * 16 * cfg.mg, torch.float32)
@@ -154,7 +183,7 @@ def gemv_fp8(
     xc, xs = x_codes if codes else (out, out)
     res = residual if residual is not None else out
     res_mode = 0 if residual is None else (1 if residual.dtype == torch.float32 else 2)
-    _kernel(module, cfg.nt, cfg.nb).launch(
+    _kernel(module, cfg.nt, cfg.nb, cfg.wg).launch(
         grid, (32 * warps, 1, 1), smem, None,
         x, x.stride(0), int(x.dtype == torch.float32), xc, xs, xc.stride(0), xs.stride(0), int(codes),
         w, w.stride(0), w_scale, w_scale.stride(0), out, out.stride(0), int(out.dtype == torch.bfloat16),

@@ -2,7 +2,8 @@
 shapes the V4-Flash decode step launches (those of linear_variants.py without wo_a).
 
 For each shape and M: the Triton picked config ("f16", and "f16+c" with x_codes) and the CUDA
-kernel (its picked config, with codes, and a few other NB / R choices), each checked against the
+kernel (its picked config, with codes, and a few other NB / R choices; its wgmma form "cuda_wg",
+`pick_config_wg`, on the plain shapes, with its bits against the mma form's), each checked against the
 torch ref (one bf16 step, as tests/kernels/test_linear_fp8.py), for determinism (3 repeats
 bit-identical), and for the CUDA kernel for batch invariance (every row equal, bit for bit, to the
 row computed alone), then timed (CUDA graph of calls on rotated weight copies, nothing from L2).
@@ -83,13 +84,16 @@ def main() -> None:
             picked = GV.pick_config(M, N, K, kind == "gated")
             tri = LIN.pick_config_swiglu(M, N, K) if kind == "gated" else LIN.pick_config(M, N, K)
             cands = [("triton", tri, None), ("triton+c", tri, codes), ("cuda", picked, None), ("cuda+c", picked, codes)]
+            wg = None if kind == "gated" else GV.pick_config_wg(M, N, K)
+            if wg is not None:
+                cands += [("cuda_wg", wg, None), ("cuda_wg+c", wg, codes)]
             for nb in (1, 2, 4, 8):
                 for r in (1, 2, 4, 8 // (2 if kind == "gated" else 1)):
                     c = GV.GemvConfig(nb, picked.nt, r)
                     if K % (128 * nb) == 0 and c != picked and r <= (4 if kind == "gated" else 8) and \
                             GV._smem(c.nt, nb, r * (2 if kind == "gated" else 1)) <= GV.SMEM_LIMIT:
                         cands.append(("cuda", c, None))
-            alone = None
+            alone = y_mma = None
             for engine, cfg, xc in cands:
                 fn = cuda_call if engine.startswith("cuda") else triton_call
                 r = dict(shape=name, N=N, K=K, M=M, engine=engine, config=str(cfg), picked=cfg == picked)
@@ -99,11 +103,16 @@ def main() -> None:
                     ok, msg = BK.check_linear(y, ref)
                     same = all(torch.equal(y.view(torch.int16), call(*ws[0]).view(torch.int16)) for _ in range(3))
                     inv = None
-                    if engine == "cuda" and cfg == picked:
+                    if engine in ("cuda", "cuda_wg") and cfg in (picked, wg):
                         # each row alone (M = 1, its own config) gives the row's bits of the batch
+                        one = GV.pick_config_wg(1, N, K) if cfg.wg else None
                         alone = [cuda_call(x[i:i + 1], *ws[0], 1, N, kind, None if res is None else res[i:i + 1],
-                                           None, None) for i in range(M)]
+                                           None, one) for i in range(M)]
                         inv = all(torch.equal(alone[i].view(torch.int16), y[i:i + 1].view(torch.int16)) for i in range(M))
+                        if engine == "cuda":
+                            y_mma = y
+                        elif y_mma is not None:  # the same sums through wgmma's k16 steps: the same bits?
+                            r["bits_as_mma"] = torch.equal(y.view(torch.int16), y_mma.view(torch.int16))
                     med, best = BK.graph_time([lambda w=w, s=s, call=call: call(w, s) for (w, s) in ws])
                     r.update(ok=ok and same and inv is not False, check=msg, deterministic=same, batch_invariant=inv,
                              us=med, gbps=(nbytes + M * K * 2) / med / 1e3)

@@ -83,7 +83,7 @@ def probe_module(out_dir, name, edits):
     for p, t in texts.items():
         with open(os.path.join(d, os.path.basename(p)), "w") as f:
             f.write(t.replace(_COMMON_INCLUDE, '#include "cuda_common.cuh"'))
-    return cuda_module.CudaModule(os.path.join(d, os.path.basename(GV._SOURCE)))
+    return cuda_module.CudaModule(os.path.join(d, os.path.basename(GV._SOURCE)), arch=GV._MODULE.arch)
 
 
 def anatomy(out_dir, g):
