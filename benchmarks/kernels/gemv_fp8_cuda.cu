@@ -312,8 +312,9 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
 
 }  // namespace
 
-#define GEMV_FP8_ENTRY(NT, NB)                                                                           \
-  extern "C" __global__ void __launch_bounds__(256) gemv_fp8_nt##NT##_nb##NB(                            \
+// FORM: empty (the mma form) or wg_ (the wgmma form, WG true)
+#define GEMV_FP8_ENTRY(FORM, WG, NT, NB)                                                                 \
+  extern "C" __global__ void __launch_bounds__(256) gemv_fp8_##FORM##nt##NT##_nb##NB(                    \
       const void* x, long long stride_xm, int x_f32, const uint8_t* xc, const float* xs,                 \
       long long stride_cm, long long stride_sm, int codes, const uint8_t* w, long long stride_wn,        \
       const uint8_t* ws, long long stride_wsn, void* out, long long stride_om, int out_bf16,             \
@@ -321,23 +322,13 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
       float limit) {                                                                                     \
     const Args a{x, stride_xm, x_f32, xc, xs, stride_cm, stride_sm, codes, w, stride_wn, ws, stride_wsn, \
                  out, stride_om, out_bf16, res, stride_rm, res_mode, part, cnt, M, N, gated, limit};      \
-    gemv_fp8<NT, NB>(a);                                                                                 \
+    gemv_fp8<NT, NB, WG>(a);                                                                             \
   }
 
-#define GEMV_FP8_WG_ENTRY(NT, NB)                                                                        \
-  extern "C" __global__ void __launch_bounds__(256) gemv_fp8_wg_nt##NT##_nb##NB(                         \
-      const void* x, long long stride_xm, int x_f32, const uint8_t* xc, const float* xs,                 \
-      long long stride_cm, long long stride_sm, int codes, const uint8_t* w, long long stride_wn,        \
-      const uint8_t* ws, long long stride_wsn, void* out, long long stride_om, int out_bf16,             \
-      const void* res, long long stride_rm, int res_mode, float* part, int* cnt, int M, int N, int gated, \
-      float limit) {                                                                                     \
-    const Args a{x, stride_xm, x_f32, xc, xs, stride_cm, stride_sm, codes, w, stride_wn, ws, stride_wsn, \
-                 out, stride_om, out_bf16, res, stride_rm, res_mode, part, cnt, M, N, gated, limit};      \
-    gemv_fp8<NT, NB, true>(a);                                                                           \
-  }
-
-#define GEMV_FP8_NB(NB) GEMV_FP8_ENTRY(1, NB) GEMV_FP8_ENTRY(2, NB) GEMV_FP8_ENTRY(4, NB) GEMV_FP8_ENTRY(8, NB) \
-  GEMV_FP8_WG_ENTRY(1, NB) GEMV_FP8_WG_ENTRY(2, NB) GEMV_FP8_WG_ENTRY(4, NB) GEMV_FP8_WG_ENTRY(8, NB)
+#define GEMV_FP8_FORM(FORM, WG, NB)                                  \
+  GEMV_FP8_ENTRY(FORM, WG, 1, NB) GEMV_FP8_ENTRY(FORM, WG, 2, NB) \
+  GEMV_FP8_ENTRY(FORM, WG, 4, NB) GEMV_FP8_ENTRY(FORM, WG, 8, NB)
+#define GEMV_FP8_NB(NB) GEMV_FP8_FORM(, false, NB) GEMV_FP8_FORM(wg_, true, NB)
 GEMV_FP8_NB(1)
 GEMV_FP8_NB(2)
 GEMV_FP8_NB(4)
