@@ -159,42 +159,61 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
       reinterpret_cast<uint4*>(xw)[i] = make_uint4(0u, 0u, 0u, 0u);
     __syncthreads();
   }
-  for (int i = warp; i < mv * NB; i += nwarps) {
-    const int m = i / NB, b = i % NB, k = k_lo + b * 128 + lane * 4;
-    uint32_t lo, hi;
-    if (a.codes) {
-      const uint32_t c = *reinterpret_cast<const uint32_t*>(a.xc + (m0 + m) * a.stride_cm + k);
-      e4m3x4_to_f16x2(c, lo, hi);
-      if (lane == 0) scsh[m * NB + b] = a.xs[(m0 + m) * a.stride_sm + k / 128];
-    } else {
-      float v[4];
-      if (a.x_f32) {
-        const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(a.x) + (m0 + m) * a.stride_xm + k);
-        v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
-      } else {
-        const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a.x) + (m0 + m) * a.stride_xm + k);
-        v[0] = __uint_as_float(u.x << 16); v[1] = __uint_as_float(u.x & 0xFFFF0000u);
-        v[2] = __uint_as_float(u.y << 16); v[3] = __uint_as_float(u.y & 0xFFFF0000u);
-      }
-      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  // kU of a warp's x tasks at a time: their loads first, in flight together, then their codes (one task at a
+  // time made a warp wait for each load in turn: 32 tasks a warp at 16 rows)
+  constexpr int kU = 4;
+  const int tasks = mv * NB;
+  for (int i0 = warp; i0 < tasks; i0 += nwarps * kU) {
+    float v[kU][4], cs[kU];
+    uint32_t cw[kU];
 #pragma unroll
-      for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-      float s, inv;
-      pow2_scale(amax, s, inv);
-      lo = fp8_pair(v[0] * inv, v[1] * inv);
-      hi = fp8_pair(v[2] * inv, v[3] * inv);
-      if (lane == 0) scsh[m * NB + b] = s;
+    for (int u = 0; u < kU; ++u) {
+      const int i = i0 + u * nwarps;
+      if (i >= tasks) break;
+      const int m = i / NB, k = k_lo + (i % NB) * 128 + lane * 4;
+      if (a.codes) {
+        cw[u] = *reinterpret_cast<const uint32_t*>(a.xc + (m0 + m) * a.stride_cm + k);
+        cs[u] = lane == 0 ? a.xs[(m0 + m) * a.stride_sm + k / 128] : 0.f;
+      } else if (a.x_f32) {
+        const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(a.x) + (m0 + m) * a.stride_xm + k);
+        v[u][0] = f.x; v[u][1] = f.y; v[u][2] = f.z; v[u][3] = f.w;
+      } else {
+        const uint2 w =
+            *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a.x) + (m0 + m) * a.stride_xm + k);
+        v[u][0] = __uint_as_float(w.x << 16); v[u][1] = __uint_as_float(w.x & 0xFFFF0000u);
+        v[u][2] = __uint_as_float(w.y << 16); v[u][3] = __uint_as_float(w.y & 0xFFFF0000u);
+      }
     }
-    if constexpr (kWg) {
-      // block positions p .. p+3 (p = 4 lane) feed MMA mm = 4c + j (c = p / 64, j = p % 16 / 4) in its k slots
-      // 2q, 2q+1 (lo) and 2q+8, 2q+9 (hi), q = p % 64 / 16: where the lanes of the weight hold them (below)
-      const int p = lane * 4, c = p >> 6, q4 = (p & 63) >> 4, j = (p & 15) >> 2;
-      unsigned char* row = xw + (b * 2 + c) * kHalf + (m >> 3) * 1024 + (m & 7) * 128;
-      const int k0 = j * 16 + 2 * q4, k1 = k0 + 8;  // k within the half
-      *reinterpret_cast<uint32_t*>(row + ((((k0 >> 3) ^ (m & 7)) << 4) | ((k0 & 7) << 1))) = lo;
-      *reinterpret_cast<uint32_t*>(row + ((((k1 >> 3) ^ (m & 7)) << 4) | ((k1 & 7) << 1))) = hi;
-    } else {
-      *reinterpret_cast<uint2*>(xsh + m * XS + b * 128 + lane * 4) = make_uint2(lo, hi);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int i = i0 + u * nwarps;
+      if (i >= tasks) break;
+      const int m = i / NB, b = i % NB;
+      uint32_t lo, hi;
+      if (a.codes) {
+        e4m3x4_to_f16x2(cw[u], lo, hi);
+        if (lane == 0) scsh[m * NB + b] = cs[u];
+      } else {
+        float amax = fmaxf(fmaxf(fabsf(v[u][0]), fabsf(v[u][1])), fmaxf(fabsf(v[u][2]), fabsf(v[u][3])));
+#pragma unroll
+        for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+        float s, inv;
+        pow2_scale(amax, s, inv);
+        lo = fp8_pair(v[u][0] * inv, v[u][1] * inv);
+        hi = fp8_pair(v[u][2] * inv, v[u][3] * inv);
+        if (lane == 0) scsh[m * NB + b] = s;
+      }
+      if constexpr (kWg) {
+        // block positions p .. p+3 (p = 4 lane) feed MMA mm = 4c + j (c = p / 64, j = p % 16 / 4) in its k slots
+        // 2q, 2q+1 (lo) and 2q+8, 2q+9 (hi), q = p % 64 / 16: where the lanes of the weight hold them (below)
+        const int p = lane * 4, c = p >> 6, q4 = (p & 63) >> 4, j = (p & 15) >> 2;
+        unsigned char* row = xw + (b * 2 + c) * kHalf + (m >> 3) * 1024 + (m & 7) * 128;
+        const int k0 = j * 16 + 2 * q4, k1 = k0 + 8;  // k within the half
+        *reinterpret_cast<uint32_t*>(row + ((((k0 >> 3) ^ (m & 7)) << 4) | ((k0 & 7) << 1))) = lo;
+        *reinterpret_cast<uint32_t*>(row + ((((k1 >> 3) ^ (m & 7)) << 4) | ((k1 & 7) << 1))) = hi;
+      } else {
+        *reinterpret_cast<uint2*>(xsh + m * XS + b * 128 + lane * 4) = make_uint2(lo, hi);
+      }
     }
   }
   if (kWg) fence_async_shared();

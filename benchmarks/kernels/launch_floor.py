@@ -55,10 +55,10 @@ def _empty_kernel(p, PDL: tl.constexpr):
 
 # timing probes of the CUDA GEMV: (name, [(text in gemv_fp8_cuda.cu or its header, replacement)])
 PROBES = [
-    ("cuda_no_prologue", [("for (int i = warp; i < mv * NB; i += nwarps) {", "for (int i = warp; i < 0; i += nwarps) {")]),
+    ("cuda_no_prologue", [("for (int i0 = warp; i0 < tasks; i0 += nwarps * kU) {", "for (int i0 = warp; i0 < 0; i0 += nwarps * kU) {")]),
     ("cuda_no_fence", [("__threadfence();", ";")]),
     ("cuda_no_l2_256B_hint", [("ld.global.nc.L1::no_allocate.L2::256B.v4.u32", "ld.global.nc.L1::no_allocate.v4.u32")]),
-    ("cuda_no_prologue_no_fence", [("for (int i = warp; i < mv * NB; i += nwarps) {", "for (int i = warp; i < 0; i += nwarps) {"),
+    ("cuda_no_prologue_no_fence", [("for (int i0 = warp; i0 < tasks; i0 += nwarps * kU) {", "for (int i0 = warp; i0 < 0; i0 += nwarps * kU) {"),
                                    ("__threadfence();", ";")]),
 ]
 ANATOMY_SHAPES = ((128, 4096), (1536, 4096), (40960, 1024))
