@@ -26,7 +26,7 @@ NB (hence S and every row's order of sums) depends on the weight's shape only; N
 but they do not change any row's sums: a row gets the same bits alone or in a batch of 64
 (checked by gemv_variants.py on the GPU).
 
-The wgmma form (`GemvConfig.wg`, built 2026-12-07 without a device, not yet run): the 7th measurement's
+The wgmma form (`GemvConfig.wg`, built 2026-12-07 without a device): the 7th measurement's
 reading put the kernel's loss at 4-64 rows on the per-CTA x work and the B operand it loads from shared
 memory for every 8 rows (one mma.sync per 8 rows and k16 step). There each group of 4 warps (64
 consecutive output channels) issues one wgmma.m64nNk16 per k16 step, N = the CTA's 8 NT rows of x, A
@@ -36,6 +36,10 @@ split-K, so a row's sums do not depend on M either; its bits are the mma form's 
 gives mma.sync's sums (`gemv_variants.py` reports both). Plain and residual epilogues only (not gated),
 and N a multiple of 16 R (every warp of a group active). The question it answers: can one kernel family
 for every row count keep the 1-row gain (wo_b 13.5 against 15.2-15.8 us) and match Triton at 4-64 rows?
+Answer on one H100 (docs/PERFORMANCE.md, 2026-12-07 from 20:23 UTC, item 4): correct, batch-invariant and bit
+for bit the mma form's, but no faster (wo_b 50.97 us at 16 rows against the mma form's 36.39 and Triton's 18.49):
+the MMAs were not the 4-64-row loss. The prologue's x loads, a warp waiting for each task's in turn, are the
+reading since; they now go out kU = 4 tasks at a time (not yet measured).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ BLOCK = 128
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv_fp8_cuda.cu")
 _MODULE = CudaModule(_SOURCE, arch="sm_90a")  # wgmma (the wg entries) needs sm_90a
 _SIGNATURE = "pqippqqipqpqpqipqippiiif"
-_KERNELS: dict[tuple[CudaModule, int, int], object] = {}
+_KERNELS: dict[tuple[CudaModule, int, int, bool], object] = {}
 _PAD = 8  # fp16 elements of padding per shared x row (the .cu's kPad)
 SMEM_LIMIT = 96 * 1024  # dynamic shared memory per CTA we allow (two CTAs per SM still fit)
 TARGET_WARPS = 1024  # split K until tiles x splits reaches this (~8 warps per SM)
