@@ -124,7 +124,7 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
   extern __shared__ __align__(16) unsigned char smem[];
   __half* xsh = reinterpret_cast<__half*>(smem);                        // [MG][XS] fp16 codes
   // kWg: the tiles [NB][2 halves][MG rows][128 bytes, swizzled] from the first 1024-aligned byte
-  unsigned char* xw = smem + ((1024u - static_cast<uint32_t>(__cvta_generic_to_shared(smem))) & 1023u);
+  unsigned char* xw = kWg ? smem + ((1024u - static_cast<uint32_t>(__cvta_generic_to_shared(smem))) & 1023u) : smem;
   float* scsh = reinterpret_cast<float*>(kWg ? xw + NB * 2 * kHalf : smem + MG * XS * sizeof(__half));  // [MG][NB]
   float* red = reinterpret_cast<float*>(smem);                          // [warps * 16][MG], reused
 
