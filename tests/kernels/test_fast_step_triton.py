@@ -324,3 +324,46 @@ def test_q_norm_in_the_x_launch_gives_the_same_bits(monkeypatch):
         assert torch.equal(a, b)
     assert ("rms_norm", True) in seen[0] and ("linear", True) not in seen[0]
     assert ("rms_norm", True) not in seen[2] and seen[2].count(("linear", True)) == 2 * 2  # 2 layers x 2 steps
+
+
+def test_gate_in_the_mhc_launch_gives_the_same_bits(monkeypatch):
+    """fast.GATE_IN_MHC_ROWS: the MoE gate's logits made by the mHC finish launch before the sublayer
+    (2-row steps with the setting at 2) give the logits of the same steps with the gate in gate_tree's
+    own launch (the setting at 1: the tree's order, a launch of its own above one row) bit for bit;
+    the steps really ask the mHC launch for the logits, or gate_tree for them, and never the BF16
+    linear (at 0 the Triton router's launch makes them, linear_bf16's sums). Against the gate by linear_bf16 (the setting at 0) only the order of the gate's fp32 sums
+    differs: the first step's logits agree to fp32 rounding."""
+    from megastep.kernels import dense, gate_tree, mhc
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = tiny_cfg(num_hidden_layers=2)
+    w = synthesize_weights(cfg, seed=9, device=dev, include_mtp=False)
+    E, D = cfg.n_routed_experts, cfg.hidden_size
+    assert mhc.gate_in_finish(D, E)
+    calls = []
+    real_pp, real_tree, real_dense = mhc.mhc_post_pre, gate_tree.gate_tree, dense.linear_bf16
+
+    def spy_pp(*a, **k):
+        calls.append(("mhc", k.get("gate") is not None))
+        return real_pp(*a, **k)
+
+    def spy_tree(x, wt, *a, **k):
+        calls.append(("tree", wt.shape[0] == E))
+        return real_tree(x, wt, *a, **k)
+
+    def spy_dense(x, wt, *a, **k):
+        calls.append(("dense", wt.shape[0] == E))
+        return real_dense(x, wt, *a, **k)
+
+    monkeypatch.setattr(mhc, "mhc_post_pre", spy_pp)
+    monkeypatch.setattr(gate_tree, "gate_tree", spy_tree)
+    monkeypatch.setattr(dense, "linear_bf16", spy_dense)
+    logits, seen, _ = two_steps_each(monkeypatch, cfg, w, "GATE_IN_MHC_ROWS", (0, 1, 2), 6, calls)
+    for a, b in zip(logits[1], logits[2]):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    layers = cfg.num_hidden_layers
+    assert seen[2].count(("mhc", True)) == layers * 2 and ("tree", True) not in seen[2]  # 2 layers x 2 steps
+    assert seen[1].count(("tree", True)) == layers * 2 and ("mhc", True) not in seen[1]
+    assert ("dense", True) not in seen[1] + seen[2]
+    a, b = logits[0][0], logits[2][0]
+    assert torch.allclose(a, b, atol=1e-5 * b.abs().max().item())

@@ -311,3 +311,81 @@ def test_gpu_sinkhorn_on_another_stream_same_bits(B):
     one = sinkhorn_elsewhere(args, y, None, None)
     for a, b in zip(sinkhorn_elsewhere(args, y, None, torch.cuda.Stream()), one):
         assert same_bits(a, b)
+
+
+def gate_for(E, D, seed, dev=DEV):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(E, D, generator=g) * D ** -0.5).bfloat16().to(dev)
+
+
+def post_pre_gate(args, y, cfg, gate, where=None):
+    h, fn, scale, base, w = args
+    _, post, comb = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg)
+    out = mhc.mhc_post_pre(y, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, config=cfg,
+                           sinkhorn_stream=where, gate=gate)
+    if isinstance(where, torch.cuda.Stream):
+        torch.cuda.current_stream().wait_stream(where)
+    return out
+
+
+@pytest.mark.parametrize("cfg,B,D,E", [(None, 1, 64, 8), (None, 3, 40, 7),
+                                       (MhcConfig(64, 2, 128, 32, 4, 2, True, gate_experts=4), 2, 128, 6),
+                                       (MhcConfig(32, 4, 64, 16, 2, 1, False, gate_experts=1), 2, 40, 5),
+                                       (MhcConfig(64, 2, 64, 32, 4, 2, True), 2, 128, 6)], ids=str)
+def test_gate_programs_make_gate_tree_logits(cfg, B, D, E):
+    """mhc_post_pre(gate=): the finish launch's gate programs give the logits gate_tree makes from
+    the launch's own x, bit for bit (and so gate_tree_ref's), and change no other output: with the
+    collapse in chunks (no gate programs, gate_tree after the launch) as with the row in registers,
+    the Sinkhorn in the finish, beside the collapse or in its own launch, E not a multiple of the
+    programs' experts. The ref returns gate_tree_ref of its own x."""
+    from megastep.kernels import gate_tree
+
+    args = make(B, D, seed=B * 31 + D + E)
+    y = (torch.randn(B, D, generator=torch.Generator().manual_seed(D + E)) * 3).bfloat16().to(DEV)
+    gate = gate_for(E, D, seed=E + D)
+    base_cfg = cfg or mhc.pick_config(HC, D)
+    for where in (None, mhc.CURRENT_STREAM):
+        want = post_pre_gate(args, y, cfg, None, where)
+        got = post_pre_gate(args, y, cfg, gate, where)
+        assert len(got) == 5 and got[4].shape == (B, E) and got[4].dtype == torch.float32
+        for a, b in zip(got[:4], want):
+            assert same_bits(a, b)
+        assert torch.equal(got[4], gate_tree.gate_tree(got[1], gate))
+        assert torch.equal(got[4], gate_tree.gate_tree_ref(got[1], gate))
+    assert mhc.gate_in_finish(D, E, base_cfg) == (base_cfg.block_d >= D)  # the last case: chunks, gate_tree after
+    h, fn, scale, base, w = args
+    _, post, comb = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
+    ref = mhc.mhc_post_pre_ref(y, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, gate=gate)
+    assert torch.equal(ref[4], gate_tree.gate_tree_ref(ref[1], gate))
+
+
+def test_gate_programs_run_when_the_row_fits():
+    """The pinned V4 configuration keeps the whole row in registers, so the finish launch itself
+    makes the logits (no gate_tree launch after it); with the collapse in chunks it cannot."""
+    assert mhc.gate_in_finish(4096, 256, mhc.pick_config(HC, 4096))
+    assert not mhc.gate_in_finish(4096, 256, replace(mhc.pick_config(HC, 4096), block_d=1024))
+    assert not mhc.gate_in_finish(40, 8, MhcConfig(32, 2, 16, 16, 4, 2, False))
+    assert mhc.gate_in_finish(40, 8, MhcConfig(32, 2, 64, 16, 4, 2, False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("B", [1, 2, 16])
+def test_gpu_gate_programs_same_bits(B):
+    """At V4 shapes (256 experts) on the GPU: the finish launch's gate programs give gate_tree's
+    logits of the launch's x bit for bit (and gate_tree_ref's), leave the other outputs as they
+    were, with the Sinkhorn on another stream too; a row's logits do not depend on the batch."""
+    from megastep.kernels import gate_tree
+
+    args = make(B, 4096, seed=B + 41, dev="cuda")
+    y = (torch.randn(B, 4096, device="cuda") * 3).bfloat16()
+    gate = gate_for(256, 4096, seed=5, dev="cuda")
+    for where in (None, torch.cuda.Stream()):
+        want = post_pre_gate(args, y, None, None, where)
+        got = post_pre_gate(args, y, None, gate, where)
+        for a, b in zip(got[:4], want):
+            assert same_bits(a, b)
+        assert torch.equal(got[4], gate_tree.gate_tree(got[1], gate))
+        assert torch.equal(got[4].cpu(), gate_tree.gate_tree_ref(got[1].cpu(), gate.cpu()))
+    alone = post_pre_gate([a[:1] for a in args[:1]] + list(args[1:]), y[:1], None, gate)
+    assert torch.equal(alone[4], got[4][:1])
