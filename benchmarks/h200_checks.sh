@@ -46,7 +46,7 @@
 #   bash benchmarks/h200_checks.sh gm_ab      # gmdefault's A/B alone (~2 min)
 #   bash benchmarks/h200_checks.sh downearly  # down's first item's routing before its PDL wait (the default) against after: its GPU tests, the experts calls, the step A/B at 1-64 rows (~2 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh gemv_wg    # the CUDA GEMV's wgmma form (built 2026-12-07 without a device): its GPU test, then the step's FP8 shapes against Triton and the mma form at 1-64 rows (~4 min)
-#   bash benchmarks/h200_checks.sh gatemhc    # the MoE gate's logits made by the mHC finish launch (GATE_IN_MHC_ROWS): its GPU tests, the step A/B at 1-64 rows with arms at 1, 2 and 4 rows, timelines (~7 min)
+#   bash benchmarks/h200_checks.sh gatemhc    # the MoE gate's logits made by the mHC finish launch (GATE_IN_MHC_ROWS): its GPU tests, the step A/B at 1-64 rows with arms at 1 and 4 rows, timelines (~7 min)
 #   bash benchmarks/h200_checks.sh gmfew      # gate-up's task halves on warp pairs at 1 row: the group-major GPU tests, the experts calls, the step's bit tests, the step A/B/C at 1-4 rows, ncu at 1 row (~3 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh gmdefault  # the session's defaults of 2026-12-07 against its start at 1-64 rows, final's bit tests, the table (~9 min)
 #   bash benchmarks/h200_checks.sh steptests  # final's bit tests of the step alone, without the kernels' (~1.5 min)
@@ -622,12 +622,11 @@ for group in "$@"; do
       # gate_tree's order at every row count (gate_tree's own launch above the setting). Its GPU tests (gate_tree's
       # bits against its ref at V4's shape, the gate programs' against gate_tree, the step's against gate_tree's launch,
       # a row alone against the batch), then the step A/B at 1-64 rows, 3 rounds: off (linear_bf16) against the gate
-      # programs at 1 row and at up to 2 and 4 rows, with the 1-row timelines
+      # programs at 1 row (gate_tree's launch above) and at up to 4 rows, with the 1-row timelines
       step gatemhc_tests 240 python3 -m pytest -q -rfE --timeout 200 -m gpu tests/kernels/test_gate_tree.py \
         tests/kernels/test_mhc.py tests/test_fast_gpu.py -k "gate_tree or gate_programs or gate_in_the_mhc"
       ab gatemhc 260 --layers 30 --batch 1,2,4,16,64 --rounds 3 --timeline-batch 1 --arm "off=" \
         --arm "g1=import megastep.model.fast as f; f.GATE_IN_MHC_ROWS = 1" \
-        --arm "g2=import megastep.model.fast as f; f.GATE_IN_MHC_ROWS = 2" \
         --arm "g4=import megastep.model.fast as f; f.GATE_IN_MHC_ROWS = 4" ;;
     gm_ab)  # gmdefault's A/B alone (with `table` after it: the H200's 30-layer step without the bit tests, which ran on
       # an H100)
