@@ -631,14 +631,16 @@ for group in "$@"; do
         --arm "g4=import megastep.model.fast as f; f.GATE_IN_MHC_ROWS = 4" ;;
     gatemhc1)  # gatemhc's 1-row loss (+4.4 % on one H100, 2026-12-08 00:28): its timelines show the shared expert
       # ending after down, its side stream queued behind the mHC's Sinkhorn launch, which is forked after the finish
-      # launch that now holds the gate programs. The 1-row step, off against g1, with the Sinkhorn beside on the side
-      # stream (the default), in the finish launch (MHC_SINKHORN_BESIDE_ROWS = 0) and on a stream of its own
+      # launch that now holds the gate programs, and act_quant's and down's CTAs placed early on the SMs the ring leaves.
+      # The 1-row step, off against g1, with the Sinkhorn beside on the side stream (the default), in the finish launch
+      # (MHC_SINKHORN_BESIDE_ROWS = 0) and on a stream of its own; g1 with the shared expert forked before the router
       ab gatemhc1 200 --layers 30 --batch 1 --rounds 3 --timeline-batch 1 --arm "off=" \
         --arm "g1=import megastep.model.fast as f; f.GATE_IN_MHC_ROWS = 1" \
         --arm "off_in=import megastep.model.fast as f; f.MHC_SINKHORN_BESIDE_ROWS = 0" \
         --arm "g1_in=import megastep.model.fast as f; f.MHC_SINKHORN_BESIDE_ROWS = 0; f.GATE_IN_MHC_ROWS = 1" \
         --arm "off_own=import megastep.model.fast as f; f.MHC_SINKHORN_OWN_STREAM_ROWS = (1, 4)" \
-        --arm "g1_own=import megastep.model.fast as f; f.MHC_SINKHORN_OWN_STREAM_ROWS = (1, 4); f.GATE_IN_MHC_ROWS = 1" ;;
+        --arm "g1_own=import megastep.model.fast as f; f.MHC_SINKHORN_OWN_STREAM_ROWS = (1, 4); f.GATE_IN_MHC_ROWS = 1" \
+        --arm "g1_early=import megastep.model.fast as f; f.GATE_IN_MHC_ROWS = 1; f.MOE_PLAN = ((1, 'cuda', False, 'mhc'),) + f.MOE_PLAN[1:]" ;;
     gm_ab)  # gmdefault's A/B alone (with `table` after it: the H200's 30-layer step without the bit tests, which ran on
       # an H100)
       gm_default_ab ;;
