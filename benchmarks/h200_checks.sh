@@ -46,8 +46,6 @@
 #   bash benchmarks/h200_checks.sh gm_ab      # gmdefault's A/B alone (~2 min)
 #   bash benchmarks/h200_checks.sh downearly  # down's first item's routing before its PDL wait (the default) against after: its GPU tests, the experts calls, the step A/B at 1-64 rows (~2 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh gemv_wg    # the CUDA GEMV's wgmma form (built 2026-12-07 without a device): its GPU test, then the step's FP8 shapes against Triton and the mma form at 1-64 rows (~4 min)
-#   bash benchmarks/h200_checks.sh gatemhc    # the MoE gate's logits made by the mHC finish launch (GATE_IN_MHC_ROWS): its GPU tests, the step A/B at 1-64 rows with arms at 1 and 4 rows, timelines (~7 min)
-#   bash benchmarks/h200_checks.sh gatemhc1   # gatemhc's 1-row arms with the Sinkhorn beside, in the finish and on its own stream, timelines (~2 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh gmfew      # gate-up's task halves on warp pairs at 1 row: the group-major GPU tests, the experts calls, the step's bit tests, the step A/B/C at 1-4 rows, ncu at 1 row (~3 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh gmdefault  # the session's defaults of 2026-12-07 against its start at 1-64 rows, final's bit tests, the table (~9 min)
 #   bash benchmarks/h200_checks.sh steptests  # final's bit tests of the step alone, without the kernels' (~1.5 min)
@@ -618,29 +616,6 @@ for group in "$@"; do
       # First run (21:12, one H100): correct, the mma form's bits, no faster; again for the prologue's loads 4 at a time
       step gemv_wg_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_cuda_experiments.py -k wgmma
       step gemv_wg 300 python3 benchmarks/kernels/gemv_variants.py --out "$OUT/gemv_wg" --ms 1,4,16,64 ;;
-    gatemhc)  # fast.GATE_IN_MHC_ROWS (built 2026-12-08 without a device): the MoE gate's logits made by the mHC finish
-      # launch's gate programs, so no gate launch between the mHC and the routing; while on, the gate sums in
-      # gate_tree's order at every row count (gate_tree's own launch above the setting). Its GPU tests (gate_tree's
-      # bits against its ref at V4's shape, the gate programs' against gate_tree, the step's against gate_tree's launch,
-      # a row alone against the batch), then the step A/B at 1-64 rows, 3 rounds: off (linear_bf16) against the gate
-      # programs at 1 row (gate_tree's launch above) and at up to 4 rows, with the 1-row timelines
-      step gatemhc_tests 240 python3 -m pytest -q -rfE --timeout 200 -m gpu tests/kernels/test_gate_tree.py \
-        tests/kernels/test_mhc.py tests/test_fast_gpu.py -k "gate_tree or gate_programs or gate_in_the_mhc"
-      ab gatemhc 260 --layers 30 --batch 1,2,4,16,64 --rounds 3 --timeline-batch 1 --arm "off=" \
-        --arm "g1=import megastep.model.fast as f; f.GATE_IN_MHC_ROWS = 1" \
-        --arm "g4=import megastep.model.fast as f; f.GATE_IN_MHC_ROWS = 4" ;;
-    gatemhc1)  # gatemhc's 1-row loss (+4.4 % on one H100, 2026-12-08 00:28): its timelines show the shared expert
-      # ending after down, its side stream queued behind the mHC's Sinkhorn launch, which is forked after the finish
-      # launch that now holds the gate programs, and act_quant's and down's CTAs placed early on the SMs the ring leaves.
-      # The 1-row step, off against g1, with the Sinkhorn beside on the side stream (the default), in the finish launch
-      # (MHC_SINKHORN_BESIDE_ROWS = 0) and on a stream of its own; g1 with the shared expert forked before the router
-      ab gatemhc1 200 --layers 30 --batch 1 --rounds 3 --timeline-batch 1 --arm "off=" \
-        --arm "g1=import megastep.model.fast as f; f.GATE_IN_MHC_ROWS = 1" \
-        --arm "off_in=import megastep.model.fast as f; f.MHC_SINKHORN_BESIDE_ROWS = 0" \
-        --arm "g1_in=import megastep.model.fast as f; f.MHC_SINKHORN_BESIDE_ROWS = 0; f.GATE_IN_MHC_ROWS = 1" \
-        --arm "off_own=import megastep.model.fast as f; f.MHC_SINKHORN_OWN_STREAM_ROWS = (1, 4)" \
-        --arm "g1_own=import megastep.model.fast as f; f.MHC_SINKHORN_OWN_STREAM_ROWS = (1, 4); f.GATE_IN_MHC_ROWS = 1" \
-        --arm "g1_early=import megastep.model.fast as f; f.GATE_IN_MHC_ROWS = 1; f.MOE_PLAN = ((1, 'cuda', False, 'mhc'),) + f.MOE_PLAN[1:]" ;;
     gm_ab)  # gmdefault's A/B alone (with `table` after it: the H200's 30-layer step without the bit tests, which ran on
       # an H100)
       gm_default_ab ;;

@@ -438,31 +438,3 @@ def test_q_norm_in_the_x_launch_changes_no_bits(monkeypatch):
     got = alone_then_batched(build(experts="lut"))
     assert any(tails)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
-
-
-def test_gate_in_the_mhc_launch_changes_no_bits(monkeypatch):
-    """fast.GATE_IN_MHC_ROWS: the MoE gate's logits made by the mHC finish launch's gate programs
-    (the setting at 16: at 1 row, graphs with PDL, and in a batch of 16) against gate_tree's own
-    launch after the finish (mhc.gate_in_finish patched off): the same greedy logits bit for bit,
-    the gate programs really launched; and with the setting at 1 (gate programs at 1 row, gate_tree's
-    launch at 16 rows) a row alone gives its bits in a batch of 16."""
-    from megastep.kernels import mhc
-    from megastep.model import fast
-
-    monkeypatch.setattr(fast, "GATE_IN_MHC_ROWS", 16)
-    real = mhc.gate_in_finish
-    folds = []
-
-    def spy(*a, **k):
-        folds.append(real(*a, **k))
-        return folds[-1]
-
-    monkeypatch.setattr(mhc, "gate_in_finish", spy)
-    got = alone_then_batched(build(experts="lut"))
-    assert folds and all(folds)
-    monkeypatch.setattr(mhc, "gate_in_finish", lambda *a, **k: False)
-    want = alone_then_batched(build(experts="lut"))
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
-    monkeypatch.setattr(mhc, "gate_in_finish", real)
-    monkeypatch.setattr(fast, "GATE_IN_MHC_ROWS", 1)
-    test_alone_equals_row_of_batch_of_16("lut")

@@ -31,14 +31,6 @@ into 1: each mixes program first makes its slice of the updated streams from the
 (the post kernel's arithmetic, products rounded on their own, `_mul_rn`), stores it for the finish
 and the next post, and mixes it: one launch per sublayer fewer, the same bits.
 
-`mhc_post_pre(..., gate=)` (the sublayer after is an MoE one) adds gate programs to the finish
-launch, grid (B, base + E / gate_experts): each makes its row's normed x again (`_normed_row`, the
-collapse program's code on the same inputs, so its bits) and the logits of gate_experts experts in
-gate_tree's order (exact products summed by a pairwise tree over next_pow2(D)), so the routing
-launch reads the logits straight from the finish: no gate launch between them. The gate rows are
-asked of L2 before the PDL wait and loaded with the streams. Only with the row in registers
-(`gate_in_finish`); else gate_tree's own launch makes the same bits after the finish.
-
 Rounding points follow ops exactly: every product is rounded before it is summed (the finish and
 post kernels are compiled with enable_fp_fusion=False, so no FMA contraction), sums over streams
 run j = 0..hc-1 in order like torch's reduction over a non-inner dim (and the 4-long row and
@@ -73,8 +65,7 @@ import triton
 import triton.language as tl
 
 from megastep.config import ModelConfig
-from megastep.kernels.common import l2_prefetch_rows, launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
-from megastep.kernels.gate_tree import gate_tree, gate_tree_ref, tree_last
+from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
 from megastep.model import ops
 
 
@@ -91,13 +82,9 @@ class MhcConfig:
     # the same operations on the same values: the same bits), not on a [4, 4] tile spread over
     # the program's warps. Pinned for V4-Flash below (measured on one H200).
     sinkhorn_scalar: bool = False
-    # experts per gate program of the finish launch (`mhc_post_pre(..., gate=)`): the weight rows a
-    # program holds beside the row's streams (2 x 8 KB at V4-Flash's D; E / 2 programs a row)
-    gate_experts: int = 2
 
     def check(self) -> None:
-        for v in (self.kc, self.block_m, self.block_d, self.post_block_d, self.num_warps, self.finish_warps,
-                  self.gate_experts):
+        for v in (self.kc, self.block_m, self.block_d, self.post_block_d, self.num_warps, self.finish_warps):
             assert v >= 1 and v & (v - 1) == 0, self
         assert self.kc >= 16 and self.block_d >= 16 and self.post_block_d >= 16, self
 
@@ -368,51 +355,35 @@ def _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_row, comb_row, K, iters,
 
 
 @triton.jit
-def _normed_row(prow, s_ok, h_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps, stride_hj,
-                HC: tl.constexpr, MIX: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr,
-                INTERPRET: tl.constexpr):
-    """rms_norm(bf16(sum_j pre_j h_j)) of one row with the whole row in registers (BLOCK_D >= D), its
-    bf16 values as fp32 [BLOCK_D] (zero past D), and the row's offsets and mask. h and the norm weight
-    are loaded before anything else: their latency hides behind the partial sums."""
-    jj = tl.arange(0, HC)
-    pre_part = _load_mix_sq(prow, s_ok, 0, HC, MIX)
-    scale0 = tl.load(scale_ptr)
-    pre_base = tl.load(base_ptr + jj)
-    offs = tl.arange(0, BLOCK_D)
-    m = offs < D
-    hv = tl.load(h_row + jj[:, None] * stride_hj + offs[None, :], mask=m[None, :], other=0.0)  # [HC, BLOCK_D]
-    wv = tl.load(w_ptr + offs, mask=m, other=0.0)
-    pre_mix, rs = _mix_rs(pre_part, K, norm_eps, HC, SP)
-    pre_mix = pre_mix * rs
-    pre = tl.sigmoid(pre_mix * scale0 + pre_base) + hc_eps  # [HC]
-    # x = sum_j pre_j h_j (in order), bf16 round; the sum of squares by `_tree_1d` over the row
-    prod = pre[:, None] * hv.to(tl.float32)  # [HC, BLOCK_D]: pre_j h_j, the streams in registers
-    acc = _take(prod, jj[:, None], 0, 0)
-    for j in tl.static_range(1, HC):
-        acc = acc + _take(prod, jj[:, None], j, 0)
-    xr = round_bf16(acc, INTERPRET)
-    rn = tl.div_rn(1.0, tl.sqrt_rn(_tree_1d(xr * xr, BLOCK_D) / D + norm_eps))
-    return round_bf16(wv * (xr * rn), INTERPRET), offs, m
-
-
-@triton.jit
 def _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps, stride_hj,
                   HC: tl.constexpr, MIX: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr,
                   NCHP: tl.constexpr, INTERPRET: tl.constexpr):
     """x = rms_norm(bf16(sum_j pre_j h_j)) of one row, stored. NCHP == 1 (BLOCK_D >= D): the whole
-    row in registers (`_normed_row`); else BLOCK_D chunks, the unnormalized row stored and re-read."""
+    row in registers, its h and norm weight loaded before anything else (their latency hides
+    behind the partial sums); else BLOCK_D chunks, the unnormalized row stored and re-read."""
+    jj = tl.arange(0, HC)
+    pre_part = _load_mix_sq(prow, s_ok, 0, HC, MIX)
+    scale0 = tl.load(scale_ptr)
+    pre_base = tl.load(base_ptr + jj)
     if NCHP == 1:
-        y, offs, m = _normed_row(prow, s_ok, h_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps, stride_hj,
-                                 HC, MIX, SP, BLOCK_D, INTERPRET)
-        tl.store(x_row + offs, y.to(x_row.dtype.element_ty), mask=m)
+        offs = tl.arange(0, BLOCK_D)
+        m = offs < D
+        hv = tl.load(h_row + jj[:, None] * stride_hj + offs[None, :], mask=m[None, :], other=0.0)  # [HC, BLOCK_D]
+        wv = tl.load(w_ptr + offs, mask=m, other=0.0)
+    pre_mix, rs = _mix_rs(pre_part, K, norm_eps, HC, SP)
+    pre_mix = pre_mix * rs
+    pre = tl.sigmoid(pre_mix * scale0 + pre_base) + hc_eps  # [HC]
+    # x = sum_j pre_j h_j (in order), bf16 round; the sum of squares by `_tree_1d` over the row
+    if NCHP == 1:
+        prod = pre[:, None] * hv.to(tl.float32)  # [HC, BLOCK_D]: pre_j h_j, the streams in registers
+        acc = _take(prod, jj[:, None], 0, 0)
+        for j in tl.static_range(1, HC):
+            acc = acc + _take(prod, jj[:, None], j, 0)
+        xr = round_bf16(acc, INTERPRET)
+        rn = tl.div_rn(1.0, tl.sqrt_rn(_tree_1d(xr * xr, BLOCK_D) / D + norm_eps))
+        y = wv * (xr * rn)
+        tl.store(x_row + offs, round_bf16(y, INTERPRET).to(x_row.dtype.element_ty), mask=m)
     else:
-        jj = tl.arange(0, HC)
-        pre_part = _load_mix_sq(prow, s_ok, 0, HC, MIX)
-        scale0 = tl.load(scale_ptr)
-        pre_base = tl.load(base_ptr + jj)
-        pre_mix, rs = _mix_rs(pre_part, K, norm_eps, HC, SP)
-        pre_mix = pre_mix * rs
-        pre = tl.sigmoid(pre_mix * scale0 + pre_base) + hc_eps  # [HC]
         cidx = tl.arange(0, NCHP)
         csq = tl.zeros([NCHP], dtype=tl.float32)  # per-chunk sums of squares (subtrees of the row's tree)
         for d0 in range(0, D, BLOCK_D):
@@ -435,65 +406,17 @@ def _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc
 
 
 @triton.jit
-def _gate_row(prow, s_ok, h_row, w_ptr, scale_ptr, base_ptr, gate_ptr, logit_row, e0, E, D, K, hc_eps, norm_eps,
-              stride_hj, stride_ge, HC: tl.constexpr, MIX: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr,
-              GATE: tl.constexpr, INTERPRET: tl.constexpr):
-    """A gate program: the row's normed x made again in registers (`_normed_row`, the collapse
-    program's bits), then the logits of experts [e0, e0 + GATE) by gate_tree's order (the products
-    exact, summed by the pairwise tree over BLOCK_D = next_pow2(D)), stored. The gate rows are loaded
-    first, so they are in flight with h."""
-    ex = e0 + tl.arange(0, GATE)
-    offs = tl.arange(0, BLOCK_D)
-    gv = tl.load(gate_ptr + ex.to(tl.int64)[:, None] * stride_ge + offs[None, :],
-                 mask=(ex < E)[:, None] & (offs < D)[None, :], other=0.0)
-    y, offs, m = _normed_row(prow, s_ok, h_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps, stride_hj,
-                             HC, MIX, SP, BLOCK_D, INTERPRET)
-    lg = tree_last(gv.to(tl.float32) * y[None, :], GATE, BLOCK_D)
-    tl.store(logit_row + ex, lg, mask=ex < E)
-
-
-@triton.jit
-def _finish_roles(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, post_row, comb_row, D, K, iters, hc_eps,
-                  norm_eps, stride_hj, role, HC: tl.constexpr, MIX: tl.constexpr, SP: tl.constexpr,
-                  BLOCK_D: tl.constexpr, NCHP: tl.constexpr, SINKHORN: tl.constexpr, APART: tl.constexpr,
-                  SCALAR: tl.constexpr, INTERPRET: tl.constexpr):
-    """The collapse and Sinkhorn programs of `_hc_finish_kernel` (role: program id 1 + ROLE0)."""
-    if SINKHORN:
-        if APART:
-            if role == 0:
-                _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
-                              stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
-            else:
-                _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_row, comb_row, K, iters, hc_eps, norm_eps, HC,
-                              MIX, SP, SCALAR)
-        else:
-            _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_row, comb_row, K, iters, hc_eps, norm_eps, HC, MIX,
-                          SP, SCALAR)
-            _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
-                          stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
-    else:
-        _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
-                      stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
-
-
-@triton.jit
 def _hc_finish_kernel(
-    part_ptr, h_ptr, scale_ptr, base_ptr, w_ptr, x_ptr, post_ptr, comb_ptr, gate_ptr, logit_ptr,
-    B, D, K, S, E, iters, hc_eps, norm_eps,
-    stride_hb, stride_hj, stride_xb, stride_ge, stride_lb,
+    part_ptr, h_ptr, scale_ptr, base_ptr, w_ptr, x_ptr, post_ptr, comb_ptr,
+    B, D, K, S, iters, hc_eps, norm_eps,
+    stride_hb, stride_hj, stride_xb,
     HC: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, SP: tl.constexpr,
     BLOCK_D: tl.constexpr, NCHP: tl.constexpr, SINKHORN: tl.constexpr, APART: tl.constexpr,
-    SCALAR: tl.constexpr, ROLE0: tl.constexpr, GATE: tl.constexpr, GBASE: tl.constexpr, GLINES: tl.constexpr,
-    INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    SCALAR: tl.constexpr, ROLE0: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (b, 0): collapse + RMSNorm of row b; with SINKHORN the post and comb mixes too, done
     # by program (b, 1) when APART (the two run side by side), else before the collapse. ROLE0 = 1
-    # (APART, grid (B, 1)): this launch runs the Sinkhorn programs only, the collapse has its own.
-    # GATE > 0: programs (b, GBASE + g) are gate programs, each the logits of GATE experts of row b
-    pid1 = tl.program_id(1)
-    if GLINES > 0:
-        if pid1 >= GBASE:  # (PDL) its gate rows asked of L2 while the previous kernel drains
-            l2_prefetch_rows(gate_ptr, (pid1 - GBASE) * GATE, E, stride_ge, 0, D, D, GATE, GLINES)
+    # (APART, grid (B, 1)): this launch runs the Sinkhorn programs only, the collapse has its own
     pdl_enter(PDL)
     b = tl.program_id(0)
     b64 = b.to(tl.int64)
@@ -502,21 +425,22 @@ def _hc_finish_kernel(
     prow = part_ptr + (sidx.to(tl.int64) * B + b) * MIXP  # [SP] row starts of this row's partials
     h_row = h_ptr + b64 * stride_hb
     x_row = x_ptr + b64 * stride_xb
-    post_row = post_ptr + b64 * HC
-    comb_row = comb_ptr + b64 * HC * HC
-    if GATE > 0:
-        if pid1 >= GBASE:
-            _gate_row(prow, s_ok, h_row, w_ptr, scale_ptr, base_ptr, gate_ptr, logit_ptr + b64 * stride_lb,
-                      (pid1 - GBASE) * GATE, E, D, K, hc_eps, norm_eps, stride_hj, stride_ge, HC, MIX, SP, BLOCK_D,
-                      GATE, INTERPRET)
+    if SINKHORN:
+        if APART:
+            if tl.program_id(1) + ROLE0 == 0:
+                _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
+                              stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
+            else:
+                _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_ptr + b64 * HC, comb_ptr + b64 * HC * HC,
+                              K, iters, hc_eps, norm_eps, HC, MIX, SP, SCALAR)
         else:
-            _finish_roles(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, post_row, comb_row, D, K, iters,
-                          hc_eps, norm_eps, stride_hj, pid1 + ROLE0, HC, MIX, SP, BLOCK_D, NCHP, SINKHORN, APART,
-                          SCALAR, INTERPRET)
+            _sinkhorn_row(prow, s_ok, scale_ptr, base_ptr, post_ptr + b64 * HC, comb_ptr + b64 * HC * HC,
+                          K, iters, hc_eps, norm_eps, HC, MIX, SP, SCALAR)
+            _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
+                          stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
     else:
-        _finish_roles(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, post_row, comb_row, D, K, iters,
-                      hc_eps, norm_eps, stride_hj, pid1 + ROLE0, HC, MIX, SP, BLOCK_D, NCHP, SINKHORN, APART,
-                      SCALAR, INTERPRET)
+        _collapse_row(prow, s_ok, h_row, x_row, w_ptr, scale_ptr, base_ptr, D, K, hc_eps, norm_eps,
+                      stride_hj, HC, MIX, SP, BLOCK_D, NCHP, INTERPRET)
 
 
 @triton.jit
@@ -572,21 +496,11 @@ def _y2_operand(y: torch.Tensor, y2: torch.Tensor | None) -> tuple[torch.Tensor,
 CURRENT_STREAM = "current"
 
 
-def gate_in_finish(D: int, E: int, config: MhcConfig | None = None, hc: int = 4) -> bool:
-    """Whether the finish launch makes the gate's logits itself for D channels and E experts (the
-    collapse keeps the whole row in registers, padded to next_pow2(D) as gate_tree's order pads K);
-    else `_collapse` calls gate_tree after it: the same bits either way."""
-    cfg = config or pick_config(hc, D)
-    return E > 0 and min(cfg.block_d, max(16, next_pow2(D))) == next_pow2(D)
-
-
 def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn, config, update=None,
-              sinkhorn_stream=None, gate=None):
-    """The mixes and finish launches -> (x, post, comb, the streams collapsed, the gate's logits or
-    None). With update = (y, post, comb, y2) the mixes launch first makes the updated streams h' =
-    hc_post(y, h, post, comb) (y2: see mhc_post), stores them and collapses those (returned 4th);
-    else h itself. gate [E, D] bf16: the logits x @ gate^T [B, E] fp32 in gate_tree's order, made by
-    gate programs of the finish launch (`gate_in_finish`), else by gate_tree after it.
+              sinkhorn_stream=None):
+    """The mixes and finish launches -> (x, post, comb, the streams collapsed). With update =
+    (y, post, comb, y2) the mixes launch first makes the updated streams h' = hc_post(y, h, post,
+    comb) (y2: see mhc_post), stores them and collapses those (returned last); else h itself.
     sinkhorn_stream: None, the Sinkhorn in the finish launch; a CUDA stream, its own launch on that
     stream, forked after the collapse launch (it needs only the mixes' partials; a fork right after
     the mixes was slower at 2-16 rows: docs/PERFORMANCE.md, twentieth measurement), and the
@@ -611,14 +525,8 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
     if update is not None:
         _check_update(update[0], h, *update[1:])
         hout = torch.empty(B, hc, D, dtype=h.dtype, device=dev)
-    logits = None
-    if gate is not None:
-        assert gate.dim() == 2 and gate.shape[1] == D and gate.dtype == torch.bfloat16 and gate.stride(1) == 1, (
-            gate.shape, gate.dtype)
-        assert gate.device == dev
-        logits = torch.empty(B, gate.shape[0], dtype=torch.float32, device=dev)
     if B == 0:
-        return x, post, comb, hout, logits
+        return x, post, comb, hout
     S = -(-K // cfg.kc)
     mixp = next_pow2(mix + 1)
     part = torch.empty(S, B, mixp, dtype=torch.float32, device=dev)
@@ -637,27 +545,19 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
     block_d = min(cfg.block_d, max(16, next_pow2(D)))
     own = sinkhorn and sinkhorn_stream is not None  # the Sinkhorn programs in a launch of their own
     apart = own or (sinkhorn and cfg.sinkhorn_apart)
-    base_programs = 1 if own or not apart else 2
-    fold = gate is not None and gate_in_finish(D, gate.shape[0], cfg, hc)
-    ge = cfg.gate_experts if fold else 0
 
-    def finish(grid: tuple[int, int], role0: int, gate_experts: int = 0) -> None:
-        opts = launch_opts(h, grid)
-        g = gate if gate_experts else x  # (never read without gate programs)
+    def finish(grid: tuple[int, int], role0: int) -> None:
         _hc_finish_kernel[grid](
-            part, h, scale, base, norm_w, x, post, comb, g, logits if gate_experts else post,
-            B, D, K, S, g.shape[0], iters, hc_eps, norm_eps,
-            h.stride(0), h.stride(1), x.stride(0), g.stride(0), logits.stride(0) if gate_experts else 0,
+            part, h, scale, base, norm_w, x, post, comb,
+            B, D, K, S, iters, hc_eps, norm_eps,
+            h.stride(0), h.stride(1), x.stride(0),
             HC=hc, MIX=mix, MIXP=mixp, SP=next_pow2(S), BLOCK_D=block_d, NCHP=next_pow2(-(-D // block_d)),
-            SINKHORN=sinkhorn, APART=apart, SCALAR=cfg.sinkhorn_scalar and hc == 4, ROLE0=role0,
-            GATE=gate_experts, GBASE=base_programs if gate_experts else 0,  # (one compile without gate programs)
-            GLINES=next_pow2(-(-D * 2 // 128)) if gate_experts and opts["launch_pdl"] else 0,
-            INTERPRET=interp, num_warps=cfg.finish_warps, enable_fp_fusion=False, **opts,
+            SINKHORN=sinkhorn, APART=apart, SCALAR=cfg.sinkhorn_scalar and hc == 4, ROLE0=role0, INTERPRET=interp,
+            num_warps=cfg.finish_warps, enable_fp_fusion=False,
+            **launch_opts(h, grid),
         )
 
-    finish((B, base_programs + (-(-gate.shape[0] // ge) if fold else 0)), 0, ge)
-    if gate is not None and not fold:
-        gate_tree(x, gate, out=logits)
+    finish((B, 1 if own or not apart else 2), 0)
     if own and isinstance(sinkhorn_stream, str):
         assert sinkhorn_stream == CURRENT_STREAM, sinkhorn_stream
         finish((B, 1), 1)
@@ -666,7 +566,7 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
         with torch.cuda.stream(sinkhorn_stream):
             finish((B, 1), 1)
         part.record_stream(sinkhorn_stream)  # read there after this function has let it go
-    return x, post, comb, h, logits
+    return x, post, comb, h
 
 
 def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor,
@@ -682,15 +582,14 @@ def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 def mhc_post_pre(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                  scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor, hc: int, iters: int, hc_eps: float,
                  norm_eps: float, config: MhcConfig | None = None, y2: torch.Tensor | None = None,
-                 sinkhorn_stream=None, gate: torch.Tensor | None = None):
+                 sinkhorn_stream=None):
     """`mhc_post` then `mhc_pre` of the next sublayer with one launch fewer: the mixes launch makes the
     updated streams itself (the post kernel's arithmetic, rounded product by product) and stores
     them. -> (h' [B, hc, D] bf16, x, post', comb'), the bits of the two calls (y2: as mhc_post's;
-    sinkhorn_stream: as mhc_pre's). gate [E, D] bf16 (the next sublayer's MoE gate): a fifth output,
-    the logits gate_tree(x, gate) [B, E] fp32, bit for bit, made by the finish launch (`_collapse`)."""
-    x, post2, comb2, h2, logits = _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, True, config,
-                                            update=(y, post, comb, y2), sinkhorn_stream=sinkhorn_stream, gate=gate)
-    return (h2, x, post2, comb2) if gate is None else (h2, x, post2, comb2, logits)
+    sinkhorn_stream: as mhc_pre's)."""
+    x, post2, comb2, h2 = _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, True, config,
+                                    update=(y, post, comb, y2), sinkhorn_stream=sinkhorn_stream)
+    return h2, x, post2, comb2
 
 
 def mhc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_w: torch.Tensor,
@@ -748,8 +647,7 @@ def mhc_post_ref(y, h, post, comb, config=None, y2=None):
 
 
 def mhc_post_pre_ref(y, h, post, comb, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, config=None, y2=None,
-                     sinkhorn_stream=None, gate=None):
+                     sinkhorn_stream=None):
     del config, sinkhorn_stream
     h2 = mhc_post_ref(y, h, post, comb, y2=y2)
-    out = (h2, *mhc_pre_ref(h2, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps))
-    return out if gate is None else (*out, gate_tree_ref(out[1], gate))
+    return (h2, *mhc_pre_ref(h2, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps))

@@ -137,14 +137,6 @@ VOCAB_SPLIT = False
 # measurement): 1 row 6.143, 6 rows 10.987, 16 rows 18.296, 64 rows 45.878 ms, within the split's own
 # A/B spread: off.
 BESIDE_ON_RANKS = False
-# Steps of at most this many rows: each MoE sublayer's gate logits are made by the mHC finish launch
-# before it (gate programs beside the collapse, each making the row's normed x again and the logits
-# of 2 experts: mhc_post_pre(gate=)), so no gate launch sits between the mHC and the routing on the
-# 1-row chain (the router stage's share of the step is 1.01: docs/PERFORMANCE.md, twenty-ninth
-# measurement). While it is on (> 0), every step's gate sums in gate_tree's order, above this many
-# rows by gate_tree's own launch, so a row's logits do not depend on the batch. 0: off, the gate by
-# linear_bf16 (or inside the routing's launch). Built 2026-12-08 without a device: off until measured.
-GATE_IN_MHC_ROWS = 0
 # A CSA layer of at most INDEXER_BESIDE_ROWS rows (one GPU): the indexer's work first on its streams.
 # On the side stream, the bf16 rows of the indexer's compressor and weights_proj (4.7 MB at V4-Flash
 # width) in a launch of their own before the attention compressor's (16.8 MB), so the index keys are
@@ -550,16 +542,6 @@ class FastDecoder(MoeSublayer):
         """The Triton kernel on CUDA, its torch `*_ref` twin elsewhere."""
         return getattr(module, name if self.triton else name + "_ref")
 
-    def _gate_tree_on(self, lw: dict) -> bool:
-        """Whether this layer's MoE gate sums in gate_tree's order (GATE_IN_MHC_ROWS)."""
-        return GATE_IN_MHC_ROWS > 0 and self.triton and "gate" in lw and lw["gate"].dtype == torch.bfloat16
-
-    def _gate_in_mhc(self, sub: tuple[int, str], rows: int) -> torch.Tensor | None:
-        """The gate weight the mHC launch before sublayer `sub` should make logits for, or None."""
-        L, kind = sub
-        lw = self.layers[L]
-        return lw["gate"] if kind == "ffn" and rows <= GATE_IN_MHC_ROWS and self._gate_tree_on(lw) else None
-
     def _dense(self, x: torch.Tensor, w: torch.Tensor, config=None) -> torch.Tensor:
         """A BF16 weight in fp32 math (compressor, gate, weights_proj, head): fp32 out. config: the
         kernel's configuration (default: its own for w's shape)."""
@@ -780,19 +762,14 @@ class FastDecoder(MoeSublayer):
         sk = {"sinkhorn_stream": hc_stream} if beside else {}
         with stage(T, "mhc_pre", 0):
             x, post, comb = mhc_pre(h, *mixes(0), **sk)
-        logits = None  # the next MoE sublayer's gate logits, when the mHC launch made them (GATE_IN_MHC_ROWS)
         for i, (L, kind) in enumerate(subs):
-            y = self._attention(x, pos, slots, passes, L) if kind == "attn" else self._moe(x, tokens, L, logits)
+            y = self._attention(x, pos, slots, passes, L) if kind == "attn" else self._moe(x, tokens, L)
             y, y2 = y if isinstance(y, tuple) else (y, None)  # (routed sum, shared output): shared_w2 "mhc"
             if beside:
                 self._join(stream=hc_stream)
             if i + 1 < len(subs):
-                gate = self._gate_in_mhc(subs[i + 1], tokens.shape[0])
                 with stage(T, "mhc_pre", subs[i + 1][0]):
-                    out = post_pre(y.contiguous(), h, post, comb, *mixes(i + 1), y2=y2, **sk,
-                                   **({} if gate is None else {"gate": gate}))
-                h, x, post, comb = out[:4]
-                logits = out[4] if gate is not None else None
+                    h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *mixes(i + 1), y2=y2, **sk)
             else:
                 with stage(T, "mhc_post", L):
                     h = mhc_post(y.contiguous(), h, post, comb, y2=y2)

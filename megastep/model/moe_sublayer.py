@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 import torch
 
-from megastep.kernels import gate_tree as _gate_tree
 from megastep.kernels import linear_fp8 as _lin
 from megastep.kernels import moe as _moe
 from megastep.kernels import pair_combine as _pairs
@@ -79,9 +78,7 @@ class MoeSublayer:
             experts[self.owned[i]] = tuple(t[j] for t in cold_st)
         return _moe.ExpertTable.from_experts(experts, device=dev)
 
-    def _moe(self, x, tokens, L, logits=None):
-        """The MoE sublayer of layer L on its normed input x. logits: its gate's, made by the mHC
-        launch before it (FastDecoder._gate_in_mhc), or None."""
+    def _moe(self, x, tokens, L):
         cfg = self.cfg
         lw = self.layers[L]
         T = self.trace
@@ -110,9 +107,7 @@ class MoeSublayer:
         with stage(T, "router", L):
             # sqrtsoftplus scores, bias top-k (or the hash rows), ids ascending (the reference's
             # summation order), normalized weights times the routed scaling
-            if logits is None and self._gate_tree_on(lw):  # the gate's sums in the order the mHC launch uses
-                logits = _gate_tree.gate_tree(x.contiguous(), lw["gate"])
-            idx, w, routing = (self._route_cuda if router == "cuda" else self._route_triton)(x, tokens, lw, logits)
+            idx, w, routing = (self._route_cuda if router == "cuda" else self._route_triton)(x, tokens, lw)
         if self.route_log is not None:
             self.route_log.append((L, idx.clone()))
         if after_router:  # the side stream forks after the router: beside the experts only
@@ -136,37 +131,33 @@ class MoeSublayer:
                 return _lin.linear_fp8(a, w2.w, w2.scale, block=w2.block, out_dtype=x.dtype, residual=r)
             return (r + w2(a, self.triton).float()).to(x.dtype)
 
-    def _route_cuda(self, x, tokens, lw, logits=None):
-        """The gate GEMV (unless logits are given), then route_cuda's one launch: routing (a hash
-        layer's rows looked up inside), the pairs grouped and x quantized for the experts -> (idx, w,
-        routing or None). Up to route_cuda.FUSED_GATE_ROWS rows the gate GEMV runs inside that launch
-        (the same bits)."""
+    def _route_cuda(self, x, tokens, lw):
+        """The gate GEMV, then route_cuda's one launch: routing (a hash layer's rows looked up
+        inside), the pairs grouped and x quantized for the experts -> (idx, w, routing or None).
+        Up to route_cuda.FUSED_GATE_ROWS rows the gate GEMV runs inside that launch (the same bits)."""
         cfg = self.cfg
         k = cfg.num_experts_per_tok
         group = "experts" in lw and x.dtype == torch.bfloat16 and x.shape[0] * k <= _route_cuda.MAX_GROUPED_PAIRS
-        if logits is None and group and self.triton and _route_cuda.fused_gate_ok(x, lw["gate"], k):
+        if group and self.triton and _route_cuda.fused_gate_ok(x, lw["gate"], k):
             return _route_cuda.gate_route_group(x, lw["gate"], lw.get("gate_bias"), lw.get("tid2eid"),
                                                 tokens.contiguous() if "tid2eid" in lw else None, k,
                                                 cfg.routed_scaling_factor, permute=_moe.permutes(self.moe_mode))
-        if logits is None:
-            logits = self._dense(x, lw["gate"])
-        return _route_cuda.route_group(logits.contiguous(), lw.get("gate_bias"), lw.get("tid2eid"),
+        return _route_cuda.route_group(self._dense(x, lw["gate"]).contiguous(), lw.get("gate_bias"), lw.get("tid2eid"),
                                        tokens.contiguous() if "tid2eid" in lw else None, k, cfg.routed_scaling_factor,
                                        x.contiguous() if group else None, permute=_moe.permutes(self.moe_mode))
 
-    def _route_triton(self, x, tokens, lw, logits=None):
+    def _route_triton(self, x, tokens, lw):
         """router.py's launches -> (idx, w, routing or None): by batch, the gate, routing, grouping
         and x quantization in one launch, or the gate apart, or the grouping left to the experts."""
         cfg = self.cfg
         hash_rows = lw["tid2eid"][tokens] if "tid2eid" in lw else None
         k, scaling, gate = cfg.num_experts_per_tok, cfg.routed_scaling_factor, lw["gate"]
         grouped = self.triton and "experts" in lw and x.shape[0] * k <= _router.MAX_GROUPED_PAIRS
-        if logits is None and grouped and x.shape[0] <= _router.MAX_GATE_ROWS and x.dtype == gate.dtype == torch.bfloat16:
+        if grouped and x.shape[0] <= _router.MAX_GATE_ROWS and x.dtype == gate.dtype == torch.bfloat16:
             idx, w, routing, _ = _router.gate_route_group(x.contiguous(), gate, lw.get("gate_bias"), hash_rows, k,
                                                           scaling, permute=_moe.permutes(self.moe_mode))
             return idx, w, routing
-        route_args = ((self._dense(x, gate) if logits is None else logits).contiguous(), lw.get("gate_bias"), hash_rows,
-                      k, scaling)
+        route_args = (self._dense(x, gate).contiguous(), lw.get("gate_bias"), hash_rows, k, scaling)
         if grouped:
             return _router.route_group(*route_args, x.contiguous(), permute=_moe.permutes(self.moe_mode))
         return (*self._kernel(_router, "route")(*route_args), None)
