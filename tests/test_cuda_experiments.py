@@ -42,6 +42,7 @@ def test_gemv_source_builds_with_every_entry(tmp_path, monkeypatch):
         for nb in (1, 2, 4, 8):
             assert f"gemv_fp8_nt{nt}_nb{nb}".encode() in cubin, (nt, nb)
             assert f"gemv_fp8_wg_nt{nt}_nb{nb}".encode() in cubin, (nt, nb)
+            assert f"gemv_fp8_wgc_nt{nt}_nb{nb}".encode() in cubin, (nt, nb)
 
 
 @pytest.mark.parametrize("N,K,gated", [(1536, 4096, False), (40960, 1024, False), (4096, 8192, False),
@@ -58,6 +59,9 @@ def test_configs_keep_within_the_kernel(N, K, gated):
             w = GV.pick_config_wg(M, N, K)
             assert w.wg and w.r in (4, 8) and (N // 16) % w.r == 0 and w.nb == c.nb, (M, w)
             assert 8 * w.nt >= min(M, 8) and GV._smem(w.nt, w.nb, w.r, True) <= GV.SMEM_LIMIT
+            s = GV.pick_config_wg(M, N, K, cp=True)  # the staged form: a bf16 slice beside the tiles
+            assert s.cp and s.nb == c.nb and s.r == w.r and GV._smem(s.nt, s.nb, s.r, True, 2) <= GV.SMEM_LIMIT
+            assert GV._smem(s.nt, s.nb, s.r, True, 4) <= 227 * 1024  # an fp32 x still fits an SM
     assert len(nbs) == 1  # the K split, hence every row's order of sums, depends on the shape only
 
 
@@ -239,11 +243,14 @@ def test_gpu_chain_probe_matches_the_ref_and_its_own_bits():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cp", [False, True], ids=["wg", "staged"])
 @pytest.mark.parametrize("N,K,residual", [(1536, 4096, False), (4096, 8192, True), (4096, 2048, True)])
-def test_gpu_gemv_wgmma_form_matches_the_ref_and_its_rows_alone(N, K, residual):
-    """The wgmma form of the CUDA GEMV (built 2026-12-07 without a device): within one bf16 step of
-    linear_fp8_ref at 1, 3, 16 and 64 rows (two row groups at 64), the same bits run to run, and each
-    row alone (its own 1-row configuration) the row's bits in the batch."""
+def test_gpu_gemv_wgmma_form_matches_the_ref_and_its_rows_alone(N, K, residual, cp):
+    """The wgmma form of the CUDA GEMV (built 2026-12-07 without a device) and its staged form (x's
+    slice copied by cp.async, 2026-12-08): within one bf16 step of linear_fp8_ref at 1, 3, 16 and 64 rows
+    (two row groups at 64), the same bits run to run, each row alone (its own 1-row configuration) the
+    row's bits in the batch; the staged form with x's codes too, against the wgmma form's bits."""
+    from megastep.checkpoint import formats
     import bench_kernels as BK
 
     from megastep.kernels import linear_fp8 as LIN
@@ -253,17 +260,22 @@ def test_gpu_gemv_wgmma_form_matches_the_ref_and_its_rows_alone(N, K, residual):
     for M in (1, 3, 16, 64):
         x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
         res = torch.randn(M, N, device="cuda", generator=g) if residual else None
-        cfg = GV.pick_config_wg(M, N, K)
+        cfg = GV.pick_config_wg(M, N, K, cp)
 
-        def call(x=x, res=res, cfg=cfg, M=M):
+        def call(x=x, res=res, cfg=cfg, M=M, xc=None):
             out = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
-            return GV.gemv_fp8(x, w, s, out, residual=res, config=cfg)
+            return GV.gemv_fp8(x, w, s, out, residual=res, config=cfg, x_codes=xc)
 
         y = call()
         ok, msg = BK.check_linear(y, LIN.linear_fp8_ref(x, w, s, residual=res))
         assert ok, (M, cfg, msg)
         assert torch.equal(y.view(torch.int16), call().view(torch.int16)), (M, cfg)
-        one = GV.pick_config_wg(1, N, K)
+        if cp:  # the unstaged form's bits, from x and from x's codes and scales (staged by their own copies)
+            wg = GV.pick_config_wg(M, N, K)
+            assert torch.equal(y.view(torch.int16), call(cfg=wg).view(torch.int16)), M
+            codes = formats.fp8_act_quant(x.float(), 128)
+            assert torch.equal(call(xc=codes).view(torch.int16), call(cfg=wg, xc=codes).view(torch.int16)), M
+        one = GV.pick_config_wg(1, N, K, cp)
         for i in range(M):
             alone = torch.empty(1, N, dtype=torch.bfloat16, device="cuda")
             GV.gemv_fp8(x[i:i + 1], w, s, alone, residual=None if res is None else res[i:i + 1], config=one)

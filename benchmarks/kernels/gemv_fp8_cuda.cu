@@ -32,6 +32,8 @@ namespace {
 using experiments::ld_stream;
 using experiments::round_bf16;
 using megastep::add_block;
+using megastep::cp_async16;
+using megastep::cp_async_commit;
 using megastep::e4m3x4_to_f16x2;
 using megastep::e8m0_to_f32;
 using megastep::fp8_pair;
@@ -50,6 +52,12 @@ __device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.s
 __device__ __forceinline__ void wg_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 // st.shared (generic proxy) before wgmma reads the same memory (async proxy)
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// 4 bytes global -> shared (the staged form's activation scales), and the wait for every copy issued
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 // K-major B operand, 128-byte swizzle, 8-row groups 1024 bytes apart (a shared address, 1024-aligned tile)
 __device__ __forceinline__ uint64_t b_desc(uint32_t saddr) { return 0x4000004000000000ull | ((saddr & 0x3FFFFu) >> 4); }
 
@@ -117,7 +125,9 @@ struct Args {
 
 // NT: n-tiles of 8 rows of x per CTA (MG = 8 NT rows); NB: 128-blocks of K per CTA (Kc = 128 NB).
 // kWg: the wgmma form (its warps in groups of 4 over 64 consecutive channels, not gated).
-template <int NT, int NB, bool kWg = false>
+// kCp (with kWg): the CTA's x slice (or its codes and scales) copied to shared memory by cp.async in one
+// round trip, beside the weight's first loads, before any conversion (the staged form).
+template <int NT, int NB, bool kWg = false, bool kCp = false>
 __device__ __forceinline__ void gemv_fp8(const Args& a) {
   constexpr int MG = 8 * NT, KC = 128 * NB, XS = KC + kPad;
   constexpr int kHalf = MG * 128;  // kWg: a 64-wide K half of a block's x tile, bytes (a multiple of 1024)
@@ -127,6 +137,8 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
   unsigned char* xw = kWg ? smem + ((1024u - static_cast<uint32_t>(__cvta_generic_to_shared(smem))) & 1023u) : smem;
   float* scsh = reinterpret_cast<float*>(kWg ? xw + NB * 2 * kHalf : smem + MG * XS * sizeof(__half));  // [MG][NB]
   float* red = reinterpret_cast<float*>(smem);                          // [warps * 16][MG], reused
+  // kCp: the raw x slice [MG][KC] (bf16, fp32 or e4m3 codes), after the scales (16-byte aligned)
+  unsigned char* stg = reinterpret_cast<unsigned char*>(scsh + MG * NB);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, q = lane & 3;
@@ -159,6 +171,23 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
       reinterpret_cast<uint4*>(xw)[i] = make_uint4(0u, 0u, 0u, 0u);
     __syncthreads();
   }
+  const int eb = a.codes ? 1 : (a.x_f32 ? 4 : 2);  // bytes of an x element as given
+  if constexpr (kCp) {  // every thread's copies issued, then one wait: a single round trip for the slice
+    const int chunks = KC * eb / 16;  // 16-byte copies per row
+    for (int i = threadIdx.x; i < mv * chunks; i += blockDim.x) {
+      const int m = i / chunks, c = i % chunks;
+      const unsigned char* src =
+          a.codes ? a.xc + (m0 + m) * a.stride_cm + k_lo
+                  : static_cast<const unsigned char*>(a.x) + ((m0 + m) * a.stride_xm + k_lo) * eb;
+      cp_async16(stg + m * KC * eb + c * 16, src + c * 16);
+    }
+    if (a.codes)  // the scales straight to where the blocks' sums read them
+      for (int i = threadIdx.x; i < mv * NB; i += blockDim.x)
+        cp_async4(scsh + i, a.xs + (m0 + i / NB) * a.stride_sm + k_lo / 128 + i % NB);
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+  }
   // kU of a warp's x tasks at a time: their loads first, in flight together, then their codes (one task at a
   // time made a warp wait for each load in turn: 32 tasks a warp at 16 rows)
   constexpr int kU = 4;
@@ -170,16 +199,20 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
     for (int u = 0; u < kU; ++u) {
       const int i = i0 + u * nwarps;
       if (i >= tasks) break;
-      const int m = i / NB, k = k_lo + (i % NB) * 128 + lane * 4;
+      const int m = i / NB, kc = (i % NB) * 128 + lane * 4, k = k_lo + kc;
+      // x's element (m, k) as given: in the staged slice (kCp) or in global memory
+      const unsigned char* src =
+          kCp ? stg + (m * KC + kc) * eb
+              : (a.codes ? a.xc + (m0 + m) * a.stride_cm + k
+                         : static_cast<const unsigned char*>(a.x) + ((m0 + m) * a.stride_xm + k) * eb);
       if (a.codes) {
-        cw[u] = *reinterpret_cast<const uint32_t*>(a.xc + (m0 + m) * a.stride_cm + k);
-        cs[u] = lane == 0 ? a.xs[(m0 + m) * a.stride_sm + k / 128] : 0.f;
+        cw[u] = *reinterpret_cast<const uint32_t*>(src);
+        cs[u] = lane == 0 && !kCp ? a.xs[(m0 + m) * a.stride_sm + k / 128] : 0.f;
       } else if (a.x_f32) {
-        const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(a.x) + (m0 + m) * a.stride_xm + k);
+        const float4 f = *reinterpret_cast<const float4*>(src);
         v[u][0] = f.x; v[u][1] = f.y; v[u][2] = f.z; v[u][3] = f.w;
       } else {
-        const uint2 w =
-            *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a.x) + (m0 + m) * a.stride_xm + k);
+        const uint2 w = *reinterpret_cast<const uint2*>(src);
         v[u][0] = __uint_as_float(w.x << 16); v[u][1] = __uint_as_float(w.x & 0xFFFF0000u);
         v[u][2] = __uint_as_float(w.y << 16); v[u][3] = __uint_as_float(w.y & 0xFFFF0000u);
       }
@@ -192,7 +225,7 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
       uint32_t lo, hi;
       if (a.codes) {
         e4m3x4_to_f16x2(cw[u], lo, hi);
-        if (lane == 0) scsh[m * NB + b] = cs[u];
+        if (lane == 0 && !kCp) scsh[m * NB + b] = cs[u];  // kCp: copied there already
       } else {
         float amax = fmaxf(fmaxf(fabsf(v[u][0]), fabsf(v[u][1])), fmaxf(fabsf(v[u][2]), fabsf(v[u][3])));
 #pragma unroll
@@ -331,8 +364,8 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
 
 }  // namespace
 
-// FORM: empty (the mma form) or wg_ (the wgmma form, WG true)
-#define GEMV_FP8_ENTRY(FORM, WG, NT, NB)                                                                 \
+// FORM: empty (the mma form), wg_ (the wgmma form, WG true) or wgc_ (its staged form, WG and CP true)
+#define GEMV_FP8_ENTRY(FORM, WG, CP, NT, NB)                                                                 \
   extern "C" __global__ void __launch_bounds__(256) gemv_fp8_##FORM##nt##NT##_nb##NB(                    \
       const void* x, long long stride_xm, int x_f32, const uint8_t* xc, const float* xs,                 \
       long long stride_cm, long long stride_sm, int codes, const uint8_t* w, long long stride_wn,        \
@@ -341,13 +374,14 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
       float limit) {                                                                                     \
     const Args a{x, stride_xm, x_f32, xc, xs, stride_cm, stride_sm, codes, w, stride_wn, ws, stride_wsn, \
                  out, stride_om, out_bf16, res, stride_rm, res_mode, part, cnt, M, N, gated, limit};      \
-    gemv_fp8<NT, NB, WG>(a);                                                                             \
+    gemv_fp8<NT, NB, WG, CP>(a);                                                                          \
   }
 
-#define GEMV_FP8_FORM(FORM, WG, NB)                                  \
-  GEMV_FP8_ENTRY(FORM, WG, 1, NB) GEMV_FP8_ENTRY(FORM, WG, 2, NB) \
-  GEMV_FP8_ENTRY(FORM, WG, 4, NB) GEMV_FP8_ENTRY(FORM, WG, 8, NB)
-#define GEMV_FP8_NB(NB) GEMV_FP8_FORM(, false, NB) GEMV_FP8_FORM(wg_, true, NB)
+#define GEMV_FP8_FORM(FORM, WG, CP, NB)                                      \
+  GEMV_FP8_ENTRY(FORM, WG, CP, 1, NB) GEMV_FP8_ENTRY(FORM, WG, CP, 2, NB) \
+  GEMV_FP8_ENTRY(FORM, WG, CP, 4, NB) GEMV_FP8_ENTRY(FORM, WG, CP, 8, NB)
+#define GEMV_FP8_NB(NB) \
+  GEMV_FP8_FORM(, false, false, NB) GEMV_FP8_FORM(wg_, true, false, NB) GEMV_FP8_FORM(wgc_, true, true, NB)
 GEMV_FP8_NB(1)
 GEMV_FP8_NB(2)
 GEMV_FP8_NB(4)

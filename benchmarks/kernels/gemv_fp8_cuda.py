@@ -39,7 +39,11 @@ for every row count keep the 1-row gain (wo_b 13.5 against 15.2-15.8 us) and mat
 Answer on one H100 (docs/PERFORMANCE.md, 2026-12-07 from 20:23 UTC, item 4): correct, batch-invariant and bit
 for bit the mma form's, but no faster (wo_b 50.97 us at 16 rows against the mma form's 36.39 and Triton's 18.49):
 the MMAs were not the 4-64-row loss. The prologue's x loads, a warp waiting for each task's in turn, are the
-reading since; they now go out kU = 4 tasks at a time (not yet measured).
+reading since; they now go out kU = 4 tasks at a time (not yet measured). The staged form (`GemvConfig.cp`,
+entries `gemv_fp8_wgc_*`, built 2026-12-08 without a device) takes that reading to its end: each thread issues
+cp.async copies of its share of the CTA's x slice (bf16, fp32 or codes with their scales) into shared memory
+beside the weight's first loads, and one wait covers them all, so the conversion reads shared memory only:
+one round trip to L2 a CTA whatever the rows (more shared memory: the slice as given).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ BLOCK = 128
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv_fp8_cuda.cu")
 _MODULE = CudaModule(_SOURCE, arch="sm_90a")  # wgmma (the wg entries) needs sm_90a
 _SIGNATURE = "pqippqqipqpqpqipqippiiif"
-_KERNELS: dict[tuple[CudaModule, int, int, bool], object] = {}
+_KERNELS: dict[tuple[CudaModule, int, int, bool, bool], object] = {}
 _PAD = 8  # fp16 elements of padding per shared x row (the .cu's kPad)
 SMEM_LIMIT = 96 * 1024  # dynamic shared memory per CTA we allow (two CTAs per SM still fit)
 TARGET_WARPS = 1024  # split K until tiles x splits reaches this (~8 warps per SM)
@@ -70,16 +74,18 @@ class GemvConfig:
     nt: int  # 8-row groups of x per CTA
     r: int  # row tiles (w1/w3 pairs when gated) per CTA
     wg: bool = False  # the wgmma form (r 4 or 8: groups of 4 warps)
+    cp: bool = False  # with wg: the staged form (x's slice copied to shared memory in one round trip)
 
     @property
     def mg(self) -> int:
         return 8 * self.nt
 
 
-def _smem(nt: int, nb: int, warps: int, wg: bool = False) -> int:
+def _smem(nt: int, nb: int, warps: int, wg: bool = False, stage: int = 0) -> int:
+    """stage: bytes of an x element staged as given (the staged form: 1 codes, 2 bf16, 4 fp32), else 0."""
     mg = 8 * nt
-    if wg:  # 1 KB to align the swizzled tiles, 2 halves of mg x 128 bytes per block, the scales
-        codes = 1024 + nb * 2 * mg * 128 + mg * nb * 4
+    if wg:  # 1 KB to align the swizzled tiles, 2 halves of mg x 128 bytes per block, the scales, the slice
+        codes = 1024 + nb * 2 * mg * 128 + mg * nb * 4 + mg * nb * BLOCK * stage
     else:
         codes = mg * (BLOCK * nb + _PAD) * 2 + mg * nb * 4
     return max(codes, warps * 16 * mg * 4)
@@ -110,22 +116,22 @@ def pick_config(M: int, N: int, K: int, gated: bool = False) -> GemvConfig:
     return GemvConfig(nb, nt, r)
 
 
-def pick_config_wg(M: int, N: int, K: int) -> GemvConfig:
+def pick_config_wg(M: int, N: int, K: int, cp: bool = False) -> GemvConfig:
     """The wgmma form's configuration: pick_config's K split and row groups, 8 warps (two groups of 4)
-    unless too few CTAs, then 4."""
+    unless too few CTAs, then 4. cp: the staged form, its row groups sized for a bf16 x."""
     c = pick_config(M, N, K)
     r = 8 if (N // 16) % 8 == 0 and -(-(N // 16) // 8) * (K // (BLOCK * c.nb)) * -(-M // c.mg) >= TARGET_CTAS else 4
     nt = c.nt
-    while nt > 1 and _smem(nt, c.nb, r, True) > SMEM_LIMIT:
+    while nt > 1 and _smem(nt, c.nb, r, True, 2 if cp else 0) > SMEM_LIMIT:
         nt //= 2
-    return GemvConfig(c.nb, nt, r, True)
+    return GemvConfig(c.nb, nt, r, True, cp)
 
 
-def _kernel(module: CudaModule, nt: int, nb: int, wg: bool = False):
-    k = _KERNELS.get((module, nt, nb, wg))
+def _kernel(module: CudaModule, nt: int, nb: int, wg: bool = False, cp: bool = False):
+    k = _KERNELS.get((module, nt, nb, wg, cp))
     if k is None:
-        name = f"gemv_fp8_{'wg_' if wg else ''}nt{nt}_nb{nb}"
-        k = _KERNELS[(module, nt, nb, wg)] = module.kernel(name, _SIGNATURE)
+        name = f"gemv_fp8_{('wgc_' if cp else 'wg_') if wg else ''}nt{nt}_nb{nb}"
+        k = _KERNELS[(module, nt, nb, wg, cp)] = module.kernel(name, _SIGNATURE)
     return k
 
 
@@ -175,19 +181,24 @@ def gemv_fp8(
     assert splits <= MAX_SPLIT and K % (BLOCK * cfg.nb) == 0, (K, cfg)
     # the wgmma form: groups of 4 warps, each warp of a group active (wgmma is issued by all four)
     assert not cfg.wg or (not gated and cfg.r in (4, 8) and (N // 16) % cfg.r == 0 and N % 16 == 0), (N, cfg)
+    assert not cfg.cp or cfg.wg, cfg
     grid = (-(-M // cfg.mg), -(-(N // 16) // cfg.r), splits)
-    smem = _smem(cfg.nt, cfg.nb, warps, cfg.wg)
+    codes = x_codes is not None
+    xc, xs = x_codes if codes else (out, out)
+    eb = 1 if codes else x.element_size()
+    if cfg.cp:  # 16-byte copies of each row's K slice
+        src, row = (xc, xc.stride(0)) if codes else (x, x.stride(0) * eb)
+        assert src.data_ptr() % 16 == 0 and row % 16 == 0, "the staged form copies 16-byte aligned rows"
+    smem = _smem(cfg.nt, cfg.nb, warps, cfg.wg, eb if cfg.cp else 0)
     if splits > 1:
         cta = grid[0] * grid[1]
         part = workspace(x.device, "partials", splits * cta * warps * 16 * cfg.mg, torch.float32)
         cnt = workspace(x.device, "counters", cta, torch.int32)
     else:
         part = cnt = out  # unused
-    codes = x_codes is not None
-    xc, xs = x_codes if codes else (out, out)
     res = residual if residual is not None else out
     res_mode = 0 if residual is None else (1 if residual.dtype == torch.float32 else 2)
-    _kernel(module, cfg.nt, cfg.nb, cfg.wg).launch(
+    _kernel(module, cfg.nt, cfg.nb, cfg.wg, cfg.cp).launch(
         grid, (32 * warps, 1, 1), smem, None,
         x, x.stride(0), int(x.dtype == torch.float32), xc, xs, xc.stride(0), xs.stride(0), int(codes),
         w, w.stride(0), w_scale, w_scale.stride(0), out, out.stride(0), int(out.dtype == torch.bfloat16),
