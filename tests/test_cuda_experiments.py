@@ -55,13 +55,14 @@ def test_configs_keep_within_the_kernel(N, K, gated):
         assert K % (128 * c.nb) == 0 and K // (128 * c.nb) <= GV.MAX_SPLIT
         assert 8 * c.nt >= min(M, 8) and c.r * (2 if gated else 1) <= 8
         assert GV._smem(c.nt, c.nb, c.r * (2 if gated else 1)) <= GV.SMEM_LIMIT
-        if not gated and N % 64 == 0:  # the wgmma form: whole groups of 4 warps, the mma form's K split
-            w = GV.pick_config_wg(M, N, K)
-            assert w.wg and w.r in (4, 8) and (N // 16) % w.r == 0 and w.nb == c.nb, (M, w)
-            assert 8 * w.nt >= min(M, 8) and GV._smem(w.nt, w.nb, w.r, True) <= GV.SMEM_LIMIT
-            s = GV.pick_config_wg(M, N, K, cp=True)  # the staged form: a bf16 slice beside the tiles
-            assert s.cp and s.nb == c.nb and s.r == w.r and GV._smem(s.nt, s.nb, s.r, True, 2) <= GV.SMEM_LIMIT
-            assert GV._smem(s.nt, s.nb, s.r, True, 4) <= 227 * 1024  # an fp32 x still fits an SM
+        if N % 64 == 0:  # the wgmma form: whole groups of 4 warps (gated: 4 pairs), the mma form's K split
+            G = 2 if gated else 1
+            w = GV.pick_config_wg(M, N, K, gated=gated)
+            assert w.wg and w.r in ((4,) if gated else (4, 8)) and (N // 16) % w.r == 0 and w.nb == c.nb, (M, w)
+            assert 8 * w.nt >= min(M, 8) and GV._smem(w.nt, w.nb, w.r * G, True) <= GV.SMEM_LIMIT
+            s = GV.pick_config_wg(M, N, K, cp=True, gated=gated)  # the staged form: a bf16 slice beside the tiles
+            assert s.cp and s.nb == c.nb and s.r == w.r and GV._smem(s.nt, s.nb, s.r * G, True, 2) <= GV.SMEM_LIMIT
+            assert GV._smem(s.nt, s.nb, s.r * G, True, 4) <= 227 * 1024  # an fp32 x still fits an SM
     assert len(nbs) == 1  # the K split, hence every row's order of sums, depends on the shape only
 
 
@@ -244,39 +245,46 @@ def test_gpu_chain_probe_matches_the_ref_and_its_own_bits():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("cp", [False, True], ids=["wg", "staged"])
-@pytest.mark.parametrize("N,K,residual", [(1536, 4096, False), (4096, 8192, True), (4096, 2048, True)])
-def test_gpu_gemv_wgmma_form_matches_the_ref_and_its_rows_alone(N, K, residual, cp):
+@pytest.mark.parametrize("N,K,epilogue", [(1536, 4096, "plain"), (4096, 8192, "residual"), (4096, 2048, "residual"),
+                                          (2048, 4096, "gated")])
+def test_gpu_gemv_wgmma_form_matches_the_ref_and_its_rows_alone(N, K, epilogue, cp):
     """The wgmma form of the CUDA GEMV (built 2026-12-07 without a device) and its staged form (x's
     slice copied by cp.async, 2026-12-08): within one bf16 step of linear_fp8_ref at 1, 3, 16 and 64 rows
     (two row groups at 64), the same bits run to run, each row alone (its own 1-row configuration) the
-    row's bits in the batch; the staged form with x's codes too, against the wgmma form's bits."""
+    row's bits in the batch; the staged form with x's codes too, against the wgmma form's bits. Gated
+    (the shared expert's w1/w3, 2026-12-08): against linear_fp8_swiglu_ref and the mma form's bits."""
     from megastep.checkpoint import formats
     import bench_kernels as BK
 
     from megastep.kernels import linear_fp8 as LIN
 
     g = torch.Generator(device="cuda").manual_seed(3)
-    w, s = BK.fp8_weight(N, K, g, device="cuda")
+    gated, limit = epilogue == "gated", 10.0
+    w, s = BK.fp8_weight(2 * N if gated else N, K, g, device="cuda")
     for M in (1, 3, 16, 64):
-        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
-        res = torch.randn(M, N, device="cuda", generator=g) if residual else None
-        cfg = GV.pick_config_wg(M, N, K, cp)
+        # gated: x / 16 puts w1's and w3's outputs around the clamp's limit, on both sides of it
+        x = (torch.randn(M, K, device="cuda", generator=g) / (16 if gated else 1)).bfloat16()
+        res = torch.randn(M, N, device="cuda", generator=g) if epilogue == "residual" else None
+        cfg = GV.pick_config_wg(M, N, K, cp, gated)
 
         def call(x=x, res=res, cfg=cfg, M=M, xc=None):
-            out = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
-            return GV.gemv_fp8(x, w, s, out, residual=res, config=cfg, x_codes=xc)
+            out = torch.empty(x.shape[0], N, dtype=torch.bfloat16, device="cuda")
+            return GV.gemv_fp8(x, w, s, out, gated=gated, limit=limit if gated else 0.0, residual=res, config=cfg,
+                               x_codes=xc)
 
         y = call()
-        ok, msg = BK.check_linear(y, LIN.linear_fp8_ref(x, w, s, residual=res))
+        ref = None if gated else LIN.linear_fp8_ref(x, w, s, residual=res)
+        ok, msg = BK.check_swiglu(y, x, w, s, limit) if gated else BK.check_linear(y, ref)
         assert ok, (M, cfg, msg)
         assert torch.equal(y.view(torch.int16), call().view(torch.int16)), (M, cfg)
         if cp:  # the unstaged form's bits, from x and from x's codes and scales (staged by their own copies)
-            wg = GV.pick_config_wg(M, N, K)
+            wg = GV.pick_config_wg(M, N, K, gated=gated)
             assert torch.equal(y.view(torch.int16), call(cfg=wg).view(torch.int16)), M
             codes = formats.fp8_act_quant(x.float(), 128)
             assert torch.equal(call(xc=codes).view(torch.int16), call(cfg=wg, xc=codes).view(torch.int16)), M
-        one = GV.pick_config_wg(1, N, K, cp)
+        if gated:  # the same sums as the mma form's warp pairs
+            assert torch.equal(y.view(torch.int16), call(cfg=GV.pick_config(M, N, K, True)).view(torch.int16)), M
+        one = GV.pick_config_wg(1, N, K, cp, gated)
         for i in range(M):
-            alone = torch.empty(1, N, dtype=torch.bfloat16, device="cuda")
-            GV.gemv_fp8(x[i:i + 1], w, s, alone, residual=None if res is None else res[i:i + 1], config=one)
+            alone = call(x=x[i:i + 1], res=None if res is None else res[i:i + 1], cfg=one)
             assert torch.equal(alone.view(torch.int16), y[i:i + 1].view(torch.int16)), (M, i)

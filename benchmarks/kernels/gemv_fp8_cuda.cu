@@ -124,7 +124,7 @@ struct Args {
 };
 
 // NT: n-tiles of 8 rows of x per CTA (MG = 8 NT rows); NB: 128-blocks of K per CTA (Kc = 128 NB).
-// kWg: the wgmma form (its warps in groups of 4 over 64 consecutive channels, not gated).
+// kWg: the wgmma form (its warps in groups of 4 over 64 consecutive channels; gated: 8 warps, w1's then w3's).
 // kCp (with kWg): the CTA's x slice (or its codes and scales) copied to shared memory by cp.async in one
 // round trip, beside the weight's first loads, before any conversion (the staged form).
 template <int NT, int NB, bool kWg = false, bool kCp = false>
@@ -148,9 +148,12 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
 
   // ---- the warp's 16 rows: the first PF blocks of weight bytes are requested before anything else
   // (they depend on nothing), PF x 64 bytes per lane, refilled as they are used
-  const int tile = blockIdx.y * R + warp / G;  // output tile (16 output channels)
+  // The mma form pairs w1's and w3's tiles on neighbouring warps; the wgmma form needs 4 warps on 64 consecutive
+  // rows, so gated it takes 8 warps: w1's 4 tiles on warps 0-3, the same 4 tiles of w3 on warps 4-7.
+  const bool wg_gated = kWg && a.gated;
+  const int tile = blockIdx.y * R + (wg_gated ? warp % 4 : warp / G);  // output tile (16 output channels)
   const bool active = tile * 16 < a.N;
-  const int row0 = tile * 16 + (warp % G) * a.N;  // w3's rows follow w1's
+  const int row0 = tile * 16 + (wg_gated ? warp / 4 : warp % G) * a.N;  // w3's rows follow w1's
   const uint8_t* w0 = a.w + (long long)(row0 + g) * a.stride_wn + k_lo + q * 16;
   const uint8_t* w1 = w0 + 8 * a.stride_wn;
   constexpr int PF = NB < 4 ? NB : 4;
@@ -337,10 +340,11 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
     const int m = e / rows, r = e % rows, n = blockIdx.y * rows + r;
     if (m >= mv || n >= a.N) continue;
     const int pair = r / 16, rr = r % 16;
-    float y = red[((pair * G) * 16 + rr) * MG + m];
+    const int yw = wg_gated ? pair : pair * G, uw = wg_gated ? pair + 4 : pair * G + 1;  // the warps of w1, w3
+    float y = red[(yw * 16 + rr) * MG + m];
     if (a.out_bf16) y = round_bf16(y);
     if (a.gated) {
-      float u = red[((pair * G + 1) * 16 + rr) * MG + m];
+      float u = red[(uw * 16 + rr) * MG + m];
       if (a.out_bf16) u = round_bf16(u);
       if (a.limit > 0.f) {
         y = fminf(y, a.limit);

@@ -33,8 +33,8 @@ consecutive output channels) issues one wgmma.m64nNk16 per k16 step, N = the CTA
 (the weight) from the same registers, B (x) read by the tensor cores from shared memory, staged once per
 CTA in the swizzled layout Triton gives its own wgmma operand. The same K order, per-block arithmetic and
 split-K, so a row's sums do not depend on M either; its bits are the mma form's only if wgmma's k16 step
-gives mma.sync's sums (`gemv_variants.py` reports both). Plain and residual epilogues only (not gated),
-and N a multiple of 16 R (every warp of a group active). The question it answers: can one kernel family
+gives mma.sync's sums (`gemv_variants.py` reports both). N a multiple of 16 R (every warp of a group
+active); gated (since 2026-12-08) in 8 warps, w1's 4 tiles on warps 0-3 and the same tiles of w3 on 4-7. The question it answers: can one kernel family
 for every row count keep the 1-row gain (wo_b 13.5 against 15.2-15.8 us) and match Triton at 4-64 rows?
 Answer on one H100 (docs/PERFORMANCE.md, 2026-12-07 from 20:23 UTC, item 4): correct, batch-invariant and bit
 for bit the mma form's, but no faster (wo_b 50.97 us at 16 rows against the mma form's 36.39 and Triton's 18.49):
@@ -116,13 +116,15 @@ def pick_config(M: int, N: int, K: int, gated: bool = False) -> GemvConfig:
     return GemvConfig(nb, nt, r)
 
 
-def pick_config_wg(M: int, N: int, K: int, cp: bool = False) -> GemvConfig:
+def pick_config_wg(M: int, N: int, K: int, cp: bool = False, gated: bool = False) -> GemvConfig:
     """The wgmma form's configuration: pick_config's K split and row groups, 8 warps (two groups of 4)
-    unless too few CTAs, then 4. cp: the staged form, its row groups sized for a bf16 x."""
-    c = pick_config(M, N, K)
+    unless too few CTAs, then 4; gated always 4 pairs (8 warps). cp: the staged form, its row groups sized
+    for a bf16 x."""
+    c = pick_config(M, N, K, gated)
     r = 8 if (N // 16) % 8 == 0 and -(-(N // 16) // 8) * (K // (BLOCK * c.nb)) * -(-M // c.mg) >= TARGET_CTAS else 4
+    r = 4 if gated else r
     nt = c.nt
-    while nt > 1 and _smem(nt, c.nb, r, True, 2 if cp else 0) > SMEM_LIMIT:
+    while nt > 1 and _smem(nt, c.nb, r * (2 if gated else 1), True, 2 if cp else 0) > SMEM_LIMIT:
         nt //= 2
     return GemvConfig(c.nb, nt, r, True, cp)
 
@@ -180,7 +182,7 @@ def gemv_fp8(
     splits = K // (BLOCK * cfg.nb)
     assert splits <= MAX_SPLIT and K % (BLOCK * cfg.nb) == 0, (K, cfg)
     # the wgmma form: groups of 4 warps, each warp of a group active (wgmma is issued by all four)
-    assert not cfg.wg or (not gated and cfg.r in (4, 8) and (N // 16) % cfg.r == 0 and N % 16 == 0), (N, cfg)
+    assert not cfg.wg or (cfg.r in ((4,) if gated else (4, 8)) and (N // 16) % cfg.r == 0 and N % 16 == 0), (N, cfg)
     assert not cfg.cp or cfg.wg, cfg
     grid = (-(-M // cfg.mg), -(-(N // 16) // cfg.r), splits)
     codes = x_codes is not None

@@ -3,8 +3,7 @@ shapes the V4-Flash decode step launches (those of linear_variants.py without wo
 
 For each shape and M: the Triton picked config ("f16", and "f16+c" with x_codes) and the CUDA
 kernel (its picked config, with codes, and a few other NB / R choices; its wgmma form "cuda_wg",
-`pick_config_wg`, and that form's staged prologue "cuda_wgc", on the plain shapes, with their bits against
-the mma form's), each checked against the
+`pick_config_wg`, and that form's staged prologue "cuda_wgc", with their bits against the mma form's), each checked against the
 torch ref (one bf16 step, as tests/kernels/test_linear_fp8.py), for determinism (3 repeats
 bit-identical), and for the CUDA kernel for batch invariance (every row equal, bit for bit, to the
 row computed alone), then timed (CUDA graph of calls on rotated weight copies, nothing from L2).
@@ -82,14 +81,12 @@ def main() -> None:
             else:
                 ref = LIN.linear_fp8_ref(x, *ws[0], residual=res)
             codes = formats.fp8_act_quant(x.float(), 128)
-            picked = GV.pick_config(M, N, K, kind == "gated")
-            tri = LIN.pick_config_swiglu(M, N, K) if kind == "gated" else LIN.pick_config(M, N, K)
-            cands = [("triton", tri, None), ("triton+c", tri, codes), ("cuda", picked, None), ("cuda+c", picked, codes)]
-            wg = wgc = None if kind == "gated" else GV.pick_config_wg(M, N, K)
-            if wg is not None:
-                wgc = GV.pick_config_wg(M, N, K, cp=True)
-                cands += [("cuda_wg", wg, None), ("cuda_wg+c", wg, codes), ("cuda_wgc", wgc, None),
-                          ("cuda_wgc+c", wgc, codes)]
+            gated = kind == "gated"
+            picked = GV.pick_config(M, N, K, gated)
+            tri = LIN.pick_config_swiglu(M, N, K) if gated else LIN.pick_config(M, N, K)
+            wg, wgc = GV.pick_config_wg(M, N, K, gated=gated), GV.pick_config_wg(M, N, K, cp=True, gated=gated)
+            cands = [("triton", tri, None), ("triton+c", tri, codes), ("cuda", picked, None), ("cuda+c", picked, codes),
+                     ("cuda_wg", wg, None), ("cuda_wg+c", wg, codes), ("cuda_wgc", wgc, None), ("cuda_wgc+c", wgc, codes)]
             for nb in (1, 2, 4, 8):
                 for r in (1, 2, 4, 8 // (2 if kind == "gated" else 1)):
                     c = GV.GemvConfig(nb, picked.nt, r)
@@ -103,12 +100,12 @@ def main() -> None:
                 try:
                     call = (lambda w, s, fn=fn, cfg=cfg, xc=xc: fn(x, w, s, M, N, kind, res, xc, cfg))  # noqa: E731
                     y = call(*ws[0])
-                    ok, msg = BK.check_linear(y, ref)
+                    ok, msg = BK.check_swiglu(y, x, *ws[0], LIMIT) if gated else BK.check_linear(y, ref)
                     same = all(torch.equal(y.view(torch.int16), call(*ws[0]).view(torch.int16)) for _ in range(3))
                     inv = None
                     if engine in ("cuda", "cuda_wg", "cuda_wgc") and cfg in (picked, wg, wgc):
                         # each row alone (M = 1, its own config) gives the row's bits of the batch
-                        one = GV.pick_config_wg(1, N, K, cfg.cp) if cfg.wg else None
+                        one = GV.pick_config_wg(1, N, K, cfg.cp, gated) if cfg.wg else None
                         alone = [cuda_call(x[i:i + 1], *ws[0], 1, N, kind, None if res is None else res[i:i + 1],
                                            None, one) for i in range(M)]
                         inv = all(torch.equal(alone[i].view(torch.int16), y[i:i + 1].view(torch.int16)) for i in range(M))
