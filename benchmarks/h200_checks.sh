@@ -614,8 +614,10 @@ for group in "$@"; do
       # one kernel family for every row count, if it keeps the 1-row gain of the mma form and matches Triton at
       # 4-64 rows; its GPU test first (the ref, run to run, rows alone), then gemv_variants.py (the ref, bits, time).
       # First run (21:12, one H100): correct, the mma form's bits, no faster; again for the prologue's loads 4 at a time
-      # and the staged form (x's slice by cp.async in one round trip, "cuda_wgc", 2026-12-08)
-      step gemv_wg_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_cuda_experiments.py -k wgmma
+      # and the staged form (x's slice by cp.async in one round trip, "cuda_wgc", 2026-12-08), the wgmma forms gated,
+      # and the K splits combined through DSMEM in a cluster ("_cl": how much of a launch's fixed cost is the combine)
+      step gemv_wg_tests 200 python3 -m pytest -q -rfE --timeout 150 -m gpu tests/test_cuda_experiments.py \
+        -k "wgmma or cluster"
       step gemv_wg 300 python3 benchmarks/kernels/gemv_variants.py --out "$OUT/gemv_wg" --ms 1,4,16,64 ;;
     gm_ab)  # gmdefault's A/B alone (with `table` after it: the H200's 30-layer step without the bit tests, which ran on
       # an H100)

@@ -43,6 +43,22 @@ def test_gemv_source_builds_with_every_entry(tmp_path, monkeypatch):
             assert f"gemv_fp8_nt{nt}_nb{nb}".encode() in cubin, (nt, nb)
             assert f"gemv_fp8_wg_nt{nt}_nb{nb}".encode() in cubin, (nt, nb)
             assert f"gemv_fp8_wgc_nt{nt}_nb{nb}".encode() in cubin, (nt, nb)
+        for splits, nb in GV.CLUSTERS:
+            for form in ("", "wgc_"):
+                assert f"gemv_fp8_{form}cl{splits}_nt{nt}_nb{nb}".encode() in cubin, (form, splits, nt, nb)
+
+
+def test_cluster_combine_has_entries_for_the_split_shapes():
+    """The cluster entries cover the K splits the V4-Flash shapes take with 4 or 8 splits (wo_b, the
+    shared expert's w1/w3 and w2), for the mma and the staged form, and no other form."""
+    for N, K, gated in ((4096, 8192, False), (2048, 4096, True), (4096, 2048, False)):
+        for M in (1, 16, 64):
+            c = GV.pick_config(M, N, K, gated)
+            s = GV.pick_config_wg(M, N, K, cp=True, gated=gated)
+            assert GV.cluster_ok(GV.GemvConfig(c.nb, c.nt, c.r, cl=True), K), (N, K, M)
+            assert GV.cluster_ok(GV.GemvConfig(s.nb, s.nt, s.r, True, True, True), K), (N, K, M)
+            assert not GV.cluster_ok(GV.GemvConfig(s.nb, s.nt, s.r, True, False, True), K)  # no wg_ cluster entries
+    assert not GV.cluster_ok(GV.GemvConfig(2, 1, 4, cl=True), 4096)  # the x group's 16 splits: none
 
 
 @pytest.mark.parametrize("N,K,gated", [(1536, 4096, False), (40960, 1024, False), (4096, 8192, False),
@@ -288,3 +304,27 @@ def test_gpu_gemv_wgmma_form_matches_the_ref_and_its_rows_alone(N, K, epilogue, 
         for i in range(M):
             alone = call(x=x[i:i + 1], res=None if res is None else res[i:i + 1], cfg=one)
             assert torch.equal(alone.view(torch.int16), y[i:i + 1].view(torch.int16)), (M, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("N,K,gated", [(4096, 8192, False), (2048, 4096, True), (4096, 2048, False)])
+def test_gpu_gemv_cluster_combine_gives_the_global_combines_bits(N, K, gated):
+    """The K splits summed through DSMEM in a cluster (2026-12-08): the bits of the global combine, for the
+    mma and the staged form, at 1, 3, 16 and 64 rows, twice."""
+    import dataclasses
+
+    import bench_kernels as BK
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w, s = BK.fp8_weight(2 * N if gated else N, K, g, device="cuda")
+    for M in (1, 3, 16, 64):
+        x = (torch.randn(M, K, device="cuda", generator=g) / (16 if gated else 1)).bfloat16()
+        for cfg in (GV.pick_config(M, N, K, gated), GV.pick_config_wg(M, N, K, cp=True, gated=gated)):
+            def call(c):
+                out = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
+                return GV.gemv_fp8(x, w, s, out, gated=gated, limit=10.0 if gated else 0.0, config=c).view(torch.int16)
+
+            y = call(cfg)
+            for _ in range(2):
+                assert torch.equal(call(dataclasses.replace(cfg, cl=True)), y), (M, cfg)

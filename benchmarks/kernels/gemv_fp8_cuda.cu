@@ -25,6 +25,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include <cooperative_groups.h>
+
 #include "cuda_experiments.cuh"
 
 namespace {
@@ -127,7 +129,10 @@ struct Args {
 // kWg: the wgmma form (its warps in groups of 4 over 64 consecutive channels; gated: 8 warps, w1's then w3's).
 // kCp (with kWg): the CTA's x slice (or its codes and scales) copied to shared memory by cp.async in one
 // round trip, beside the weight's first loads, before any conversion (the staged form).
-template <int NT, int NB, bool kWg = false, bool kCp = false>
+// kS > 1: the kS K splits are one thread-block cluster (the entry's __cluster_dims__(1, 1, kS)); the splits'
+// partials are summed from each other's shared memory (DSMEM) in split order, each CTA of the cluster taking
+// every kS-th output, instead of through global memory by the last CTA to arrive: the same sums, the same bits.
+template <int NT, int NB, bool kWg = false, bool kCp = false, int kS = 1>
 __device__ __forceinline__ void gemv_fp8(const Args& a) {
   constexpr int MG = 8 * NT, KC = 128 * NB, XS = KC + kPad;
   constexpr int kHalf = MG * 128;  // kWg: a 64-wide K half of a block's x tile, bytes (a multiple of 1024)
@@ -332,19 +337,40 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
   store_rows<NT>(red + warp * 16 * MG, acc, g, q, MG);
   __syncthreads();
 
-  if (!splitk_sum<kMaxSplit>(red, a.part, a.cnt, nwarps * 16, MG, mv)) return;  // the last split to arrive goes on
+  namespace cg = cooperative_groups;
+  if constexpr (kS > 1) {
+    cg::this_cluster().sync();  // every split's partials are in its CTA's red
+  } else if (!splitk_sum<kMaxSplit>(red, a.part, a.cnt, nwarps * 16, MG, mv)) {
+    return;  // the last split to arrive goes on
+  }
+  // element idx of red summed over the splits in split order 0..kS-1 (splitk_sum's order); the loads go out first
+  auto summed = [&](int idx) -> float {
+    if constexpr (kS > 1) {
+      cg::cluster_group cluster = cg::this_cluster();
+      float v[kS];
+#pragma unroll
+      for (int r = 0; r < kS; ++r) v[r] = *cluster.map_shared_rank(red + idx, r);
+      float sum = v[0];
+#pragma unroll
+      for (int r = 1; r < kS; ++r) sum += v[r];
+      return sum;
+    } else {
+      return red[idx];
+    }
+  };
+  const int e_first = kS > 1 ? int(cg::this_cluster().block_rank()) * blockDim.x + threadIdx.x : threadIdx.x;
 
   // ---- epilogue: one output element per thread and step, channels fastest (coalesced stores)
   const int rows = R * 16;
-  for (int e = threadIdx.x; e < rows * MG; e += blockDim.x) {
+  for (int e = e_first; e < rows * MG; e += blockDim.x * kS) {
     const int m = e / rows, r = e % rows, n = blockIdx.y * rows + r;
     if (m >= mv || n >= a.N) continue;
     const int pair = r / 16, rr = r % 16;
     const int yw = wg_gated ? pair : pair * G, uw = wg_gated ? pair + 4 : pair * G + 1;  // the warps of w1, w3
-    float y = red[(yw * 16 + rr) * MG + m];
+    float y = summed((yw * 16 + rr) * MG + m);
     if (a.out_bf16) y = round_bf16(y);
     if (a.gated) {
-      float u = red[(uw * 16 + rr) * MG + m];
+      float u = summed((uw * 16 + rr) * MG + m);
       if (a.out_bf16) u = round_bf16(u);
       if (a.limit > 0.f) {
         y = fminf(y, a.limit);
@@ -364,13 +390,15 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
       static_cast<float*>(a.out)[mm * a.stride_om + n] = y;
     }
   }
+  if constexpr (kS > 1) cg::this_cluster().sync();  // no CTA leaves while the others read its partials
 }
 
 }  // namespace
 
-// FORM: empty (the mma form), wg_ (the wgmma form, WG true) or wgc_ (its staged form, WG and CP true)
-#define GEMV_FP8_ENTRY(FORM, WG, CP, NT, NB)                                                                 \
-  extern "C" __global__ void __launch_bounds__(256) gemv_fp8_##FORM##nt##NT##_nb##NB(                    \
+// FORM: empty (the mma form), wg_ (the wgmma form, WG true) or wgc_ (its staged form, WG and CP true), then
+// clS_ for the entries whose S K splits are one cluster (ATTR: their __cluster_dims__)
+#define GEMV_FP8_ENTRY(FORM, WG, CP, S, ATTR, NT, NB)                                                     \
+  extern "C" __global__ void ATTR __launch_bounds__(256) gemv_fp8_##FORM##nt##NT##_nb##NB(               \
       const void* x, long long stride_xm, int x_f32, const uint8_t* xc, const float* xs,                 \
       long long stride_cm, long long stride_sm, int codes, const uint8_t* w, long long stride_wn,        \
       const uint8_t* ws, long long stride_wsn, void* out, long long stride_om, int out_bf16,             \
@@ -378,15 +406,23 @@ __device__ __forceinline__ void gemv_fp8(const Args& a) {
       float limit) {                                                                                     \
     const Args a{x, stride_xm, x_f32, xc, xs, stride_cm, stride_sm, codes, w, stride_wn, ws, stride_wsn, \
                  out, stride_om, out_bf16, res, stride_rm, res_mode, part, cnt, M, N, gated, limit};      \
-    gemv_fp8<NT, NB, WG, CP>(a);                                                                          \
+    gemv_fp8<NT, NB, WG, CP, S>(a);                                                                      \
   }
 
-#define GEMV_FP8_FORM(FORM, WG, CP, NB)                                      \
-  GEMV_FP8_ENTRY(FORM, WG, CP, 1, NB) GEMV_FP8_ENTRY(FORM, WG, CP, 2, NB) \
-  GEMV_FP8_ENTRY(FORM, WG, CP, 4, NB) GEMV_FP8_ENTRY(FORM, WG, CP, 8, NB)
-#define GEMV_FP8_NB(NB) \
-  GEMV_FP8_FORM(, false, false, NB) GEMV_FP8_FORM(wg_, true, false, NB) GEMV_FP8_FORM(wgc_, true, true, NB)
+#define GEMV_FP8_FORM(FORM, WG, CP, S, ATTR, NB)                                                          \
+  GEMV_FP8_ENTRY(FORM, WG, CP, S, ATTR, 1, NB) GEMV_FP8_ENTRY(FORM, WG, CP, S, ATTR, 2, NB)                \
+  GEMV_FP8_ENTRY(FORM, WG, CP, S, ATTR, 4, NB) GEMV_FP8_ENTRY(FORM, WG, CP, S, ATTR, 8, NB)
+#define GEMV_FP8_NB(NB)                                                                    \
+  GEMV_FP8_FORM(, false, false, 1, , NB) GEMV_FP8_FORM(wg_, true, false, 1, , NB) \
+  GEMV_FP8_FORM(wgc_, true, true, 1, , NB)
 GEMV_FP8_NB(1)
 GEMV_FP8_NB(2)
 GEMV_FP8_NB(4)
 GEMV_FP8_NB(8)
+// the cluster combine at the V4-Flash shapes' splits of 4 (shared w1/w3 and w2) and 8 (wo_b)
+#define GEMV_FP8_CL(S, NB)                                                       \
+  GEMV_FP8_FORM(cl##S##_, false, false, S, __cluster_dims__(1, 1, S), NB) \
+  GEMV_FP8_FORM(wgc_cl##S##_, true, true, S, __cluster_dims__(1, 1, S), NB)
+GEMV_FP8_CL(4, 4)
+GEMV_FP8_CL(4, 8)
+GEMV_FP8_CL(8, 8)

@@ -34,8 +34,9 @@ consecutive output channels) issues one wgmma.m64nNk16 per k16 step, N = the CTA
 CTA in the swizzled layout Triton gives its own wgmma operand. The same K order, per-block arithmetic and
 split-K, so a row's sums do not depend on M either; its bits are the mma form's only if wgmma's k16 step
 gives mma.sync's sums (`gemv_variants.py` reports both). N a multiple of 16 R (every warp of a group
-active); gated (since 2026-12-08) in 8 warps, w1's 4 tiles on warps 0-3 and the same tiles of w3 on 4-7. The question it answers: can one kernel family
-for every row count keep the 1-row gain (wo_b 13.5 against 15.2-15.8 us) and match Triton at 4-64 rows?
+active); gated (since 2026-12-08) in 8 warps, w1's 4 tiles on warps 0-3 and the same tiles of w3 on 4-7.
+The question it answers: can one kernel family for every row count keep the 1-row gain (wo_b 13.5
+against 15.2-15.8 us) and match Triton at 4-64 rows?
 Answer on one H100 (docs/PERFORMANCE.md, 2026-12-07 from 20:23 UTC, item 4): correct, batch-invariant and bit
 for bit the mma form's, but no faster (wo_b 50.97 us at 16 rows against the mma form's 36.39 and Triton's 18.49):
 the MMAs were not the 4-64-row loss. The prologue's x loads, a warp waiting for each task's in turn, are the
@@ -44,6 +45,14 @@ entries `gemv_fp8_wgc_*`, built 2026-12-08 without a device) takes that reading 
 cp.async copies of its share of the CTA's x slice (bf16, fp32 or codes with their scales) into shared memory
 beside the weight's first loads, and one wait covers them all, so the conversion reads shared memory only:
 one round trip to L2 a CTA whatever the rows (more shared memory: the slice as given).
+
+The cluster combine (`GemvConfig.cl`, entries `gemv_fp8_cl{S}_*` and `gemv_fp8_wgc_cl{S}_*`, 2026-12-08, not
+measured): the S K splits of a tile are one thread-block cluster, and their partials are summed from each other's
+shared memory (DSMEM) in split order after a cluster barrier, each CTA taking every S-th output, in place of the
+partials' trip through global memory, the arrival counter and the last CTA's loads. The question: how much of
+the fixed ~5 us a launch (seventh measurement) is the split-K combine? (The first version's combine, its partials
+loaded 8 at a time, made 6.3 us of difference.) Same sums in the same order: the bits of the global combine.
+Entries for S = 4 (NB 4 and 8: shared w2, w1/w3) and S = 8 (NB 8: wo_b).
 """
 
 from __future__ import annotations
@@ -60,12 +69,13 @@ BLOCK = 128
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv_fp8_cuda.cu")
 _MODULE = CudaModule(_SOURCE, arch="sm_90a")  # wgmma (the wg entries) needs sm_90a
 _SIGNATURE = "pqippqqipqpqpqipqippiiif"
-_KERNELS: dict[tuple[CudaModule, int, int, bool, bool], object] = {}
+_KERNELS: dict[tuple[CudaModule, int, int, bool, bool, int], object] = {}
 _PAD = 8  # fp16 elements of padding per shared x row (the .cu's kPad)
 SMEM_LIMIT = 96 * 1024  # dynamic shared memory per CTA we allow (two CTAs per SM still fit)
 TARGET_WARPS = 1024  # split K until tiles x splits reaches this (~8 warps per SM)
 TARGET_CTAS = 264  # two CTAs per SM of the 132
 MAX_SPLIT = 32  # CTAs along K at most: the .cu's kMaxSplit (the last CTA loads all partials at once)
+CLUSTERS = {(4, 4), (4, 8), (8, 8)}  # (splits, NB) with cluster-combine entries (the .cu's GEMV_FP8_CL)
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,7 @@ class GemvConfig:
     r: int  # row tiles (w1/w3 pairs when gated) per CTA
     wg: bool = False  # the wgmma form (r 4 or 8: groups of 4 warps)
     cp: bool = False  # with wg: the staged form (x's slice copied to shared memory in one round trip)
+    cl: bool = False  # the K splits one cluster, combined through DSMEM (the mma or the staged form; CLUSTERS)
 
     @property
     def mg(self) -> int:
@@ -129,11 +140,18 @@ def pick_config_wg(M: int, N: int, K: int, cp: bool = False, gated: bool = False
     return GemvConfig(c.nb, nt, r, True, cp)
 
 
-def _kernel(module: CudaModule, nt: int, nb: int, wg: bool = False, cp: bool = False):
-    k = _KERNELS.get((module, nt, nb, wg, cp))
+def cluster_ok(cfg: GemvConfig, K: int) -> bool:
+    """Whether the cluster combine has an entry for cfg's form and K split."""
+    return (K // (BLOCK * cfg.nb), cfg.nb) in CLUSTERS and cfg.wg == cfg.cp
+
+
+def _kernel(module: CudaModule, nt: int, nb: int, wg: bool = False, cp: bool = False, cluster: int = 0):
+    """cluster: the cluster entry's splits, or 0 for the global combine."""
+    k = _KERNELS.get((module, nt, nb, wg, cp, cluster))
     if k is None:
-        name = f"gemv_fp8_{('wgc_' if cp else 'wg_') if wg else ''}nt{nt}_nb{nb}"
-        k = _KERNELS[(module, nt, nb, wg, cp)] = module.kernel(name, _SIGNATURE)
+        form = ("wgc_" if cp else "wg_") if wg else ""
+        name = f"gemv_fp8_{form}{f'cl{cluster}_' if cluster else ''}nt{nt}_nb{nb}"
+        k = _KERNELS[(module, nt, nb, wg, cp, cluster)] = module.kernel(name, _SIGNATURE)
     return k
 
 
@@ -192,7 +210,8 @@ def gemv_fp8(
         src, row = (xc, xc.stride(0)) if codes else (x, x.stride(0) * eb)
         assert src.data_ptr() % 16 == 0 and row % 16 == 0, "the staged form copies 16-byte aligned rows"
     smem = _smem(cfg.nt, cfg.nb, warps, cfg.wg, eb if cfg.cp else 0)
-    if splits > 1:
+    assert not cfg.cl or cluster_ok(cfg, K), (K, cfg)
+    if splits > 1 and not cfg.cl:
         cta = grid[0] * grid[1]
         part = workspace(x.device, "partials", splits * cta * warps * 16 * cfg.mg, torch.float32)
         cnt = workspace(x.device, "counters", cta, torch.int32)
@@ -200,7 +219,7 @@ def gemv_fp8(
         part = cnt = out  # unused
     res = residual if residual is not None else out
     res_mode = 0 if residual is None else (1 if residual.dtype == torch.float32 else 2)
-    _kernel(module, cfg.nt, cfg.nb, cfg.wg, cfg.cp).launch(
+    _kernel(module, cfg.nt, cfg.nb, cfg.wg, cfg.cp, splits if cfg.cl else 0).launch(
         grid, (32 * warps, 1, 1), smem, None,
         x, x.stride(0), int(x.dtype == torch.float32), xc, xs, xc.stride(0), xs.stride(0), int(codes),
         w, w.stride(0), w_scale, w_scale.stride(0), out, out.stride(0), int(out.dtype == torch.bfloat16),

@@ -3,8 +3,9 @@ shapes the V4-Flash decode step launches (those of linear_variants.py without wo
 
 For each shape and M: the Triton picked config ("f16", and "f16+c" with x_codes) and the CUDA
 kernel (its picked config, with codes, and a few other NB / R choices; its wgmma form "cuda_wg",
-`pick_config_wg`, and that form's staged prologue "cuda_wgc", with their bits against the mma form's), each checked against the
-torch ref (one bf16 step, as tests/kernels/test_linear_fp8.py), for determinism (3 repeats
+`pick_config_wg`, and that form's staged prologue "cuda_wgc", with their bits against the mma form's;
+"_cl": the mma and staged forms with the K splits combined in a cluster, their bits against the global
+combine's), each checked against the torch ref (one bf16 step, as tests/kernels/test_linear_fp8.py), for determinism (3 repeats
 bit-identical), and for the CUDA kernel for batch invariance (every row equal, bit for bit, to the
 row computed alone), then timed (CUDA graph of calls on rotated weight copies, nothing from L2).
 Also the residual epilogue (wo_b, shared w2: fp32 residual, as the step calls them).
@@ -17,6 +18,7 @@ Prints a table last (µs per call, GB/s of the bytes that must be read); JSON un
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -87,6 +89,9 @@ def main() -> None:
             wg, wgc = GV.pick_config_wg(M, N, K, gated=gated), GV.pick_config_wg(M, N, K, cp=True, gated=gated)
             cands = [("triton", tri, None), ("triton+c", tri, codes), ("cuda", picked, None), ("cuda+c", picked, codes),
                      ("cuda_wg", wg, None), ("cuda_wg+c", wg, codes), ("cuda_wgc", wgc, None), ("cuda_wgc+c", wgc, codes)]
+            for base, c in (("cuda", picked), ("cuda_wgc", wgc)):  # the cluster combine, where it has entries
+                if GV.cluster_ok(dataclasses.replace(c, cl=True), K):
+                    cands.append((base + "_cl", dataclasses.replace(c, cl=True), None))
             for nb in (1, 2, 4, 8):
                 for r in (1, 2, 4, 8 // (2 if kind == "gated" else 1)):
                     c = GV.GemvConfig(nb, picked.nt, r)
@@ -94,6 +99,7 @@ def main() -> None:
                             GV._smem(c.nt, nb, r * (2 if kind == "gated" else 1)) <= GV.SMEM_LIMIT:
                         cands.append(("cuda", c, None))
             alone = y_mma = None
+            y_of = {}  # engine -> its output (the picked configurations without codes)
             for engine, cfg, xc in cands:
                 fn = cuda_call if engine.startswith("cuda") else triton_call
                 r = dict(shape=name, N=N, K=K, M=M, engine=engine, config=str(cfg), picked=cfg == picked)
@@ -103,6 +109,9 @@ def main() -> None:
                     ok, msg = BK.check_swiglu(y, x, *ws[0], LIMIT) if gated else BK.check_linear(y, ref)
                     same = all(torch.equal(y.view(torch.int16), call(*ws[0]).view(torch.int16)) for _ in range(3))
                     inv = None
+                    y_of.setdefault(engine, y)
+                    if engine.endswith("_cl"):  # the same sums, combined through DSMEM: the global combine's bits?
+                        r["bits_as_global"] = torch.equal(y.view(torch.int16), y_of[engine[:-3]].view(torch.int16))
                     if engine in ("cuda", "cuda_wg", "cuda_wgc") and cfg in (picked, wg, wgc):
                         # each row alone (M = 1, its own config) gives the row's bits of the batch
                         one = GV.pick_config_wg(1, N, K, cfg.cp, gated) if cfg.wg else None
@@ -114,7 +123,7 @@ def main() -> None:
                         elif y_mma is not None:  # the same sums through wgmma's k16 steps: the same bits?
                             r["bits_as_mma"] = torch.equal(y.view(torch.int16), y_mma.view(torch.int16))
                     med, best = BK.graph_time([lambda w=w, s=s, call=call: call(w, s) for (w, s) in ws])
-                    r.update(ok=ok and same and inv is not False, check=msg, deterministic=same, batch_invariant=inv,
+                    r.update(ok=ok and same and inv is not False and r.get("bits_as_global") is not False, check=msg, deterministic=same, batch_invariant=inv,
                              us=med, gbps=(nbytes + M * K * 2) / med / 1e3)
                 except Exception as e:  # noqa: BLE001
                     r.update(ok=False, error=repr(e)[:300])
