@@ -438,3 +438,28 @@ def test_q_norm_in_the_x_launch_changes_no_bits(monkeypatch):
     got = alone_then_batched(build(experts="lut"))
     assert any(tails)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_wo_b_partials_summed_by_the_mixes_change_no_bits(monkeypatch):
+    """fast.WO_B_PARTS_ROWS = 16: wo_b's split-K partials left unsummed and summed in split order by the
+    next mixes launch: the greedy logits at 1 row (graphs with PDL) and in a batch of 16, bit for bit
+    against wo_b's own combine (WO_B_PARTS_ROWS = 0); the steps really took the partials, in more than
+    one split."""
+    from megastep.kernels import linear_fp8 as lin
+    from megastep.model import fast
+
+    monkeypatch.setattr(fast, "WO_B_PARTS_ROWS", 0)
+    want = alone_then_batched(build(experts="lut"))
+    splits = []
+    real = lin.linear_fp8_splits
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        splits.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(lin, "linear_fp8_splits", spy)
+    monkeypatch.setattr(fast, "WO_B_PARTS_ROWS", 16)
+    got = alone_then_batched(build(experts="lut"))
+    assert splits and min(splits) > 1, splits
+    assert all(torch.equal(a, b) for a, b in zip(want, got))

@@ -122,21 +122,29 @@ def _mul_rn(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _sublayer_out(y_ptr, y2_ptr, row, d, mask, stride_yb, stride_y2b, Y2: tl.constexpr, INTERPRET: tl.constexpr):
+def _sublayer_out(y_ptr, y2_ptr, row, d, mask, stride_yb, stride_y2b, stride_ys, Y2: tl.constexpr,
+                  YS: tl.constexpr, INTERPRET: tl.constexpr):
     """The sublayer output y at (row, d) as fp32; with Y2, rnd(y + y2) (y fp32, y2 bf16: the bits
-    of linear_fp8's residual epilogue rnd(y + rnd(acc)), its second addend computed apart)."""
+    of linear_fp8's residual epilogue rnd(y + rnd(acc)), its second addend computed apart). YS > 0:
+    y holds the YS split-K partials (fp32, split stride stride_ys) of the sublayer's last linear,
+    summed here in split order and rounded to bf16: the bits of that linear's own combine."""
     y = tl.load(y_ptr + row * stride_yb + d, mask=mask, other=0.0).to(tl.float32)
+    if YS > 0:
+        for sk in tl.static_range(1, YS):
+            y += tl.load(y_ptr + sk * stride_ys + row * stride_yb + d, mask=mask, other=0.0)
+        y = round_bf16(y, INTERPRET)
     if Y2:
         y = round_bf16(y + tl.load(y2_ptr + row * stride_y2b + d, mask=mask, other=0.0).to(tl.float32), INTERPRET)
     return y
 
 
 @triton.jit
-def _post_slice(y_ptr, y2_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, row, j, d, mask, stride_yb, stride_y2b, stride_hb,
-                stride_hj, stride_ob, stride_oj, HC: tl.constexpr, Y2: tl.constexpr, INTERPRET: tl.constexpr):
+def _post_slice(y_ptr, y2_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, row, j, d, mask, stride_yb, stride_y2b, stride_ys,
+                stride_hb, stride_hj, stride_ob, stride_oj, HC: tl.constexpr, Y2: tl.constexpr, YS: tl.constexpr,
+                INTERPRET: tl.constexpr):
     """hc_post for the elements (stream j, channel d) of one row (vectors; `_hc_post_kernel`'s
     arithmetic and rounding), stored to out; returns them as fp32 (exact bf16 values)."""
-    y = _sublayer_out(y_ptr, y2_ptr, row, d, mask, stride_yb, stride_y2b, Y2, INTERPRET)
+    y = _sublayer_out(y_ptr, y2_ptr, row, d, mask, stride_yb, stride_y2b, stride_ys, Y2, YS, INTERPRET)
     cb = comb_ptr + row * HC * HC
     h_row = h_ptr + row * stride_hb + d
     acc = _mul_rn(tl.load(cb + j, mask=mask, other=0.0), tl.load(h_row, mask=mask, other=0.0).to(tl.float32), INTERPRET)
@@ -152,9 +160,9 @@ def _post_slice(y_ptr, y2_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, row, j, d, ma
 @triton.jit
 def _hc_mix_partial_kernel(
     h_ptr, fn_ptr, part_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, hout_ptr,
-    B, D, K, stride_hb, stride_hj, stride_fn, stride_yb, stride_y2b, stride_ob, stride_oj,
+    B, D, K, stride_hb, stride_hj, stride_fn, stride_yb, stride_y2b, stride_ys, stride_ob, stride_oj,
     MIX: tl.constexpr, MIXP: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr,
-    UPDATE: tl.constexpr, Y2: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    UPDATE: tl.constexpr, Y2: tl.constexpr, YS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     s = tl.program_id(0)
     mt = tl.program_id(1)
@@ -173,8 +181,8 @@ def _hc_mix_partial_kernel(
             row = tl.zeros([KC], dtype=tl.int32) + (mt * BLOCK_M + r)
             if UPDATE:  # h is the previous h: this slice of the updated streams, made and stored here
                 x = _post_slice(y_ptr, y2_ptr, h_ptr, post_ptr, comb_ptr, hout_ptr, row.to(tl.int64), j,
-                                offs_k - j * D, k_mask & (row < B), stride_yb, stride_y2b, stride_hb, stride_hj,
-                                stride_ob, stride_oj, HC, Y2, INTERPRET)
+                                offs_k - j * D, k_mask & (row < B), stride_yb, stride_y2b, stride_ys, stride_hb,
+                                stride_hj, stride_ob, stride_oj, HC, Y2, YS, INTERPRET)
             else:
                 x = tl.load(h_ptr + row.to(tl.int64) * stride_hb + h_off, mask=k_mask & (row < B),
                             other=0.0).to(tl.float32)
@@ -446,14 +454,15 @@ def _hc_finish_kernel(
 @triton.jit
 def _hc_post_kernel(
     y_ptr, y2_ptr, h_ptr, post_ptr, comb_ptr, out_ptr,
-    D, stride_yb, stride_y2b, stride_hb, stride_hj, stride_ob, stride_oj,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr, Y2: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    D, stride_yb, stride_y2b, stride_ys, stride_hb, stride_hj, stride_ob, stride_oj,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr, Y2: tl.constexpr, YS: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = offs < D
-    y = _sublayer_out(y_ptr, y2_ptr, b, offs, m, stride_yb, stride_y2b, Y2, INTERPRET)
+    y = _sublayer_out(y_ptr, y2_ptr, b, offs, m, stride_yb, stride_y2b, stride_ys, Y2, YS, INTERPRET)
     cb = comb_ptr + b * HC * HC
     for k in tl.static_range(HC):
         acc = tl.load(cb + k) * tl.load(h_ptr + b * stride_hb + offs, mask=m, other=0.0).to(tl.float32)
@@ -476,8 +485,12 @@ def _check_update(y, h, post, comb, y2=None):
     """The inputs of hc_post (y, h, post, comb, and y2: see mhc_post); returns (B, D)."""
     hc = h.shape[1]
     B, D = _check_h(h, hc)
-    assert y.shape == (B, D) and y.stride(1) == 1, (y.shape, h.shape)
-    assert y.dtype in (torch.bfloat16, torch.float32), y.dtype
+    if y.dim() == 3:  # split-K partials (see mhc_post)
+        assert y.shape[1:] == (B, D) and y.shape[0] >= 1 and y.stride(2) == 1, (y.shape, h.shape)
+        assert y.dtype == torch.float32 and y2 is None, (y.dtype, y2 is None)
+    else:
+        assert y.shape == (B, D) and y.stride(1) == 1, (y.shape, h.shape)
+        assert y.dtype in (torch.bfloat16, torch.float32), y.dtype
     if y2 is not None:
         assert y.dtype == torch.float32 and y2.dtype == torch.bfloat16, (y.dtype, y2.dtype)
         assert y2.shape == (B, D) and y2.stride(1) == 1 and y2.device == y.device, (y2.shape, y2.stride())
@@ -490,6 +503,12 @@ def _check_update(y, h, post, comb, y2=None):
 def _y2_operand(y: torch.Tensor, y2: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     """The kernels' (y2 pointer, y2 row stride): y2, or y and 0 without it (Y2 off: never read)."""
     return (y, 0) if y2 is None else (y2, y2.stride(0))
+
+
+def _y_operand(y: torch.Tensor) -> tuple[int, int, int]:
+    """The kernels' (YS, y row stride, y split stride): the partials' count and strides for split-K
+    partials [S, B, D], else 0 and y's row stride."""
+    return (y.shape[0], y.stride(1), y.stride(0)) if y.dim() == 3 else (0, y.stride(0), 0)
 
 
 # `sinkhorn_stream` value: the Sinkhorn's own launch on the caller's current stream (the CPU tests)
@@ -534,11 +553,12 @@ def _collapse(h, fn, scale, base, norm_w, hc, iters, hc_eps, norm_eps, sinkhorn,
     y, post_in, comb_in, y2 = update if update is not None else (h, h, h, None)  # unused without update
     grid = (S, -(-B // cfg.block_m))
     y2_ptr, y2_stride = _y2_operand(y, y2)
+    ys, y_stride, ys_stride = _y_operand(y) if update is not None else (0, y.stride(0), 0)
     _hc_mix_partial_kernel[grid](
         h, fn, part, y, y2_ptr, post_in, comb_in, hout, B, D, K, h.stride(0), h.stride(1),
-        fn.stride(0), y.stride(0), y2_stride, hout.stride(0), hout.stride(1),
+        fn.stride(0), y_stride, y2_stride, ys_stride, hout.stride(0), hout.stride(1),
         MIX=mix, MIXP=mixp, KC=cfg.kc, BLOCK_M=cfg.block_m, HC=hc, UPDATE=update is not None, Y2=y2 is not None,
-        INTERPRET=interp,
+        YS=ys, INTERPRET=interp,
         num_warps=cfg.num_warps, **launch_opts(h, grid),
     )
     h = hout
@@ -602,7 +622,10 @@ def mhc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.T
              config: MhcConfig | None = None, y2: torch.Tensor | None = None) -> torch.Tensor:
     """y [B, D] bf16 (or f32), h [B, hc, D] bf16, post [B, hc] f32, comb [B, hc, hc] f32 -> [B, hc, D]
     bf16. y2 [B, D] bf16 with y f32: the sublayer output is rnd(y + y2), rounded here (a residual
-    sum whose second addend another stream computed: FastDecoder's shared_w2 "mhc")."""
+    sum whose second addend another stream computed: FastDecoder's shared_w2 "mhc"). y [S, B, D] f32
+    (no y2): the split-K partials of the sublayer's last linear (`linear_fp8_splits` of a bf16 linear),
+    summed here in split order 0..S-1 and rounded to bf16, the bits of that linear's own combine, so
+    the linear's launch ends without its arrival count and last program (FastDecoder's WO_B_PARTS_ROWS)."""
     hc = h.shape[1]
     B, D = _check_update(y, h, post, comb, y2)
     cfg = config or pick_config(hc, D)
@@ -613,10 +636,11 @@ def mhc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.T
     bd = min(cfg.post_block_d, max(16, next_pow2(D)))
     grid = (B, -(-D // bd))
     y2_ptr, y2_stride = _y2_operand(y, y2)
+    ys, y_stride, ys_stride = _y_operand(y)
     _hc_post_kernel[grid](
-        y, y2_ptr, h, post, comb, out, D, y.stride(0), y2_stride, h.stride(0), h.stride(1), out.stride(0),
+        y, y2_ptr, h, post, comb, out, D, y_stride, y2_stride, ys_stride, h.stride(0), h.stride(1), out.stride(0),
         out.stride(1),
-        HC=hc, BLOCK_D=bd, Y2=y2 is not None, INTERPRET=on_interpreter(h), num_warps=cfg.num_warps,
+        HC=hc, BLOCK_D=bd, Y2=y2 is not None, YS=ys, INTERPRET=on_interpreter(h), num_warps=cfg.num_warps,
         enable_fp_fusion=False,
         **launch_opts(h, grid),
     )
@@ -639,8 +663,18 @@ def mhc_head_ref(h, fn, scale, base, norm_w, hc_eps, norm_eps, config=None):
     return ops.rms_norm(ops.hc_head(h, fn, scale, base, _cfg(h.shape[1], 1, hc_eps, norm_eps)), norm_w, norm_eps)
 
 
+def parts_sum_ref(parts: torch.Tensor) -> torch.Tensor:
+    """Split-K partials [S, B, D] fp32 summed in split order 0..S-1, rounded to bf16 (the kernels' YS)."""
+    y = parts[0].clone()
+    for p in parts[1:]:
+        y += p
+    return y.to(torch.bfloat16)
+
+
 def mhc_post_ref(y, h, post, comb, config=None, y2=None):
     del config
+    if y.dim() == 3:
+        y = parts_sum_ref(y)
     if y2 is not None:
         y = (y.float() + y2.float()).to(torch.bfloat16)
     return ops.hc_post(y, h, post, comb)

@@ -158,6 +158,12 @@ INDEXER_FIRST = True
 # but 2 rows +0.74 %, 4 +0.83 %, 8 +1.37 %, 16 +2.18 %, 64 +3.57 % (one program norms the tile's rows one
 # after the other). (The norm in each qr program's prologue instead: +2.8 to +6.2 %, removed; read at 6d1efe0.)
 QNORM_TAIL_ROWS = 1
+# Steps of at most this many rows (one GPU) take wo_b's split-K partials unsummed (linear_fp8_splits) and
+# let the next mixes launch sum them in split order and round them (mhc_post_pre's y [S, B, D]): the same
+# bits, and wo_b's launch ends without its arrival count and its last programs' loads of the partials,
+# a chain of round trips at the end of every attention sublayer. 0: never. Built 2026-12-08 without a
+# device, not measured: off.
+WO_B_PARTS_ROWS = 0
 
 
 def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
@@ -674,7 +680,14 @@ class FastDecoder(MoeSublayer):
         with stage(T, "out_proj", L):
             G, R = cfg.o_groups, cfg.o_lora_rank
             if not split:
-                return lw["wo_b"](lw["wo_a"].grouped(o.reshape(B, G, -1), G, R, tr), tr)
+                u, wo_b = lw["wo_a"].grouped(o.reshape(B, G, -1), G, R, tr), lw["wo_b"]
+                if (tr and B <= WO_B_PARTS_ROWS and wo_b.kernel_block and wo_b.scale is not None
+                        and u.dtype == torch.bfloat16):
+                    # its partials: the next mixes launch sums them (WO_B_PARTS_ROWS)
+                    K = wo_b.w.shape[1]
+                    full = _lin.pick_config(B, wo_b.w.shape[0], K)
+                    return _lin.linear_fp8_splits(u, wo_b.w, wo_b.scale, full, _lin.split_cols(K, full))
+                return wo_b(u, tr)
             # this rank's groups of wo_a, then its splits of wo_b, gathered and summed with the others'
             wo_a, wo_b, Gl = lw["wo_a"], lw["wo_b"], G // self.world_size
             u = wo_a.grouped(o.reshape(B, Gl, -1), Gl, R, tr, config=_lin.pick_config(B, G * R, wo_a.w.shape[1]))

@@ -324,3 +324,29 @@ def test_q_norm_in_the_x_launch_gives_the_same_bits(monkeypatch):
         assert torch.equal(a, b)
     assert ("rms_norm", True) in seen[0] and ("linear", True) not in seen[0]
     assert ("rms_norm", True) not in seen[2] and seen[2].count(("linear", True)) == 2 * 2  # 2 layers x 2 steps
+
+
+def test_wo_b_partials_summed_by_the_mixes_give_the_same_bits(monkeypatch):
+    """fast.WO_B_PARTS_ROWS: wo_b's split-K partials left unsummed (linear_fp8_splits) and summed in
+    split order by the next mixes launch give the same logits bit for bit over two 2-row steps as
+    wo_b's own combine; the steps really take the partials (one call a layer and step)."""
+    from megastep.kernels import linear_fp8 as lin
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = tiny_cfg(num_hidden_layers=2, o_lora_rank=128)  # wo_b: K = 2 x 128 in 2 splits at 2 rows
+    K, N = cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size
+    full = lin.pick_config(2, N, K)
+    assert K // lin.split_cols(K, full) == 2
+    w = synthesize_weights(cfg, seed=9, device=dev, include_mtp=False)
+    calls = []
+    real = lin.linear_fp8_splits
+
+    def spy(*a, **k):
+        calls.append(("splits", a[1].shape))
+        return real(*a, **k)
+
+    monkeypatch.setattr(lin, "linear_fp8_splits", spy)
+    logits, seen, _ = two_steps_each(monkeypatch, cfg, w, "WO_B_PARTS_ROWS", (0, 2), 6, calls)
+    for a, b in zip(logits[0], logits[2]):
+        assert torch.equal(a, b)
+    assert seen[0] == [] and seen[2] == [("splits", (N, K))] * (2 * 2)  # 2 layers x 2 steps

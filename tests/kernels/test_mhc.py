@@ -259,6 +259,35 @@ def test_second_addend_is_the_residual_sum(B, D):
         mhc_post(summed, h, post, comb, y2=y2)
 
 
+@pytest.mark.parametrize("S", [1, 3, 8])
+@pytest.mark.parametrize("B,D", [(1, 64), (3, 40)])
+def test_split_partials_are_summed_in_order(S, B, D):
+    """y [S, B, D] fp32 (FastDecoder's WO_B_PARTS_ROWS: wo_b's split-K partials): mhc_post and
+    mhc_post_pre give the bits of the same calls on the partials summed in split order and rounded to
+    bf16 (parts_sum_ref, linear_fp8's combine), and the refs take them too. A large first partial that
+    the second nearly cancels makes the order matter; a strided view (split stride not B D) too."""
+    h, fn, scale, base, w = make(B, D, seed=B * 11 + D + S)
+    g = torch.Generator(device="cpu").manual_seed(B + D + S)
+    _, post, comb = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
+    parts = torch.randn(S, B, D + 8, generator=g)
+    if S > 1:
+        big = torch.randn(B, D + 8, generator=g) * 1e6
+        parts[0] += big
+        parts[1] -= big
+    parts = parts.to(DEV)[:, :, :D]
+    summed = mhc.parts_sum_ref(parts)
+    if S > 2:  # the order matters for these partials: not every permutation gives the same bits
+        assert not torch.equal(summed, mhc.parts_sum_ref(parts.flip(0)))
+    assert torch.equal(mhc_post(parts, h, post, comb), mhc_post(summed, h, post, comb))
+    got = mhc.mhc_post_pre(parts, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
+    want = mhc.mhc_post_pre(summed, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    ref = mhc.mhc_post_pre_ref(parts, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
+    check_bf16(got[0], ref[0], max_steps=0)
+    with pytest.raises(AssertionError):  # partials stand alone (no second addend)
+        mhc_post(parts, h, post, comb, y2=summed)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("B", [1, 16, 64])
