@@ -48,7 +48,7 @@
 #   bash benchmarks/h200_checks.sh gemv_wg    # the CUDA GEMV's wgmma form (built 2026-12-07 without a device): its GPU test, then the step's FP8 shapes against Triton and the mma form at 1-64 rows (~4 min)
 #   bash benchmarks/h200_checks.sh gmfew      # gate-up's task halves on warp pairs at 1 row: the group-major GPU tests, the experts calls, the step's bit tests, the step A/B/C at 1-4 rows, ncu at 1 row (~3 min on an H100 at 16 layers)
 #   bash benchmarks/h200_checks.sh gmdefault  # the session's defaults of 2026-12-07 against its start at 1-64 rows, final's bit tests, the table (~9 min)
-#   bash benchmarks/h200_checks.sh wobparts   # wo_b's split-K partials summed by the next mixes launch (WO_B_PARTS_ROWS): its GPU tests, the step A/B at 1-16 rows, 3 rounds, the 1-row timelines (~5 min)
+#   bash benchmarks/h200_checks.sh wobparts   # wo_b's partials and the experts' pairs summed by the next mixes launch (WO_B_PARTS_ROWS, MOE_PAIRS_ROWS): GPU tests, the step at 1-16 rows, 4 arms, 3 rounds, 1-row timelines (~7 min)
 #   bash benchmarks/h200_checks.sh steptests  # final's bit tests of the step alone, without the kernels' (~1.5 min)
 #   bash benchmarks/h200_checks.sh table      # final's step at 1-64 rows alone, without its bit tests (~3 min)
 #   bash benchmarks/h200_checks.sh passes     # the step at 1-64 rows under the default and the skewed routing, with the experts kernels' passes (~2 min)
@@ -683,13 +683,17 @@ for group in "$@"; do
       ab slack 500 --layers 30 --batch 1,4 --rounds 3 "${arms[@]}"
       step slack_table 20 python3 benchmarks/slack_table.py "$OUT/slack.json"
       summary+=("$(grep -E '^\|' "$OUT/slack_table.log" 2>/dev/null)") ;;
-    wobparts)  # wo_b's split-K partials summed by the next mixes launch (fast.WO_B_PARTS_ROWS, built 2026-12-08 without a
-      # device): its GPU tests (the mHC's sum of the partials, the step at 1 and 16 rows against wo_b's own combine),
-      # then the step at 1-16 rows against 0, 3 rounds in one process, and the 1-row timeline of both arms
-      step wobparts_tests 300 python3 -m pytest -q -rfE --timeout 200 tests/kernels/test_mhc.py \
-        tests/kernels/test_fast_step_triton.py tests/test_fast_gpu.py -k 'split_partials or wo_b_partials'
-      ab wobparts 150 --layers 30 --batch 1,2,4,8,16 --rounds 3 --timeline-batch 1 --arm "off=" \
-        --arm "parts=import megastep.model.fast as f; f.WO_B_PARTS_ROWS = 16" ;;
+    wobparts)  # the sublayers' last sums left to the next mixes launch (built 2026-12-08 without a device): wo_b's
+      # split-K partials (fast.WO_B_PARTS_ROWS) and the routed experts' per-slot outputs with the shared expert's
+      # (fast.MOE_PAIRS_ROWS, steps whose plan adds the shared output in the mHC: up to 16 rows). Their GPU tests (the
+      # mHC's sums, the step at 1 and 16 rows against the launches' own combines), then the step at 1-16 rows: off,
+      # each alone, both; 3 rounds in one process, the 1-row timeline of every arm
+      step wobparts_tests 400 python3 -m pytest -q -rfE --timeout 300 tests/kernels/test_mhc.py \
+        tests/kernels/test_fast_step_triton.py tests/test_fast_gpu.py -k 'split_partials or wo_b_partials or pairs'
+      ab wobparts 200 --layers 30 --batch 1,2,4,8,16 --rounds 3 --timeline-batch 1 --arm "off=" \
+        --arm "wob=import megastep.model.fast as f; f.WO_B_PARTS_ROWS = 16" \
+        --arm "pairs=import megastep.model.fast as f; f.MOE_PAIRS_ROWS = 16" \
+        --arm "both=import megastep.model.fast as f; f.WO_B_PARTS_ROWS = 16; f.MOE_PAIRS_ROWS = 16" ;;
     qtail)  # the q norm made by the x group's launch (fast.QNORM_TAIL_ROWS, pinned at 1 row from one H100's A/B, 2026-12-05):
       # the step at 1-4 and 16 rows against 0 (the norm's own launch), 3 rounds in one process, then its GPU tests (the
       # normed rows against rms_norm's launch at every row tile; the step at 1 and 16 rows)

@@ -463,3 +463,27 @@ def test_wo_b_partials_summed_by_the_mixes_change_no_bits(monkeypatch):
     got = alone_then_batched(build(experts="lut"))
     assert splits and min(splits) > 1, splits
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize("experts", ["triton", "lut"])
+def test_expert_pairs_summed_by_the_mixes_change_no_bits(experts, monkeypatch):
+    """fast.MOE_PAIRS_ROWS = 16: the routed experts' per-slot outputs left unsummed and summed in slot
+    order by the next mixes launch with the shared expert's output: the greedy logits at 1 row (graphs
+    with PDL) and in a batch of 16, bit for bit against the experts' own combine; the pairs really asked."""
+    from megastep.kernels import moe
+    from megastep.model import fast
+
+    monkeypatch.setattr(fast, "MOE_PAIRS_ROWS", 0)
+    want = alone_then_batched(build(experts=experts))
+    asked = []
+    real = moe.moe_experts_table
+
+    def spy(*a, **k):
+        asked.append(bool(k.get("return_pairs")))
+        return real(*a, **k)
+
+    monkeypatch.setattr(moe, "moe_experts_table", spy)
+    monkeypatch.setattr(fast, "MOE_PAIRS_ROWS", 16)
+    got = alone_then_batched(build(experts=experts))
+    assert asked and all(asked), asked
+    assert all(torch.equal(a, b) for a, b in zip(want, got))

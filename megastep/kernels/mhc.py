@@ -126,13 +126,16 @@ def _sublayer_out(y_ptr, y2_ptr, row, d, mask, stride_yb, stride_y2b, stride_ys,
                   YS: tl.constexpr, INTERPRET: tl.constexpr):
     """The sublayer output y at (row, d) as fp32; with Y2, rnd(y + y2) (y fp32, y2 bf16: the bits
     of linear_fp8's residual epilogue rnd(y + rnd(acc)), its second addend computed apart). YS > 0:
-    y holds the YS split-K partials (fp32, split stride stride_ys) of the sublayer's last linear,
-    summed here in split order and rounded to bf16: the bits of that linear's own combine."""
+    y holds YS parts (part stride stride_ys) summed here in fp32 in part order: the split-K partials
+    of the sublayer's last linear, then rounded to bf16 (that linear's own combine), or the routed
+    experts' per-slot outputs, then (with Y2) rnd(sum + y2) (the experts' combine with the shared
+    expert's output)."""
     y = tl.load(y_ptr + row * stride_yb + d, mask=mask, other=0.0).to(tl.float32)
     if YS > 0:
         for sk in tl.static_range(1, YS):
-            y += tl.load(y_ptr + sk * stride_ys + row * stride_yb + d, mask=mask, other=0.0)
-        y = round_bf16(y, INTERPRET)
+            y += tl.load(y_ptr + sk * stride_ys + row * stride_yb + d, mask=mask, other=0.0).to(tl.float32)
+        if not Y2:
+            y = round_bf16(y, INTERPRET)
     if Y2:
         y = round_bf16(y + tl.load(y2_ptr + row * stride_y2b + d, mask=mask, other=0.0).to(tl.float32), INTERPRET)
     return y
@@ -485,14 +488,15 @@ def _check_update(y, h, post, comb, y2=None):
     """The inputs of hc_post (y, h, post, comb, and y2: see mhc_post); returns (B, D)."""
     hc = h.shape[1]
     B, D = _check_h(h, hc)
-    if y.dim() == 3:  # split-K partials (see mhc_post)
+    if y.dim() == 3:  # parts (see mhc_post)
         assert y.shape[1:] == (B, D) and y.shape[0] >= 1 and y.stride(2) == 1, (y.shape, h.shape)
-        assert y.dtype == torch.float32 and y2 is None, (y.dtype, y2 is None)
+        assert y.dtype == (torch.float32 if y2 is None else torch.bfloat16), (y.dtype, y2 is None)
     else:
         assert y.shape == (B, D) and y.stride(1) == 1, (y.shape, h.shape)
         assert y.dtype in (torch.bfloat16, torch.float32), y.dtype
     if y2 is not None:
-        assert y.dtype == torch.float32 and y2.dtype == torch.bfloat16, (y.dtype, y2.dtype)
+        assert y.dtype == (torch.bfloat16 if y.dim() == 3 else torch.float32) and y2.dtype == torch.bfloat16, (
+            y.dtype, y2.dtype)
         assert y2.shape == (B, D) and y2.stride(1) == 1 and y2.device == y.device, (y2.shape, y2.stride())
     assert post.shape == (B, hc) and post.dtype == torch.float32 and post.is_contiguous()
     assert comb.shape == (B, hc, hc) and comb.dtype == torch.float32 and comb.is_contiguous()
@@ -625,7 +629,10 @@ def mhc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.T
     sum whose second addend another stream computed: FastDecoder's shared_w2 "mhc"). y [S, B, D] f32
     (no y2): the split-K partials of the sublayer's last linear (`linear_fp8_splits` of a bf16 linear),
     summed here in split order 0..S-1 and rounded to bf16, the bits of that linear's own combine, so
-    the linear's launch ends without its arrival count and last program (FastDecoder's WO_B_PARTS_ROWS)."""
+    the linear's launch ends without its arrival count and last program (FastDecoder's WO_B_PARTS_ROWS).
+    y [k, B, D] bf16 with y2: the routed experts' per-slot outputs (`moe_experts_table(return_pairs=True)`
+    transposed, a view), summed in slot order in fp32 (`moe.sum_pairs`), then rnd(sum + y2): the experts'
+    combine without its launch's arrival counts (MOE_PAIRS_ROWS)."""
     hc = h.shape[1]
     B, D = _check_update(y, h, post, comb, y2)
     cfg = config or pick_config(hc, D)
@@ -663,18 +670,18 @@ def mhc_head_ref(h, fn, scale, base, norm_w, hc_eps, norm_eps, config=None):
     return ops.rms_norm(ops.hc_head(h, fn, scale, base, _cfg(h.shape[1], 1, hc_eps, norm_eps)), norm_w, norm_eps)
 
 
-def parts_sum_ref(parts: torch.Tensor) -> torch.Tensor:
-    """Split-K partials [S, B, D] fp32 summed in split order 0..S-1, rounded to bf16 (the kernels' YS)."""
-    y = parts[0].clone()
+def parts_sum_ref(parts: torch.Tensor, rounded: bool = True) -> torch.Tensor:
+    """Parts [S, B, D] summed in fp32 in part order 0..S-1 (the kernels' YS), rounded to bf16 or not."""
+    y = parts[0].float()
     for p in parts[1:]:
-        y += p
-    return y.to(torch.bfloat16)
+        y = y + p.float()
+    return y.to(torch.bfloat16) if rounded else y
 
 
 def mhc_post_ref(y, h, post, comb, config=None, y2=None):
     del config
     if y.dim() == 3:
-        y = parts_sum_ref(y)
+        y = parts_sum_ref(y, rounded=y2 is None)
     if y2 is not None:
         y = (y.float() + y2.float()).to(torch.bfloat16)
     return ops.hc_post(y, h, post, comb)

@@ -164,6 +164,18 @@ QNORM_TAIL_ROWS = 1
 # a chain of round trips at the end of every attention sublayer. 0: never. Built 2026-12-08 without a
 # device, not measured: off.
 WO_B_PARTS_ROWS = 0
+# Steps of at most this many rows (one GPU, the shared expert's output added by the next mHC launch: MOE_PLAN's
+# "mhc") take the routed experts' per-slot outputs unsummed (moe_experts_table(return_pairs=True)) and let the
+# next mixes launch sum them in slot order and add the shared expert's output (mhc_post_pre's y [k, B, D]): the
+# same bits, and down's launch ends without its arrival counts and the last CTAs' sums, the end of every MoE
+# sublayer. 0: never. Built 2026-12-08 without a device, not measured: off.
+MOE_PAIRS_ROWS = 0
+
+
+def _rows_unit(y: torch.Tensor) -> torch.Tensor:
+    """A sublayer's output as the mHC launches take it: channels contiguous; parts ([S, B, D], also a
+    transposed view of the experts' pairs) as they are."""
+    return y if y.dim() == 3 else y.contiguous()
 
 
 def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
@@ -697,6 +709,10 @@ class FastDecoder(MoeSublayer):
                                    out=self.split_peer.buffer(L, B))
             return self.split_peer.combine(L, B)
 
+    def _pairs_to_mhc(self, rows: int) -> bool:
+        """Whether a MoE sublayer of `rows` rows leaves its routed pairs to the next mHC launch (MOE_PAIRS_ROWS)."""
+        return rows <= MOE_PAIRS_ROWS
+
     def _moe_plan(self, rows: int) -> tuple[str, bool, str]:
         """(router, shared_after_router, shared_w2) of a step of `rows` rows: the constructor's
         choices, or the plan's for that many rows ("triton" where the CUDA routing does not run):
@@ -782,10 +798,10 @@ class FastDecoder(MoeSublayer):
                 self._join(stream=hc_stream)
             if i + 1 < len(subs):
                 with stage(T, "mhc_pre", subs[i + 1][0]):
-                    h, x, post, comb = post_pre(y.contiguous(), h, post, comb, *mixes(i + 1), y2=y2, **sk)
+                    h, x, post, comb = post_pre(_rows_unit(y), h, post, comb, *mixes(i + 1), y2=y2, **sk)
             else:
                 with stage(T, "mhc_post", L):
-                    h = mhc_post(y.contiguous(), h, post, comb, y2=y2)
+                    h = mhc_post(_rows_unit(y), h, post, comb, y2=y2)
         with stage(T, "head"):
             z = self._kernel(_mhc, "mhc_head")(h, *self.hc_head, self.norm_w, hc_eps, eps)
             if self.vocab_peer is None:

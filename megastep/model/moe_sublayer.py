@@ -94,6 +94,8 @@ class MoeSublayer:
         side_w2 = (fused and shared_w2 != "residual" and self.world_size == 1 and "experts" in lw
                    and not lw.get("cpu_experts", False))
         in_combine = side_w2 and shared_w2 == "combine"
+        # MOE_PAIRS_ROWS: the routed pairs' outputs to the next mHC launch, which sums them with the shared output
+        pairs_to_mhc = side_w2 and shared_w2 == "mhc" and self.triton and self._pairs_to_mhc(x.shape[0])
 
         def shared_half() -> torch.Tensor:
             with self._on_side(), stage(T, "shared_expert", L):  # its gated half beside the routed experts
@@ -115,7 +117,7 @@ class MoeSublayer:
         with stage(T, "routed_experts", L):
             if in_combine:  # the main stream joins the side stream just before the experts' last launch
                 return self._routed(x, idx, w, lw, L, routing, shared=lambda: self._joined(a))()
-            routed = self._routed(x, idx, w, lw, L, routing)
+            routed = self._routed(x, idx, w, lw, L, routing, pairs=pairs_to_mhc)
         self._join(a)
         # the routed parts of other ranks or of the CPU (sidecar) were in flight during the shared
         # expert's first half and join here (with several ranks, an eager step's trace counts the
@@ -125,7 +127,7 @@ class MoeSublayer:
                 return routed(a)
             r = routed()
         if side_w2:  # the next mHC launch adds the shared expert's output a (its y2) to the routed sum
-            return r, a
+            return (r.transpose(0, 1) if pairs_to_mhc else r), a  # (the pairs [k, B, D], slot-major)
         with stage(T, "shared_expert", L):
             if fused:  # w2 + the routed sum in one launch
                 return _lin.linear_fp8(a, w2.w, w2.scale, block=w2.block, out_dtype=x.dtype, residual=r)
@@ -167,12 +169,13 @@ class MoeSublayer:
             return None  # the kernel's pick
         return _moe.pick_config(x.shape[0], idx.shape[1], table.E, table.D, table.I, mode=self.moe_mode)
 
-    def _routed(self, x, idx, w, lw, L, routing=None, shared=None) -> Callable[[], torch.Tensor]:
+    def _routed(self, x, idx, w, lw, L, routing=None, shared=None, pairs=False) -> Callable[[], torch.Tensor]:
         """Launch the routed experts; returns the function that gives their sum [B, D] once the
         parts computed elsewhere (other ranks, the CPU) have arrived. routing: idx's pairs grouped
         and x quantized by the router's launch (`router.route_group`), or None. shared (one part
         only: the experts table in this process): `moe_experts_table`'s shared, the sum is then
-        rnd(routed + shared) in shared's dtype."""
+        rnd(routed + shared) in shared's dtype. pairs (one part only): the per-pair outputs [B, k, D]
+        unsummed instead (MOE_PAIRS_ROWS)."""
         cfg = self.cfg
         if "experts_plain" in lw:  # unquantized checkpoints: a slow loop
             y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -186,12 +189,13 @@ class MoeSublayer:
         # per-slot outputs, the other parts added bit-exactly, then the slot-order sum the
         # one-part kernel makes.
         split = self.world_size > 1 or lw.get("cpu_experts", False)
+        assert not (pairs and split), "the pairs unsummed of a one-part experts call only"
         job = self.sidecar.start(L, x, idx, w) if lw.get("cpu_experts") else None  # runs beside the kernel below
         if "experts" in lw:
             peer = self.peer is not None  # the pairs written where the other ranks read them
             assert shared is None or not split, "shared in the combine of a one-part experts call only"
             out = _moe.moe_experts_table(x.contiguous(), idx, w, lw["experts"], swiglu_limit=cfg.swiglu_limit,
-                                         config=self._moe_config(x, idx, lw["experts"]), return_pairs=split,
+                                         config=self._moe_config(x, idx, lw["experts"]), return_pairs=split or pairs,
                                          pairs_out=self.peer.buffer(L, idx.numel()) if peer else None,
                                          routing=routing, shared=shared)
             if peer:
@@ -199,7 +203,8 @@ class MoeSublayer:
         else:
             ex = lw["experts_stacked"]
             out = _moe.moe_experts_mxfp4_ref(x, idx, w, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
-                                             swiglu_limit=cfg.swiglu_limit, return_pairs=split, expert_ids=self.owned)
+                                             swiglu_limit=cfg.swiglu_limit, return_pairs=split or pairs,
+                                             expert_ids=self.owned)
         if not split:
             return lambda: out
         work = ordered_combine(out, self.group, async_op=True) if self.world_size > 1 else None

@@ -350,3 +350,26 @@ def test_wo_b_partials_summed_by_the_mixes_give_the_same_bits(monkeypatch):
     for a, b in zip(logits[0], logits[2]):
         assert torch.equal(a, b)
     assert seen[0] == [] and seen[2] == [("splits", (N, K))] * (2 * 2)  # 2 layers x 2 steps
+
+
+def test_expert_pairs_summed_by_the_mixes_give_the_same_bits(monkeypatch):
+    """fast.MOE_PAIRS_ROWS: the routed experts' per-slot outputs left unsummed and summed in slot order by
+    the next mixes launch, the shared expert's output added there, give the same logits bit for bit over
+    two 2-row steps as the experts' own combine; the steps really ask for the pairs (a layer and step each)."""
+    from megastep.kernels import moe
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = tiny_cfg(num_hidden_layers=2, moe_intermediate_size=128)  # the gated shared launch: "mhc" takes it
+    w = synthesize_weights(cfg, seed=10, device=dev, include_mtp=False)
+    calls = []
+    real = moe.moe_experts_table
+
+    def spy(*a, **k):
+        calls.append(("pairs", bool(k.get("return_pairs"))))
+        return real(*a, **k)
+
+    monkeypatch.setattr(moe, "moe_experts_table", spy)
+    logits, seen, _ = two_steps_each(monkeypatch, cfg, w, "MOE_PAIRS_ROWS", (0, 2), 7, calls)
+    for a, b in zip(logits[0], logits[2]):
+        assert torch.equal(a, b)
+    assert seen[0] == [("pairs", False)] * 4 and seen[2] == [("pairs", True)] * 4  # 2 layers x 2 steps

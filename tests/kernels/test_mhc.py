@@ -288,6 +288,32 @@ def test_split_partials_are_summed_in_order(S, B, D):
         mhc_post(parts, h, post, comb, y2=summed)
 
 
+@pytest.mark.parametrize("B,D", [(1, 64), (3, 40)])
+def test_expert_pairs_are_summed_in_slot_order_then_the_shared_output(B, D):
+    """y [k, B, D] bf16 with y2 (FastDecoder's MOE_PAIRS_ROWS: the routed experts' per-slot outputs as a
+    transposed view of [B, k, D]): mhc_post and mhc_post_pre give the bits of the same calls on the slot-order
+    fp32 sum (moe.sum_pairs) with the same y2, i.e. rnd(sum + y2); the refs too."""
+    from megastep.kernels import moe
+
+    h, fn, scale, base, w = make(B, D, seed=B * 13 + D)
+    g = torch.Generator(device="cpu").manual_seed(B * D)
+    _, post, comb = mhc_pre(h, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
+    pairs = (torch.randn(B, 6, D, generator=g) * 3).bfloat16()
+    pairs[:, 0] += 2.0**30
+    pairs[:, 1] -= 2.0**30  # the slot order shows in the fp32 sum
+    pairs = pairs.to(DEV)
+    y2 = (torch.randn(B, D, generator=g) * 3).bfloat16().to(DEV)
+    summed = moe.sum_pairs(pairs)
+    assert not torch.equal(summed, moe.sum_pairs(pairs.flip(1)))
+    view = pairs.transpose(0, 1)
+    assert torch.equal(mhc_post(view, h, post, comb, y2=y2), mhc_post(summed, h, post, comb, y2=y2))
+    got = mhc.mhc_post_pre(view, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, y2=y2)
+    want = mhc.mhc_post_pre(summed, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, y2=y2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    ref = mhc.mhc_post_pre_ref(view, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS, y2=y2)
+    check_bf16(got[0], ref[0], max_steps=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("B", [1, 16, 64])
