@@ -510,8 +510,8 @@ def _y2_operand(y: torch.Tensor, y2: torch.Tensor | None) -> tuple[torch.Tensor,
 
 
 def _y_operand(y: torch.Tensor) -> tuple[int, int, int]:
-    """The kernels' (YS, y row stride, y split stride): the partials' count and strides for split-K
-    partials [S, B, D], else 0 and y's row stride."""
+    """The kernels' (YS, y row stride, y part stride): for parts [S, B, D] (split-K partials, or the
+    experts' pairs as a transposed view) their count and strides, else 0 and y's row stride."""
     return (y.shape[0], y.stride(1), y.stride(0)) if y.dim() == 3 else (0, y.stride(0), 0)
 
 

@@ -95,7 +95,8 @@ class MoeSublayer:
                    and not lw.get("cpu_experts", False))
         in_combine = side_w2 and shared_w2 == "combine"
         # MOE_PAIRS_ROWS: the routed pairs' outputs to the next mHC launch, which sums them with the shared output
-        pairs_to_mhc = side_w2 and shared_w2 == "mhc" and self.triton and self._pairs_to_mhc(x.shape[0])
+        pairs_to_mhc = (side_w2 and shared_w2 == "mhc" and self.triton and x.dtype == torch.bfloat16
+                        and self._pairs_to_mhc(x.shape[0]))
 
         def shared_half() -> torch.Tensor:
             with self._on_side(), stage(T, "shared_expert", L):  # its gated half beside the routed experts
