@@ -283,7 +283,7 @@ def test_gpu_gemv_wgmma_form_matches_the_ref_and_its_rows_alone(N, K, epilogue, 
         res = torch.randn(M, N, device="cuda", generator=g) if epilogue == "residual" else None
         cfg = GV.pick_config_wg(M, N, K, cp, gated)
 
-        def call(x=x, res=res, cfg=cfg, M=M, xc=None):
+        def call(x=x, res=res, cfg=cfg, xc=None):
             out = torch.empty(x.shape[0], N, dtype=torch.bfloat16, device="cuda")
             return GV.gemv_fp8(x, w, s, out, gated=gated, limit=limit if gated else 0.0, residual=res, config=cfg,
                                x_codes=xc)
