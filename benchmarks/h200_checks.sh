@@ -688,9 +688,9 @@ for group in "$@"; do
       # (fast.MOE_PAIRS_ROWS, steps whose plan adds the shared output in the mHC: up to 16 rows). Their GPU tests (the
       # mHC's sums, the step at 1 and 16 rows against the launches' own combines), then the step at 1-16 rows: off,
       # each alone, both; 3 rounds in one process, the 1-row timeline of every arm
-      step wobparts_tests 400 python3 -m pytest -q -rfE --timeout 300 tests/kernels/test_mhc.py \
+      step wobparts_tests 300 python3 -m pytest -q -rfE --timeout 200 tests/kernels/test_mhc.py \
         tests/kernels/test_fast_step_triton.py tests/test_fast_gpu.py -k 'split_partials or wo_b_partials or pairs'
-      ab wobparts 200 --layers 30 --batch 1,2,4,8,16 --rounds 3 --timeline-batch 1 --arm "off=" \
+      ab wobparts 280 --layers 30 --batch 1,2,4,8,16 --rounds 3 --timeline-batch 1 --arm "off=" \
         --arm "wob=import megastep.model.fast as f; f.WO_B_PARTS_ROWS = 16" \
         --arm "pairs=import megastep.model.fast as f; f.MOE_PAIRS_ROWS = 16" \
         --arm "both=import megastep.model.fast as f; f.WO_B_PARTS_ROWS = 16; f.MOE_PAIRS_ROWS = 16" ;;
