@@ -66,6 +66,8 @@ import triton.language as tl
 
 from megastep.config import ModelConfig
 from megastep.kernels.common import launch_opts, next_pow2, on_interpreter, pdl_enter, round_bf16
+from megastep.kernels.moe import sum_pairs
+from megastep.kernels.split_combine import sum_splits_ref
 from megastep.model import ops
 
 
@@ -670,18 +672,10 @@ def mhc_head_ref(h, fn, scale, base, norm_w, hc_eps, norm_eps, config=None):
     return ops.rms_norm(ops.hc_head(h, fn, scale, base, _cfg(h.shape[1], 1, hc_eps, norm_eps)), norm_w, norm_eps)
 
 
-def parts_sum_ref(parts: torch.Tensor, rounded: bool = True) -> torch.Tensor:
-    """Parts [S, B, D] summed in fp32 in part order 0..S-1 (the kernels' YS), rounded to bf16 or not."""
-    y = parts[0].float()
-    for p in parts[1:]:
-        y = y + p.float()
-    return y.to(torch.bfloat16) if rounded else y
-
-
 def mhc_post_ref(y, h, post, comb, config=None, y2=None):
     del config
-    if y.dim() == 3:
-        y = parts_sum_ref(y, rounded=y2 is None)
+    if y.dim() == 3:  # wo_b's partials summed and rounded, or the experts' pairs (a [k, B, D] view) summed
+        y = sum_splits_ref(y) if y2 is None else sum_pairs(y.transpose(0, 1))
     if y2 is not None:
         y = (y.float() + y2.float()).to(torch.bfloat16)
     return ops.hc_post(y, h, post, comb)

@@ -178,6 +178,14 @@ def _rows_unit(y: torch.Tensor) -> torch.Tensor:
     return y if y.dim() == 3 else y.contiguous()
 
 
+def _wo_b_partials(u: torch.Tensor, wo_b: Linear, K: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """wo_b's split-K partials of u, unsummed ([S, B, N] fp32), in the splits of the whole weight's launch
+    (K its input width; a rank's wo_b holds a column block of it): summed in order and rounded, they give
+    that launch's bits (WO_B_PARTS_ROWS, attn_split)."""
+    full = _lin.pick_config(u.shape[0], wo_b.w.shape[0], K)
+    return _lin.linear_fp8_splits(u, wo_b.w, wo_b.scale, full, _lin.split_cols(K, full), out=out)
+
+
 def _rows_of(lin: Linear, lo: int, hi: int) -> Linear:
     """Output rows [lo, hi) of an FP8 linear (whole scale blocks), as a weight of their own."""
     b = lin.block
@@ -695,18 +703,12 @@ class FastDecoder(MoeSublayer):
                 u, wo_b = lw["wo_a"].grouped(o.reshape(B, G, -1), G, R, tr), lw["wo_b"]
                 if (tr and B <= WO_B_PARTS_ROWS and wo_b.kernel_block and wo_b.scale is not None
                         and u.dtype == torch.bfloat16):
-                    # its partials: the next mixes launch sums them (WO_B_PARTS_ROWS)
-                    K = wo_b.w.shape[1]
-                    full = _lin.pick_config(B, wo_b.w.shape[0], K)
-                    return _lin.linear_fp8_splits(u, wo_b.w, wo_b.scale, full, _lin.split_cols(K, full))
+                    return _wo_b_partials(u, wo_b, wo_b.w.shape[1])  # the next mixes launch sums them
                 return wo_b(u, tr)
             # this rank's groups of wo_a, then its splits of wo_b, gathered and summed with the others'
             wo_a, wo_b, Gl = lw["wo_a"], lw["wo_b"], G // self.world_size
             u = wo_a.grouped(o.reshape(B, Gl, -1), Gl, R, tr, config=_lin.pick_config(B, G * R, wo_a.w.shape[1]))
-            K = wo_b.w.shape[1] * self.world_size
-            full = _lin.pick_config(B, wo_b.w.shape[0], K)
-            _lin.linear_fp8_splits(u, wo_b.w, wo_b.scale, full, _lin.split_cols(K, full),
-                                   out=self.split_peer.buffer(L, B))
+            _wo_b_partials(u, wo_b, wo_b.w.shape[1] * self.world_size, out=self.split_peer.buffer(L, B))
             return self.split_peer.combine(L, B)
 
     def _pairs_to_mhc(self, rows: int) -> bool:

@@ -26,6 +26,7 @@ if os.environ.get("TRITON_INTERPRET") == "1" and "megastep.kernels.mhc" in sys.m
 
 from megastep.kernels import mhc  # noqa: E402
 from megastep.kernels.mhc import MhcConfig, mhc_head, mhc_head_ref, mhc_post, mhc_post_ref, mhc_pre, mhc_pre_ref  # noqa: E402
+from megastep.kernels.split_combine import sum_splits_ref  # noqa: E402
 from megastep.model import ops  # noqa: E402
 from bf16_check import check_bf16  # noqa: E402
 
@@ -264,7 +265,7 @@ def test_second_addend_is_the_residual_sum(B, D):
 def test_split_partials_are_summed_in_order(S, B, D):
     """y [S, B, D] fp32 (FastDecoder's WO_B_PARTS_ROWS: wo_b's split-K partials): mhc_post and
     mhc_post_pre give the bits of the same calls on the partials summed in split order and rounded to
-    bf16 (parts_sum_ref, linear_fp8's combine), and the refs take them too. A large first partial that
+    bf16 (split_combine.sum_splits_ref, linear_fp8's combine), and the refs take them too. A large first partial that
     the second nearly cancels makes the order matter; a strided view (split stride not B D) too."""
     h, fn, scale, base, w = make(B, D, seed=B * 11 + D + S)
     g = torch.Generator(device="cpu").manual_seed(B + D + S)
@@ -275,9 +276,9 @@ def test_split_partials_are_summed_in_order(S, B, D):
         parts[0] += big
         parts[1] -= big
     parts = parts.to(DEV)[:, :, :D]
-    summed = mhc.parts_sum_ref(parts)
+    summed = sum_splits_ref(parts)
     if S > 2:  # the order matters for these partials: not every permutation gives the same bits
-        assert not torch.equal(summed, mhc.parts_sum_ref(parts.flip(0)))
+        assert not torch.equal(summed, sum_splits_ref(parts.flip(0)))
     assert torch.equal(mhc_post(parts, h, post, comb), mhc_post(summed, h, post, comb))
     got = mhc.mhc_post_pre(parts, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
     want = mhc.mhc_post_pre(summed, h, post, comb, fn, scale, base, w, HC, ITERS, HC_EPS, EPS)
